@@ -1,0 +1,65 @@
+"""The Balancer interface: what a node may claim and what it should give back."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.task import Task
+
+__all__ = ["Balancer", "BalancerContext", "ClusterState", "RunningTask"]
+
+
+@dataclass(frozen=True)
+class RunningTask:
+    """A task running on this node: when it started and, if asked to stop, when."""
+
+    task: Task
+    started: datetime
+    stopped: datetime | None = None
+
+    @property
+    def id(self) -> str:
+        """The task id."""
+        return self.task.id
+
+
+class ClusterState(abc.ABC):
+    """What a balancer may learn about the whole cluster; every coordinator implements it."""
+
+    @abc.abstractmethod
+    def node_task_count(self) -> dict[str, int]:
+        """Live node id -> number of tasks it holds (nodes holding none are included)."""
+
+
+@dataclass
+class BalancerContext:
+    """Handed to ``Balancer.init``: the node, its running tasks, the cluster, a clock."""
+
+    node_id: str
+    cluster_state: ClusterState
+    task_source: Callable[[], list[RunningTask]] = field(repr=False)
+    clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+
+    def tasks(self) -> list[RunningTask]:
+        """The tasks running on this node now, oldest first."""
+        return self.task_source()
+
+
+class Balancer(abc.ABC):
+    """Decides which offered tasks this node claims and which running tasks it releases."""
+
+    @abc.abstractmethod
+    def init(self, ctx: BalancerContext) -> None:
+        """Called once by the consumer before any other method."""
+
+    @abc.abstractmethod
+    def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
+        """Whether to claim ``task`` now; when not, optionally until when to ignore it."""
+
+    @abc.abstractmethod
+    def balance(self) -> list[str]:
+        """Ids of running tasks this node should release now (may be empty)."""

@@ -1,0 +1,101 @@
+"""Open a coordinator or a client from a store URL (dispatch on the scheme)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import uuid
+from types import ModuleType
+from typing import Any, Protocol, cast
+
+from metafora.config import StoreURL, parse_store_url
+from metafora.coordinator import Client, Coordinator
+from metafora.errors import ConfigError, InvalidTaskId
+from metafora.task import validate_task_id
+
+__all__ = [
+    "DEFAULT_URL",
+    "ENV_URL",
+    "default_url",
+    "new_node_id",
+    "open_client",
+    "open_coordinator",
+    "validate_node_id",
+]
+
+DEFAULT_URL = "sqlite:///metafora.db"
+ENV_URL = "METAFORA_URL"
+
+# scheme -> (module, pip extra that provides its driver)
+_BACKENDS: dict[str, tuple[str, str | None]] = {
+    "memory": ("metafora.coordinators.memory", None),
+    "sqlite": ("metafora.coordinators.sql", None),
+    "postgresql": ("metafora.coordinators.sql", "postgres"),
+    "postgres": ("metafora.coordinators.sql", "postgres"),
+    "postgresql+psycopg": ("metafora.coordinators.sql", "postgres"),
+    "etcd": ("metafora.coordinators.etcd", "etcd"),
+    "etcds": ("metafora.coordinators.etcd", "etcd"),
+}
+
+
+class _Backend(Protocol):
+    def open_coordinator(self, url: StoreURL, node_id: str, options: dict[str, Any]) -> Coordinator:
+        ...
+
+    def open_client(self, url: StoreURL, options: dict[str, Any]) -> Client:
+        ...
+
+
+def default_url() -> str:
+    """``$METAFORA_URL`` if set, else the embedded SQLite default ``sqlite:///metafora.db``."""
+    return os.environ.get(ENV_URL) or DEFAULT_URL
+
+
+def new_node_id() -> str:
+    """A fresh node id: ``hostname-<8 hex>``."""
+    host = socket.gethostname().split(".")[0] or "node"
+    return f"{host}-{uuid.uuid4().hex[:8]}"
+
+
+def validate_node_id(node_id: object) -> str:
+    """Node ids follow the task id rules (non-empty, <= 256 chars, no control characters)."""
+    try:
+        return validate_task_id(node_id)
+    except InvalidTaskId as exc:
+        raise ConfigError(str(exc).replace("task id", "node id")) from None
+
+
+def _backend(url: StoreURL) -> _Backend:
+    entry = _BACKENDS.get(url.scheme)
+    if entry is None:
+        known = ", ".join(sorted(_BACKENDS))
+        raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
+    module_name, extra = entry
+    try:
+        module: ModuleType = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f" (pip install 'metafora[{extra}]')" if extra else ""
+        raise ConfigError(
+            f"the {url.scheme} store is not available: {exc}{hint}"
+        ) from exc
+    return cast(_Backend, module)
+
+
+def open_coordinator(
+    url: str | None = None, node_id: str | None = None, **options: Any
+) -> Coordinator:
+    """Open the coordinator for ``url`` (default: :func:`default_url`) as node ``node_id``.
+
+    ``options`` override the URL's query options (``namespace``, ``lease_ttl``, ...).
+    Nothing touches the store until ``Coordinator.init`` (called by the Consumer).
+    """
+    parsed = parse_store_url(url or default_url())
+    node = validate_node_id(node_id) if node_id is not None else new_node_id()
+    return _backend(parsed).open_coordinator(parsed, node, options)
+
+
+def open_client(url: str | None = None, **options: Any) -> Client:
+    """Open an operator client for ``url`` (default: :func:`default_url`)."""
+    parsed = parse_store_url(url or default_url())
+    return _backend(parsed).open_client(parsed, options)

@@ -1,0 +1,174 @@
+"""The Coordinator (one per consumer) and Client (for operators) interfaces.
+
+Every store (memory, SQL, etcd) implements both, and one conformance suite
+(``tests/conformance``) holds them to the same semantics.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import queue
+from collections.abc import Callable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Self
+
+from metafora.balancer import ClusterState
+from metafora.commands import Command
+from metafora.task import Task, TaskInfo, TaskState
+
+__all__ = ["Client", "Coordinator", "CoordinatorContext", "TaskSink", "as_sink", "error_text"]
+
+TaskSink = Callable[[Task], None]
+"""Where ``Coordinator.watch`` delivers claimable tasks."""
+
+
+def as_sink(out: TaskSink | queue.Queue[Task]) -> TaskSink:
+    """Accept a callable or a queue (Go's channel) as the output of ``watch``."""
+    if isinstance(out, queue.Queue):
+        return out.put
+    return out
+
+
+def error_text(error: BaseException | str) -> str:
+    """The text stored for a failed task: ``Type: message`` for exceptions."""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"
+    return str(error)
+
+
+class CoordinatorContext(abc.ABC):
+    """What a coordinator may call back into its consumer."""
+
+    @abc.abstractmethod
+    def lost(self, task: Task) -> None:
+        """A claim this node held is gone (lease lost, task deleted): stop its handler now."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """Logger for the coordinator's messages."""
+        return logging.getLogger("metafora.coordinator")
+
+
+class Coordinator(ClusterState, abc.ABC):
+    """A consumer's view of the shared store: discover, claim and finish tasks.
+
+    All methods are thread-safe. Claims are leases held by this node; every write about a
+    claim is fenced by its token and refused with :class:`~metafora.errors.ClaimLost` when
+    the node no longer holds it.
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """A printable name of the store (its URL without password)."""
+
+    @property
+    @abc.abstractmethod
+    def node_id(self) -> str:
+        """This node's id (unique among live nodes)."""
+
+    @abc.abstractmethod
+    def init(self, ctx: CoordinatorContext) -> None:
+        """Register the node and start renewing its lease. Raises NodeExists if the id is live."""
+
+    @abc.abstractmethod
+    def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
+        """Block, feeding claimable tasks to ``out``, until ``close()``.
+
+        A task may be offered more than once; claim() settles who gets it.
+        """
+
+    @abc.abstractmethod
+    def claim(self, task: Task) -> Task | None:
+        """Claim ``task``: the claimed task with its new token, or None if not claimable."""
+
+    @abc.abstractmethod
+    def release(self, task: Task) -> None:
+        """Give a claimed task back (pending again). Fenced by ``task.token``."""
+
+    @abc.abstractmethod
+    def done(self, task: Task) -> None:
+        """Mark a claimed task done; it never runs again. Fenced by ``task.token``."""
+
+    @abc.abstractmethod
+    def fail(self, task: Task, error: BaseException | str) -> None:
+        """Mark a claimed task failed with ``error``; kept, not rescheduled. Fenced."""
+
+    @abc.abstractmethod
+    def command(self, timeout: float | None = None) -> Command | None:
+        """The next command for this node (FIFO), waiting up to ``timeout`` seconds.
+
+        ``None`` on timeout or once the coordinator is closed; ``timeout=None`` waits until
+        a command arrives or ``close()``. A malformed stored command is logged and dropped.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop watching, release what is still claimed, deregister the node. Idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Client(ClusterState, abc.ABC):
+    """An operator's handle on the store: submit and inspect tasks, command nodes."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """A printable name of the store (its URL without password)."""
+
+    @abc.abstractmethod
+    def submit_task(self, task: Task) -> None:
+        """Add a pending task. Raises TaskExists if the id is taken (in any state)."""
+
+    @abc.abstractmethod
+    def delete_task(self, task_id: str) -> None:
+        """Remove a task in any state; a running one is stopped on its node. TaskNotFound."""
+
+    @abc.abstractmethod
+    def retry_task(self, task_id: str) -> None:
+        """Make a failed or expired task pending again. TaskNotFound, InvalidTaskState."""
+
+    @abc.abstractmethod
+    def get_task(self, task_id: str) -> TaskInfo:
+        """One task's info. Raises TaskNotFound."""
+
+    @abc.abstractmethod
+    def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
+        """Every task (or those in ``state``), ordered by id."""
+
+    @abc.abstractmethod
+    def nodes(self) -> list[str]:
+        """Ids of the live nodes, sorted."""
+
+    @abc.abstractmethod
+    def submit_command(self, node_id: str, command: Command) -> None:
+        """Queue ``command`` for a live node. Raises NodeNotFound."""
+
+    @abc.abstractmethod
+    def purge(self, older_than: timedelta | None = None) -> int:
+        """Delete done, failed and expired tasks finished more than ``older_than`` ago.
+
+        Returns how many were deleted.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

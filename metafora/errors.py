@@ -1,0 +1,80 @@
+"""The exceptions metafora raises: one root, typed subclasses.
+
+Driver exceptions (grpc, psycopg, SQLAlchemy) are translated into these at the
+coordinator boundary, with the original kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClaimLost",
+    "ConfigError",
+    "CoordinatorClosed",
+    "CoordinatorUnavailable",
+    "InvalidCommand",
+    "InvalidProps",
+    "InvalidTaskId",
+    "InvalidTaskState",
+    "MetaforaError",
+    "NodeExists",
+    "NodeNotFound",
+    "StoreError",
+    "TaskExists",
+    "TaskNotFound",
+]
+
+
+class MetaforaError(Exception):
+    """Root of every error metafora raises on purpose."""
+
+
+class ConfigError(MetaforaError, ValueError):
+    """A URL, option or argument is invalid (names the bad value)."""
+
+
+class InvalidTaskId(MetaforaError, ValueError):
+    """A task id is empty, too long or contains control characters."""
+
+
+class InvalidProps(MetaforaError, ValueError):
+    """Task props are not a JSON object, or a system prop has a bad value."""
+
+
+class InvalidCommand(MetaforaError, ValueError):
+    """A command is unknown or malformed."""
+
+
+class TaskExists(MetaforaError):
+    """A task with this id already exists."""
+
+
+class TaskNotFound(MetaforaError, LookupError):
+    """No task with this id."""
+
+
+class InvalidTaskState(MetaforaError):
+    """The task is not in a state that allows this operation (e.g. retry of a running task)."""
+
+
+class NodeExists(MetaforaError):
+    """A live node already uses this node id."""
+
+
+class NodeNotFound(MetaforaError, LookupError):
+    """No live node with this id."""
+
+
+class StoreError(MetaforaError):
+    """The store answered with an unexpected error (a bug or a schema problem, not a network fault)."""
+
+
+class CoordinatorUnavailable(MetaforaError):
+    """The store cannot be reached; retryable. The message names the URL without its password."""
+
+
+class CoordinatorClosed(MetaforaError):
+    """The coordinator or client was used after close()."""
+
+
+class ClaimLost(MetaforaError):
+    """A fenced write was refused: this node no longer holds the claim (owner or token differ)."""

@@ -1,0 +1,160 @@
+"""Tasks, their stored view and their states."""
+
+from __future__ import annotations
+
+import enum
+import json
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+from metafora.errors import InvalidProps, InvalidTaskId
+
+__all__ = ["MAX_TASK_ID_LENGTH", "Task", "TaskInfo", "TaskState", "parse_time", "validate_task_id"]
+
+MAX_TASK_ID_LENGTH = 256
+_TIME_PROPS = ("launch_at", "expires_at")
+
+
+class TaskState(enum.StrEnum):
+    """Where a task is in its life. A task is always in exactly one of these."""
+
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+def validate_task_id(task_id: object) -> str:
+    """Return ``task_id`` if it is a valid id, else raise :class:`InvalidTaskId` saying why."""
+    if not isinstance(task_id, str):
+        raise InvalidTaskId(f"task id must be a string, not {type(task_id).__name__}")
+    if not task_id.strip():
+        raise InvalidTaskId("task id must not be empty or blank")
+    if len(task_id) > MAX_TASK_ID_LENGTH:
+        raise InvalidTaskId(
+            f"task id is {len(task_id)} characters long; the limit is {MAX_TASK_ID_LENGTH}"
+        )
+    for ch in task_id:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            raise InvalidTaskId(f"task id {task_id!r} contains the control character {ch!r}")
+    return task_id
+
+
+def parse_time(value: object, what: str) -> datetime:
+    """Parse an ISO-8601 time (naive means UTC) or a datetime into an aware UTC datetime."""
+    if isinstance(value, datetime):
+        dt = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.endswith(("Z", "z")):
+            text = text[:-1] + "+00:00"
+        try:
+            dt = datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidProps(f"{what} must be an ISO-8601 time, got {value!r}") from None
+    else:
+        raise InvalidProps(f"{what} must be an ISO-8601 time string, got {type(value).__name__}")
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.astimezone(UTC)
+
+
+def _freeze_props(props: object) -> Mapping[str, Any]:
+    if not isinstance(props, Mapping):
+        raise InvalidProps(f"props must be a JSON object (a mapping), not {type(props).__name__}")
+    for key in props:
+        if not isinstance(key, str):
+            raise InvalidProps(f"props keys must be strings, got {key!r}")
+    try:
+        # A JSON round trip both validates and takes a private copy of the caller's data.
+        plain = json.loads(json.dumps(dict(props), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise InvalidProps(f"props are not JSON-serialisable: {exc}") from None
+    for name in _TIME_PROPS:
+        if name in plain and plain[name] is not None:
+            parse_time(plain[name], f"prop {name!r}")
+    return MappingProxyType(plain)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A unit of long-running work, identified by ``id``.
+
+    ``props`` is JSON-serialisable user data (kept as a read-only copy). ``token`` is the
+    fencing token of the claim this object was handed out under (0 when not claimed):
+    it strictly increases every time the task is claimed, by anyone.
+    """
+
+    id: str
+    props: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    token: int = 0
+
+    def __post_init__(self) -> None:
+        validate_task_id(self.id)
+        object.__setattr__(self, "props", _freeze_props(self.props))
+        if not isinstance(self.token, int) or isinstance(self.token, bool) or self.token < 0:
+            raise InvalidProps(f"token must be a non-negative integer, got {self.token!r}")
+
+    @property
+    def launch_at(self) -> datetime | None:
+        """When the task becomes claimable (UTC), from the ``launch_at`` prop."""
+        value = self.props.get("launch_at")
+        return None if value is None else parse_time(value, "launch_at")
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """After this time (UTC) the task is not claimed but moved to ``expired``."""
+        value = self.props.get("expires_at")
+        return None if value is None else parse_time(value, "expires_at")
+
+    def props_json(self) -> str:
+        """The props as a compact JSON object."""
+        return json.dumps(dict(self.props), separators=(",", ":"), sort_keys=True)
+
+    def with_token(self, token: int) -> Task:
+        """A copy of this task carrying another fencing token."""
+        return Task(self.id, self.props, token)
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What a store knows about a task (returned by ``Client.tasks()``)."""
+
+    id: str
+    props: Mapping[str, Any]
+    state: TaskState
+    owner: str | None = None
+    token: int = 0
+    claimed_at: datetime | None = None
+    error: str | None = None
+    created_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+
+    def task(self) -> Task:
+        """The task itself, carrying its current token."""
+        return Task(self.id, self.props, self.token)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (times as ISO-8601 strings)."""
+
+        def iso(dt: datetime | None) -> str | None:
+            return None if dt is None else dt.isoformat()
+
+        return {
+            "id": self.id,
+            "props": dict(self.props),
+            "state": self.state.value,
+            "owner": self.owner,
+            "token": self.token,
+            "claimed_at": iso(self.claimed_at),
+            "error": self.error,
+            "created_at": iso(self.created_at),
+            "finished_at": iso(self.finished_at),
+            "attempts": self.attempts,
+        }

@@ -1,0 +1,99 @@
+"""Helpers for users' own tests: a fake clock and an in-memory cluster.
+
+>>> clock = FakeClock()
+>>> coord = open_coordinator("memory://t1", node_id="a")   # in-process store
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+from metafora.clock import Clock
+from metafora.coordinator import CoordinatorContext
+from metafora.task import Task
+
+__all__ = ["FakeClock", "RecordingContext"]
+
+_REAL_SLICE = 0.05  # real seconds a fake wait blocks before re-checking (bounded, never a hang)
+
+
+class FakeClock(Clock):
+    """A clock that only moves when told to (:meth:`advance`).
+
+    ``wait`` returns as soon as the event is set or fake time reaches the deadline, so
+    code under test that waits on this clock runs as fast as the test advances it.
+    """
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self._now = start or datetime(2030, 1, 1, tzinfo=UTC)
+        self._mono = 1000.0
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[float, threading.Event]] = []
+
+    def now(self) -> datetime:
+        with self._cond:
+            return self._now
+
+    def monotonic(self) -> float:
+        with self._cond:
+            return self._mono
+
+    def advance(self, seconds: float | timedelta) -> None:
+        """Move time forward and wake every waiter whose deadline has come."""
+        delta = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+        if delta < 0:
+            raise ValueError("a clock does not go back")
+        with self._cond:
+            self._now += timedelta(seconds=delta)
+            self._mono += delta
+            due = [ev for deadline, ev in self._waiters if deadline <= self._mono]
+            self._cond.notify_all()
+        for ev in due:
+            ev.set()  # waiters re-check their state, so an early wake is harmless
+
+    def waiters(self) -> int:
+        """How many threads wait on this clock now (lets a test know a loop is idle)."""
+        with self._cond:
+            return len(self._waiters)
+
+    def wait_for_waiters(self, count: int = 1, timeout: float = 5.0) -> bool:
+        """Block (in real time, up to ``timeout``) until ``count`` threads wait on the clock."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._waiters) >= count, timeout)
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        if event.is_set():
+            return True
+        with self._cond:
+            deadline = float("inf") if timeout is None else self._mono + max(0.0, timeout)
+            if deadline <= self._mono:
+                return event.is_set()
+            entry = (deadline, event)
+            self._waiters.append(entry)
+            self._cond.notify_all()
+        try:
+            while not event.is_set():
+                with self._cond:
+                    if self._mono >= deadline:
+                        return False
+                event.wait(_REAL_SLICE)
+            return True
+        finally:
+            with self._cond:
+                self._waiters.remove(entry)
+                self._cond.notify_all()
+
+
+class RecordingContext(CoordinatorContext):
+    """A CoordinatorContext that records lost tasks (for driving a coordinator by hand)."""
+
+    def __init__(self) -> None:
+        self.lost_tasks: list[Task] = []
+        self.lost_event = threading.Event()
+        self._lock = threading.Lock()
+
+    def lost(self, task: Task) -> None:
+        with self._lock:
+            self.lost_tasks.append(task)
+        self.lost_event.set()
