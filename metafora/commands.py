@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from metafora.errors import InvalidCommand, InvalidTaskId
@@ -51,7 +50,7 @@ class Command:
 
     def __post_init__(self) -> None:
         _validate(self.name, self.params)
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "params", dict(self.params))
 
     def to_json(self) -> str:
         """The wire form, ``{"command": name, "parameters": {...}}``."""

@@ -8,7 +8,6 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import MappingProxyType
 from typing import Any
 
 from metafora.errors import InvalidProps, InvalidTaskId
@@ -78,7 +77,7 @@ def _freeze_props(props: object) -> Mapping[str, Any]:
     for name in _TIME_PROPS:
         if name in plain and plain[name] is not None:
             parse_time(plain[name], f"prop {name!r}")
-    return MappingProxyType(plain)
+    return plain  # a private copy; the dataclass is frozen, so it is never swapped
 
 
 @dataclass(frozen=True)
