@@ -1,0 +1,1 @@
+"""Coordinator implementations, chosen by URL scheme (see :mod:`metafora.connect`)."""
