@@ -1,0 +1,59 @@
+"""Shared plumbing for the bundled balancers: the context they keep and duration checks."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import timedelta
+
+from metafora.balancer import Balancer, BalancerContext
+from metafora.clock import Clock
+from metafora.errors import ConfigError
+
+__all__ = ["ContextBalancer", "seconds"]
+
+
+def seconds(value: float | timedelta, name: str) -> float:
+    """``value`` (seconds or a timedelta) as non-negative finite seconds, else ConfigError."""
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise ConfigError(f"{name} must be seconds or a timedelta, got {value!r}")
+    if not math.isfinite(result) or result < 0:
+        raise ConfigError(f"{name} must be a non-negative number of seconds, got {value!r}")
+    return result
+
+
+class ContextBalancer(Balancer):
+    """A balancer that keeps the context handed to :meth:`init` (and its clock).
+
+    ``clock`` given at construction wins over the context's clock. Using the balancer
+    before ``init`` raises :class:`RuntimeError` naming the method.
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._given_clock = clock
+        self._ctx: BalancerContext | None = None
+        self._clock: Clock | None = clock
+
+    def init(self, ctx: BalancerContext) -> None:
+        """Keep ``ctx`` (and its clock unless one was given at construction)."""
+        self._ctx = ctx
+        self._clock = self._given_clock if self._given_clock is not None else ctx.clock
+
+    def _context(self, method: str) -> tuple[BalancerContext, Clock]:
+        ctx, clock = self._ctx, self._clock
+        if ctx is None or clock is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}() called before init(ctx): "
+                "a balancer must be handed to a Consumer (or init'ed) before use"
+            )
+        return ctx, clock
+
+    @staticmethod
+    def _sleep(clock: Clock, delay: float) -> None:
+        """Wait ``delay`` seconds on ``clock`` (a fresh event: fake clocks set due events)."""
+        if delay > 0:
+            clock.wait(threading.Event(), delay)
