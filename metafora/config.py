@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -148,7 +149,7 @@ class OptionReader:
             number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"option {name!r} must be a number, got {value!r}") from None
-        if number != number or number in (float("inf"), float("-inf")):
+        if not math.isfinite(number):
             raise ConfigError(f"option {name!r} must be finite, got {value!r}")
         if minimum is not None and number < minimum:
             raise ConfigError(f"option {name!r} must be >= {minimum:g}, got {number:g}")

@@ -71,7 +71,7 @@ def _freeze_props(props: object) -> Mapping[str, Any]:
             raise InvalidProps(f"props keys must be strings, got {key!r}")
     try:
         # A JSON round trip both validates and takes a private copy of the caller's data.
-        plain = json.loads(json.dumps(dict(props), allow_nan=False))
+        plain: dict[str, Any] = json.loads(json.dumps(dict(props), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise InvalidProps(f"props are not JSON-serialisable: {exc}") from None
     for name in _TIME_PROPS:

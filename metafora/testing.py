@@ -15,7 +15,7 @@ from metafora.task import Task
 
 __all__ = ["FakeClock", "RecordingContext"]
 
-_REAL_SLICE = 0.05  # real seconds a fake wait blocks before re-checking (bounded, never a hang)
+_REAL_SLICE = 0.005  # real seconds a fake wait blocks before re-checking fake time
 
 
 class FakeClock(Clock):
@@ -47,10 +47,7 @@ class FakeClock(Clock):
         with self._cond:
             self._now += timedelta(seconds=delta)
             self._mono += delta
-            due = [ev for deadline, ev in self._waiters if deadline <= self._mono]
             self._cond.notify_all()
-        for ev in due:
-            ev.set()  # waiters re-check their state, so an early wake is harmless
 
     def waiters(self) -> int:
         """How many threads wait on this clock now (lets a test know a loop is idle)."""
@@ -73,6 +70,7 @@ class FakeClock(Clock):
             self._waiters.append(entry)
             self._cond.notify_all()
         try:
+            # The caller's event is never set by the clock: it may mean "stop" to the caller.
             while not event.is_set():
                 with self._cond:
                     if self._mono >= deadline:

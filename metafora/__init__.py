@@ -1,0 +1,44 @@
+"""metafora: run long-running tasks across a masterless cluster.
+
+Consumers claim tasks as leases through a :class:`Coordinator`, run each in a
+:class:`Handler`, and keep the cluster even by work stealing (:mod:`metafora.balancers`).
+See the README and ``docs/`` for the guarantees.
+"""
+
+from __future__ import annotations
+
+from metafora import commands, errors
+from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
+from metafora.commands import Command
+from metafora.connect import default_url, open_client, open_coordinator
+from metafora.consumer import Consumer
+from metafora.coordinator import Client, Coordinator, CoordinatorContext
+from metafora.errors import MetaforaError
+from metafora.handler import Handler, HandlerFunc, simple_handler
+from metafora.task import Task, TaskInfo, TaskState
+
+__all__ = [
+    "Balancer",
+    "BalancerContext",
+    "Client",
+    "ClusterState",
+    "Command",
+    "Consumer",
+    "Coordinator",
+    "CoordinatorContext",
+    "Handler",
+    "HandlerFunc",
+    "MetaforaError",
+    "RunningTask",
+    "Task",
+    "TaskInfo",
+    "TaskState",
+    "commands",
+    "default_url",
+    "errors",
+    "open_client",
+    "open_coordinator",
+    "simple_handler",
+]
+
+__version__ = "0.1.0"

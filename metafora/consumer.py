@@ -1,0 +1,580 @@
+"""The Consumer: claims tasks, runs their handlers, balances and obeys commands.
+
+One serialized loop (this module's ``Consumer._loop``) owns every decision: offers from the
+coordinator's watch, commands, balance ticks and ignore deadlines all arrive as events on
+one queue. Handlers run each in their own thread; the watch and the command feed run in
+named side threads whose failure stops the consumer (a node must not keep claiming when
+its view of the store is gone).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import queue
+import random
+import threading
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from metafora import commands as cmds
+from metafora.balancer import Balancer, BalancerContext, RunningTask
+from metafora.balancers.dumb import DumbBalancer
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.errors import (
+    ClaimLost,
+    ConfigError,
+    CoordinatorClosed,
+    CoordinatorUnavailable,
+    MetaforaError,
+)
+from metafora.handler import Handler, HandlerFunc
+from metafora.task import Task
+
+__all__ = ["Consumer"]
+
+log = logging.getLogger(__name__)
+
+_FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
+
+
+class _Outcome(enum.Enum):
+    DONE = "done"
+    RELEASE = "release"
+    FAIL = "fail"
+
+
+@dataclass(eq=False)
+class _Running:
+    task: Task
+    handler: Handler
+    started: datetime
+    stopped: datetime | None = None
+    lost: bool = False
+    abandoned: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def view(self) -> RunningTask:
+        return RunningTask(self.task, self.started, self.stopped)
+
+
+class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Adds ``node`` to every record's extra, merged with the call's own extra."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        kwargs["extra"] = {**(self.extra or {}), **kwargs.get("extra", {})}
+        return msg, kwargs
+
+
+def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+class _Context(CoordinatorContext):
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+
+    def lost(self, task: Task) -> None:
+        self._consumer._lost(task)
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger("metafora.coordinator").getChild(self._consumer.node_id)
+
+
+class Consumer:
+    """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
+
+    ``run()`` blocks until ``shutdown()``. Options:
+
+    - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
+      ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
+    - ``max_tasks``: at most this many tasks run at once on this node.
+    - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
+    - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
+      ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
+      loop and other nodes get it first.
+    - ``refuse_retry``: when the balancer refuses a task without a deadline, re-offer it
+      after this many seconds.
+    - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        handler_func: HandlerFunc,
+        balancer: Balancer | None = None,
+        *,
+        balance_every: float | timedelta = 60.0,
+        balance_jitter: float = 0.1,
+        max_tasks: int | None = None,
+        shutdown_timeout: float | timedelta = 30.0,
+        release_backoff: float | timedelta = 1.0,
+        release_backoff_max: float | timedelta = 60.0,
+        refuse_retry: float | timedelta = 1.0,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not isinstance(coordinator, Coordinator):
+            raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
+        if not callable(handler_func):
+            raise ConfigError("handler_func must be callable: Task -> Handler")
+        if max_tasks is not None and (not isinstance(max_tasks, int) or max_tasks < 1):
+            raise ConfigError(f"max_tasks must be a positive integer or None, got {max_tasks!r}")
+        if not 0 <= balance_jitter < 1:
+            raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
+        self._coord = coordinator
+        self._handler_func = handler_func
+        self._balancer = balancer if balancer is not None else DumbBalancer()
+        self._balance_every = _seconds(balance_every, "balance_every")
+        self._balance_jitter = balance_jitter
+        self._max_tasks = max_tasks
+        self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
+        self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
+        self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
+        self._refuse_retry = _seconds(refuse_retry, "refuse_retry")
+        self._clock = clock or SYSTEM_CLOCK
+        self._rng = rng or random.Random()
+        self._log = _NodeLog(log, {"node": coordinator.node_id})
+
+        self._lock = threading.RLock()
+        self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._running: dict[str, _Running] = {}
+        self._ignores: dict[str, tuple[float, Task]] = {}
+        self._deferred: dict[str, Task] = {}
+        self._releases: dict[str, int] = {}
+        self._frozen = False
+        self._started = False
+        self._run_thread: threading.Thread | None = None
+        self._side_threads: list[threading.Thread] = []
+        self._fatal: BaseException | None = None
+        self._timeout_override: float | None = None
+        self._next_balance = 0.0
+
+    # -- public surface -------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        """This node's id (from the coordinator)."""
+        return self._coord.node_id
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
+        return self._frozen
+
+    def tasks(self) -> list[RunningTask]:
+        """The tasks running on this node, oldest first."""
+        with self._lock:
+            entries = [e.view() for e in self._running.values()]
+        return sorted(entries, key=lambda r: r.started)
+
+    def ignores(self) -> list[str]:
+        """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
+        with self._lock:
+            return sorted(self._ignores, key=lambda k: self._ignores[k][0])
+
+    def run(self) -> None:
+        """Register the node and run until ``shutdown()``. Raises the error that stopped it, if any."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("Consumer.run() may be called only once")
+            self._started = True
+            self._run_thread = threading.current_thread()
+        try:
+            self._coord.init(_Context(self))
+        except BaseException:
+            self._coord.close()
+            self._done.set()
+            raise
+        self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
+                       extra={"action": "start"})
+        try:
+            self._balancer.init(
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock)
+            )
+            self._start_side_thread("watch", self._watch)
+            self._start_side_thread("commands", self._command_feed)
+            self._next_balance = self._clock.monotonic() + self._balance_interval()
+            self._loop()
+        except BaseException as exc:
+            if self._fatal is None:
+                self._fatal = exc
+            raise
+        finally:
+            self._shutdown_sequence()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.
+
+        Safe from any thread, including a signal handler in the thread running ``run()``
+        (then it only starts the shutdown and returns). A handler that ignores ``stop()`` is
+        abandoned after the timeout with an error log; shutdown never hangs.
+        """
+        if timeout is not None:
+            self._timeout_override = _seconds(timeout, "timeout", allow_zero=True)
+        self._stopping.set()
+        self._wake.set()
+        with self._lock:
+            started = self._started
+            self._started = True  # a run() after shutdown() must not start
+        if not started:
+            self._coord.close()
+            self._done.set()
+            return
+        if threading.current_thread() is self._run_thread:
+            return
+        limit = (self._timeout_override or self._shutdown_timeout) + 30.0
+        if not self._done.wait(limit):
+            self._log.error("consumer %s did not finish shutting down within %.0fs",
+                            self.node_id, limit, extra={"action": "shutdown"})
+
+    # -- side threads ---------------------------------------------------------------
+
+    def _start_side_thread(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(
+            target=self._supervised, args=(name, target),
+            name=f"metafora-{name}-{self.node_id}", daemon=True,
+        )
+        self._side_threads.append(thread)
+        thread.start()
+
+    def _supervised(self, name: str, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except CoordinatorClosed:
+            if not self._stopping.is_set():
+                self._fail_fast(name, CoordinatorClosed(f"coordinator closed under the {name} loop"))
+        except BaseException as exc:
+            if not self._stopping.is_set():
+                self._fail_fast(name, exc)
+        else:
+            if not self._stopping.is_set() and name == "watch":
+                self._fail_fast(name, MetaforaError("the coordinator's watch returned unexpectedly"))
+
+    def _fail_fast(self, name: str, exc: BaseException) -> None:
+        self._log.error("the %s loop of consumer %s died; shutting down: %s", name,
+                        self.node_id, exc, exc_info=exc, extra={"action": "fatal"})
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = exc
+        self._stopping.set()
+        self._wake.set()
+
+    def _watch(self) -> None:
+        self._coord.watch(lambda task: self._post("offer", task))
+
+    def _command_feed(self) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                command = self._coord.command(timeout=1.0)
+            except CoordinatorUnavailable as exc:
+                self._log.warning("cannot read commands: %s", exc, extra={"action": "command"})
+                self._clock.wait(self._stopping, backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            if command is not None:
+                self._post("command", command)
+
+    def _post(self, kind: str, payload: Any) -> None:
+        self._events.put((kind, payload))
+        self._wake.set()
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            self._drain()
+            if self._stopping.is_set():
+                break
+            now = self._clock.monotonic()
+            self._expire_ignores(now)
+            if now >= self._next_balance:
+                self._balance()
+                self._next_balance = now + self._balance_interval()
+            deadline = self._next_balance
+            with self._lock:
+                if self._ignores:
+                    deadline = min(deadline, *(d for d, _ in self._ignores.values()))
+            if self._events.empty():
+                self._clock.wait(self._wake, max(0.0, deadline - self._clock.monotonic()))
+
+    def _drain(self) -> None:
+        # Bounded per pass so ignore deadlines and balance ticks are not starved by a flood.
+        for _ in range(1000):
+            try:
+                kind, payload = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if self._stopping.is_set():
+                return
+            if kind == "offer":
+                self._offer(payload)
+            elif kind == "command":
+                self._command(payload)
+            elif kind == "finished":
+                self._finished(*payload)
+        self._wake.set()
+
+    def _balance_interval(self) -> float:
+        spread = self._balance_jitter * self._balance_every
+        return self._balance_every + self._rng.uniform(-spread, spread)
+
+    def _full(self) -> bool:
+        return self._max_tasks is not None and len(self._running) >= self._max_tasks
+
+    def _offer(self, task: Task) -> None:
+        with self._lock:
+            if task.id in self._running:
+                return
+            ignored = self._ignores.get(task.id)
+            if ignored is not None:
+                self._ignores[task.id] = (ignored[0], task)
+                return
+            if self._frozen or self._full():
+                self._deferred[task.id] = task
+                return
+        try:
+            ok, until = self._balancer.can_claim(task)
+        except Exception as exc:
+            self._log.exception("balancer failed on can_claim(%s): %s", task.id, exc,
+                                extra={"task": task.id, "action": "can_claim"})
+            ok, until = False, None
+        if not ok:
+            self._ignore(task, until)
+            return
+        self._claim(task)
+
+    def _ignore(self, task: Task, until: datetime | float | None) -> None:
+        if until is None:
+            delay = self._refuse_retry
+        elif isinstance(until, datetime):
+            delay = (until - self._clock.now()).total_seconds()
+        else:
+            delay = until
+        with self._lock:
+            self._ignores[task.id] = (self._clock.monotonic() + max(0.0, delay), task)
+        self._wake.set()
+
+    def _expire_ignores(self, now: float) -> None:
+        with self._lock:
+            due = [t for d, t in self._ignores.values() if d <= now]
+            for task in due:
+                del self._ignores[task.id]
+        for task in due:
+            self._offer(task)
+
+    def _redo_deferred(self) -> None:
+        with self._lock:
+            waiting = list(self._deferred.values())
+            self._deferred.clear()
+        for task in waiting:
+            self._offer(task)
+
+    def _claim(self, task: Task) -> None:
+        try:
+            claimed = self._coord.claim(task)
+        except CoordinatorUnavailable as exc:
+            self._log.warning("claim of %s failed, will retry: %s", task.id, exc,
+                              extra={"task": task.id, "action": "claim"})
+            self._ignore(task, self._refuse_retry)
+            return
+        if claimed is None:
+            return
+        extra = {"task": claimed.id, "token": claimed.token, "action": "claim"}
+        try:
+            handler = self._handler_func(claimed)
+        except Exception as exc:
+            self._log.exception("handler_func failed for task %s", claimed.id, extra=extra)
+            self._write(_Outcome.FAIL, claimed, exc)
+            return
+        entry = _Running(claimed, handler, self._clock.now())
+        with self._lock:
+            self._running[claimed.id] = entry
+        self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
+        threading.Thread(
+            target=self._run_handler, args=(entry,),
+            name=f"metafora-task-{claimed.id}", daemon=True,
+        ).start()
+
+    def _command(self, command: cmds.Command) -> None:
+        extra = {"action": f"command:{command.name}"}
+        self._log.info("command %s %s", command.name, dict(command.params), extra=extra)
+        if command.name == cmds.FREEZE:
+            self._frozen = True
+        elif command.name == cmds.UNFREEZE:
+            self._frozen = False
+            self._redo_deferred()
+        elif command.name == cmds.BALANCE:
+            self._balance()
+        elif command.name == cmds.STOP_TASK:
+            if not self._request_release(str(command.params["task"])):
+                self._log.warning("stop_task: task %s is not running here", command.params["task"],
+                                  extra=extra)
+        else:  # a newer peer's command: ignore, never crash
+            self._log.warning("ignoring unknown command %r", command.name, extra=extra)
+
+    def _balance(self) -> None:
+        try:
+            ids = self._balancer.balance()
+        except Exception as exc:
+            self._log.exception("balancer failed: %s", exc, extra={"action": "balance"})
+            return
+        for task_id in ids:
+            self._request_release(task_id)
+
+    def _request_release(self, task_id: str) -> bool:
+        with self._lock:
+            entry = self._running.get(task_id)
+            if entry is None or entry.stopped is not None:
+                return entry is not None
+            entry.stopped = self._clock.now()
+        self._stop_handler(entry)
+        return True
+
+    def _stop_handler(self, entry: _Running) -> None:
+        try:
+            entry.handler.stop()
+        except Exception:
+            self._log.exception("handler.stop() of task %s raised", entry.task.id,
+                                extra={"task": entry.task.id, "action": "stop"})
+
+    def _lost(self, task: Task) -> None:
+        with self._lock:
+            entry = self._running.get(task.id)
+            if entry is None or (task.token and task.token != entry.task.token):
+                return
+            entry.lost = True
+            if entry.stopped is None:
+                entry.stopped = self._clock.now()
+        self._log.warning("lost the claim on task %s (token %d); stopping its handler",
+                          task.id, entry.task.token,
+                          extra={"task": task.id, "token": entry.task.token, "action": "lost"})
+        self._stop_handler(entry)
+
+    # -- handler threads --------------------------------------------------------------
+
+    def _run_handler(self, entry: _Running) -> None:
+        error: BaseException | None = None
+        try:
+            outcome = _Outcome.DONE if entry.handler.run() else _Outcome.RELEASE
+        except BaseException as exc:
+            outcome, error = _Outcome.FAIL, exc
+            self._log.error("handler of task %s raised: %s", entry.task.id, exc, exc_info=exc,
+                            extra={"task": entry.task.id, "token": entry.task.token,
+                                   "action": "fail"})
+        with self._lock:
+            if self._running.get(entry.task.id) is entry:
+                del self._running[entry.task.id]
+            skip = entry.lost or entry.abandoned
+            # Back off before the store sees the release, so the offer it triggers is ignored.
+            if outcome is _Outcome.RELEASE or entry.lost:
+                self._back_off(entry.task)
+            else:
+                self._releases.pop(entry.task.id, None)
+        if not skip:
+            self._write(outcome, entry.task, error)
+        entry.finished.set()
+        self._post("finished", (entry.task, outcome))
+
+    def _write(self, outcome: _Outcome, task: Task, error: BaseException | None) -> None:
+        """Record a handler's outcome in the store, retrying while it is unreachable."""
+        extra = {"task": task.id, "token": task.token, "action": outcome.value}
+        delay = 0.1
+        while True:
+            try:
+                if outcome is _Outcome.DONE:
+                    self._coord.done(task)
+                elif outcome is _Outcome.RELEASE:
+                    self._coord.release(task)
+                else:
+                    self._coord.fail(task, error if error is not None else "failed")
+                self._log.info("task %s %s", task.id, outcome.value, extra=extra)
+                return
+            except ClaimLost as exc:
+                self._log.warning("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                                  extra=extra)
+                return
+            except CoordinatorUnavailable as exc:
+                if self._done.is_set():
+                    self._log.error("gave up marking task %s %s: %s", task.id, outcome.value,
+                                    exc, extra=extra)
+                    return
+                self._log.warning("store unavailable marking task %s %s, retrying: %s",
+                                  task.id, outcome.value, exc, extra=extra)
+                self._clock.wait(self._done, delay)
+                delay = min(delay * 2, _FINISH_RETRY_MAX)
+            except MetaforaError as exc:
+                self._log.error("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                                extra=extra)
+                return
+
+    def _back_off(self, task: Task) -> None:
+        count = self._releases.get(task.id, 0) + 1
+        self._releases[task.id] = count
+        backoff = min(self._release_backoff * 2 ** (count - 1), self._release_backoff_max)
+        if backoff > 0:
+            self._ignore(Task(task.id, task.props), backoff * self._rng.uniform(0.8, 1.2))
+
+    def _finished(self, task: Task, outcome: _Outcome) -> None:
+        if self._deferred and not self._frozen:
+            self._redo_deferred()
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def _shutdown_sequence(self) -> None:
+        self._stopping.set()
+        timeout = self._timeout_override
+        if timeout is None:
+            timeout = self._shutdown_timeout
+        with self._lock:
+            entries = list(self._running.values())
+            for entry in entries:
+                if entry.stopped is None:
+                    entry.stopped = self._clock.now()
+        for entry in entries:
+            self._stop_handler(entry)
+        deadline = SYSTEM_CLOCK.monotonic() + timeout
+        for entry in entries:
+            entry.finished.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
+        for entry in entries:
+            with self._lock:
+                if entry.finished.is_set():
+                    continue
+                entry.abandoned = True
+            self._log.error(
+                "handler of task %s ignored stop() for %.1fs; abandoning it (its thread may "
+                "still run) and releasing the task", entry.task.id, timeout,
+                extra={"task": entry.task.id, "token": entry.task.token, "action": "abandon"},
+            )
+            try:
+                self._coord.release(entry.task)
+            except MetaforaError as exc:
+                self._log.error("could not release task %s: %s", entry.task.id, exc,
+                                extra={"task": entry.task.id, "action": "release"})
+        try:
+            self._coord.close()
+        except MetaforaError as exc:
+            self._log.error("closing the coordinator failed: %s", exc, extra={"action": "close"})
+        for thread in self._side_threads:
+            thread.join(5.0)
+            if thread.is_alive():
+                self._log.error("side thread %s did not stop", thread.name,
+                                extra={"action": "shutdown"})
+        self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})
+        self._done.set()
