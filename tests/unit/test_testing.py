@@ -1,0 +1,48 @@
+"""The fake clock: waits end when fake time reaches their deadline, never by sleeping."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from metafora.testing import FakeClock
+
+
+def test_advance_moves_both_clocks() -> None:
+    clock = FakeClock()
+    start, mono = clock.now(), clock.monotonic()
+    clock.advance(timedelta(seconds=90))
+    assert clock.now() - start == timedelta(seconds=90)
+    assert clock.monotonic() - mono == 90
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+
+
+def test_wait_returns_at_fake_deadline_without_setting_the_event() -> None:
+    clock = FakeClock()
+    event = threading.Event()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(clock.wait(event, 10)))
+    waiter.start()
+    assert clock.wait_for_waiters(1)
+    clock.advance(9)
+    assert waiter.is_alive()
+    clock.advance(1)
+    waiter.join(5)
+    assert result == [False] and not event.is_set()
+
+
+def test_wait_returns_when_event_set() -> None:
+    clock = FakeClock()
+    event = threading.Event()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(clock.wait(event, None)))
+    waiter.start()
+    assert clock.wait_for_waiters(1)
+    event.set()
+    waiter.join(5)
+    assert result == [True] and clock.waiters() == 0
+    assert clock.wait(event, 0) is True
+    assert clock.wait(threading.Event(), 0) is False
