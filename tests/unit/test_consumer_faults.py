@@ -1,0 +1,134 @@
+"""The Consumer when the store or the plugins misbehave: retries, never a crash, nothing lost."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+
+import pytest
+
+from metafora import Balancer, BalancerContext, Consumer, Task, TaskState, commands
+from metafora.commands import Command
+from metafora.coordinators.memory import MemoryCoordinator
+from metafora.errors import CoordinatorUnavailable
+from tests.helpers import wait_until
+from tests.unit.test_consumer import Harness, Ledger, ledger_handler
+
+
+class FlakyCoordinator(MemoryCoordinator):
+    """A memory coordinator whose store 'goes away' for the first few calls of some methods."""
+
+    def __init__(self, base: MemoryCoordinator, failures: dict[str, int]) -> None:
+        super().__init__(base._store, base.node_id)
+        self.failures = dict(failures)
+        self.calls: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def _maybe_fail(self, name: str) -> None:
+        with self.lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.failures.get(name, 0) > 0:
+                self.failures[name] -= 1
+                raise CoordinatorUnavailable(f"store away during {name}")
+
+    def claim(self, task: Task) -> Task | None:
+        self._maybe_fail("claim")
+        return super().claim(task)
+
+    def done(self, task: Task) -> None:
+        self._maybe_fail("done")
+        super().done(task)
+
+    def command(self, timeout: float | None = None) -> Command | None:
+        self._maybe_fail("command")
+        return super().command(timeout)
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_claim_and_done_are_retried_while_the_store_is_away(harness: Harness) -> None:
+    ledger = Ledger()
+    coord = FlakyCoordinator(harness.coordinator("a"), {"claim": 2, "done": 3, "command": 2})
+    harness.start(Consumer(coord, ledger_handler(ledger, "a"), refuse_retry=0.01))
+    harness.client.submit_task(Task("patient"))
+    wait_until(lambda: harness.client.get_task("patient").state is TaskState.DONE,
+               message="done despite store errors")
+    assert coord.calls["claim"] >= 3 and coord.calls["done"] == 4
+    assert ledger.ids() == ["patient"]
+    harness.client.submit_command("a", commands.freeze())
+    wait_until(lambda: harness.consumers[0][0].frozen, message="commands flow after errors")
+
+
+class BrokenBalancer(Balancer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def init(self, ctx: BalancerContext) -> None:
+        pass
+
+    def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("balancer bug")
+        return True, None
+
+    def balance(self) -> list[str]:
+        raise RuntimeError("balance bug")
+
+
+def test_a_broken_balancer_is_logged_and_survived(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = Ledger()
+    with caplog.at_level(logging.ERROR, logger="metafora.consumer"):
+        harness.start(Consumer(harness.coordinator("a"), ledger_handler(ledger, "a"),
+                               BrokenBalancer(), refuse_retry=0.01))
+        harness.client.submit_task(Task("t"))
+        harness.client.submit_command("a", commands.balance())
+        wait_until(lambda: harness.client.get_task("t").state is TaskState.DONE,
+                   message="claimed on the re-offer")
+        wait_until(lambda: any("balancer failed:" in r.getMessage() for r in caplog.records),
+                   message="balance error logged")
+    assert any("can_claim" in r.getMessage() for r in caplog.records)
+
+
+def test_stop_task_for_a_task_not_here_is_a_warning(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.start(Consumer(harness.coordinator("a"), ledger_handler(Ledger(), "a")))
+    with caplog.at_level(logging.WARNING, logger="metafora.consumer"):
+        harness.client.submit_command("a", commands.stop_task("elsewhere"))
+        wait_until(lambda: any("not running here" in r.getMessage() for r in caplog.records),
+                   message="warning logged")
+
+
+def test_shutdown_from_a_signal_handler_in_the_run_thread(harness: Harness) -> None:
+    ledger = Ledger()
+    consumer = Consumer(harness.coordinator("a"), ledger_handler(ledger, "a", block=True))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: consumer.shutdown(timeout=5))
+
+    def kill_when_running() -> None:
+        wait_until(lambda: ledger.ids() == ["one"], message="task running")
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    harness.client.submit_task(Task("one"))
+    try:
+        consumer.run()  # on the main thread, like a daemon's main()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    killer.join(5)
+    assert harness.client.get_task("one").state is TaskState.PENDING
+    assert harness.client.nodes() == []
