@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 
@@ -18,14 +17,12 @@ from metafora import (
     Task,
     TaskState,
     commands,
-    open_client,
     open_coordinator,
     simple_handler,
 )
-from metafora.coordinator import Client
-from metafora.coordinators.memory import MemoryCoordinator, drop_store
+from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import ConfigError
-from metafora.testing import FakeClock
+from metafora.testing import FakeClock, LocalCluster
 from tests.helpers import wait_until
 
 
@@ -58,40 +55,13 @@ class Ledger:
             return [r[1] for r in self.runs if r[0] == task_id]
 
 
-class Harness:
-    """Consumers on one memory store, each run() in a thread; everything shut down at exit."""
-
-    def __init__(self) -> None:
-        self.name = f"unit-{uuid.uuid4().hex[:8]}"
-        self.url = f"memory://{self.name}"
-        self.client: Client = open_client(self.url)
-        self.consumers: list[tuple[Consumer, threading.Thread]] = []
-        self.errors: list[BaseException] = []
-
-    def start(self, consumer: Consumer) -> Consumer:
-        def run() -> None:
-            try:
-                consumer.run()
-            except BaseException as exc:
-                self.errors.append(exc)
-
-        thread = threading.Thread(target=run, name=f"run-{consumer.node_id}", daemon=True)
-        thread.start()
-        wait_until(lambda: consumer.node_id in self.client.nodes(), message="node registered")
-        self.consumers.append((consumer, thread))
-        return consumer
+class Harness(LocalCluster):
+    """A LocalCluster on a fresh memory store, with direct access to memory coordinators."""
 
     def coordinator(self, node: str) -> MemoryCoordinator:
         coord = open_coordinator(self.url, node_id=node)
         assert isinstance(coord, MemoryCoordinator)
         return coord
-
-    def close(self) -> None:
-        for consumer, thread in self.consumers:
-            consumer.shutdown(timeout=5)
-            thread.join(10)
-            assert not thread.is_alive(), f"consumer {consumer.node_id} did not stop"
-        drop_store(f"{self.name}/metafora")
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def test_claim_and_done_are_retried_while_the_store_is_away(harness: Harness) ->
     assert coord.calls["claim"] >= 3 and coord.calls["done"] == 4
     assert ledger.ids() == ["patient"]
     harness.client.submit_command("a", commands.freeze())
-    wait_until(lambda: harness.consumers[0][0].frozen, message="commands flow after errors")
+    wait_until(lambda: harness.consumers[0].frozen, message="commands flow after errors")
 
 
 class BrokenBalancer(Balancer):
