@@ -33,6 +33,8 @@ from metafora.errors import (
     MetaforaError,
 )
 from metafora.handler import Handler, HandlerFunc
+from metafora.http import InfoServer, parse_addr, render_metrics
+from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
 __all__ = ["Consumer"]
@@ -46,6 +48,22 @@ class _Outcome(enum.Enum):
     DONE = "done"
     RELEASE = "release"
     FAIL = "fail"
+
+
+_COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+
+
+def _handler_state(handler: Handler) -> str | None:
+    """A state-machine handler's current state, for /info (None for plain handlers)."""
+    state = getattr(handler, "state", None)
+    if callable(state):
+        try:
+            state = state()
+        except Exception:
+            return None
+    if state is None:
+        return None
+    return str(getattr(state, "value", getattr(getattr(state, "code", None), "value", state)))
 
 
 @dataclass(eq=False)
@@ -88,6 +106,9 @@ class _Context(CoordinatorContext):
     def logger(self) -> logging.Logger:
         return logging.getLogger("metafora.coordinator").getChild(self._consumer.node_id)
 
+    def renewed(self, seconds: float) -> None:
+        self._consumer.stats.renewal_latency.observe(seconds)
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -103,6 +124,8 @@ class Consumer:
       loop and other nodes get it first.
     - ``refuse_retry``: when the balancer refuses a task without a deadline, re-offer it
       after this many seconds.
+    - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
+      (see :mod:`metafora.http`); off by default.
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
     """
 
@@ -119,6 +142,7 @@ class Consumer:
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
         refuse_retry: float | timedelta = 1.0,
+        http_addr: str | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -143,6 +167,12 @@ class Consumer:
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
         self._log = _NodeLog(log, {"node": coordinator.node_id})
+        if http_addr is not None:
+            parse_addr(http_addr)  # a bad address is a ConfigError now, not at run()
+        self._http_addr = http_addr
+        self._http: InfoServer | None = None
+        self.stats = ConsumerStats()
+        self._started_at: datetime | None = None
 
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -184,6 +214,41 @@ class Consumer:
         with self._lock:
             return sorted(self._ignores, key=lambda k: self._ignores[k][0])
 
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the HTTP endpoints once serving (None when off)."""
+        return self._http.address if self._http is not None else None
+
+    def info(self) -> dict[str, Any]:
+        """What ``/info`` shows: the node, its state and its running tasks."""
+        with self._lock:
+            entries = sorted(self._running.values(), key=lambda e: e.started)
+            rows = [
+                {
+                    "id": e.task.id,
+                    "token": e.task.token,
+                    "started": e.started.isoformat(),
+                    "stopped": e.stopped.isoformat() if e.stopped else None,
+                    "state": _handler_state(e.handler),
+                }
+                for e in entries
+            ]
+            ignores = sorted(self._ignores)
+        return {
+            "node": self.node_id,
+            "store": self._coord.name,
+            "frozen": self._frozen,
+            "started": self._started_at.isoformat() if self._started_at else None,
+            "stopping": self._stopping.is_set(),
+            "tasks": rows,
+            "ignores": ignores,
+            "counters": self.stats.counters(),
+        }
+
+    def healthy(self) -> bool:
+        """Running and not shutting down (what ``/healthz`` answers)."""
+        return self._started_at is not None and not self._stopping.is_set() and self._fatal is None
+
     def run(self) -> None:
         """Register the node and run until ``shutdown()``. Raises the error that stopped it, if any."""
         with self._lock:
@@ -197,9 +262,11 @@ class Consumer:
             self._coord.close()
             self._done.set()
             raise
+        self._started_at = self._clock.now()
         self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
                        extra={"action": "start"})
         try:
+            self._start_http()
             self._balancer.init(
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock)
             )
@@ -240,6 +307,19 @@ class Consumer:
         if not self._done.wait(limit):
             self._log.error("consumer %s did not finish shutting down within %.0fs",
                             self.node_id, limit, extra={"action": "shutdown"})
+
+    def _start_http(self) -> None:
+        if self._http_addr is None:
+            return
+        self._http = InfoServer(
+            self._http_addr,
+            self.info,
+            lambda: render_metrics(self.node_id, self.stats, len(self._running)),
+            self.healthy,
+        )
+        self._http.start()
+        self._log.info("serving /info, /metrics, /healthz on http://%s", self._http.address,
+                       extra={"action": "http"})
 
     # -- side threads ---------------------------------------------------------------
 
@@ -387,6 +467,7 @@ class Consumer:
             self._offer(task)
 
     def _claim(self, task: Task) -> None:
+        began = SYSTEM_CLOCK.monotonic()
         try:
             claimed = self._coord.claim(task)
         except CoordinatorUnavailable as exc:
@@ -394,8 +475,10 @@ class Consumer:
                               extra={"task": task.id, "action": "claim"})
             self._ignore(task, self._refuse_retry)
             return
+        self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
         if claimed is None:
             return
+        self.stats.incr("claims")
         extra = {"task": claimed.id, "token": claimed.token, "action": "claim"}
         try:
             handler = self._handler_func(claimed)
@@ -460,6 +543,7 @@ class Consumer:
             if entry is None or (task.token and task.token != entry.task.token):
                 return
             entry.lost = True
+            self.stats.incr("lost")
             if entry.stopped is None:
                 entry.stopped = self._clock.now()
         self._log.warning("lost the claim on task %s (token %d); stopping its handler",
@@ -504,6 +588,7 @@ class Consumer:
                     self._coord.release(task)
                 else:
                     self._coord.fail(task, error if error is not None else "failed")
+                self.stats.incr(_COUNTER[outcome])
                 self._log.info("task %s %s", task.id, outcome.value, extra=extra)
                 return
             except ClaimLost as exc:
@@ -576,5 +661,7 @@ class Consumer:
             if thread.is_alive():
                 self._log.error("side thread %s did not stop", thread.name,
                                 extra={"action": "shutdown"})
+        if self._http is not None:
+            self._http.close()
         self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})
         self._done.set()

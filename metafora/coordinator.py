@@ -50,6 +50,10 @@ class CoordinatorContext(abc.ABC):
         """Logger for the coordinator's messages."""
         return logging.getLogger("metafora.coordinator")
 
+    def renewed(self, seconds: float) -> None:
+        """The node's lease was renewed; the renewal took ``seconds`` (for metrics)."""
+        return  # optional hook: contexts that keep metrics override it
+
 
 class Coordinator(ClusterState, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.

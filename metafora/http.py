@@ -1,0 +1,141 @@
+"""Opt-in HTTP endpoints of a consumer: ``/info`` (JSON), ``/metrics`` (Prometheus), ``/healthz``.
+
+Started by ``Consumer(..., http_addr="127.0.0.1:PORT")``; binds to loopback unless told otherwise.
+``/metrics`` needs prometheus_client (``pip install 'metafora[http]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from metafora.errors import ConfigError
+from metafora.metrics import ConsumerStats, HistogramSnapshot
+
+__all__ = ["InfoServer", "parse_addr", "render_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` (port 0 = any free port) -> (host, port); ConfigError naming the problem."""
+    host, sep, port_text = addr.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"http_addr must be HOST:PORT, got {addr!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"http_addr port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"http_addr port must be 0-65535, got {port}")
+    return host.strip("[]"), port
+
+
+def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
+    """The consumer's metrics in Prometheus text format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    def histogram(name: str, doc: str, snap: HistogramSnapshot) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, doc, labels=["node"])
+        buckets = [("+Inf" if b == float("inf") else repr(b), c) for b, c in snap.buckets]
+        fam.add_metric([node], buckets, snap.total)
+        return fam
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            docs = {
+                "claims": "Tasks claimed by this node",
+                "releases": "Tasks this node released",
+                "done": "Tasks this node finished",
+                "failed": "Tasks whose handler raised on this node",
+                "lost": "Claims this node lost (lease lost, task deleted)",
+            }
+            for name, value in stats.counters().items():
+                fam = CounterMetricFamily(f"metafora_{name}", docs[name], labels=["node"])
+                fam.add_metric([node], value)
+                yield fam
+            gauge = GaugeMetricFamily("metafora_running_tasks", "Tasks running now", labels=["node"])
+            gauge.add_metric([node], running)
+            yield gauge
+            yield histogram("metafora_claim_latency_seconds", "Time of one claim round trip",
+                            stats.claim_latency.snapshot())
+            yield histogram("metafora_lease_renewal_latency_seconds",
+                            "Time of one lease renewal", stats.renewal_latency.snapshot())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return bytes(generate_latest(registry))
+
+
+class InfoServer:
+    """A tiny threaded HTTP server over a consumer's state (``info``, ``metrics``, ``healthy``)."""
+
+    def __init__(
+        self,
+        addr: str,
+        info: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes],
+        healthy: Callable[[], bool],
+    ) -> None:
+        host, port = parse_addr(addr)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer._serve(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("http: %s", format % args)
+
+        self._info, self._metrics, self._healthy = info, metrics, healthy
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {addr}: {exc.strerror or exc}") from exc
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metafora-http",
+                                        daemon=True)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` actually bound (useful with port 0)."""
+        host, port = self._server.server_address[:2]
+        return f"{host!s}:{port}" if isinstance(host, str) else f"{host.decode()}:{port}"
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def _serve(self, req: BaseHTTPRequestHandler) -> None:
+        path = req.path.split("?", 1)[0]
+        try:
+            if path == "/info":
+                body, ctype, status = json.dumps(self._info(), default=str).encode(), "application/json", 200
+            elif path == "/metrics":
+                body, ctype, status = self._metrics(), "text/plain; version=0.0.4; charset=utf-8", 200
+            elif path == "/healthz":
+                ok = self._healthy()
+                body, ctype, status = (b"ok\n" if ok else b"unhealthy\n"), "text/plain", 200 if ok else 503
+            else:
+                body, ctype, status = b"not found: try /info, /metrics, /healthz\n", "text/plain", 404
+        except ImportError:
+            body, ctype, status = b"/metrics needs prometheus_client\n", "text/plain", 501
+        except Exception as exc:
+            log.exception("http %s failed", path)
+            body, ctype, status = f"error: {exc}\n".encode(), "text/plain", 500
+        req.send_response(status)
+        req.send_header("Content-Type", ctype)
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        req.wfile.write(body)

@@ -1,0 +1,79 @@
+"""/info, /metrics and /healthz of a consumer, over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
+from metafora.errors import ConfigError
+from metafora.testing import LocalCluster, wait_for
+
+
+def get(addr: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_info_metrics_and_health() -> None:
+    release = threading.Event()
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        if task.id == "boom":
+            raise RuntimeError("boom")
+        if task.id == "long":
+            release.wait(30)
+        return True
+
+    with LocalCluster() as cluster:
+        consumer = cluster.add(simple_handler(work), "web", http_addr="127.0.0.1:0")
+        addr = wait_for(lambda: consumer.http_address, what="http server")
+        for i in range(5):
+            cluster.client.submit_task(Task(f"ok{i}"))
+        cluster.client.submit_task(Task("boom"))
+        cluster.client.submit_task(Task("long"))
+        wait_for(lambda: len(cluster.client.tasks("done")) == 5
+                 and len(cluster.client.tasks("failed")) == 1, what="tasks finished")
+
+        status, body = get(addr, "/info")
+        info = json.loads(body)
+        assert status == 200 and info["node"] == "web" and info["frozen"] is False
+        assert [t["id"] for t in info["tasks"]] == ["long"]
+        assert info["tasks"][0]["token"] > 0 and info["tasks"][0]["started"]
+
+        status, body = get(addr, "/metrics")
+        assert status == 200
+        samples = {
+            (s.name, s.labels.get("le")): s.value
+            for fam in text_string_to_metric_families(body.decode())
+            for s in fam.samples
+        }
+        assert samples[("metafora_claims_total", None)] == 7
+        assert samples[("metafora_done_total", None)] == 5
+        assert samples[("metafora_failed_total", None)] == 1
+        assert samples[("metafora_running_tasks", None)] == 1
+        assert samples[("metafora_claim_latency_seconds_count", None)] >= 7
+        assert samples[("metafora_claim_latency_seconds_bucket", "+Inf")] >= 7
+
+        assert get(addr, "/healthz") == (200, b"ok\n")
+        assert get(addr, "/nope")[0] == 404
+        release.set()
+        cluster.wait_for_state("long", TaskState.DONE)
+        cluster.stop(consumer)
+    with pytest.raises(OSError):
+        get(addr, "/healthz")
+
+
+@pytest.mark.parametrize("bad", ["nohost", ":80", "h:port", "h:70000"])
+def test_bad_http_addr_is_a_config_error(bad: str) -> None:
+    with pytest.raises(ConfigError, match="http_addr"):
+        Consumer(open_coordinator("memory://http-bad"), simple_handler(lambda t, s: True),
+                 http_addr=bad)
