@@ -1,0 +1,63 @@
+"""Logging set-up for the CLI and daemons: plain or JSON lines with stable extra fields.
+
+Library code only logs (``logging.getLogger(__name__)``); programs call :func:`configure`.
+Records carry stable ``extra`` keys where they apply: ``node``, ``task``, ``token``, ``action``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import TextIO
+
+__all__ = ["EXTRA_FIELDS", "JsonFormatter", "PlainFormatter", "configure"]
+
+EXTRA_FIELDS = ("node", "task", "token", "action")
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the extra fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key in EXTRA_FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class PlainFormatter(logging.Formatter):
+    """``time level logger [node task] message`` for people."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s%(ctx)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [f"{k}={getattr(record, k)}" for k in ("node", "task") if getattr(record, k, None)]
+        record.ctx = f" [{' '.join(parts)}]" if parts else ""
+        return super().format(record)
+
+
+def configure(level: str = "info", *, json_lines: bool = False, stream: TextIO | None = None) -> None:
+    """Send metafora's logs (and the root logger's) to ``stream`` (stderr) at ``level``."""
+    name = level.lower()
+    if name not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines else PlainFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(name.upper())
