@@ -1,0 +1,1 @@
+"""koalemos: run shell commands as metafora tasks (``koalemosd`` daemon, ``koalemosctl`` submitter)."""
