@@ -396,20 +396,29 @@ class Consumer:
 
     def _drain(self) -> None:
         # Bounded per pass so ignore deadlines and balance ticks are not starved by a flood.
+        batch: list[tuple[str, Any]] = []
         for _ in range(1000):
             try:
-                kind, payload = self._events.get_nowait()
+                batch.append(self._events.get_nowait())
             except queue.Empty:
-                return
+                break
+        else:
+            self._wake.set()  # more left: come back after deadlines are checked
+        offers = [p for k, p in batch if k == "offer"]
+        # Every node hears the same offers in the same order; shuffling them makes nodes
+        # try different tasks first, so fewer claims are lost to a race (one round trip each).
+        self._rng.shuffle(offers)
+        for kind, payload in batch:
             if self._stopping.is_set():
                 return
-            if kind == "offer":
-                self._offer(payload)
-            elif kind == "command":
+            if kind == "command":
                 self._command(payload)
             elif kind == "finished":
                 self._finished(*payload)
-        self._wake.set()
+        for task in offers:
+            if self._stopping.is_set():
+                return
+            self._offer(task)
 
     def _balance_interval(self) -> float:
         spread = self._balance_jitter * self._balance_every
