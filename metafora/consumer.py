@@ -507,11 +507,14 @@ class Consumer:
     def _command(self, command: cmds.Command) -> None:
         extra = {"action": f"command:{command.name}"}
         self._log.info("command %s %s", command.name, dict(command.params), extra=extra)
-        if command.name == cmds.FREEZE:
-            self._frozen = True
-        elif command.name == cmds.UNFREEZE:
-            self._frozen = False
-            self._redo_deferred()
+        if command.name in (cmds.FREEZE, cmds.UNFREEZE):
+            self._frozen = command.name == cmds.FREEZE
+            try:
+                self._coord.report_frozen(self._frozen)
+            except MetaforaError as exc:
+                self._log.warning("could not publish frozen=%s: %s", self._frozen, exc, extra=extra)
+            if not self._frozen:
+                self._redo_deferred()
         elif command.name == cmds.BALANCE:
             self._balance()
         elif command.name == cmds.STOP_TASK:

@@ -10,7 +10,8 @@ import abc
 import logging
 import queue
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
@@ -18,7 +19,15 @@ from metafora.balancer import ClusterState
 from metafora.commands import Command
 from metafora.task import Task, TaskInfo, TaskState
 
-__all__ = ["Client", "Coordinator", "CoordinatorContext", "TaskSink", "as_sink", "error_text"]
+__all__ = [
+    "Client",
+    "Coordinator",
+    "CoordinatorContext",
+    "NodeInfo",
+    "TaskSink",
+    "as_sink",
+    "error_text",
+]
 
 TaskSink = Callable[[Task], None]
 """Where ``Coordinator.watch`` delivers claimable tasks."""
@@ -36,6 +45,19 @@ def error_text(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
     return str(error)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A live node as the store sees it (fields a store does not keep are None)."""
+
+    id: str
+    tasks: int
+    host: str | None = None
+    pid: int | None = None
+    started: datetime | None = None
+    heartbeat: datetime | None = None
+    frozen: bool | None = None
 
 
 class CoordinatorContext(abc.ABC):
@@ -112,6 +134,10 @@ class Coordinator(ClusterState, abc.ABC):
     def close(self) -> None:
         """Stop watching, release what is still claimed, deregister the node. Idempotent."""
 
+    def report_frozen(self, frozen: bool) -> None:
+        """Publish whether this node is frozen, for operators' views (best effort)."""
+        return  # optional: stores that keep node details override it
+
     def __enter__(self) -> Self:
         return self
 
@@ -155,6 +181,10 @@ class Client(ClusterState, abc.ABC):
     @abc.abstractmethod
     def nodes(self) -> list[str]:
         """Ids of the live nodes, sorted."""
+
+    def node_infos(self) -> list[NodeInfo]:
+        """Details of the live nodes, sorted by id (stores add host, heartbeat, frozen...)."""
+        return [NodeInfo(n, c) for n, c in sorted(self.node_task_count().items())]
 
     @abc.abstractmethod
     def submit_command(self, node_id: str, command: Command) -> None:

@@ -22,6 +22,7 @@ from metafora.coordinator import (
     Client,
     Coordinator,
     CoordinatorContext,
+    NodeInfo,
     TaskSink,
     as_sink,
     error_text,
@@ -84,6 +85,7 @@ class _Node:
     ctx: CoordinatorContext
     started: datetime
     commands: deque[str] = field(default_factory=deque)
+    frozen: bool = False
 
 
 class MemoryStore:
@@ -346,6 +348,12 @@ class MemoryCoordinator(Coordinator):
                 del s.nodes[self._node_id]
             s.bump()
 
+    def report_frozen(self, frozen: bool) -> None:
+        with self._store.cond:
+            node = self._store.nodes.get(self._node_id)
+            if node is not None:
+                node.frozen = frozen
+
     def expire_lease(self) -> list[Task]:
         """Simulate a lost lease: free this node's claims and tell it (``ctx.lost``).
 
@@ -454,6 +462,16 @@ class MemoryClient(Client):
         with self._store.cond:
             self._check_open()
             return self._store.counts()
+
+    def node_infos(self) -> list[NodeInfo]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            counts = s.counts()
+            return [
+                NodeInfo(n.node_id, counts.get(n.node_id, 0), started=n.started, frozen=n.frozen)
+                for n in sorted(s.nodes.values(), key=lambda n: n.node_id)
+            ]
 
     def submit_command(self, node_id: str, command: Command) -> None:
         s = self._store

@@ -1,0 +1,143 @@
+"""``metafora top``: a live terminal view of a cluster (nodes, tasks by state, claim rates)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from metafora.coordinator import Client, NodeInfo
+from metafora.task import TaskInfo, TaskState
+
+__all__ = ["Snapshot", "render", "run_top", "take_snapshot"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cluster at one moment, as one client read it."""
+
+    at: float
+    now: datetime
+    nodes: list[NodeInfo]
+    tasks: dict[str, TaskInfo] = field(repr=False)
+
+    def by_state(self) -> dict[TaskState, int]:
+        """How many tasks are in each state."""
+        counts = dict.fromkeys(TaskState, 0)
+        for info in self.tasks.values():
+            counts[info.state] += 1
+        return counts
+
+
+def take_snapshot(client: Client) -> Snapshot:
+    """Read nodes and tasks from the store."""
+    nodes = client.node_infos()
+    tasks = {t.id: t for t in client.tasks()}
+    return Snapshot(time.monotonic(), datetime.now(UTC), nodes, tasks)
+
+
+def rates(prev: Snapshot | None, cur: Snapshot) -> tuple[float, float]:
+    """(claims/s, releases/s) between two snapshots.
+
+    Claims: increments of each task's ``attempts``. Releases: tasks that were claimed (or were
+    claimed meanwhile) and are pending again.
+    """
+    if prev is None or cur.at <= prev.at:
+        return 0.0, 0.0
+    claims = releases = 0
+    for task_id, info in cur.tasks.items():
+        old = prev.tasks.get(task_id)
+        before = old.attempts if old else 0
+        claims += max(0, info.attempts - before)
+        if info.state is TaskState.PENDING and old is not None and (
+            old.state is TaskState.CLAIMED or info.attempts > before
+        ):
+            releases += 1
+    span = cur.at - prev.at
+    return claims / span, releases / span
+
+
+def _age(now: datetime, then: datetime | None) -> str:
+    if then is None:
+        return "-"
+    seconds = max(0.0, (now - then).total_seconds())
+    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def render(store: str, prev: Snapshot | None, cur: Snapshot) -> RenderableType:
+    """One frame of the view."""
+    nodes = Table(title="nodes", expand=False)
+    for col in ("node", "host", "tasks", "frozen", "heartbeat age"):
+        nodes.add_column(col, justify="right" if col == "tasks" else "left")
+    for n in cur.nodes:
+        frozen = "?" if n.frozen is None else ("yes" if n.frozen else "no")
+        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen, _age(cur.now, n.heartbeat))
+    states = Table(title="tasks", expand=False)
+    counts = cur.by_state()
+    for state in TaskState:
+        states.add_column(state.value, justify="right")
+    states.add_row(*(str(counts[s]) for s in TaskState))
+    claims, releases = rates(prev, cur)
+    header = Text(f"metafora top — {store} — {cur.now:%H:%M:%S} UTC — press q to quit", style="bold")
+    footer = Text(f"claims/s {claims:.1f}   releases/s {releases:.1f}   nodes {len(cur.nodes)}")
+    return Group(header, nodes, states, footer)
+
+
+@contextlib.contextmanager
+def _keys(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` when 'q' is pressed (only when stdin is a terminal)."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def read() -> None:
+        while not stop.is_set():
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready and os.read(fd, 1) in (b"q", b"Q"):
+                stop.set()
+
+    reader = threading.Thread(target=read, name="metafora-top-keys", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join(1)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_top(client: Client, *, interval: float = 1.0, console: Console | None = None,
+            frames: int | None = None) -> None:
+    """Show the live view until 'q', Ctrl-C, or ``frames`` refreshes."""
+    console = console or Console()
+    stop = threading.Event()
+    prev: Snapshot | None = None
+    shown = 0
+    try:
+        with _keys(stop), Live(console=console, auto_refresh=False, transient=False) as live:
+            while not stop.is_set():
+                cur = take_snapshot(client)
+                live.update(render(client.name, prev, cur), refresh=True)
+                prev, shown = cur, shown + 1
+                if frames is not None and shown >= frames:
+                    break
+                stop.wait(interval)
+    except KeyboardInterrupt:
+        pass
