@@ -46,3 +46,24 @@ def test_wait_returns_when_event_set() -> None:
     assert result == [True] and clock.waiters() == 0
     assert clock.wait(event, 0) is True
     assert clock.wait(threading.Event(), 0) is False
+
+
+def test_file_ledger_finds_overlaps_and_counts(tmp_path: object) -> None:
+    import os
+
+    from metafora import Task
+    from metafora.testing import FileLedger
+
+    ledger = FileLedger(os.path.join(str(tmp_path), "ledger.jsonl"))
+    assert ledger.runs() == []
+    a, b = Task("t", {}, 1), Task("t", {}, 2)
+    ledger.start(a, "n1")
+    ledger.end(a, "n1", "release")
+    ledger.start(b, "n2")
+    ledger.end(b, "n2", "done")
+    assert ledger.overlaps() == [] and ledger.completed() == {"t": 1}
+    c = Task("u", {}, 3)
+    ledger.start(c, "dead")          # killed: no end
+    ledger.start(Task("u", {}, 4), "n2")
+    assert len(ledger.overlaps()) == 1
+    assert ledger.overlaps(died={"dead": 0.0}) == []
