@@ -1,0 +1,227 @@
+"""The operator client on etcd: submit, inspect, retry, delete, purge tasks; command nodes.
+
+Finished tasks stay queryable until :meth:`EtcdClient.purge`: ``done``/``fail``/expiry
+write ``tasks/<id>/state`` and delete the owner key, keeping ``props`` and the last claim
+record; purge (and ``delete_task``) delete the task's prefix ``tasks/<id>/`` (trailing
+slash: never a sibling such as ``tasks/<id>bar/``), its owner key and its state-machine key.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.commands import Command
+from metafora.coordinator import Client
+from metafora.coordinators.etcd.config import EtcdConfig
+from metafora.coordinators.etcd.coordinator import new_command_name
+from metafora.coordinators.etcd.driver import (
+    Delete,
+    EtcdDriver,
+    Put,
+    Range,
+    absent,
+    created_at,
+    exists,
+    modified_at,
+)
+from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, iso, task_info
+from metafora.coordinators.etcd.queries import (
+    expire_task,
+    launch_and_expiry,
+    live_nodes,
+    node_task_count,
+    read_all_tasks,
+    read_task,
+)
+from metafora.errors import (
+    CoordinatorClosed,
+    InvalidTaskState,
+    NodeNotFound,
+    StoreError,
+    TaskExists,
+    TaskNotFound,
+)
+from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+
+__all__ = ["EtcdClient"]
+
+log = logging.getLogger(__name__)
+
+_FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
+_RETRIES = 5
+
+
+class EtcdClient(Client):
+    """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
+
+    def __init__(self, config: EtcdConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._cfg = config
+        self._keys = Keys(config.namespace)
+        self._driver = EtcdDriver(config.connection)
+        self._clock = clock
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._cfg.name
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({self.name!r})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CoordinatorClosed(f"client on {self.name} is closed")
+
+    # -- tasks ------------------------------------------------------------------------
+
+    def submit_task(self, task: Task) -> None:
+        self._check_open()
+        tk = self._keys.task(task.id)
+        record = encode_json({"props": dict(task.props), "created_at": iso(self._clock.now())})
+        result = self._driver.txn(
+            [absent(tk.props)],
+            # A fresh task starts clean even if a crashed writer left a stray key behind.
+            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim)],
+            [Range(tk.props)],
+            repeatable=True,
+        )
+        if not result.succeeded:
+            if result.retried and result.ranges[0] and result.ranges[0][0].value == record:
+                return  # our first attempt was applied
+            raise TaskExists(f"task {task.id!r} already exists")
+        log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    def delete_task(self, task_id: str) -> None:
+        self._check_open()
+        tk = self._keys.task(validate_task_id(task_id))
+        result = self._driver.txn(
+            [exists(tk.props)],
+            [Delete(tk.prefix, prefix=True), Delete(tk.owner), Delete(tk.machine)],
+        )
+        if not result.succeeded:
+            raise TaskNotFound(f"no task {task_id!r}")
+        log.debug("deleted task %s", task_id, extra={"task": task_id})
+
+    def retry_task(self, task_id: str) -> None:
+        self._check_open()
+        task_id = validate_task_id(task_id)
+        tk = self._keys.task(task_id)
+        for _ in range(_RETRIES):
+            info, rec = self._load(task_id)
+            if info.state not in (TaskState.FAILED, TaskState.EXPIRED):
+                raise InvalidTaskState(
+                    f"task {task_id!r} is {info.state.value}; only failed or expired tasks "
+                    "can be retried"
+                )
+            if rec.state is None:
+                continue  # expired by this very read; read again
+            result = self._driver.txn(
+                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state)]
+            )
+            if result.succeeded:
+                return
+        raise StoreError(f"task {task_id!r} kept changing; retry it again")
+
+    def get_task(self, task_id: str) -> TaskInfo:
+        self._check_open()
+        info, _ = self._load(validate_task_id(task_id))
+        return info
+
+    def _load(self, task_id: str) -> tuple[TaskInfo, TaskRecord]:
+        rec = read_task(self._driver, self._keys, task_id)
+        info = self._sweep(task_id, rec)
+        if info is None:
+            raise TaskNotFound(f"no task {task_id!r}")
+        return info, rec
+
+    def _sweep(self, task_id: str, rec: TaskRecord, now: datetime | None = None) -> TaskInfo | None:
+        """The task's info; a pending task past its ``expires_at`` is moved to expired."""
+        info = task_info(task_id, rec)
+        if info is None or info.state is not TaskState.PENDING or rec.props is None:
+            return info
+        _, expires = launch_and_expiry(dict(info.props))
+        now = now or self._clock.now()
+        if expires is None or expires > now:
+            return info
+        if expire_task(self._driver, self._keys, task_id, rec.props.mod_revision, now):
+            log.info("task %s expired", task_id, extra={"task": task_id})
+            return TaskInfo(
+                id=info.id, props=info.props, state=TaskState.EXPIRED, token=info.token,
+                created_at=info.created_at, finished_at=now, attempts=info.attempts,
+            )
+        fresh = task_info(task_id, read_task(self._driver, self._keys, task_id))
+        return fresh
+
+    def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
+        self._check_open()
+        wanted = None if state is None else TaskState(state)
+        records, _ = read_all_tasks(self._driver, self._keys)
+        out = []
+        for task_id in sorted(records):
+            info = self._sweep(task_id, records[task_id])
+            if info is not None and (wanted is None or info.state is wanted):
+                out.append(info)
+        return out
+
+    def purge(self, older_than: timedelta | None = None) -> int:
+        self._check_open()
+        now = self._clock.now()
+        cutoff = now - (older_than or timedelta(0))
+        records, _ = read_all_tasks(self._driver, self._keys)
+        count = 0
+        for task_id in sorted(records):
+            rec = records[task_id]
+            info = self._sweep(task_id, rec, now)
+            if info is None or info.state not in _FINISHED:
+                continue
+            finished: datetime | None = info.finished_at
+            if finished is None or finished > cutoff:
+                continue
+            tk = self._keys.task(task_id)
+            guard = (
+                modified_at(tk.state, rec.state.mod_revision)
+                if rec.state is not None
+                else exists(tk.state)
+            )
+            result = self._driver.txn(
+                [guard, absent(tk.owner)],
+                [Delete(tk.prefix, prefix=True), Delete(tk.machine)],
+            )
+            if result.succeeded:
+                count += 1
+        return count
+
+    # -- nodes ------------------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        self._check_open()
+        return live_nodes(self._driver, self._keys)
+
+    def node_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return node_task_count(self._driver, self._keys)
+
+    def submit_command(self, node_id: str, command: Command) -> None:
+        self._check_open()
+        alive = self._keys.node_alive(node_id)
+        for _ in range(_RETRIES):
+            kvs, _rev = self._driver.range(Range(alive))
+            if not kvs:
+                break
+            key = self._keys.node_commands(node_id) + new_command_name().encode()
+            # Attached to the node's lease: a dead node's queue disappears with it.
+            result = self._driver.txn(
+                [created_at(alive, kvs[0].create_revision)],
+                [Put(key, command.to_json().encode(), kvs[0].lease)],
+            )
+            if result.succeeded:
+                return
+        raise NodeNotFound(f"no live node {node_id!r}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._driver.close()

@@ -1,0 +1,906 @@
+"""The etcd v3 coordinator: one lease per node, claims as leased owner keys, push via watch.
+
+Semantics are those of docs/coordinators.md (the memory coordinator is the reference);
+the key layout is in :mod:`metafora.coordinators.etcd.layout`.
+
+Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
+
+``metafora-etcd-lease[<node>]``
+    Renews the node's lease every ``lease_ttl / 3`` (one keep-alive per node renews every
+    claim). It self-fences: when ``lease_ttl - margin`` seconds have passed on this host's
+    monotonic clock since the *start* of the last successful renewal, it calls
+    ``ctx.lost(task)`` for every claim and drops the lease, then re-registers with a new
+    lease (revoking the old one first, which frees the old claims at once) and carries on.
+    etcd expires a lease ``lease_ttl`` after it *received* the last renewal, which is later
+    than when we sent it, so everyone else can claim only after we have fenced; the margin
+    (``max(0.5 s, lease_ttl / 4)``) is the time handlers get to notice ``stop()``.
+
+``metafora-etcd-watch[<node>]``
+    Lists the tasks and owner keys at one revision into a cache, then watches the whole
+    namespace from that revision + 1. Feeds :meth:`EtcdCoordinator.watch`, tells the node
+    when a claim it holds disappears (task deleted by a client, lease expired) and wakes
+    :meth:`EtcdCoordinator.command`. Any watch error (etcd restarted, compaction, a
+    member gone) restarts it with back-off and a full re-list; so does ``poll_interval``
+    (the safety net). It never dies on an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.commands import Command
+from metafora.coordinator import (
+    Coordinator,
+    CoordinatorContext,
+    TaskSink,
+    as_sink,
+    error_text,
+)
+from metafora.coordinators.etcd.config import EtcdConfig
+from metafora.coordinators.etcd.driver import (
+    Delete,
+    EtcdDriver,
+    KeyValue,
+    LeaseNotFound,
+    Put,
+    Range,
+    WatchBatch,
+    WatchCompacted,
+    WatchFailure,
+    WatchHandle,
+    absent,
+    created_at,
+    modified_at,
+    value_is,
+)
+from metafora.coordinators.etcd.layout import (
+    Keys,
+    TaskRecord,
+    decode_json,
+    encode_json,
+    iso,
+    props_of,
+)
+from metafora.coordinators.etcd.queries import (
+    expire_task,
+    launch_and_expiry,
+    node_task_count,
+    read_all_tasks,
+)
+from metafora.errors import (
+    ClaimLost,
+    CoordinatorClosed,
+    CoordinatorUnavailable,
+    InvalidCommand,
+    MetaforaError,
+    NodeExists,
+    NodeNotFound,
+)
+from metafora.task import Task, validate_task_id
+
+__all__ = ["EtcdCoordinator", "fence_margin", "new_command_name"]
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_START = 0.05
+_BACKOFF_MAX = 2.0
+_TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps)
+_STOP = object()
+
+
+def fence_margin(lease_ttl: float) -> float:
+    """Seconds before the lease could expire at which a node stops its handlers."""
+    return max(0.5, lease_ttl / 4)
+
+
+@dataclass
+class _Held:
+    task: Task
+    finishing: bool = False  # a release/done/fail of this claim is in flight
+
+
+@dataclass
+class _Entry:
+    """The watch cache's view of one task."""
+
+    props: dict[str, Any] | None = None
+    props_mod: int = 0
+    launch_at: datetime | None = None
+    expires_at: datetime | None = None
+    finished: bool = False
+    owner: str | None = None
+    owner_rev: int = 0
+
+    def set_props(self, kv: KeyValue) -> None:
+        self.props, _ = props_of(kv)
+        self.props_mod = kv.mod_revision
+        self.launch_at, self.expires_at = launch_and_expiry(self.props)
+
+    @classmethod
+    def from_record(cls, rec: TaskRecord) -> _Entry:
+        entry = cls()
+        if rec.props is not None:
+            entry.set_props(rec.props)
+        entry.finished = rec.state is not None
+        if rec.owner is not None:
+            entry.owner = rec.owner.value.decode(errors="replace")
+            entry.owner_rev = rec.owner.create_revision
+        return entry
+
+
+@dataclass
+class _Subscriber:
+    """One running ``watch(out)``: which task ids to re-evaluate."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    ids: set[str] = field(default_factory=set)
+    everything: bool = True
+
+    def mark(self, ids: set[str] | None) -> None:
+        if ids is None:
+            self.everything = True
+        elif ids:
+            self.ids |= ids
+        else:
+            return
+        self.event.set()
+
+
+class EtcdCoordinator(Coordinator):
+    """A node's coordinator on an etcd v3 cluster (``etcd://host:2379/NAMESPACE``).
+
+    Construction touches nothing; :meth:`init` registers the node (``NodeExists`` if its
+    id is live) and starts the lease and watch threads.
+    """
+
+    def __init__(self, config: EtcdConfig, node_id: str, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._cfg = config
+        self._node_id = validate_task_id(node_id)
+        self._node_bytes = self._node_id.encode()
+        self._keys = Keys(config.namespace)
+        self._clock = clock
+        self._driver = EtcdDriver(config.connection)
+        self._extra = {"node": self._node_id}
+        self._lock = threading.Lock()
+        self._ctx: CoordinatorContext | None = None
+        self._closed = False
+        self._stop = threading.Event()
+        # lease
+        self._lease_id: int | None = None
+        self._old_lease: int | None = None  # dropped after a fence, revoked on re-register
+        self._renewed_at = 0.0
+        self._beat_wake = threading.Event()
+        self._keepalive_paused = False
+        self._fence_after = config.lease_ttl - fence_margin(config.lease_ttl)
+        # claims this node holds
+        self._held: dict[str, _Held] = {}
+        # watch cache
+        self._cache: dict[str, _Entry] = {}
+        self._cache_ready = False
+        self._cache_rev = 0
+        self._subs: list[_Subscriber] = []
+        self._watch_queue: queue.Queue[object] | None = None
+        # commands
+        self._cmd_cond = threading.Condition(self._lock)
+        self._cmd_seq = 0
+        # threads
+        self._threads: list[threading.Thread] = []
+        self._watcher_started = False
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._cfg.name
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def config(self) -> EtcdConfig:
+        """The validated configuration."""
+        return self._cfg
+
+    def __repr__(self) -> str:
+        return f"EtcdCoordinator({self.name!r}, node_id={self._node_id!r})"
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def init(self, ctx: CoordinatorContext) -> None:
+        with self._lock:
+            self._check_open()
+            if self._ctx is not None:
+                raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
+        self._driver.connect()
+        self._register()
+        with self._lock:
+            self._ctx = ctx
+        self._start_thread("lease", self._lease_loop)
+        self._ensure_watcher()
+        log.info("node %s registered on %s", self._node_id, self.name, extra=self._extra)
+
+    def _start_thread(self, role: str, target: Any) -> None:
+        thread = threading.Thread(
+            target=target, name=f"metafora-etcd-{role}[{self._node_id}]", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _ensure_watcher(self) -> None:
+        with self._lock:
+            if self._watcher_started or self._closed:
+                return
+            self._watcher_started = True
+        self._start_thread("watch", self._watch_loop)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CoordinatorClosed(f"coordinator {self._node_id!r} on {self.name} is closed")
+
+    def _require_init(self) -> None:
+        self._check_open()
+        if self._ctx is None:
+            raise CoordinatorClosed("init(ctx) must be called before using the coordinator")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            leases = [lease for lease in (self._lease_id, self._old_lease) if lease is not None]
+            self._lease_id = self._old_lease = None
+            self._held.clear()
+            for sub in self._subs:
+                sub.event.set()
+            self._cmd_cond.notify_all()
+            wq = self._watch_queue
+        self._stop.set()
+        self._beat_wake.set()
+        if wq is not None:
+            wq.put(_STOP)
+        # Revoking the lease deletes the registration, every owner key (the claims become
+        # claimable at once) and the queued commands, in one round trip.
+        for lease in leases:
+            try:
+                self._driver.revoke(lease)
+            except MetaforaError as exc:
+                log.warning(
+                    "node %s: could not revoke its lease on close (%s); it expires in %ss",
+                    self._node_id, exc, self._cfg.lease_ttl, extra=self._extra,
+                )
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join(self._cfg.timeout + 2)
+        self._driver.close()
+        log.info("node %s closed", self._node_id, extra=self._extra)
+
+    # -- lease ------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Grant a lease and create the node's registration key if absent."""
+        alive = self._keys.node_alive(self._node_id)
+        started = self._clock.monotonic()
+        lease, _granted = self._driver.grant(self._cfg.lease_ttl)
+        value = encode_json({"started_at": iso(self._clock.now())})
+        try:
+            result = self._driver.txn([absent(alive)], [Put(alive, value, lease)], [Range(alive)])
+        except BaseException:
+            self._revoke_quietly(lease)
+            raise
+        if not result.succeeded:
+            self._revoke_quietly(lease)
+            raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                self._lease_id = lease
+                self._renewed_at = started
+        if closed:
+            self._revoke_quietly(lease)
+            raise CoordinatorClosed(f"coordinator {self._node_id!r} closed while registering")
+
+    def _revoke_quietly(self, lease: int) -> None:
+        try:
+            self._driver.revoke(lease, timeout=1.0)
+        except MetaforaError:
+            log.debug("could not revoke lease %x", lease, exc_info=True, extra=self._extra)
+
+    def _lease_loop(self) -> None:
+        interval = self._cfg.lease_ttl / 3
+        next_beat = self._clock.monotonic() + interval
+        backoff = _BACKOFF_START
+        failing = False
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    lease, renewed, paused = self._lease_id, self._renewed_at, self._keepalive_paused
+                now = self._clock.monotonic()
+                if lease is None:
+                    if paused:
+                        self._beat_wake.wait(0.05)
+                        self._beat_wake.clear()
+                        continue
+                    if self._reregister():
+                        next_beat = self._clock.monotonic() + interval
+                        backoff = _BACKOFF_START
+                    else:
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                    continue
+                fence_at = renewed + self._fence_after
+                if now >= fence_at:
+                    self._fence(f"no successful lease renewal for {now - renewed:.2f}s")
+                    continue
+                wake_at = min(next_beat, fence_at)
+                if wake_at > now:
+                    self._beat_wake.wait(wake_at - now)
+                    self._beat_wake.clear()
+                    continue
+                if paused:  # fault injection: pretend the renewal never got through
+                    next_beat = now + interval
+                    continue
+                started = self._clock.monotonic()
+                try:
+                    ttl = self._driver.keepalive(lease, timeout=fence_at - started)
+                except MetaforaError as exc:
+                    level = logging.DEBUG if failing else logging.WARNING
+                    log.log(level, "node %s: lease renewal failed: %s", self._node_id, exc,
+                            extra=self._extra)
+                    failing = True
+                    next_beat = self._clock.monotonic() + min(interval, 0.25)
+                    continue
+                if ttl <= 0:
+                    self._fence("etcd no longer knows the lease")
+                    continue
+                took = self._clock.monotonic() - started
+                with self._lock:
+                    if self._lease_id == lease:
+                        self._renewed_at = started
+                if failing:
+                    log.info("node %s: lease renewal recovered", self._node_id, extra=self._extra)
+                    failing = False
+                if took > interval:
+                    log.warning("node %s: lease renewal took %.2fs (interval %.2fs)",
+                                self._node_id, took, interval, extra=self._extra)
+                next_beat = started + interval
+            except Exception:  # never let the heartbeat die: a dead heartbeat is a zombie
+                log.exception("node %s: unexpected error in the lease loop", self._node_id,
+                              extra=self._extra)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _reregister(self) -> bool:
+        """After a fence: revoke the old lease, register again. True on success."""
+        old = self._old_lease
+        try:
+            if old is not None:
+                self._driver.revoke(old)
+                with self._lock:
+                    if self._old_lease == old:
+                        self._old_lease = None
+            self._register()
+        except NodeExists:
+            log.error("node %s: cannot re-register, another live node uses this id",
+                      self._node_id, extra=self._extra)
+            return False
+        except CoordinatorClosed:
+            return False
+        except MetaforaError as exc:
+            log.warning("node %s: re-registration failed: %s", self._node_id, exc,
+                        extra=self._extra)
+            return False
+        log.warning("node %s: re-registered with a new lease", self._node_id, extra=self._extra)
+        return True
+
+    def _fence(self, reason: str) -> None:
+        """Drop the lease and tell the node every claim is lost (self-fencing)."""
+        with self._lock:
+            lease = self._lease_id
+            if lease is None:
+                return
+            self._lease_id = None
+            self._old_lease = lease
+            lost = [held.task for held in self._held.values()]
+            self._held.clear()
+        log.warning("node %s: lease lost (%s); stopping %d task(s)", self._node_id, reason,
+                    len(lost), extra=self._extra)
+        self._notify_lost(lost)
+        self._beat_wake.set()
+
+    def _notify_lost(self, tasks: list[Task]) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            return
+        for task in tasks:
+            if self._closed:
+                return
+            log.info("node %s lost task %s (token %d)", self._node_id, task.id, task.token,
+                     extra={"node": self._node_id, "task": task.id})
+            try:
+                ctx.lost(task)
+            except Exception:
+                log.exception("ctx.lost(%s) raised", task.id,
+                              extra={"node": self._node_id, "task": task.id})
+
+    def suspend_keepalive(self) -> None:
+        """Fault injection for tests: stop renewing the lease (as if etcd were cut off).
+
+        The node then self-fences (``ctx.lost`` for every claim) before the lease expires,
+        and does not re-register until :meth:`resume_keepalive`.
+        """
+        with self._lock:
+            self._keepalive_paused = True
+        self._beat_wake.set()
+
+    def resume_keepalive(self) -> None:
+        """Undo :meth:`suspend_keepalive`."""
+        with self._lock:
+            self._keepalive_paused = False
+        self._beat_wake.set()
+
+    @property
+    def lease_id(self) -> int | None:
+        """The node's current etcd lease (None while it has none)."""
+        with self._lock:
+            return self._lease_id
+
+    # -- claims -----------------------------------------------------------------------
+
+    def claim(self, task: Task) -> Task | None:
+        self._require_init()
+        with self._lock:
+            lease = self._lease_id
+            entry = self._cache.get(task.id)
+            known = (entry.props, entry.props_mod) if entry and entry.props is not None else None
+        if lease is None:
+            return None  # the lease is lost; the lease thread is re-registering
+        tk = self._keys.task(task.id)
+        if known is None:
+            kvs, _ = self._driver.range(Range(tk.props))
+            if not kvs:
+                return None
+            props, _ = props_of(kvs[0])
+            known = (props, kvs[0].mod_revision)
+        props, props_mod = known
+        for _attempt in range(3):
+            now = self._clock.now()
+            launch, expires = launch_and_expiry(props)
+            if expires is not None and expires <= now:
+                self._expire(task.id, props_mod)
+                return None
+            if launch is not None and launch > now:
+                return None
+            claim_record = encode_json({"node": self._node_id, "claimed_at": iso(now)})
+            try:
+                result = self._driver.txn(
+                    [absent(tk.owner), absent(tk.state), modified_at(tk.props, props_mod)],
+                    [Put(tk.owner, self._node_bytes, lease), Put(tk.claim, claim_record)],
+                    [Range(tk.props), Range(tk.state), Range(tk.owner)],
+                    repeatable=True,
+                )
+            except LeaseNotFound:
+                self._fence("etcd refused a claim: lease not found")
+                return None
+            if result.succeeded:
+                return self._took(Task(task.id, props, result.revision), lease)
+            props_kvs, state_kvs, owner_kvs = result.ranges
+            if owner_kvs:
+                owner = owner_kvs[0]
+                if (
+                    result.retried
+                    and owner.value == self._node_bytes
+                    and owner.lease == lease
+                    and props_kvs
+                ):
+                    # An earlier attempt of this call was applied but its answer was lost.
+                    props, _ = props_of(props_kvs[0])
+                    return self._took(Task(task.id, props, owner.create_revision), lease)
+                return None
+            if state_kvs or not props_kvs:
+                return None
+            # The task was resubmitted since we read it: judge the new props and try again.
+            props, _ = props_of(props_kvs[0])
+            props_mod = props_kvs[0].mod_revision
+        return None
+
+    def _took(self, claimed: Task, lease: int) -> Task | None:
+        """Record a successful claim, unless it is already gone."""
+        with self._lock:
+            entry = self._cache.get(claimed.id)
+            gone = self._cache_rev >= claimed.token and (
+                entry is None or entry.owner_rev != claimed.token
+            )
+            if self._lease_id != lease or self._closed or gone:
+                # Fenced or closed meanwhile, or the watch has already seen the owner key go
+                # (deleted right after the claim): the claim is not ours to run.
+                return None
+            self._held[claimed.id] = _Held(claimed)
+        log.debug("node %s claimed %s (token %d)", self._node_id, claimed.id, claimed.token,
+                  extra={"node": self._node_id, "task": claimed.id})
+        return claimed
+
+    def _expire(self, task_id: str, props_mod: int) -> None:
+        try:
+            if expire_task(self._driver, self._keys, task_id, props_mod, self._clock.now()):
+                log.info("task %s expired", task_id, extra={"node": self._node_id, "task": task_id})
+        except MetaforaError as exc:
+            log.debug("could not expire task %s: %s", task_id, exc,
+                      extra={"node": self._node_id, "task": task_id})
+
+    def release(self, task: Task) -> None:
+        self._fenced(task, "release", [])
+
+    def done(self, task: Task) -> None:
+        record = {"state": "done", "finished_at": iso(self._clock.now()), "token": task.token}
+        self._fenced(task, "done", [Put(self._keys.task(task.id).state, encode_json(record))])
+
+    def fail(self, task: Task, error: BaseException | str) -> None:
+        record = {
+            "state": "failed",
+            "error": error_text(error),
+            "finished_at": iso(self._clock.now()),
+            "token": task.token,
+        }
+        self._fenced(task, "failed", [Put(self._keys.task(task.id).state, encode_json(record))])
+
+    def _fenced(self, task: Task, what: str, writes: list[Put]) -> None:
+        """Apply ``writes`` and delete the owner key iff this node still holds the claim."""
+        self._check_open()
+        tk = self._keys.task(task.id)
+        with self._lock:
+            held = self._held.get(task.id)
+            if held is not None and held.task.token == task.token:
+                held.finishing = True
+        result = self._driver.txn(
+            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
+            [*writes, Delete(tk.owner)],
+            [Range(tk.state), Range(tk.claim), Range(tk.owner)],
+            repeatable=True,
+        )
+        ok = result.succeeded or (result.retried and self._applied_before(task, what, result.ranges))
+        with self._lock:
+            held = self._held.get(task.id)
+            if held is not None and held.task.token == task.token:
+                del self._held[task.id]
+        if not ok:
+            raise ClaimLost(
+                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
+            )
+        log.debug("node %s: %s %s (token %d)", self._node_id, what, task.id, task.token,
+                  extra={"node": self._node_id, "task": task.id})
+
+    @staticmethod
+    def _applied_before(task: Task, what: str, ranges: list[list[KeyValue]]) -> bool:
+        """After a retried txn failed: did the lost first attempt do the job?"""
+        state_kvs, claim_kvs, owner_kvs = ranges
+        if what == "release":
+            return (
+                not owner_kvs
+                and not state_kvs
+                and bool(claim_kvs)
+                and claim_kvs[0].mod_revision == task.token
+            )
+        if not state_kvs:
+            return False
+        data = decode_json(state_kvs[0].value) or {}
+        return data.get("state") == what and data.get("token") == task.token
+
+    def save_state(self, task: Task, value: bytes) -> None:
+        """Write the task's state-machine record, fenced by the claim (ClaimLost if stale)."""
+        self._check_open()
+        tk = self._keys.task(task.id)
+        result = self._driver.txn(
+            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
+            [Put(tk.machine, value)],
+            repeatable=True,
+        )
+        if not result.succeeded:
+            raise ClaimLost(
+                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
+            )
+
+    def load_state(self, task_id: str) -> bytes | None:
+        """The task's state-machine record, or None."""
+        self._check_open()
+        kvs, _ = self._driver.range(Range(self._keys.task(validate_task_id(task_id)).machine))
+        return kvs[0].value if kvs else None
+
+    def held(self) -> list[Task]:
+        """The claims this node holds now (as it believes)."""
+        with self._lock:
+            return [h.task for h in self._held.values()]
+
+    # -- cluster state ----------------------------------------------------------------
+
+    def node_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return node_task_count(self._driver, self._keys)
+
+    # -- commands ---------------------------------------------------------------------
+
+    def command(self, timeout: float | None = None) -> Command | None:
+        deadline = None if timeout is None else self._clock.monotonic() + timeout
+        failing = False
+        while True:
+            with self._lock:
+                if self._closed:
+                    return None
+                seq = self._cmd_seq
+                ready = self._ctx is not None
+            if ready:
+                try:
+                    command, more = self._take_command()
+                    failing = False
+                except MetaforaError as exc:
+                    if isinstance(exc, CoordinatorClosed) or self._closed:
+                        return None
+                    level = logging.DEBUG if failing else logging.WARNING
+                    log.log(level, "node %s: reading commands failed: %s", self._node_id, exc,
+                            extra=self._extra)
+                    failing, command, more = True, None, False
+                if command is not None:
+                    return command
+                if more:
+                    continue
+            left = None if deadline is None else deadline - self._clock.monotonic()
+            if left is not None and left <= 0:
+                return None
+            wait = self._cfg.poll_interval if left is None else min(left, self._cfg.poll_interval)
+            if failing:
+                wait = min(wait, 1.0)
+            with self._lock:
+                if self._cmd_seq == seq and not self._closed:
+                    self._cmd_cond.wait(wait)
+
+    def _take_command(self) -> tuple[Command | None, bool]:
+        """(the oldest command, whether to look again at once)."""
+        prefix = self._keys.node_commands(self._node_id)
+        kvs, _ = self._driver.range(Range(prefix, prefix=True, limit=1, by_create=True))
+        if not kvs:
+            return None, False
+        kv = kvs[0]
+        taken = self._driver.txn([created_at(kv.key, kv.create_revision)], [Delete(kv.key)])
+        if not taken.succeeded:
+            return None, True  # taken by another thread of ours
+        try:
+            return Command.from_json(kv.value), False
+        except InvalidCommand as exc:
+            log.warning("node %s: dropping malformed command %r: %s", self._node_id,
+                        kv.value[:200], exc, extra=self._extra)
+            return None, True
+
+    def inject_raw_command(self, raw: str | bytes) -> None:
+        """Queue raw (possibly malformed) command text for this node, for fault tests."""
+        self._require_init()
+        alive = self._keys.node_alive(self._node_id)
+        kvs, _ = self._driver.range(Range(alive))
+        if not kvs:
+            raise NodeNotFound(f"node {self._node_id!r} is not live")
+        key = self._keys.node_commands(self._node_id) + new_command_name().encode()
+        data = raw.encode() if isinstance(raw, str) else raw
+        result = self._driver.txn(
+            [created_at(alive, kvs[0].create_revision)], [Put(key, data, kvs[0].lease)]
+        )
+        if not result.succeeded:
+            raise NodeNotFound(f"node {self._node_id!r} is not live")
+
+    # -- watch ------------------------------------------------------------------------
+
+    def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
+        sink = as_sink(out)
+        sub = _Subscriber()
+        sub.event.set()  # the first round offers every claimable task
+        with self._lock:
+            if self._closed:
+                return
+            self._subs.append(sub)
+        self._ensure_watcher()
+        timers: dict[str, datetime] = {}
+        try:
+            while True:
+                now = self._clock.now()
+                wait = _TIMER_CAP
+                if timers:
+                    wait = min(wait, max(0.0, (min(timers.values()) - now).total_seconds()))
+                sub.event.wait(wait)
+                offers, expiring = self._evaluate(sub, timers)
+                for task_id, props_mod in expiring:
+                    if self._closed:
+                        return
+                    self._expire(task_id, props_mod)
+                for task in offers:
+                    if self._closed:
+                        return
+                    sink(task)
+                if self._closed:
+                    return
+        finally:
+            with self._lock:
+                if sub in self._subs:
+                    self._subs.remove(sub)
+
+    def _evaluate(
+        self, sub: _Subscriber, timers: dict[str, datetime]
+    ) -> tuple[list[Task], list[tuple[str, int]]]:
+        """Which of the marked or due tasks to offer, and which to expire."""
+        now = self._clock.now()
+        offers: list[Task] = []
+        expiring: list[tuple[str, int]] = []
+        with self._lock:
+            sub.event.clear()
+            if self._closed or not self._cache_ready:
+                return offers, expiring  # the first listing marks everything again
+            candidates = set(self._cache) if sub.everything else sub.ids
+            sub.ids = set()
+            sub.everything = False
+            for task_id, due in list(timers.items()):
+                if due <= now:
+                    candidates.add(task_id)
+                    del timers[task_id]
+            for task_id in sorted(candidates):
+                entry = self._cache.get(task_id)
+                if entry is None or entry.props is None or entry.finished or entry.owner:
+                    timers.pop(task_id, None)
+                    continue
+                if entry.expires_at is not None and entry.expires_at <= now:
+                    expiring.append((task_id, entry.props_mod))
+                    timers.pop(task_id, None)
+                elif entry.launch_at is not None and entry.launch_at > now:
+                    timers[task_id] = entry.launch_at
+                else:
+                    offers.append(Task(task_id, entry.props))
+                    if entry.expires_at is not None:
+                        timers[task_id] = entry.expires_at
+                    else:
+                        timers.pop(task_id, None)
+        return offers, expiring
+
+    def _watch_loop(self) -> None:
+        backoff = _BACKOFF_START
+        failing = False
+        while not self._stop.is_set():
+            handle: WatchHandle | None = None
+            try:
+                revision = self._relist()
+                wq: queue.Queue[object] = queue.Queue()
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._watch_queue = wq
+                handle = self._driver.watch_prefix(self._keys.root, revision + 1, wq.put)
+                if failing:
+                    log.info("node %s: watch recovered", self._node_id, extra=self._extra)
+                failing = False
+                backoff = _BACKOFF_START
+                relist_at = self._clock.monotonic() + self._cfg.poll_interval
+                while True:
+                    left = relist_at - self._clock.monotonic()
+                    if left <= 0:
+                        break  # safety net: re-list now and then, in case a change was missed
+                    try:
+                        item = wq.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    if item is _STOP:
+                        return
+                    if isinstance(item, WatchFailure):
+                        if item.compacted:
+                            raise WatchCompacted(0)
+                        raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
+                    if isinstance(item, WatchBatch):
+                        self._apply(item)
+            except WatchCompacted:
+                log.info("node %s: watch history compacted; re-listing", self._node_id,
+                         extra=self._extra)
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                level = logging.DEBUG if failing else logging.WARNING
+                if not isinstance(exc, MetaforaError):
+                    level = logging.ERROR
+                log.log(level, "node %s: watch failed (%s: %s); retrying in %.2fs", self._node_id,
+                        type(exc).__name__, exc, backoff, extra=self._extra,
+                        exc_info=not isinstance(exc, MetaforaError))
+                failing = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    def _relist(self) -> int:
+        """Rebuild the cache from one consistent read; returns its revision."""
+        records, revision = read_all_tasks(self._driver, self._keys)
+        cache = {task_id: _Entry.from_record(rec) for task_id, rec in records.items()}
+        lost: list[Task] = []
+        with self._lock:
+            self._cache = cache
+            self._cache_rev = revision
+            self._cache_ready = True
+            for task_id, held in list(self._held.items()):
+                if held.task.token > revision:
+                    continue  # claimed after this read
+                entry = cache.get(task_id)
+                if entry is None or entry.owner_rev != held.task.token:
+                    del self._held[task_id]
+                    if not held.finishing:
+                        lost.append(held.task)
+            for sub in self._subs:
+                sub.mark(None)
+            self._cmd_seq += 1
+            self._cmd_cond.notify_all()
+        self._notify_lost(lost)
+        return revision
+
+    def _apply(self, batch: WatchBatch) -> None:
+        """Fold watch events into the cache; collect offers, lost claims, command wake-ups."""
+        dirty: set[str] = set()
+        lost: list[Task] = []
+        commands = False
+        with self._lock:
+            for event in batch.events:
+                parsed = self._keys.parse(event.kv.key)
+                if parsed is None:
+                    continue
+                kind, name, part = parsed
+                put = event.kind == "put"
+                if kind == "command":
+                    commands = commands or (put and name == self._node_id)
+                    continue
+                if kind not in ("task", "owner"):
+                    continue
+                entry = self._cache.setdefault(name, _Entry())
+                if kind == "owner":
+                    held = self._held.get(name)
+                    if put:
+                        entry.owner = event.kv.value.decode(errors="replace")
+                        entry.owner_rev = event.kv.create_revision
+                        if held is not None and event.kv.create_revision > held.task.token:
+                            del self._held[name]  # someone else holds it now
+                            if not held.finishing:
+                                lost.append(held.task)
+                    else:
+                        entry.owner = None
+                        entry.owner_rev = 0
+                        dirty.add(name)
+                        if held is not None and event.kv.mod_revision > held.task.token:
+                            del self._held[name]
+                            if not held.finishing:
+                                lost.append(held.task)
+                elif part == "props":
+                    if put:
+                        entry.set_props(event.kv)
+                        dirty.add(name)
+                    else:
+                        entry.props = None
+                elif part == "state":
+                    entry.finished = put
+                    if not put:
+                        dirty.add(name)
+                if entry.props is None and entry.owner is None:
+                    del self._cache[name]
+            self._cache_rev = max(self._cache_rev, batch.revision)
+            if dirty:
+                for sub in self._subs:
+                    sub.mark(dirty)
+            if commands:
+                self._cmd_seq += 1
+                self._cmd_cond.notify_all()
+        self._notify_lost(lost)
+
+
+def new_command_name() -> str:
+    """A unique command key segment (time-ordered; the queue order is the create revision)."""
+    return f"{SYSTEM_CLOCK.now().timestamp() * 1e9:020.0f}-{uuid.uuid4().hex[:12]}"
+

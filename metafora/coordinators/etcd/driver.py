@@ -1,0 +1,663 @@
+"""The one module that talks to etcd: gRPC calls, typed results, translated errors.
+
+Everything above this module sees plain dataclasses (:class:`KeyValue`, :class:`TxnResult`,
+:class:`WatchBatch`) and metafora exceptions; no other module imports grpc or the etcd
+client library.
+
+The client library is ``etcd-sdk-python`` (import name ``pyetcd``), a maintained fork of
+python-etcd3 whose generated protobuf code works with protobuf >= 5.27.2; ``etcd3`` is
+accepted when that is what is installed. From the library we use the generated protobuf
+messages and stubs (``etcdrpc``), its endpoint/channel and authentication handling
+(``MultiEndpointEtcd3Client`` built from ``Endpoint(host, port, secure, time_retry=1)``)
+and its watch-stream multiplexer (``watch.Watcher``). Calls go straight to the stubs so
+that each has its own deadline and its response header (the txn revision is the fencing
+token) is not lost.
+
+Failover: on a connection error the call moves to the next endpoint and, if the request
+may be repeated (reads, or when the caller says so), is retried there once per endpoint.
+A single endpoint is never marked failed: its gRPC channel reconnects by itself with a
+short back-off (the library's default of refusing a failed node for 300 s is avoided).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import grpc
+
+from metafora.errors import ConfigError, CoordinatorUnavailable, StoreError
+
+__all__ = [
+    "Compare",
+    "Delete",
+    "EtcdDriver",
+    "KeyValue",
+    "LeaseNotFound",
+    "Put",
+    "Range",
+    "TxnResult",
+    "WatchBatch",
+    "WatchEvent",
+    "WatchFailure",
+    "WatchHandle",
+    "absent",
+    "created_at",
+    "exists",
+    "load_library",
+    "modified_at",
+    "prefix_end",
+    "value_is",
+]
+
+log = logging.getLogger(__name__)
+
+# gRPC channel options: reconnect quickly after a server restart (the default back-off grows
+# to 120 s) and notice a dead peer on an idle watch stream. etcd refuses pings more often
+# than every 5 s (--grpc-keepalive-min-time), so we ping every 10 s.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+_UNAVAILABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # "too many requests": retryable
+    }
+)
+_TOKEN_ERRORS = ("invalid auth token", "auth token")
+
+
+class LeaseNotFound(StoreError):
+    """etcd does not know the lease (it expired or was revoked)."""
+
+
+def load_library() -> ModuleType:
+    """The installed etcd client library: ``pyetcd`` (preferred) or ``etcd3``."""
+    errors = []
+    for name in ("pyetcd", "etcd3"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            errors.append(f"{name}: {exc}")
+        except Exception as exc:  # pragma: no cover - e.g. etcd3 with protobuf >= 4
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    raise ImportError(
+        "no usable etcd client library (pip install 'metafora[etcd]'): " + "; ".join(errors)
+    )
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One stored key with its revisions and lease."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """A txn condition: ``target(key) op value``."""
+
+    key: bytes
+    target: Literal["create", "mod", "version", "value"]
+    op: Literal["==", "!=", "<", ">"]
+    value: int | bytes
+
+
+def absent(key: bytes) -> Compare:
+    """The key does not exist."""
+    return Compare(key, "create", "==", 0)
+
+
+def exists(key: bytes) -> Compare:
+    """The key exists."""
+    return Compare(key, "create", ">", 0)
+
+
+def created_at(key: bytes, revision: int) -> Compare:
+    """The key exists and was created at ``revision`` (this incarnation of it)."""
+    return Compare(key, "create", "==", revision)
+
+
+def modified_at(key: bytes, revision: int) -> Compare:
+    """The key was last written at ``revision``."""
+    return Compare(key, "mod", "==", revision)
+
+
+def value_is(key: bytes, value: bytes) -> Compare:
+    """The key holds ``value``."""
+    return Compare(key, "value", "==", value)
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Write ``value`` at ``key``, attached to ``lease`` (0: none)."""
+
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Delete ``key`` (or every key under it when ``prefix``)."""
+
+    key: bytes
+    prefix: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Read ``key`` (or every key under it when ``prefix``)."""
+
+    key: bytes
+    prefix: bool = False
+    keys_only: bool = False
+    limit: int = 0
+    by_create: bool = False  # ascending create revision instead of key order
+
+
+Op = Put | Delete | Range
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """What a txn did: which branch ran, at which revision, and what its ranges read."""
+
+    succeeded: bool
+    revision: int
+    ranges: list[list[KeyValue]]
+    retried: bool = False  # an earlier attempt may have been applied (connection lost)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """A put or a delete seen by a watch. For deletes only ``key`` and ``mod_revision`` count."""
+
+    kind: Literal["put", "delete"]
+    kv: KeyValue
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """Events of one watch response (all at revisions <= ``revision``)."""
+
+    revision: int
+    events: list[WatchEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchFailure:
+    """The watch ended: the stream broke, the server closed it, or history was compacted."""
+
+    error: BaseException | None
+    compacted: bool = False
+
+
+WatchCallback = Callable[[WatchBatch | WatchFailure], None]
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end covering every key that starts with ``prefix``."""
+    data = bytearray(prefix)
+    for i in reversed(range(len(data))):
+        if data[i] < 0xFF:
+            data[i] += 1
+            return bytes(data[: i + 1])
+    return b"\0"
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """How to reach etcd (parsed from the store URL)."""
+
+    hosts: tuple[tuple[str, int], ...]
+    secure: bool = False
+    ca_cert: str | None = None
+    cert_key: str | None = None
+    cert_cert: str | None = None
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    timeout: float = 5.0
+    display: str = ""  # the endpoints as shown in errors (never a password)
+
+
+class WatchHandle:
+    """A running watch; :meth:`cancel` stops it (idempotent, never raises)."""
+
+    def __init__(self, watcher: Any, watch_id: int, on_cancel: Callable[[], None]) -> None:
+        self._watcher = watcher
+        self._watch_id = watch_id
+        self._on_cancel = on_cancel
+        self._lock = threading.Lock()
+        self._done = False
+
+    def cancel(self) -> None:
+        """Stop delivering events and close the stream."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._on_cancel()
+        try:
+            self._watcher.cancel(self._watch_id)
+            self._watcher.close()
+        except Exception:  # a broken stream is already closed
+            log.debug("ignoring error while cancelling a watch", exc_info=True)
+
+
+class EtcdDriver:
+    """A connection to one etcd cluster. Thread-safe; :meth:`connect` before use."""
+
+    def __init__(self, settings: ConnectionSettings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._lib: ModuleType | None = None
+        self._client: Any = None
+        self._channels: list[Any] = []
+        self._current = 0
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+        self._closed = False
+
+    @property
+    def endpoints(self) -> str:
+        """The endpoints, for messages (no password)."""
+        return self._settings.display
+
+    # -- connection -------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Build the client (channels, and a token when user/password are set).
+
+        Raises CoordinatorUnavailable if authentication cannot reach the server.
+        """
+        with self._lock:
+            if self._client is not None:
+                return
+            if self._closed:
+                raise CoordinatorUnavailable(f"etcd connection to {self.endpoints} is closed")
+            self._build()
+
+    def _build(self) -> None:
+        lib = load_library()
+        if not hasattr(lib, "MultiEndpointEtcd3Client"):
+            raise ConfigError(
+                f"the installed {lib.__name__} is too old (no MultiEndpointEtcd3Client); "
+                "pip install 'metafora[etcd]'"
+            )
+        s = self._settings
+        creds = None
+        if s.secure:
+            creds = grpc.ssl_channel_credentials(
+                _read(s.ca_cert), _read(s.cert_key), _read(s.cert_cert)
+            )
+        endpoints = [
+            lib.Endpoint(host, port, secure=s.secure, creds=creds, time_retry=1,
+                         opts=_CHANNEL_OPTIONS)
+            for host, port in s.hosts
+        ]
+        try:
+            client = lib.MultiEndpointEtcd3Client(
+                endpoints=endpoints, timeout=s.timeout, user=s.user, password=s.password,
+                failover=True,
+            )
+        except grpc.RpcError as exc:
+            for ep in endpoints:
+                ep.close()
+            raise self._translate(exc, "authenticate") from exc
+        self._lib = lib
+        self._client = client
+        self._channels = [ep.channel for ep in endpoints]
+        self._metadata = client.metadata
+        self._current = 0
+
+    def _reauthenticate(self) -> None:
+        with self._lock:
+            old = self._client
+            self._client = None
+            self._build()
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # pragma: no cover - best effort
+                log.debug("ignoring error closing an old etcd client", exc_info=True)
+
+    def close(self) -> None:
+        """Close every channel (watches end). Idempotent."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            self._channels = []
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # pragma: no cover - best effort
+                log.debug("ignoring error closing the etcd client", exc_info=True)
+
+    def _channel(self) -> tuple[Any, int, ModuleType]:
+        with self._lock:
+            if self._client is None:
+                if self._closed:
+                    raise CoordinatorUnavailable(f"etcd connection to {self.endpoints} is closed")
+                self._build()
+            assert self._lib is not None
+            return self._channels[self._current], self._current, self._lib
+
+    def _failover(self, index: int) -> None:
+        with self._lock:
+            if len(self._channels) > 1 and self._current == index:
+                self._current = (index + 1) % len(self._channels)
+                log.info("etcd: switching to endpoint %d of %s", self._current, self.endpoints)
+
+    def _translate(self, exc: grpc.RpcError, what: str) -> Exception:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = (exc.details() if hasattr(exc, "details") else None) or str(code)
+        if code in _UNAVAILABLE_CODES:
+            return CoordinatorUnavailable(
+                f"etcd at {self.endpoints} is unavailable ({what}): {details}"
+            )
+        if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
+            return LeaseNotFound(f"etcd: {details}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+            code == grpc.StatusCode.INVALID_ARGUMENT and "authentication" in details
+        ):
+            return ConfigError(f"etcd at {self.endpoints} refused the credentials ({what}): {details}")
+        return StoreError(f"etcd at {self.endpoints} failed ({what}): {details}")
+
+    def _call(
+        self,
+        what: str,
+        invoke: Callable[[Any, ModuleType, tuple[tuple[str, str], ...] | None], Any],
+        *,
+        repeatable: bool,
+    ) -> tuple[Any, bool]:
+        """Run ``invoke(channel, lib, metadata)``; returns (result, retried)."""
+        attempts = max(1, len(self._settings.hosts)) if repeatable else 1
+        retried = False
+        reauthed = False
+        last: Exception | None = None
+        i = 0
+        while i < attempts:
+            channel, index, lib = self._channel()
+            try:
+                return invoke(channel, lib, self._metadata), retried
+            except grpc.RpcError as exc:
+                details = (exc.details() if hasattr(exc, "details") else "") or ""
+                if (
+                    not reauthed
+                    and self._settings.user is not None
+                    and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    and any(t in details for t in _TOKEN_ERRORS)
+                ):
+                    reauthed = True
+                    self._reauthenticate()
+                    continue  # the request was refused, so repeating it is safe
+                err = self._translate(exc, what)
+                err.__cause__ = exc
+                if not isinstance(err, CoordinatorUnavailable):
+                    raise err from exc
+                self._failover(index)
+                last = err
+                retried = True
+                i += 1
+        assert last is not None
+        raise last
+
+    # -- KV ---------------------------------------------------------------------------
+
+    def range(self, request: Range, *, revision: int = 0) -> tuple[list[KeyValue], int]:
+        """Read keys; returns them and the store revision of the read."""
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            return rpc.KVStub(channel).Range(
+                _range_request(rpc, request, revision), self._settings.timeout, metadata=md
+            )
+
+        response, _ = self._call("range", invoke, repeatable=True)
+        return [_kv(kv) for kv in response.kvs], int(response.header.revision)
+
+    def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+        *,
+        repeatable: bool = False,
+    ) -> TxnResult:
+        """Run a transaction. With ``repeatable`` it is retried on another endpoint after a
+        connection error (``TxnResult.retried`` then says an earlier attempt may have applied).
+        """
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            request = rpc.TxnRequest(
+                compare=[_compare(rpc, c) for c in compares],
+                success=[_op(rpc, op) for op in success],
+                failure=[_op(rpc, op) for op in failure],
+            )
+            return rpc.KVStub(channel).Txn(request, self._settings.timeout, metadata=md)
+
+        response, retried = self._call("txn", invoke, repeatable=repeatable)
+        ranges = [
+            [_kv(kv) for kv in r.response_range.kvs]
+            for r in response.responses
+            if r.WhichOneof("response") == "response_range"
+        ]
+        return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, retried)
+
+    # -- leases -----------------------------------------------------------------------
+
+    def grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease; returns (lease id, granted TTL in seconds)."""
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            return rpc.LeaseStub(channel).LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=ttl), self._settings.timeout, metadata=md
+            )
+
+        response, _ = self._call("lease grant", invoke, repeatable=True)
+        if getattr(response, "error", ""):
+            raise StoreError(f"etcd refused a lease: {response.error}")
+        return int(response.ID), int(response.TTL)
+
+    def keepalive(self, lease_id: int, timeout: float) -> int:
+        """Renew a lease once; returns its TTL, or 0 when etcd no longer knows it."""
+        deadline = max(0.05, min(timeout, self._settings.timeout))
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            stream = rpc.LeaseStub(channel).LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), deadline, metadata=md
+            )
+            for response in stream:
+                return int(response.TTL)
+            return 0
+
+        ttl, _ = self._call("lease keep-alive", invoke, repeatable=False)
+        return int(ttl)
+
+    def revoke(self, lease_id: int, timeout: float | None = None) -> None:
+        """Revoke a lease (its keys are deleted). An unknown lease is not an error."""
+        deadline = self._settings.timeout if timeout is None else max(0.05, timeout)
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            return rpc.LeaseStub(channel).LeaseRevoke(
+                rpc.LeaseRevokeRequest(ID=lease_id), deadline, metadata=md
+            )
+
+        try:
+            self._call("lease revoke", invoke, repeatable=True)
+        except LeaseNotFound:
+            pass
+
+    # -- watch ------------------------------------------------------------------------
+
+    def watch_prefix(self, prefix: bytes, start_revision: int, callback: WatchCallback) -> WatchHandle:
+        """Watch every key under ``prefix`` from ``start_revision``.
+
+        ``callback`` runs on the library's watch thread with a :class:`WatchBatch` per
+        response, and finally (at most once) with a :class:`WatchFailure` when the stream
+        ends for any reason other than :meth:`WatchHandle.cancel`. It must not block.
+        """
+        channel, index, lib = self._channel()
+        watcher = lib.watch.Watcher(
+            lib.etcdrpc.WatchStub(channel),
+            timeout=self._settings.timeout,
+            call_credentials=None,
+            metadata=self._metadata,
+        )
+        state = {"ended": False}
+        lock = threading.Lock()
+
+        def deliver(response: Any) -> None:
+            with lock:
+                if state["ended"]:
+                    return
+                if response is None or isinstance(response, BaseException):
+                    state["ended"] = True
+            if response is None:
+                callback(WatchFailure(None))
+            elif isinstance(response, BaseException):
+                compacted = hasattr(response, "compacted_revision")
+                callback(WatchFailure(response, compacted=compacted))
+            else:
+                callback(WatchBatch(int(response.header.revision), _events(response.events)))
+
+        try:
+            watch_id = watcher.add_callback(
+                prefix, deliver, range_end=prefix_end(prefix), start_revision=start_revision
+            )
+        except grpc.RpcError as exc:
+            watcher.close()
+            err = self._translate(exc, "watch")
+            if isinstance(err, CoordinatorUnavailable):
+                self._failover(index)
+            raise err from exc
+        except Exception as exc:
+            watcher.close()
+            if hasattr(exc, "compacted_revision"):
+                raise WatchCompacted(int(exc.compacted_revision)) from exc
+            # WatchTimedOut and friends: the stream did not come up in time.
+            self._failover(index)
+            raise CoordinatorUnavailable(
+                f"etcd at {self.endpoints} is unavailable (watch): {type(exc).__name__} {exc}"
+            ) from exc
+
+        def mark_cancelled() -> None:
+            with lock:
+                state["ended"] = True
+
+        return WatchHandle(watcher, int(watch_id), mark_cancelled)
+
+
+class WatchCompacted(StoreError):
+    """The requested start revision of a watch has been compacted away."""
+
+    def __init__(self, compacted_revision: int) -> None:
+        super().__init__(f"etcd history is compacted up to revision {compacted_revision}")
+        self.compacted_revision = compacted_revision
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read TLS file {path!r}: {exc.strerror}") from exc
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(
+        bytes(kv.key),
+        bytes(kv.value),
+        int(kv.create_revision),
+        int(kv.mod_revision),
+        int(kv.version),
+        int(kv.lease),
+    )
+
+
+def _events(events: Iterator[Any]) -> list[WatchEvent]:
+    out = []
+    for ev in events:
+        raw = getattr(ev, "_event", ev)  # the library wraps raw events
+        kind: Literal["put", "delete"] = "delete" if int(raw.type) == 1 else "put"
+        out.append(WatchEvent(kind, _kv(raw.kv)))
+    return out
+
+
+def _range_request(rpc: Any, r: Range, revision: int) -> Any:
+    request = rpc.RangeRequest(key=r.key, keys_only=r.keys_only, limit=r.limit, revision=revision)
+    if r.prefix:
+        request.range_end = prefix_end(r.key)
+    if r.by_create:
+        request.sort_target = rpc.RangeRequest.CREATE
+        request.sort_order = rpc.RangeRequest.ASCEND
+    return request
+
+
+_TARGETS = {"create": "CREATE", "mod": "MOD", "version": "VERSION", "value": "VALUE"}
+_OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+
+
+def _compare(rpc: Any, c: Compare) -> Any:
+    msg = rpc.Compare(
+        key=c.key,
+        target=getattr(rpc.Compare, _TARGETS[c.target]),
+        result=getattr(rpc.Compare, _OPS[c.op]),
+    )
+    if c.target == "value":
+        assert isinstance(c.value, bytes)
+        msg.value = c.value
+    elif c.target == "create":
+        msg.create_revision = int(c.value)
+    elif c.target == "mod":
+        msg.mod_revision = int(c.value)
+    else:
+        msg.version = int(c.value)
+    return msg
+
+
+def _op(rpc: Any, op: Op) -> Any:
+    if isinstance(op, Put):
+        return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
+    if isinstance(op, Delete):
+        request = rpc.DeleteRangeRequest(key=op.key)
+        if op.prefix:
+            request.range_end = prefix_end(op.key)
+        return rpc.RequestOp(request_delete_range=request)
+    return rpc.RequestOp(request_range=_range_request(rpc, op, 0))

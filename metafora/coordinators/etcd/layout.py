@@ -1,0 +1,231 @@
+"""Where things live in etcd, and how stored values are encoded.
+
+Every key is under ``/metafora/<namespace>/``; every prefix ends with ``/`` so that a
+prefix operation on task ``foo`` can never touch task ``foobar``. Ids are percent-encoded
+(``urllib.parse.quote(id, safe="")``), so an id containing ``/`` or ``%`` still maps to
+exactly one path segment::
+
+    tasks/<id>/props        {"props": {...}, "created_at": ISO}       the task exists iff this does
+    tasks/<id>/state        {"state": "done"|"failed"|"expired", "error", "finished_at", "token"}
+                            absent while the task is pending or claimed
+    tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
+                            mod_revision = that claim's token, version = number of claims
+    owners/<id>             value = owner node id, attached to the owner's lease;
+                            create_revision = the fencing token of the claim
+    nodes/<node>/alive      {"started_at"}, attached to the node's lease: the node is live
+    nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
+                            taken in create-revision order and deleted when taken
+    state/<id>              state-machine state of the task (fenced by the claim)
+
+Owner keys have their own prefix so that "who holds what" (node_task_count, the balancers'
+view) is one small range read that never carries task props.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote, unquote
+
+from metafora.coordinators.etcd.driver import KeyValue
+from metafora.task import TaskInfo, TaskState, parse_time
+
+__all__ = ["Keys", "TaskKeys", "decode_json", "encode_json", "iso", "task_info"]
+
+ROOT = "metafora"
+
+
+def escape(name: str) -> str:
+    """One path segment for ``name`` (percent-encoding everything but ``A-Za-z0-9_.-~``)."""
+    return quote(name, safe="")
+
+
+def unescape(segment: str) -> str:
+    """The name a segment encodes."""
+    return unquote(segment)
+
+
+def encode_json(data: dict[str, Any]) -> bytes:
+    """Compact JSON bytes."""
+    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_json(raw: bytes) -> dict[str, Any] | None:
+    """The JSON object in ``raw``, or None if it is not one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def iso(dt: datetime) -> str:
+    """ISO-8601 text of an aware datetime."""
+    return dt.isoformat()
+
+
+def _time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return parse_time(value, "time")
+    except ValueError:
+        return None
+
+
+class Keys:
+    """The key layout of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.root = f"/{ROOT}/{namespace}/".encode()
+        self.tasks = self.root + b"tasks/"
+        self.owners = self.root + b"owners/"
+        self.nodes = self.root + b"nodes/"
+        self.states = self.root + b"state/"
+
+    def task(self, task_id: str) -> TaskKeys:
+        """The keys of one task."""
+        seg = escape(task_id).encode()
+        base = self.tasks + seg + b"/"
+        return TaskKeys(
+            prefix=base,
+            props=base + b"props",
+            state=base + b"state",
+            claim=base + b"claim",
+            owner=self.owners + seg,
+            machine=self.states + seg,
+        )
+
+    def node_alive(self, node_id: str) -> bytes:
+        """The registration key of a node."""
+        return self.nodes + escape(node_id).encode() + b"/alive"
+
+    def node_commands(self, node_id: str) -> bytes:
+        """The prefix of a node's command queue."""
+        return self.nodes + escape(node_id).encode() + b"/commands/"
+
+    def parse(self, key: bytes) -> tuple[str, str, str] | None:
+        """Classify a key: ("task", id, field), ("owner", id, ""), ("alive", node, ""),
+        ("command", node, name) or None for anything else."""
+        if not key.startswith(self.root):
+            return None
+        rest = key[len(self.root) :].decode(errors="replace")
+        kind, _, tail = rest.partition("/")
+        if kind == "tasks":
+            seg, slash, field = tail.partition("/")
+            if slash and seg and field in ("props", "state", "claim"):
+                return ("task", unescape(seg), field)
+        elif kind == "owners":
+            if tail and "/" not in tail:
+                return ("owner", unescape(tail), "")
+        elif kind == "nodes":
+            seg, slash, field = tail.partition("/")
+            if slash and seg:
+                if field == "alive":
+                    return ("alive", unescape(seg), "")
+                if field.startswith("commands/") and len(field) > len("commands/"):
+                    return ("command", unescape(seg), field[len("commands/") :])
+        return None
+
+
+@dataclass(frozen=True)
+class TaskKeys:
+    """The keys of one task (see the module docstring)."""
+
+    prefix: bytes
+    props: bytes
+    state: bytes
+    claim: bytes
+    owner: bytes
+    machine: bytes
+
+
+@dataclass
+class TaskRecord:
+    """What etcd holds about one task, gathered from its keys."""
+
+    props: KeyValue | None = None
+    state: KeyValue | None = None
+    claim: KeyValue | None = None
+    owner: KeyValue | None = None
+
+    def set(self, field: str, kv: KeyValue | None) -> None:
+        """Store a key by its field name (props, state, claim, owner)."""
+        setattr(self, field, kv)
+
+
+def props_of(kv: KeyValue) -> tuple[dict[str, Any], datetime | None]:
+    """(props, created_at) of a props key; a damaged value reads as empty props."""
+    data = decode_json(kv.value) or {}
+    props = data.get("props")
+    return (props if isinstance(props, dict) else {}), _time(data.get("created_at"))
+
+
+def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
+    """The finished state a state key records (a damaged value reads as failed)."""
+    data = decode_json(kv.value) or {}
+    try:
+        state = TaskState(str(data.get("state")))
+    except ValueError:
+        state = TaskState.FAILED
+        data.setdefault("error", f"unreadable state record {kv.value[:80]!r}")
+    if state in (TaskState.PENDING, TaskState.CLAIMED):
+        state = TaskState.FAILED
+    return state, data
+
+
+def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
+    """The :class:`TaskInfo` of a task's keys (None if it has no props key)."""
+    if rec.props is None:
+        return None
+    props, created = props_of(rec.props)
+    claim = decode_json(rec.claim.value) if rec.claim is not None else None
+    attempts = rec.claim.version if rec.claim is not None else 0
+    token = rec.claim.mod_revision if rec.claim is not None else 0
+    owner = None
+    claimed_at = None
+    error = None
+    finished = None
+    if rec.state is not None:
+        state, data = state_of(rec.state)
+        err = data.get("error")
+        error = err if isinstance(err, str) else None
+        finished = _time(data.get("finished_at"))
+    elif rec.owner is not None:
+        state = TaskState.CLAIMED
+        owner = rec.owner.value.decode(errors="replace")
+        token = rec.owner.create_revision
+        if claim is not None and rec.claim is not None and rec.claim.mod_revision == token:
+            claimed_at = _time(claim.get("claimed_at"))
+    else:
+        state = TaskState.PENDING
+    return TaskInfo(
+        id=task_id,
+        props=props,
+        state=state,
+        owner=owner,
+        token=token,
+        claimed_at=claimed_at,
+        error=error,
+        created_at=created,
+        finished_at=finished,
+        attempts=attempts,
+    )
+
+
+def gather(keys: Keys, kvs: list[KeyValue]) -> dict[str, TaskRecord]:
+    """Group task and owner keys by task id."""
+    records: dict[str, TaskRecord] = {}
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is None:
+            continue
+        kind, task_id, field = parsed
+        if kind == "task":
+            records.setdefault(task_id, TaskRecord()).set(field, kv)
+        elif kind == "owner":
+            records.setdefault(task_id, TaskRecord()).set("owner", kv)
+    return records

@@ -1,0 +1,99 @@
+"""Reads and small writes shared by :class:`EtcdCoordinator` and :class:`EtcdClient`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+from metafora.coordinators.etcd.driver import (
+    EtcdDriver,
+    Put,
+    Range,
+    absent,
+    modified_at,
+)
+from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso
+from metafora.task import parse_time
+
+__all__ = [
+    "expire_task",
+    "launch_and_expiry",
+    "live_nodes",
+    "node_task_count",
+    "read_all_tasks",
+    "read_task",
+]
+
+
+def launch_and_expiry(props: dict[str, Any]) -> tuple[datetime | None, datetime | None]:
+    """The ``launch_at`` and ``expires_at`` of stored props (unreadable values count as unset)."""
+    out: list[datetime | None] = []
+    for name in ("launch_at", "expires_at"):
+        value = props.get(name)
+        try:
+            out.append(None if value is None else parse_time(value, name))
+        except ValueError:
+            out.append(None)
+    return out[0], out[1]
+
+
+def read_task(driver: EtcdDriver, keys: Keys, task_id: str) -> TaskRecord:
+    """Every key of one task, read at one revision."""
+    tk = keys.task(task_id)
+    result = driver.txn([], [Range(tk.prefix, prefix=True), Range(tk.owner)], repeatable=True)
+    records = gather(keys, result.ranges[0] + result.ranges[1])
+    return records.get(task_id, TaskRecord())
+
+
+def read_all_tasks(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, TaskRecord], int]:
+    """Every task key and owner key, read at one revision (returned too)."""
+    result = driver.txn(
+        [], [Range(keys.tasks, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
+    )
+    return gather(keys, result.ranges[0] + result.ranges[1]), result.revision
+
+
+def live_nodes(driver: EtcdDriver, keys: Keys) -> list[str]:
+    """Ids of the nodes whose registration (leased) key exists, sorted."""
+    kvs, _ = driver.range(Range(keys.nodes, prefix=True, keys_only=True))
+    return sorted(_alive(keys, [kv.key for kv in kvs]))
+
+
+def _alive(keys: Keys, names: list[bytes]) -> set[str]:
+    nodes = set()
+    for key in names:
+        parsed = keys.parse(key)
+        if parsed is not None and parsed[0] == "alive":
+            nodes.add(parsed[1])
+    return nodes
+
+
+def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
+    """Live node -> number of owner keys naming it (0 included), from one consistent read."""
+    result = driver.txn(
+        [],
+        [Range(keys.nodes, prefix=True, keys_only=True), Range(keys.owners, prefix=True)],
+        repeatable=True,
+    )
+    nodes = _alive(keys, [kv.key for kv in result.ranges[0]])
+    held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
+    return {node: held.get(node, 0) for node in sorted(nodes)}
+
+
+def expire_task(
+    driver: EtcdDriver, keys: Keys, task_id: str, props_mod: int, now: datetime
+) -> bool:
+    """Move a pending task past its ``expires_at`` to ``expired``. True if this call did it.
+
+    Guarded by the props key's mod revision (the same incarnation of the task), no owner and
+    no finished state, so it never touches a claimed, finished or resubmitted task.
+    """
+    tk = keys.task(task_id)
+    record = encode_json({"state": "expired", "finished_at": iso(now), "token": 0})
+    result = driver.txn(
+        [absent(tk.owner), absent(tk.state), modified_at(tk.props, props_mod)],
+        [Put(tk.state, record)],
+        repeatable=True,
+    )
+    return result.succeeded
