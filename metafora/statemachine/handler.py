@@ -1,0 +1,448 @@
+"""The state machine as a :class:`~metafora.handler.Handler`: runs a user's stateful handler.
+
+``handler_func(stateful, coordinator)`` returns a :data:`~metafora.handler.HandlerFunc`.
+Each claimed task gets a :class:`StatefulTaskHandler` whose ``run()``:
+
+1. loads the task's :class:`State` (fenced by the claim token);
+2. loops: *runnable* -> a pending command, else the user's function; *paused* -> waits for
+   a command (keeping the claim); *sleeping* -> waits until ``until`` or a command;
+   *fault* -> a pending command, else the error handler;
+3. applies the message through :data:`~metafora.statemachine.machine.TRANSITIONS` and
+   persists the new state (fenced) when it changed (always on a checkpoint);
+4. returns ``True`` (done: the coordinator marks the task done) when the state becomes
+   terminal -- ``completed``, ``failed`` or ``killed``; the stored state says which and why --
+   and ``False`` (release) on a ``release`` message or after ``stop()``.
+
+Failures: a fenced write refused (ClaimLost) stops the handler at once; a store that is
+unreachable is retried (``store_attempts``) and then the task is *released* -- never
+completed or deleted; a malformed stored state raises (the task is marked failed, with
+the reason, and kept for the operator).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.coordinator import Coordinator
+from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.handler import Handler
+from metafora.statemachine.errors import ErrorHandler, default_error_handler
+from metafora.statemachine.machine import (
+    IGNORE,
+    TRANSITIONS,
+    Message,
+    MessageKind,
+    State,
+    StateCode,
+    apply,
+)
+from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
+from metafora.task import Task
+
+__all__ = ["Commands", "StatefulHandler", "StatefulHandlerFunc", "StatefulTaskHandler", "handler_func"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_RETRY_MAX = 5.0  # seconds: the longest pause between store retries
+
+
+class Commands:
+    """What a :data:`StatefulHandler` gets besides its task: commands, cursor, checkpoints.
+
+    Use it only from the thread that called the handler.
+    """
+
+    def __init__(self, machine: StatefulTaskHandler) -> None:
+        self._machine = machine
+
+    @property
+    def task(self) -> Task:
+        """The claimed task (with its fencing token)."""
+        return self._machine.task
+
+    @property
+    def state(self) -> State:
+        """The task's current state (runnable while the handler runs)."""
+        state = self._machine.state
+        assert state is not None
+        return state
+
+    @property
+    def cursor(self) -> str | None:
+        """The cursor of the last checkpoint (from any earlier owner too), or None."""
+        return self.state.cursor
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
+        return self._machine.stopping
+
+    def poll(self) -> Message | None:
+        """The next command without waiting, or None.
+
+        Returns ``Message.release()`` once the consumer has called ``stop()`` (shutdown,
+        rebalancing, a lost claim). Return the message you get (or another one) to obey it.
+        """
+        if self._machine.stopping:
+            return Message.release()
+        return self._machine.receive(0.0)
+
+    def get(self, timeout: float | None = None) -> Message | None:
+        """The next command, waiting up to ``timeout`` seconds of the machine's clock.
+
+        ``None`` waits until a command arrives or ``stop()``; returns None on timeout.
+        """
+        machine = self._machine
+        deadline = None if timeout is None else machine.clock.monotonic() + max(0.0, timeout)
+        while True:
+            if machine.stopping:
+                return Message.release()
+            wait = machine.poll_interval
+            if deadline is not None:
+                left = deadline - machine.clock.monotonic()
+                if left <= 0:
+                    return None
+                wait = min(wait, left)
+            message = machine.receive(wait)
+            if message is not None:
+                return message
+
+    def checkpoint(self, cursor: str | None = None) -> None:
+        """Save ``cursor`` with the task's state now (a fenced write).
+
+        Raises ClaimLost if another owner holds the task (return at once: the machine stops
+        anyway), CoordinatorUnavailable if the store stayed unreachable (the machine then
+        releases the task if you let it propagate).
+        """
+        self._machine.checkpoint(cursor)
+
+
+StatefulHandler = Callable[[Task, Commands], Message]
+"""The user's function: ``(task, commands) -> Message`` (see the module docstring)."""
+
+
+class _GiveUp(Exception):
+    """Store retries exhausted or the handler was stopped while retrying."""
+
+
+class StatefulTaskHandler(Handler):
+    """Runs one claimed task through the state machine. Built by :func:`handler_func`."""
+
+    def __init__(
+        self,
+        task: Task,
+        stateful: StatefulHandler,
+        state_store: StateStore,
+        task_commands: TaskCommands,
+        *,
+        error_handler: ErrorHandler = default_error_handler,
+        clock: Clock | None = None,
+        poll_interval: float = 1.0,
+        store_attempts: int = 5,
+        store_retry_delay: float = 0.2,
+    ) -> None:
+        self.task = task
+        self.clock = clock or SYSTEM_CLOCK
+        self.poll_interval = poll_interval
+        self._stateful = stateful
+        self._states = state_store
+        self._channel = task_commands
+        self._error_handler = error_handler
+        self._attempts = store_attempts
+        self._retry_delay = store_retry_delay
+        self._stop = threading.Event()
+        self._lost = False
+        self._state: State | None = None
+        self._checkpoint_error: BaseException | None = None
+        self._extra = {"task": task.id, "token": task.token}
+
+    # -- Handler --------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State | None:
+        """The task's current state (None until ``run()`` has loaded it)."""
+        return self._state
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop()`` was called or the claim was lost."""
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return (release) soon. Never blocks."""
+        self._stop.set()
+
+    def run(self) -> bool:
+        """Run the machine; True when the task reached a terminal state, False to release."""
+        task = self.task
+        state = self._load()
+        if state is None:
+            return False
+        self._state = state
+        if state.code.terminal:
+            log.info("task %s is already %s; nothing to run", task.id, state,
+                     extra={**self._extra, "action": "terminal"})
+            return True
+        while not self._stop.is_set():
+            message = self._next_message(state)
+            if message is None:
+                break
+            new = apply(state, message, self.clock.now())
+            if new is None:
+                log.warning("task %s: ignoring %s in state %s", task.id, message, state.code.value,
+                            extra={**self._extra, "action": "ignore"})
+                continue
+            if (new != state or message.kind is MessageKind.CHECKPOINT) and not self._persist(new):
+                return False
+            if new.code is not state.code:
+                log.info("task %s: %s --%s--> %s", task.id, state.code.value, message, new,
+                         extra={**self._extra, "action": "transition"})
+            state = self._state = new
+            if state.code.terminal:
+                level = logging.INFO if state.code is StateCode.COMPLETED else logging.WARNING
+                log.log(level, "task %s finished: %s", task.id, state,
+                        extra={**self._extra, "action": state.code.value})
+                return True
+            if message.kind is MessageKind.RELEASE:
+                break
+        log.info("task %s released in state %s", task.id, state.code.value,
+                 extra={**self._extra, "action": "release"})
+        return False
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _next_message(self, state: State) -> Message | None:
+        """The message that moves ``state`` on; None when stopped or the claim is lost."""
+        code = state.code
+        if code is StateCode.RUNNABLE:
+            return self.receive(0.0) or self._call_user()
+        if code is StateCode.PAUSED:
+            return self._wait(None)
+        if code is StateCode.SLEEPING:
+            return self._wait(state)
+        if code is StateCode.FAULT:
+            return self.receive(0.0) or self._handle_error(state)
+        raise AssertionError(f"no step for state {code}")  # terminal states end run()
+
+    def _call_user(self) -> Message | None:
+        self._checkpoint_error = None
+        try:
+            result = self._stateful(self.task, Commands(self))
+        except ClaimLost as exc:
+            self._lose(exc)
+            return None
+        except Exception as exc:
+            if exc is self._checkpoint_error:
+                log.error("task %s: could not checkpoint; releasing it: %s", self.task.id, exc,
+                          extra={**self._extra, "action": "release"})
+                return None
+            log.warning("task %s: handler raised %s: %s", self.task.id, type(exc).__name__, exc,
+                        exc_info=exc, extra={**self._extra, "action": "error"})
+            return Message.error(exc)
+        if self._lost:
+            return None
+        if not isinstance(result, Message):
+            return Message.error(TypeError(
+                f"the stateful handler returned {type(result).__name__}, not a Message"
+            ))
+        return result
+
+    def _wait(self, sleeping: State | None) -> Message | None:
+        """Wait for a command (paused), or for ``until`` or a command (sleeping)."""
+        until = None if sleeping is None else sleeping.until
+        while not self._stop.is_set():
+            wait = self.poll_interval
+            if until is not None:
+                left = (until - self.clock.now()).total_seconds()
+                if left <= 0:
+                    return Message.run()
+                wait = min(wait, left)
+            message = self.receive(wait)
+            if message is not None:
+                return message
+        return None
+
+    def _handle_error(self, state: State) -> Message:
+        now = self.clock.now()
+        try:
+            message = self._error_handler(self.task, state, now)
+            if not isinstance(message, Message):
+                raise TypeError(f"the error handler returned {type(message).__name__}, not a Message")
+            if TRANSITIONS[(state.code, message.kind)] == IGNORE:
+                raise ValueError(f"the error handler returned {message}, which a fault ignores")
+        except Exception as exc:
+            log.error("task %s: error handler failed (%s); using the default policy", self.task.id,
+                      exc, exc_info=exc, extra={**self._extra, "action": "error_handler"})
+            message = default_error_handler(self.task, state, now)
+        return message
+
+    # -- store access ---------------------------------------------------------------------
+
+    def receive(self, timeout: float) -> Message | None:
+        """The next command for this task (fenced), waiting up to ``timeout`` real seconds."""
+        try:
+            return self._channel.receive(self.task.id, timeout, token=self.task.token,
+                                         cancel=self._stop)
+        except ClaimLost as exc:
+            self._lose(exc)
+        except (CoordinatorUnavailable, StoreError) as exc:
+            log.warning("task %s: cannot read commands: %s", self.task.id, exc,
+                        extra={**self._extra, "action": "command"})
+            self._stop.wait(min(timeout, self.poll_interval))
+        return None
+
+    def checkpoint(self, cursor: str | None) -> None:
+        """Persist the current state with ``cursor`` (see :meth:`Commands.checkpoint`)."""
+        if self._lost:
+            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
+        state = self._state
+        assert state is not None
+        new = apply(state, Message.checkpoint(cursor))
+        if new is None:  # only while runnable; kept general for the table's sake
+            raise ClaimLost(f"task {self.task.id!r} cannot checkpoint in state {state.code.value}")
+        try:
+            self._retry("checkpoint", lambda: self._states.store(self.task, new))
+        except ClaimLost as exc:
+            self._lose(exc)
+            raise
+        except _GiveUp as exc:
+            error = CoordinatorUnavailable(
+                f"could not checkpoint task {self.task.id!r}: {exc.__cause__ or 'stopped'}"
+            )
+            self._checkpoint_error = error
+            raise error from exc.__cause__
+        self._state = new
+
+    def _load(self) -> State | None:
+        try:
+            return self._retry("load state", lambda: self._states.load(self.task))
+        except ClaimLost as exc:
+            self._lose(exc)
+        except _GiveUp as exc:
+            log.error("task %s: cannot load its state; releasing it: %s", self.task.id,
+                      exc.__cause__, extra={**self._extra, "action": "release"})
+        return None
+
+    def _persist(self, state: State) -> bool:
+        try:
+            self._retry("store state", lambda: self._states.store(self.task, state))
+            return True
+        except ClaimLost as exc:
+            self._lose(exc)
+        except _GiveUp as exc:
+            log.error("task %s: cannot store state %s; releasing it: %s", self.task.id,
+                      state.code.value, exc.__cause__, extra={**self._extra, "action": "release"})
+        return False
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        delay = self._retry_delay
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return call()
+            except (CoordinatorUnavailable, StoreError) as exc:
+                if attempt >= self._attempts:
+                    raise _GiveUp(what) from exc
+                log.warning("task %s: %s failed (attempt %d of %d), retrying: %s", self.task.id,
+                            what, attempt, self._attempts, exc,
+                            extra={**self._extra, "action": "retry"})
+                if self.clock.wait(self._stop, delay):
+                    raise _GiveUp(what) from exc
+                delay = min(delay * 2, _RETRY_MAX)
+        raise AssertionError("unreachable")
+
+    def _lose(self, exc: ClaimLost) -> None:
+        if not self._lost:
+            log.warning("task %s: claim lost (%s); stopping", self.task.id, exc,
+                        extra={**self._extra, "action": "lost"})
+        self._lost = True
+        self._stop.set()
+
+
+class StatefulHandlerFunc:
+    """The :data:`~metafora.handler.HandlerFunc` made by :func:`handler_func`.
+
+    Calling it with a claimed task builds that task's :class:`StatefulTaskHandler`;
+    ``state_store`` and ``task_commands`` are the stores it uses.
+    """
+
+    def __init__(
+        self,
+        stateful: StatefulHandler,
+        state_store: StateStore,
+        task_commands: TaskCommands,
+        *,
+        error_handler: ErrorHandler,
+        clock: Clock | None,
+        poll_interval: float,
+        store_attempts: int,
+        store_retry_delay: float,
+    ) -> None:
+        self.stateful = stateful
+        self.state_store = state_store
+        self.task_commands = task_commands
+        self._error_handler = error_handler
+        self._clock = clock
+        self._poll_interval = poll_interval
+        self._store_attempts = store_attempts
+        self._store_retry_delay = store_retry_delay
+
+    def __call__(self, task: Task) -> StatefulTaskHandler:
+        return StatefulTaskHandler(
+            task, self.stateful, self.state_store, self.task_commands,
+            error_handler=self._error_handler, clock=self._clock,
+            poll_interval=self._poll_interval, store_attempts=self._store_attempts,
+            store_retry_delay=self._store_retry_delay,
+        )
+
+
+def handler_func(
+    stateful: StatefulHandler,
+    coordinator: Coordinator | None,
+    *,
+    error_handler: ErrorHandler = default_error_handler,
+    clock: Clock | None = None,
+    state_store: StateStore | None = None,
+    task_commands: TaskCommands | None = None,
+    poll_interval: float = 1.0,
+    store_attempts: int = 5,
+    store_retry_delay: float = 0.2,
+) -> StatefulHandlerFunc:
+    """A HandlerFunc running ``stateful`` through the state machine.
+
+    The state store and the task command channel live in the coordinator's store
+    (memory, SQL, etcd); pass ``state_store`` / ``task_commands`` to use others (then
+    ``coordinator`` may be None). ``error_handler`` decides what a faulted task does
+    (default: :class:`~metafora.statemachine.errors.ErrorPolicy`). ``clock`` times sleeps
+    and back-off. ``poll_interval`` (real seconds) bounds how long a paused or sleeping
+    task waits between re-checks of its clock. A store call failing with a retryable error
+    is tried ``store_attempts`` times, ``store_retry_delay`` seconds apart (doubling).
+    """
+    if not callable(stateful):
+        raise ConfigError("stateful must be callable: (task, commands) -> Message")
+    if not callable(error_handler):
+        raise ConfigError("error_handler must be callable: (task, state, now) -> Message")
+    if not isinstance(poll_interval, int | float) or not 0 < poll_interval <= 60:
+        raise ConfigError(f"poll_interval must be in (0, 60] seconds, got {poll_interval!r}")
+    if not isinstance(store_attempts, int) or store_attempts < 1:
+        raise ConfigError(f"store_attempts must be a positive integer, got {store_attempts!r}")
+    if not isinstance(store_retry_delay, int | float) or store_retry_delay < 0:
+        raise ConfigError(f"store_retry_delay must be >= 0 seconds, got {store_retry_delay!r}")
+    if (state_store is None or task_commands is None) and coordinator is None:
+        raise ConfigError("pass a coordinator, or both state_store and task_commands")
+    return StatefulHandlerFunc(
+        stateful,
+        state_store if state_store is not None else state_store_for(coordinator),
+        task_commands if task_commands is not None else commands_for(coordinator),
+        error_handler=error_handler,
+        clock=clock,
+        poll_interval=float(poll_interval),
+        store_attempts=store_attempts,
+        store_retry_delay=float(store_retry_delay),
+    )
+

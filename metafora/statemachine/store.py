@@ -1,0 +1,151 @@
+"""Where stateful tasks keep their :class:`State`, and how commands reach a running task.
+
+- :class:`StateStore`: one state per task id. Every write (and the owner's first read) is
+  **fenced** by the claim token: a store refuses it with :class:`~metafora.errors.ClaimLost`
+  when the task is no longer claimed under that token, so a zombie owner cannot commit.
+- :class:`TaskCommands`: a per-task command channel (FIFO, each command delivered once).
+  Operators ``send``; the machine running the task ``receive``\\s.
+
+:func:`state_store_for` and :func:`commands_for` pick the implementation that lives in the
+same store as a coordinator or client (memory, SQL, etcd).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import logging
+import threading
+from typing import Any
+
+from metafora.clock import SYSTEM_CLOCK
+from metafora.errors import ConfigError
+from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
+from metafora.task import Task, validate_task_id
+
+__all__ = ["StateStore", "TaskCommands", "commands_for", "state_store_for"]
+
+log = logging.getLogger(__name__)
+
+
+class StateStore(abc.ABC):
+    """Persists each task's :class:`State`. Thread-safe; one instance serves every task."""
+
+    @abc.abstractmethod
+    def load(self, task: Task) -> State:
+        """The task's state (``State()``, runnable, if none was stored), read by its owner.
+
+        Fenced: raises ClaimLost if the task is not claimed under ``task.token`` or the
+        store holds a state written under a higher token.
+        """
+
+    @abc.abstractmethod
+    def store(self, task: Task, state: State) -> None:
+        """Write ``state`` for the claim ``task.token``.
+
+        Raises ClaimLost if the task is not claimed under that token (another owner, a
+        newer claim, deleted) or the store holds a state written under a higher token.
+        Raises CoordinatorUnavailable on a (retryable) connection problem.
+        """
+
+    @abc.abstractmethod
+    def get(self, task_id: str) -> State | None:
+        """The stored state for operators (unfenced); None if the task has none yet."""
+
+    def close(self) -> None:
+        """Release what the store holds (connections it opened itself). Idempotent."""
+        return
+
+
+class TaskCommands(abc.ABC):
+    """A command channel per task: FIFO, each command delivered once.
+
+    ``send`` validates (only :data:`~metafora.statemachine.machine.COMMAND_KINDS`); a
+    malformed stored command is logged with a warning and dropped by ``receive``, never
+    delivered.
+    """
+
+    def send(self, task_id: str, message: Message) -> None:
+        """Queue ``message`` for the task (client side). Raises InvalidMessage if it is not a command."""
+        validate_task_id(task_id)
+        self._push(task_id, validate_command(message).to_json())
+
+    def receive(
+        self,
+        task_id: str,
+        timeout: float | None = 0.0,
+        *,
+        token: int | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Message | None:
+        """The next command for the task, waiting up to ``timeout`` real seconds.
+
+        ``timeout=0`` does not wait; ``None`` waits until a command or ``cancel``. Returns
+        None on timeout or as soon as ``cancel`` is set. With ``token``, the command is
+        taken only while the task is claimed under that token (else ClaimLost): a zombie
+        cannot swallow its successor's commands.
+        """
+        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + max(0.0, timeout)
+        while True:
+            left = None if deadline is None else max(0.0, deadline - SYSTEM_CLOCK.monotonic())
+            raw = self._pop(task_id, left, token, cancel)
+            if raw is None:
+                return None
+            try:
+                return validate_command(Message.from_json(raw))
+            except InvalidMessage as exc:
+                log.warning("dropping malformed command for task %s: %s", task_id, exc)
+            if left == 0.0:
+                return None
+
+    @abc.abstractmethod
+    def _push(self, task_id: str, raw: str) -> None:
+        """Append one command's wire text to the task's queue."""
+
+    @abc.abstractmethod
+    def _pop(self, task_id: str, timeout: float | None, token: int | None,
+             cancel: threading.Event | None) -> str | None:
+        """Take the oldest command's wire text, waiting up to ``timeout`` (None: forever).
+
+        Returns None on timeout or once ``cancel`` is set. Fenced by ``token`` if given.
+        """
+
+    @abc.abstractmethod
+    def pending(self, task_id: str) -> int:
+        """How many commands wait for the task (for operators and tests)."""
+
+    def close(self) -> None:
+        """Release what the channel holds. Idempotent."""
+        return
+
+
+def _backend_of(obj: object) -> str:
+    module = type(obj).__module__
+    if module.startswith("metafora.coordinators.memory"):
+        return "memory"
+    if module.startswith("metafora.coordinators.sql"):
+        return "sql"
+    if module.startswith("metafora.coordinators.etcd"):
+        return "etcd"
+    raise ConfigError(
+        f"no state store for {type(obj).__name__}; pass state_store= and task_commands= "
+        "to metafora.statemachine.handler_func"
+    )
+
+
+def _module(coordinator_or_client: object) -> Any:
+    return importlib.import_module(f"metafora.statemachine.stores.{_backend_of(coordinator_or_client)}")
+
+
+def state_store_for(coordinator_or_client: object) -> StateStore:
+    """The state store in the same store as a coordinator or client (memory, SQL, etcd)."""
+    store = _module(coordinator_or_client).state_store(coordinator_or_client)
+    assert isinstance(store, StateStore)
+    return store
+
+
+def commands_for(coordinator_or_client: object) -> TaskCommands:
+    """The task command channel in the same store as a coordinator or client."""
+    channel = _module(coordinator_or_client).task_commands(coordinator_or_client)
+    assert isinstance(channel, TaskCommands)
+    return channel

@@ -1,0 +1,168 @@
+"""State store and task commands for ``memory://`` coordinators (in-process, for tests).
+
+They live beside the coordinator's :class:`~metafora.coordinators.memory.MemoryStore` and
+share its lock, so a fenced write checks the claim (owner live, state claimed, token equal)
+and writes in one atomic step -- the same guarantee the SQL and etcd stores give with one
+statement or one transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+from metafora.clock import SYSTEM_CLOCK
+from metafora.coordinators.memory import MemoryStore
+from metafora.errors import ClaimLost, ConfigError
+from metafora.statemachine.machine import State
+from metafora.statemachine.store import StateStore, TaskCommands
+from metafora.task import Task, TaskState
+
+__all__ = ["MemoryStateStore", "MemoryTaskCommands", "state_store", "task_commands"]
+
+_SLICE = 0.05  # real seconds between checks of a cancel event while waiting for a command
+
+
+@dataclass
+class _Tables:
+    states: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (token, state JSON)
+    commands: dict[str, deque[str]] = field(default_factory=dict)
+
+
+_TABLES: weakref.WeakKeyDictionary[MemoryStore, _Tables] = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _tables(store: MemoryStore) -> _Tables:
+    with _TABLES_LOCK:
+        tables = _TABLES.get(store)
+        if tables is None:
+            tables = _TABLES[store] = _Tables()
+        return tables
+
+
+def _memory_store(obj: object) -> MemoryStore:
+    # Hook wanted: a public ``MemoryCoordinator.store`` / ``MemoryClient.store`` property.
+    store = getattr(obj, "_store", None)
+    if not isinstance(store, MemoryStore):
+        raise ConfigError(f"{type(obj).__name__} is not a memory coordinator or client")
+    return store
+
+
+def _check_claim(store: MemoryStore, task: Task) -> None:
+    row = store.tasks.get(task.id)
+    if (
+        row is None
+        or row.state is not TaskState.CLAIMED
+        or row.token != task.token
+        or row.owner not in store.nodes
+    ):
+        raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
+
+
+class MemoryStateStore(StateStore):
+    """Task states beside a :class:`MemoryStore`, fenced by the coordinator's claims."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._tables = _tables(store)
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> MemoryStateStore:
+        """The state store of a memory coordinator's or client's store."""
+        return cls(_memory_store(coordinator_or_client))
+
+    def _fenced(self, task: Task) -> tuple[int, str] | None:
+        _check_claim(self._store, task)
+        held = self._tables.states.get(task.id)
+        if held is not None and held[0] > task.token:
+            raise ClaimLost(
+                f"task {task.id!r}: state was written under token {held[0]} > {task.token}"
+            )
+        return held
+
+    def load(self, task: Task) -> State:
+        with self._store.cond:
+            held = self._fenced(task)
+        return State() if held is None else State.from_json(held[1])
+
+    def store(self, task: Task, state: State) -> None:
+        text = state.to_json()
+        with self._store.cond:
+            self._fenced(task)
+            self._tables.states[task.id] = (task.token, text)
+
+    def get(self, task_id: str) -> State | None:
+        with self._store.cond:
+            held = self._tables.states.get(task_id)
+        return None if held is None else State.from_json(held[1])
+
+    def token_of(self, task_id: str) -> int | None:
+        """The claim token the task's state was last written under (for tests)."""
+        with self._store.cond:
+            held = self._tables.states.get(task_id)
+        return None if held is None else held[0]
+
+    def put_raw(self, task_id: str, token: int, text: str) -> None:
+        """Store raw (possibly malformed) state text, for fault tests."""
+        with self._store.cond:
+            self._tables.states[task_id] = (token, text)
+
+
+class MemoryTaskCommands(TaskCommands):
+    """Per-task command queues beside a :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._tables = _tables(store)
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> MemoryTaskCommands:
+        """The command channel of a memory coordinator's or client's store."""
+        return cls(_memory_store(coordinator_or_client))
+
+    def _push(self, task_id: str, raw: str) -> None:
+        with self._store.cond:
+            self._tables.commands.setdefault(task_id, deque()).append(raw)
+            self._store.cond.notify_all()
+
+    def inject_raw(self, task_id: str, raw: str) -> None:
+        """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""
+        self._push(task_id, raw)
+
+    def _pop(self, task_id: str, timeout: float | None, token: int | None,
+             cancel: threading.Event | None) -> str | None:
+        s = self._store
+        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+        with s.cond:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    return None
+                if token is not None:
+                    _check_claim(s, Task(task_id, token=token))
+                queue = self._tables.commands.get(task_id)
+                if queue:
+                    raw = queue.popleft()
+                    if not queue:
+                        del self._tables.commands[task_id]
+                    return raw
+                left = None if deadline is None else deadline - SYSTEM_CLOCK.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                s.cond.wait(_SLICE if left is None else min(_SLICE, left))
+
+    def pending(self, task_id: str) -> int:
+        with self._store.cond:
+            return len(self._tables.commands.get(task_id, ()))
+
+
+def state_store(coordinator_or_client: object) -> MemoryStateStore:
+    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
+    return MemoryStateStore.of(coordinator_or_client)
+
+
+def task_commands(coordinator_or_client: object) -> MemoryTaskCommands:
+    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
+    return MemoryTaskCommands.of(coordinator_or_client)
