@@ -1,0 +1,139 @@
+"""The ``metafora`` command: submit and inspect tasks, steer nodes, run the demo.
+
+``metafora [--url URL] [--log-level LEVEL] COMMAND ...``; the store URL comes from
+``--url``, else ``$METAFORA_URL``, else the embedded SQLite default ``sqlite:///metafora.db``.
+
+Exit codes (:class:`ExitCode`): 0 ok, 1 not found or refused, 2 usage (bad arguments, URL,
+id, props or command), 3 store unreachable, 70 an unexpected internal error. Errors are one
+``Error: <message>`` line on stderr, never a traceback, and never show the store password.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sys
+from typing import Any
+
+import click
+
+import metafora
+from metafora.cli import demo_cmd, nodes, tasks
+from metafora.cli._common import (
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    ExitCode,
+    Settings,
+    exit_code_for,
+    scrub,
+)
+from metafora.connect import DEFAULT_URL, ENV_URL
+from metafora.errors import MetaforaError
+from metafora.logs import LEVELS, configure
+
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "ExitCode",
+    "cli",
+    "main",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_LOG_LEVEL = "METAFORA_LOG_LEVEL"
+ENV_LOG_JSON = "METAFORA_LOG_JSON"
+
+
+def _describe(exc: BaseException) -> str:
+    """An error's message, or its class docstring when it was raised without one."""
+    text = str(exc).strip()
+    if text:
+        return text
+    doc = (type(exc).__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else type(exc).__name__
+
+
+class MetaforaGroup(click.Group):
+    """The root group: translates errors into ``Error: ...`` and named exit codes."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the sub-command; turn every metafora error into a CliError (no traceback)."""
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except MetaforaError as exc:
+            raise CliError.make(scrub(_describe(exc), _url(ctx)), exit_code_for(exc)) from exc
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # `metafora tasks | head`: click handles it quietly
+                raise
+            raise self._internal(ctx, exc) from exc
+        except Exception as exc:
+            raise self._internal(ctx, exc) from exc
+
+    @staticmethod
+    def _internal(ctx: click.Context, exc: Exception) -> CliError:
+        url = _url(ctx)
+        log.debug("unexpected error", exc_info=exc)
+        return CliError.make(
+            scrub(f"unexpected {type(exc).__name__}: {_describe(exc)} "
+                  "(rerun with --log-level debug to see the traceback)", url),
+            ExitCode.INTERNAL,
+        )
+
+
+def _url(ctx: click.Context) -> str | None:
+    obj = ctx.find_object(Settings)
+    return obj.url if obj is not None else None
+
+
+def _configure_logging(level: str, json_lines: bool) -> None:
+    """Log to stderr at ``level`` unless the host program (or pytest) configured logging."""
+    if logging.getLogger().handlers:
+        return
+    configure(level, json_lines=json_lines, stream=sys.stderr)
+
+
+@click.group(cls=MetaforaGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", metavar="URL", default=DEFAULT_URL, show_default=True, envvar=ENV_URL,
+              show_envvar=True,
+              help="The store: sqlite:///PATH.db, postgresql://user:pass@host/db, etcd://host:2379/NS, "
+                   "memory://NAME (in-process only).")
+@click.option("--log-level", type=click.Choice(LEVELS, case_sensitive=False), default="warning",
+              show_default=True, envvar=ENV_LOG_LEVEL, show_envvar=True, help="Log verbosity (stderr).")
+@click.option("--log-json", is_flag=True, envvar=ENV_LOG_JSON, show_envvar=True,
+              help="Log one JSON object per line (with node, task, token, action fields).")
+@click.version_option(metafora.__version__, "--version", prog_name="metafora")
+@click.pass_context
+def cli(ctx: click.Context, url: str, log_level: str, log_json: bool) -> None:
+    """Run long-running tasks across a masterless cluster: operate it from here.
+
+    \b
+    Exit codes: 0 ok, 1 not found or refused, 2 usage error,
+                3 store unreachable, 70 internal error.
+    """
+    source = ctx.get_parameter_source("url")
+    from_command_line = source is click.core.ParameterSource.COMMANDLINE
+    ctx.obj = Settings(url, from_command_line, log_level.lower())
+    _configure_logging(log_level, log_json)
+
+
+for _command in (
+    tasks.submit, tasks.delete, tasks.retry, tasks.tasks, tasks.show, tasks.purge,
+    nodes.nodes, nodes.freeze, nodes.unfreeze, nodes.balance, nodes.stop, nodes.top,
+    demo_cmd.demo,
+):
+    cli.add_command(_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``metafora`` console script and of ``python -m metafora``."""
+    cli.main(args=argv, prog_name="metafora")

@@ -1,0 +1,240 @@
+"""Pieces every CLI command shares: exit codes, error translation, the store handle, output.
+
+Every error metafora raises on purpose (:class:`~metafora.errors.MetaforaError`) is turned
+into one ``Error: <message>`` line on stderr and a named exit code; nothing a user can do
+wrong prints a traceback. Messages never show the store password.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any
+
+import click
+from rich.console import Console
+
+from metafora.config import parse_store_url
+from metafora.connect import open_client
+from metafora.coordinator import Client
+from metafora.errors import (
+    ConfigError,
+    CoordinatorUnavailable,
+    InvalidCommand,
+    InvalidProps,
+    InvalidTaskId,
+    MetaforaError,
+)
+
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "CliError",
+    "Duration",
+    "ExitCode",
+    "Settings",
+    "console",
+    "exit_code_for",
+    "format_time",
+    "print_json",
+    "scrub",
+    "settings",
+    "store_client",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ExitCode(enum.IntEnum):
+    """The exit status of the ``metafora`` command."""
+
+    OK = 0
+    """The command did what it was asked."""
+    REFUSED = 1
+    """Not found or refused: no such task or node, the id is taken, the task is in the wrong state."""
+    USAGE = 2
+    """Bad usage: unknown option, bad URL or store option, invalid task id, props or command."""
+    UNAVAILABLE = 3
+    """The store cannot be reached (retrying later may work)."""
+    INTERNAL = 70
+    """An unexpected error: a bug in metafora or a store driver (sysexits' EX_SOFTWARE)."""
+
+
+EXIT_OK = ExitCode.OK
+EXIT_REFUSED = ExitCode.REFUSED
+EXIT_USAGE = ExitCode.USAGE
+EXIT_UNAVAILABLE = ExitCode.UNAVAILABLE
+EXIT_INTERNAL = ExitCode.INTERNAL
+
+_USAGE_ERRORS: tuple[type[MetaforaError], ...] = (ConfigError, InvalidTaskId, InvalidProps, InvalidCommand)
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The exit code for an error raised while running a command."""
+    if isinstance(exc, CoordinatorUnavailable):
+        return ExitCode.UNAVAILABLE
+    if isinstance(exc, _USAGE_ERRORS):
+        return ExitCode.USAGE
+    if isinstance(exc, MetaforaError):
+        # TaskNotFound, TaskExists, NodeNotFound, NodeExists, InvalidTaskState, ClaimLost,
+        # StoreError, CoordinatorClosed: the store said no.
+        return ExitCode.REFUSED
+    return ExitCode.INTERNAL
+
+
+class CliError(click.ClickException):
+    """An error shown as ``Error: <message>`` on stderr, exiting with :attr:`exit_code`.
+
+    Build one with :meth:`make`, which picks the subclass for the exit code.
+    """
+
+    exit_code = int(ExitCode.REFUSED)
+
+    @staticmethod
+    def make(message: str, code: ExitCode) -> CliError:
+        """A CliError exiting with ``code``."""
+        return _ERROR_CLASSES[code](message)
+
+
+class _UsageFailure(CliError):
+    exit_code = int(ExitCode.USAGE)
+
+
+class _Unavailable(CliError):
+    exit_code = int(ExitCode.UNAVAILABLE)
+
+
+class _Internal(CliError):
+    exit_code = int(ExitCode.INTERNAL)
+
+
+_ERROR_CLASSES: dict[ExitCode, type[CliError]] = {
+    ExitCode.OK: CliError,  # never raised; keeps the table total
+    ExitCode.REFUSED: CliError,
+    ExitCode.USAGE: _UsageFailure,
+    ExitCode.UNAVAILABLE: _Unavailable,
+    ExitCode.INTERNAL: _Internal,
+}
+
+
+def _passwords(url: str | None) -> list[str]:
+    """The password of ``url`` in every spelling it may appear in (raw and percent-decoded)."""
+    if not url:
+        return []
+    found: set[str] = set()
+    match = re.search(r"://[^:/@]*:([^@/]*)@", url)
+    if match and match.group(1):
+        found.add(match.group(1))
+    try:
+        parsed = parse_store_url(url)
+    except MetaforaError:
+        parsed = None
+    if parsed is not None and parsed.password:
+        found.add(parsed.password)
+    # Longest first, so a password containing another never leaves a piece behind.
+    return sorted(found, key=len, reverse=True)
+
+
+def scrub(text: str, url: str | None) -> str:
+    """``text`` with the password of ``url`` (if any) replaced by ``***``.
+
+    Library errors already redact URLs; this is the belt to those braces, for messages
+    from drivers and for anything the CLI itself prints.
+    """
+    for secret in _passwords(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+@dataclass
+class Settings:
+    """What the root command parsed, handed to sub-commands through the click context."""
+
+    url: str
+    url_from_command_line: bool
+    log_level: str
+
+
+def settings(ctx: click.Context) -> Settings:
+    """The root command's settings (``metafora --url ... COMMAND``)."""
+    obj = ctx.find_object(Settings)
+    if obj is None:  # a sub-command invoked on its own (tests, embedding)
+        from metafora.connect import default_url
+
+        obj = Settings(default_url(), False, "warning")
+        ctx.obj = obj
+    return obj
+
+
+@contextmanager
+def store_client(ctx: click.Context) -> Iterator[Client]:
+    """An operator client on the store the user named, closed afterwards."""
+    url = settings(ctx).url
+    client = open_client(url)
+    try:
+        yield client
+    finally:
+        try:
+            client.close()
+        except Exception as exc:  # closing must not hide the command's own outcome
+            log.debug("closing the client failed: %s", scrub(str(exc), url))
+
+
+def console(err: bool = False) -> Console:
+    """A rich console on the current stdout (or stderr): wide and plain when not a terminal."""
+    probe = Console(stderr=err)
+    if probe.is_terminal:
+        return Console(stderr=err, highlight=False)
+    return Console(stderr=err, highlight=False, width=200, no_color=True, soft_wrap=False)
+
+
+def print_json(data: Any, out: IO[str] | None = None) -> None:
+    """Print ``data`` as indented JSON on stdout (one document, machine-readable)."""
+    click.echo(json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False), file=out)
+
+
+def format_time(dt: datetime | None) -> str:
+    """A compact UTC time for tables (``2030-01-01 12:00:03Z``), or ``-``."""
+    if dt is None:
+        return "-"
+    return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90``, ``90s``, ``1.5m``, ``2h``, ``7d`` or ``250ms`` as a timedelta; ValueError if not."""
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration (seconds, or a number with ms/s/m/h/d)")
+    seconds = float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "s").lower()]
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"{text!r} is too long a duration") from None
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter: a non-negative duration, plain seconds or with a unit."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> timedelta:
+        """Parse the option's text into a timedelta, failing as a usage error."""
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)

@@ -1,0 +1,215 @@
+"""Task commands: submit, delete, retry, tasks, show, purge."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from metafora.cli._common import Duration, console, format_time, parse_duration, print_json, store_client
+from metafora.errors import InvalidProps
+from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_task_id
+
+__all__ = ["delete", "parse_prop", "purge", "retry", "show", "submit", "tasks"]
+
+_STATE_STYLE = {
+    TaskState.PENDING: "yellow",
+    TaskState.CLAIMED: "cyan",
+    TaskState.DONE: "green",
+    TaskState.FAILED: "bold red",
+    TaskState.EXPIRED: "dim",
+}
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_prop(pair: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value): the value is JSON if it parses as JSON, else the text.
+
+    ``n=3`` gives 3, ``ok=true`` gives True, ``tags=["a"]`` a list, ``name=bob`` the string
+    ``"bob"``; quote a JSON string to keep digits as text (``zip='"01234"'``).
+    """
+    key, sep, raw = pair.partition("=")
+    if not sep or not key.strip():
+        raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="'--prop'")
+    try:
+        value: Any = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _parse_when(text: str, option: str) -> str:
+    """An ISO-8601 time, ``now``, or ``+DURATION`` from now, as an ISO-8601 UTC string."""
+    stripped = text.strip()
+    if stripped.lower() == "now":
+        return datetime.now(UTC).isoformat()
+    if stripped.startswith("+"):
+        try:
+            delta = parse_duration(stripped[1:])
+        except ValueError as exc:
+            raise InvalidProps(f"{option}: {exc}") from None
+        return (datetime.now(UTC) + delta).isoformat()
+    return parse_time(stripped, option).isoformat()
+
+
+def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str | None,
+                expires_at: str | None) -> dict[str, Any]:
+    props: dict[str, Any] = {}
+    if props_json is not None:
+        try:
+            loaded = json.loads(props_json, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise InvalidProps(f"--props is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise InvalidProps(f"--props must be a JSON object, not a JSON {type(loaded).__name__}")
+        props.update(loaded)
+    for pair in pairs:
+        key, value = parse_prop(pair)
+        props[key] = value
+    if launch_at is not None:
+        props["launch_at"] = _parse_when(launch_at, "--launch-at")
+    if expires_at is not None:
+        props["expires_at"] = _parse_when(expires_at, "--expires-at")
+    return props
+
+
+@click.command()
+@click.argument("task_id", metavar="ID")
+@click.option("--prop", "pairs", multiple=True, metavar="KEY=VALUE",
+              help="A prop; VALUE is parsed as JSON if it is JSON, else kept as text. Repeatable.")
+@click.option("--props", "props_json", metavar="JSON", help="All props as one JSON object (--prop wins).")
+@click.option("--launch-at", metavar="TIME",
+              help="Not claimable before TIME: ISO-8601 (naive = UTC), 'now' or '+DURATION' (+30s, +2h).")
+@click.option("--expires-at", metavar="TIME",
+              help="Not claimed after TIME (the task moves to 'expired'); same forms as --launch-at.")
+@click.pass_context
+def submit(ctx: click.Context, task_id: str, pairs: tuple[str, ...], props_json: str | None,
+           launch_at: str | None, expires_at: str | None) -> None:
+    """Submit a new task ID (pending until a consumer claims it)."""
+    task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at))
+    with store_client(ctx) as client:
+        client.submit_task(task)
+    click.echo(f"submitted task {task.id}")
+
+
+@click.command()
+@click.argument("task_id", metavar="ID")
+@click.pass_context
+def delete(ctx: click.Context, task_id: str) -> None:
+    """Delete task ID in any state (a running task is stopped on its node)."""
+    validate_task_id(task_id)
+    with store_client(ctx) as client:
+        client.delete_task(task_id)
+    click.echo(f"deleted task {task_id}")
+
+
+@click.command()
+@click.argument("task_id", metavar="ID")
+@click.pass_context
+def retry(ctx: click.Context, task_id: str) -> None:
+    """Make a failed or expired task ID pending again (its error is cleared)."""
+    validate_task_id(task_id)
+    with store_client(ctx) as client:
+        client.retry_task(task_id)
+    click.echo(f"task {task_id} is pending again")
+
+
+def _state_cell(state: TaskState) -> Text:
+    return Text(state.value, style=_STATE_STYLE.get(state, ""))
+
+
+def _error_cell(error: str | None) -> Text:
+    if not error:
+        return Text("")
+    first = error.strip().splitlines()[0] if error.strip() else ""
+    return Text(first, style="red", overflow="ellipsis", no_wrap=True)
+
+
+def _summary(infos: list[TaskInfo]) -> str:
+    counts = Counter(info.state for info in infos)
+    parts = [f"{counts[state]} {state.value}" for state in TaskState if counts[state]]
+    noun = "task" if len(infos) == 1 else "tasks"
+    return f"{len(infos)} {noun}" + (f": {', '.join(parts)}" if parts else "")
+
+
+@click.command()
+@click.option("--state", type=click.Choice([s.value for s in TaskState], case_sensitive=False),
+              help="Only tasks in this state.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+@click.pass_context
+def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
+    """List tasks (ordered by id): state, owner node, fencing token, claim time, error."""
+    wanted = None if state is None else TaskState(state.lower())
+    with store_client(ctx) as client:
+        infos = client.tasks(wanted)
+    if as_json:
+        print_json([info.to_dict() for info in infos])
+        return
+    out = console()
+    if not infos:
+        out.print(f"no {wanted.value} tasks" if wanted else "no tasks")
+        return
+    table = Table(caption=_summary(infos), caption_justify="left")
+    table.add_column("id", overflow="fold")
+    table.add_column("state")
+    table.add_column("owner", overflow="fold")
+    table.add_column("token", justify="right")
+    table.add_column("claimed_at")
+    table.add_column("error", max_width=60)
+    for info in infos:
+        table.add_row(
+            Text(info.id), _state_cell(info.state), Text(info.owner or "-"),
+            str(info.token), format_time(info.claimed_at), _error_cell(info.error),
+        )
+    out.print(table)
+
+
+@click.command()
+@click.argument("task_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
+@click.pass_context
+def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Show everything the store knows about task ID."""
+    validate_task_id(task_id)
+    with store_client(ctx) as client:
+        info = client.get_task(task_id)
+    if as_json:
+        print_json(info.to_dict())
+        return
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    rows: list[tuple[str, Text | str]] = [
+        ("id", Text(info.id)),
+        ("state", _state_cell(info.state)),
+        ("owner", Text(info.owner or "-")),
+        ("token", str(info.token)),
+        ("attempts", str(info.attempts)),
+        ("created_at", format_time(info.created_at)),
+        ("claimed_at", format_time(info.claimed_at)),
+        ("finished_at", format_time(info.finished_at)),
+        ("error", Text(info.error or "-", style="red" if info.error else "")),
+        ("props", Text(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False))),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console().print(table)
+
+
+@click.command()
+@click.option("--older-than", type=Duration(), default="0", show_default=True, metavar="SECONDS",
+              help="Only tasks finished longer ago than this (seconds, or with a unit: 90m, 7d).")
+@click.pass_context
+def purge(ctx: click.Context, older_than: timedelta) -> None:
+    """Delete done, failed and expired tasks (their history) finished before the cut-off."""
+    with store_client(ctx) as client:
+        count = client.purge(older_than)
+    click.echo(f"purged {count} task{'' if count == 1 else 's'}")
