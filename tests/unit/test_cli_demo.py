@@ -1,0 +1,154 @@
+"""The demo's pure parts: its proof (``verify``), its URL, its options, its rendering.
+
+The demo itself (processes, SIGKILL, SQLite) runs end to end in
+``tests/acceptance/test_cli_subprocess.py``.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from rich.console import Console
+
+from metafora.demo import Demo, DemoConfig, _work, demo_url, runs_by_task, verify
+from metafora.errors import ConfigError
+from metafora.task import Task, TaskState
+from metafora.testing import FileLedger, LedgerRun
+
+DONE = TaskState.DONE
+
+
+def run(task: str, node: str, token: int, start: float, end: float | None,
+        outcome: str | None = "done") -> LedgerRun:
+    return LedgerRun(task, node, token, start, end, outcome if end is not None else None)
+
+
+def test_verify_clean_run() -> None:
+    runs = [run("a", "n1", 1, 0.0, 1.0), run("b", "n2", 2, 0.5, 1.5)]
+    verdict = verify(["a", "b"], runs, {"a": DONE, "b": DONE})
+    assert verdict.ok, verdict.problems
+    assert verdict.finished_once == 2
+    assert verdict.interrupted == []
+    assert verdict.failover is None
+
+
+def test_verify_failover_after_a_kill() -> None:
+    runs = [
+        run("a", "n1", 1, 0.0, None),  # cut off by the kill at t=2
+        run("a", "n2", 5, 4.5, 6.0),
+        run("b", "n1", 2, 0.5, 1.5),  # finished before the kill
+        run("c", "n1", 3, 1.0, None),
+        run("c", "n3", 6, 5.25, 6.5),
+    ]
+    states = {"a": DONE, "b": DONE, "c": DONE}
+    verdict = verify(["a", "b", "c"], runs, states, killed_node="n1", kill_time=2.0)
+    assert verdict.ok, verdict.problems
+    assert [r.task for r in verdict.interrupted] == ["a", "c"]
+    assert verdict.failover == pytest.approx(3.25)
+    assert [(cut.task, nxt.node) for cut, nxt in verdict.moves] == [("a", "n2"), ("c", "n3")]
+
+
+def test_verify_catches_a_double_run() -> None:
+    runs = [run("a", "n1", 1, 0.0, 1.0), run("a", "n2", 2, 2.0, 3.0)]
+    verdict = verify(["a"], runs, {"a": DONE})
+    assert not verdict.ok
+    assert "task a finished 2 times" in verdict.problems
+
+
+def test_verify_catches_a_missing_task() -> None:
+    verdict = verify(["a", "b"], [run("a", "n1", 1, 0.0, 1.0)], {"a": DONE, "b": TaskState.PENDING})
+    assert not verdict.ok
+    assert "task b finished 0 times" in verdict.problems
+    assert "task b is pending in the store" in verdict.problems
+
+
+def test_verify_catches_overlap() -> None:
+    runs = [run("a", "n1", 1, 0.0, 2.0, "release"), run("a", "n2", 2, 1.0, 3.0)]
+    verdict = verify(["a"], runs, {"a": DONE})
+    assert not verdict.ok
+    assert any("overlapped" in p for p in verdict.problems)
+
+
+def test_verify_catches_a_run_that_outlived_the_kill() -> None:
+    # the killed node's run must not overlap its successor: the successor started before the kill
+    runs = [run("a", "n1", 1, 0.0, None), run("a", "n2", 2, 1.0, 3.0)]
+    verdict = verify(["a"], runs, {"a": DONE}, killed_node="n1", kill_time=2.0)
+    assert any("overlapped" in p for p in verdict.problems)
+
+
+def test_verify_catches_an_unfinished_run_on_a_live_node() -> None:
+    runs = [run("a", "n2", 1, 0.0, None), run("a", "n3", 2, 1.0, 2.0)]
+    verdict = verify(["a"], runs, {"a": DONE}, killed_node="n1", kill_time=5.0)
+    assert any("never ended" in p for p in verdict.problems)
+
+
+def test_verify_catches_stale_tokens() -> None:
+    runs = [run("a", "n1", 5, 0.0, 1.0, "release"), run("a", "n2", 4, 2.0, 3.0)]
+    verdict = verify(["a"], runs, {"a": DONE})
+    assert any("token 4 came after token 5" in p for p in verdict.problems)
+
+
+def test_runs_by_task_orders_by_start() -> None:
+    grouped = runs_by_task([run("a", "n2", 2, 5.0, 6.0), run("a", "n1", 1, 1.0, 2.0)])
+    assert [r.token for r in grouped["a"]] == [1, 2]
+
+
+def test_the_demo_handler_writes_the_ledger(tmp_path: Path) -> None:
+    import threading
+
+    ledger = FileLedger(tmp_path / "ledger.jsonl")
+    work = _work(ledger, "n1")
+    assert work(Task("a", {"seconds": 0.01}, token=3), threading.Event()) is True
+    stop = threading.Event()
+    stop.set()
+    assert work(Task("b", {"seconds": 30}, token=4), stop) is False
+    runs = {r.task: r for r in ledger.runs()}
+    assert (runs["a"].node, runs["a"].token, runs["a"].outcome) == ("n1", 3, "done")
+    assert runs["b"].outcome == "release"
+
+
+def test_demo_url_default_is_a_fresh_sqlite_file(tmp_path: Path) -> None:
+    url = demo_url(None, tmp_path, 2.5)
+    assert url.startswith(f"sqlite:///{tmp_path}/demo.db?")  # sqlite:////abs/path.db
+    assert url.startswith("sqlite:////")
+    assert parse_qs(urlsplit(url).query) == {"lease_ttl": ["2.5"]}
+
+
+def test_demo_url_given_gets_its_own_namespace_and_ttl(tmp_path: Path) -> None:
+    url = demo_url("postgresql://u:pw@h/db", tmp_path, 3)
+    query = parse_qs(urlsplit(url).query)
+    assert query["lease_ttl"] == ["3"]
+    assert query["namespace"][0].startswith("demo-")
+    kept = demo_url("sqlite:///x.db?namespace=mine&lease_ttl=5", tmp_path, 3)
+    assert kept == "sqlite:///x.db?namespace=mine&lease_ttl=5"
+
+
+def test_demo_url_refuses_memory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="separate processes"):
+        demo_url("memory://x", tmp_path, 2.5)
+
+
+@pytest.mark.parametrize("kwargs", [{"nodes": 1}, {"tasks": 0}, {"lease_ttl": 0.5},
+                                    {"min_seconds": 3.0, "max_seconds": 2.0}])
+def test_demo_config_validates(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        DemoConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_demo_config_spreads_the_work() -> None:
+    assert DemoConfig().max_tasks == 4  # 30 tasks, 3 nodes: every node runs several waves
+    assert DemoConfig(nodes=2, tasks=2).max_tasks == 1
+
+
+def test_demo_refuses_a_memory_store_before_making_files(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(ConfigError):
+        Demo(DemoConfig(url="memory://x"), Console(file=io.StringIO()))
+    assert list(tmp_path.iterdir()) == []
