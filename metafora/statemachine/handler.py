@@ -193,6 +193,7 @@ class StatefulTaskHandler(Handler):
             message = self._next_message(state)
             if message is None:
                 break
+            state = self._state  # the handler's checkpoints may have moved the cursor
             new = apply(state, message, self.clock.now())
             if new is None:
                 log.warning("task %s: ignoring %s in state %s", task.id, message, state.code.value,

@@ -242,7 +242,9 @@ class State:
         if not isinstance(code, str):
             raise InvalidState("state code ('state') must be a string")
         until = obj.get("until")
-        raw_errors = obj.get("errors") or []
+        raw_errors = obj.get("errors")
+        if raw_errors is None:
+            raw_errors = []
         if not isinstance(raw_errors, list):
             raise InvalidState("'errors' must be a list")
         errors = []
