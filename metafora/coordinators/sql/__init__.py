@@ -1,0 +1,33 @@
+"""SQL coordinator and client: SQLite (the embedded default) and PostgreSQL.
+
+>>> coord = open_coordinator("sqlite:///metafora.db", node_id="a")          # doctest: +SKIP
+>>> client = open_client("postgresql://user:pass@db:5432/jobs?namespace=x")  # doctest: +SKIP
+
+SQLAlchemy 2 Core on psycopg 3 (PostgreSQL) or the stdlib ``sqlite3``. See
+:mod:`~metafora.coordinators.sql.options` for the URL options,
+:mod:`~metafora.coordinators.sql.schema` for the tables and
+:mod:`~metafora.coordinators.sql.lease` for leases and self-fencing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metafora.config import StoreURL
+from metafora.coordinators.sql.client import SQLClient
+from metafora.coordinators.sql.coordinator import SQLCoordinator
+from metafora.coordinators.sql.options import SQLConfig, parse_config
+from metafora.coordinators.sql.schema import SCHEMA_VERSION
+from metafora.coordinators.sql.store import Database
+
+__all__ = ["SCHEMA_VERSION", "SQLClient", "SQLConfig", "SQLCoordinator", "open_client", "open_coordinator"]
+
+
+def open_coordinator(url: StoreURL, node_id: str, options: dict[str, Any]) -> SQLCoordinator:
+    """Backend hook for :func:`metafora.open_coordinator` (touches nothing until ``init``)."""
+    return SQLCoordinator(Database(parse_config(url, dict(options))), node_id)
+
+
+def open_client(url: StoreURL, options: dict[str, Any]) -> SQLClient:
+    """Backend hook for :func:`metafora.open_client` (connects on first use)."""
+    return SQLClient(Database(parse_config(url, dict(options))))

@@ -1,0 +1,175 @@
+"""The SQL client: an operator's handle on a SQLite or PostgreSQL store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+from metafora.commands import Command
+from metafora.coordinator import Client
+from metafora.coordinators.sql.store import Database
+from metafora.errors import (
+    CoordinatorClosed,
+    InvalidTaskState,
+    NodeNotFound,
+    StoreError,
+    TaskExists,
+    TaskNotFound,
+)
+from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+
+__all__ = ["SQLClient"]
+
+log = logging.getLogger(__name__)
+
+_FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
+# Stored states that may show as a given state (a pending task past expires_at shows expired
+# until the next sweep moves it there).
+_STORED_AS = {
+    TaskState.PENDING: ["pending"],
+    TaskState.CLAIMED: ["claimed"],
+    TaskState.DONE: ["done"],
+    TaskState.FAILED: ["failed"],
+    TaskState.EXPIRED: ["expired", "pending"],
+}
+
+
+class SQLClient(Client):
+    """Operator client on a SQL store. Build it with :func:`metafora.open_client`.
+
+    Nothing touches the store until the first call; the schema is created then if needed.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._closed = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return self._db.name
+
+    def _ready(self) -> Database:
+        if self._closed.is_set():
+            raise CoordinatorClosed(f"client on {self.name} is closed")
+        self._db.ensure_schema()
+        return self._db
+
+    def _info(self, row: Any) -> TaskInfo:
+        conv = self._db.dialect.from_db_time
+        try:
+            props = json.loads(row[1])
+        except ValueError as exc:
+            raise StoreError(f"task {row[0]!r} has invalid stored props: {exc}") from None
+        return TaskInfo(
+            id=str(row[0]),
+            props=props,
+            state=TaskState(row[2]),
+            owner=row[3],
+            token=int(row[4]),
+            claimed_at=conv(row[5]),
+            error=row[6],
+            created_at=conv(row[7]),
+            finished_at=conv(row[8]),
+            attempts=int(row[9]),
+        )
+
+    def submit_task(self, task: Task) -> None:
+        db = self._ready()
+        to_db = db.dialect.to_db_time
+        params = {
+            "id": task.id,
+            "props": task.props_json(),
+            "launch_at": to_db(task.launch_at),
+            "expires_at": to_db(task.expires_at),
+        }
+        with db.write() as conn:
+            row = db.execute(conn, "submit", params).first()
+            if row is not None:
+                db.next_token_used(conn, int(row[0]))
+        if row is None:
+            raise TaskExists(f"task {task.id!r} already exists in {self.name}")
+        log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    def delete_task(self, task_id: str) -> None:
+        validate_task_id(task_id)
+        db = self._ready()
+        with db.transaction() as conn:
+            row = db.execute(conn, "delete", {"id": task_id}).first()
+            if row is not None:
+                db.execute(conn, "delete_state", {"id": task_id})
+        if row is None:
+            raise TaskNotFound(f"no task {task_id!r} in {self.name}")
+        log.info("deleted task %s (was %s on %s)", task_id, row[0], row[1],
+                 extra={"task": task_id, "node": row[1]})
+
+    def retry_task(self, task_id: str) -> None:
+        validate_task_id(task_id)
+        db = self._ready()
+        with db.write() as conn:
+            row = db.execute(conn, "retry", {"id": task_id}).first()
+            if row is not None:
+                db.next_token_used(conn, int(row[0]))
+        if row is None:
+            state = self.get_task(task_id).state
+            raise InvalidTaskState(
+                f"task {task_id!r} is {state.value}; only failed or expired tasks can be retried"
+            )
+
+    def get_task(self, task_id: str) -> TaskInfo:
+        validate_task_id(task_id)
+        db = self._ready()
+        with db.read() as conn:
+            row = db.execute(conn, "get", {"id": task_id}).first()
+        if row is None:
+            raise TaskNotFound(f"no task {task_id!r} in {self.name}")
+        return self._info(row)
+
+    def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
+        wanted = None if state is None else TaskState(state)
+        db = self._ready()
+        with db.read() as conn:
+            if wanted is None:
+                rows = db.execute(conn, "list", {}).fetchall()
+            else:
+                rows = db.execute(conn, "list_states", {"states": _STORED_AS[wanted]}).fetchall()
+        infos = [self._info(row) for row in rows]
+        if wanted is not None:
+            infos = [i for i in infos if i.state is wanted]
+        return infos
+
+    def nodes(self) -> list[str]:
+        db = self._ready()
+        with db.read() as conn:
+            return [str(r[0]) for r in db.execute(conn, "nodes", {}).fetchall()]
+
+    def node_task_count(self) -> dict[str, int]:
+        db = self._ready()
+        with db.read() as conn:
+            rows = db.execute(conn, "node_counts", {}).fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def submit_command(self, node_id: str, command: Command) -> None:
+        db = self._ready()
+        with db.write() as conn:
+            row = db.execute(conn, "command_submit",
+                             {"node": node_id, "body": command.to_json()}).first()
+        if row is None:
+            raise NodeNotFound(f"no live node {node_id!r} in {self.name}")
+
+    def purge(self, older_than: timedelta | None = None) -> int:
+        db = self._ready()
+        secs = -(older_than or timedelta(0)).total_seconds()
+        with db.transaction() as conn:
+            db.execute(conn, "sweep_expired", {})
+            db.execute(conn, "purge_state", {"secs": secs})
+            count = int(db.execute(conn, "purge", {"secs": secs}).rowcount)
+        log.info("purged %d finished task(s) from %s", count, self.name)
+        return count
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._db.close()

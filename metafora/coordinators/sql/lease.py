@@ -1,0 +1,369 @@
+"""A node's lease: registration, renewal, self-fencing, and the claims it holds.
+
+The lease is the node's row in ``metafora_nodes``; ``lease_until`` is set from the database
+clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. Two threads:
+
+- **heartbeat** renews every ``lease_ttl / 3`` with ONE ``UPDATE`` (whatever the number of
+  tasks), which also returns the count and token sum of the claims the store says this node
+  holds; a mismatch with the local set triggers a reconcile that reports vanished claims
+  (deleted by a client, taken over) as lost and releases claims nobody here tracks. Between
+  renewals, while tasks are held, it checks the same summary every ``poll_interval`` (or at
+  once on a PostgreSQL ``n<node>`` notification), so a deleted task stops promptly.
+- **watchdog** self-fences: when ``2/3 * lease_ttl`` (lease_ttl minus a margin of a third)
+  has passed on this host's monotonic clock since the START of the last successful renewal,
+  it calls ``ctx.lost`` for every held claim. The store keeps the lease for ``lease_ttl``
+  after that renewal's database time, so handlers have at least a third of the TTL to stop
+  before anyone else can claim their tasks. It does not wait for a hung renewal to return.
+
+After a fence (or when the store says the registration is gone) the node re-registers as
+soon as its old registration has expired by the database clock; re-registering frees the
+old claims (pending again, ready to be claimed, by this node too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from metafora.coordinators.sql.store import Database
+from metafora.errors import MetaforaError
+from metafora.task import Task
+
+__all__ = ["Lease"]
+
+log = logging.getLogger(__name__)
+
+
+class Lease:
+    """This node's registration and the claims it holds (all state guarded by one lock)."""
+
+    def __init__(self, db: Database, node_id: str, on_lost: Callable[[Task], None]) -> None:
+        self._db = db
+        self._node_id = node_id
+        self._on_lost = on_lost
+        cfg = db.config
+        self._renew_every = cfg.renew_interval
+        self._fence_after = cfg.fence_after
+        self._check_every = max(cfg.poll_interval, 0.05)
+        self._extra = {"node": node_id}
+        self._lock = threading.Lock()
+        self._session: str | None = None
+        self._live = False
+        self._epoch = 0
+        self._deadline = 0.0
+        self._held: dict[str, Task] = {}
+        self._busy: Counter[str] = Counter()  # ids with a claim/done/release in flight
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # heartbeat: check now / re-evaluate
+        self._watchdog_wake = threading.Event()
+        self._paused = threading.Event()
+        self._check_requested = False
+        self._threads: list[threading.Thread] = []
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, first: bool) -> bool:
+        """Take (or take back) this node's registration; False if the id is live elsewhere.
+
+        Frees the claims of any earlier registration of this id; ``first`` (init) also drops
+        commands queued for a dead earlier process with this id.
+        """
+        session = uuid.uuid4().hex
+        started = time.monotonic()
+        params: dict[str, Any] = {
+            "node": self._node_id,
+            "session": session,
+            "ttl": self._db.config.lease_ttl,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        with self._db.transaction() as conn:
+            if self._db.execute(conn, "register", params).first() is None:
+                return False
+            freed = self._db.execute(conn, "free_own", {"node": self._node_id}).fetchall()
+            if freed:
+                self._db.next_token_used(conn, max(int(row[0]) for row in freed))
+                log.info("node %s re-registered; %d claims of its earlier registration are "
+                         "pending again", self._node_id, len(freed), extra=self._extra)
+            if first:
+                self._db.execute(conn, "drop_commands", {"node": self._node_id})
+        with self._lock:
+            self._session = session
+            self._live = True
+            self._epoch += 1
+            self._deadline = started + self._fence_after
+            self._held.clear()
+        self._watchdog_wake.set()
+        return True
+
+    def start(self) -> None:
+        """Start the heartbeat and watchdog threads (after the first :meth:`register`)."""
+        for name, target in (("heartbeat", self._heartbeat_loop), ("watchdog", self._watchdog_loop)):
+            thread = threading.Thread(
+                target=target, name=f"metafora-sql-{name}-{self._node_id}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def stop(self) -> str | None:
+        """Stop both threads; mark the lease not live. Returns the session to deregister."""
+        self._stop.set()
+        self._wake.set()
+        self._watchdog_wake.set()
+        self._paused.clear()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(5.0, self._db.config.connect_timeout + 1.0))
+        with self._lock:
+            self._live = False
+            self._epoch += 1
+            self._held.clear()
+            return self._session
+
+    # -- the claims ---------------------------------------------------------------------
+
+    def begin_claim(self, task_id: str) -> tuple[int, str] | None:
+        """Before a claim statement: (epoch, session), or None if the lease is not live."""
+        with self._lock:
+            if not self._live or self._session is None or time.monotonic() >= self._deadline:
+                return None
+            self._busy[task_id] += 1
+            return self._epoch, self._session
+
+    def end_claim(self, task_id: str, epoch: int, claimed: Task | None) -> bool:
+        """After a claim statement: keep ``claimed`` if the lease held throughout."""
+        with self._lock:
+            self._busy[task_id] -= 1
+            if self._busy[task_id] <= 0:
+                del self._busy[task_id]
+            if claimed is None:
+                return False
+            if self._live and self._epoch == epoch and time.monotonic() < self._deadline:
+                self._held[claimed.id] = claimed
+                return True
+            return False
+
+    def begin_finish(self, task_id: str) -> None:
+        """Before a fenced write (release/done/fail) of ``task_id``."""
+        with self._lock:
+            self._busy[task_id] += 1
+
+    def end_finish(self, task: Task, settled: bool) -> None:
+        """After the fenced write; ``settled``: the claim is over (written or refused)."""
+        with self._lock:
+            self._busy[task.id] -= 1
+            if self._busy[task.id] <= 0:
+                del self._busy[task.id]
+            held = self._held.get(task.id)
+            if settled and held is not None and held.token == task.token:
+                del self._held[task.id]
+
+    def held(self) -> list[Task]:
+        """The claims this node holds now."""
+        with self._lock:
+            return list(self._held.values())
+
+    def request_check(self) -> None:
+        """Check the held claims against the store soon (a claim may be gone)."""
+        with self._lock:
+            self._check_requested = True
+        self._wake.set()
+
+    # -- test hooks -----------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop renewing (a stalled node); the watchdog still fences. For fault tests."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._paused.clear()
+        self._wake.set()
+
+    # -- fencing ----------------------------------------------------------------------------
+
+    def _fence(self, reason: str) -> None:
+        with self._lock:
+            if not self._live:
+                return
+            self._live = False
+            self._epoch += 1
+            lost = list(self._held.values())
+            self._held.clear()
+        log.warning("node %s lost its lease (%s): stopping %d task(s)", self._node_id, reason,
+                    len(lost), extra=self._extra)
+        self._report_lost(lost)
+        self._wake.set()
+
+    def _report_lost(self, tasks: list[Task]) -> None:
+        for task in tasks:
+            try:
+                self._on_lost(task)
+            except Exception:
+                log.exception("ctx.lost(%s) raised", task.id,
+                              extra={"node": self._node_id, "task": task.id})
+
+    def _watchdog_loop(self) -> None:
+        while not self._stop.is_set():
+            self._watchdog_wake.clear()
+            with self._lock:
+                timeout = self._deadline - time.monotonic() if self._live else None
+            if timeout is not None and timeout <= 0:
+                self._fence(f"no renewal for {self._fence_after:.2f}s")
+                continue
+            self._watchdog_wake.wait(timeout)
+
+    # -- the heartbeat ----------------------------------------------------------------------
+
+    def _summary(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._held), sum(t.token for t in self._held.values())
+
+    def _heartbeat_loop(self) -> None:
+        next_renew = time.monotonic() + self._renew_every
+        next_check = time.monotonic() + self._check_every
+        retry = 0.0
+        while not self._stop.is_set():
+            if self._paused.is_set():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self._wake.clear()
+            now = time.monotonic()
+            renewing = True
+            try:
+                with self._lock:
+                    live = self._live
+                    check = self._check_requested
+                if not live:
+                    if not self.register(first=False):
+                        raise _NotYet("its earlier registration is still live")
+                    next_renew = time.monotonic() + self._renew_every
+                elif now >= next_renew:
+                    next_renew = self._renew() + self._renew_every
+                elif check or now >= next_check:
+                    renewing = False
+                    next_check = now + self._check_every
+                    with self._lock:
+                        self._check_requested = False
+                    if check or self._summary()[0]:
+                        self._check_held()
+                retry = 0.0
+            except (MetaforaError, _NotYet) as exc:
+                retry = self._backoff(retry)
+                level = logging.DEBUG if isinstance(exc, _NotYet) else logging.WARNING
+                log.log(level, "lease of node %s on %s: %s (retrying in %.2fs)", self._node_id,
+                        self._db.name, exc, retry, extra=self._extra)
+            except Exception:
+                retry = self._backoff(retry)
+                log.exception("lease loop of node %s failed", self._node_id, extra=self._extra)
+            if retry:
+                again = time.monotonic() + retry * random.uniform(0.8, 1.2)
+                if renewing:
+                    next_renew = again
+                else:
+                    next_check = again
+            self._wake.wait(max(min(next_renew, next_check) - time.monotonic(), 0.0))
+
+    def _backoff(self, retry: float) -> float:
+        return min(max(retry * 2, 0.05), max(self._renew_every / 2, 0.1))
+
+    def _check_held(self) -> None:
+        before = self._summary()
+        with self._db.read() as conn:
+            row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
+        self._compare(before, (int(row[0]), int(row[1])))
+
+    def _renew(self) -> float:
+        """One renewal; returns its (monotonic) start time."""
+        started = time.monotonic()
+        with self._lock:
+            session, epoch = self._session, self._epoch
+        before = self._summary()
+        params = {"node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
+                  "count": before[0]}
+        with self._db.write() as conn:
+            row = self._db.execute(conn, "heartbeat", params).first()
+        if row is None:
+            self._fence("the store no longer has this registration live")
+            return started
+        with self._lock:
+            fresh = self._live and self._epoch == epoch and time.monotonic() < self._deadline
+            if fresh:
+                self._deadline = started + self._fence_after
+        if not fresh:
+            # Renewed too late: the watchdog fenced (or is about to); start over cleanly.
+            self._fence("renewal came back after the fencing deadline")
+            return started
+        elapsed = time.monotonic() - started
+        if elapsed > self._renew_every:
+            log.warning("lease renewal of node %s took %.2fs", self._node_id, elapsed,
+                        extra=self._extra)
+        self._compare(before, (int(row[0]), int(row[1])))
+        return started
+
+    def _compare(self, before: tuple[int, int], store: tuple[int, int]) -> None:
+        if store == before or store == self._summary():
+            return
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Find claims that vanished under us (lost) and claims nobody here tracks (release)."""
+        with self._lock:
+            epoch = self._epoch
+            before = {tid: t.token for tid, t in self._held.items()}
+            busy_before = set(self._busy)
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "held_list", {"node": self._node_id}).fetchall()
+        store = {str(r[0]): int(r[1]) for r in rows}
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            busy = busy_before | set(self._busy)
+            lost = [
+                task for tid, task in self._held.items()
+                if before.get(tid) == task.token and tid not in busy and store.get(tid) != task.token
+            ]
+            for task in lost:
+                del self._held[task.id]
+            orphans = [
+                (tid, token) for tid, token in store.items()
+                if tid not in busy and (tid not in self._held or self._held[tid].token != token)
+            ]
+        for task in lost:
+            log.warning("claim of node %s on task %s (token %d) is gone from the store",
+                        self._node_id, task.id, task.token,
+                        extra={"node": self._node_id, "task": task.id})
+        self._report_lost(lost)
+        for tid, token in orphans:
+            self.release_untracked(tid, token)
+
+    def release_untracked(self, task_id: str, token: int) -> None:
+        """Release a claim this node holds in the store but does not track (best effort)."""
+        extra = {"node": self._node_id, "task": task_id}
+        try:
+            with self._db.write() as conn:
+                row = self._db.execute(
+                    conn, "release", {"id": task_id, "node": self._node_id, "token": token}
+                ).first()
+                if row is not None:
+                    self._db.next_token_used(conn, int(row[0]))
+        except MetaforaError as exc:
+            log.warning("could not release untracked claim on task %s: %s", task_id, exc,
+                        extra=extra)
+            return
+        if row is not None:
+            log.warning("released claim on task %s (token %d) that node %s no longer tracked",
+                        task_id, token, self._node_id, extra=extra)
+
+
+class _NotYet(Exception):
+    """Re-registration must wait (the old registration is still live)."""

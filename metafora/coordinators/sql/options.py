@@ -1,0 +1,116 @@
+"""The SQL store's URL and options, validated once into a typed :class:`SQLConfig`.
+
+``sqlite:///relative.db`` or ``sqlite:////abs/path.db``; ``postgresql://user:pass@host:port/db``
+(``postgres://`` and ``postgresql+psycopg://`` are accepted too). Query options (or keyword
+arguments, which win): ``namespace``, ``lease_ttl``, ``poll_interval``, ``pool_size``, and
+``connect_timeout`` / ``sslmode`` (PostgreSQL) or ``busy_timeout`` (SQLite).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from metafora.config import OptionReader, StoreURL
+from metafora.errors import ConfigError
+
+__all__ = ["PG_SCHEMES", "SQLConfig", "parse_config"]
+
+PG_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+_MIN_SQLITE = (3, 35, 0)  # RETURNING
+
+
+@dataclass(frozen=True)
+class SQLConfig:
+    """Everything a SQL coordinator or client needs, checked and typed."""
+
+    kind: Literal["postgresql", "sqlite"]
+    url: StoreURL = field(repr=False)
+    namespace: str
+    lease_ttl: float
+    poll_interval: float
+    pool_size: int
+    connect_timeout: float
+    busy_timeout: float
+    sslmode: str | None
+    path: str | None  # SQLite file
+
+    @property
+    def name(self) -> str:
+        """The URL without its password (safe for logs and errors)."""
+        return self.url.redacted()
+
+    @property
+    def renew_interval(self) -> float:
+        """Seconds between lease renewals: a third of the TTL."""
+        return self.lease_ttl / 3.0
+
+    @property
+    def fence_after(self) -> float:
+        """Seconds after the start of the last good renewal at which a node self-fences.
+
+        ``lease_ttl`` minus a margin of ``lease_ttl / 3``: the store keeps the lease for
+        ``lease_ttl`` from the renewal's database time, so handlers get a third of the TTL
+        to stop before anyone else can claim their tasks.
+        """
+        return self.lease_ttl * 2.0 / 3.0
+
+
+def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
+    """Validate ``url`` and ``options`` (ConfigError naming the bad value)."""
+    if url.scheme in PG_SCHEMES:
+        kind: Literal["postgresql", "sqlite"] = "postgresql"
+    elif url.scheme == "sqlite":
+        kind = "sqlite"
+    else:
+        raise ConfigError(f"the SQL store does not handle the scheme {url.scheme!r} ({url})")
+    reader = OptionReader(url, options)
+    namespace = reader.namespace()
+    lease_ttl = reader.number("lease_ttl", 30.0, minimum=1.0, maximum=86400.0)
+    poll_default = 5.0 if kind == "postgresql" else 0.25
+    poll_interval = reader.number("poll_interval", poll_default, minimum=0.01, maximum=3600.0)
+    pool_size = reader.integer("pool_size", 5, minimum=1, maximum=100)
+    connect_timeout = 5.0
+    busy_timeout = 5.0
+    sslmode = None
+    path = None
+    if kind == "postgresql":
+        connect_timeout = reader.number("connect_timeout", 5.0, minimum=1.0, maximum=600.0)
+        sslmode = reader.string("sslmode")
+        if sslmode is not None and sslmode not in _SSLMODES:
+            raise ConfigError(f"option 'sslmode' must be one of {', '.join(_SSLMODES)}, got {sslmode!r}")
+        if len(url.hosts) != 1:
+            raise ConfigError(f"a PostgreSQL URL needs exactly one host: {url}")
+        if url.path.strip("/") == "" or "/" in url.path.strip("/"):
+            raise ConfigError(f"a PostgreSQL URL needs a database name as its path: {url}")
+    else:
+        busy_timeout = reader.number("busy_timeout", 5.0, minimum=0.1, maximum=600.0)
+        if url.hosts or url.username is not None:
+            raise ConfigError(
+                f"a SQLite URL has no host: use sqlite:///relative.db or sqlite:////abs/path.db, got {url}"
+            )
+        path = url.path[1:] if url.path.startswith("/") else url.path
+        if not path or path == ":memory:":
+            raise ConfigError(
+                f"a SQLite store must be a file shared by the processes (use memory:// for an "
+                f"in-process store), got {url}"
+            )
+        if sqlite3.sqlite_version_info < _MIN_SQLITE:
+            raise ConfigError(
+                f"SQLite {sqlite3.sqlite_version} is too old for the SQL store (needs 3.35+)"
+            )
+    reader.finish()
+    return SQLConfig(
+        kind=kind,
+        url=url,
+        namespace=namespace,
+        lease_ttl=lease_ttl,
+        poll_interval=poll_interval,
+        pool_size=pool_size,
+        connect_timeout=connect_timeout,
+        busy_timeout=busy_timeout,
+        sslmode=sslmode,
+        path=path,
+    )

@@ -1,0 +1,159 @@
+"""The store's tables, created on first use and upgraded by a list of migrations.
+
+``metafora_schema`` holds one row per applied migration; the schema version is the highest.
+A migration is a function applied inside one transaction, under a lock that keeps two
+processes from migrating at once (PostgreSQL: an advisory lock; SQLite: BEGIN IMMEDIATE).
+Every table has a ``namespace`` column, so several clusters share one database.
+
+Tables (all prefixed ``metafora_``):
+
+- ``tasks``: one row per task: props (JSON text), state, owner, token, claim and life-cycle
+  times, ``launch_at``/``expires_at`` (copied from the props at submit), error, attempts, and
+  ``ready`` (the counter value at which the row last became pending: lets a watcher find what
+  is new since its last look). Partial indexes keep pending and claimed rows findable without
+  reading the done rows that pile up.
+- ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
+  registration's random id), started/renewed times, host, pid, task count.
+- ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
+- ``state``: per-task state of the state machine, fenced by the claim token.
+- the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import Connection, inspect, text
+
+from metafora.coordinators.sql.dialect import Dialect
+from metafora.errors import StoreError
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate"]
+
+Migration = Callable[[Connection, Dialect], None]
+
+_V1_DDL = [
+    """CREATE TABLE metafora_tasks (
+        namespace {key} NOT NULL,
+        id {key} NOT NULL,
+        props TEXT NOT NULL,
+        state VARCHAR(16) NOT NULL
+            CHECK (state IN ('pending', 'claimed', 'done', 'failed', 'expired')),
+        owner {key},
+        token BIGINT NOT NULL DEFAULT 0,
+        ready BIGINT NOT NULL DEFAULT 0,
+        claimed_at {ts},
+        launch_at {ts},
+        expires_at {ts},
+        error TEXT,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        created_at {ts} NOT NULL,
+        updated_at {ts} NOT NULL,
+        finished_at {ts},
+        PRIMARY KEY (namespace, id)
+    )""",
+    "CREATE INDEX metafora_tasks_pending ON metafora_tasks (namespace, id)"
+    " WHERE state = 'pending'",
+    "CREATE INDEX metafora_tasks_ready ON metafora_tasks (namespace, ready)"
+    " WHERE state = 'pending'",
+    "CREATE INDEX metafora_tasks_launch ON metafora_tasks (namespace, launch_at)"
+    " WHERE state = 'pending' AND launch_at IS NOT NULL",
+    "CREATE INDEX metafora_tasks_expiry ON metafora_tasks (namespace, expires_at)"
+    " WHERE state = 'pending' AND expires_at IS NOT NULL",
+    "CREATE INDEX metafora_tasks_owner ON metafora_tasks (namespace, owner)"
+    " WHERE state = 'claimed'",
+    "CREATE INDEX metafora_tasks_finished ON metafora_tasks (namespace, finished_at)"
+    " WHERE state IN ('done', 'failed', 'expired')",
+    """CREATE TABLE metafora_nodes (
+        namespace {key} NOT NULL,
+        node_id {key} NOT NULL,
+        session VARCHAR(64) NOT NULL,
+        lease_until {ts} NOT NULL,
+        started_at {ts} NOT NULL,
+        renewed_at {ts} NOT NULL,
+        host TEXT,
+        pid INTEGER,
+        task_count INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (namespace, node_id)
+    )""",
+    """CREATE TABLE metafora_commands (
+        id {serial_pk},
+        namespace {key} NOT NULL,
+        node_id {key} NOT NULL,
+        body TEXT NOT NULL,
+        created_at {ts} NOT NULL
+    )""",
+    "CREATE INDEX metafora_commands_node ON metafora_commands (namespace, node_id, id)",
+    """CREATE TABLE metafora_state (
+        namespace {key} NOT NULL,
+        task_id {key} NOT NULL,
+        token BIGINT NOT NULL,
+        body TEXT NOT NULL,
+        updated_at {ts} NOT NULL,
+        PRIMARY KEY (namespace, task_id)
+    )""",
+]
+
+
+def _v1_initial(conn: Connection, dialect: Dialect) -> None:
+    types = dialect.ddl_types()
+    for ddl in _V1_DDL:
+        conn.execute(text(ddl.format(**types)))
+    for ddl in dialect.counter_ddl():
+        conn.execute(text(ddl))
+
+
+MIGRATIONS: list[tuple[str, Migration]] = [
+    ("tasks, nodes, commands, state and the token counter", _v1_initial),
+]
+"""Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def current_version(conn: Connection) -> int:
+    """The schema version of the database (0 if metafora never ran on it)."""
+    if not inspect(conn).has_table("metafora_schema"):
+        return 0
+    version = conn.execute(text("SELECT max(version) FROM metafora_schema")).scalar()
+    return int(version or 0)
+
+
+def _check(version: int, where: str) -> None:
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"the schema of {where} is at version {version}, newer than this metafora "
+            f"understands ({SCHEMA_VERSION}); upgrade metafora"
+        )
+
+
+def migrate(conn: Connection, dialect: Dialect, where: str) -> int:
+    """Bring the schema up to :data:`SCHEMA_VERSION` inside the caller's write transaction."""
+    dialect.lock_schema(conn)
+    types = dialect.ddl_types()
+    conn.execute(
+        text(
+            "CREATE TABLE IF NOT EXISTS metafora_schema (version INTEGER PRIMARY KEY,"
+            " description TEXT NOT NULL, applied_at {ts} NOT NULL)".format(**types)
+        )
+    )
+    version = int(conn.execute(text("SELECT coalesce(max(version), 0) FROM metafora_schema")).scalar_one())
+    _check(version, where)
+    now = dialect.fragments()["now"]
+    for number, (description, migration) in enumerate(MIGRATIONS[version:], start=version + 1):
+        migration(conn, dialect)
+        conn.execute(
+            text(
+                f"INSERT INTO metafora_schema (version, description, applied_at)"
+                f" VALUES (:v, :d, {now})"
+            ),
+            {"v": number, "d": description},
+        )
+    return SCHEMA_VERSION
+
+
+def needs_migration(conn: Connection, where: str) -> bool:
+    """Whether :func:`migrate` has work to do (a cheap read, outside any write lock)."""
+    version = current_version(conn)
+    _check(version, where)
+    return version < SCHEMA_VERSION

@@ -1,0 +1,257 @@
+"""Every SQL statement of the store, written once for both dialects and built once per store.
+
+``{now}``, ``{next_token}``, ``{lock}``, ``{notify_*}`` ... are filled in by the
+:class:`~metafora.coordinators.sql.dialect.Dialect`; ``:name`` are bind parameters (``:ns``,
+the namespace, is in every statement). The texts are compiled once and cached by SQLAlchemy,
+so the hot path (claim, heartbeat, done) pays no per-call SQL construction.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import TextClause, bindparam, text
+
+from metafora.coordinators.sql.dialect import Dialect
+
+__all__ = ["BATCH", "Statements"]
+
+BATCH = 500
+"""Rows per watch query: offers go out in bounded, ordered batches."""
+
+_CLAIMABLE_PENDING = (
+    "state = 'pending' AND (launch_at IS NULL OR launch_at <= {now})"
+    " AND (expires_at IS NULL OR expires_at > {now})"
+)
+_OWNER_DEAD = (
+    "NOT EXISTS (SELECT 1 FROM metafora_nodes o WHERE o.namespace = :ns"
+    " AND o.node_id = metafora_tasks.owner AND o.lease_until > {now})"
+)
+_ME_LIVE = (
+    "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
+    " AND me.session = :session AND me.lease_until > {now})"
+)
+_ME_SESSION = (
+    "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
+    " AND me.session = :session)"
+)
+_FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
+_INFO_COLUMNS = (
+    "id, props,"
+    " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
+    " owner, token, claimed_at, error, created_at,"
+    " CASE WHEN state = 'pending' AND expires_at <= {now} THEN expires_at ELSE finished_at END"
+    " AS finished_at, attempts"
+)
+
+_SQL: dict[str, str] = {
+    # -- claims (the hot path) ------------------------------------------------------------
+    # One statement: the sub-select finds and locks the offered row if it is claimable
+    # (pending and due, or claimed by a node whose lease the database clock says is over)
+    # and this node's own lease is live; the UPDATE takes a fresh token.
+    "claim": (
+        "UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
+        " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
+        " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
+        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
+        " RETURNING token, props"
+    ),
+    "release": (
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
+        " ready = {next_token}, updated_at = {now} WHERE " + _FENCED + " RETURNING ready, {notify_task}"
+    ),
+    "done": (
+        "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
+        " updated_at = {now} WHERE " + _FENCED + " RETURNING token"
+    ),
+    "fail": (
+        "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = :error,"
+        " finished_at = {now}, updated_at = {now} WHERE " + _FENCED + " RETURNING token"
+    ),
+    # -- the node lease ---------------------------------------------------------------------
+    # Takes over a missing or expired registration only; returns nothing if the id is live.
+    "register": (
+        "INSERT INTO metafora_nodes (namespace, node_id, session, lease_until, started_at,"
+        " renewed_at, host, pid, task_count)"
+        " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0)"
+        " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
+        " lease_until = excluded.lease_until, started_at = excluded.started_at,"
+        " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
+        " task_count = 0 WHERE metafora_nodes.lease_until <= {now}"
+        " RETURNING session"
+    ),
+    # Claims of an earlier registration of this node id (already reported lost, or from a
+    # process that died) become pending again; a restarted node may take them back.
+    "free_own": (
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
+        " ready = {next_token}, updated_at = {now}"
+        " WHERE namespace = :ns AND owner = :node AND state = 'claimed'"
+        " RETURNING ready, {notify_task}"
+    ),
+    "drop_commands": "DELETE FROM metafora_commands WHERE namespace = :ns AND node_id = :node",
+    # One UPDATE per renewal, whatever the number of tasks; it also returns the count and
+    # token sum of the claims the store says this node holds, to check against the local set.
+    "heartbeat": (
+        "UPDATE metafora_nodes SET lease_until = {lease_until}, renewed_at = {now},"
+        " task_count = :count WHERE namespace = :ns AND node_id = :node AND session = :session"
+        " AND lease_until > {now} RETURNING"
+        " (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns AND t.owner = :node"
+        " AND t.state = 'claimed'),"
+        " (SELECT coalesce(sum(t.token), 0) FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = :node AND t.state = 'claimed')"
+    ),
+    "held_summary": (
+        "SELECT count(*), coalesce(sum(token), 0) FROM metafora_tasks"
+        " WHERE namespace = :ns AND owner = :node AND state = 'claimed'"
+    ),
+    "held_list": (
+        "SELECT id, token FROM metafora_tasks WHERE namespace = :ns AND owner = :node"
+        " AND state = 'claimed'"
+    ),
+    "close_free": (
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
+        " ready = {next_token}, updated_at = {now}"
+        " WHERE namespace = :ns AND owner = :node AND state = 'claimed' AND " + _ME_SESSION
+        + " RETURNING ready, {notify_task}"
+    ),
+    "close_commands": (
+        "DELETE FROM metafora_commands WHERE namespace = :ns AND node_id = :node AND "
+        + _ME_SESSION
+    ),
+    "close_node": (
+        "DELETE FROM metafora_nodes WHERE namespace = :ns AND node_id = :node AND session = :session"
+    ),
+    # -- commands ---------------------------------------------------------------------------
+    "command_peek": (
+        "SELECT min(id) FROM metafora_commands WHERE namespace = :ns AND node_id = :node"
+    ),
+    "command_take": (
+        "DELETE FROM metafora_commands WHERE id = (SELECT id FROM metafora_commands"
+        " WHERE namespace = :ns AND node_id = :node ORDER BY id LIMIT 1{lock}) RETURNING id, body"
+    ),
+    "command_submit": (
+        "INSERT INTO metafora_commands (namespace, node_id, body, created_at)"
+        " SELECT :ns, :node, :body, {now} WHERE EXISTS (SELECT 1 FROM metafora_nodes"
+        " WHERE namespace = :ns AND node_id = :node AND lease_until > {now})"
+        " RETURNING id, {notify_cmd}"
+    ),
+    # -- the watch --------------------------------------------------------------------------
+    # The database clock, when the next launch_at and the next lease expiry fall due, and how
+    # many pending tasks are past expires_at and how many registrations are dead.
+    "watch_state": (
+        "SELECT {now},"
+        " (SELECT {secs_until_launch} FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending' AND launch_at > {now}),"
+        " (SELECT {secs_until_lease} FROM metafora_nodes WHERE namespace = :ns"
+        " AND lease_until > {now}),"
+        " (SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " AND expires_at <= {now}),"
+        " (SELECT count(*) FROM metafora_nodes WHERE namespace = :ns AND lease_until <= {now}),"
+        " (SELECT coalesce(max(ready), 0) FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending')"
+    ),
+    "scan_pending": (
+        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id > :after AND "
+        + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
+    ),
+    "scan_ready": (
+        "SELECT id, props, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " AND (ready > :ready OR (ready = :ready AND id > :after)) AND " + _CLAIMABLE_PENDING
+        + " ORDER BY ready, id LIMIT :limit"
+    ),
+    "scan_launched": (
+        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " AND launch_at > :since AND launch_at <= :until"
+        " AND (expires_at IS NULL OR expires_at > {now}) ORDER BY launch_at, id LIMIT :limit"
+    ),
+    "scan_ids": (
+        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id IN :ids AND "
+        + _CLAIMABLE_PENDING
+    ),
+    # Claims whose owner's registration is expired (cheap: through the dead nodes).
+    "scan_dead_owners": (
+        "SELECT t.id, t.props, t.token FROM metafora_nodes n JOIN metafora_tasks t"
+        " ON t.namespace = n.namespace AND t.owner = n.node_id AND t.state = 'claimed'"
+        " WHERE n.namespace = :ns AND n.lease_until <= {now} AND t.id > :after"
+        " ORDER BY t.id LIMIT :limit"
+    ),
+    # Claims whose owner's registration is expired or missing altogether (full scans).
+    "scan_orphans": (
+        "SELECT id, props, token FROM metafora_tasks WHERE namespace = :ns AND state = 'claimed'"
+        " AND id > :after AND " + _OWNER_DEAD + " ORDER BY id LIMIT :limit"
+    ),
+    "sweep_expired": (
+        "UPDATE metafora_tasks SET state = 'expired', finished_at = expires_at, updated_at = {now}"
+        " WHERE namespace = :ns AND state = 'pending' AND expires_at <= {now}"
+    ),
+    # Registrations dead for longer than :secs (negative) that hold nothing, and the
+    # commands nobody will read any more.
+    "clean_nodes": (
+        "DELETE FROM metafora_nodes WHERE namespace = :ns AND lease_until < {ts_plus_secs}"
+        " AND NOT EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = metafora_nodes.node_id AND t.state = 'claimed')"
+    ),
+    "clean_commands": (
+        "DELETE FROM metafora_commands WHERE namespace = :ns AND NOT EXISTS (SELECT 1"
+        " FROM metafora_nodes n WHERE n.namespace = :ns AND n.node_id = metafora_commands.node_id)"
+    ),
+    # -- the client -------------------------------------------------------------------------
+    "submit": (
+        "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
+        " expires_at, attempts, created_at, updated_at)"
+        " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
+        " {now}, {now}) ON CONFLICT (namespace, id) DO NOTHING RETURNING ready, {notify_task}"
+    ),
+    "delete": (
+        "DELETE FROM metafora_tasks WHERE namespace = :ns AND id = :id"
+        " RETURNING state, owner, {notify_owner}"
+    ),
+    "delete_state": "DELETE FROM metafora_state WHERE namespace = :ns AND task_id = :id",
+    "retry": (
+        "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
+        " owner = NULL, claimed_at = NULL, ready = {next_token}, updated_at = {now}"
+        " WHERE namespace = :ns AND id = :id AND (state IN ('failed', 'expired')"
+        " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
+    ),
+    "get": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns AND id = :id",
+    "list": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns ORDER BY id",
+    "list_states": (
+        "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns"
+        " AND state IN :states ORDER BY id"
+    ),
+    "nodes": (
+        "SELECT node_id FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
+        " ORDER BY node_id"
+    ),
+    "node_counts": (
+        "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
+        " WHERE n.namespace = :ns AND n.lease_until > {now}"
+    ),
+    "purge_state": (
+        "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"
+        " FROM metafora_tasks WHERE namespace = :ns AND state IN ('done', 'failed', 'expired')"
+        " AND finished_at <= {ts_plus_secs})"
+    ),
+    "purge": (
+        "DELETE FROM metafora_tasks WHERE namespace = :ns"
+        " AND state IN ('done', 'failed', 'expired') AND finished_at <= {ts_plus_secs}"
+    ),
+}
+
+_EXPANDING = {"scan_ids": "ids", "list_states": "states"}
+
+
+class Statements:
+    """The statements of one store, as compiled-once :class:`~sqlalchemy.TextClause` objects."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        fragments = dialect.fragments()
+        self._built: dict[str, TextClause] = {}
+        for name, sql in _SQL.items():
+            clause = text(sql.format(**fragments))
+            if name in _EXPANDING:
+                clause = clause.bindparams(bindparam(_EXPANDING[name], expanding=True))
+            self._built[name] = clause
+
+    def __getitem__(self, name: str) -> TextClause:
+        return self._built[name]

@@ -1,0 +1,214 @@
+"""The watch loop: offer every claimable task, then what becomes claimable, until close.
+
+Each round starts with one cheap read of the database clock and of when the next thing
+falls due (the earliest future ``launch_at``, the earliest live lease expiry) and then:
+
+- a **full scan** (the first round, after a lost LISTEN connection or an error, and every
+  ``max(poll_interval, 5 s)``): sweeps pending tasks past ``expires_at`` to ``expired``,
+  offers every claimable pending task (ordered by id, ``BATCH`` at a time) and every task
+  claimed by a node whose registration has expired or vanished, and deletes long-dead
+  registrations that hold nothing;
+- otherwise a **quick check**: tasks named by notifications (PostgreSQL), tasks that became
+  pending since the last look (the ``ready`` counter; exact on SQLite, where writers are
+  serialized), tasks whose ``launch_at`` passed since the last round, and the claims of
+  registrations that expired since.
+
+It then sleeps until a notification, ``close()``, the poll interval, or the next due time,
+whichever comes first: a crashed owner's tasks are offered right after its lease expires.
+Store errors never end the watch: it logs, backs off and rescans when the store is back.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from metafora.coordinators.sql.statements import BATCH
+from metafora.coordinators.sql.store import Database
+from metafora.errors import MetaforaError
+from metafora.task import Task
+
+__all__ = ["Watch"]
+
+log = logging.getLogger(__name__)
+
+_RESCAN = 5.0  # seconds between full scans at least (the safety net)
+_AFTER_ALL = "\U0010ffff"  # sorts after any id: "nothing left at this ready value"
+_MIN_WAIT = 0.005
+
+
+class Watch:
+    """One ``Coordinator.watch`` call: its wake-up event, notified ids and scan positions."""
+
+    def __init__(
+        self, db: Database, node_id: str, sink: Callable[[Task], None], closed: threading.Event
+    ) -> None:
+        self._db = db
+        self._sink = sink
+        self._closed = closed
+        self._extra = {"node": node_id}
+        self._poll = db.config.poll_interval
+        self._rescan = max(_RESCAN, self._poll)
+        self._grace = db.config.lease_ttl
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._full = True
+        self._next_full = 0.0
+        self._ready = (0, _AFTER_ALL)
+        self._last_now: Any = None
+        self._offered_dead: dict[str, int] = {}
+
+    # -- called by the notification listener ---------------------------------------------------
+
+    def task_notified(self, task_id: str) -> None:
+        """A notification says ``task_id`` became claimable."""
+        with self._lock:
+            self._ids[task_id] = None
+        self.wake.set()
+
+    def rescan(self) -> None:
+        """Do a full scan next (notifications may have been missed)."""
+        with self._lock:
+            self._full = True
+        self.wake.set()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Offer tasks until the coordinator closes."""
+        backoff = 0.1
+        while not self._closed.is_set():
+            self.wake.clear()
+            try:
+                timeout = self._round()
+                backoff = 0.1
+            except MetaforaError as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("watch on %s failed, rescanning in %.1fs: %s", self._db.name,
+                            backoff, exc, extra=self._extra)
+                with self._lock:
+                    self._full = True
+                timeout = backoff * random.uniform(0.8, 1.2)
+                backoff = min(backoff * 2, 5.0)
+            self.wake.wait(timeout)
+
+    def _round(self) -> float:
+        db = self._db
+        with db.read() as conn:
+            state = db.execute(conn, "watch_state", {}).one()
+        db_now, secs_launch, secs_lease, n_expired, n_dead, max_ready = state
+        if n_expired:
+            with db.write() as conn:
+                db.execute(conn, "sweep_expired", {})
+        started = time.monotonic()
+        with self._lock:
+            full = self._full or started >= self._next_full
+            self._full = False
+            if full:
+                self._ids.clear()
+            ids = list(self._ids)
+            self._ids.clear()
+        if full:
+            self._next_full = started + self._rescan
+            self._scan_all(n_dead)
+            self._ready = (int(max_ready), _AFTER_ALL)
+        else:
+            for i in range(0, len(ids), BATCH):
+                self._scan_ids(ids[i : i + BATCH])
+            self._scan_ready()
+            if self._last_now is not None:
+                self._scan_launched(self._last_now, db_now)
+            if n_dead:
+                self._scan_dead()
+        self._last_now = db_now
+        timeout = min(self._poll, self._next_full - time.monotonic())
+        for due in (secs_launch, secs_lease):
+            if due is not None:
+                timeout = min(timeout, float(due) + _MIN_WAIT)
+        return max(timeout, _MIN_WAIT)
+
+    # -- scans ----------------------------------------------------------------------------------
+
+    def _query(self, name: str, params: dict[str, Any]) -> Sequence[Any]:
+        params.setdefault("limit", BATCH)
+        with self._db.read() as conn:
+            rows: Sequence[Any] = self._db.execute(conn, name, params).fetchall()
+        return rows
+
+    def _offer(self, task_id: str, props: str) -> None:
+        try:
+            task = Task(task_id, json.loads(props))
+        except (ValueError, MetaforaError) as exc:
+            log.warning("not offering task %s: its stored props are invalid: %s", task_id, exc,
+                        extra={**self._extra, "task": task_id})
+            return
+        self._sink(task)
+
+    def _scan_all(self, n_dead: int) -> None:
+        after = ""
+        while not self._closed.is_set():
+            rows = self._query("scan_pending", {"after": after})
+            for row in rows:
+                self._offer(row[0], row[1])
+            if len(rows) < BATCH:
+                break
+            after = rows[-1][0]
+        offered: dict[str, int] = {}
+        after = ""
+        while not self._closed.is_set():
+            rows = self._query("scan_orphans", {"after": after})
+            for row in rows:
+                offered[row[0]] = int(row[2])
+                self._offer(row[0], row[1])
+            if len(rows) < BATCH:
+                break
+            after = rows[-1][0]
+        self._offered_dead = offered
+        if n_dead:
+            with self._db.write() as conn:
+                self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
+                self._db.execute(conn, "clean_commands", {})
+
+    def _scan_ids(self, ids: list[str]) -> None:
+        for row in self._query("scan_ids", {"ids": ids}):
+            self._offer(row[0], row[1])
+
+    def _scan_ready(self) -> None:
+        ready, after = self._ready
+        while not self._closed.is_set():
+            rows = self._query("scan_ready", {"ready": ready, "after": after})
+            for row in rows:
+                self._offer(row[0], row[1])
+            if rows:
+                ready, after = int(rows[-1][2]), rows[-1][0]
+                self._ready = (ready, after)
+            if len(rows) < BATCH:
+                break
+
+    def _scan_launched(self, since: Any, until: Any) -> None:
+        rows = self._query("scan_launched", {"since": since, "until": until})
+        for row in rows:
+            self._offer(row[0], row[1])
+        if len(rows) >= BATCH:
+            self.rescan()
+
+    def _scan_dead(self) -> None:
+        after = ""
+        while not self._closed.is_set():
+            rows = self._query("scan_dead_owners", {"after": after})
+            for row in rows:
+                token = int(row[2])
+                if self._offered_dead.get(row[0]) != token:
+                    self._offered_dead[row[0]] = token
+                    self._offer(row[0], row[1])
+            if len(rows) < BATCH:
+                break
+            after = rows[-1][0]
