@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
-from metafora.coordinator import Client
+from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import new_command_name
 from metafora.coordinators.etcd.driver import (
@@ -26,7 +26,15 @@ from metafora.coordinators.etcd.driver import (
     exists,
     modified_at,
 )
-from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, iso, task_info
+from metafora.coordinators.etcd.layout import (
+    Keys,
+    TaskRecord,
+    decode_json,
+    encode_json,
+    iso,
+    parse_iso,
+    task_info,
+)
 from metafora.coordinators.etcd.queries import (
     expire_task,
     launch_and_expiry,
@@ -202,6 +210,37 @@ class EtcdClient(Client):
     def node_task_count(self) -> dict[str, int]:
         self._check_open()
         return node_task_count(self._driver, self._keys)
+
+    def node_infos(self) -> list[NodeInfo]:
+        """Live nodes with their task counts, host, pid, start time and frozen flag."""
+        self._check_open()
+        result = self._driver.txn(
+            [],
+            [Range(self._keys.nodes, prefix=True), Range(self._keys.owners, prefix=True)],
+            repeatable=True,
+        )
+        counts: dict[str, int] = {}
+        for kv in result.ranges[1]:
+            owner = kv.value.decode(errors="replace")
+            counts[owner] = counts.get(owner, 0) + 1
+        infos = []
+        for kv in result.ranges[0]:
+            parsed = self._keys.parse(kv.key)
+            if parsed is None or parsed[0] != "alive":
+                continue
+            data = decode_json(kv.value) or {}
+            host, pid, frozen = data.get("host"), data.get("pid"), data.get("frozen")
+            infos.append(
+                NodeInfo(
+                    parsed[1],
+                    counts.get(parsed[1], 0),
+                    host=host if isinstance(host, str) else None,
+                    pid=pid if isinstance(pid, int) else None,
+                    started=parse_iso(data.get("started_at")),
+                    frozen=frozen if isinstance(frozen, bool) else None,
+                )
+            )
+        return sorted(infos, key=lambda n: n.id)
 
     def submit_command(self, node_id: str, command: Command) -> None:
         self._check_open()

@@ -27,7 +27,9 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -179,6 +181,9 @@ class EtcdCoordinator(Coordinator):
         self._beat_wake = threading.Event()
         self._keepalive_paused = False
         self._fence_after = config.lease_ttl - fence_margin(config.lease_ttl)
+        self._alive_rev = 0  # create revision of our registration key
+        self._started_at = clock.now()
+        self._frozen = False
         # claims this node holds
         self._held: dict[str, _Held] = {}
         # watch cache
@@ -290,7 +295,7 @@ class EtcdCoordinator(Coordinator):
         alive = self._keys.node_alive(self._node_id)
         started = self._clock.monotonic()
         lease, _granted = self._driver.grant(self._cfg.lease_ttl)
-        value = encode_json({"started_at": iso(self._clock.now())})
+        value = self._alive_record()
         try:
             result = self._driver.txn([absent(alive)], [Put(alive, value, lease)], [Range(alive)])
         except BaseException:
@@ -306,9 +311,34 @@ class EtcdCoordinator(Coordinator):
                 closed = False
                 self._lease_id = lease
                 self._renewed_at = started
+                self._alive_rev = result.revision
         if closed:
             self._revoke_quietly(lease)
             raise CoordinatorClosed(f"coordinator {self._node_id!r} closed while registering")
+
+    def _alive_record(self) -> bytes:
+        return encode_json(
+            {
+                "started_at": iso(self._started_at),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "frozen": self._frozen,
+            }
+        )
+
+    def report_frozen(self, frozen: bool) -> None:
+        """Publish the frozen flag in the node's registration (best effort)."""
+        with self._lock:
+            self._frozen = frozen
+            lease, alive_rev = self._lease_id, self._alive_rev
+        if lease is None or self._closed:
+            return
+        alive = self._keys.node_alive(self._node_id)
+        try:
+            self._driver.txn([created_at(alive, alive_rev)], [Put(alive, self._alive_record(), lease)])
+        except MetaforaError as exc:
+            log.debug("node %s: could not publish frozen=%s: %s", self._node_id, frozen, exc,
+                      extra=self._extra)
 
     def _revoke_quietly(self, lease: int) -> None:
         try:
@@ -367,6 +397,9 @@ class EtcdCoordinator(Coordinator):
                 with self._lock:
                     if self._lease_id == lease:
                         self._renewed_at = started
+                    ctx = self._ctx
+                if ctx is not None:
+                    ctx.renewed(took)
                 if failing:
                     log.info("node %s: lease renewal recovered", self._node_id, extra=self._extra)
                     failing = False

@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote
 from metafora.coordinators.etcd.driver import KeyValue
 from metafora.task import TaskInfo, TaskState, parse_time
 
-__all__ = ["Keys", "TaskKeys", "decode_json", "encode_json", "iso", "task_info"]
+__all__ = ["Keys", "TaskKeys", "decode_json", "encode_json", "iso", "parse_iso", "task_info"]
 
 ROOT = "metafora"
 
@@ -64,6 +64,11 @@ def decode_json(raw: bytes) -> dict[str, Any] | None:
 def iso(dt: datetime) -> str:
     """ISO-8601 text of an aware datetime."""
     return dt.isoformat()
+
+
+def parse_iso(value: object) -> datetime | None:
+    """An ISO-8601 time written by us, or None if absent or unreadable."""
+    return _time(value)
 
 
 def _time(value: object) -> datetime | None:

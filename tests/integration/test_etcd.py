@@ -1,0 +1,577 @@
+"""The etcd coordinator against a real etcd (no mocks): claims, fencing, leases, watch,
+commands, key layout, errors, restarts, auth and TLS."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from metafora import Task, TaskState, commands, open_client, open_coordinator
+from metafora.config import parse_store_url
+from metafora.coordinator import CoordinatorContext
+from metafora.coordinators.etcd import EtcdClient, EtcdConfig, EtcdCoordinator
+from metafora.coordinators.etcd.driver import (
+    EtcdDriver,
+    Put,
+    Range,
+    WatchBatch,
+    WatchCompacted,
+    WatchFailure,
+)
+from metafora.coordinators.etcd.layout import Keys
+from metafora.errors import (
+    ClaimLost,
+    ConfigError,
+    CoordinatorUnavailable,
+    NodeExists,
+    TaskNotFound,
+)
+from metafora.testing import RecordingContext
+from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class TimedContext(CoordinatorContext):
+    """Records when each lost() call happened (time.monotonic())."""
+
+    def __init__(self) -> None:
+        self.lost_at: list[tuple[str, float]] = []
+        self.event = threading.Event()
+        self.lock = threading.Lock()
+
+    def lost(self, task: Task) -> None:
+        with self.lock:
+            self.lost_at.append((task.id, time.monotonic()))
+        self.event.set()
+
+
+class Nodes:
+    """Opens initialised etcd coordinators and a client; closes everything at the end."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stack = ExitStack()
+        self.client = self.stack.enter_context(open_client(url))
+
+    def node(self, node_id: str, ctx: CoordinatorContext | None = None,
+             **options: Any) -> EtcdCoordinator:
+        coord = open_coordinator(self.url, node_id=node_id, **options)
+        assert isinstance(coord, EtcdCoordinator)
+        coord.init(ctx or RecordingContext())
+        self.stack.callback(coord.close)
+        return coord
+
+    def watch(self, coord: EtcdCoordinator, sink: Callable[[Task], None]) -> threading.Thread:
+        thread = threading.Thread(target=coord.watch, args=(sink,), daemon=True)
+        thread.start()
+        self.stack.callback(thread.join, 10)
+        self.stack.callback(coord.close)
+        return thread
+
+
+@pytest.fixture
+def nodes(etcd_url: str) -> Iterator[Nodes]:
+    n = Nodes(etcd_url)
+    with n.stack:
+        yield n
+
+
+def raw_driver(url: str) -> tuple[EtcdDriver, Keys]:
+    config = EtcdConfig.from_url(parse_store_url(url), {})
+    return EtcdDriver(config.connection), Keys(config.namespace)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_is_validated(etcd_url: str) -> None:
+    parsed = parse_store_url("etcd://u:secret@h1:1,h2/ns1?lease_ttl=2&poll_interval=0.5")
+    config = EtcdConfig.from_url(parsed, {})
+    assert (config.namespace, config.lease_ttl, config.poll_interval) == ("ns1", 2, 0.5)
+    assert config.connection.hosts == (("h1", 1), ("h2", 2379))
+    assert "secret" not in config.name and "secret" not in repr(config)
+    # the URL path wins over the option; the option is used without a path
+    assert EtcdConfig.from_url(parse_store_url("etcd://h/a"), {"namespace": "b"}).namespace == "a"
+    assert EtcdConfig.from_url(parse_store_url("etcd://h"), {"namespace": "b"}).namespace == "b"
+    assert EtcdConfig.from_url(parse_store_url("etcd://h"), {}).namespace == "metafora"
+    bad = [
+        ("etcd://h/ns?lease_ttl=1", {}),
+        ("etcd://h/ns?lease_ttl=2.5", {}),
+        ("etcd://h/ns?bogus=1", {}),
+        ("etcd://h/ns", {"poll": 3}),
+        ("etcd://h/bad name", {}),
+        ("etcd://h/a/b", {}),
+        ("etcd://h/ns?ca_cert=/x", {}),
+        ("etcds://h/ns?cert_key=/x", {}),
+        ("etcd://user@h/ns", {}),
+    ]
+    for url, options in bad:
+        with pytest.raises(ConfigError):
+            EtcdConfig.from_url(parse_store_url(url), options)
+    with pytest.raises(ConfigError):
+        open_coordinator(etcd_url + "?lease_ttl=zero", node_id="n")
+
+
+# --------------------------------------------------------------------------- claims
+
+
+def test_claim_race_between_two_coordinators(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    ids = [f"race-{i:03d}" for i in range(60)]
+    for task_id in ids:
+        nodes.client.submit_task(Task(task_id))
+    won: dict[str, list[tuple[str, int]]] = {}
+    lock = threading.Lock()
+    barrier = threading.Barrier(2)
+
+    def racer(coord: EtcdCoordinator) -> None:
+        barrier.wait(10)
+        for task_id in ids:
+            got = coord.claim(Task(task_id))
+            if got is not None:
+                with lock:
+                    won.setdefault(task_id, []).append((coord.node_id, got.token))
+
+    threads = [threading.Thread(target=racer, args=(c,)) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(won) == ids
+    assert all(len(winners) == 1 for winners in won.values()), won
+    counts = nodes.client.node_task_count()
+    assert counts["a"] + counts["b"] == len(ids)
+    for task_id, [(owner, token)] in won.items():
+        info = nodes.client.get_task(task_id)
+        assert (info.state, info.owner, info.token) == (TaskState.CLAIMED, owner, token)
+
+
+def test_tokens_strictly_increase_and_are_never_reused(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    tokens: list[int] = []
+    nodes.client.submit_task(Task("t"))
+    for i in range(10):
+        coord = (a, b)[i % 2]
+        got = coord.claim(Task("t"))
+        assert got is not None
+        tokens.append(got.token)
+        coord.release(got)
+    last = a.claim(Task("t"))
+    assert last is not None
+    a.done(last)
+    tokens.append(last.token)
+    nodes.client.delete_task("t")
+    nodes.client.submit_task(Task("t"))
+    again = b.claim(Task("t"))
+    assert again is not None
+    tokens.append(again.token)
+    assert tokens == sorted(set(tokens)), tokens
+    info = nodes.client.get_task("t")
+    assert info.token == again.token and info.attempts == 1
+
+
+def test_fenced_writes_are_refused_after_the_claim_moved(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=2)
+    b = nodes.node("b", lease_ttl=2)
+    nodes.client.submit_task(Task("z"))
+    zombie = a.claim(Task("z"))
+    assert zombie is not None
+    a.save_state(zombie, b"checkpoint-1")
+    a.suspend_keepalive()  # a is partitioned: its lease runs out, b takes over
+    fresh = wait_until(lambda: b.claim(Task("z")), timeout=10, message="b claims z")
+    assert fresh.token > zombie.token
+    for write in (a.release, a.done):
+        with pytest.raises(ClaimLost):
+            write(zombie)
+    with pytest.raises(ClaimLost):
+        a.fail(zombie, "zombie")
+    with pytest.raises(ClaimLost):
+        a.save_state(zombie, b"zombie checkpoint")
+    assert a.load_state("z") == b"checkpoint-1"
+    b.save_state(fresh, b"checkpoint-2")
+    b.done(fresh)
+    info = nodes.client.get_task("z")
+    assert (info.state, info.token) == (TaskState.DONE, fresh.token)
+    assert b.load_state("z") == b"checkpoint-2"
+
+
+def test_key_prefixes_never_leak_to_sibling_tasks(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    ids = ["foo", "foobar", "foo/bar", "foo%2Fbar", "foo bar", "f\u00f6\u00f6", "foo/"]
+    for task_id in ids:
+        nodes.client.submit_task(Task(task_id, {"id": task_id}))
+    assert [i.id for i in nodes.client.tasks()] == sorted(ids)
+    claimed = {task_id: a.claim(Task(task_id)) for task_id in ids}
+    assert all(claimed.values())
+    foo = claimed["foo"]
+    assert foo is not None
+    a.done(foo)
+    nodes.client.delete_task("foo")
+    with pytest.raises(TaskNotFound):
+        nodes.client.get_task("foo")
+    for task_id in ids[1:]:
+        info = nodes.client.get_task(task_id)
+        assert info.state is TaskState.CLAIMED and info.props == {"id": task_id}, task_id
+    got = claimed["foo/bar"]
+    assert got is not None
+    a.fail(got, "x")
+    assert nodes.client.purge() == 1
+    assert sorted(i.id for i in nodes.client.tasks()) == sorted(set(ids) - {"foo", "foo/bar"})
+    # every key of the namespace is under its prefix, one escaped segment per id
+    driver, keys = raw_driver(nodes.url)
+    try:
+        kvs, _ = driver.range(Range(keys.root, prefix=True, keys_only=True))
+    finally:
+        driver.close()
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        assert parsed is not None, kv.key
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_lost_lease_fences_before_anyone_else_can_claim(nodes: Nodes) -> None:
+    ctx_a = TimedContext()
+    a = nodes.node("a", ctx_a, lease_ttl=2)
+    b = nodes.node("b", lease_ttl=2)
+    nodes.client.submit_task(Task("lease-1"))
+    nodes.client.submit_task(Task("lease-2"))
+    held = [a.claim(Task("lease-1")), a.claim(Task("lease-2"))]
+    assert all(held)
+    claimed_by_b: dict[str, float] = {}
+    both = threading.Event()
+
+    def sink(task: Task) -> None:
+        got = b.claim(task)
+        if got is not None:
+            claimed_by_b[got.id] = time.monotonic()
+            if len(claimed_by_b) == 2:
+                both.set()
+
+    nodes.watch(b, sink)
+    paused_at = time.monotonic()
+    a.suspend_keepalive()
+    assert both.wait(10), f"b claimed only {claimed_by_b}"
+    lost = dict(ctx_a.lost_at)
+    assert sorted(lost) == ["lease-1", "lease-2"]
+    for task_id, at in claimed_by_b.items():
+        assert lost[task_id] < at, "a must stop its handlers before b can claim"
+    ttl = 2
+    assert max(claimed_by_b.values()) - paused_at <= ttl + 1.0
+    assert a.lease_id is None
+    # back on the network: a re-registers with a new lease and carries on
+    a.resume_keepalive()
+    wait_until(lambda: a.lease_id is not None and "a" in nodes.client.nodes(), timeout=10,
+               message="a re-registers")
+    b.close()  # b's watch would claim the next task first
+    nodes.client.submit_task(Task("after"))
+    assert a.claim(Task("after")) is not None
+
+
+def test_lease_revoked_under_the_node_is_detected(nodes: Nodes) -> None:
+    ctx = TimedContext()
+    a = nodes.node("a", ctx, lease_ttl=3)
+    nodes.client.submit_task(Task("r"))
+    got = a.claim(Task("r"))
+    assert got is not None
+    old_lease = a.lease_id
+    assert old_lease is not None
+    driver, _ = raw_driver(nodes.url)
+    try:
+        driver.revoke(old_lease)
+    finally:
+        driver.close()
+    assert ctx.event.wait(5)
+    assert [t for t, _ in ctx.lost_at] == ["r"]
+    wait_until(lambda: a.lease_id not in (None, old_lease) and "a" in nodes.client.nodes(),
+               timeout=10, message="a re-registers")
+    again = a.claim(Task("r"))
+    assert again is not None and again.token > got.token
+    assert [t for t, _ in ctx.lost_at] == ["r"]  # told once
+
+
+def test_node_id_live_elsewhere_is_refused(nodes: Nodes) -> None:
+    nodes.node("same")
+    with pytest.raises(NodeExists):
+        nodes.node("same")
+    assert nodes.client.nodes() == ["same"]
+
+
+def test_close_frees_claims_and_registration_at_once(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=30)
+    nodes.client.submit_task(Task("c"))
+    assert a.claim(Task("c")) is not None
+    started = time.monotonic()
+    a.close()
+    assert time.monotonic() - started < 5
+    assert nodes.client.nodes() == []
+    assert nodes.client.get_task("c").state is TaskState.PENDING
+    with pytest.raises(Exception, match="closed"):
+        a.claim(Task("c"))
+    assert a.command(timeout=0.01) is None
+
+
+# --------------------------------------------------------------------------- watch
+
+
+def test_delete_of_a_running_task_tells_its_owner(nodes: Nodes) -> None:
+    ctx = TimedContext()
+    a = nodes.node("a", ctx)
+    nodes.client.submit_task(Task("victim"))
+    nodes.client.submit_task(Task("victimized"))
+    got = a.claim(Task("victim"))
+    assert got is not None and a.claim(Task("victimized")) is not None
+    deleted = time.monotonic()
+    nodes.client.delete_task("victim")
+    assert ctx.event.wait(10)
+    assert [t for t, _ in ctx.lost_at] == ["victim"]
+    assert ctx.lost_at[0][1] - deleted < 2
+    with pytest.raises(ClaimLost):
+        a.done(got)
+    assert nodes.client.get_task("victimized").state is TaskState.CLAIMED
+
+
+def test_watch_offers_a_submitted_task_quickly(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    seen: dict[str, float] = {}
+    arrived = threading.Event()
+
+    def sink(task: Task) -> None:
+        seen.setdefault(task.id, time.monotonic())
+        if task.id == "fast":
+            arrived.set()
+
+    nodes.watch(a, sink)
+    nodes.client.submit_task(Task("warmup"))
+    wait_until(lambda: "warmup" in seen, timeout=10, message="warm-up offer")
+    submitted = time.monotonic()
+    nodes.client.submit_task(Task("fast", {"n": 1}))
+    assert arrived.wait(10)
+    latency = seen["fast"] - submitted
+    assert latency < 1.0, f"offer took {latency:.3f}s"
+
+
+def test_watch_returns_promptly_on_close(nodes: Nodes) -> None:
+    a = nodes.node("a", poll_interval=60)
+    thread = nodes.watch(a, lambda task: None)
+    wait_until(thread.is_alive, message="watch running")
+    started = time.monotonic()
+    a.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+
+
+def test_expired_pending_task_is_moved_not_offered(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    offers: queue.Queue[Task] = queue.Queue()
+    nodes.watch(a, offers.put)
+    soon = time.time() + 1.0
+    from datetime import UTC, datetime
+
+    expires = datetime.fromtimestamp(soon, UTC).isoformat()
+    launch = datetime.fromtimestamp(soon + 1.0, UTC).isoformat()
+    nodes.client.submit_task(Task("never", {"launch_at": launch, "expires_at": expires}))
+    wait_until(lambda: nodes.client.get_task("never").state is TaskState.EXPIRED, timeout=10,
+               message="never expires")
+    assert all(t.id != "never" for t in list(offers.queue))
+    nodes.client.retry_task("never")  # pending again, and expired again at once
+    assert nodes.client.get_task("never").state is TaskState.EXPIRED
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_commands_are_fifo_and_malformed_ones_are_dropped(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_command("a", commands.freeze())
+    a.inject_raw_command("{not json")
+    nodes.client.submit_command("a", commands.stop_task("x/y"))
+    a.inject_raw_command('{"command": "launch_missiles"}')
+    nodes.client.submit_command("a", commands.unfreeze())
+    with caplog.at_level(logging.WARNING, logger="metafora.coordinators.etcd"):
+        got = [a.command(timeout=5) for _ in range(3)]
+    assert got == [commands.freeze(), commands.stop_task("x/y"), commands.unfreeze()]
+    assert a.command(timeout=0.05) is None
+    assert sum("malformed command" in r.getMessage() for r in caplog.records) == 2
+    # a waiting reader wakes on the watch event, not on a poll
+    a2 = nodes.node("a2", poll_interval=60)
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(a2.command(timeout=30)))
+    reader.start()
+    wait_until(reader.is_alive, message="reader waiting")
+    sent = time.monotonic()
+    nodes.client.submit_command("a2", commands.balance())
+    reader.join(10)
+    assert result == [commands.balance()] and time.monotonic() - sent < 5
+
+
+def test_commands_of_a_dead_node_disappear_with_it(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_command("a", commands.freeze())
+    a.close()
+    driver, keys = raw_driver(nodes.url)
+    try:
+        kvs, _ = driver.range(Range(keys.node_commands("a"), prefix=True))
+    finally:
+        driver.close()
+    assert kvs == []
+
+
+def test_node_infos_and_frozen_flag(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("i"))
+    assert a.claim(Task("i")) is not None
+    a.report_frozen(True)
+    [info] = nodes.client.node_infos()
+    assert (info.id, info.tasks, info.frozen) == ("a", 1, True)
+    assert info.pid is not None and info.started is not None
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_unreachable_store_fails_fast_without_the_password() -> None:
+    [port] = free_ports(1)
+    url = f"etcd://root:s3cret@127.0.0.1:{port}/ns"
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable) as caught:
+        open_client(url).tasks()
+    assert time.monotonic() - started < 3
+    assert "s3cret" not in str(caught.value) and f"127.0.0.1:{port}" in str(caught.value)
+    assert caught.value.__cause__ is not None
+    coord = open_coordinator(f"etcd://127.0.0.1:{port}/ns", node_id="n")
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable):
+        coord.init(RecordingContext())
+    assert time.monotonic() - started < 3
+    coord.close()
+
+
+def test_watch_and_lease_survive_an_etcd_restart(etcd_factory: Callable[..., EtcdServer]) -> None:
+    server = etcd_factory()
+    url = server.url()
+    with ExitStack() as stack:
+        client = stack.enter_context(open_client(url))
+        ctx = TimedContext()
+        a = open_coordinator(url, node_id="a", lease_ttl=10)
+        a.init(ctx)
+        stack.callback(a.close)
+        offers: queue.Queue[Task] = queue.Queue()
+        watcher = threading.Thread(target=a.watch, args=(offers.put,), daemon=True)
+        watcher.start()
+        stack.callback(watcher.join, 10)
+        stack.callback(a.close)
+        client.submit_task(Task("before"))
+        assert offers.get(timeout=10).id == "before"
+        server.stop()
+        server.start()
+
+        def submit() -> bool:
+            try:
+                client.submit_task(Task("after"))
+            except CoordinatorUnavailable:
+                return False
+            return True
+
+        wait_until(submit, timeout=15, message="client works again")
+        deadline = time.monotonic() + 15
+        while True:
+            task = offers.get(timeout=max(0.01, deadline - time.monotonic()))
+            if task.id == "after":
+                break
+        assert wait_until(lambda: a.claim(Task("after")), timeout=10, message="claim after restart")
+        assert watcher.is_alive()
+
+
+def test_driver_reports_compacted_history(etcd_url: str) -> None:
+    etcdctl = shutil.which("etcdctl")
+    if etcdctl is None:
+        pytest.skip("etcdctl is needed to compact")
+    driver, keys = raw_driver(etcd_url)
+    try:
+        first = driver.txn([], [Put(keys.root + b"x", b"1")]).revision
+        last = driver.txn([], [Put(keys.root + b"x", b"2")]).revision
+        endpoint = etcd_url.split("/")[2]
+        subprocess.run([etcdctl, "--endpoints", endpoint, "compact", str(last)], check=True,
+                       capture_output=True, timeout=30)
+        items: queue.Queue[WatchBatch | WatchFailure] = queue.Queue()
+        try:
+            handle = driver.watch_prefix(keys.root, first, items.put)
+        except WatchCompacted:
+            return  # refused at creation: as good as a failure event
+        try:
+            item = items.get(timeout=10)
+            assert isinstance(item, WatchFailure) and item.compacted, item
+        finally:
+            handle.cancel()
+    finally:
+        driver.close()
+
+
+# --------------------------------------------------------------------------- auth and TLS
+
+
+def _etcdctl(endpoint: str, *args: str, user: str | None = None) -> None:
+    etcdctl = shutil.which("etcdctl")
+    if etcdctl is None:
+        pytest.skip("etcdctl is needed to set up auth")
+    cmd = [etcdctl, "--endpoints", endpoint]
+    if user:
+        cmd += ["--user", user]
+    subprocess.run([*cmd, *args], check=True, capture_output=True, timeout=30)
+
+
+def test_user_and_password_auth(etcd_factory: Callable[..., EtcdServer]) -> None:
+    server = etcd_factory()
+    _etcdctl(server.client_url, "user", "add", "root", "--new-user-password", "pa55")
+    _etcdctl(server.client_url, "auth", "enable")
+    base = f"etcd://root:pa55@{server.endpoint}/authns"
+    with open_client(base) as client:
+        client.submit_task(Task("t"))
+        with open_coordinator(base, node_id="n", lease_ttl=2) as coord:
+            coord.init(RecordingContext())
+            offers: queue.Queue[Task] = queue.Queue()
+            threading.Thread(target=coord.watch, args=(offers.put,), daemon=True).start()
+            assert offers.get(timeout=10).id == "t"
+            got = coord.claim(Task("t"))
+            assert got is not None
+            coord.done(got)
+            client.submit_command("n", commands.balance())
+            assert coord.command(timeout=5) == commands.balance()
+        assert client.get_task("t").state is TaskState.DONE
+    with pytest.raises(ConfigError) as caught:
+        open_client(f"etcd://root:wrong@{server.endpoint}/authns").tasks()
+    assert "wrong" not in str(caught.value)
+
+
+def test_tls_with_client_certificates(etcd_factory: Callable[..., EtcdServer],
+                                      tmp_path: Any) -> None:
+    tls = make_tls_files(tmp_path / "tls")
+    server = etcd_factory(tls=tls)
+    url = server.url()
+    assert url.startswith("etcds://")
+    with open_client(url) as client, open_coordinator(url, node_id="n") as coord:
+        assert isinstance(client, EtcdClient)
+        coord.init(RecordingContext())
+        client.submit_task(Task("secure"))
+        got = coord.claim(Task("secure"))
+        assert got is not None
+        coord.done(got)
+        assert client.get_task("secure").state is TaskState.DONE
+    plain = f"etcd://{server.endpoint}/x"
+    with pytest.raises(CoordinatorUnavailable):
+        open_client(plain).tasks()
