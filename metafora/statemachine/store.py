@@ -95,8 +95,7 @@ class TaskCommands(abc.ABC):
                 return validate_command(Message.from_json(raw))
             except InvalidMessage as exc:
                 log.warning("dropping malformed command for task %s: %s", task_id, exc)
-            if left == 0.0:
-                return None
+            # Each pass consumed a command, so this loop ends when the queue is empty.
 
     @abc.abstractmethod
     def _push(self, task_id: str, raw: str) -> None:

@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinators.memory import MemoryStore
@@ -27,8 +28,29 @@ _SLICE = 0.05  # real seconds between checks of a cancel event while waiting for
 
 @dataclass
 class _Tables:
-    states: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (token, state JSON)
-    commands: dict[str, deque[str]] = field(default_factory=dict)
+    # Each entry remembers the task row it belongs to (weakly): a task deleted and submitted
+    # again under the same id is a new row, and must not inherit the old state or commands.
+    states: dict[str, tuple[int, str, weakref.ref[Any]]] = field(default_factory=dict)
+    commands: dict[str, tuple[weakref.ref[Any] | None, deque[str]]] = field(default_factory=dict)
+
+    def state(self, store: MemoryStore, task_id: str) -> tuple[int, str] | None:
+        held = self.states.get(task_id)
+        if held is None:
+            return None
+        if held[2]() is not store.tasks.get(task_id):
+            del self.states[task_id]  # the task was deleted (and perhaps submitted again)
+            return None
+        return held[0], held[1]
+
+    def queue(self, store: MemoryStore, task_id: str) -> deque[str] | None:
+        entry = self.commands.get(task_id)
+        if entry is None:
+            return None
+        row = store.tasks.get(task_id)
+        if entry[0] is not None and entry[0]() is not row:
+            del self.commands[task_id]
+            return None
+        return entry[1]
 
 
 _TABLES: weakref.WeakKeyDictionary[MemoryStore, _Tables] = weakref.WeakKeyDictionary()
@@ -76,7 +98,7 @@ class MemoryStateStore(StateStore):
 
     def _fenced(self, task: Task) -> tuple[int, str] | None:
         _check_claim(self._store, task)
-        held = self._tables.states.get(task.id)
+        held = self._tables.state(self._store, task.id)
         if held is not None and held[0] > task.token:
             raise ClaimLost(
                 f"task {task.id!r}: state was written under token {held[0]} > {task.token}"
@@ -92,23 +114,25 @@ class MemoryStateStore(StateStore):
         text = state.to_json()
         with self._store.cond:
             self._fenced(task)
-            self._tables.states[task.id] = (task.token, text)
+            row = self._store.tasks[task.id]
+            self._tables.states[task.id] = (task.token, text, weakref.ref(row))
 
     def get(self, task_id: str) -> State | None:
         with self._store.cond:
-            held = self._tables.states.get(task_id)
+            held = self._tables.state(self._store, task_id)
         return None if held is None else State.from_json(held[1])
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""
         with self._store.cond:
-            held = self._tables.states.get(task_id)
+            held = self._tables.state(self._store, task_id)
         return None if held is None else held[0]
 
     def put_raw(self, task_id: str, token: int, text: str) -> None:
-        """Store raw (possibly malformed) state text, for fault tests."""
+        """Store raw (possibly malformed) state text for an existing task, for fault tests."""
         with self._store.cond:
-            self._tables.states[task_id] = (token, text)
+            row = self._store.tasks[task_id]
+            self._tables.states[task_id] = (token, text, weakref.ref(row))
 
 
 class MemoryTaskCommands(TaskCommands):
@@ -124,9 +148,15 @@ class MemoryTaskCommands(TaskCommands):
         return cls(_memory_store(coordinator_or_client))
 
     def _push(self, task_id: str, raw: str) -> None:
-        with self._store.cond:
-            self._tables.commands.setdefault(task_id, deque()).append(raw)
-            self._store.cond.notify_all()
+        s = self._store
+        with s.cond:
+            queue = self._tables.queue(s, task_id)
+            if queue is None:
+                row = s.tasks.get(task_id)
+                queue = deque()
+                self._tables.commands[task_id] = (None if row is None else weakref.ref(row), queue)
+            queue.append(raw)
+            s.cond.notify_all()
 
     def inject_raw(self, task_id: str, raw: str) -> None:
         """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""
@@ -142,7 +172,7 @@ class MemoryTaskCommands(TaskCommands):
                     return None
                 if token is not None:
                     _check_claim(s, Task(task_id, token=token))
-                queue = self._tables.commands.get(task_id)
+                queue = self._tables.queue(s, task_id)
                 if queue:
                     raw = queue.popleft()
                     if not queue:
@@ -155,7 +185,7 @@ class MemoryTaskCommands(TaskCommands):
 
     def pending(self, task_id: str) -> int:
         with self._store.cond:
-            return len(self._tables.commands.get(task_id, ()))
+            return len(self._tables.queue(self._store, task_id) or ())
 
 
 def state_store(coordinator_or_client: object) -> MemoryStateStore:

@@ -1,0 +1,221 @@
+"""State store and task commands for ``etcd://`` coordinators.
+
+Keys (under the coordinator's namespace root ``/metafora/<namespace>/``):
+
+- ``state/<id>`` -- ``{"token": N, "state": {...}}``: the task's state (the key the etcd
+  layout reserves; ``delete_task`` and ``purge`` remove it with the task).
+- ``taskcmds/<id>/<time>-<random>`` -- one task command (its JSON wire form), taken in
+  create-revision order and deleted when taken.
+
+Fencing: the claim's token is the create revision of the owner key ``owners/<id>``. A state
+write is one transaction comparing that create revision with ``task.token``: it applies only
+while this very claim exists, so a zombie owner (its lease expired, the task re-claimed) is
+refused with ClaimLost. The owner's first read and every command take are fenced the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from metafora.clock import SYSTEM_CLOCK
+from metafora.coordinators.etcd.driver import (
+    Delete,
+    EtcdDriver,
+    Put,
+    Range,
+    created_at,
+    exists,
+    modified_at,
+)
+from metafora.coordinators.etcd.layout import Keys, escape
+from metafora.errors import ClaimLost, ConfigError
+from metafora.statemachine.machine import InvalidState, State
+from metafora.statemachine.store import StateStore, TaskCommands
+from metafora.task import Task
+
+__all__ = ["EtcdStateStore", "EtcdTaskCommands", "state_store", "task_commands"]
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.2  # real seconds between looks at a task's command queue while waiting
+_TAKE_RACES = 10  # attempts to take the oldest command when others take it first
+
+
+def _parts(obj: object) -> tuple[EtcdDriver, Keys]:
+    """The driver and key layout of an etcd coordinator or client.
+
+    Hook wanted: public ``driver`` and ``keys`` attributes (or a ``state_store()`` method)
+    on EtcdCoordinator and EtcdClient. Until then the private ones are read here, sharing
+    the coordinator's connection instead of opening another.
+    """
+    driver = getattr(obj, "_driver", None)
+    keys = getattr(obj, "_keys", None)
+    if not isinstance(driver, EtcdDriver) or not isinstance(keys, Keys):
+        raise ConfigError(f"{type(obj).__name__} is not an etcd coordinator or client")
+    return driver, keys
+
+
+def _lost(task: Task) -> ClaimLost:
+    return ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
+
+
+def _decode(task_id: str, raw: bytes) -> tuple[int, State]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidState(f"stored state of task {task_id!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or set(data) != {"token", "state"} or not isinstance(
+        data["token"], int
+    ):
+        raise InvalidState(f"stored state of task {task_id!r} is not {{'token', 'state'}}")
+    return data["token"], State.from_json(data["state"])
+
+
+class EtcdStateStore(StateStore):
+    """Task states in etcd, fenced by the owner key's create revision (the claim token)."""
+
+    def __init__(self, driver: EtcdDriver, keys: Keys) -> None:
+        self._driver = driver
+        self._keys = keys
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> EtcdStateStore:
+        """The state store on an etcd coordinator's or client's connection."""
+        return cls(*_parts(coordinator_or_client))
+
+    def load(self, task: Task) -> State:
+        tk = self._keys.task(task.id)
+        result = self._driver.txn([created_at(tk.owner, task.token)], [Range(tk.machine)],
+                                  repeatable=True)
+        if not result.succeeded:
+            raise _lost(task)
+        kvs = result.ranges[0]
+        if not kvs:
+            return State()
+        token, state = _decode(task.id, kvs[0].value)
+        if token > task.token:
+            raise ClaimLost(f"task {task.id!r}: state was written under token {token} > {task.token}")
+        return state
+
+    def store(self, task: Task, state: State) -> None:
+        tk = self._keys.task(task.id)
+        value = json.dumps({"token": task.token, "state": state.to_dict()},
+                           separators=(",", ":"), sort_keys=True).encode()
+        # Repeatable: a retried put under the same unchanged owner key writes the same value.
+        result = self._driver.txn([created_at(tk.owner, task.token)], [Put(tk.machine, value)],
+                                  repeatable=True)
+        if not result.succeeded:
+            raise _lost(task)
+
+    def get(self, task_id: str) -> State | None:
+        kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
+        return None if not kvs else _decode(task_id, kvs[0].value)[1]
+
+    def token_of(self, task_id: str) -> int | None:
+        """The claim token the task's state was last written under (for tests)."""
+        kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
+        return None if not kvs else _decode(task_id, kvs[0].value)[0]
+
+
+class EtcdTaskCommands(TaskCommands):
+    """Per-task command queues in etcd (``taskcmds/<id>/``)."""
+
+    def __init__(self, driver: EtcdDriver, keys: Keys) -> None:
+        self._driver = driver
+        self._keys = keys
+        self._root = keys.root + b"taskcmds/"
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> EtcdTaskCommands:
+        """The command channel on an etcd coordinator's or client's connection."""
+        return cls(*_parts(coordinator_or_client))
+
+    def _prefix(self, task_id: str) -> bytes:
+        return self._root + escape(task_id).encode() + b"/"
+
+    def _push(self, task_id: str, raw: str) -> None:
+        name = f"{time.time_ns():020d}-{os.urandom(4).hex()}".encode()
+        self._driver.txn([], [Put(self._prefix(task_id) + name, raw.encode())])
+
+    def inject_raw(self, task_id: str, raw: str) -> None:
+        """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""
+        self._push(task_id, raw)
+
+    def _take(self, task_id: str, token: int | None) -> str | None:
+        """Take the oldest current command now (None if there is none)."""
+        prefix = self._prefix(task_id)
+        tk = self._keys.task(task_id)
+        for _ in range(_TAKE_RACES):
+            look = self._driver.txn(
+                [], [Range(tk.props), Range(tk.owner), Range(prefix, prefix=True, limit=1, by_create=True)],
+                repeatable=True,
+            )
+            props, owner, oldest = look.ranges
+            if token is not None and (not owner or owner[0].create_revision != token):
+                raise ClaimLost(f"task {task_id!r} is no longer claimed with token {token}")
+            if not oldest or not props:
+                return None
+            kv = oldest[0]
+            if kv.create_revision < props[0].create_revision:
+                # Queued for an earlier task of this id (deleted, then submitted again).
+                self._driver.txn([modified_at(kv.key, kv.mod_revision)], [Delete(kv.key)])
+                log.info("dropped a command queued for an earlier task %s", task_id)
+                continue
+            fence = [] if token is None else [created_at(tk.owner, token)]
+            result = self._driver.txn(
+                [*fence, exists(kv.key), modified_at(kv.key, kv.mod_revision)],
+                [Delete(kv.key)],
+                [Range(tk.owner)],
+            )
+            if result.succeeded:
+                return kv.value.decode(errors="replace")
+            if token is not None:
+                held = result.ranges[0]
+                if not held or held[0].create_revision != token:
+                    raise ClaimLost(f"task {task_id!r} is no longer claimed with token {token}")
+            # Someone else took that command first: look again.
+        return None
+
+    def _pop(self, task_id: str, timeout: float | None, token: int | None,
+             cancel: threading.Event | None) -> str | None:
+        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+        gate = cancel or threading.Event()
+        while True:
+            if gate.is_set():
+                return None
+            raw = self._take(task_id, token)
+            if raw is not None:
+                return raw
+            left = None if deadline is None else deadline - SYSTEM_CLOCK.monotonic()
+            if left is not None and left <= 0:
+                return None
+            gate.wait(_POLL if left is None else min(_POLL, left))
+
+    def pending(self, task_id: str) -> int:
+        look = self._driver.txn(
+            [], [Range(self._keys.task(task_id).props),
+                 Range(self._prefix(task_id), prefix=True, keys_only=True)],
+            repeatable=True,
+        )
+        props, queued = look.ranges
+        since = props[0].create_revision if props else 0
+        return sum(1 for kv in queued if kv.create_revision > since)
+
+    def clear(self, task_id: str) -> None:
+        """Drop every queued command of the task (e.g. after deleting it)."""
+        self._driver.txn([], [Delete(self._prefix(task_id), prefix=True)])
+
+
+def state_store(coordinator_or_client: Any) -> EtcdStateStore:
+    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
+    return EtcdStateStore.of(coordinator_or_client)
+
+
+def task_commands(coordinator_or_client: Any) -> EtcdTaskCommands:
+    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
+    return EtcdTaskCommands.of(coordinator_or_client)

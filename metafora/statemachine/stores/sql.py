@@ -1,0 +1,302 @@
+"""State store and task commands for SQL coordinators (SQLite, PostgreSQL).
+
+Tables:
+
+- ``metafora_state`` (the SQL coordinator's schema: namespace, task_id, token, body,
+  updated_at): one row per task, ``body`` the state's JSON wire form, ``token`` the claim it
+  was written under. ``delete_task`` and ``purge`` remove it with the task.
+- ``metafora_task_commands`` (created here, ``CREATE TABLE IF NOT EXISTS``, on first use):
+  per-task command FIFO by ``id``; a row is deleted when the task's machine takes it.
+
+Fencing: a write is **one statement** -- an upsert whose ``SELECT`` only yields a row while
+the task is claimed under ``task.token`` by a node whose lease is live by the database
+clock, and whose ``DO UPDATE`` only replaces a state written under a token ``<=`` ours. No
+row back means the claim is gone: ClaimLost. A zombie (paused past its lease, the task
+re-claimed elsewhere) can therefore never commit a state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, text
+
+from metafora.clock import SYSTEM_CLOCK
+from metafora.coordinators.sql.store import Database
+from metafora.errors import ClaimLost, ConfigError, StoreError
+from metafora.statemachine.machine import State
+from metafora.statemachine.store import StateStore, TaskCommands
+from metafora.task import Task
+
+__all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.25  # real seconds between looks at a task's command queue while waiting
+
+_CLAIM_HELD = (
+    "EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns AND t.id = :id"
+    " AND t.state = 'claimed' AND t.token = :token"
+    " AND EXISTS (SELECT 1 FROM metafora_nodes n WHERE n.namespace = :ns"
+    " AND n.node_id = t.owner AND n.lease_until > {now}))"
+)
+
+_TASK_CREATED = (
+    "(SELECT tc.created_at FROM metafora_tasks tc WHERE tc.namespace = :ns AND tc.id = :id)"
+)
+_CURRENT = "c.namespace = :ns AND c.task_id = :id AND c.created_at >= " + _TASK_CREATED
+_STALE = (
+    "c.namespace = :ns AND c.task_id = :id AND (c.created_at < " + _TASK_CREATED
+    + " OR NOT EXISTS (SELECT 1 FROM metafora_tasks tx WHERE tx.namespace = :ns AND tx.id = :id))"
+)
+
+_SQL: dict[str, str] = {
+    "store": (
+        "INSERT INTO metafora_state (namespace, task_id, token, body, updated_at)"
+        " SELECT :ns, :id, :token, :body, {now} WHERE " + _CLAIM_HELD
+        + " ON CONFLICT (namespace, task_id) DO UPDATE SET token = excluded.token,"
+        " body = excluded.body, updated_at = excluded.updated_at"
+        " WHERE metafora_state.token <= excluded.token"
+        " RETURNING token"
+    ),
+    "load": (
+        "SELECT s.token, s.body FROM metafora_tasks t LEFT JOIN metafora_state s"
+        " ON s.namespace = t.namespace AND s.task_id = t.id"
+        " WHERE t.namespace = :ns AND t.id = :id AND " + _CLAIM_HELD
+    ),
+    "get": "SELECT token, body FROM metafora_state WHERE namespace = :ns AND task_id = :id",
+    "put_raw": (
+        "INSERT INTO metafora_state (namespace, task_id, token, body, updated_at)"
+        " VALUES (:ns, :id, :token, :body, {now}) ON CONFLICT (namespace, task_id) DO UPDATE"
+        " SET token = excluded.token, body = excluded.body, updated_at = excluded.updated_at"
+    ),
+    "claim_held": "SELECT 1 WHERE " + _CLAIM_HELD,
+    # A command is current if it was queued after the task was (last) submitted: a task
+    # deleted and submitted again under the same id must not get its namesake's commands.
+    "cmd_peek": (
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM metafora_task_commands c WHERE " + _CURRENT
+        + ") THEN 1 ELSE 0 END, CASE WHEN EXISTS (SELECT 1 FROM metafora_task_commands c"
+        " WHERE " + _STALE + ") THEN 1 ELSE 0 END, CASE WHEN " + _CLAIM_HELD + " THEN 1 ELSE 0 END"
+    ),
+    "cmd_drop_stale": "DELETE FROM metafora_task_commands WHERE id IN (SELECT c.id"
+    " FROM metafora_task_commands c WHERE " + _STALE + ")",
+    "cmd_take": (
+        "DELETE FROM metafora_task_commands WHERE id = (SELECT c.id FROM metafora_task_commands c"
+        " WHERE " + _CURRENT + " ORDER BY c.id LIMIT 1{lock}) RETURNING body"
+    ),
+    "cmd_take_fenced": (
+        "DELETE FROM metafora_task_commands WHERE id = (SELECT c.id FROM metafora_task_commands c"
+        " WHERE " + _CURRENT + " ORDER BY c.id LIMIT 1{lock}) AND " + _CLAIM_HELD
+        + " RETURNING body"
+    ),
+    "cmd_push": (
+        "INSERT INTO metafora_task_commands (namespace, task_id, body, created_at)"
+        " VALUES (:ns, :id, :body, {now})"
+    ),
+    "cmd_count": "SELECT count(*) FROM metafora_task_commands c WHERE " + _CURRENT,
+    "cmd_clear": "DELETE FROM metafora_task_commands WHERE namespace = :ns AND task_id = :id",
+}
+
+_DDL = [
+    "CREATE TABLE IF NOT EXISTS metafora_task_commands ("
+    " id {serial_pk}, namespace {key} NOT NULL, task_id {key} NOT NULL,"
+    " body TEXT NOT NULL, created_at {ts} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS metafora_task_commands_task"
+    " ON metafora_task_commands (namespace, task_id, id)",
+]
+
+
+def _database(obj: object) -> Database:
+    # Hook wanted: a public ``database`` attribute (or ``state_store()``) on SQLCoordinator
+    # and SQLClient; until then the private one is read here, sharing the engine.
+    db = getattr(obj, "_db", None)
+    if not isinstance(db, Database):
+        raise ConfigError(f"{type(obj).__name__} is not a SQL coordinator or client")
+    return db
+
+
+class _Statements:
+    """This module's statements, built once per database handle."""
+
+    _cache: weakref.WeakKeyDictionary[Database, _Statements] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, db: Database) -> None:
+        fragments = db.dialect.fragments()
+        self.db = weakref.proxy(db)
+        self.sql: dict[str, TextClause] = {
+            name: text(sql.format(now=fragments["now"], lock=fragments["lock"]))
+            for name, sql in _SQL.items()
+        }
+        types = db.dialect.ddl_types()
+        self.ddl = [text(ddl.format(**types)) for ddl in _DDL]
+        self.tables_ready = False
+
+    @classmethod
+    def of(cls, db: Database) -> _Statements:
+        with cls._lock:
+            built = cls._cache.get(db)
+            if built is None:
+                built = cls._cache[db] = cls(db)
+            return built
+
+    def run(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
+        params["ns"] = self.db.config.namespace
+        return conn.execute(self.sql[name], params)
+
+    def ensure(self) -> None:
+        """The coordinator's schema, plus this module's command table (once per handle)."""
+        if self.tables_ready:
+            return
+        self.db.ensure_schema()
+        with self._lock:
+            if self.tables_ready:
+                return
+            try:
+                with self.db.transaction() as conn:
+                    for ddl in self.ddl:
+                        conn.execute(ddl)
+            except StoreError:
+                # Two processes creating the table at once (PostgreSQL may report a
+                # duplicate type): fine if it now exists.
+                with self.db.read() as conn:
+                    conn.execute(text("SELECT 1 FROM metafora_task_commands WHERE 1 = 0"))
+            self.tables_ready = True
+
+
+class SQLStateStore(StateStore):
+    """Task states in ``metafora_state``, fenced by the claim token and the owner's lease."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._st = _Statements.of(db)
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> SQLStateStore:
+        """The state store on a SQL coordinator's or client's database handle."""
+        return cls(_database(coordinator_or_client))
+
+    def load(self, task: Task) -> State:
+        self._st.ensure()
+        with self._db.read() as conn:
+            row = self._st.run(conn, "load", {"id": task.id, "token": task.token}).first()
+        if row is None:
+            raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
+        token, body = row
+        if body is None:
+            return State()
+        if int(token) > task.token:
+            raise ClaimLost(f"task {task.id!r}: state was written under token {token} > {task.token}")
+        return State.from_json(body)
+
+    def store(self, task: Task, state: State) -> None:
+        self._st.ensure()
+        params = {"id": task.id, "token": task.token, "body": state.to_json()}
+        with self._db.write() as conn:
+            row = self._st.run(conn, "store", params).first()
+        if row is None:
+            raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
+
+    def get(self, task_id: str) -> State | None:
+        self._st.ensure()
+        with self._db.read() as conn:
+            row = self._st.run(conn, "get", {"id": task_id}).first()
+        return None if row is None else State.from_json(row[1])
+
+    def token_of(self, task_id: str) -> int | None:
+        """The claim token the task's state was last written under (for tests)."""
+        self._st.ensure()
+        with self._db.read() as conn:
+            row = self._st.run(conn, "get", {"id": task_id}).first()
+        return None if row is None else int(row[0])
+
+    def put_raw(self, task_id: str, token: int, body: str) -> None:
+        """Store raw (possibly malformed) state text, unfenced, for fault tests."""
+        self._st.ensure()
+        with self._db.write() as conn:
+            self._st.run(conn, "put_raw", {"id": task_id, "token": token, "body": body})
+
+
+class SQLTaskCommands(TaskCommands):
+    """Per-task command queues in ``metafora_task_commands``."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._st = _Statements.of(db)
+
+    @classmethod
+    def of(cls, coordinator_or_client: object) -> SQLTaskCommands:
+        """The command channel on a SQL coordinator's or client's database handle."""
+        return cls(_database(coordinator_or_client))
+
+    def _push(self, task_id: str, raw: str) -> None:
+        self._st.ensure()
+        with self._db.write() as conn:
+            self._st.run(conn, "cmd_push", {"id": task_id, "body": raw})
+
+    def inject_raw(self, task_id: str, raw: str) -> None:
+        """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""
+        self._push(task_id, raw)
+
+    def _take(self, task_id: str, token: int | None) -> str | None:
+        self._st.ensure()
+        params = {"id": task_id, "token": -1 if token is None else token}
+        # A read first: waiting tasks must not take SQLite's write lock on every look.
+        with self._db.read() as conn:
+            waiting, stale, held = self._st.run(conn, "cmd_peek", params).one()
+        if stale:
+            with self._db.write() as conn:
+                dropped = self._st.run(conn, "cmd_drop_stale", {"id": task_id}).rowcount
+            log.info("dropped %s command(s) queued for an earlier task %s", dropped, task_id)
+        if token is not None and not held:
+            raise ClaimLost(f"task {task_id!r} is no longer claimed with token {token}")
+        if not waiting:
+            return None
+        with self._db.write() as conn:
+            if token is None:
+                row = self._st.run(conn, "cmd_take", {"id": task_id}).first()
+            else:
+                params = {"id": task_id, "token": token}
+                row = self._st.run(conn, "cmd_take_fenced", params).first()
+                if row is None and self._st.run(conn, "claim_held", params).first() is None:
+                    raise ClaimLost(f"task {task_id!r} is no longer claimed with token {token}")
+        return None if row is None else str(row[0])
+
+    def _pop(self, task_id: str, timeout: float | None, token: int | None,
+             cancel: threading.Event | None) -> str | None:
+        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+        gate = cancel or threading.Event()
+        while True:
+            if gate.is_set():
+                return None
+            raw = self._take(task_id, token)
+            if raw is not None:
+                return raw
+            left = None if deadline is None else deadline - SYSTEM_CLOCK.monotonic()
+            if left is not None and left <= 0:
+                return None
+            gate.wait(_POLL if left is None else min(_POLL, left))
+
+    def pending(self, task_id: str) -> int:
+        self._st.ensure()
+        with self._db.read() as conn:
+            return int(self._st.run(conn, "cmd_count", {"id": task_id}).scalar_one())
+
+    def clear(self, task_id: str) -> None:
+        """Drop every queued command of the task (e.g. after deleting it)."""
+        self._st.ensure()
+        with self._db.write() as conn:
+            self._st.run(conn, "cmd_clear", {"id": task_id})
+
+
+def state_store(coordinator_or_client: Any) -> SQLStateStore:
+    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
+    return SQLStateStore.of(coordinator_or_client)
+
+
+def task_commands(coordinator_or_client: Any) -> SQLTaskCommands:
+    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
+    return SQLTaskCommands.of(coordinator_or_client)
