@@ -344,6 +344,7 @@ class Demo:
         self._last_line_at = 0.0
         self._stop = threading.Event()
         self.verdict: Verdict | None = None
+        self._last_view: _View | None = None
 
     # -- output --
 
@@ -353,6 +354,8 @@ class Demo:
         self.events.append(f"{stamp}  {text}")
         if self.plain:
             self.out.print(Text(f"{stamp}  {text}"))
+        elif self.live is not None and self._last_view is not None:
+            self.live.update(self._render(self._last_view))
 
     def _render(self, view: _View) -> RenderableType:
         running: dict[str, list[str]] = {}
@@ -365,7 +368,7 @@ class Demo:
         table.add_column("node")
         table.add_column("pid", justify="right")
         table.add_column("status")
-        table.add_column("running tasks (token order)", overflow="fold", min_width=30)
+        table.add_column("running tasks (←: moved from)", overflow="fold", min_width=30)
         table.add_column("done", justify="right")
         for node in self.nodes:
             if node.killed_at is not None:
@@ -411,6 +414,7 @@ class Demo:
 
     def show(self, view: _View) -> None:
         """Refresh the live table, or print a progress line when something changed."""
+        self._last_view = view
         if self.live is not None:
             self.live.update(self._render(view))
         elif self.plain:
