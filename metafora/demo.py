@@ -552,7 +552,7 @@ class Demo:
 
     def run(self) -> int:
         """Run the demo end to end; the exit code is 0 when the ledger proves the guarantees."""
-        ok = False
+        keep = True  # a demo that errs keeps its store, ledger and logs for a look
         try:
             with self._signals(), open_client(self.url) as client:
                 client.tasks()  # reach the store (and create its schema) before starting nodes
@@ -569,19 +569,20 @@ class Demo:
                     infos = self._monitor(client)
                     self.note(f"all {len(self.task_ids)} tasks finished; stopping the nodes")
                 self._shutdown()
-                elapsed = time.monotonic() - self.started
-                ok = self._summary(infos, elapsed)
+                ok = self._summary(infos, time.monotonic() - self.started)
+                keep = not ok
                 return 0 if ok else 1
         except (KeyboardInterrupt, _Terminated):
+            keep = False
             self.out.print(Text("interrupted: stopping the demo's nodes", style="bold red"))
             return 130
         finally:
             self._shutdown()
-            if ok and not self.cfg.keep:
-                shutil.rmtree(self.workdir, ignore_errors=True)
-            else:
+            if keep or self.cfg.keep:
                 self.out.print(Text(f"the demo's files (store, ledger, node logs) are in {self.workdir}",
                                     style="dim"))
+            else:
+                shutil.rmtree(self.workdir, ignore_errors=True)
 
     @contextlib.contextmanager
     def _live(self) -> Iterator[None]:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -203,7 +206,7 @@ def test_nodes_and_node_commands_on_sqlite(tmp_path: Path, db: str,
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
     started = time.monotonic()
-    proc = metafora("demo", cwd=tmp_path, timeout=90)
+    proc = metafora("demo", cwd=tmp_path, timeout=90, env=_env(TMPDIR=str(tmp_path)))
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert elapsed < 60, f"the demo took {elapsed:.1f}s"
@@ -220,3 +223,61 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
             os.kill(pid, 0)
     # it used a temporary store, not ./metafora.db, and cleaned it up
     assert not (tmp_path / "metafora.db").exists()
+    assert not list(tmp_path.glob("metafora-demo-*"))
+
+
+def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+@needs_sql
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the demo: exit 130, no orphans."""
+    proc = subprocess.Popen([sys.executable, "-m", "metafora", "demo", "--plain"], cwd=tmp_path,
+                            env=_env(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path)), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not any("submitting" in line for line in seen):
+            left = deadline - time.monotonic()
+            assert left > 0, "".join(seen)
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, "".join(seen)
+            seen.append(line)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(seen))]
+        assert len(pids) == 3
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+        reader.join(10)
+        while not lines.empty():
+            seen.append(lines.get_nowait() or "")
+        assert "interrupted" in "".join(seen)
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read()
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not list(tmp_path.glob("metafora-demo-*"))  # an interrupted demo cleans up too
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
