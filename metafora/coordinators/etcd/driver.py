@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -335,7 +336,7 @@ class EtcdDriver:
         self._client = client
         self._channels = [ep.channel for ep in endpoints]
         self._metadata = client.metadata
-        self._current = 0
+        self._current = random.randrange(len(self._channels))  # spread clients over members
 
     def _reauthenticate(self) -> None:
         with self._lock:
