@@ -188,8 +188,9 @@ def verify(
 def demo_url(url: str | None, workdir: Path, lease_ttl: float) -> str:
     """The store URL the demo uses: a fresh SQLite file in ``workdir`` unless ``url`` is given.
 
-    A given URL gets the demo's ``lease_ttl`` and a namespace of its own (``demo-<hex>``)
-    unless it sets them, so the demo never mixes with a real cluster's tasks.
+    A given URL gets the demo's ``lease_ttl`` (whole seconds on etcd, whose leases count in
+    seconds) and a namespace of its own (``demo-<hex>``) unless it sets them, so the demo
+    never mixes with a real cluster's tasks.
     """
     if url is None:
         return f"sqlite:///{workdir / 'demo.db'}?" + urlencode({"lease_ttl": lease_ttl})
@@ -201,12 +202,21 @@ def demo_url(url: str | None, workdir: Path, lease_ttl: float) -> str:
         )
     extra: dict[str, str] = {}
     if "lease_ttl" not in parsed.query:
-        extra["lease_ttl"] = f"{lease_ttl:g}"
+        whole = parsed.scheme in ("etcd", "etcds")
+        extra["lease_ttl"] = f"{math.ceil(lease_ttl) if whole else lease_ttl:g}"
     if "namespace" not in parsed.query:
         extra["namespace"] = f"demo-{uuid4().hex[:8]}"
     if not extra:
         return url
     return url + ("&" if "?" in url else "?") + urlencode(extra)
+
+
+def _lease_ttl_of(url: str, default: float) -> float:
+    """The lease TTL the demo's store will use (the URL's, when it sets one)."""
+    try:
+        return float(parse_store_url(url).query.get("lease_ttl", default))
+    except ValueError:
+        return default  # the store itself will refuse the URL, with a clearer message
 
 
 # -- the worker process -------------------------------------------------------------------
@@ -328,6 +338,7 @@ class Demo:
             demo_url(config.url, Path(), config.lease_ttl)  # a bad URL fails before any file is made
         self.workdir = Path(tempfile.mkdtemp(prefix="metafora-demo-"))
         self.url = demo_url(config.url, self.workdir, config.lease_ttl)
+        self.lease_ttl = _lease_ttl_of(self.url, config.lease_ttl)
         self.name = parse_store_url(self.url).redacted()
         self.ledger = FileLedger(self.workdir / "ledger.jsonl")
         self.nodes: list[_Node] = []
@@ -508,7 +519,7 @@ class Demo:
                         i.id for i in client.tasks(TaskState.CLAIMED) if i.owner == victim.name)
                     self.note(f"half-way: SIGKILL {victim.name} (pid {victim.proc.pid}) holding "
                               f"{len(self.victim_tasks)} task(s): {', '.join(self.victim_tasks) or '-'}")
-                    self.note(f"its claims stay until its lease expires (lease_ttl {self.cfg.lease_ttl:g}s)")
+                    self.note(f"its claims stay until its lease expires (lease_ttl {self.lease_ttl:g}s)")
                     view = self._observe(client)
             if self.killed is not None and not self.killed.gone and self.killed.name not in client.nodes():
                 self.killed.gone = True
@@ -557,7 +568,7 @@ class Demo:
             with self._signals(), open_client(self.url) as client:
                 client.tasks()  # reach the store (and create its schema) before starting nodes
                 self.out.print(Text(f"metafora demo: {self.cfg.nodes} nodes, {self.cfg.tasks} tasks, "
-                                    f"lease_ttl {self.cfg.lease_ttl:g}s, store {self.name}", style="bold"))
+                                    f"lease_ttl {self.lease_ttl:g}s, store {self.name}", style="bold"))
                 with self._live():
                     for i in range(1, self.cfg.nodes + 1):
                         self.nodes.append(self._spawn(f"node{i}"))
@@ -624,7 +635,7 @@ class Demo:
                           f"run(s): {cut}")
             if verdict.failover is not None:
                 table.add_row("failover", f"{verdict.failover:.1f}s from SIGKILL until the last of its tasks "
-                              f"ran again on another node (lease_ttl {self.cfg.lease_ttl:g}s)")
+                              f"ran again on another node (lease_ttl {self.lease_ttl:g}s)")
             else:
                 table.add_row("failover", "none needed: it held no unfinished task")
         done_by = Counter(r.node for r in runs if r.outcome == "done")

@@ -281,3 +281,15 @@ def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["postgres_url", "etcd_url"])
+def test_demo_on_a_server_store(tmp_path: Path, store: str, request: pytest.FixtureRequest) -> None:
+    """``metafora demo --url`` on PostgreSQL and etcd: same proof, in the fixture's namespace."""
+    url = request.getfixturevalue(store)
+    proc = metafora("demo", "--url", url, cwd=tmp_path, timeout=90, env=_env(TMPDIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every task ran exactly once to completion (30/30)" in proc.stdout
+    assert re.search(r"failover\s+\d+\.\d+s from SIGKILL", proc.stdout), proc.stdout

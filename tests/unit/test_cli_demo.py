@@ -126,6 +126,11 @@ def test_demo_url_given_gets_its_own_namespace_and_ttl(tmp_path: Path) -> None:
     assert kept == "sqlite:///x.db?namespace=mine&lease_ttl=5"
 
 
+def test_demo_url_uses_whole_seconds_on_etcd(tmp_path: Path) -> None:
+    url = demo_url("etcd://127.0.0.1:2379/ns", tmp_path, 2.5)
+    assert parse_qs(urlsplit(url).query)["lease_ttl"] == ["3"]
+
+
 def test_demo_url_refuses_memory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="separate processes"):
         demo_url("memory://x", tmp_path, 2.5)
