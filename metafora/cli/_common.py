@@ -79,10 +79,14 @@ _USAGE_ERRORS: tuple[type[MetaforaError], ...] = (ConfigError, InvalidTaskId, In
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The exit code for an error raised while running a command."""
+    """The exit code for an error raised while running a command.
+
+    Metafora's errors that are also ``ValueError`` (a bad URL, option, id, props, command or
+    state-machine message) are usage errors.
+    """
     if isinstance(exc, CoordinatorUnavailable):
         return ExitCode.UNAVAILABLE
-    if isinstance(exc, _USAGE_ERRORS):
+    if isinstance(exc, _USAGE_ERRORS) or (isinstance(exc, MetaforaError) and isinstance(exc, ValueError)):
         return ExitCode.USAGE
     if isinstance(exc, MetaforaError):
         # TaskNotFound, TaskExists, NodeNotFound, NodeExists, InvalidTaskState, ClaimLost,

@@ -15,7 +15,7 @@ from metafora.cli._common import Duration, console, format_time, parse_duration,
 from metafora.errors import InvalidProps
 from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_task_id
 
-__all__ = ["delete", "parse_prop", "purge", "retry", "show", "submit", "tasks"]
+__all__ = ["delete", "parse_prop", "parse_when", "purge", "retry", "show", "submit", "tasks"]
 
 _STATE_STYLE = {
     TaskState.PENDING: "yellow",
@@ -46,7 +46,7 @@ def parse_prop(pair: str) -> tuple[str, Any]:
     return key, value
 
 
-def _parse_when(text: str, option: str) -> str:
+def parse_when(text: str, option: str) -> str:
     """An ISO-8601 time, ``now``, or ``+DURATION`` from now, as an ISO-8601 UTC string."""
     stripped = text.strip()
     if stripped.lower() == "now":
@@ -75,9 +75,9 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
         key, value = parse_prop(pair)
         props[key] = value
     if launch_at is not None:
-        props["launch_at"] = _parse_when(launch_at, "--launch-at")
+        props["launch_at"] = parse_when(launch_at, "--launch-at")
     if expires_at is not None:
-        props["expires_at"] = _parse_when(expires_at, "--expires-at")
+        props["expires_at"] = parse_when(expires_at, "--expires-at")
     return props
 
 

@@ -125,13 +125,15 @@ def test_help_shows_the_env_var_and_default() -> None:
     assert "METAFORA_URL" in result.output
     assert "sqlite:///metafora.db" in result.output
     for command in ("submit", "delete", "retry", "tasks", "show", "nodes", "freeze", "unfreeze",
-                    "balance", "stop", "purge", "demo", "top"):
+                    "balance", "stop", "purge", "demo", "top", "pause", "resume", "kill", "sleep",
+                    "state"):
         assert command in result.output
 
 
 def test_every_command_has_help() -> None:
     for command in ("submit", "delete", "retry", "tasks", "show", "nodes", "freeze", "unfreeze",
-                    "balance", "stop", "purge", "demo", "top"):
+                    "balance", "stop", "purge", "demo", "top", "pause", "resume", "kill", "sleep",
+                    "state"):
         result = run(command, "--help")
         assert result.exit_code == 0, command
         assert "Usage: " in result.output

@@ -1,0 +1,93 @@
+"""Commands to stateful tasks (:mod:`metafora.statemachine`): pause, resume, kill, sleep, state.
+
+These go to a *task* (its state machine reacts when it runs, or when it is next claimed),
+unlike freeze/balance/stop, which go to a node.
+"""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from metafora.cli._common import console, print_json, store_client
+from metafora.cli.tasks import parse_when
+from metafora.task import validate_task_id
+
+__all__ = ["kill", "pause", "resume", "sleep", "state"]
+
+
+def _send(ctx: click.Context, verb: str, task_id: str, until: str | None = None) -> None:
+    from metafora.statemachine import command_message, send_task_command
+
+    message = command_message(verb, until)  # validated before the store is touched
+    validate_task_id(task_id)
+    with store_client(ctx) as client:
+        send_task_command(client, task_id, message)
+    click.echo(f"sent {verb} to task {task_id}")
+
+
+_TASK = click.argument("task_id", metavar="TASK")
+
+
+@click.command()
+@_TASK
+@click.pass_context
+def pause(ctx: click.Context, task_id: str) -> None:
+    """Pause stateful TASK (it is released and stays paused until resumed)."""
+    _send(ctx, "pause", task_id)
+
+
+@click.command()
+@_TASK
+@click.pass_context
+def resume(ctx: click.Context, task_id: str) -> None:
+    """Resume a paused or sleeping stateful TASK (it becomes runnable)."""
+    _send(ctx, "resume", task_id)
+
+
+@click.command()
+@_TASK
+@click.pass_context
+def kill(ctx: click.Context, task_id: str) -> None:
+    """Kill stateful TASK: it stops and never runs again (state 'killed')."""
+    _send(ctx, "kill", task_id)
+
+
+@click.command()
+@_TASK
+@click.option("--until", "until", required=True, metavar="TIME",
+              help="Wake-up time: ISO-8601 (naive = UTC) or '+DURATION' (+30s, +2h).")
+@click.pass_context
+def sleep(ctx: click.Context, task_id: str, until: str) -> None:
+    """Put stateful TASK to sleep until TIME (it is released and not claimed before)."""
+    _send(ctx, "sleep", task_id, parse_when(until, "--until"))
+
+
+@click.command()
+@_TASK
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of a table.")
+@click.pass_context
+def state(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Show the state machine's state of TASK: state, wake-up time, recent errors, cursor."""
+    from metafora.statemachine import get_state
+
+    validate_task_id(task_id)
+    with store_client(ctx) as client:
+        found = get_state(client, task_id)
+    if as_json:
+        print_json(None if found is None else found.to_dict())
+        return
+    if found is None:
+        click.echo(f"task {task_id} has no state yet (no state machine has run it)")
+        return
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("task", Text(task_id))
+    table.add_row("state", Text(found.code.value))
+    table.add_row("until", "-" if found.until is None else found.until.isoformat())
+    table.add_row("cursor", Text(found.cursor if found.cursor is not None else "-"))
+    for record in found.errors:
+        table.add_row("error", Text(f"{record.time.isoformat()}  {record.text}", style="red"))
+    console().print(table)
