@@ -258,8 +258,9 @@ class Lease:
                         self._check_held()
                 retry = 0.0
             except (MetaforaError, _NotYet) as exc:
+                # Warn once per outage (then debug), so a long outage does not flood the log.
+                level = logging.DEBUG if retry or isinstance(exc, _NotYet) else logging.WARNING
                 retry = self._backoff(retry)
-                level = logging.DEBUG if isinstance(exc, _NotYet) else logging.WARNING
                 log.log(level, "lease of node %s on %s: %s (retrying in %.2fs)", self._node_id,
                         self._db.name, exc, retry, extra=self._extra)
             except Exception:

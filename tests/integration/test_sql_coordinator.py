@@ -1,0 +1,385 @@
+"""The SQL coordinator on real SQLite files and a real PostgreSQL (no mocks).
+
+Every test runs on both stores (``sql_url``), except the PostgreSQL-only ones. Waits poll
+with a deadline or block on events; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from metafora import Task, TaskState, commands, open_client, open_coordinator
+from metafora.config import parse_store_url
+from metafora.coordinator import Client
+from metafora.coordinators.sql import SQLClient, SQLCoordinator
+from metafora.coordinators.sql.options import parse_config
+from metafora.coordinators.sql.store import Database
+from metafora.errors import ClaimLost, NodeExists
+from metafora.testing import RecordingContext, wait_for
+
+
+class TimedContext(RecordingContext):
+    """Records when (monotonic) each lost() call happened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost_at: list[float] = []
+
+    def lost(self, task: Task) -> None:
+        self.lost_at.append(time.monotonic())
+        super().lost(task)
+
+
+class Nodes:
+    """Opens and inits coordinators on one store; closes everything at the end."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stack = ExitStack()
+        self.client: Client = self.stack.enter_context(open_client(url))
+        self.ctx: dict[str, TimedContext] = {}
+
+    def node(self, node_id: str, **options: Any) -> SQLCoordinator:
+        coord = open_coordinator(self.url, node_id=node_id, **options)
+        assert isinstance(coord, SQLCoordinator)
+        self.stack.callback(coord.close)
+        ctx = self.ctx[node_id] = TimedContext()
+        coord.init(ctx)
+        return coord
+
+    def watch(self, coord: SQLCoordinator) -> queue.Queue[Task]:
+        offers: queue.Queue[Task] = queue.Queue()
+        thread = threading.Thread(target=coord.watch, args=(offers,), daemon=True)
+        thread.start()
+        self.stack.callback(thread.join, 10)
+        self.stack.callback(coord.close)
+        return offers
+
+    def raw(self, sql: str, **params: Any) -> list[Any]:
+        """Run SQL directly on the store (for fault injection and schema checks)."""
+        db = Database(parse_config(parse_store_url(self.url), {}))
+        try:
+            with db.transaction() as conn:
+                result = conn.execute(text(sql), params)
+                return list(result.fetchall()) if result.returns_rows else []
+        finally:
+            db.close()
+
+
+@pytest.fixture
+def nodes(sql_url: str) -> Iterator[Nodes]:
+    n = Nodes(sql_url)
+    with n.stack:
+        yield n
+
+
+def next_offer(offers: queue.Queue[Task], want: str, timeout: float) -> Task:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"task {want!r} was not offered within {timeout}s")
+        try:
+            task = offers.get(timeout=left)
+        except queue.Empty:
+            continue
+        if task.id == want:
+            return task
+
+
+def test_claim_race_between_threads_has_exactly_one_winner(nodes: Nodes) -> None:
+    coords = [nodes.node("a"), nodes.node("b")]
+    ids = [f"r{i:03d}" for i in range(150)]
+    for task_id in ids:
+        nodes.client.submit_task(Task(task_id))
+    wins: dict[str, list[tuple[str, int]]] = {}
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(coords))
+
+    def race(coord: SQLCoordinator) -> None:
+        barrier.wait(10)
+        for task_id in ids:
+            got = coord.claim(Task(task_id))
+            if got is not None:
+                with lock:
+                    wins.setdefault(task_id, []).append((coord.node_id, got.token))
+
+    threads = [threading.Thread(target=race, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(wins) == ids
+    assert all(len(w) == 1 for w in wins.values()), {k: v for k, v in wins.items() if len(v) > 1}
+    counts = nodes.client.node_task_count()
+    assert sum(counts.values()) == len(ids)
+    tokens = [w[0][1] for w in wins.values()]
+    assert len(set(tokens)) == len(tokens)  # one store-wide counter
+
+
+def test_tokens_strictly_increase_across_nodes_and_resubmits(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    seen: list[int] = []
+    for round_ in range(3):
+        nodes.client.submit_task(Task("t", {"round": round_}))
+        for i in range(10):
+            coord = a if i % 2 else b
+            got = coord.claim(Task("t"))
+            assert got is not None and got.props == {"round": round_}
+            seen.append(got.token)
+            assert nodes.client.get_task("t").token == got.token
+            coord.release(got)
+        nodes.client.delete_task("t")
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+
+
+def test_fenced_writes_refuse_stale_tokens(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    nodes.client.submit_task(Task("t"))
+    old = a.claim(Task("t"))
+    assert old is not None
+    a.release(old)
+    new = b.claim(Task("t"))
+    assert new is not None and new.token > old.token
+    for write in (a.done, a.release, b.release):
+        with pytest.raises(ClaimLost):
+            write(old)
+    with pytest.raises(ClaimLost):
+        a.fail(old, "zombie")
+    with pytest.raises(ClaimLost):
+        a.done(new)  # the right token, but not the owner
+    forged = Task("t", {}, new.token + 1)
+    with pytest.raises(ClaimLost):
+        b.done(forged)
+    info = nodes.client.get_task("t")
+    assert (info.state, info.owner, info.token) == (TaskState.CLAIMED, "b", new.token)
+    b.done(new)
+    with pytest.raises(ClaimLost):
+        b.done(new)
+
+
+def test_stalled_owner_self_fences_before_anyone_can_claim(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=1)
+    b = nodes.node("b", lease_ttl=1)
+    nodes.client.submit_task(Task("t"))
+    held = a.claim(Task("t"))
+    assert held is not None
+    paused_at = time.monotonic()
+    a._pause_heartbeat()
+    stolen = wait_for(lambda: b.claim(Task("t")), 10, "b to claim the stalled node's task")
+    stolen_at = time.monotonic()
+    ctx = nodes.ctx["a"]
+    assert [t.id for t in ctx.lost_tasks] == ["t"], "the stalled owner was not told"
+    assert ctx.lost_at[0] < stolen_at, "another node claimed before the owner fenced itself"
+    # Within lease_ttl + one renewal interval (+ slack for a loaded test machine).
+    assert stolen_at - paused_at < 1.0 + 1.0 / 3 + 1.5
+    assert stolen.token > held.token
+    with pytest.raises(ClaimLost):
+        a.done(held)
+    assert a.claim(Task("t")) is None
+    # The stalled node comes back: it re-registers and claims again.
+    a._resume_heartbeat()
+    nodes.client.submit_task(Task("u"))
+    assert wait_for(lambda: a.claim(Task("u")), 10, "a to claim again after re-registering")
+    assert sorted(nodes.client.nodes()) == ["a", "b"]
+
+
+def test_crashed_owner_tasks_are_offered_after_lease_expiry(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=1)
+    b = nodes.node("b", lease_ttl=1)
+    nodes.client.submit_task(Task("t", {"x": 1}))
+    offers = nodes.watch(b)
+    first = next_offer(offers, "t", 10)
+    held = a.claim(first)
+    assert held is not None
+    a._pause_heartbeat()  # as if the process froze
+    offered = next_offer(offers, "t", 1.0 + 1.0 / 3 + 5)
+    assert offered.props == {"x": 1}
+    got = b.claim(offered)
+    assert got is not None and got.token > held.token
+
+
+def test_deleting_a_running_task_tells_its_owner_promptly(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=60)  # renewals every 20 s: the prompt check must find it
+    nodes.client.submit_task(Task("victim"))
+    nodes.client.submit_task(Task("bystander"))
+    victim, bystander = a.claim(Task("victim")), a.claim(Task("bystander"))
+    assert victim is not None and bystander is not None
+    nodes.client.delete_task("victim")
+    ctx = nodes.ctx["a"]
+    assert ctx.lost_event.wait(10), "owner was not told its task was deleted"
+    assert [t.id for t in ctx.lost_tasks] == ["victim"]
+    assert [t.id for t in a._held()] == ["bystander"]
+    with pytest.raises(ClaimLost):
+        a.done(victim)
+    a.done(bystander)
+
+
+def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
+    # A long safety poll: on PostgreSQL only NOTIFY can explain a prompt offer.
+    poll = 0.25 if nodes.url.startswith("sqlite") else 60
+    a = nodes.node("a", poll_interval=poll)
+    offers = nodes.watch(a)
+    nodes.client.submit_task(Task("warm-up"))
+    next_offer(offers, "warm-up", 10)
+    started = time.monotonic()
+    nodes.client.submit_task(Task("pushed", {"n": 7}))
+    task = next_offer(offers, "pushed", 10)
+    latency = time.monotonic() - started
+    assert task.props == {"n": 7} and task.token == 0
+    assert latency < 5, f"submit reached the watch after {latency:.3f}s"
+    # A release wakes it too.
+    claimed = a.claim(task)
+    assert claimed is not None
+    a.release(claimed)
+    assert next_offer(offers, "pushed", 10).id == "pushed"
+
+
+def test_watch_offers_in_bounded_batches_and_returns_on_close(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    ids = [f"b{i:04d}" for i in range(1100)]  # more than two batches
+    for task_id in ids:
+        nodes.client.submit_task(Task(task_id))
+    offered: list[str] = []
+    done = threading.Event()
+
+    def sink(task: Task) -> None:
+        offered.append(task.id)
+        if len(set(offered)) >= len(ids):
+            done.set()
+
+    thread = threading.Thread(target=a.watch, args=(sink,), daemon=True)
+    thread.start()
+    assert done.wait(30), f"only {len(set(offered))} of {len(ids)} offered"
+    assert offered[: len(ids)] == ids  # the initial offer is ordered by id
+    a.close()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_commands_are_fifo_and_malformed_ones_are_dropped(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    ns = parse_store_url(nodes.url).query.get("namespace", "metafora")
+    nodes.client.submit_command("a", commands.freeze())
+    for body in ("{not json", '{"command": "explode", "parameters": {}}'):
+        nodes.raw(
+            "INSERT INTO metafora_commands (namespace, node_id, body, created_at)"
+            " VALUES (:ns, 'a', :body, '2030-01-01 00:00:00.000')",
+            ns=ns, body=body,
+        )
+    nodes.client.submit_command("a", commands.stop_task("t1"))
+    nodes.client.submit_command("b", commands.balance())
+    with caplog.at_level(logging.WARNING, logger="metafora.coordinators.sql"):
+        got = [a.command(timeout=5), a.command(timeout=5)]
+    assert got == [commands.freeze(), commands.stop_task("t1")]
+    assert sum("malformed command" in r.getMessage() for r in caplog.records) == 2
+    assert a.command(timeout=0.05) is None
+    assert b.command(timeout=5) == commands.balance()
+    left = nodes.raw("SELECT count(*) FROM metafora_commands WHERE namespace = :ns", ns=ns)
+    assert left[0][0] == 0  # each command is deleted when taken
+
+
+def test_command_waits_for_a_late_arrival(nodes: Nodes) -> None:
+    poll = 0.25 if nodes.url.startswith("sqlite") else 60
+    a = nodes.node("a", poll_interval=poll)
+    got: list[object] = []
+    arrived = threading.Event()
+
+    def reader() -> None:
+        got.append(a.command(timeout=20))
+        arrived.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    nodes.client.submit_command("a", commands.balance())
+    assert arrived.wait(10)
+    assert got == [commands.balance()]
+    thread.join(5)
+
+
+def test_close_returns_command_and_watch_and_releases_claims(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("t"))
+    assert a.claim(Task("t")) is not None
+    waiting = threading.Event()
+    results: list[object] = []
+
+    def blocked_command() -> None:
+        waiting.set()
+        results.append(a.command(timeout=None))
+
+    thread = threading.Thread(target=blocked_command, daemon=True)
+    thread.start()
+    assert waiting.wait(5)
+    a.close()
+    thread.join(10)
+    assert results == [None]
+    info = nodes.client.get_task("t")
+    assert (info.state, info.owner) == (TaskState.PENDING, None)
+    assert nodes.client.nodes() == []
+
+
+def test_live_node_id_is_refused_and_a_closed_one_comes_back(nodes: Nodes) -> None:
+    nodes.node("a")
+    with pytest.raises(NodeExists):
+        nodes.node("a")
+    assert nodes.client.nodes() == ["a"]
+
+
+def test_schema_is_created_once_and_versioned(nodes: Nodes) -> None:
+    from metafora.coordinators.sql import SCHEMA_VERSION
+
+    nodes.client.tasks()  # first use creates it
+    rows = nodes.raw("SELECT version, description FROM metafora_schema ORDER BY version")
+    assert [r[0] for r in rows] == list(range(1, SCHEMA_VERSION + 1))
+    # Many handles racing to create it on a fresh store: one migration, no errors.
+    again = [open_client(nodes.url) for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def use(client: Client) -> None:
+        try:
+            client.tasks()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=use, args=(c,)) for c in again]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in again:
+        c.close()
+    assert errors == []
+    assert len(nodes.raw("SELECT version FROM metafora_schema")) == SCHEMA_VERSION
+
+
+def test_client_listing_and_purge(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    for name in ("d", "f", "p", "x"):
+        nodes.client.submit_task(Task(name, {"name": name}))
+    d, f = a.claim(Task("d")), a.claim(Task("f"))
+    assert d is not None and f is not None
+    a.done(d)
+    a.fail(f, RuntimeError("boom"))
+    assert a.claim(Task("x")) is not None
+    by_state = {s.value: [i.id for i in nodes.client.tasks(s)] for s in TaskState}
+    assert by_state == {"pending": ["p"], "claimed": ["x"], "done": ["d"], "failed": ["f"],
+                        "expired": []}
+    info = nodes.client.get_task("f")
+    assert info.error == "RuntimeError: boom" and info.finished_at is not None
+    assert info.attempts == 1 and info.created_at is not None
+    assert nodes.client.node_task_count() == {"a": 1}
+    assert nodes.client.purge() == 2
+    assert [i.id for i in nodes.client.tasks()] == ["p", "x"]
+    assert isinstance(nodes.client, SQLClient)
