@@ -331,13 +331,11 @@ class _Terminated(Exception):
 class Demo:
     """One run of the demo. :meth:`run` returns the exit code (0: proved, 1: not)."""
 
-    def __init__(self, config: DemoConfig, out: Console) -> None:
+    def __init__(self, config: DemoConfig, out: Console, workdir: Path) -> None:
         self.cfg = config
         self.out = out
-        if config.url is not None:
-            demo_url(config.url, Path(), config.lease_ttl)  # a bad URL fails before any file is made
-        self.workdir = Path(tempfile.mkdtemp(prefix="metafora-demo-"))
-        self.url = demo_url(config.url, self.workdir, config.lease_ttl)
+        self.workdir = workdir  # the demo's own directory: run() removes it unless asked to keep it
+        self.url = demo_url(config.url, workdir, config.lease_ttl)
         self.lease_ttl = _lease_ttl_of(self.url, config.lease_ttl)
         self.name = parse_store_url(self.url).redacted()
         self.ledger = FileLedger(self.workdir / "ledger.jsonl")
@@ -649,8 +647,16 @@ class Demo:
 
 
 def run_demo(config: DemoConfig, out: Console | None = None) -> int:
-    """Run the demo; the exit code is 0 when every task provably ran exactly once."""
-    return Demo(config, out or Console()).run()
+    """Run the demo in a fresh temporary directory; 0 when every task provably ran exactly once."""
+    if config.url is not None:
+        demo_url(config.url, Path(), config.lease_ttl)  # a bad URL fails before any file is made
+    workdir = Path(tempfile.mkdtemp(prefix="metafora-demo-"))
+    try:
+        demo = Demo(config, out or Console(), workdir)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return demo.run()
 
 
 if __name__ == "__main__":

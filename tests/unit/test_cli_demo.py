@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from rich.console import Console
 
-from metafora.demo import Demo, DemoConfig, _work, demo_url, runs_by_task, verify
+from metafora.demo import DemoConfig, _work, demo_url, run_demo, runs_by_task, verify
 from metafora.errors import ConfigError
 from metafora.task import Task, TaskState
 from metafora.testing import FileLedger, LedgerRun
@@ -155,5 +155,5 @@ def test_demo_refuses_a_memory_store_before_making_files(tmp_path: Path,
 
     monkeypatch.setattr(tempfile, "tempdir", None)
     with pytest.raises(ConfigError):
-        Demo(DemoConfig(url="memory://x"), Console(file=io.StringIO()))
+        run_demo(DemoConfig(url="memory://x"), Console(file=io.StringIO()))
     assert list(tmp_path.iterdir()) == []
