@@ -16,7 +16,8 @@ __all__ = ["demo"]
               help="Tasks to submit; each works for 1-2 seconds.")
 @click.option("--url", "demo_url", metavar="URL", default=None,
               help="Run on this store (in a namespace of its own) instead of a fresh temporary "
-                   "SQLite file. $METAFORA_URL is not used by the demo.")
+                   "SQLite file; `metafora --url URL demo` works too, but $METAFORA_URL is ignored "
+                   "so the demo never lands in a real cluster by accident.")
 @click.option("--lease-ttl", type=click.FloatRange(1.0, 30.0), default=2.5, show_default=True,
               help="Seconds a dead node's claims are held before others may take them.")
 @click.option("--keep", is_flag=True, help="Keep the demo's store, ledger and node logs.")
