@@ -1,0 +1,221 @@
+"""Shared benchmark plumbing: store provisioning, consumer processes, tables, JSON results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STORES = ("sqlite", "postgresql", "etcd")
+console = Console(width=140)
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """The ``pct`` percentile (0-100) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    with contextlib.suppress(OSError):
+        mem = Path("/proc/meminfo").read_text().split("\n", 1)[0]
+        info["memory"] = mem.split(":", 1)[1].strip()
+    return info
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print a table of results."""
+    out = Table(title=title)
+    for col in columns:
+        out.add_column(col, justify="left" if col == columns[0] else "right")
+    for row in rows:
+        out.add_row(*(_fmt(v) for v in row))
+    console.print(out)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/NAME.json`` with the machine description."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine(), **data}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+@dataclass
+class Stores:
+    """Provisions each store kind once per benchmark run; ``url(kind)`` is a fresh namespace."""
+
+    kinds: Sequence[str]
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="metafora-bench-")))
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _bases: dict[str, str] = field(default_factory=dict)
+    etcd_servers: list[Any] = field(default_factory=list)
+
+    def __enter__(self) -> Stores:
+        for kind in self.kinds:
+            self._bases[kind] = self._provision(kind)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _provision(self, kind: str) -> str:
+        if kind == "sqlite":
+            return "sqlite"
+        if kind == "postgresql":
+            return self._postgres()
+        if kind == "etcd":
+            from tests.fixtures.etcd import find_etcd, start_server
+
+            binary = find_etcd()
+            if binary is None:
+                raise SystemExit("no etcd binary: apt-get install etcd-server")
+            server = start_server(binary, self.workdir)
+            self.etcd_servers.append(server)
+            self._stack.callback(server.stop)
+            return f"etcd://{server.endpoint}"
+        raise SystemExit(f"unknown store {kind!r}; choose from {', '.join(STORES)}")
+
+    def _postgres(self) -> str:
+        import psycopg
+
+        base = os.environ.get("METAFORA_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+        name = f"metafora_bench_{uuid.uuid4().hex[:8]}"
+        libpq = base.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+        def drop() -> None:
+            with psycopg.connect(libpq, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+        self._stack.callback(drop)
+        return libpq.rsplit("/", 1)[0] + f"/{name}"
+
+    def url(self, kind: str, **options: Any) -> str:
+        """A fresh, empty store of ``kind`` (own namespace or own SQLite file)."""
+        ns = "b" + uuid.uuid4().hex[:10]
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        base = self._bases[kind]
+        if kind == "sqlite":
+            return f"sqlite:///{self.workdir / ns}.db" + (f"?{query}" if query else "")
+        if kind == "etcd":
+            return f"{base}/{ns}" + (f"?{query}" if query else "")
+        return f"{base}?namespace={ns}" + (f"&{query}" if query else "")
+
+
+@dataclass
+class WorkerSpec:
+    """What a consumer process does (see :func:`benchmarks.worker.main`)."""
+
+    url: str
+    node: str
+    mode: str = "instant"  # instant | hold
+    balancer: str = "dumb"  # dumb | fair
+    balance_every: float = 60.0
+    max_tasks: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Fleet:
+    """Consumer processes (spawned: gRPC and fork do not mix) reporting events on one queue."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.events: Any = self.ctx.Queue()
+        self.procs: dict[str, Any] = {}
+
+    def start(self, spec: WorkerSpec) -> None:
+        """Start one consumer process; returns once it has registered."""
+        from benchmarks.worker import main
+
+        proc = self.ctx.Process(target=main, args=(spec, self.events), name=spec.node, daemon=True)
+        proc.start()
+        self.procs[spec.node] = proc
+        self.expect("ready", node=spec.node, timeout=60)
+
+    def expect(self, kind: str, node: str | None = None, timeout: float = 60) -> tuple[Any, ...]:
+        """Wait for the next event of ``kind`` (from ``node``); other events are dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {kind} event from {node or 'any node'} in {timeout}s")
+            event = self.events.get(timeout=left)
+            if event[0] == kind and (node is None or event[1] == node):
+                return tuple(event)
+
+    def kill(self, node: str, sig: int = signal.SIGKILL) -> float:
+        """Signal a consumer process; returns the time.time() it was sent."""
+        proc = self.procs[node]
+        sent = time.time()
+        os.kill(proc.pid, sig)
+        return sent
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL) by pid."""
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            proc.join(15)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+        self.procs.clear()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_count(client: Any, state: str, count: int, timeout: float) -> float:
+    """Poll until ``count`` tasks are in ``state``; returns when (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if len(client.tasks(state=state)) >= count:
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{state} did not reach {count} in {timeout}s")
+        time.sleep(0.05)
+
+
+def median(values: Sequence[float]) -> float:
+    """Median, NaN when empty."""
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,55 @@
+"""A consumer process for benchmarks: reports ready / start / end events on a queue."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from metafora import Consumer, Handler, Task, open_coordinator
+from metafora.balancer import Balancer
+from metafora.balancers import DumbBalancer, FairBalancer
+
+
+class _Handler(Handler):
+    def __init__(self, task: Task, node: str, mode: str, events: Any) -> None:
+        self.task, self.node, self.mode, self.events = task, node, mode, events
+        self._stop = threading.Event()
+
+    def run(self) -> bool:
+        self.events.put(("start", self.node, self.task.id, self.task.token, time.time()))
+        if self.mode == "hold":
+            self._stop.wait()
+            self.events.put(("end", self.node, self.task.id, self.task.token, time.time()))
+            return False
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def main(spec: Any, events: Any) -> None:
+    """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
+    coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
+    balancer: Balancer = DumbBalancer()
+    if spec.balancer == "fair":
+        balancer = FairBalancer()
+    consumer = Consumer(coord, lambda task: _Handler(task, spec.node, spec.mode, events), balancer,
+                        balance_every=spec.balance_every, max_tasks=spec.max_tasks,
+                        shutdown_timeout=5)
+    signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
+    signal.signal(signal.SIGINT, lambda *_: consumer.shutdown())
+
+    def announce() -> None:
+        deadline = time.monotonic() + 60
+        while consumer.info()["started"] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        events.put(("ready", spec.node, os.getpid()))
+
+    threading.Thread(target=announce, daemon=True).start()
+    consumer.run()
+    events.put(("stopped", spec.node, time.time()))
