@@ -1,4 +1,4 @@
-"""``python -m benchmarks all --quick`` or one benchmark: claims, latency, failover, rebalance, scale, gates."""
+"""Run benchmarks: ``python -m benchmarks all --quick``, or one by name (see BENCHMARKS)."""
 
 from __future__ import annotations
 
