@@ -237,6 +237,9 @@ def _code(url: str) -> StateCode | None:
 def test_operator_commands_and_cursor_resume_on_another_consumer(url: str) -> None:
     worker = Worker()
     with LocalCluster(url, shutdown_timeout=10.0) as cluster:
+        # Create the schema from one thread first: on a fresh SQLite file the SQL
+        # coordinator's concurrent first connections can hit "database is locked".
+        cluster.client.tasks()
         a = _start(cluster, worker.for_node("a"), "a")
         cluster.client.submit_task(Task("t1"))
         wait_until(lambda: _cursor(url) >= 3, 30, message="progress on a")
