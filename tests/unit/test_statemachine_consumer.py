@@ -98,6 +98,14 @@ def test_pause_resume_kill_from_an_operator(cluster: LocalCluster) -> None:
     assert not cluster.errors
 
 
+def test_consumer_info_shows_the_machine_state(cluster: LocalCluster) -> None:
+    consumer = start(cluster, lambda t, c: Message.pause(), "a")
+    cluster.client.submit_task(Task("t1"))
+    wait_until(lambda: code(cluster) is StateCode.PAUSED, message="paused")
+    rows = consumer.info()["tasks"]
+    assert [(r["id"], r["state"]) for r in rows] == [("t1", "paused")]
+
+
 def test_sleep_until_then_wake_on_the_fake_clock(cluster: LocalCluster) -> None:
     clock = FakeClock()
     worker = Worker()

@@ -42,7 +42,7 @@ __all__ = ["EtcdStateStore", "EtcdTaskCommands", "state_store", "task_commands"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.2  # real seconds between looks at a task's command queue while waiting
+_POLL = 0.5  # real seconds between looks at a task's command queue while waiting
 _TAKE_RACES = 10  # attempts to take the oldest command when others take it first
 
 

@@ -35,7 +35,7 @@ __all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.25  # real seconds between looks at a task's command queue while waiting
+_POLL = 0.5  # real seconds between looks at a task's command queue while waiting
 
 _CLAIM_HELD = (
     "EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns AND t.id = :id"
