@@ -1,0 +1,127 @@
+"""The item store's tables: their own versioned schema, created on first use.
+
+The gates keep a schema version apart from the coordinator's (``metafora_gates_schema``, one
+row per applied migration), because an item database need not hold a coordinator at all (an
+etcd coordinator keeps its items in a SQL database of their own). Migrations run in one
+transaction under a lock (PostgreSQL: an advisory lock; SQLite: ``BEGIN IMMEDIATE``).
+
+Tables (every row carries the ``namespace`` of its store URL):
+
+- ``metafora_partitions``: one row per partition: its current ``gate``, ``status`` (open,
+  completed) and ``token``, the highest claim token that has taken the partition (every
+  item write is fenced by it).
+- ``metafora_items``: the items: ``id`` (store-wide, insertion order), ``partition_id``,
+  ``gate``, ``status`` (available, complete, failed), ``data`` (bytes), ``attempts``,
+  ``error``, ``permanent`` (the failure is not retryable), ``token`` (the claim that last
+  wrote it), ``created_at``/``updated_at`` (database clock). Index ``metafora_items_work``
+  on ``(namespace, partition_id, gate, status, id)`` serves the handler's queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import Connection, inspect, text
+
+from metafora.coordinators.sql.dialect import Dialect, PostgresDialect
+from metafora.errors import StoreError
+
+__all__ = ["GATES_SCHEMA_VERSION", "MIGRATIONS", "current_version", "migrate"]
+
+Migration = Callable[[Connection, Dialect], None]
+
+_LOCK_KEY = 4242016006  # pg_advisory_xact_lock key of the gates schema (the coordinator's is ...001)
+
+
+def _types(dialect: Dialect) -> dict[str, str]:
+    types = dict(dialect.ddl_types())
+    if isinstance(dialect, PostgresDialect):
+        types["bytes"] = "BYTEA"
+        types["now_default"] = "now()"
+    else:
+        types["bytes"] = "BLOB"
+        types["now_default"] = "(strftime('%Y-%m-%d %H:%M:%f', 'now'))"
+    return types
+
+
+_V1_DDL = [
+    """CREATE TABLE metafora_partitions (
+        namespace {key} NOT NULL,
+        partition_id {key} NOT NULL,
+        gate INTEGER NOT NULL DEFAULT 0,
+        token BIGINT NOT NULL DEFAULT 0,
+        status VARCHAR(16) NOT NULL DEFAULT 'open',
+        created_at {ts} NOT NULL DEFAULT {now_default},
+        updated_at {ts} NOT NULL DEFAULT {now_default},
+        PRIMARY KEY (namespace, partition_id)
+    )""",
+    """CREATE TABLE metafora_items (
+        id {serial_pk},
+        namespace {key} NOT NULL,
+        partition_id {key} NOT NULL,
+        gate INTEGER NOT NULL,
+        status VARCHAR(16) NOT NULL,
+        data {bytes} NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        error TEXT,
+        permanent INTEGER NOT NULL DEFAULT 0,
+        token BIGINT NOT NULL DEFAULT 0,
+        created_at {ts} NOT NULL DEFAULT {now_default},
+        updated_at {ts} NOT NULL DEFAULT {now_default}
+    )""",
+    "CREATE INDEX metafora_items_work ON metafora_items (namespace, partition_id, gate, status, id)",
+]
+
+
+def _v1_initial(conn: Connection, dialect: Dialect) -> None:
+    types = _types(dialect)
+    for ddl in _V1_DDL:
+        conn.execute(text(ddl.format(**types)))
+
+
+MIGRATIONS: list[tuple[str, Migration]] = [
+    ("partitions and items", _v1_initial),
+]
+"""Migration ``i`` (0-based) takes the gates schema from version ``i`` to ``i + 1``."""
+
+GATES_SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def current_version(conn: Connection) -> int:
+    """The gates schema version of the database (0 if the item tables were never created)."""
+    if not inspect(conn).has_table("metafora_gates_schema"):
+        return 0
+    version = conn.execute(text("SELECT max(version) FROM metafora_gates_schema")).scalar()
+    return int(version or 0)
+
+
+def check_version(version: int, where: str) -> None:
+    """Refuse a schema newer than this code understands."""
+    if version > GATES_SCHEMA_VERSION:
+        raise StoreError(
+            f"the item tables of {where} are at schema version {version}, newer than this "
+            f"metafora understands ({GATES_SCHEMA_VERSION}); upgrade metafora"
+        )
+
+
+def migrate(conn: Connection, dialect: Dialect, where: str) -> int:
+    """Bring the item tables up to :data:`GATES_SCHEMA_VERSION` inside the caller's transaction."""
+    if isinstance(dialect, PostgresDialect):
+        conn.execute(text(f"SELECT pg_advisory_xact_lock({_LOCK_KEY})"))
+    types = _types(dialect)
+    conn.execute(text(
+        "CREATE TABLE IF NOT EXISTS metafora_gates_schema (version INTEGER PRIMARY KEY,"
+        " description TEXT NOT NULL, applied_at {ts} NOT NULL)".format(**types)
+    ))
+    version = int(conn.execute(
+        text("SELECT coalesce(max(version), 0) FROM metafora_gates_schema")).scalar_one())
+    check_version(version, where)
+    now = dialect.fragments()["now"]
+    for number, (description, migration) in enumerate(MIGRATIONS[version:], start=version + 1):
+        migration(conn, dialect)
+        conn.execute(
+            text(f"INSERT INTO metafora_gates_schema (version, description, applied_at)"
+                 f" VALUES (:v, :d, {now})"),
+            {"v": number, "d": description},
+        )
+    return GATES_SCHEMA_VERSION
