@@ -193,6 +193,7 @@ class StatefulTaskHandler(Handler):
             message = self._next_message(state)
             if message is None:
                 break
+            assert self._state is not None
             state = self._state  # the handler's checkpoints may have moved the cursor
             new = apply(state, message, self.clock.now())
             if new is None:
