@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, nodes, task_states, tasks
+from metafora.cli import demo_cmd, items, nodes, task_states, tasks
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -130,6 +130,7 @@ for _command in (
     tasks.submit, tasks.delete, tasks.retry, tasks.tasks, tasks.show, tasks.purge,
     nodes.nodes, nodes.freeze, nodes.unfreeze, nodes.balance, nodes.stop, nodes.top,
     task_states.pause, task_states.resume, task_states.kill, task_states.sleep, task_states.state,
+    items.items, items.gate,
     demo_cmd.demo,
 ):
     cli.add_command(_command)

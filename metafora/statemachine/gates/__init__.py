@@ -38,6 +38,7 @@ from metafora.statemachine.gates.handler import (
 from metafora.statemachine.gates.model import (
     MAX_GATE,
     GateError,
+    GateMoveRefused,
     Item,
     ItemBelowGate,
     ItemNotFound,
@@ -68,6 +69,7 @@ __all__ = [
     "CallableProcessor",
     "GateError",
     "GateHandlerFunc",
+    "GateMoveRefused",
     "GateOptions",
     "GateTaskHandler",
     "HTTPProcessor",

@@ -20,6 +20,7 @@ from metafora.task import validate_task_id
 __all__ = [
     "MAX_GATE",
     "GateError",
+    "GateMoveRefused",
     "Item",
     "ItemBelowGate",
     "ItemNotFound",
@@ -65,8 +66,12 @@ class GateError(MetaforaError, ValueError):
     """An item or a gate is not acceptable for the partition (the message says why)."""
 
 
-class ItemBelowGate(GateError):
-    """An item was added below the partition's current gate, where it would never run."""
+class ItemBelowGate(MetaforaError):
+    """Refused: an item was added below the partition's current gate, where it would never run."""
+
+
+class GateMoveRefused(MetaforaError):
+    """Refused: moving the gate would strand items below it that are still available or failed."""
 
 
 class PartitionClosed(MetaforaError):

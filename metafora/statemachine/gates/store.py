@@ -59,6 +59,7 @@ from metafora.coordinators.sql.store import Database, translate_error
 from metafora.errors import ClaimLost, ConfigError, MetaforaError
 from metafora.statemachine.gates.model import (
     GateError,
+    GateMoveRefused,
     Item,
     ItemBelowGate,
     ItemNotFound,
@@ -612,7 +613,7 @@ class ItemStore:
         """Move the partition's gate to ``gate`` (``manual_checkpoint`` partitions wait for
         this); returns the previous gate.
 
-        Refused (:class:`GateError`) if items below ``gate`` are still available or failed --
+        Refused (:class:`GateMoveRefused`) if items below ``gate`` are still available or failed --
         they would be stranded -- unless ``force``; and for a completed partition
         (:class:`PartitionClosed`). The owner picks the new gate up at once.
         """
@@ -627,7 +628,7 @@ class ItemStore:
             if not force:
                 stranded = int(self._run(tx, "unfinished_below", {"p": partition, "gate": gate}).scalar_one())
                 if stranded:
-                    raise GateError(
+                    raise GateMoveRefused(
                         f"cannot move partition {partition!r} to gate {gate}: {stranded} item(s) "
                         "below it are still available or failed and would never run (force to skip them)"
                     )
