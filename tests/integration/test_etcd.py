@@ -575,3 +575,14 @@ def test_tls_with_client_certificates(etcd_factory: Callable[..., EtcdServer],
     plain = f"etcd://{server.endpoint}/x"
     with pytest.raises(CoordinatorUnavailable):
         open_client(plain).tasks()
+
+
+def test_rewatching_does_not_leak_threads(nodes: Nodes) -> None:
+    a = nodes.node("a", poll_interval=0.05)  # re-list and re-watch about 20 times a second
+    nodes.client.submit_task(Task("again"))
+    offers: list[str] = []
+    nodes.watch(a, lambda task: offers.append(task.id))
+    wait_until(lambda: len(offers) >= 3, timeout=10, message="first re-lists")
+    baseline = threading.active_count()
+    wait_until(lambda: len(offers) >= 30, timeout=20, message="30 re-lists")  # each re-offers
+    assert threading.active_count() <= baseline + 3

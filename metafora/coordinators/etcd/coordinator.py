@@ -829,7 +829,7 @@ class EtcdCoordinator(Coordinator):
                         return
                     if isinstance(item, WatchFailure):
                         if item.compacted:
-                            raise WatchCompacted(0)
+                            raise WatchCompacted(revision + 1)
                         raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
                     if isinstance(item, WatchBatch):
                         self._apply(item)

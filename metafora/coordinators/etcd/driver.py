@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import queue
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -60,18 +61,20 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # gRPC channel options: reconnect quickly after a server restart (the default back-off grows
-# to 120 s) and notice a dead peer on an idle watch stream. etcd refuses pings more often
-# than every 5 s (--grpc-keepalive-min-time), so we ping every 10 s.
+# to 120 s) and notice a dead peer under a quiet watch stream. etcd answers pings more
+# often than every 5 s, or pings on a connection without streams, with GOAWAY
+# ("too_many_pings"), which fails the next call: ping every 10 s, and only while a call
+# (the coordinator's watch) is open.
 _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+_RETRY_PAUSE = 0.05  # before repeating a call on the same (only) endpoint
 
 _UNAVAILABLE_CODES = frozenset(
     {
@@ -250,26 +253,76 @@ class ConnectionSettings:
 
 
 class WatchHandle:
-    """A running watch; :meth:`cancel` stops it (idempotent, never raises)."""
+    """One watch: its own gRPC stream and reader thread. :meth:`cancel` ends both.
 
-    def __init__(self, watcher: Any, watch_id: int, on_cancel: Callable[[], None]) -> None:
-        self._watcher = watcher
-        self._watch_id = watch_id
-        self._on_cancel = on_cancel
+    (The library's ``Watcher`` only half-closes its stream on ``close()``; etcd keeps such a
+    stream open, so every re-watch would leak a thread. Cancelling the call does not.)
+    """
+
+    def __init__(self, call: Any, requests: queue.SimpleQueue[Any], callback: WatchCallback,
+                 name: str) -> None:
+        self._call = call
+        self._requests = requests
+        self._callback = callback
         self._lock = threading.Lock()
-        self._done = False
+        self._cancelled = False
+        self._finished = False
+        self._created = threading.Event()
+        self.failure: WatchFailure | None = None  # why the stream ended, if it did
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start reading the stream."""
+        self._thread.start()
+
+    def wait_created(self, timeout: float) -> bool:
+        """Wait until etcd confirms the watch (False on timeout or if the stream ended)."""
+        return self._created.wait(timeout) and self.failure is None
+
+    def _run(self) -> None:
+        try:
+            for response in self._call:
+                if response.compact_revision:
+                    self._finish(WatchFailure(None, compacted=True))
+                    return
+                if response.canceled:
+                    reason = getattr(response, "cancel_reason", "") or "cancelled by etcd"
+                    self._finish(WatchFailure(StoreError(f"etcd cancelled the watch: {reason}")))
+                    return
+                if response.created:
+                    self._created.set()
+                if response.events and not self._cancelled:
+                    self._callback(WatchBatch(int(response.header.revision),
+                                              _events(response.events)))
+        except grpc.RpcError as exc:
+            self._finish(WatchFailure(exc))
+        except Exception as exc:  # a callback bug must not kill the stream silently
+            log.exception("etcd watch reader failed")
+            self._finish(WatchFailure(exc))
+        else:
+            self._finish(WatchFailure(None))  # the server ended the stream
+
+    def _finish(self, failure: WatchFailure) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            cancelled = self._cancelled
+            self.failure = failure
+        self._created.set()
+        if not cancelled:
+            self._callback(failure)
 
     def cancel(self) -> None:
-        """Stop delivering events and close the stream."""
+        """Stop delivering events and end the stream (idempotent, never raises)."""
         with self._lock:
-            if self._done:
+            if self._cancelled:
                 return
-            self._done = True
-        self._on_cancel()
+            self._cancelled = True
+        self._requests.put(None)
         try:
-            self._watcher.cancel(self._watch_id)
-            self._watcher.close()
-        except Exception:  # a broken stream is already closed
+            self._call.cancel()
+        except Exception:  # pragma: no cover - already finished
             log.debug("ignoring error while cancelling a watch", exc_info=True)
 
 
@@ -398,8 +451,12 @@ class EtcdDriver:
         *,
         repeatable: bool,
     ) -> tuple[Any, bool]:
-        """Run ``invoke(channel, lib, metadata)``; returns (result, retried)."""
-        attempts = max(1, len(self._settings.hosts)) if repeatable else 1
+        """Run ``invoke(channel, lib, metadata)``; returns (result, retried).
+
+        A repeatable call that meets a connection error is tried once on every endpoint,
+        and at least twice (a connection the server just closed is re-opened at once).
+        """
+        attempts = max(2, len(self._settings.hosts)) if repeatable else 1
         retried = False
         reauthed = False
         last: Exception | None = None
@@ -427,6 +484,8 @@ class EtcdDriver:
                 last = err
                 retried = True
                 i += 1
+                if i < attempts and len(self._settings.hosts) == 1:
+                    threading.Event().wait(_RETRY_PAUSE)
         assert last is not None
         raise last
 
@@ -525,67 +584,49 @@ class EtcdDriver:
     def watch_prefix(self, prefix: bytes, start_revision: int, callback: WatchCallback) -> WatchHandle:
         """Watch every key under ``prefix`` from ``start_revision``.
 
-        ``callback`` runs on the library's watch thread with a :class:`WatchBatch` per
+        ``callback`` runs on the watch's reader thread with a :class:`WatchBatch` per
         response, and finally (at most once) with a :class:`WatchFailure` when the stream
-        ends for any reason other than :meth:`WatchHandle.cancel`. It must not block.
+        ends for any reason other than :meth:`WatchHandle.cancel` (compaction included).
+        It must not block. Raises CoordinatorUnavailable if the watch is not confirmed
+        within the request timeout.
         """
         channel, index, lib = self._channel()
-        watcher = lib.watch.Watcher(
-            lib.etcdrpc.WatchStub(channel),
-            timeout=self._settings.timeout,
-            call_credentials=None,
-            metadata=self._metadata,
+        rpc = lib.etcdrpc
+        requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        create = rpc.WatchCreateRequest(
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision
         )
-        state = {"ended": False}
-        lock = threading.Lock()
-
-        def deliver(response: Any) -> None:
-            with lock:
-                if state["ended"]:
-                    return
-                if response is None or isinstance(response, BaseException):
-                    state["ended"] = True
-            if response is None:
-                callback(WatchFailure(None))
-            elif isinstance(response, BaseException):
-                compacted = hasattr(response, "compacted_revision")
-                callback(WatchFailure(response, compacted=compacted))
-            else:
-                callback(WatchBatch(int(response.header.revision), _events(response.events)))
-
-        try:
-            watch_id = watcher.add_callback(
-                prefix, deliver, range_end=prefix_end(prefix), start_revision=start_revision
-            )
-        except grpc.RpcError as exc:
-            watcher.close()
-            err = self._translate(exc, "watch")
+        requests.put(rpc.WatchRequest(create_request=create))
+        call = rpc.WatchStub(channel).Watch(iter(requests.get, None), metadata=self._metadata)
+        handle = WatchHandle(call, requests, callback, "metafora-etcd-watch-stream")
+        handle.start()
+        if handle.wait_created(self._settings.timeout):
+            return handle
+        handle.cancel()
+        failure = handle.failure
+        if failure is not None and failure.compacted:
+            raise WatchCompacted(start_revision)
+        error = failure.error if failure is not None else None
+        if isinstance(error, grpc.RpcError):
+            err = self._translate(error, "watch")
             if isinstance(err, CoordinatorUnavailable):
                 self._failover(index)
-            raise err from exc
-        except Exception as exc:
-            watcher.close()
-            if hasattr(exc, "compacted_revision"):
-                raise WatchCompacted(int(exc.compacted_revision)) from exc
-            # WatchTimedOut and friends: the stream did not come up in time.
-            self._failover(index)
-            raise CoordinatorUnavailable(
-                f"etcd at {self.endpoints} is unavailable (watch): {type(exc).__name__} {exc}"
-            ) from exc
-
-        def mark_cancelled() -> None:
-            with lock:
-                state["ended"] = True
-
-        return WatchHandle(watcher, int(watch_id), mark_cancelled)
+            raise err from error
+        if error is not None:
+            raise StoreError(f"etcd watch failed: {error}") from error
+        self._failover(index)
+        raise CoordinatorUnavailable(
+            f"etcd at {self.endpoints} is unavailable (watch): not confirmed within "
+            f"{self._settings.timeout:g}s"
+        )
 
 
 class WatchCompacted(StoreError):
     """The requested start revision of a watch has been compacted away."""
 
-    def __init__(self, compacted_revision: int) -> None:
-        super().__init__(f"etcd history is compacted up to revision {compacted_revision}")
-        self.compacted_revision = compacted_revision
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"etcd history before revision {revision} is compacted")
+        self.revision = revision
 
 
 # --------------------------------------------------------------------------- helpers
