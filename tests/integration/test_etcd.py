@@ -35,6 +35,8 @@ from metafora.errors import (
     NodeExists,
     TaskNotFound,
 )
+from metafora.statemachine import State, StateCode
+from metafora.statemachine.stores.etcd import EtcdStateStore
 from metafora.testing import RecordingContext
 from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files
 from tests.helpers import wait_until
@@ -187,7 +189,8 @@ def test_fenced_writes_are_refused_after_the_claim_moved(nodes: Nodes) -> None:
     nodes.client.submit_task(Task("z"))
     zombie = a.claim(Task("z"))
     assert zombie is not None
-    a.save_state(zombie, b"checkpoint-1")
+    states_a, states_b = EtcdStateStore.of(a), EtcdStateStore.of(b)
+    states_a.store(zombie, State(StateCode.RUNNABLE, cursor="1"))
     a.suspend_keepalive()  # a is partitioned: its lease runs out, b takes over
     fresh = wait_until(lambda: b.claim(Task("z")), timeout=10, message="b claims z")
     assert fresh.token > zombie.token
@@ -197,13 +200,13 @@ def test_fenced_writes_are_refused_after_the_claim_moved(nodes: Nodes) -> None:
     with pytest.raises(ClaimLost):
         a.fail(zombie, "zombie")
     with pytest.raises(ClaimLost):
-        a.save_state(zombie, b"zombie checkpoint")
-    assert a.load_state("z") == b"checkpoint-1"
-    b.save_state(fresh, b"checkpoint-2")
+        states_a.store(zombie, State(StateCode.RUNNABLE, cursor="zombie"))
+    assert states_b.get("z") == State(StateCode.RUNNABLE, cursor="1")
+    states_b.store(fresh, State(StateCode.RUNNABLE, cursor="2"))
     b.done(fresh)
     info = nodes.client.get_task("z")
     assert (info.state, info.token) == (TaskState.DONE, fresh.token)
-    assert b.load_state("z") == b"checkpoint-2"
+    assert states_b.token_of("z") == fresh.token
 
 
 def test_key_prefixes_never_leak_to_sibling_tasks(nodes: Nodes) -> None:

@@ -3,7 +3,8 @@
 Finished tasks stay queryable until :meth:`EtcdClient.purge`: ``done``/``fail``/expiry
 write ``tasks/<id>/state`` and delete the owner key, keeping ``props`` and the last claim
 record; purge (and ``delete_task``) delete the task's prefix ``tasks/<id>/`` (trailing
-slash: never a sibling such as ``tasks/<id>bar/``), its owner key and its state-machine key.
+slash: never a sibling such as ``tasks/<id>bar/``), its owner key, its state-machine key and
+its state-machine command queue.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ class EtcdClient(Client):
     def __repr__(self) -> str:
         return f"EtcdClient({self.name!r})"
 
+    @property
+    def driver(self) -> EtcdDriver:
+        """The etcd connection (for stores kept beside the tasks)."""
+        return self._driver
+
+    @property
+    def keys(self) -> Keys:
+        """The key layout of this namespace."""
+        return self._keys
+
     def _check_open(self) -> None:
         if self._closed:
             raise CoordinatorClosed(f"client on {self.name} is closed")
@@ -106,7 +117,12 @@ class EtcdClient(Client):
         tk = self._keys.task(validate_task_id(task_id))
         result = self._driver.txn(
             [exists(tk.props)],
-            [Delete(tk.prefix, prefix=True), Delete(tk.owner), Delete(tk.machine)],
+            [
+                Delete(tk.prefix, prefix=True),
+                Delete(tk.owner),
+                Delete(tk.machine),
+                Delete(tk.commands, prefix=True),
+            ],
         )
         if not result.succeeded:
             raise TaskNotFound(f"no task {task_id!r}")
@@ -195,7 +211,11 @@ class EtcdClient(Client):
             )
             result = self._driver.txn(
                 [guard, absent(tk.owner)],
-                [Delete(tk.prefix, prefix=True), Delete(tk.machine)],
+                [
+                    Delete(tk.prefix, prefix=True),
+                    Delete(tk.machine),
+                    Delete(tk.commands, prefix=True),
+                ],
             )
             if result.succeeded:
                 count += 1

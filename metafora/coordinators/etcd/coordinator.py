@@ -214,6 +214,17 @@ class EtcdCoordinator(Coordinator):
         """The validated configuration."""
         return self._cfg
 
+    @property
+    def driver(self) -> EtcdDriver:
+        """This node's etcd connection (for stores that keep their data beside the tasks,
+        such as :mod:`metafora.statemachine.stores.etcd`)."""
+        return self._driver
+
+    @property
+    def keys(self) -> Keys:
+        """The key layout of this namespace."""
+        return self._keys
+
     def __repr__(self) -> str:
         return f"EtcdCoordinator({self.name!r}, node_id={self._node_id!r})"
 
@@ -628,26 +639,6 @@ class EtcdCoordinator(Coordinator):
             return False
         data = decode_json(state_kvs[0].value) or {}
         return data.get("state") == what and data.get("token") == task.token
-
-    def save_state(self, task: Task, value: bytes) -> None:
-        """Write the task's state-machine record, fenced by the claim (ClaimLost if stale)."""
-        self._check_open()
-        tk = self._keys.task(task.id)
-        result = self._driver.txn(
-            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
-            [Put(tk.machine, value)],
-            repeatable=True,
-        )
-        if not result.succeeded:
-            raise ClaimLost(
-                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
-            )
-
-    def load_state(self, task_id: str) -> bytes | None:
-        """The task's state-machine record, or None."""
-        self._check_open()
-        kvs, _ = self._driver.range(Range(self._keys.task(validate_task_id(task_id)).machine))
-        return kvs[0].value if kvs else None
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""

@@ -15,7 +15,9 @@ exactly one path segment::
     nodes/<node>/alive      {"started_at"}, attached to the node's lease: the node is live
     nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
                             taken in create-revision order and deleted when taken
-    state/<id>              state-machine state of the task (fenced by the claim)
+    state/<id>              state-machine state of the task (fenced by the claim; written by
+                            :mod:`metafora.statemachine.stores.etcd`)
+    taskcmds/<id>/<...>     state-machine commands to the task (same module)
 
 Owner keys have their own prefix so that "who holds what" (node_task_count, the balancers'
 view) is one small range read that never carries task props.
@@ -90,6 +92,7 @@ class Keys:
         self.owners = self.root + b"owners/"
         self.nodes = self.root + b"nodes/"
         self.states = self.root + b"state/"
+        self.task_commands = self.root + b"taskcmds/"
 
     def task(self, task_id: str) -> TaskKeys:
         """The keys of one task."""
@@ -102,6 +105,7 @@ class Keys:
             claim=base + b"claim",
             owner=self.owners + seg,
             machine=self.states + seg,
+            commands=self.task_commands + seg + b"/",
         )
 
     def node_alive(self, node_id: str) -> bytes:
@@ -146,6 +150,7 @@ class TaskKeys:
     claim: bytes
     owner: bytes
     machine: bytes
+    commands: bytes
 
 
 @dataclass
