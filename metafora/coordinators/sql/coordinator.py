@@ -197,13 +197,11 @@ class SQLCoordinator(Coordinator):
         props_text: str | None = None
         token = 0
         try:
-            with self._db.write() as conn:
-                row = self._db.execute(
-                    conn, "claim", {"id": task.id, "node": self._node_id, "session": session}
-                ).first()
+            with self._db.hot() as cur:
+                row = cur.one("claim", {"id": task.id, "node": self._node_id, "session": session})
                 if row is not None:
                     token, props_text = int(row[0]), str(row[1])
-                    self._db.next_token_used(conn, token)
+                    cur.token_used(token)
             if props_text is not None:
                 claimed = self._parse_claimed(task.id, props_text, token)
         finally:
@@ -220,9 +218,9 @@ class SQLCoordinator(Coordinator):
         except (ValueError, MetaforaError) as exc:
             log.error("task %s has invalid stored props; marking it failed: %s", task_id, exc,
                       extra={"node": self._node_id, "task": task_id})
-            with self._db.write() as conn:
-                self._db.execute(conn, "fail", {"id": task_id, "node": self._node_id,
-                                                "token": token, "error": f"invalid props: {exc}"})
+            with self._db.hot() as cur:
+                cur.one("fail", {"id": task_id, "node": self._node_id, "token": token,
+                                 "error": f"invalid props: {exc}"})
             return None
 
     def release(self, task: Task) -> None:
@@ -240,10 +238,10 @@ class SQLCoordinator(Coordinator):
         self._lease.begin_finish(task.id)
         settled = False
         try:
-            with self._db.write() as conn:
-                row = self._db.execute(conn, name, params).first()
+            with self._db.hot() as cur:
+                row = cur.one(name, params)
                 if row is not None and name == "release":
-                    self._db.next_token_used(conn, int(row[0]))
+                    cur.token_used(int(row[0]))
             settled = True
         finally:
             self._lease.end_finish(task, settled)

@@ -64,8 +64,9 @@ class Dialect(abc.ABC):
         """Statements creating the store-wide token counter."""
 
     @abc.abstractmethod
-    def create_engine(self) -> Engine:
-        """A pooled engine for the store (connects lazily)."""
+    def create_engine(self, autocommit: bool = False) -> Engine:
+        """A pooled engine for the store (connects lazily); ``autocommit`` engines (PostgreSQL)
+        run every statement as its own transaction."""
 
     @abc.abstractmethod
     def to_db_time(self, value: datetime | None) -> Any:
@@ -142,7 +143,7 @@ class PostgresDialect(Dialect):
             kwargs["sslmode"] = cfg.sslmode
         return kwargs
 
-    def create_engine(self) -> Engine:
+    def create_engine(self, autocommit: bool = False) -> Engine:
         kwargs = self.connect_kwargs()
         url = URL.create(
             "postgresql+psycopg",
@@ -153,12 +154,14 @@ class PostgresDialect(Dialect):
             database=kwargs.pop("dbname"),
         )
         kwargs["options"] = "-c timezone=UTC"
+        size = self.config.pool_size if autocommit else max(2, self.config.pool_size // 2)
         return create_engine(
             url,
-            pool_size=self.config.pool_size,
-            max_overflow=self.config.pool_size,
+            pool_size=size,
+            max_overflow=size,
             pool_timeout=self.config.connect_timeout,
             connect_args=kwargs,
+            **({"isolation_level": "AUTOCOMMIT"} if autocommit else {}),
         )
 
     def to_db_time(self, value: datetime | None) -> Any:
@@ -210,7 +213,7 @@ class SQLiteDialect(Dialect):
             "INSERT INTO metafora_counter (name, value) VALUES ('token', 0)",
         ]
 
-    def create_engine(self) -> Engine:
+    def create_engine(self, autocommit: bool = False) -> Engine:
         cfg = self.config
         assert cfg.path is not None
         engine = create_engine(

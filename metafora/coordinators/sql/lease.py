@@ -291,8 +291,8 @@ class Lease:
         before = self._summary()
         params = {"node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
                   "count": before[0]}
-        with self._db.write() as conn:
-            row = self._db.execute(conn, "heartbeat", params).first()
+        with self._db.hot() as cur:
+            row = cur.one("heartbeat", params)
         if row is None:
             self._fence("the store no longer has this registration live")
             return started
@@ -351,12 +351,10 @@ class Lease:
         """Release a claim this node holds in the store but does not track (best effort)."""
         extra = {"node": self._node_id, "task": task_id}
         try:
-            with self._db.write() as conn:
-                row = self._db.execute(
-                    conn, "release", {"id": task_id, "node": self._node_id, "token": token}
-                ).first()
+            with self._db.hot() as cur:
+                row = cur.one("release", {"id": task_id, "node": self._node_id, "token": token})
                 if row is not None:
-                    self._db.next_token_used(conn, int(row[0]))
+                    cur.token_used(int(row[0]))
         except MetaforaError as exc:
             log.warning("could not release untracked claim on task %s: %s", task_id, exc,
                         extra=extra)
