@@ -428,10 +428,16 @@ def gate_error_handler(items: ItemStore, base: ErrorHandler = default_error_hand
                         extra={"task": task.id, "action": "error_handler"})
             return base(task, state, now)
         if failed and failed == permanent:
-            return Message.error(ItemsFailed(
-                f"{failed} item(s) of partition {task.id!r} failed permanently; fix them, then "
-                f"'metafora items retry {task.id}'"
-            ))
+            try:
+                some = items.list(task.id, status=ItemStatus.FAILED, limit=3)
+            except MetaforaError:
+                some = []
+            detail = "; ".join(f"item {i.id}: {i.error}" for i in some)
+            return Message.error(ItemsFailed(_cut(
+                f"{failed} item(s) of partition {task.id!r} failed permanently"
+                + (f" ({detail})" if detail else "")
+                + f"; fix them, then 'metafora items retry {task.id}'"
+            )))
         return base(task, state, now)
 
     return handle
