@@ -54,13 +54,13 @@ _V1_DDL = [
     )""",
     "CREATE INDEX metafora_tasks_pending ON metafora_tasks (namespace, id)"
     " WHERE state = 'pending'",
-    "CREATE INDEX metafora_tasks_ready ON metafora_tasks (namespace, ready)"
+    "CREATE INDEX metafora_tasks_ready ON metafora_tasks (namespace, ready, id)"
     " WHERE state = 'pending'",
     "CREATE INDEX metafora_tasks_launch ON metafora_tasks (namespace, launch_at)"
     " WHERE state = 'pending' AND launch_at IS NOT NULL",
     "CREATE INDEX metafora_tasks_expiry ON metafora_tasks (namespace, expires_at)"
     " WHERE state = 'pending' AND expires_at IS NOT NULL",
-    "CREATE INDEX metafora_tasks_owner ON metafora_tasks (namespace, owner)"
+    "CREATE INDEX metafora_tasks_owner ON metafora_tasks (namespace, owner, id)"
     " WHERE state = 'claimed'",
     "CREATE INDEX metafora_tasks_finished ON metafora_tasks (namespace, finished_at)"
     " WHERE state IN ('done', 'failed', 'expired')",

@@ -155,7 +155,7 @@ _SQL: dict[str, str] = {
     ),
     "scan_ready": (
         "SELECT id, props, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
-        " AND (ready > :ready OR (ready = :ready AND id > :after)) AND " + _CLAIMABLE_PENDING
+        " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING
         + " ORDER BY ready, id LIMIT :limit"
     ),
     "scan_launched": (
@@ -169,15 +169,17 @@ _SQL: dict[str, str] = {
     ),
     # Claims whose owner's registration is expired (cheap: through the dead nodes).
     "scan_dead_owners": (
-        "SELECT t.id, t.props, t.token FROM metafora_nodes n JOIN metafora_tasks t"
+        "SELECT t.id, t.props, t.token, t.owner FROM metafora_nodes n JOIN metafora_tasks t"
         " ON t.namespace = n.namespace AND t.owner = n.node_id AND t.state = 'claimed'"
-        " WHERE n.namespace = :ns AND n.lease_until <= {now} AND t.id > :after"
-        " ORDER BY t.id LIMIT :limit"
+        " WHERE n.namespace = :ns AND n.lease_until <= {now} AND (t.owner, t.id) > (:owner, :after)"
+        " ORDER BY t.owner, t.id LIMIT :limit"
     ),
-    # Claims whose owner's registration is expired or missing altogether (full scans).
+    # Claims whose owner's registration is expired or missing altogether (full scans; walks
+    # the claimed rows only, through the (namespace, owner, id) partial index).
     "scan_orphans": (
-        "SELECT id, props, token FROM metafora_tasks WHERE namespace = :ns AND state = 'claimed'"
-        " AND id > :after AND " + _OWNER_DEAD + " ORDER BY id LIMIT :limit"
+        "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
+        + " ORDER BY owner, id LIMIT :limit"
     ),
     "sweep_expired": (
         "UPDATE metafora_tasks SET state = 'expired', finished_at = expires_at, updated_at = {now}"

@@ -162,15 +162,15 @@ class Watch:
                 break
             after = rows[-1][0]
         offered: dict[str, int] = {}
-        after = ""
+        owner, after = "", ""
         while not self._closed.is_set():
-            rows = self._query("scan_orphans", {"after": after})
+            rows = self._query("scan_orphans", {"owner": owner, "after": after})
             for row in rows:
                 offered[row[0]] = int(row[2])
                 self._offer(row[0], row[1])
             if len(rows) < BATCH:
                 break
-            after = rows[-1][0]
+            owner, after = rows[-1][3], rows[-1][0]
         self._offered_dead = offered
         if n_dead:
             with self._db.write() as conn:
@@ -201,9 +201,9 @@ class Watch:
             self.rescan()
 
     def _scan_dead(self) -> None:
-        after = ""
+        owner, after = "", ""
         while not self._closed.is_set():
-            rows = self._query("scan_dead_owners", {"after": after})
+            rows = self._query("scan_dead_owners", {"owner": owner, "after": after})
             for row in rows:
                 token = int(row[2])
                 if self._offered_dead.get(row[0]) != token:
@@ -211,4 +211,4 @@ class Watch:
                     self._offer(row[0], row[1])
             if len(rows) < BATCH:
                 break
-            after = rows[-1][0]
+            owner, after = rows[-1][3], rows[-1][0]
