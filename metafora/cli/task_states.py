@@ -34,7 +34,7 @@ _TASK = click.argument("task_id", metavar="TASK")
 @_TASK
 @click.pass_context
 def pause(ctx: click.Context, task_id: str) -> None:
-    """Pause stateful TASK (it is released and stays paused until resumed)."""
+    """Pause stateful TASK: its handler waits, keeping its claim, until resumed."""
     _send(ctx, "pause", task_id)
 
 
@@ -60,7 +60,7 @@ def kill(ctx: click.Context, task_id: str) -> None:
               help="Wake-up time: ISO-8601 (naive = UTC) or '+DURATION' (+30s, +2h).")
 @click.pass_context
 def sleep(ctx: click.Context, task_id: str, until: str) -> None:
-    """Put stateful TASK to sleep until TIME (it is released and not claimed before)."""
+    """Put stateful TASK to sleep until TIME: it keeps its claim and wakes then (or on resume)."""
     _send(ctx, "sleep", task_id, parse_when(until, "--until"))
 
 
