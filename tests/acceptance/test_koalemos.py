@@ -1,0 +1,95 @@
+"""koalemosd + koalemosctl end to end, in subprocesses, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from metafora import TaskState, open_client
+from tests.helpers import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+KOALEMOSD = ROOT / "examples" / "koalemos" / "koalemosd.py"
+KOALEMOSCTL = ROOT / "examples" / "koalemos" / "koalemosctl.py"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAFORA_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url"))
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(url: str, node: str, *extra: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, str(KOALEMOSD), "--url", url, "--node", node,
+                                 "--grace", "2", *extra], env=_env(), stdout=log, stderr=log)
+        procs.append(proc)
+        with open_client(url) as client:
+            wait_until(lambda: node in client.nodes() or proc.poll() is not None, 30,
+                       f"koalemosd {node} registered")
+        assert proc.poll() is None, (tmp_path / f"{node}.log").read_text()
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def ctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(KOALEMOSCTL), "--url", url, *args], env=_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_real_command_runs_and_a_failing_one_fails(url: str, daemons: Callable[..., object],
+                                                    tmp_path: Path) -> None:
+    daemons(url, "k1")
+    marker = tmp_path / "ran.txt"
+    ok = ctl(url, "--id", "write", "--wait", "30", "--", "sh", "-c", f"echo hello > {marker}")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["write", "done"]
+    assert marker.read_text() == "hello\n"
+    bad = ctl(url, "--id", "oops", "--wait", "30", "--", "sh", "-c", "echo broken pipe >&2; exit 3")
+    assert bad.returncode == 1
+    with open_client(url) as client:
+        info = client.get_task("oops")
+    assert info.state is TaskState.FAILED
+    assert info.error == "CommandFailed: exit code 3: broken pipe"
+
+
+def test_sigterm_releases_at_once_and_another_daemon_takes_over(
+    url: str, daemons: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    # A long lease: if the hand-over waited for it, this test would time out.
+    first = daemons(url, "k1", "--lease-ttl", "120")
+    assert ctl(url, "--id", "long", "--", "sleep", "300").returncode == 0
+    with open_client(url) as client:
+        wait_until(lambda: client.get_task("long").owner == "k1", 30, "k1 runs the command")
+        daemons(url, "k2", "--lease-ttl", "120")
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        info = wait_until(lambda: (i := client.get_task("long")).owner == "k2" and i, 20,
+                          "k2 took the task over")
+        assert info.state is TaskState.CLAIMED
+        assert "k1" not in client.nodes()
