@@ -225,9 +225,9 @@ def test_deleting_a_running_task_tells_its_owner_promptly(nodes: Nodes) -> None:
 
 
 def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
-    # A long safety poll: on PostgreSQL only NOTIFY can explain a prompt offer.
-    poll = 0.25 if nodes.url.startswith("sqlite") else 60
-    a = nodes.node("a", poll_interval=poll)
+    # A long safety poll: only the push path (NOTIFY; SQLite's data_version) explains a
+    # prompt offer.
+    a = nodes.node("a", poll_interval=60)
     offers = nodes.watch(a)
     nodes.client.submit_task(Task("warm-up"))
     next_offer(offers, "warm-up", 10)
@@ -291,8 +291,7 @@ def test_commands_are_fifo_and_malformed_ones_are_dropped(
 
 
 def test_command_waits_for_a_late_arrival(nodes: Nodes) -> None:
-    poll = 0.25 if nodes.url.startswith("sqlite") else 60
-    a = nodes.node("a", poll_interval=poll)
+    a = nodes.node("a", poll_interval=60)
     got: list[object] = []
     arrived = threading.Event()
 

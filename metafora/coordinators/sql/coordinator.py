@@ -18,8 +18,8 @@ from typing import Any
 
 from metafora.commands import Command
 from metafora.coordinator import Coordinator, CoordinatorContext, TaskSink, as_sink, error_text
-from metafora.coordinators.sql.dialect import PostgresDialect
 from metafora.coordinators.sql.lease import Lease
+from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
@@ -53,7 +53,7 @@ class SQLCoordinator(Coordinator):
         self._close_lock = threading.Lock()
         self._command_wake = threading.Event()
         self._watches: list[Watch] = []
-        self._listener: Any = None  # a Listener on PostgreSQL, started on first need
+        self._listener: ChangeFeed | None = None  # wake-ups, started on first need
 
     @property
     def name(self) -> str:
@@ -132,14 +132,13 @@ class SQLCoordinator(Coordinator):
     # -- notifications ----------------------------------------------------------------------
 
     def _start_listener(self) -> None:
-        if not isinstance(self._db.dialect, PostgresDialect):
-            return
         with self._lock:
             if self._listener is not None or self._closed.is_set():
                 return
-            from metafora.coordinators.sql.listen import Listener
+            from metafora.coordinators.sql.listen import make_feed
 
-            self._listener = Listener(self._db.dialect, self._node_id, self._notified, self._reconnected)
+            self._listener = make_feed(self._db.dialect, self._node_id, self._notified,
+                                       self._reconnected)
         self._listener.start()
 
     def _notified(self, payload: str) -> None:
@@ -153,6 +152,12 @@ class SQLCoordinator(Coordinator):
             self._command_wake.set()
         elif kind == "n" and name == self._node_id:
             self._lease.request_check()
+        elif kind == "":  # SQLite: something was committed; look
+            with self._lock:
+                watches = list(self._watches)
+            for watch in watches:
+                watch.wake.set()
+            self._command_wake.set()
 
     def _reconnected(self) -> None:
         with self._lock:
