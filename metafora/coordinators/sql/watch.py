@@ -64,6 +64,7 @@ class Watch:
         self._ready = (0, _AFTER_ALL)
         self._last_now: Any = None
         self._offered_dead: dict[str, int] = {}
+        self._this_round: set[str] = set()  # offered in this round (no duplicates per round)
 
     # -- called by the notification listener ---------------------------------------------------
 
@@ -109,6 +110,7 @@ class Watch:
             with db.write() as conn:
                 db.execute(conn, "sweep_expired", {})
         started = time.monotonic()
+        self._this_round.clear()
         with self._lock:
             full = self._full or started >= self._next_full
             self._full = False
@@ -144,6 +146,9 @@ class Watch:
         return rows
 
     def _offer(self, task_id: str, props: str) -> None:
+        if task_id in self._this_round:
+            return
+        self._this_round.add(task_id)
         try:
             task = Task(task_id, json.loads(props))
         except (ValueError, MetaforaError) as exc:
