@@ -371,20 +371,27 @@ class EtcdDriver:
             creds = grpc.ssl_channel_credentials(
                 _read(s.ca_cert), _read(s.cert_key), _read(s.cert_cert)
             )
-        endpoints = [
-            lib.Endpoint(host, port, secure=s.secure, creds=creds, time_retry=1,
-                         opts=_CHANNEL_OPTIONS)
-            for host, port in s.hosts
-        ]
-        try:
-            client = lib.MultiEndpointEtcd3Client(
-                endpoints=endpoints, timeout=s.timeout, user=s.user, password=s.password,
-                failover=True,
-            )
-        except grpc.RpcError as exc:
-            for ep in endpoints:
-                ep.close()
-            raise self._translate(exc, "authenticate") from exc
+        # With user/password the library authenticates at once, against a member it picks
+        # at random: try again (a few times per member) while that member is unreachable.
+        attempts = 1 if s.user is None else 2 * len(s.hosts)
+        for attempt in range(attempts):
+            endpoints = [
+                lib.Endpoint(host, port, secure=s.secure, creds=creds, time_retry=1,
+                             opts=_CHANNEL_OPTIONS)
+                for host, port in s.hosts
+            ]
+            try:
+                client = lib.MultiEndpointEtcd3Client(
+                    endpoints=endpoints, timeout=s.timeout, user=s.user, password=s.password,
+                    failover=True,
+                )
+                break
+            except grpc.RpcError as exc:
+                for ep in endpoints:
+                    ep.close()
+                err = self._translate(exc, "authenticate")
+                if not isinstance(err, CoordinatorUnavailable) or attempt == attempts - 1:
+                    raise err from exc
         self._lib = lib
         self._client = client
         self._channels = [ep.channel for ep in endpoints]
