@@ -382,3 +382,50 @@ def test_client_listing_and_purge(nodes: Nodes) -> None:
     assert nodes.client.purge() == 2
     assert [i.id for i in nodes.client.tasks()] == ["p", "x"]
     assert isinstance(nodes.client, SQLClient)
+
+
+def test_expired_tasks_are_swept_and_can_be_retried(nodes: Nodes) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    a = nodes.node("a")
+    past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+    nodes.client.submit_task(Task("old", {"expires_at": past}))
+    nodes.client.submit_task(Task("fresh"))
+    assert nodes.client.get_task("old").state is TaskState.EXPIRED  # at once, before a sweep
+    assert [i.id for i in nodes.client.tasks("expired")] == ["old"]
+    assert [i.id for i in nodes.client.tasks("pending")] == ["fresh"]
+    offers = nodes.watch(a)
+    assert next_offer(offers, "fresh", 10).id == "fresh"
+    ns = parse_store_url(nodes.url).query.get("namespace", "metafora")
+    stored = nodes.raw("SELECT state FROM metafora_tasks WHERE namespace = :ns AND id = 'old'",
+                       ns=ns)
+    assert stored[0][0] == "expired"  # the watch moved it
+    assert a.claim(Task("old")) is None
+    nodes.client.retry_task("old")
+    info = nodes.client.get_task("old")
+    assert info.state is TaskState.EXPIRED  # still past its expires_at: expires again
+
+
+def test_a_task_with_corrupt_stored_props_does_not_stop_the_watch(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = nodes.node("a")
+    ns = parse_store_url(nodes.url).query.get("namespace", "metafora")
+    nodes.raw(
+        "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
+        " updated_at) VALUES (:ns, 'broken', '{not json', 'pending', 0, 0,"
+        " '2030-01-01 00:00:00.000', '2030-01-01 00:00:00.000')"
+        if nodes.url.startswith("sqlite") else
+        "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
+        " updated_at) VALUES (:ns, 'broken', '{not json', 'pending', 0, 0, now(), now())",
+        ns=ns,
+    )
+    nodes.client.submit_task(Task("good"))
+    with caplog.at_level(logging.WARNING, logger="metafora.coordinators.sql"):
+        offers = nodes.watch(a)
+        assert next_offer(offers, "good", 10).id == "good"
+        assert any("broken" in r.getMessage() for r in caplog.records)
+        assert a.claim(Task("broken")) is None  # claimed, found unusable, marked failed
+    failed = nodes.client.tasks("failed")
+    assert [i.id for i in failed] == ["broken"] and failed[0].props == {}
+    assert failed[0].error is not None and "invalid props" in failed[0].error

@@ -15,7 +15,6 @@ from metafora.errors import (
     CoordinatorClosed,
     InvalidTaskState,
     NodeNotFound,
-    StoreError,
     TaskExists,
     TaskNotFound,
 )
@@ -61,8 +60,13 @@ class SQLClient(Client):
         conv = self._db.dialect.from_db_time
         try:
             props = json.loads(row[1])
+            if not isinstance(props, dict):
+                raise ValueError("not a JSON object")
         except ValueError as exc:
-            raise StoreError(f"task {row[0]!r} has invalid stored props: {exc}") from None
+            # Written by hand, not by metafora: show the task (the listing must still work).
+            log.warning("task %s has invalid stored props (shown as {}): %s", row[0], exc,
+                        extra={"task": row[0]})
+            props = {}
         return TaskInfo(
             id=str(row[0]),
             props=props,
@@ -166,7 +170,8 @@ class SQLClient(Client):
             db.execute(conn, "sweep_expired", {})
             db.execute(conn, "purge_state", {"secs": secs})
             count = int(db.execute(conn, "purge", {"secs": secs}).rowcount)
-        log.info("purged %d finished task(s) from %s", count, self.name)
+        log.info("purged %d finished task(s) from %s", count, self.name,
+                 extra={"action": "purge"})
         return count
 
     def close(self) -> None:

@@ -256,6 +256,9 @@ class Lease:
                         self._check_requested = False
                     if check or self._summary()[0]:
                         self._check_held()
+                if retry:
+                    log.info("lease of node %s on %s works again", self._node_id, self._db.name,
+                             extra=self._extra)
                 retry = 0.0
             except (MetaforaError, _NotYet) as exc:
                 # Warn once per outage (then debug), so a long outage does not flood the log.

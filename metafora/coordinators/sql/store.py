@@ -227,7 +227,7 @@ class Database:
             if needed:
                 with self.transaction() as conn:
                     migrate(conn, self.dialect, self.name)
-                log.info("schema of %s is ready", self.name)
+                log.info("schema of %s is ready", self.name, extra={"action": "schema"})
             self._schema_ready = True
 
     def execute(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
