@@ -273,7 +273,9 @@ class Response:
             raise PermanentError(f"the answer must be a JSON object, not {type(obj).__name__}")
         if not isinstance(obj.get("done"), bool):
             raise PermanentError("the answer needs 'done': true or false")
-        raw_spawn = obj.get("spawn") or []
+        raw_spawn = obj.get("spawn")
+        if raw_spawn is None:
+            raw_spawn = []
         if not isinstance(raw_spawn, list):
             raise PermanentError("'spawn' must be a list of {gate, data} objects")
         spawn = tuple(NewItem.from_wire(s, f"spawn[{i}]") for i, s in enumerate(raw_spawn))
