@@ -9,7 +9,7 @@
   (``spawn``), timed from the first submit to the last partition done.
 
     python -m benchmarks gates [--quick] [--stores sqlite,postgresql]
-    python -m benchmarks.gates [--quick]
+    python benchmarks/gates.py [--quick] [--stores sqlite,postgresql]
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ import argparse
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/gates.py
 
 from benchmarks.common import Stores, save, table
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator
@@ -158,8 +162,8 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    """``python -m benchmarks.gates [--quick] [--stores ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gates", description=__doc__)
+    """``python benchmarks/gates.py [--quick] [--stores ...]``."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/gates.py", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="5,000 items instead of 20,000")
     parser.add_argument("--stores", default=",".join(SQL_STORES))
     args = parser.parse_args()

@@ -490,7 +490,9 @@ def handler_func(
     SQL coordinator on the item store's database and namespace, item writes are also fenced
     by its claims directly.
 
-    ``auto_close``: complete the partition when no work is left (else wait for new items).
+    ``auto_close``: complete the partition when no work is left (else wait for new items);
+    add a partition's items before submitting its task, or a partition with no items yet
+    completes at once.
     ``manual_checkpoint``: never move the gate; :meth:`ItemStore.set_gate` (``metafora gate``)
     does. ``batch_size`` items are taken per round, processed ``concurrency`` at a time
     (default: the processor's ``concurrency``, else 1). A retryable failure is tried up to

@@ -241,8 +241,9 @@ class Response:
     """A processor's answer for one item.
 
     ``done=True`` completes the item (recorded at ``gate``); ``done=False`` moves it to
-    ``gate`` (which must be >= its current gate), still available. ``data`` replaces the
-    item's data (None keeps it). ``spawn`` adds new items, at gates above the current one.
+    ``gate`` (which must be >= its current gate), still available -- at the current gate it
+    is processed again in a later batch (a multi-step item). ``data`` replaces the item's
+    data (None keeps it). ``spawn`` adds new items, at gates above the current one.
     """
 
     gate: int
