@@ -356,3 +356,28 @@ def _memory_stores(cluster: LocalCluster) -> dict[str, Any]:
     from metafora.statemachine import commands_for, state_store_for
 
     return {"state_store": state_store_for(cluster.client), "task_commands": commands_for(cluster.client)}
+
+
+def test_an_etcd_coordinator_with_items_in_their_own_sql_store(request: pytest.FixtureRequest,
+                                                               sqlite_url: str) -> None:
+    """The partition is an etcd task; its items live in SQL, token-fenced; state in etcd."""
+    try:
+        etcd_url = request.getfixturevalue("etcd_url")
+    except pytest.FixtureLookupError:
+        pytest.skip("no etcd fixture")
+    items = ItemStore(sqlite_url)
+    try:
+        items.add("p", [NewItem(0, f"{n}") for n in range(20)] + [NewItem(4, b"last")])
+        with LocalCluster(etcd_url) as cluster:
+            coord = open_coordinator(etcd_url, node_id="n1")
+            handler = gates.handler_func(lambda i: Response(gate=i.gate, done=True), coord, items)
+            assert not handler.claim_fence
+            cluster.start(Consumer(coord, handler))
+            cluster.client.submit_task(Task("p"))
+            cluster.wait_for_state("p", TaskState.DONE, timeout=30)
+            token = cluster.client.get_task("p").token
+        info = items.info("p")
+        assert (info.status, info.gate, info.token) == (gates.PartitionStatus.COMPLETED, 4, token)
+        assert _state_code(etcd_url, "p") is StateCode.COMPLETED
+    finally:
+        items.close()

@@ -660,6 +660,7 @@ class ItemStore:
         validate_task_id(partition)
         self.ensure_schema()
         with self._db.transaction() as tx:
+            self._run(tx, "lock", {"p": partition}).first()  # the owner's lock order: partition, items
             count = int(self._run(tx, "delete_items", {"p": partition}).rowcount)
             self._run(tx, "delete_partition", {"p": partition})
         return count
