@@ -178,6 +178,17 @@ def test_gate_jumps_to_the_lowest_gate_with_work_and_completes(items: ItemStore)
         items.add("p", [NewItem(9, b"late")])
 
 
+def test_finishing_twice_writes_nothing_twice(items: ItemStore) -> None:
+    """A retry of ``finish`` after a commit whose answer was lost must not spawn again."""
+    (parent,) = items.add("p", [NewItem(0, b"parent")])
+    lease = items.lease(Task("p", token=1))
+    lease.open()
+    result = [Outcome(parent, ItemStatus.COMPLETE, 0, 1, spawn=(NewItem(1, b"a"), NewItem(2, b"b")))]
+    assert lease.finish(0, result) == 1
+    assert lease.finish(0, result) == 0
+    assert sorted(i.data for i in items.list("p")) == [b"a", b"b", b"parent"]
+
+
 def test_a_stale_token_is_shut_out_by_a_newer_claim(items: ItemStore) -> None:
     """Token fencing (items apart from the coordinator, e.g. etcd): the partition row keeps
     the highest token that opened it; every write of an older one is refused."""

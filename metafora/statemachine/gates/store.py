@@ -778,30 +778,39 @@ class PartitionLease:
         """Write the results of items processed at ``gate`` (and their spawned items) in one
         fenced transaction; returns how many items were written.
 
-        An item changed meanwhile by someone else (deleted, retried) is skipped with a
-        warning. ClaimLost (nothing written) if the claim is gone.
+        An item changed meanwhile (already written, deleted, retried) is skipped with a
+        warning, and so are the items it spawned: calling ``finish`` again after a commit
+        whose answer was lost writes nothing twice. ClaimLost (nothing written) if the
+        claim is gone.
         """
         if not outcomes:
             return 0
-        rows: list[dict[str, Any]] = []
-        spawns: list[dict[str, Any]] = []
+        plain: list[dict[str, Any]] = []
+        spawning: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
         for out in outcomes:
-            rows.append(self._params(
+            row = self._params(
                 id=out.item_id, gate=gate, status=out.status.value, new_gate=out.gate,
                 keep=1 if out.data is None else 0, data=out.data, error=out.error,
                 permanent=1 if out.permanent else 0, tries=out.tries,
-            ))
-            spawns.extend(self._params(new_gate=new.gate, data=new.data) for new in out.spawn)
+            )
+            if out.spawn:
+                spawning.append((row, [self._params(new_gate=n.gate, data=n.data) for n in out.spawn]))
+            else:
+                plain.append(row)
+        written = 0
         with self.store.transaction() as tx:
             self._guard(tx)
-            written = int(tx.execute(self._sql["result"], rows).rowcount)
-            if spawns:
-                added = int(tx.execute(self._sql["spawn"], spawns).rowcount)
-                if added != len(spawns):
+            if plain:
+                written += int(tx.execute(self._sql["result"], plain).rowcount)
+            for row, spawns in spawning:  # one by one: spawn only for a result written now
+                if int(tx.execute(self._sql["result"], row).rowcount) != 1:
+                    continue
+                written += 1
+                if int(tx.execute(self._sql["spawn"], spawns).rowcount) != len(spawns):
                     raise self._lost()
-        if written != len(rows):
+        if written != len(outcomes):
             log.warning("partition %s: %d of %d item result(s) not written (the items changed "
-                        "meanwhile)", self.partition, len(rows) - written, len(rows),
+                        "meanwhile)", self.partition, len(outcomes) - written, len(outcomes),
                         extra={"task": self.partition, "action": "finish"})
         return written
 
