@@ -67,6 +67,7 @@ class Pipeline:
         self.concurrency = 8  # items of the partition in flight at once
 
     def process(self, item: gates.Item) -> gates.Response:
+        """The gates.Processor method: route an item by its gate."""
         if item.gate == 0:
             if self.http is not None:
                 return self.http.process(item)
@@ -75,6 +76,7 @@ class Pipeline:
         return self.rank(item)
 
     def rank(self, item: gates.Item) -> gates.Response:
+        """Gate 1 (fan-in): read every classified resume back and keep the ten best."""
         done = self.items.list(item.partition, gate=0, status=gates.ItemStatus.COMPLETE)
         classified = [json.loads(i.data) for i in done]
         top = sorted(classified, key=lambda r: (-r["score"], r["name"]))[:10]
@@ -117,6 +119,7 @@ def start_service() -> tuple[ThreadingHTTPServer, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Add the job's items, run consumers until the partition is done, print the top 10."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=default_url(),

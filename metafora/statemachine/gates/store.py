@@ -223,10 +223,12 @@ class _Hub:
         self._waiters: dict[str, set[threading.Event]] = {}
 
     def subscribe(self, partition: str, event: threading.Event) -> None:
+        """Set ``event`` on news of ``partition``."""
         with self._lock:
             self._waiters.setdefault(partition, set()).add(event)
 
     def unsubscribe(self, partition: str, event: threading.Event) -> None:
+        """Stop setting ``event``."""
         with self._lock:
             waiting = self._waiters.get(partition)
             if waiting is not None:
@@ -235,12 +237,14 @@ class _Hub:
                     del self._waiters[partition]
 
     def notify(self, partition: str) -> None:
+        """News of ``partition``: wake its waiters."""
         with self._lock:
             events = list(self._waiters.get(partition, ()))
         for event in events:
             event.set()
 
     def notify_all(self) -> None:
+        """Wake every waiter (news may have been missed, e.g. while reconnecting)."""
         with self._lock:
             events = [e for waiting in self._waiters.values() for e in waiting]
         for event in events:
