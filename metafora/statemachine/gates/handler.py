@@ -15,7 +15,9 @@
    added -- woken by a notification (PostgreSQL NOTIFY; in-process on SQLite, which also
    polls every ``poll_interval``).
 
-Failures: an item that failed (retries exhausted, or non-retryable) faults the partition;
+Failures: an item that failed (retries exhausted, or non-retryable) faults the partition
+as soon as its batch is written (the rest of the gate waits: a failing downstream service
+is not hammered with every item);
 the error handler decides (default: :class:`~metafora.statemachine.ErrorPolicy`: back off,
 then retry the retryable failed items, and after too many errors ``failed``; items that
 failed permanently fail the partition at once). A failed partition's task is marked
@@ -220,12 +222,18 @@ class _PartitionRun:
         return cmds.poll()
 
     def _idle(self, gate: int, cmds: Commands) -> Message | None:
-        """Wait for news of the partition (or a command, or stop): None to look again."""
-        poll = min(self._items.poll_interval, self._opt.command_interval)
+        """Wait for news of the partition (or a command, or stop): None to look again.
+
+        News is pushed (NOTIFY, or in-process); the store is also looked at every
+        ``poll_interval`` of the item store as a safety net (SQLite's only way).
+        """
         log.debug("partition %s: waiting for items at gate %d", self.task.id, gate,
                   extra={**self._extra, "action": "wait"})
+        every = self._items.poll_interval
+        next_look = SYSTEM_CLOCK.monotonic() + every
         while True:
-            woke = self._wake.wait(poll)
+            timeout = min(next_look, self._next_poll) - SYSTEM_CLOCK.monotonic()
+            woke = self._wake.wait(max(0.0, timeout))
             if self._stopping(cmds):
                 return Message.release()
             message = self._poll(cmds)
@@ -233,6 +241,9 @@ class _PartitionRun:
                 return message
             if woke:
                 return None
+            if SYSTEM_CLOCK.monotonic() < next_look:
+                continue
+            next_look = SYSTEM_CLOCK.monotonic() + every
             low, failed = self.call_store("look for work", self.lease.peek, gate)
             if failed or low == gate or (low is not None and not self._opt.manual_checkpoint):
                 return None
@@ -254,12 +265,12 @@ class _PartitionRun:
             self._executor = ThreadPoolExecutor(self._opt.concurrency,
                                                 thread_name_prefix=f"metafora-gate-{self.task.id}")
         futures: list[Future[Outcome | None]] = [
-            self._executor.submit(self._attempt_unless_stopped, item, gate, cmds) for item in batch
+            self._executor.submit(self._attempt_unless_stopped, item, gate) for item in batch
         ]
         return [o for o in (f.result() for f in futures) if o is not None]
 
-    def _attempt_unless_stopped(self, item: Item, gate: int, cmds: Commands) -> Outcome | None:
-        if self._stopping(cmds):
+    def _attempt_unless_stopped(self, item: Item, gate: int) -> Outcome | None:
+        if self._stop.is_set():  # (worker threads do not touch the machine's Commands)
             return None
         return self._attempt(item, gate)
 
