@@ -3,10 +3,19 @@
 >>> coord = open_coordinator("sqlite:///metafora.db", node_id="a")          # doctest: +SKIP
 >>> client = open_client("postgresql://user:pass@db:5432/jobs?namespace=x")  # doctest: +SKIP
 
-SQLAlchemy 2 Core on psycopg 3 (PostgreSQL) or the stdlib ``sqlite3``. See
-:mod:`~metafora.coordinators.sql.options` for the URL options,
-:mod:`~metafora.coordinators.sql.schema` for the tables and
-:mod:`~metafora.coordinators.sql.lease` for leases and self-fencing.
+SQLAlchemy 2 Core on psycopg 3 (PostgreSQL) or the stdlib ``sqlite3``; the hot statements
+(claim, release, done, fail, heartbeat) are compiled once and run on bare pooled driver
+connections. Modules:
+
+- :mod:`~metafora.coordinators.sql.options`: URLs and options (a typed config);
+- :mod:`~metafora.coordinators.sql.schema`: the tables, versioned migrations;
+- :mod:`~metafora.coordinators.sql.dialect`: every PostgreSQL/SQLite difference;
+- :mod:`~metafora.coordinators.sql.statements`: every statement, written once;
+- :mod:`~metafora.coordinators.sql.store`: the engine, error translation at the boundary;
+- :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing;
+- :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
+- :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
+- :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`.
 """
 
 from __future__ import annotations

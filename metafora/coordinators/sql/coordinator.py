@@ -3,8 +3,9 @@
 A claim is one statement (see :mod:`~metafora.coordinators.sql.statements`): it takes a new
 token from the store-wide counter and is valid while this node's lease is (see
 :mod:`~metafora.coordinators.sql.lease`). Every write about a claim is fenced by owner and
-token. PostgreSQL pushes wake-ups through LISTEN/NOTIFY
-(:mod:`~metafora.coordinators.sql.listen`); SQLite polls every ``poll_interval``.
+token. Wake-ups (:mod:`~metafora.coordinators.sql.listen`) are pushed by PostgreSQL
+LISTEN/NOTIFY; on SQLite a thread watches ``PRAGMA data_version`` (any commit by another
+connection) every 10 ms. ``poll_interval`` is the safety-net poll behind both.
 """
 
 from __future__ import annotations
