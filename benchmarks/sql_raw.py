@@ -25,18 +25,21 @@ import sqlite3
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Stores, save, table  # noqa: E402
-from metafora import Task, open_client, open_coordinator  # noqa: E402
-from metafora.config import parse_store_url  # noqa: E402
-from metafora.coordinators.sql import SQLCoordinator  # noqa: E402
-from metafora.coordinators.sql.options import parse_config  # noqa: E402
-from metafora.coordinators.sql.store import Database  # noqa: E402
-from metafora.testing import RecordingContext  # noqa: E402
+from benchmarks.common import Stores, save, table
+from metafora import Task, open_client, open_coordinator
+from metafora.config import parse_store_url
+from metafora.coordinators.sql import SQLCoordinator
+from metafora.coordinators.sql.options import parse_config
+from metafora.coordinators.sql.store import Database
+from metafora.testing import RecordingContext
 
 SPAWN = multiprocessing.get_context("spawn")
 MODES = ("raw claim", "metafora claim", "metafora claim+done")
@@ -48,11 +51,9 @@ def fill(url: str, pending: list[str], done: int) -> None:
     with open_client(url) as client:
         client.tasks("claimed")  # creates the schema
     ns = db.config.namespace
-    now = db.dialect.to_db_time(__import__("datetime").datetime.now(__import__("datetime").UTC))
+    now = db.dialect.to_db_time(datetime.now(UTC))
     rows = [{"ns": ns, "id": f"old-{i:07d}", "state": "done", "now": now} for i in range(done)]
     rows += [{"ns": ns, "id": task_id, "state": "pending", "now": now} for task_id in pending]
-    from sqlalchemy import text
-
     stmt = text(
         "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
         " updated_at, finished_at) VALUES (:ns, :id, '{}', :state, 0, 0, :now, :now, :now)"
