@@ -7,6 +7,6 @@ import importlib.util
 # Each store's fixtures live in their own plugin module; a module not written yet is skipped.
 pytest_plugins = [
     name
-    for name in ("tests.fixtures.postgres", "tests.fixtures.etcd")
+    for name in ("tests.fixtures.postgres", "tests.fixtures.etcd", "tests.fixtures.faults")
     if importlib.util.find_spec(name) is not None
 ]
