@@ -72,6 +72,7 @@ from metafora.coordinators.etcd.layout import (
 )
 from metafora.coordinators.etcd.queries import (
     expire_task,
+    fail_unclaimed,
     launch_and_expiry,
     node_task_count,
     read_all_tasks,
@@ -81,6 +82,8 @@ from metafora.errors import (
     CoordinatorClosed,
     CoordinatorUnavailable,
     InvalidCommand,
+    InvalidProps,
+    InvalidTaskId,
     MetaforaError,
     NodeExists,
     NodeNotFound,
@@ -191,6 +194,7 @@ class EtcdCoordinator(Coordinator):
         self._cache_ready = False
         self._cache_rev = 0
         self._subs: list[_Subscriber] = []
+        self._unusable: dict[str, int] = {}  # stored ids no Task may have -> props revision logged
         self._watch_queue: queue.Queue[object] | None = None
         # commands
         self._cmd_cond = threading.Condition(self._lock)
@@ -518,6 +522,12 @@ class EtcdCoordinator(Coordinator):
             known = (props, kvs[0].mod_revision)
         props, props_mod = known
         for _attempt in range(3):
+            try:
+                Task(task.id, props)
+            except InvalidProps as exc:
+                # Written by hand or by something else than metafora: it can never run.
+                self._fail_invalid(task.id, props_mod, exc)
+                return None
             now = self._clock.now()
             launch, expires = launch_and_expiry(props)
             if expires is not None and expires <= now:
@@ -573,6 +583,17 @@ class EtcdCoordinator(Coordinator):
         log.debug("node %s claimed %s (token %d)", self._node_id, claimed.id, claimed.token,
                   extra={"node": self._node_id, "task": claimed.id})
         return claimed
+
+    def _fail_invalid(self, task_id: str, props_mod: int, exc: MetaforaError) -> None:
+        extra = {"node": self._node_id, "task": task_id}
+        try:
+            if fail_unclaimed(self._driver, self._keys, task_id, props_mod, self._clock.now(),
+                              f"invalid props: {exc}"):
+                log.error("task %s has invalid stored props; marked it failed: %s", task_id, exc,
+                          extra=extra)
+        except MetaforaError as err:
+            log.warning("could not mark task %s (invalid props) failed: %s", task_id, err,
+                        extra=extra)
 
     def _expire(self, task_id: str, props_mod: int) -> None:
         try:
@@ -761,6 +782,7 @@ class EtcdCoordinator(Coordinator):
         now = self._clock.now()
         offers: list[Task] = []
         expiring: list[tuple[str, int]] = []
+        unusable: list[tuple[str, InvalidTaskId]] = []
         with self._lock:
             sub.event.clear()
             if self._closed or not self._cache_ready:
@@ -776,6 +798,17 @@ class EtcdCoordinator(Coordinator):
                 entry = self._cache.get(task_id)
                 if entry is None or entry.props is None or entry.finished or entry.owner:
                     timers.pop(task_id, None)
+                    if entry is None:
+                        self._unusable.pop(task_id, None)
+                    continue
+                try:
+                    validate_task_id(task_id)
+                except InvalidTaskId as bad_id:
+                    # A key written by hand: no Task can carry this id. Skip it (log once).
+                    timers.pop(task_id, None)
+                    if self._unusable.get(task_id) != entry.props_mod:
+                        self._unusable[task_id] = entry.props_mod
+                        unusable.append((task_id, bad_id))
                     continue
                 if entry.expires_at is not None and entry.expires_at <= now:
                     expiring.append((task_id, entry.props_mod))
@@ -783,11 +816,14 @@ class EtcdCoordinator(Coordinator):
                 elif entry.launch_at is not None and entry.launch_at > now:
                     timers[task_id] = entry.launch_at
                 else:
-                    offers.append(Task(task_id, entry.props))
+                    offers.append(_offer(task_id, entry.props))
                     if entry.expires_at is not None:
                         timers[task_id] = entry.expires_at
                     else:
                         timers.pop(task_id, None)
+        for task_id, reason in unusable:
+            log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
+                        self._node_id, task_id[:80], reason, extra=self._extra)
         return offers, expiring
 
     def _watch_loop(self) -> None:
@@ -922,6 +958,14 @@ class EtcdCoordinator(Coordinator):
                 self._cmd_seq += 1
                 self._cmd_cond.notify_all()
         self._notify_lost(lost)
+
+
+def _offer(task_id: str, props: dict[str, Any]) -> Task:
+    """The task to offer; without its props if they are invalid (the claim then fails it)."""
+    try:
+        return Task(task_id, props)
+    except InvalidProps:
+        return Task(task_id)
 
 
 def new_command_name() -> str:

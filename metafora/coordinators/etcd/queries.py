@@ -18,6 +18,7 @@ from metafora.task import parse_time
 
 __all__ = [
     "expire_task",
+    "fail_unclaimed",
     "launch_and_expiry",
     "live_nodes",
     "node_task_count",
@@ -89,11 +90,28 @@ def expire_task(
     Guarded by the props key's mod revision (the same incarnation of the task), no owner and
     no finished state, so it never touches a claimed, finished or resubmitted task.
     """
+    record = {"state": "expired", "finished_at": iso(now), "token": 0}
+    return _finish_unclaimed(driver, keys, task_id, props_mod, record)
+
+
+def fail_unclaimed(
+    driver: EtcdDriver, keys: Keys, task_id: str, props_mod: int, now: datetime, error: str
+) -> bool:
+    """Move a pending task that can never run (its stored props are invalid) to ``failed``.
+
+    Same guards as :func:`expire_task`. True if this call did it.
+    """
+    record = {"state": "failed", "error": error, "finished_at": iso(now), "token": 0}
+    return _finish_unclaimed(driver, keys, task_id, props_mod, record)
+
+
+def _finish_unclaimed(
+    driver: EtcdDriver, keys: Keys, task_id: str, props_mod: int, record: dict[str, Any]
+) -> bool:
     tk = keys.task(task_id)
-    record = encode_json({"state": "expired", "finished_at": iso(now), "token": 0})
     result = driver.txn(
         [absent(tk.owner), absent(tk.state), modified_at(tk.props, props_mod)],
-        [Put(tk.state, record)],
+        [Put(tk.state, encode_json(record))],
         repeatable=True,
     )
     return result.succeeded

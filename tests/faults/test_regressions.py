@@ -1,0 +1,80 @@
+"""Regression tests for the bugs the fault campaign found (single process, fast).
+
+1. etcd: one task key written by hand under an id no :class:`~metafora.Task` may have (a
+   control character, more than 256 characters), or with an invalid ``launch_at``, made
+   ``Task(...)`` raise inside every consumer's watch: the watch died and EVERY consumer of
+   the cluster shut down. Now the invalid id is logged once and skipped, and a task whose
+   stored props are invalid is failed by the claim with ``invalid props: ...``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from metafora import Task, TaskState, simple_handler
+from metafora.testing import LocalCluster, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+def _etcd_put(url: str, key_tail: str, value: bytes) -> None:
+    """Put ``/metafora/<namespace>/<key_tail>`` straight into etcd."""
+    from metafora.config import parse_store_url
+    from metafora.coordinators.etcd.config import EtcdConfig
+    from metafora.coordinators.etcd.driver import EtcdDriver, Put
+    from metafora.coordinators.etcd.layout import Keys
+
+    config = EtcdConfig.from_url(parse_store_url(url), {})
+    driver = EtcdDriver(config.connection)
+    driver.connect()
+    try:
+        driver.txn([], [Put(Keys(config.namespace).root + key_tail.encode(), value)])
+    finally:
+        driver.close()
+
+
+@pytest.fixture
+def ran() -> list[str]:
+    """Ids of the tasks a handler ran."""
+    return []
+
+
+@pytest.fixture
+def etcd_cluster_of_two(etcd_url: str, ran: list[str]) -> Iterator[LocalCluster]:
+    """Two consumers in threads on a fresh etcd namespace, recording what they run."""
+    lock = threading.Lock()
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        with lock:
+            ran.append(task.id)
+        return True
+
+    with LocalCluster(etcd_url) as cluster:
+        for node in ("a", "b"):
+            cluster.add(simple_handler(work), node_id=node, coordinator_options={"lease_ttl": 2})
+        yield cluster
+
+
+def test_etcd_consumers_survive_keys_with_invalid_ids_and_fail_invalid_props(
+    etcd_cluster_of_two: LocalCluster, ran: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = etcd_cluster_of_two
+    _etcd_put(cluster.url, "tasks/bad%01id/props", b'{"props": {}}')
+    _etcd_put(cluster.url, "tasks/" + "x" * 300 + "/props", b'{"props": {}}')
+    _etcd_put(cluster.url, "tasks/bad-launch/props", b'{"props": {"launch_at": "garbage"}}')
+    cluster.client.submit_task(Task("good"))
+    cluster.wait_for_state("good", TaskState.DONE)
+    cluster.wait_for_state("bad-launch", TaskState.FAILED)
+    info = cluster.client.get_task("bad-launch")
+    assert info.error is not None and info.error.startswith("invalid props:"), info.error
+    assert ran == ["good"]
+    # Both consumers still run: a new task is still picked up.
+    cluster.client.submit_task(Task("after"))
+    cluster.wait_for_state("after", TaskState.DONE)
+    assert cluster.errors == []
+    assert all(c.healthy() for c in cluster.consumers)
+    wait_for(lambda: any("invalid id" in r.getMessage() for r in caplog.records), 5,
+             "the invalid ids to be logged")
