@@ -429,3 +429,19 @@ def test_a_task_with_corrupt_stored_props_does_not_stop_the_watch(
     failed = nodes.client.tasks("failed")
     assert [i.id for i in failed] == ["broken"] and failed[0].props == {}
     assert failed[0].error is not None and "invalid props" in failed[0].error
+
+
+def test_a_claim_the_node_does_not_track_is_released_by_its_heartbeat(nodes: Nodes) -> None:
+    a = nodes.node("a", lease_ttl=3)
+    nodes.client.submit_task(Task("mine"))
+    nodes.client.submit_task(Task("stray"))
+    assert a.claim(Task("mine")) is not None
+    # As if a claim's reply was lost: the store says 'a' holds 'stray', 'a' does not know.
+    ns = parse_store_url(nodes.url).query.get("namespace", "metafora")
+    nodes.raw("UPDATE metafora_tasks SET state = 'claimed', owner = 'a', token = 999999"
+              " WHERE namespace = :ns AND id = 'stray'", ns=ns)
+    wait_for(lambda: nodes.client.get_task("stray").state is TaskState.PENDING, 10,
+             "the untracked claim to be released")
+    assert [t.id for t in a._held()] == ["mine"]
+    assert nodes.client.get_task("mine").owner == "a"
+    assert nodes.ctx["a"].lost_tasks == []
