@@ -41,6 +41,7 @@ __all__ = ["Consumer"]
 
 log = logging.getLogger(__name__)
 
+_CLAIM_BATCH = 16  # offers approved by the balancer are claimed this many per call
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
 
@@ -415,39 +416,46 @@ class Consumer:
                 self._command(payload)
             elif kind == "finished":
                 self._finished(*payload)
-        for task in offers:
-            if self._stopping.is_set():
-                return
-            self._offer(task)
+        self._offer(*offers)
 
     def _balance_interval(self) -> float:
         spread = self._balance_jitter * self._balance_every
         return self._balance_every + self._rng.uniform(-spread, spread)
 
-    def _full(self) -> bool:
-        return self._max_tasks is not None and len(self._running) >= self._max_tasks
-
-    def _offer(self, task: Task) -> None:
-        with self._lock:
-            if task.id in self._running:
+    def _offer(self, *tasks: Task) -> None:
+        """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
+        approved: list[Task] = []
+        for task in tasks:
+            if self._stopping.is_set():
                 return
-            ignored = self._ignores.get(task.id)
-            if ignored is not None:
-                self._ignores[task.id] = (ignored[0], task)
-                return
-            if self._frozen or self._full():
-                self._deferred[task.id] = task
-                return
-        try:
-            ok, until = self._balancer.can_claim(task)
-        except Exception as exc:
-            self._log.exception("balancer failed on can_claim(%s): %s", task.id, exc,
-                                extra={"task": task.id, "action": "can_claim"})
-            ok, until = False, None
-        if not ok:
-            self._ignore(task, until)
-            return
-        self._claim(task)
+            with self._lock:
+                if task.id in self._running or any(t.id == task.id for t in approved):
+                    continue
+                ignored = self._ignores.get(task.id)
+                if ignored is not None:
+                    self._ignores[task.id] = (ignored[0], task)
+                    continue
+                full = self._max_tasks is not None and (
+                    len(self._running) + len(approved) >= self._max_tasks
+                )
+                if self._frozen or full:
+                    self._deferred[task.id] = task
+                    continue
+            try:
+                ok, until = self._balancer.can_claim(task)
+            except Exception as exc:
+                self._log.exception("balancer failed on can_claim(%s): %s", task.id, exc,
+                                    extra={"task": task.id, "action": "can_claim"})
+                ok, until = False, None
+            if not ok:
+                self._ignore(task, until)
+                continue
+            approved.append(task)
+            if len(approved) >= _CLAIM_BATCH:
+                self._claim(approved)
+                approved = []
+        if approved:
+            self._claim(approved)
 
     def _ignore(self, task: Task, until: datetime | float | None) -> None:
         if until is None:
@@ -465,28 +473,29 @@ class Consumer:
             due = [t for d, t in self._ignores.values() if d <= now]
             for task in due:
                 del self._ignores[task.id]
-        for task in due:
-            self._offer(task)
+        self._offer(*due)
 
     def _redo_deferred(self) -> None:
         with self._lock:
             waiting = list(self._deferred.values())
             self._deferred.clear()
-        for task in waiting:
-            self._offer(task)
+        self._offer(*waiting)
 
-    def _claim(self, task: Task) -> None:
+    def _claim(self, tasks: list[Task]) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
-            claimed = self._coord.claim(task)
+            claimed = self._coord.claim_many(tasks, len(tasks))
         except CoordinatorUnavailable as exc:
-            self._log.warning("claim of %s failed, will retry: %s", task.id, exc,
-                              extra={"task": task.id, "action": "claim"})
-            self._ignore(task, self._refuse_retry)
+            self._log.warning("claiming %d task(s) failed, will retry: %s", len(tasks), exc,
+                              extra={"action": "claim"})
+            for task in tasks:
+                self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
-        if claimed is None:
-            return
+        for task in claimed:
+            self._start(task)
+
+    def _start(self, claimed: Task) -> None:
         self.stats.incr("claims")
         extra = {"task": claimed.id, "token": claimed.token, "action": "claim"}
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import logging
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -109,6 +109,32 @@ class Coordinator(ClusterState, abc.ABC):
     @abc.abstractmethod
     def claim(self, task: Task) -> Task | None:
         """Claim ``task``: the claimed task with its new token, or None if not claimable."""
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        """Claim up to ``limit`` of ``tasks`` (offered ones); the claimed ones, with their tokens.
+
+        Tasks that are no longer claimable are skipped without error. A store may do this in
+        one round trip (SQL), and may skip without a round trip tasks its own view already
+        shows as taken (etcd's watch cache): a wrong guess costs nothing, because a task that
+        becomes claimable again is offered again. The consumer claims through this method.
+        """
+        claimed: list[Task] = []
+        for task in tasks:
+            if len(claimed) >= limit:
+                break
+            if self.seen_taken(task):
+                continue
+            got = self.claim(task)
+            if got is not None:
+                claimed.append(got)
+        return claimed
+
+    def seen_taken(self, task: Task) -> bool:
+        """Whether this coordinator's local view (no I/O) already shows ``task`` taken or finished.
+
+        Used by :meth:`claim_many` to skip stale offers without a round trip; False when unsure.
+        """
+        return False
 
     @abc.abstractmethod
     def release(self, task: Task) -> None:

@@ -505,6 +505,13 @@ class EtcdCoordinator(Coordinator):
 
     # -- claims -----------------------------------------------------------------------
 
+    def seen_taken(self, task: Task) -> bool:
+        # The watch cache saw an owner or a finish. If that view is stale, the release or
+        # resubmission that follows reaches the cache and re-offers the task.
+        with self._lock:
+            entry = self._cache.get(task.id)
+            return entry is not None and (entry.owner is not None or entry.finished)
+
     def claim(self, task: Task) -> Task | None:
         self._require_init()
         with self._lock:

@@ -1,0 +1,104 @@
+"""Claim throughput: N pending tasks, 1/2/4 consumer processes, handlers that return at once.
+
+Beside each figure, in the same run, the raw rate of the same claim statement (SQL: the
+coordinator's exact UPDATE on a bare driver connection; etcd: a create-if-absent txn with a
+lease) issued by bare loops, one per process, each on its own share of the tasks: the limit.
+A consumer does more per task than the raw loop (claim, then a fenced done; the watch; the
+lease), so the ratio is the cost of the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
+from metafora import Task, open_client
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def consumer_rate(url: str, procs: int, n: int) -> float:
+    """Tasks claimed and finished per second by ``procs`` consumer processes."""
+    with open_client(url) as client:
+        for i in range(n):
+            client.submit_task(Task(f"t{i:06d}"))
+    fleet = Fleet()
+    try:
+        specs = [WorkerSpec(url, f"c{i}") for i in range(procs)]
+        from benchmarks.worker import main
+
+        for spec in specs:  # start together: no process gets a long head start
+            proc = fleet.ctx.Process(target=main, args=(spec, fleet.events), daemon=True)
+            proc.start()
+            fleet.procs[spec.node] = proc
+        ready, starts, last_ready = 0, [], 0.0
+        deadline = time.monotonic() + 600
+        while len(starts) < n and time.monotonic() < deadline:
+            event = fleet.events.get(timeout=120)
+            if event[0] == "ready":
+                ready += 1
+                last_ready = time.time()
+            elif event[0] == "start":
+                starts.append(event[4])
+        window = [t for t in starts if t >= last_ready]
+        if len(window) < 2 or ready < procs:
+            return float("nan")
+        return len(window) / (max(window) - last_ready)
+    finally:
+        fleet.stop()
+
+
+def raw_rate(kind: str, url: str, procs: int, n: int) -> float:
+    """The bare claim loop's rate with ``procs`` processes."""
+    if kind == "etcd":
+        return _etcd_raw(url, procs, n)
+    from benchmarks.sql_raw import measure
+
+    return float(measure(url, "raw claim", procs, n, 0)["per_s"])
+
+
+def _etcd_worker(url: str, share: int, count: int, barrier: Any, out: Any) -> None:
+    from benchmarks.etcd_raw import driver_for
+    from metafora.coordinators.etcd.driver import Put, absent
+
+    driver, keys = driver_for(url)
+    lease, _ = driver.grant(600)
+    names = [keys.root + f"raw/{share}/{i}".encode() for i in range(count)]
+    barrier.wait(60)
+    start = time.perf_counter()
+    for key in names:
+        driver.txn([absent(key)], [Put(key, b"node", lease)])
+    out.put((len(names), time.perf_counter() - start))
+    driver.close()
+
+
+def _etcd_raw(url: str, procs: int, n: int) -> float:
+    barrier, out = SPAWN.Barrier(procs), SPAWN.Queue()
+    per = n // procs
+    workers = [SPAWN.Process(target=_etcd_worker, args=(url, i, per, barrier, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join(30)
+    return sum(r[0] for r in results) / max(r[1] for r in results)
+
+
+def run(stores: Stores, quick: bool) -> dict[str, Any]:
+    """Every store x 1/2/4 processes; print and save."""
+    n = 2000 if quick else 10_000
+    rows, data = [], []
+    for kind in stores.kinds:
+        for procs in (1, 2, 4):
+            raw = raw_rate(kind, stores.url(kind), procs, n)
+            ours = consumer_rate(stores.url(kind), procs, n)
+            rows.append((kind, procs, n, raw, ours, f"{ours / raw:.0%}"))
+            data.append({"store": kind, "procs": procs, "tasks": n, "raw_claims_per_s": raw,
+                         "consumer_tasks_per_s": ours, "ratio": ours / raw})
+    table(f"claim throughput, {n:,} tasks (consumer: claim + run + fenced done per task)",
+          ("store", "procs", "tasks", "raw claim/s", "consumer tasks/s", "ratio"), rows)
+    save("claims", {"quick": quick, "results": data})
+    return {"results": data}
