@@ -78,3 +78,44 @@ def test_etcd_consumers_survive_keys_with_invalid_ids_and_fail_invalid_props(
     assert all(c.healthy() for c in cluster.consumers)
     wait_for(lambda: any("invalid id" in r.getMessage() for r in caplog.records), 5,
              "the invalid ids to be logged")
+
+
+def test_etcd_offers_refused_while_re_registering_are_made_again(
+    etcd_url: str, ran: list[str]
+) -> None:
+    """Found by the network-cut scenario: pending tasks sat idle until the 30 s re-list.
+
+    While a node has no lease (fenced, re-registering) its ``claim`` returns None and the
+    consumer drops the offer. Nothing changes in etcd afterwards to offer the task again,
+    so it waited for the safety-net re-list (``poll_interval``, 30 s by default) although
+    every consumer was idle. Now a node that re-registers re-offers every claimable task.
+    """
+    from metafora import Consumer, open_coordinator
+    from metafora.coordinators.etcd import EtcdCoordinator
+
+    coord = open_coordinator(etcd_url, node_id="a", lease_ttl=2, poll_interval=60)
+    assert isinstance(coord, EtcdCoordinator)
+    refused: list[str] = []
+    real_claim = coord.claim
+
+    def spy(task: Task) -> Task | None:
+        got = real_claim(task)
+        if got is None:
+            refused.append(task.id)
+        return got
+
+    coord.claim = spy  # type: ignore[method-assign]
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        ran.append(task.id)
+        return True
+
+    with LocalCluster(etcd_url) as cluster:
+        cluster.start(Consumer(coord, simple_handler(work)))
+        coord.suspend_keepalive()  # cut off: the node fences and drops its lease
+        wait_for(lambda: coord.lease_id is None, 10, "the node to fence")
+        cluster.client.submit_task(Task("while-away"))
+        wait_for(lambda: "while-away" in refused, 10, "the offer to be refused")
+        coord.resume_keepalive()  # back: it re-registers...
+        cluster.wait_for_state("while-away", TaskState.DONE, timeout=10)  # ...and claims it
+        assert ran == ["while-away"] and cluster.errors == []

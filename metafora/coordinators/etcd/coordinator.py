@@ -449,6 +449,12 @@ class EtcdCoordinator(Coordinator):
                         extra=self._extra)
             return False
         log.warning("node %s: re-registered with a new lease", self._node_id, extra=self._extra)
+        # Offers made while the node had no lease were refused (claim() returned None) and the
+        # consumer dropped them; nothing changes in etcd to offer them again, so re-offer
+        # every claimable task now rather than at the next safety-net re-list.
+        with self._lock:
+            for sub in self._subs:
+                sub.mark(None)
         return True
 
     def _fence(self, reason: str) -> None:
