@@ -282,3 +282,25 @@ def test_purge_removes_finished_only(cluster: Cluster) -> None:
     assert cluster.client.purge(older_than=timedelta(hours=1)) == 0
     assert cluster.client.purge() == 2
     assert [i.id for i in cluster.client.tasks()] == ["p"]
+
+
+def test_claim_many_takes_what_is_still_claimable(cluster: Cluster) -> None:
+    a, b = cluster.node("a"), cluster.node("b")
+    for i in range(6):
+        cluster.client.submit_task(Task(f"m{i}", {"i": i}))
+    offered = [Task(f"m{i}") for i in range(6)] + [Task("absent")]
+    first = a.claim_many(offered[:3], 3)
+    assert sorted(t.id for t in first) == ["m0", "m1", "m2"]
+    assert all(t.token > 0 for t in first)
+    # b may have seen a's claims (etcd's cache) or not (SQL): either way it gets only the rest.
+    wait_until(lambda: cluster.client.get_task("m2").owner == "a", message="a owns m2")
+    second = b.claim_many(offered, 2)
+    assert len(second) == 2 and {t.id for t in second} <= {"m3", "m4", "m5"}
+    assert {t.id: t.props for t in second} == {t.id: {"i": int(t.id[1])} for t in second}
+    rest = b.claim_many(offered, 10)
+    assert {t.id for t in rest} == {"m3", "m4", "m5"} - {t.id for t in second}
+    assert b.claim_many([], 5) == [] and b.claim_many(offered, 0) == []
+    counts = cluster.client.node_task_count()
+    assert counts == {"a": 3, "b": 3}
+    for task in second:
+        b.done(task)

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from metafora.commands import Command
@@ -35,6 +36,8 @@ from metafora.task import Task, validate_task_id
 __all__ = ["SQLCoordinator"]
 
 log = logging.getLogger(__name__)
+
+_CLAIM_MANY_MAX = 100  # ids per claim_many statement
 
 
 class SQLCoordinator(Coordinator):
@@ -217,6 +220,47 @@ class SQLCoordinator(Coordinator):
             self._lease.release_untracked(claimed.id, claimed.token)
             return None
         return claimed
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        """Claim up to ``limit`` of ``tasks`` in one statement (one round trip)."""
+        self._require_init()
+        ids = list(dict.fromkeys(t.id for t in tasks))[: max(0, _CLAIM_MANY_MAX)]
+        if not ids or limit <= 0:
+            return []
+        if len(ids) == 1:
+            one = self.claim(tasks[0])
+            return [] if one is None else [one]
+        begun: list[tuple[str, int]] = []
+        session = ""
+        for task_id in ids:
+            started = self._lease.begin_claim(task_id)
+            if started is None:  # the lease is not live: claim nothing
+                for done_id, epoch in begun:
+                    self._lease.end_claim(done_id, epoch, None)
+                return []
+            begun.append((task_id, started[0]))
+            session = started[1]
+        epoch = begun[0][1]
+        claimed: dict[str, Task | None] = {}
+        try:
+            with self._db.hot() as cur:
+                rows = cur.all("claim_many", {
+                    "ids": self._db.dialect.ids_param(ids), "limit": min(limit, len(ids)),
+                    "node": self._node_id, "session": session,
+                })
+                if rows:
+                    cur.token_used(max(int(r[1]) for r in rows))
+            for task_id, token, props_text in rows:
+                claimed[str(task_id)] = self._parse_claimed(str(task_id), str(props_text), int(token))
+        finally:
+            kept: list[Task] = []
+            for task_id in ids:
+                got = claimed.get(task_id)
+                if self._lease.end_claim(task_id, epoch, got) and got is not None:
+                    kept.append(got)
+                elif got is not None:
+                    self._lease.release_untracked(got.id, got.token)
+        return kept
 
     def _parse_claimed(self, task_id: str, props_text: str, token: int) -> Task | None:
         try:

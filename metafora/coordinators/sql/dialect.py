@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import json
 import math
 from datetime import UTC, datetime
 from typing import Any
@@ -89,6 +90,10 @@ class Dialect(abc.ABC):
         """Whether taking a token needs :meth:`bump_counter` in the same transaction."""
         return False
 
+    def ids_param(self, ids: list[str]) -> Any:
+        """The bind value of ``:ids`` in the ``{in_ids}`` fragment (hot-path statements)."""
+        return ids
+
 
 class PostgresDialect(Dialect):
     """PostgreSQL through psycopg 3: a SEQUENCE for tokens, LISTEN/NOTIFY for wake-ups."""
@@ -103,6 +108,7 @@ class PostgresDialect(Dialect):
             "lease_until": "(now() + make_interval(secs => :ttl))",
             "next_token": "nextval('metafora_token_seq')",
             "lock": " FOR UPDATE SKIP LOCKED",
+            "in_ids": "= ANY(:ids)",
             "notify_task": f"pg_notify('{chan}', 't' || id)",
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
@@ -193,6 +199,7 @@ class SQLiteDialect(Dialect):
             "lease_until": "strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', :ttl))",
             "next_token": "(SELECT value + 1 FROM metafora_counter WHERE name = 'token')",
             "lock": "",
+            "in_ids": "IN (SELECT value FROM json_each(:ids))",
             "notify_task": "NULL",
             "notify_cmd": "NULL",
             "notify_owner": "NULL",
@@ -203,6 +210,9 @@ class SQLiteDialect(Dialect):
     @property
     def counter_in_row(self) -> bool:
         return True
+
+    def ids_param(self, ids: list[str]) -> Any:
+        return json.dumps(ids)
 
     def ddl_types(self) -> dict[str, str]:
         return {"ts": "TEXT", "key": "TEXT", "serial_pk": "INTEGER PRIMARY KEY AUTOINCREMENT"}

@@ -55,6 +55,19 @@ _SQL: dict[str, str] = {
         " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
         " RETURNING token, props"
     ),
+    # Several offered tasks at once: whichever of them are still claimable, up to :limit,
+    # each with its own token; rows another node holds locked are skipped, not waited for.
+    # The CTE is MATERIALIZED so the LIMIT applies once (an IN sub-select may be re-run).
+    "claim_many": (
+        "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
+        " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
+        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE
+        + " LIMIT :limit{lock})"
+        " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
+        " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
+        " RETURNING id, token, props"
+    ),
     "release": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
         " ready = {next_token}, updated_at = {now} WHERE " + _FENCED + " RETURNING ready, {notify_task}"

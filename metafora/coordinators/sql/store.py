@@ -103,6 +103,13 @@ class HotCursor:
         rows = self._cursor.fetchall()  # drain: SQLite cannot COMMIT with a statement open
         return tuple(rows[0]) if rows else None
 
+    def all(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run statement ``name``; every row it returned."""
+        sql, order = self._db.driver_sql(name)
+        params["ns"] = self._db.config.namespace
+        self._cursor.execute(sql, [params[k] for k in order] if order is not None else params)
+        return [tuple(row) for row in self._cursor.fetchall()]
+
     def token_used(self, value: int) -> None:
         """After a statement that took ``{next_token}``: keep SQLite's counter row ahead."""
         if self._db.dialect.counter_in_row:
