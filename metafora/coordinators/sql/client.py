@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from metafora.commands import Command
-from metafora.coordinator import Client
+from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
@@ -148,6 +148,19 @@ class SQLClient(Client):
         db = self._ready()
         with db.read() as conn:
             return [str(r[0]) for r in db.execute(conn, "nodes", {}).fetchall()]
+
+    def node_infos(self) -> list[NodeInfo]:
+        """The live nodes with their task counts, host, pid, start, last renewal, frozen."""
+        db = self._ready()
+        conv = db.dialect.from_db_time
+        with db.read() as conn:
+            rows = db.execute(conn, "node_infos", {}).fetchall()
+        return [
+            NodeInfo(id=str(r[0]), tasks=int(r[1]), host=r[2], pid=None if r[3] is None else int(r[3]),
+                     started=conv(r[4]), heartbeat=conv(r[5]),
+                     frozen=None if r[6] is None else bool(r[6]))
+            for r in rows
+        ]
 
     def node_task_count(self) -> dict[str, int]:
         db = self._ready()

@@ -52,7 +52,7 @@ class SQLCoordinator(Coordinator):
         self._extra = {"node": self._node_id}
         self._lock = threading.Lock()
         self._ctx: CoordinatorContext | None = None
-        self._lease = Lease(db, self._node_id, self._lost)
+        self._lease = Lease(db, self._node_id, self._lost, self._renewed)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._command_wake = threading.Event()
@@ -133,6 +133,11 @@ class SQLCoordinator(Coordinator):
         if ctx is not None and not self._closed.is_set():
             ctx.lost(task)
 
+    def _renewed(self, seconds: float) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            ctx.renewed(seconds)
+
     # -- notifications ----------------------------------------------------------------------
 
     def _start_listener(self) -> None:
@@ -195,72 +200,59 @@ class SQLCoordinator(Coordinator):
                 self._watches.remove(watch)
 
     def claim(self, task: Task) -> Task | None:
-        self._require_init()
-        started = self._lease.begin_claim(task.id)
-        if started is None:
-            log.debug("node %s is not live; not claiming %s", self._node_id, task.id,
-                      extra={"node": self._node_id, "task": task.id})
-            return None
-        epoch, session = started
-        claimed: Task | None = None
-        props_text: str | None = None
-        token = 0
-        try:
-            with self._db.hot() as cur:
-                row = cur.one("claim", {"id": task.id, "node": self._node_id, "session": session})
-                if row is not None:
-                    token, props_text = int(row[0]), str(row[1])
-                    cur.token_used(token)
-            if props_text is not None:
-                claimed = self._parse_claimed(task.id, props_text, token)
-        finally:
-            kept = self._lease.end_claim(task.id, epoch, claimed)
-        if claimed is not None and not kept:
-            # The lease was lost (or the node closed) while the claim was in flight.
-            self._lease.release_untracked(claimed.id, claimed.token)
-            return None
-        return claimed
+        got = self._claim([task.id], 1)
+        return got[0] if got else None
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim up to ``limit`` of ``tasks`` in one statement (one round trip)."""
-        self._require_init()
-        ids = list(dict.fromkeys(t.id for t in tasks))[: max(0, _CLAIM_MANY_MAX)]
-        if not ids or limit <= 0:
+        """Claim up to ``limit`` of ``tasks`` in ONE statement, in the order offered.
+
+        At most 100 ids go into one statement; offers of tasks this node already holds are
+        skipped without a round trip.
+        """
+        ids = [t.id for t in tasks if not self.seen_taken(t)]
+        ids = list(dict.fromkeys(ids))[:_CLAIM_MANY_MAX]
+        if limit <= 0 or not ids:
+            self._require_init()
             return []
-        if len(ids) == 1:
-            one = self.claim(tasks[0])
-            return [] if one is None else [one]
-        begun: list[tuple[str, int]] = []
-        session = ""
-        for task_id in ids:
-            started = self._lease.begin_claim(task_id)
-            if started is None:  # the lease is not live: claim nothing
-                for done_id, epoch in begun:
-                    self._lease.end_claim(done_id, epoch, None)
-                return []
-            begun.append((task_id, started[0]))
-            session = started[1]
-        epoch = begun[0][1]
-        claimed: dict[str, Task | None] = {}
+        return self._claim(ids, limit)
+
+    def seen_taken(self, task: Task) -> bool:
+        return self._lease.holds(task.id)
+
+    def _claim(self, ids: list[str], limit: int) -> list[Task]:
+        """Claim ``ids`` (one: the single-row statement; more: ``claim_many``)."""
+        self._require_init()
+        started = self._lease.begin_claim(ids)
+        if started is None:
+            log.debug("node %s is not live; not claiming %s", self._node_id, ", ".join(ids),
+                      extra=self._extra)
+            return []
+        epoch, session = started
+        claimed: list[Task] = []
         try:
+            params: dict[str, Any] = {"node": self._node_id, "session": session}
             with self._db.hot() as cur:
-                rows = cur.all("claim_many", {
-                    "ids": self._db.dialect.ids_param(ids), "limit": min(limit, len(ids)),
-                    "node": self._node_id, "session": session,
-                })
+                if len(ids) == 1:
+                    row = cur.one("claim", dict(params, id=ids[0]))
+                    rows = [] if row is None else [(ids[0], row[0], row[1])]
+                else:
+                    params.update(ids=self._db.dialect.ids_param(ids), limit=limit)
+                    rows = cur.all("claim_many", params)
                 if rows:
                     cur.token_used(max(int(r[1]) for r in rows))
-            for task_id, token, props_text in rows:
-                claimed[str(task_id)] = self._parse_claimed(str(task_id), str(props_text), int(token))
+            place = {task_id: i for i, task_id in enumerate(ids)}
+            for task_id, token, props_text in sorted(rows, key=lambda r: place[str(r[0])]):
+                task = self._parse_claimed(str(task_id), str(props_text), int(token))
+                if task is not None:
+                    claimed.append(task)
         finally:
-            kept: list[Task] = []
-            for task_id in ids:
-                got = claimed.get(task_id)
-                if self._lease.end_claim(task_id, epoch, got) and got is not None:
-                    kept.append(got)
-                elif got is not None:
-                    self._lease.release_untracked(got.id, got.token)
-        return kept
+            kept = self._lease.end_claim(ids, epoch, claimed)
+        if claimed and not kept:
+            # The lease was lost (or the node closed) while the claim was in flight.
+            for task in claimed:
+                self._lease.release_untracked(task.id, task.token)
+            return []
+        return claimed
 
     def _parse_claimed(self, task_id: str, props_text: str, token: int) -> Task | None:
         try:
@@ -336,6 +328,20 @@ class SQLCoordinator(Coordinator):
                 log.warning("dropping malformed command %s for node %s: %s", row[0],
                             self._node_id, exc, extra=self._extra)
         return None
+
+    def report_frozen(self, frozen: bool) -> None:
+        """Publish whether this node is frozen (``metafora nodes`` shows it). Best effort."""
+        self._lease.frozen = frozen
+        session = self._lease.session()
+        if session is None or self._closed.is_set():
+            return
+        try:
+            with self._db.write() as conn:
+                self._db.execute(conn, "node_frozen",
+                                 {"node": self._node_id, "session": session, "frozen": frozen})
+        except MetaforaError as exc:
+            log.debug("could not publish the frozen state of node %s: %s", self._node_id, exc,
+                      extra=self._extra)
 
     # -- cluster state ----------------------------------------------------------------------
 

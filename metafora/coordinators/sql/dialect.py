@@ -52,8 +52,15 @@ class Dialect(abc.ABC):
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
         ``notify_cmd``, ``notify_owner`` (RETURNING items that send a notification),
-        ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float).
+        ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
+        ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
+        :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
+        multi-row UPDATE of the listed ids).
         """
+
+    @abc.abstractmethod
+    def ids_param(self, ids: list[str]) -> Any:
+        """The ``:ids`` parameter for a list of task ids."""
 
     @abc.abstractmethod
     def ddl_types(self) -> dict[str, str]:
@@ -90,10 +97,6 @@ class Dialect(abc.ABC):
         """Whether taking a token needs :meth:`bump_counter` in the same transaction."""
         return False
 
-    def ids_param(self, ids: list[str]) -> Any:
-        """The bind value of ``:ids`` in the ``{in_ids}`` fragment (hot-path statements)."""
-        return ids
-
 
 class PostgresDialect(Dialect):
     """PostgreSQL through psycopg 3: a SEQUENCE for tokens, LISTEN/NOTIFY for wake-ups."""
@@ -108,10 +111,12 @@ class PostgresDialect(Dialect):
             "lease_until": "(now() + make_interval(secs => :ttl))",
             "next_token": "nextval('metafora_token_seq')",
             "lock": " FOR UPDATE SKIP LOCKED",
-            "in_ids": "= ANY(:ids)",
             "notify_task": f"pg_notify('{chan}', 't' || id)",
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
+            "in_ids": "= ANY(CAST(:ids AS text[]))",
+            "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
+            "next_token_at": "nextval('metafora_token_seq')",
             "secs_until_launch": "CAST(EXTRACT(EPOCH FROM (min(launch_at) - now())) AS double precision)",
             "secs_until_lease": "CAST(EXTRACT(EPOCH FROM (min(lease_until) - now())) AS double precision)",
         }
@@ -173,6 +178,9 @@ class PostgresDialect(Dialect):
     def to_db_time(self, value: datetime | None) -> Any:
         return value
 
+    def ids_param(self, ids: list[str]) -> Any:
+        return ids  # a text[] for psycopg
+
     def from_db_time(self, value: Any) -> datetime | None:
         if value is None:
             return None
@@ -199,10 +207,16 @@ class SQLiteDialect(Dialect):
             "lease_until": "strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', :ttl))",
             "next_token": "(SELECT value + 1 FROM metafora_counter WHERE name = 'token')",
             "lock": "",
-            "in_ids": "IN (SELECT value FROM json_each(:ids))",
             "notify_task": "NULL",
             "notify_cmd": "NULL",
             "notify_owner": "NULL",
+            "in_ids": "IN (SELECT value FROM json_each(:ids))",
+            "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
+            # One statement claims several rows: each takes counter + 1 + its place in :ids.
+            "next_token_at": (
+                "((SELECT value FROM metafora_counter WHERE name = 'token') + 1"
+                " + (SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id))"
+            ),
             "secs_until_launch": "((julianday(min(launch_at)) - julianday('now')) * 86400.0)",
             "secs_until_lease": "((julianday(min(lease_until)) - julianday('now')) * 86400.0)",
         }
@@ -210,9 +224,6 @@ class SQLiteDialect(Dialect):
     @property
     def counter_in_row(self) -> bool:
         return True
-
-    def ids_param(self, ids: list[str]) -> Any:
-        return json.dumps(ids)
 
     def ddl_types(self) -> dict[str, str]:
         return {"ts": "TEXT", "key": "TEXT", "serial_pk": "INTEGER PRIMARY KEY AUTOINCREMENT"}
@@ -259,6 +270,9 @@ class SQLiteDialect(Dialect):
                 conn.exec_driver_sql(f"BEGIN {mode}")
 
         return engine
+
+    def ids_param(self, ids: list[str]) -> Any:
+        return json.dumps(ids)  # read with json_each()
 
     def to_db_time(self, value: datetime | None) -> Any:
         if value is None:

@@ -45,10 +45,18 @@ log = logging.getLogger(__name__)
 class Lease:
     """This node's registration and the claims it holds (all state guarded by one lock)."""
 
-    def __init__(self, db: Database, node_id: str, on_lost: Callable[[Task], None]) -> None:
+    def __init__(
+        self,
+        db: Database,
+        node_id: str,
+        on_lost: Callable[[Task], None],
+        on_renewed: Callable[[float], None] | None = None,
+    ) -> None:
         self._db = db
         self._node_id = node_id
         self._on_lost = on_lost
+        self._on_renewed = on_renewed
+        self.frozen: bool | None = None  # published with every registration
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -86,6 +94,7 @@ class Lease:
             "ttl": self._db.config.lease_ttl,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "frozen": self.frozen,
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:
@@ -132,28 +141,36 @@ class Lease:
 
     # -- the claims ---------------------------------------------------------------------
 
-    def begin_claim(self, task_id: str) -> tuple[int, str] | None:
+    def begin_claim(self, task_ids: list[str]) -> tuple[int, str] | None:
         """Before a claim statement: (epoch, session), or None if the lease is not live."""
         with self._lock:
             if not self._live or self._session is None or time.monotonic() >= self._deadline:
                 return None
-            self._busy[task_id] += 1
+            for task_id in task_ids:
+                self._busy[task_id] += 1
             self._changes += 1
             return self._epoch, self._session
 
-    def end_claim(self, task_id: str, epoch: int, claimed: Task | None) -> bool:
+    def end_claim(self, task_ids: list[str], epoch: int, claimed: list[Task]) -> bool:
         """After a claim statement: keep ``claimed`` if the lease held throughout."""
         with self._lock:
-            self._busy[task_id] -= 1
+            for task_id in task_ids:
+                self._busy[task_id] -= 1
+                if self._busy[task_id] <= 0:
+                    del self._busy[task_id]
             self._changes += 1
-            if self._busy[task_id] <= 0:
-                del self._busy[task_id]
-            if claimed is None:
+            if not claimed:
                 return False
             if self._live and self._epoch == epoch and time.monotonic() < self._deadline:
-                self._held[claimed.id] = claimed
+                for task in claimed:
+                    self._held[task.id] = task
                 return True
             return False
+
+    def holds(self, task_id: str) -> bool:
+        """Whether this node holds a claim on ``task_id`` (no I/O)."""
+        with self._lock:
+            return task_id in self._held
 
     def begin_finish(self, task_id: str) -> None:
         """Before a fenced write (release/done/fail) of ``task_id``."""
@@ -171,6 +188,11 @@ class Lease:
             held = self._held.get(task.id)
             if settled and held is not None and held.token == task.token:
                 del self._held[task.id]
+
+    def session(self) -> str | None:
+        """The current registration's session id (None before the first)."""
+        with self._lock:
+            return self._session if self._live else None
 
     def held(self) -> list[Task]:
         """The claims this node holds now."""
@@ -323,6 +345,11 @@ class Lease:
         if elapsed > self._renew_every:
             log.warning("lease renewal of node %s took %.2fs", self._node_id, elapsed,
                         extra=self._extra)
+        if self._on_renewed is not None:
+            try:
+                self._on_renewed(elapsed)
+            except Exception:
+                log.exception("the renewal hook raised", extra=self._extra)
         self._compare(before, (int(row[0]), int(row[1])))
         return started
 

@@ -13,7 +13,7 @@ Tables (all prefixed ``metafora_``):
   is new since its last look). Partial indexes keep pending and claimed rows findable without
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
-  registration's random id), started/renewed times, host, pid, task count.
+  registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
@@ -28,7 +28,7 @@ from sqlalchemy import Connection, inspect, text
 from metafora.coordinators.sql.dialect import Dialect
 from metafora.errors import StoreError
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate", "needs_migration"]
 
 Migration = Callable[[Connection, Dialect], None]
 
@@ -103,8 +103,13 @@ def _v1_initial(conn: Connection, dialect: Dialect) -> None:
         conn.execute(text(ddl))
 
 
+def _v2_node_frozen(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN frozen BOOLEAN"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
+    ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

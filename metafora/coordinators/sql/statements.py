@@ -55,15 +55,15 @@ _SQL: dict[str, str] = {
         " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
         " RETURNING token, props"
     ),
-    # Several offered tasks at once: whichever of them are still claimable, up to :limit,
-    # each with its own token; rows another node holds locked are skipped, not waited for.
-    # The CTE is MATERIALIZED so the LIMIT applies once (an IN sub-select may be re-run).
+    # Several offered tasks at once, in one statement: whichever are still claimable, up to
+    # :limit, in the order offered, each with its own token; rows another node holds locked
+    # are skipped, not waited for. The CTE is MATERIALIZED so the LIMIT applies once.
     "claim_many": (
         "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
         " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE
-        + " LIMIT :limit{lock})"
-        " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
+        + " ORDER BY {id_pos} LIMIT :limit{lock})"
+        " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
         " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
         " RETURNING id, token, props"
@@ -84,13 +84,17 @@ _SQL: dict[str, str] = {
     # Takes over a missing or expired registration only; returns nothing if the id is live.
     "register": (
         "INSERT INTO metafora_nodes (namespace, node_id, session, lease_until, started_at,"
-        " renewed_at, host, pid, task_count)"
-        " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0)"
+        " renewed_at, host, pid, task_count, frozen)"
+        " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0, :frozen)"
         " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
         " lease_until = excluded.lease_until, started_at = excluded.started_at,"
         " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
-        " task_count = 0 WHERE metafora_nodes.lease_until <= {now}"
+        " task_count = 0, frozen = excluded.frozen WHERE metafora_nodes.lease_until <= {now}"
         " RETURNING session"
+    ),
+    "node_frozen": (
+        "UPDATE metafora_nodes SET frozen = :frozen WHERE namespace = :ns AND node_id = :node"
+        " AND session = :session"
     ),
     # Claims of an earlier registration of this node id (already reported lost, or from a
     # process that died) become pending again; a restarted node may take them back.
@@ -194,6 +198,13 @@ _SQL: dict[str, str] = {
         " AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
         + " ORDER BY owner, id LIMIT :limit"
     ),
+    # A task that can never run (props or id not valid, written around metafora): failed,
+    # with the reason, instead of pending forever.
+    "fail_invalid": (
+        "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = :error,"
+        " finished_at = {now}, updated_at = {now} WHERE namespace = :ns AND id = :id"
+        " AND (state = 'pending' OR (state = 'claimed' AND " + _OWNER_DEAD + "))"
+    ),
     "sweep_expired": (
         "UPDATE metafora_tasks SET state = 'expired', finished_at = expires_at, updated_at = {now}"
         " WHERE namespace = :ns AND state = 'pending' AND expires_at <= {now}"
@@ -236,6 +247,12 @@ _SQL: dict[str, str] = {
     "nodes": (
         "SELECT node_id FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
         " ORDER BY node_id"
+    ),
+    "node_infos": (
+        "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.host, n.pid, n.started_at,"
+        " n.renewed_at, n.frozen FROM metafora_nodes n"
+        " WHERE n.namespace = :ns AND n.lease_until > {now} ORDER BY n.node_id"
     ),
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"

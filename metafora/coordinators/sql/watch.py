@@ -152,10 +152,16 @@ class Watch:
         try:
             task = Task(task_id, json.loads(props))
         except (ValueError, MetaforaError) as exc:
-            log.warning("not offering task %s: its stored props are invalid: %s", task_id, exc,
-                        extra={**self._extra, "task": task_id})
+            self._fail_invalid(task_id, f"invalid stored task: {exc}")
             return
         self._sink(task)
+
+    def _fail_invalid(self, task_id: str, error: str) -> None:
+        """A row written around metafora that can never run: failed, not pending forever."""
+        log.warning("task %r can never run (%s); marking it failed", task_id, error,
+                    extra={**self._extra, "task": task_id})
+        with self._db.write() as conn:
+            self._db.execute(conn, "fail_invalid", {"id": task_id, "error": error})
 
     def _scan_all(self, n_dead: int) -> None:
         after = ""
