@@ -10,6 +10,8 @@ down as they pile up), each process claims its own share of ``-n`` pending tasks
   with prepared statements in autocommit; sqlite3 with BEGIN IMMEDIATE and the counter row):
   the ceiling;
 - ``metafora claim``: ``SQLCoordinator.claim`` (SQLAlchemy, the lease bookkeeping);
+- ``metafora claim_many/50``: ``claim_many`` with 50 offered ids per statement (what the
+  consumer does with a burst of offers);
 - ``metafora claim+done``: a claim then a fenced done, the life of a short task;
 
 with 1 and 2 processes (spawned). ``first/last 20 %`` are the rates over the first and last
@@ -42,7 +44,8 @@ from metafora.coordinators.sql.store import Database
 from metafora.testing import RecordingContext
 
 SPAWN = multiprocessing.get_context("spawn")
-MODES = ("raw claim", "metafora claim", "metafora claim+done")
+MODES = ("raw claim", "metafora claim", "metafora claim_many/50", "metafora claim+done")
+BATCH = 50
 
 
 def fill(url: str, pending: list[str], done: int) -> None:
@@ -117,7 +120,13 @@ def worker(url: str, node: str, mode: str, ids: list[str], barrier: Any, out: An
     times: list[float] = []
     missed = 0
     start = time.perf_counter()
-    for task_id in ids:
+    if mode == "metafora claim_many/50":
+        for i in range(0, len(ids), BATCH):
+            chunk = [Task(task_id) for task_id in ids[i : i + BATCH]]
+            got = coord.claim_many(chunk, len(chunk))
+            missed += len(chunk) - len(got)
+            times.extend([time.perf_counter() - start] * len(chunk))
+    for task_id in ids if mode != "metafora claim_many/50" else []:
         if raw is not None:
             ok = raw(task_id)
         else:
