@@ -96,6 +96,56 @@ def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -
     return seconds
 
 
+class _Workers:
+    """Threads that run handlers: one thread per running handler, reused when idle.
+
+    Short tasks would otherwise pay a thread start each; a thread idle for ``idle_for``
+    seconds (or beyond ``keep`` idle ones) exits.
+    """
+
+    def __init__(self, keep: int = 32, idle_for: float = 30.0) -> None:
+        self._keep = keep
+        self._idle_for = idle_for
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+
+    def run(self, name: str, job: Callable[[], None]) -> None:
+        """Run ``job`` on an idle thread, or a new one."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is not None:
+            inbox.put(job)
+            return
+        inbox = queue.SimpleQueue()
+        inbox.put(job)
+        threading.Thread(target=self._loop, args=(inbox,), name=name, daemon=True).start()
+
+    def _loop(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            try:
+                job = inbox.get(timeout=self._idle_for)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:
+                        self._idle.remove(inbox)
+                        return
+                job = inbox.get()  # taken from the idle list just now: a job is on its way
+            if job is None:
+                return
+            job()
+            with self._lock:
+                if len(self._idle) >= self._keep:
+                    return
+                self._idle.append(inbox)
+
+    def close(self) -> None:
+        """Let idle threads exit."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+
+
 class _Context(CoordinatorContext):
     def __init__(self, consumer: Consumer) -> None:
         self._consumer = consumer
@@ -187,6 +237,7 @@ class Consumer:
         self._frozen = False
         self._started = False
         self._run_thread: threading.Thread | None = None
+        self._workers = _Workers()
         self._side_threads: list[threading.Thread] = []
         self._fatal: BaseException | None = None
         self._timeout_override: float | None = None
@@ -508,10 +559,7 @@ class Consumer:
         with self._lock:
             self._running[claimed.id] = entry
         self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
-        threading.Thread(
-            target=self._run_handler, args=(entry,),
-            name=f"metafora-task-{claimed.id}", daemon=True,
-        ).start()
+        self._workers.run(f"metafora-task-{claimed.id}", lambda: self._run_handler(entry))
 
     def _command(self, command: cmds.Command) -> None:
         extra = {"action": f"command:{command.name}"}
@@ -575,6 +623,7 @@ class Consumer:
     # -- handler threads --------------------------------------------------------------
 
     def _run_handler(self, entry: _Running) -> None:
+        threading.current_thread().name = f"metafora-task-{entry.task.id}"
         error: BaseException | None = None
         try:
             outcome = _Outcome.DONE if entry.handler.run() else _Outcome.RELEASE
@@ -682,6 +731,7 @@ class Consumer:
             if thread.is_alive():
                 self._log.error("side thread %s did not stop", thread.name,
                                 extra={"action": "shutdown"})
+        self._workers.close()
         if self._http is not None:
             self._http.close()
         self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})

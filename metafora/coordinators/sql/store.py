@@ -22,10 +22,11 @@ Four ways in, each one round trip where the database allows it:
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from sqlalchemy import Connection, Engine, PoolProxiedConnection
@@ -119,6 +120,21 @@ class HotCursor:
 _BUMP = "UPDATE metafora_counter SET value = ? WHERE name = 'token' AND value < ?"
 
 
+_SQLITE_WRITERS: dict[str, threading.RLock] = {}
+_SQLITE_WRITERS_LOCK = threading.Lock()
+
+
+def _sqlite_writer(path: str) -> threading.RLock:
+    """One lock per SQLite file in this process.
+
+    SQLite has one writer at a time and its busy handler waits by sleeping (up to 100 ms a
+    step, unfairly): threads of one process queue here instead and take the file lock in
+    turn, so only writers in other processes ever meet the busy handler.
+    """
+    with _SQLITE_WRITERS_LOCK:
+        return _SQLITE_WRITERS.setdefault(os.path.realpath(path), threading.RLock())
+
+
 class Database:
     """One store's engine, statements and schema, with errors translated at the boundary."""
 
@@ -138,6 +154,9 @@ class Database:
             self._write_engine = self.engine
             self._read_engine = self.engine.execution_options(**{BEGIN_OPTION: ""})
         self._driver_sql: dict[str, tuple[str, tuple[str, ...] | None]] = {}
+        self._writer: AbstractContextManager[Any] = (
+            _sqlite_writer(config.path) if config.kind == "sqlite" and config.path else nullcontext()
+        )
         self._schema_lock = threading.Lock()
         self._schema_ready = False
         self._closed = False
@@ -159,13 +178,13 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """A connection for one logical write (see the module docstring)."""
-        with self._translated(), self._write_engine.begin() as conn:
+        with self._writer, self._translated(), self._write_engine.begin() as conn:
             yield conn
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A connection in a transaction for several statements."""
-        with self._translated(), self.engine.begin() as conn:
+        with self._writer, self._translated(), self.engine.begin() as conn:
             yield conn
 
     @contextmanager
@@ -192,7 +211,7 @@ class Database:
         a broken connection is thrown away with the rest of its pool.
         """
         sqlite = self.config.kind == "sqlite"
-        with self._translated():
+        with self._writer, self._translated():
             fairy: PoolProxiedConnection = self._write_engine.raw_connection()
             try:
                 cursor = fairy.cursor()
