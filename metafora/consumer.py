@@ -234,6 +234,7 @@ class Consumer:
         self._ignores: dict[str, tuple[float, Task]] = {}
         self._deferred: dict[str, Task] = {}
         self._releases: dict[str, int] = {}
+        self._lost_early: dict[str, int] = {}
         self._frozen = False
         self._started = False
         self._run_thread: threading.Thread | None = None
@@ -549,6 +550,16 @@ class Consumer:
     def _start(self, claimed: Task) -> None:
         self.stats.incr("claims")
         extra = {"task": claimed.id, "token": claimed.token, "action": "claim"}
+        with self._lock:
+            lost_early = self._lost_early.pop(claimed.id, None) == claimed.token
+        if lost_early or not self._coord.holds(claimed):
+            # Lost between the claim and now (e.g. the process was paused): do not start.
+            self.stats.incr("lost")
+            self._log.warning("claim on task %s (token %d) was lost before its handler started",
+                              claimed.id, claimed.token, extra=extra)
+            with self._lock:
+                self._back_off(claimed)
+            return
         try:
             handler = self._handler_func(claimed)
         except Exception as exc:
@@ -609,7 +620,13 @@ class Consumer:
     def _lost(self, task: Task) -> None:
         with self._lock:
             entry = self._running.get(task.id)
-            if entry is None or (task.token and task.token != entry.task.token):
+            if entry is None:
+                # Possibly claimed but not started yet: _start checks this before starting.
+                self._lost_early[task.id] = task.token
+                if len(self._lost_early) > 10_000:
+                    self._lost_early.pop(next(iter(self._lost_early)))
+                return
+            if task.token and task.token != entry.task.token:
                 return
             entry.lost = True
             self.stats.incr("lost")

@@ -129,6 +129,15 @@ class Coordinator(ClusterState, abc.ABC):
                 claimed.append(got)
         return claimed
 
+    def holds(self, task: Task) -> bool:
+        """Whether this node, by its own clock (no I/O), still holds the claim ``task``.
+
+        The consumer asks right before starting a handler, so a process paused between the
+        claim and the start (SIGSTOP, a long GC) does not start work on a lease it may
+        already have lost. True when unsure.
+        """
+        return True
+
     def seen_taken(self, task: Task) -> bool:
         """Whether this coordinator's local view (no I/O) already shows ``task`` taken or finished.
 

@@ -674,6 +674,14 @@ class EtcdCoordinator(Coordinator):
         data = decode_json(state_kvs[0].value) or {}
         return data.get("state") == what and data.get("token") == task.token
 
+    def holds(self, task: Task) -> bool:
+        with self._lock:
+            mine = self._held.get(task.id)
+            live = self._lease_id is not None and (
+                self._clock.monotonic() < self._renewed_at + self._fence_after
+            )
+        return live and mine is not None and mine.task.token == task.token
+
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
         with self._lock:

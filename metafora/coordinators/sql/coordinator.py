@@ -265,6 +265,9 @@ class SQLCoordinator(Coordinator):
                                  "error": f"invalid props: {exc}"})
             return None
 
+    def holds(self, task: Task) -> bool:
+        return self._lease.still_holds(task)
+
     def release(self, task: Task) -> None:
         self._fenced("release", task, {})
 

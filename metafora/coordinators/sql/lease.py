@@ -172,6 +172,13 @@ class Lease:
         with self._lock:
             return task_id in self._held
 
+    def still_holds(self, task: Task) -> bool:
+        """This node's lease is live by its own clock and it tracks ``task`` with its token."""
+        with self._lock:
+            mine = self._held.get(task.id)
+            return (self._live and time.monotonic() < self._deadline and mine is not None
+                    and mine.token == task.token)
+
     def begin_finish(self, task_id: str) -> None:
         """Before a fenced write (release/done/fail) of ``task_id``."""
         with self._lock:
