@@ -559,6 +559,10 @@ class Consumer:
                               claimed.id, claimed.token, extra=extra)
             with self._lock:
                 self._back_off(claimed)
+            try:  # in case only our view was stale: never keep a claim nobody runs
+                self._coord.release(claimed)
+            except MetaforaError:
+                pass  # lost for real: the store already freed it
             return
         try:
             handler = self._handler_func(claimed)
