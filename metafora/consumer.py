@@ -468,6 +468,8 @@ class Consumer:
                 self._command(payload)
             elif kind == "finished":
                 self._finished(*payload)
+            elif kind == "room":
+                self._retry_deferred()
         self._offer(*offers)
 
     def _balance_interval(self) -> float:
@@ -546,6 +548,15 @@ class Consumer:
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
         for task in claimed:
             self._start(task)
+        with self._lock:
+            room = bool(self._deferred) and (
+                self._max_tasks is None or len(self._running) < self._max_tasks
+            )
+        if room:
+            # Offers met while this batch filled the free slots were deferred. The tasks we
+            # did not win (or did not start) leave slots free, and no handler may ever finish
+            # to retry the deferred offers: retry them now (through the loop, not recursively).
+            self._post("room", None)
 
     def _start(self, claimed: Task) -> None:
         self.stats.incr("claims")
@@ -708,6 +719,9 @@ class Consumer:
             self._ignore(Task(task.id, task.props), backoff * self._rng.uniform(0.8, 1.2))
 
     def _finished(self, task: Task, outcome: _Outcome) -> None:
+        self._retry_deferred()
+
+    def _retry_deferred(self) -> None:
         if self._deferred and not self._frozen:
             self._redo_deferred()
 

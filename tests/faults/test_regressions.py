@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,45 @@ def test_etcd_offers_refused_while_re_registering_are_made_again(
         coord.resume_keepalive()  # back: it re-registers...
         cluster.wait_for_state("while-away", TaskState.DONE, timeout=10)  # ...and claims it
         assert ran == ["while-away"] and cluster.errors == []
+
+
+def test_offers_deferred_behind_a_batch_that_lost_every_claim_are_retried() -> None:
+    """Found by the network-cut scenario: an idle node ignored waiting tasks for 20 s.
+
+    The consumer approves offers up to its free slots and defers the rest ("full"). When
+    every claim of that approved batch was lost to other nodes, the slots stayed free but
+    the deferred offers were only retried when a handler finished: on an idle node, never
+    (until the coordinator offered something again). Now they are retried at once.
+    """
+    import random
+
+    from metafora import Consumer, open_coordinator
+    from metafora.coordinators.memory import MemoryCoordinator
+
+    class LosesRaces(MemoryCoordinator):
+        """Every claim of a task named ``taken-*`` is lost to another node."""
+
+        def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+            return super().claim_many([t for t in tasks if not t.id.startswith("taken-")], limit)
+
+    class Sorted(random.Random):
+        """Offers in id order: the ``taken-*`` ones first, ``zz-free`` last."""
+
+        def shuffle(self, x: Any) -> None:  # type: ignore[override]
+            x.sort(key=lambda task: task.id)
+
+    ran: list[str] = []
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        ran.append(task.id)
+        return True
+
+    with LocalCluster() as cluster:
+        for task_id in ("taken-1", "taken-2", "zz-free"):
+            cluster.client.submit_task(Task(task_id))
+        plain = open_coordinator(cluster.url, node_id="a")
+        assert isinstance(plain, MemoryCoordinator)
+        coord = LosesRaces(plain._store, "a")  # the same in-process store
+        cluster.start(Consumer(coord, simple_handler(work), max_tasks=2, rng=Sorted()))
+        cluster.wait_for_state("zz-free", TaskState.DONE, timeout=5)
+        assert ran == ["zz-free"] and cluster.errors == []
