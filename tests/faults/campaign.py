@@ -1,274 +1,61 @@
-"""The fault campaign's machinery: consumer processes, a ledger outside the store, faults, checks.
+"""One scenario of the fault campaign: a fleet of consumer processes, load, faults, verdict.
 
-Each consumer is a separate process (multiprocessing ``spawn``: gRPC and fork do not mix)
-running :func:`worker_main`. Its handler writes the task's state through the fenced state
-store (:func:`metafora.statemachine.store.state_store_for`) several times while it runs and
-records, in an append-only JSON-lines :class:`Ledger` outside the store, every start and end
-of a run and every write the store ACCEPTED or REFUSED, with its token and the system-wide
-monotonic time before and after the call (``CLOCK_MONOTONIC`` is shared by the processes
-of one machine, so times from different processes compare).
+:class:`Campaign` starts consumer processes (:mod:`tests.faults.worker`) on one store
+(:mod:`tests.faults.stores`), submits tasks, injects the scenario's faults under load,
+submits one task pinned to each surviving consumer (each must work again, without a
+restart), waits with deadlines for every task to finish and every run to end, stops every
+process by pid, and judges the ledger (:mod:`tests.faults.ledger`):
 
-:class:`Campaign` drives one scenario on one store (:class:`PostgresStore`, :class:`EtcdStore`)
-and :func:`analyze` judges the ledger afterwards:
-
-- **stale writes accepted**: an accepted write of token T that began after a run of the same
-  task with a token T' > T had started (so after the store handed out T'), or after a write
-  of T' was accepted. The store must refuse such a write; this is the primary proof of
-  fencing, and it covers a zombie's writes after SIGCONT.
-- **overlaps**: two runs of one task whose valid periods intersect. A run is valid from its
-  start until the earliest of its end, its node's SIGKILL, its node's SIGSTOP (a frozen
-  handler does nothing; what it does after SIGCONT is judged by its writes) and the
-  moment a write of its was refused (the store said the claim was gone).
-- **lost**: a task not done or failed by the deadline, or done without a handler run that
-  finished it.
+- ``sigkill``: SIGKILL random busy consumers; start replacements.
+- ``zombie``: SIGSTOP a busy consumer past its lease TTL until its tasks run elsewhere,
+  then SIGCONT: its handlers must self-fence or have their writes refused.
+- ``store_restart``: PostgreSQL killed and restarted; an etcd follower, then the leader,
+  stopped and restarted (the cluster keeps its quorum).
+- ``network_cut``: the store unreachable for longer than the TTL (PostgreSQL stopped; etcd
+  without quorum), then back: every running handler must have stopped before it returns.
+- ``malformed``: raw malformed commands to every consumer (followed by a valid one, which
+  must still be obeyed) and raw tasks with malformed props or invalid ids.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import multiprocessing
 import os
 import random
 import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from metafora import Consumer, Task, open_client, open_coordinator
-from metafora.balancers import DumbBalancer
+from metafora import Task, open_client
 from metafora.commands import stop_task
 from metafora.coordinator import Client
-from metafora.errors import ClaimLost, MetaforaError, TaskExists
-from metafora.handler import Handler
-from metafora.statemachine.machine import State
-from metafora.statemachine.store import StateStore, state_store_for
+from metafora.errors import MetaforaError, TaskExists
 from metafora.task import TaskState
+from tests.faults.ledger import FaultLog, Ledger, Report, Run, analyze, runs_of, stalls
+from tests.faults.stores import INVALID_IDS, MALFORMED_PROPS, Store
+from tests.faults.waiting import hold, poll
+from tests.faults.worker import WorkerSpec, worker_main
 
-__all__ = [
-    "Campaign",
-    "EtcdStore",
-    "Ledger",
-    "PostgresStore",
-    "Report",
-    "Size",
-    "Store",
-    "analyze",
-    "worker_main",
-]
-
-T = TypeVar("T")
+__all__ = ["Campaign", "Fleet", "Size"]
 
 _INF = float("inf")
 _UP_DEADLINE = 90.0  # seconds for a spawned consumer to import, register and report
 _STOP_DEADLINE = 20.0  # seconds for a consumer to shut down after SIGTERM
 _FINISH_STATES = (TaskState.DONE, TaskState.FAILED)
-
-
-# ------------------------------------------------------------------------- small tools
-
-
-def poll(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.1) -> T:
-    """Call ``predicate`` every ``every`` s until it is truthy; AssertionError after ``timeout``.
-
-    Store errors raised by the predicate (the store may be coming back) count as "not yet".
-    """
-    deadline = time.monotonic() + timeout
-    gate = threading.Event()
-    last: BaseException | None = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except MetaforaError as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last})" if last is not None else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
-        gate.wait(every)
-
-
-def hold(seconds: float) -> None:
-    """Keep a fault in place for ``seconds`` (a duration, not a synchronisation)."""
-    time.sleep(seconds)  # noqa: sleep-ok holding a fault (SIGSTOP, a stopped store) for a set time
-
-
-# ------------------------------------------------------------------------- the ledger
-
-
-class Ledger:
-    """An append-only JSON-lines file shared by every process of one scenario.
-
-    Each record is one ``os.write`` on an ``O_APPEND`` descriptor (atomic for these small
-    lines), so records from many processes never interleave, even across SIGKILL.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-
-    def append(self, kind: str, **fields: Any) -> None:
-        """Append one record ``{"e": kind, "m": monotonic, ...fields}``."""
-        record = {"e": kind, "m": time.monotonic(), **fields}
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-
-    def events(self) -> list[dict[str, Any]]:
-        """Every complete record, in file order (a line cut short is skipped)."""
-        if not os.path.exists(self.path):
-            return []
-        out = []
-        with open(self.path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.endswith("\n"):
-                    continue
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(line))
-        return out
-
-
-# ------------------------------------------------------------------------- the worker process
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What one consumer process runs (pickled to the spawned child)."""
-
-    url: str
-    node: str
-    ledger: str
-    log: str
-    max_tasks: int
-    write_every: float
-
-
-class PinBalancer(DumbBalancer):
-    """Claims everything except tasks pinned (prop ``pin``) to another node."""
-
-    def __init__(self, node: str) -> None:
-        super().__init__()
-        self._node = node
-
-    def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
-        """Refuse a task pinned elsewhere (it is offered again later, never dropped)."""
-        ok, until = super().can_claim(task)
-        pin = task.props.get("pin")
-        if pin is not None and pin != self._node:
-            return False, None
-        return ok, until
-
-
-class LedgerHandler(Handler):
-    """Writes the task's state ``writes`` times (fenced), recording each outcome in the ledger.
-
-    Props: ``writes`` (default 5); ``sentinel`` (run until stopped, then report done: a
-    task that only a ``stop_task`` command ends). A refused write ends the run at once
-    (the claim is gone); an unreachable store is retried until ``stop()``.
-    """
-
-    def __init__(self, task: Task, node: str, ledger: Ledger, store: StateStore,
-                 write_every: float) -> None:
-        self._task = task
-        self._node = node
-        self._ledger = ledger
-        self._store = store
-        self._every = write_every
-        self._stop = threading.Event()
-
-    def _note(self, kind: str, **fields: Any) -> None:
-        self._ledger.append(kind, n=self._node, k=self._task.id, tok=self._task.token, **fields)
-
-    def run(self) -> bool:
-        """Write, pace, repeat; True when all writes are in (or a sentinel is stopped)."""
-        sentinel = bool(self._task.props.get("sentinel"))
-        writes = int(self._task.props.get("writes", 5))
-        self._note("start")
-        done = 0
-        while True:
-            if self._stop.is_set():
-                self._note("end", why="stopped")
-                return sentinel
-            if not sentinel and done >= writes:
-                self._note("end", why="done")
-                return True
-            state = State(cursor=f"{self._node}:{self._task.token}:{done}")
-            m0 = time.monotonic()
-            try:
-                self._store.store(self._task, state)
-            except ClaimLost as exc:
-                self._note("refused", m0=m0, m1=time.monotonic(), i=done, err=str(exc)[:200])
-                self._note("end", why="refused")
-                return False
-            except MetaforaError as exc:  # unreachable store (or a store error): try again
-                self._note("unavailable", m0=m0, m1=time.monotonic(), i=done,
-                           err=f"{type(exc).__name__}: {exc}"[:200])
-                self._stop.wait(self._every)
-                continue
-            self._note("write", m0=m0, m1=time.monotonic(), i=done)
-            done += 1
-            self._stop.wait(self._every)  # pacing the fake work between writes
-
-    def stop(self) -> None:
-        """Ask ``run`` to return soon."""
-        self._stop.set()
-
-
-def worker_main(spec: WorkerSpec) -> None:
-    """A consumer process: run until SIGTERM; log warnings to ``spec.log``."""
-    logging.basicConfig(filename=spec.log, level=logging.WARNING,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    ledger = Ledger(spec.ledger)
-    coord = open_coordinator(spec.url, node_id=spec.node)
-    store = state_store_for(coord)
-
-    def make(task: Task) -> Handler:
-        return LedgerHandler(task, spec.node, ledger, store, spec.write_every)
-
-    consumer = Consumer(coord, make, PinBalancer(spec.node), max_tasks=spec.max_tasks,
-                        shutdown_timeout=5, release_backoff=0.2, release_backoff_max=2.0)
-    signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
-    ledger.append("up", n=spec.node, pid=os.getpid())
-    try:
-        consumer.run()
-    except BaseException as exc:
-        ledger.append("crash", n=spec.node, err=f"{type(exc).__name__}: {exc}"[:500])
-        logging.getLogger("campaign").exception("consumer %s died", spec.node)
-        raise
-    ledger.append("exit", n=spec.node)
-
-
-# ------------------------------------------------------------------------- faults and the fleet
-
-
-@dataclass
-class FaultLog:
-    """What the campaign did to the cluster, with monotonic times."""
-
-    injected: list[tuple[str, str, float]] = field(default_factory=list)
-    killed: dict[str, float] = field(default_factory=dict)
-    frozen: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    cuts: list[tuple[float, float]] = field(default_factory=list)
-
-    def add(self, kind: str, target: str) -> None:
-        """Count one fault."""
-        self.injected.append((kind, target, time.monotonic()))
+_HANDLER_LAG = 10.0  # seconds a handler may take to return after stop() (a store call)
+_MALFORMED_GRACE = 20.0  # seconds more for malformed tasks (SQL full scans run every 5 s)
 
 
 class Fleet:
     """Consumer processes on one store, signalled by pid; always stopped in ``stop_all``."""
 
     def __init__(self, url: str, workdir: Path, ledger: Ledger, faults: FaultLog,
-                 client: Client, max_tasks: int, write_every: float) -> None:
+                 client: Client, max_tasks: int, write_every: float, broken: bool = False) -> None:
         self.url = url
         self.workdir = workdir
         self.ledger = ledger
@@ -276,6 +63,7 @@ class Fleet:
         self.client = client
         self._max_tasks = max_tasks
         self._every = write_every
+        self._broken = broken
         self._ctx = multiprocessing.get_context("spawn")
         self.procs: dict[str, Any] = {}
         self._seq = 0
@@ -292,7 +80,7 @@ class Fleet:
             self._seq += 1
             node = f"n{self._seq}"
             spec = WorkerSpec(self.url, node, self.ledger.path, str(self.log_path(node)),
-                              self._max_tasks, self._every)
+                              self._max_tasks, self._every, self._broken)
             proc = self._ctx.Process(target=worker_main, args=(spec,), name=f"campaign-{node}",
                                      daemon=True)
             proc.start()
@@ -379,337 +167,6 @@ def _proc_state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
-# ------------------------------------------------------------------------- stores
-
-
-class Store(Protocol):
-    """A store the campaign can break: restart, cut off, write raw garbage into."""
-
-    kind: str
-
-    def url(self, namespace: str, lease_ttl: int) -> str:
-        """A URL of this store with its own namespace."""
-
-    def restart(self, index: int) -> str:
-        """Restart (part of) the store under load; returns what was done."""
-
-    def cut(self, seconds: float) -> tuple[float, float]:
-        """Make the store unreachable for ``seconds``; returns (begin, end) monotonic times."""
-
-    def inject_command(self, namespace: str, node: str, raw: bytes) -> None:
-        """Queue raw command bytes for ``node``, bypassing every check."""
-
-    def inject_task(self, namespace: str, task_id: str, raw_props: bytes) -> None:
-        """Write a pending task with raw props bytes, bypassing every check."""
-
-    def bad_commands(self) -> list[bytes]:
-        """Malformed commands this store can hold."""
-
-
-_BAD_COMMANDS = [
-    b"{not json",
-    b"[]",
-    b'{"command": 5}',
-    b'{"command": "explode", "parameters": {}}',
-    b'{"command": "stop_task", "parameters": {"task": 5}}',
-    b'{"command": "freeze", "parameters": [], "extra": 1}',
-]
-
-MALFORMED_PROPS: dict[str, bytes] = {
-    "bad-json": b"{not json",
-    "bad-list": b"[1, 2]",
-    "bad-launch": b'{"launch_at": "garbage"}',
-}
-"""Tasks with valid ids and malformed props (SQL: the props text; etcd: inside the record)."""
-
-INVALID_IDS = ["bad\x01id", "x" * 300]
-"""Raw task ids no metafora task may have (a control character; longer than 256)."""
-
-
-class PostgresStore:
-    """A private PostgreSQL (``TempCluster``) that may be killed and restarted."""
-
-    kind = "postgresql"
-
-    def __init__(self, cluster: Any) -> None:
-        self.cluster = cluster
-
-    def url(self, namespace: str, lease_ttl: int) -> str:
-        """``postgresql://...?namespace=NS&lease_ttl=TTL``."""
-        return f"{self.cluster.url}?namespace={namespace}&lease_ttl={lease_ttl}"
-
-    def restart(self, index: int) -> str:
-        """Immediate shutdown (SIGQUIT to the postmaster), then start again."""
-        self.cluster.kill()
-        self.cluster.start()
-        return "postgresql killed and restarted"
-
-    def cut(self, seconds: float) -> tuple[float, float]:
-        """Stop the server for ``seconds`` (every connection refused), then start it."""
-        self.cluster.kill()
-        begin = time.monotonic()
-        hold(seconds)
-        end = time.monotonic()
-        self.cluster.start()
-        return begin, end
-
-    def _execute(self, sql: str, params: Sequence[object]) -> None:
-        import psycopg
-
-        with psycopg.connect(self.cluster.url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(sql, params)  # type: ignore[arg-type]
-
-    def inject_command(self, namespace: str, node: str, raw: bytes) -> None:
-        """INSERT into ``metafora_commands``."""
-        self._execute("INSERT INTO metafora_commands (namespace, node_id, body, created_at)"
-                      " VALUES (%s, %s, %s, now())", (namespace, node, raw.decode()))
-
-    def inject_task(self, namespace: str, task_id: str, raw_props: bytes) -> None:
-        """INSERT a pending row into ``metafora_tasks``."""
-        self._execute("INSERT INTO metafora_tasks (namespace, id, props, state, token, ready,"
-                      " created_at, updated_at) VALUES (%s, %s, %s, 'pending', 0, 0, now(), now())",
-                      (namespace, task_id, raw_props.decode()))
-
-    def bad_commands(self) -> list[bytes]:
-        """Malformed JSON and malformed commands (PostgreSQL text holds no invalid UTF-8)."""
-        return list(_BAD_COMMANDS)
-
-
-class EtcdStore:
-    """A 3-member etcd cluster whose members may be stopped and started again."""
-
-    kind = "etcd"
-
-    def __init__(self, cluster: Any) -> None:
-        self.cluster = cluster
-
-    def url(self, namespace: str, lease_ttl: int) -> str:
-        """``etcd://m1,m2,m3/NS?lease_ttl=TTL&timeout=2`` (requests give up after 2 s)."""
-        return f"{self.cluster.url(namespace)}?lease_ttl={lease_ttl}&timeout=2"
-
-    def _leader(self) -> int:
-        return int(poll(self._try_leader, 30, "an etcd leader") - 1)
-
-    def _try_leader(self) -> int:
-        try:
-            return int(self.cluster.leader()) + 1
-        except Exception:
-            return 0
-
-    def restart(self, index: int) -> str:
-        """Odd faults stop a follower, even ones the leader; each is started again."""
-        leader = self._leader()
-        if index % 2 == 0:
-            member = next(i for i in range(len(self.cluster.members)) if i != leader)
-            role = "follower"
-        else:
-            member, role = leader, "leader"
-        if index % 4 == 3:
-            self.cluster.kill(member)  # SIGKILL now and then, SIGTERM otherwise
-            how = "killed"
-        else:
-            self.cluster.stop(member)
-            how = "stopped"
-        self.cluster.start(member)
-        return f"etcd {role} m{member} {how} and restarted"
-
-    def cut(self, seconds: float) -> tuple[float, float]:
-        """Stop the leader and one follower (no quorum) for ``seconds``, then start both."""
-        leader = self._leader()
-        other = next(i for i in range(len(self.cluster.members)) if i != leader)
-        for i in (leader, other):
-            self.cluster.stop(i)
-        begin = time.monotonic()
-        hold(seconds)
-        end = time.monotonic()
-        for i in (leader, other):
-            member = self.cluster.members[i]
-            member.cluster_state = "existing"
-            member.start(wait=False)  # a lone member is never healthy: start both, then wait
-        for i in (leader, other):
-            self.cluster.members[i].wait_healthy()
-        return begin, end
-
-    def _driver(self, namespace: str) -> tuple[Any, Any]:
-        from metafora.config import parse_store_url
-        from metafora.coordinators.etcd.config import EtcdConfig
-        from metafora.coordinators.etcd.driver import EtcdDriver
-        from metafora.coordinators.etcd.layout import Keys
-
-        config = EtcdConfig.from_url(parse_store_url(self.cluster.url(namespace)), {})
-        driver = EtcdDriver(config.connection)
-        driver.connect()
-        return driver, Keys(namespace)
-
-    def inject_command(self, namespace: str, node: str, raw: bytes) -> None:
-        """Put a key under the node's command queue, on the node's lease (as the client does)."""
-        from metafora.coordinators.etcd.driver import Put, Range
-
-        driver, keys = self._driver(namespace)
-        try:
-            alive, _ = driver.range(Range(keys.node_alive(node)))
-            if not alive:
-                raise MetaforaError(f"node {node} is not live")
-            key = keys.node_commands(node) + f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}".encode()
-            driver.txn([], [Put(key, raw, alive[0].lease)])
-        finally:
-            driver.close()
-
-    def inject_task(self, namespace: str, task_id: str, raw_props: bytes) -> None:
-        """Put ``tasks/<id>/props``: the raw bytes, or ``{"props": <raw>}`` if they are JSON."""
-        from metafora.coordinators.etcd.driver import Put
-
-        try:
-            json.loads(raw_props)
-            value = b'{"props": ' + raw_props + b', "created_at": "2030-01-01T00:00:00+00:00"}'
-        except ValueError:
-            value = raw_props
-        driver, keys = self._driver(namespace)
-        try:
-            driver.txn([], [Put(keys.task(task_id).props, value)])
-        finally:
-            driver.close()
-
-    def bad_commands(self) -> list[bytes]:
-        """Malformed JSON, malformed commands and bytes that are not UTF-8."""
-        return [*_BAD_COMMANDS, b"\xff\xfe\x00garbage"]
-
-
-# ------------------------------------------------------------------------- analysis
-
-
-@dataclass
-class Run:
-    """One handler run of one claim, as the ledger saw it."""
-
-    task: str
-    node: str
-    token: int
-    start: float
-    end: float | None = None
-    why: str | None = None
-    writes: list[tuple[float, float]] = field(default_factory=list)
-    refused: list[tuple[float, float]] = field(default_factory=list)
-    unavailable: int = 0
-
-    def valid_until(self, faults: FaultLog) -> float:
-        """The end of the period in which this run may have acted under a valid token."""
-        ends = [self.end if self.end is not None else _INF]
-        killed = faults.killed.get(self.node)
-        if killed is not None and killed >= self.start:
-            ends.append(killed)
-        for stopped, _ in faults.frozen.get(self.node, []):
-            if stopped >= self.start:
-                ends.append(stopped)
-        if self.refused:
-            ends.append(min(m1 for _, m1 in self.refused))
-        return min(ends)
-
-
-@dataclass
-class Report:
-    """The figures and the failures of one scenario."""
-
-    store: str
-    scenario: str
-    faults: int = 0
-    tasks: int = 0
-    runs: int = 0
-    writes: int = 0
-    refused: int = 0
-    overlaps: list[str] = field(default_factory=list)
-    stale: list[str] = field(default_factory=list)
-    lost: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """No overlap, no stale write, nothing lost, no other problem."""
-        return not (self.overlaps or self.stale or self.lost or self.problems)
-
-    def figures(self) -> dict[str, Any]:
-        """The row printed in the campaign summary."""
-        return {"store": self.store, "scenario": self.scenario, "faults": self.faults,
-                "tasks": self.tasks, "runs": self.runs, "writes": self.writes,
-                "refused": self.refused, "overlaps": len(self.overlaps), "stale": len(self.stale),
-                "lost": len(self.lost), "seconds": self.seconds, "notes": "; ".join(self.notes)}
-
-    def explain(self) -> str:
-        """Every failure, for the assertion message."""
-        parts = []
-        for name in ("overlaps", "stale", "lost", "problems"):
-            items: list[str] = getattr(self, name)
-            if items:
-                parts.append(f"{name} ({len(items)}):\n  " + "\n  ".join(items[:20]))
-        return "\n".join(parts) or "ok"
-
-
-def runs_of(events: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, str, int], Run], list[str]]:
-    """Fold ledger records into runs keyed by (task, node, token); also anomalies found."""
-    runs: dict[tuple[str, str, int], Run] = {}
-    anomalies: list[str] = []
-    for e in events:
-        if e["e"] not in ("start", "end", "write", "refused", "unavailable"):
-            continue
-        key = (e["k"], e["n"], int(e["tok"]))
-        if e["e"] == "start":
-            if key in runs:
-                anomalies.append(f"run {key} started twice")
-            runs[key] = Run(key[0], key[1], key[2], float(e["m"]))
-            continue
-        run = runs.get(key)
-        if run is None:
-            anomalies.append(f"{e['e']} of {key} without a start")
-            continue
-        if e["e"] == "end":
-            run.end, run.why = float(e["m"]), str(e["why"])
-        elif e["e"] == "write":
-            run.writes.append((float(e["m0"]), float(e["m1"])))
-        elif e["e"] == "refused":
-            run.refused.append((float(e["m0"]), float(e["m1"])))
-        else:
-            run.unavailable += 1
-    return runs, anomalies
-
-
-def analyze(report: Report, events: list[dict[str, Any]], faults: FaultLog) -> list[Run]:
-    """Fill ``report`` with the ledger's verdicts (overlaps, stale writes); returns the runs."""
-    runs, anomalies = runs_of(events)
-    report.problems.extend(anomalies)
-    by_task: dict[str, list[Run]] = {}
-    for run in runs.values():
-        by_task.setdefault(run.task, []).append(run)
-    report.runs = len(runs)
-    report.writes = sum(len(r.writes) for r in runs.values())
-    report.refused = sum(len(r.refused) for r in runs.values())
-    for task_runs in by_task.values():
-        task_runs.sort(key=lambda r: r.token)
-        for i, a in enumerate(task_runs):
-            a_until = a.valid_until(faults)
-            for b in task_runs[i + 1:]:
-                if b.token == a.token:
-                    report.overlaps.append(f"{a.task}: token {a.token} handed to {a.node} and {b.node}")
-                    continue
-                b_until = b.valid_until(faults)
-                if b.start < a_until and a.start < b_until:
-                    report.overlaps.append(
-                        f"{a.task}: {a.node} (token {a.token}, valid until {a_until:.3f}) and "
-                        f"{b.node} (token {b.token}, from {b.start:.3f})")
-                # A write of a that began after b (a newer claim) had started is stale: the
-                # store must refuse it. (This also covers "after a write of b was accepted".)
-                for m0, _m1 in a.writes:
-                    if m0 > b.start:
-                        report.stale.append(
-                            f"{a.task}: write of token {a.token} by {a.node} at {m0:.3f} accepted "
-                            f"after token {b.token} started on {b.node} at {b.start:.3f}")
-    return list(runs.values())
-
-
-# ------------------------------------------------------------------------- scenarios
-
-
 @dataclass(frozen=True)
 class Size:
     """How big a scenario is (the short form runs in CI; ``--long`` by hand)."""
@@ -740,7 +197,9 @@ class Campaign:
     SCENARIOS = ("sigkill", "zombie", "store_restart", "network_cut", "malformed")
 
     def __init__(self, store: Store, scenario: str, size: Size, workdir: Path,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, *, broken: bool = False) -> None:
+        """``broken``: the negative control, handlers that ignore ``stop()`` and write
+        without fencing; the verdict must then find stale writes."""
         if scenario not in self.SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}")
         self.store = store
@@ -752,8 +211,10 @@ class Campaign:
         self.url = store.url(self.namespace, size.lease_ttl)
         self.ledger = Ledger(workdir / "ledger.jsonl")
         self.faults = FaultLog()
-        self.report = Report(store.kind, scenario)
+        self.broken = broken
+        self.report = Report(store.kind, scenario + (" (unfenced control)" if broken else ""))
         self.expected: dict[str, str] = {}  # task id -> "done" | "failed" | "finished"
+        self.submitted: dict[str, float] = {}  # task id -> when it was first submitted
         self._next_task = 0
         self.client: Client | None = None
         self.fleet: Fleet | None = None
@@ -765,7 +226,7 @@ class Campaign:
         began = time.monotonic()
         self.client = open_client(self.url)
         self.fleet = Fleet(self.url, self.workdir, self.ledger, self.faults, self.client,
-                           self.size.max_tasks, self.size.write_every)
+                           self.size.max_tasks, self.size.write_every, self.broken)
         try:
             self.fleet.start(self.size.nodes)
             getattr(self, f"_scenario_{self.scenario}")()
@@ -778,6 +239,8 @@ class Campaign:
             self.fleet.stop_all()
             self.report.seconds = time.monotonic() - began
         runs = analyze(self.report, self.ledger.events(), self.faults)
+        self.report.problems.extend(
+            stalls(runs, self.submitted, self.faults, 2 * self.size.lease_ttl + 4.0))
         self._check_lost(runs)
         self._scenario_checks(runs)
         self.report.faults = len(self.faults.injected)
@@ -804,6 +267,7 @@ class Campaign:
     def _submit_one(self, task: Task) -> None:
         assert self.client is not None
         client = self.client
+        self.submitted.setdefault(task.id, time.monotonic())
 
         def submit() -> bool:
             try:
@@ -815,7 +279,7 @@ class Campaign:
         poll(submit, 60, f"submitting {task.id}")
 
     def _batch(self) -> int:
-        """Tasks to submit between two faults."""
+        """Tasks to submit before each fault."""
         return max(1, (self.size.tasks // 2) // max(1, self.size.faults))
 
     def _open_runs(self) -> dict[str, list[Run]]:
@@ -827,23 +291,29 @@ class Campaign:
                 out.setdefault(run.node, []).append(run)
         return out
 
-    def _starts(self) -> int:
-        return sum(1 for e in self.ledger.events() if e["e"] == "start")
+    def _done_count(self) -> int:
+        return sum(1 for e in self.ledger.events() if e["e"] == "end" and e["why"] == "done")
 
-    def _wait_progress(self, starts: int, timeout: float = 60.0) -> None:
-        """Wait until ``starts`` more runs have started (the cluster works)."""
-        target = self._starts() + starts
-        poll(lambda: self._starts() >= target, timeout, f"{starts} more runs to start")
+    def _load(self) -> None:
+        """Submit a batch and wait until the fleet runs several tasks: faults hit under load."""
+        self._submit(self._batch())
+        want = min(2 * len(self.fleet.alive()) if self.fleet else 2, self._batch())
+        poll(lambda: sum(len(v) for v in self._open_runs().values()) >= want, 60,
+             f"{want} tasks running")
 
-    def _wait_busy(self, nodes: Sequence[str] | None = None) -> str:
-        """Wait until one of ``nodes`` (default: the live ones) runs a task; returns it."""
+    def _wait_progress(self, mark: int, count: int = 2, timeout: float = 60.0) -> None:
+        """After a fault: wait until ``count`` more runs than ``mark`` finished (work goes on)."""
+        poll(lambda: self._done_count() >= mark + count, timeout,
+             f"{count} more tasks to finish after the fault")
+
+    def _wait_busy(self) -> str:
+        """Wait until a live node runs a task; returns one such node (at random)."""
         assert self.fleet is not None
         fleet = self.fleet
 
         def busy() -> str | None:
-            candidates = list(nodes) if nodes is not None else fleet.alive()
             open_runs = self._open_runs()
-            loaded = [n for n in candidates if open_runs.get(n)]
+            loaded = [n for n in fleet.alive() if open_runs.get(n)]
             return self.rng.choice(loaded) if loaded else None
 
         return poll(busy, 60, "a node running tasks")
@@ -855,11 +325,12 @@ class Campaign:
         assert self.fleet is not None
         self._submit(self.size.tasks // 2)
         for _ in range(self.size.faults):
+            self._load()
             victim = self._wait_busy()
+            mark = self._done_count()
             self.fleet.kill(victim)
-            self._submit(self._batch())
             self.fleet.start(1)
-            self._wait_progress(2)
+            self._wait_progress(mark)
 
     def _scenario_zombie(self) -> None:
         """SIGSTOP a busy consumer past its lease until its tasks run elsewhere, then SIGCONT."""
@@ -867,6 +338,7 @@ class Campaign:
         self._submit(self.size.tasks // 2)
         ttl = self.size.lease_ttl
         for _ in range(self.size.faults):
+            self._load()
             victim = self._wait_busy()
             frozen = {(r.task, r.token) for r in self._open_runs().get(victim, [])}
             stopped = self.fleet.freeze(victim)
@@ -875,12 +347,12 @@ class Campaign:
             # Keep it frozen until one of its tasks runs under a newer token (a true zombie).
             with contextlib.suppress(AssertionError):
                 poll(lambda f=frozen: self._taken_over(f), 3 * ttl + 10, "a frozen task to move")
+            mark = self._done_count()
             resumed = self.fleet.thaw(victim)
             self.faults.frozen.setdefault(victim, []).append((stopped, resumed))
             poll(lambda f=frozen, v=victim: self._old_runs_ended(v, f), 30,
                  f"the zombie {victim}'s old runs to end")
-            self._submit(self._batch())
-            self._wait_progress(2)
+            self._wait_progress(mark)
 
     def _old_runs_ended(self, node: str, frozen: set[tuple[str, int]]) -> bool:
         return not any((r.task, r.token) in frozen for r in self._open_runs().get(node, []))
@@ -894,24 +366,24 @@ class Campaign:
         """Restart the store (PostgreSQL; an etcd follower, then the leader) under load."""
         self._submit(self.size.tasks // 2)
         for index in range(self.size.faults):
-            self._wait_busy()
+            self._load()
+            mark = self._done_count()
             done = self.store.restart(index)
             self.faults.add("store_restart", done)
             if index < 2:
                 self.report.notes.append(done)
-            self._submit(self._batch())
-            self._wait_progress(2)
+            self._wait_progress(mark)
 
     def _scenario_network_cut(self) -> None:
         """Take the store away for longer than the lease TTL, then bring it back."""
         self._submit(self.size.tasks // 2)
         for _ in range(max(1, self.size.faults // 2)):
-            self._wait_busy()
+            self._load()
+            mark = self._done_count()
             begin, end = self.store.cut(self.size.lease_ttl + 2.0)
             self.faults.cuts.append((begin, end))
             self.faults.add("network_cut", self.store.kind)
-            self._submit(self._batch())
-            self._wait_progress(2)
+            self._wait_progress(mark)
 
     def _scenario_malformed(self) -> None:
         """Raw malformed commands to every node and raw malformed tasks, under load."""
@@ -938,7 +410,7 @@ class Campaign:
         for task_id in INVALID_IDS:
             self.store.inject_task(self.namespace, task_id, b"{}")
             self.faults.add("bad_id", task_id[:20])
-        self._submit(self._batch())
+        self._load()
         # A valid command after the garbage: the command feed still works.
         assert self.client is not None
         client = self.client
@@ -964,14 +436,20 @@ class Campaign:
             self._submit_one(Task(task_id, {"pin": node, "writes": 3}))
             self.expected[task_id] = "done"
 
-    def _finished(self) -> bool:
+    def _finished(self, wanted: Sequence[str]) -> bool:
         assert self.client is not None
         states = {i.id: i.state for i in self.client.tasks()}
-        return all(states.get(t) in _FINISH_STATES for t in self.expected)
+        return all(states.get(t) in _FINISH_STATES for t in wanted)
 
     def _wait_finished(self) -> None:
+        """Wait for the real tasks, then (briefly) for the malformed ones; verdicts come later."""
+        real = [t for t, want in self.expected.items() if want == "done"]
         with contextlib.suppress(AssertionError):
-            poll(self._finished, self.size.deadline, "every task to finish", every=0.25)
+            poll(lambda: self._finished(real), self.size.deadline, "every task to finish",
+                 every=0.25)
+        with contextlib.suppress(AssertionError):
+            poll(lambda: self._finished(list(self.expected)), _MALFORMED_GRACE,
+                 "the malformed tasks to finish", every=0.25)
 
     def _wait_runs_ended(self) -> None:
         with contextlib.suppress(AssertionError):
@@ -1038,7 +516,8 @@ class Campaign:
         for node, windows in self.faults.frozen.items():
             for stopped, resumed in windows:
                 for run in runs:
-                    if run.node != node or run.start > stopped or (run.end or _INF) < stopped:
+                    since = run.start if run.claimed is None else min(run.claimed, run.start)
+                    if run.node != node or since > stopped or (run.end or _INF) < stopped:
                         continue
                     frozen_runs += 1
                     superseded += any(o.task == run.task and o.token > run.token for o in runs)
@@ -1054,7 +533,14 @@ class Campaign:
             f"{refused} had a write refused, {fenced} self-fenced, {late} writes accepted")
 
     def _check_cuts(self, runs: list[Run]) -> None:
-        active = fenced = 0
+        """Every run active at a cut was told to stop (self-fencing) before the store came back.
+
+        A handler inside a store call when the store vanished returns when that call gives
+        up (etcd: the request timeout); that lag is reported. Whether it acted on a stale
+        claim meanwhile is judged by the overlap and stale-write checks.
+        """
+        active = before = 0
+        lag = 0.0
         for begin, end in self.faults.cuts:
             for run in runs:
                 if run.start >= begin or (run.end is not None and run.end <= begin):
@@ -1062,14 +548,21 @@ class Campaign:
                 if run.node in self.faults.killed:
                     continue
                 active += 1
-                if run.end is not None and run.end < end:
-                    fenced += 1
-                else:
+                if run.stopped is None or run.stopped >= end:
                     self.report.problems.append(
-                        f"{run.task}: run of token {run.token} on {run.node} still ran when the "
-                        "store came back (no self-fencing)")
-        self.report.notes.append(f"{active} runs active at the cut, {fenced} stopped before the "
-                                 "store came back")
+                        f"{run.task}: run of token {run.token} on {run.node} was not stopped "
+                        "while the store was cut off (no self-fencing)")
+                    continue
+                if run.end is not None and run.end < end:
+                    before += 1
+                lag = max(lag, (run.end if run.end is not None else _INF) - run.stopped)
+        if active == 0:
+            self.report.problems.append("no run was active at the cut: it proved nothing")
+        if lag > _HANDLER_LAG:
+            self.report.problems.append(f"a handler took {lag:.1f}s to return after stop()")
+        self.report.notes.append(
+            f"{active} runs active at the cut, all told to stop while it lasted; {before} had "
+            f"returned before the store came back; slowest return after stop(): {lag:.2f}s")
 
     def _check_malformed(self, runs: list[Run]) -> None:
         assert self.fleet is not None and self.client is not None

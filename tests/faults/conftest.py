@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.faults.campaign import EtcdStore, PostgresStore, Size
+from tests.faults.campaign import Size
+from tests.faults.stores import EtcdStore, PostgresStore
 from tests.fixtures.etcd import find_etcd, start_cluster
 from tests.fixtures.faults import is_long
 from tests.fixtures.postgres import TempCluster, _pg_bin

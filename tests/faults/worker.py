@@ -1,0 +1,174 @@
+"""The consumer process of the campaign: a Consumer whose handlers do fenced writes.
+
+:func:`worker_main` is the target of a ``spawn`` process (gRPC and fork do not mix). Its
+handler (:class:`LedgerHandler`) writes the task's state through the fenced state store
+(:func:`metafora.statemachine.store.state_store_for`) several times, pacing the writes, and
+records every start, end and write outcome in the :class:`~tests.faults.ledger.Ledger`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from metafora import Consumer, Task, open_coordinator
+from metafora.balancers import DumbBalancer
+from metafora.errors import ClaimLost, MetaforaError
+from metafora.handler import Handler
+from metafora.statemachine.machine import State
+from metafora.statemachine.store import StateStore, state_store_for
+from tests.faults.ledger import Ledger
+
+__all__ = ["LedgerHandler", "PinBalancer", "WorkerSpec", "worker_main"]
+
+log = logging.getLogger("campaign.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one consumer process runs (pickled to the spawned child)."""
+
+    url: str
+    node: str
+    ledger: str
+    log: str
+    max_tasks: int
+    write_every: float
+    broken: bool = False  # the negative control: handlers ignore stop() and write unfenced
+
+
+class PinBalancer(DumbBalancer):
+    """Claims everything except tasks pinned (prop ``pin``) to another node."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__()
+        self._node = node
+
+    def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
+        """Refuse a task pinned elsewhere (it is offered again later, never dropped)."""
+        ok, until = super().can_claim(task)
+        log.debug("offered %s", task.id)
+        pin = task.props.get("pin")
+        if pin is not None and pin != self._node:
+            return False, None
+        return ok, until
+
+
+class UnfencedStore(StateStore):
+    """Writes states without any check (the negative control: proves the checks have teeth)."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self._coord = coordinator
+        self._fenced = state_store_for(coordinator)
+
+    def load(self, task: Task) -> State:
+        """Not used by the campaign."""
+        raise NotImplementedError
+
+    def get(self, task_id: str) -> State | None:
+        """Not used by the campaign."""
+        raise NotImplementedError
+
+    def store(self, task: Task, state: State) -> None:
+        """Overwrite the state whoever holds the task (SQL ``put_raw``; a bare etcd put)."""
+        put_raw = getattr(self._fenced, "put_raw", None)
+        if put_raw is not None:
+            put_raw(task.id, task.token, state.to_json())
+            return
+        from metafora.coordinators.etcd.driver import Put
+
+        value = json.dumps({"token": task.token, "state": state.to_dict()}).encode()
+        self._coord.driver.txn([], [Put(self._coord.keys.task(task.id).machine, value)])
+
+
+class LedgerHandler(Handler):
+    """Writes the task's state ``writes`` times (fenced), recording each outcome in the ledger.
+
+    Props: ``writes`` (default 5); ``sentinel`` (run until stopped, then report done: a
+    task that only a ``stop_task`` command ends). A refused write ends the run at once
+    (the claim is gone); an unreachable store is retried until ``stop()``.
+    """
+
+    def __init__(self, task: Task, node: str, ledger: Ledger, store: StateStore,
+                 write_every: float, *, deaf: bool = False) -> None:
+        self._task = task
+        self._node = node
+        self._ledger = ledger
+        self._store = store
+        self._every = write_every
+        self._stop = threading.Event()
+        self._deaf = deaf  # ignores stop() (the negative control)
+
+    def _note(self, kind: str, **fields: Any) -> None:
+        self._ledger.append(kind, n=self._node, k=self._task.id, tok=self._task.token, **fields)
+
+    def run(self) -> bool:
+        """Write, pace, repeat; True when all writes are in (or a sentinel is stopped)."""
+        sentinel = bool(self._task.props.get("sentinel"))
+        writes = int(self._task.props.get("writes", 5))
+        self._note("start")
+        done = 0
+        while True:
+            if self._stop.is_set():
+                self._note("end", why="stopped")
+                return sentinel
+            if not sentinel and done >= writes:
+                self._note("end", why="done")
+                return True
+            state = State(cursor=f"{self._node}:{self._task.token}:{done}")
+            m0 = time.monotonic()
+            try:
+                self._store.store(self._task, state)
+            except ClaimLost as exc:
+                self._note("refused", m0=m0, m1=time.monotonic(), i=done, err=str(exc)[:200])
+                self._note("end", why="refused")
+                return False
+            except MetaforaError as exc:  # unreachable store (or a store error): try again
+                self._note("unavailable", m0=m0, m1=time.monotonic(), i=done,
+                           err=f"{type(exc).__name__}: {exc}"[:200])
+                self._stop.wait(self._every)
+                continue
+            self._note("write", m0=m0, m1=time.monotonic(), i=done)
+            done += 1
+            self._stop.wait(self._every)  # pacing the fake work between writes
+
+    def stop(self) -> None:
+        """Ask ``run`` to return soon (unless the handler is deaf); the call is recorded."""
+        if not self._stop.is_set():
+            self._note("stop")
+        if not self._deaf:
+            self._stop.set()
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """A consumer process: run until SIGTERM; log warnings to ``spec.log``."""
+    level = os.environ.get("METAFORA_FAULTS_LOG", "INFO").upper()  # DEBUG to trace a failure
+    logging.basicConfig(filename=spec.log, level=level,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    ledger = Ledger(spec.ledger)
+    coord = open_coordinator(spec.url, node_id=spec.node)
+    store = UnfencedStore(coord) if spec.broken else state_store_for(coord)
+
+    def make(task: Task) -> Handler:
+        # Called by the consumer right after a claim succeeded, before the handler starts.
+        ledger.append("made", n=spec.node, k=task.id, tok=task.token)
+        return LedgerHandler(task, spec.node, ledger, store, spec.write_every, deaf=spec.broken)
+
+    consumer = Consumer(coord, make, PinBalancer(spec.node), max_tasks=spec.max_tasks,
+                        shutdown_timeout=5, release_backoff=0.2, release_backoff_max=2.0)
+    signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
+    ledger.append("up", n=spec.node, pid=os.getpid())
+    try:
+        consumer.run()
+    except BaseException as exc:
+        ledger.append("crash", n=spec.node, err=f"{type(exc).__name__}: {exc}"[:500])
+        logging.getLogger("campaign").exception("consumer %s died", spec.node)
+        raise
+    ledger.append("exit", n=spec.node)
