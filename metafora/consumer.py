@@ -235,6 +235,7 @@ class Consumer:
         self._deferred: dict[str, Task] = {}
         self._releases: dict[str, int] = {}
         self._lost_early: dict[str, int] = {}
+        self._finishing: set[_Running] = set()
         self._frozen = False
         self._started = False
         self._run_thread: threading.Thread | None = None
@@ -667,15 +668,20 @@ class Consumer:
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]
+            self._finishing.add(entry)  # shutdown waits for its outcome to be written
             skip = entry.lost or entry.abandoned
             # Back off before the store sees the release, so the offer it triggers is ignored.
             if outcome is _Outcome.RELEASE or entry.lost:
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
-        if not skip:
-            self._write(outcome, entry.task, error)
-        entry.finished.set()
+        try:
+            if not skip:
+                self._write(outcome, entry.task, error)
+        finally:
+            with self._lock:
+                self._finishing.discard(entry)
+            entry.finished.set()
         self._post("finished", (entry.task, outcome))
 
     def _write(self, outcome: _Outcome, task: Task, error: BaseException | None) -> None:
@@ -733,6 +739,7 @@ class Consumer:
         if timeout is None:
             timeout = self._shutdown_timeout
         with self._lock:
+            finishing = list(self._finishing)
             entries = list(self._running.values())
             for entry in entries:
                 if entry.stopped is None:
@@ -740,7 +747,7 @@ class Consumer:
         for entry in entries:
             self._stop_handler(entry)
         deadline = SYSTEM_CLOCK.monotonic() + timeout
-        for entry in entries:
+        for entry in entries + finishing:
             entry.finished.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
         for entry in entries:
             with self._lock:
