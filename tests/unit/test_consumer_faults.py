@@ -132,3 +132,34 @@ def test_shutdown_from_a_signal_handler_in_the_run_thread(harness: Harness) -> N
     killer.join(5)
     assert harness.client.get_task("one").state is TaskState.PENDING
     assert harness.client.nodes() == []
+
+
+class SlowDone(MemoryCoordinator):
+    """done() blocks until the test lets it go: a done write in flight at shutdown."""
+
+    def __init__(self, base: MemoryCoordinator) -> None:
+        super().__init__(base._store, base.node_id)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def done(self, task: Task) -> None:
+        self.entered.set()
+        self.go.wait(30)
+        super().done(task)
+
+
+def test_shutdown_waits_for_an_outcome_being_written(harness: Harness) -> None:
+    coord = SlowDone(harness.coordinator("a"))
+    consumer = Consumer(coord, ledger_handler(Ledger(), "a"))
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    harness.client.submit_task(Task("finishing"))
+    assert coord.entered.wait(10)
+    stopper = threading.Thread(target=consumer.shutdown, kwargs={"timeout": 10}, daemon=True)
+    stopper.start()
+    wait_until(lambda: consumer.info()["stopping"], message="shutdown started")
+    assert thread.is_alive()  # still waiting for the done write, not closing the store under it
+    coord.go.set()
+    stopper.join(10)
+    thread.join(10)
+    assert harness.client.get_task("finishing").state is TaskState.DONE
