@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -144,7 +145,7 @@ def test_offers_deferred_behind_a_batch_that_lost_every_claim_are_retried() -> N
     class Sorted(random.Random):
         """Offers in id order: the ``taken-*`` ones first, ``zz-free`` last."""
 
-        def shuffle(self, x: Any) -> None:  # type: ignore[override]
+        def shuffle(self, x: Any) -> None:
             x.sort(key=lambda task: task.id)
 
     ran: list[str] = []
@@ -162,3 +163,43 @@ def test_offers_deferred_behind_a_batch_that_lost_every_claim_are_retried() -> N
         cluster.start(Consumer(coord, simple_handler(work), max_tasks=2, rng=Sorted()))
         cluster.wait_for_state("zz-free", TaskState.DONE, timeout=5)
         assert ran == ["zz-free"] and cluster.errors == []
+
+
+def test_etcd_fenced_handlers_get_the_margin_before_their_tasks_can_be_claimed(
+    etcd_url: str,
+) -> None:
+    """Found by the long store-restart scenario: two runs of one task overlapped.
+
+    A node whose renewals fail self-fences ``margin`` before its lease expires, so its
+    handlers have that long to stop before anyone else may claim their tasks. But the node
+    re-registered at once after the fence, revoking the old lease, which freed the tasks at
+    once: another node claimed one 0.3 s later while the fenced handler was still inside a
+    state write. Now the old lease is revoked only when it would have expired anyway.
+    """
+    from metafora import open_coordinator
+    from metafora.coordinators.etcd import EtcdCoordinator
+    from metafora.coordinators.etcd.coordinator import fence_margin
+    from metafora.testing import RecordingContext
+
+    ttl = 2
+    a = open_coordinator(etcd_url, node_id="a", lease_ttl=ttl)
+    b = open_coordinator(etcd_url, node_id="b", lease_ttl=ttl)
+    assert isinstance(a, EtcdCoordinator) and isinstance(b, EtcdCoordinator)
+    ctx = RecordingContext()
+    with LocalCluster(etcd_url) as cluster:
+        a.init(ctx)
+        b.init(RecordingContext())
+        try:
+            cluster.client.submit_task(Task("t"))
+            assert a.claim(Task("t")) is not None
+            a.suspend_keepalive()  # renewals stop getting through...
+            assert ctx.lost_event.wait(10)
+            lost_at = time.monotonic()
+            a.resume_keepalive()  # ...and work again right after the fence
+            claimed = wait_for(lambda: b.claim(Task("t")), 10, "b to claim the task")
+            waited = time.monotonic() - lost_at
+            assert claimed is not None
+            assert waited >= 0.8 * fence_margin(ttl), f"claimable {waited:.2f}s after the fence"
+        finally:
+            a.close()
+            b.close()

@@ -9,8 +9,9 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
     Renews the node's lease every ``lease_ttl / 3`` (one keep-alive per node renews every
     claim). It self-fences: when ``lease_ttl - margin`` seconds have passed on this host's
     monotonic clock since the *start* of the last successful renewal, it calls
-    ``ctx.lost(task)`` for every claim and drops the lease, then re-registers with a new
-    lease (revoking the old one first, which frees the old claims at once) and carries on.
+    ``ctx.lost(task)`` for every claim and drops the lease, then, once the old lease has
+    expired by that clock (the margin later), re-registers with a new lease (revoking the
+    old one first, in case etcd still has it) and carries on.
     etcd expires a lease ``lease_ttl`` after it *received* the last renewal, which is later
     than when we sent it, so everyone else can claim only after we have fenced; the margin
     (``max(0.5 s, lease_ttl / 4)``) is the time handlers get to notice ``stop()``.
@@ -180,6 +181,7 @@ class EtcdCoordinator(Coordinator):
         # lease
         self._lease_id: int | None = None
         self._old_lease: int | None = None  # dropped after a fence, revoked on re-register
+        self._old_lease_until = 0.0  # monotonic: when the dropped lease expires by itself
         self._renewed_at = 0.0
         self._beat_wake = threading.Event()
         self._keepalive_paused = False
@@ -376,6 +378,14 @@ class EtcdCoordinator(Coordinator):
                         self._beat_wake.wait(0.05)
                         self._beat_wake.clear()
                         continue
+                    with self._lock:
+                        grace = self._old_lease_until - now if self._old_lease is not None else 0.0
+                    if grace > 0:
+                        # The fenced handlers get the margin to stop: revoking the old lease
+                        # now would let another node claim their tasks while they still run.
+                        self._beat_wake.wait(grace)
+                        self._beat_wake.clear()
+                        continue
                     if self._reregister():
                         next_beat = self._clock.monotonic() + interval
                         backoff = _BACKOFF_START
@@ -465,6 +475,7 @@ class EtcdCoordinator(Coordinator):
                 return
             self._lease_id = None
             self._old_lease = lease
+            self._old_lease_until = self._renewed_at + self._cfg.lease_ttl
             lost = [held.task for held in self._held.values()]
             self._held.clear()
         log.warning("node %s: lease lost (%s); stopping %d task(s)", self._node_id, reason,
