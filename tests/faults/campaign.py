@@ -12,7 +12,8 @@ process by pid, and judges the ledger (:mod:`tests.faults.ledger`):
 - ``store_restart``: PostgreSQL killed and restarted; an etcd follower, then the leader,
   stopped and restarted (the cluster keeps its quorum).
 - ``network_cut``: the store unreachable for longer than the TTL (PostgreSQL stopped; etcd
-  without quorum), then back: every running handler must have stopped before it returns.
+  without quorum), then back: every running handler must have been told to stop (the
+  owner self-fences) before it comes back.
 - ``malformed``: raw malformed commands to every consumer (followed by a valid one, which
   must still be obeyed) and raw tasks with malformed props or invalid ids.
 """
@@ -20,6 +21,7 @@ process by pid, and judges the ledger (:mod:`tests.faults.ledger`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import random
@@ -206,13 +208,15 @@ class Campaign:
         self.scenario = scenario
         self.size = size
         self.workdir = workdir
-        self.rng = random.Random(seed)
+        self.seed = seed if seed is not None else random.randrange(2**32)
+        self.rng = random.Random(self.seed)  # the seed is in the report: a run can be replayed
         self.namespace = "f" + uuid.uuid4().hex[:10]
         self.url = store.url(self.namespace, size.lease_ttl)
         self.ledger = Ledger(workdir / "ledger.jsonl")
         self.faults = FaultLog()
         self.broken = broken
         self.report = Report(store.kind, scenario + (" (unfenced control)" if broken else ""))
+        self.report.notes.append(f"seed {self.seed}")
         self.expected: dict[str, str] = {}  # task id -> "done" | "failed" | "finished"
         self.submitted: dict[str, float] = {}  # task id -> when it was first submitted
         self._next_task = 0
@@ -228,25 +232,27 @@ class Campaign:
         self.fleet = Fleet(self.url, self.workdir, self.ledger, self.faults, self.client,
                            self.size.max_tasks, self.size.write_every, self.broken)
         try:
-            self.fleet.start(self.size.nodes)
-            getattr(self, f"_scenario_{self.scenario}")()
-            self._submit(self.size.tasks - self._next_task)  # whatever is left
-            self._recovery()
-            self._wait_finished()
-            self._wait_runs_ended()
-            self._check_nodes()
+            try:
+                self.fleet.start(self.size.nodes)
+                getattr(self, f"_scenario_{self.scenario}")()
+                self._submit(self.size.tasks - self._next_task)  # whatever is left
+                self._recovery()
+                self._wait_finished()
+                self._wait_runs_ended()
+                self._check_nodes()
+            finally:
+                self.fleet.stop_all()
+                self.report.seconds = time.monotonic() - began
+            runs = analyze(self.report, self.ledger.events(), self.faults)
+            self.report.problems.extend(
+                stalls(runs, self.submitted, self.faults, 2 * self.size.lease_ttl + 4.0))
+            self._check_lost(runs)
+            self._scenario_checks(runs)
+            self.report.faults = len(self.faults.injected)
+            self.report.tasks = len(self.expected)
         finally:
-            self.fleet.stop_all()
-            self.report.seconds = time.monotonic() - began
-        runs = analyze(self.report, self.ledger.events(), self.faults)
-        self.report.problems.extend(
-            stalls(runs, self.submitted, self.faults, 2 * self.size.lease_ttl + 4.0))
-        self._check_lost(runs)
-        self._scenario_checks(runs)
-        self.report.faults = len(self.faults.injected)
-        self.report.tasks = len(self.expected)
-        with contextlib.suppress(MetaforaError):
-            self.client.close()
+            with contextlib.suppress(MetaforaError):
+                self.client.close()
         return self.report
 
     # -- load ----------------------------------------------------------------------------
@@ -316,7 +322,9 @@ class Campaign:
             loaded = [n for n in fleet.alive() if open_runs.get(n)]
             return self.rng.choice(loaded) if loaded else None
 
-        return poll(busy, 60, "a node running tasks")
+        node = poll(busy, 60, "a node running tasks")
+        assert node is not None
+        return node
 
     # -- scenarios ------------------------------------------------------------------------
 
@@ -346,11 +354,12 @@ class Campaign:
             hold(ttl + 1.0)
             # Keep it frozen until one of its tasks runs under a newer token (a true zombie).
             with contextlib.suppress(AssertionError):
-                poll(lambda f=frozen: self._taken_over(f), 3 * ttl + 10, "a frozen task to move")
+                poll(functools.partial(self._taken_over, frozen), 3 * ttl + 10,
+                     "a frozen task to move")
             mark = self._done_count()
             resumed = self.fleet.thaw(victim)
             self.faults.frozen.setdefault(victim, []).append((stopped, resumed))
-            poll(lambda f=frozen, v=victim: self._old_runs_ended(v, f), 30,
+            poll(functools.partial(self._old_runs_ended, victim, frozen), 30,
                  f"the zombie {victim}'s old runs to end")
             self._wait_progress(mark)
 
@@ -533,7 +542,8 @@ class Campaign:
             f"{refused} had a write refused, {fenced} self-fenced, {late} writes accepted")
 
     def _check_cuts(self, runs: list[Run]) -> None:
-        """Every run active at a cut was told to stop (self-fencing) before the store came back.
+        """Every run active at a cut ended, or was told to stop (self-fencing), before the
+        store came back.
 
         A handler inside a store call when the store vanished returns when that call gives
         up (etcd: the request timeout); that lag is reported. Whether it acted on a stale
@@ -548,21 +558,28 @@ class Campaign:
                 if run.node in self.faults.killed:
                     continue
                 active += 1
-                if run.stopped is None or run.stopped >= end:
+                ended = run.end is not None and run.end < end
+                before += ended
+                if run.stopped is None:
+                    if not ended:
+                        self.report.problems.append(
+                            f"{run.task}: run of token {run.token} on {run.node} was not "
+                            "stopped while the store was cut off (no self-fencing)")
+                    continue  # it finished its work as the cut began
+                if run.stopped >= end and not ended:
                     self.report.problems.append(
-                        f"{run.task}: run of token {run.token} on {run.node} was not stopped "
-                        "while the store was cut off (no self-fencing)")
+                        f"{run.task}: run of token {run.token} on {run.node} was told to stop "
+                        "only after the store came back (no self-fencing)")
                     continue
-                if run.end is not None and run.end < end:
-                    before += 1
                 lag = max(lag, (run.end if run.end is not None else _INF) - run.stopped)
         if active == 0:
             self.report.problems.append("no run was active at the cut: it proved nothing")
         if lag > _HANDLER_LAG:
             self.report.problems.append(f"a handler took {lag:.1f}s to return after stop()")
         self.report.notes.append(
-            f"{active} runs active at the cut, all told to stop while it lasted; {before} had "
-            f"returned before the store came back; slowest return after stop(): {lag:.2f}s")
+            f"{active} runs active at the cut, each ended or told to stop while it lasted; "
+            f"{before} had returned before the store came back; slowest return after stop(): "
+            f"{lag:.2f}s")
 
     def _check_malformed(self, runs: list[Run]) -> None:
         assert self.fleet is not None and self.client is not None

@@ -94,7 +94,7 @@ class PostgresStore:
         import psycopg
 
         with psycopg.connect(self.cluster.url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(sql, params)  # type: ignore[arg-type]
+            conn.execute(sql, params)
 
     def inject_command(self, namespace: str, node: str, raw: bytes) -> None:
         """INSERT into ``metafora_commands``."""
