@@ -26,13 +26,8 @@ def consumer_rate(url: str, procs: int, n: int) -> float:
             client.submit_task(Task(f"t{i:06d}"))
     fleet = Fleet()
     try:
-        specs = [WorkerSpec(url, f"c{i}") for i in range(procs)]
-        from benchmarks.worker import main
-
-        for spec in specs:  # start together: no process gets a long head start
-            proc = fleet.ctx.Process(target=main, args=(spec, fleet.events), daemon=True)
-            proc.start()
-            fleet.procs[spec.node] = proc
+        for i in range(procs):  # start together: no process gets a long head start
+            fleet.spawn(WorkerSpec(url, f"c{i}"))
         ready, starts, last_ready = 0, [], 0.0
         deadline = time.monotonic() + 600
         while len(starts) < n and time.monotonic() < deadline:

@@ -7,9 +7,11 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import signal
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -156,16 +158,37 @@ class Fleet:
 
     def __init__(self) -> None:
         self.ctx = multiprocessing.get_context("spawn")
-        self.events: Any = self.ctx.Queue()
+        self.events: queue.Queue[Any] = queue.Queue()
         self.procs: dict[str, Any] = {}
+
+    def spawn(self, spec: WorkerSpec) -> None:
+        """Start one consumer process (without waiting for it).
+
+        Each process gets its own multiprocessing queue, forwarded here by a thread: a process
+        SIGKILLed while holding a shared queue's write lock would silence every other one.
+        """
+        from benchmarks.worker import main
+
+        inbox = self.ctx.Queue()
+        proc = self.ctx.Process(target=main, args=(spec, inbox), name=spec.node, daemon=True)
+        proc.start()
+        self.procs[spec.node] = proc
+
+        def forward() -> None:
+            while True:
+                try:
+                    self.events.put(inbox.get(timeout=1.0))
+                except queue.Empty:
+                    if not proc.is_alive():
+                        return
+                except (EOFError, OSError):
+                    return
+
+        threading.Thread(target=forward, name=f"fleet-{spec.node}", daemon=True).start()
 
     def start(self, spec: WorkerSpec) -> None:
         """Start one consumer process; returns once it has registered."""
-        from benchmarks.worker import main
-
-        proc = self.ctx.Process(target=main, args=(spec, self.events), name=spec.node, daemon=True)
-        proc.start()
-        self.procs[spec.node] = proc
+        self.spawn(spec)
         self.expect("ready", node=spec.node, timeout=60)
 
     def expect(self, kind: str, node: str | None = None, timeout: float = 60) -> tuple[Any, ...]:
@@ -175,7 +198,10 @@ class Fleet:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no {kind} event from {node or 'any node'} in {timeout}s")
-            event = self.events.get(timeout=left)
+            try:
+                event = self.events.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"no {kind} event from {node or 'any node'} in {timeout}s") from None
             if event[0] == kind and (node is None or event[1] == node):
                 return tuple(event)
 

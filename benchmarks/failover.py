@@ -23,7 +23,10 @@ def _moved(fleet: Fleet, owners: dict[str, str], victim: str, timeout: float) ->
     last = 0.0
     deadline = time.monotonic() + timeout
     while waiting:
-        event = fleet.expect("start", timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            event = fleet.expect("start", timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(f"tasks of {victim} not restarted: {sorted(waiting)[:10]}") from None
         _, node, task_id, _, at = event
         owners[task_id] = node
         if task_id in waiting and node != victim:

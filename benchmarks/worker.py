@@ -33,7 +33,8 @@ class _Handler(Handler):
 
 def main(spec: Any, events: Any) -> None:
     """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
+    logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
+                        format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
     coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
     balancer: Balancer = DumbBalancer()
     if spec.balancer == "fair":
