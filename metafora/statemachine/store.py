@@ -16,6 +16,7 @@ import abc
 import importlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from metafora.clock import SYSTEM_CLOCK
@@ -148,3 +149,27 @@ def commands_for(coordinator_or_client: object) -> TaskCommands:
     channel = _module(coordinator_or_client).task_commands(coordinator_or_client)
     assert isinstance(channel, TaskCommands)
     return channel
+
+
+def poll_take(
+    take: Callable[[], str | None],
+    timeout: float | None,
+    cancel: threading.Event | None,
+    interval: float,
+) -> str | None:
+    """Call ``take`` every ``interval`` s until it returns a command, ``timeout`` or ``cancel``.
+
+    The stores' task-command channels share this wait (commands are polled, not pushed).
+    """
+    deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
+    gate = cancel or threading.Event()
+    while True:
+        if gate.is_set():
+            return None
+        raw = take()
+        if raw is not None:
+            return raw
+        left = None if deadline is None else deadline - SYSTEM_CLOCK.monotonic()
+        if left is not None and left <= 0:
+            return None
+        gate.wait(interval if left is None else min(interval, left))

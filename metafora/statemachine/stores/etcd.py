@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any
 
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinators.etcd.driver import (
     Delete,
     EtcdDriver,
@@ -35,7 +34,7 @@ from metafora.coordinators.etcd.driver import (
 from metafora.coordinators.etcd.layout import Keys, escape
 from metafora.errors import ClaimLost, ConfigError
 from metafora.statemachine.machine import InvalidState, State
-from metafora.statemachine.store import StateStore, TaskCommands
+from metafora.statemachine.store import StateStore, TaskCommands, poll_take
 from metafora.task import Task
 
 __all__ = ["EtcdStateStore", "EtcdTaskCommands", "state_store", "task_commands"]
@@ -183,18 +182,7 @@ class EtcdTaskCommands(TaskCommands):
 
     def _pop(self, task_id: str, timeout: float | None, token: int | None,
              cancel: threading.Event | None) -> str | None:
-        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
-        gate = cancel or threading.Event()
-        while True:
-            if gate.is_set():
-                return None
-            raw = self._take(task_id, token)
-            if raw is not None:
-                return raw
-            left = None if deadline is None else deadline - SYSTEM_CLOCK.monotonic()
-            if left is not None and left <= 0:
-                return None
-            gate.wait(_POLL if left is None else min(_POLL, left))
+        return poll_take(lambda: self._take(task_id, token), timeout, cancel, _POLL)
 
     def pending(self, task_id: str) -> int:
         look = self._driver.txn(
