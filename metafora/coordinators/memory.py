@@ -136,18 +136,15 @@ class MemoryStore:
 
     def free_claims(self, node_id: str) -> list[Task]:
         """Make every claim of ``node_id`` pending again; return the tasks it held."""
-        freed = []
-        for row in self.tasks.values():
-            if row.state is TaskState.CLAIMED and row.owner == node_id:
-                freed.append(row.task())
+        rows = [r for r in self.tasks.values() if r.state is TaskState.CLAIMED and r.owner == node_id]
+        freed = [row.task() for row in rows]
+        if rows:
+            version = self.bump()
+            for row in rows:
                 row.state = TaskState.PENDING
                 row.owner = None
                 row.claimed_at = None
-        if freed:
-            version = self.bump()
-            for row in self.tasks.values():
-                if any(t.id == row.task_id for t in freed):
-                    row.ready = version
+                row.ready = version
         return freed
 
     def counts(self) -> dict[str, int]:
