@@ -132,7 +132,10 @@ class _Workers:
                 job = inbox.get()  # taken from the idle list just now: a job is on its way
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except Exception:  # a bug in the outcome path: log it where operators look
+                log.exception("handler thread failed outside the handler")
             with self._lock:
                 if len(self._idle) >= self._keep:
                     return
@@ -415,7 +418,9 @@ class Consumer:
         while not self._stopping.is_set():
             try:
                 command = self._coord.command(timeout=1.0)
-            except CoordinatorUnavailable as exc:
+            except CoordinatorClosed:
+                raise
+            except MetaforaError as exc:  # unreachable, or an odd store error: back off, retry
                 self._log.warning("cannot read commands: %s", exc, extra={"action": "command"})
                 self._clock.wait(self._stopping, backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -540,7 +545,9 @@ class Consumer:
         began = SYSTEM_CLOCK.monotonic()
         try:
             claimed = self._coord.claim_many(tasks, len(tasks))
-        except CoordinatorUnavailable as exc:
+        except CoordinatorClosed:
+            raise
+        except MetaforaError as exc:  # one failed claim must not take the node down
             self._log.warning("claiming %d task(s) failed, will retry: %s", len(tasks), exc,
                               extra={"action": "claim"})
             for task in tasks:

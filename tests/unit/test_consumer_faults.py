@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 
 import pytest
@@ -14,7 +14,7 @@ import pytest
 from metafora import Balancer, BalancerContext, Consumer, Task, TaskState, commands
 from metafora.commands import Command
 from metafora.coordinators.memory import MemoryCoordinator
-from metafora.errors import CoordinatorUnavailable
+from metafora.errors import CoordinatorUnavailable, StoreError
 from tests.helpers import wait_until
 from tests.unit.test_consumer import Harness, Ledger, ledger_handler
 
@@ -163,3 +163,27 @@ def test_shutdown_waits_for_an_outcome_being_written(harness: Harness) -> None:
     stopper.join(10)
     thread.join(10)
     assert harness.client.get_task("finishing").state is TaskState.DONE
+
+
+class OddClaim(MemoryCoordinator):
+    """claim_many fails once with an unexpected store error (not a network fault)."""
+
+    def __init__(self, base: MemoryCoordinator) -> None:
+        super().__init__(base._store, base.node_id)
+        self.failed = False
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        if not self.failed:
+            self.failed = True
+            raise StoreError("the store failed: odd")
+        return super().claim_many(tasks, limit)
+
+
+def test_an_odd_store_error_on_claim_does_not_take_the_node_down(harness: Harness) -> None:
+    ledger = Ledger()
+    harness.start(Consumer(OddClaim(harness.coordinator("a")), ledger_handler(ledger, "a"),
+                           refuse_retry=0.01))
+    harness.client.submit_task(Task("survivor"))
+    wait_until(lambda: harness.client.get_task("survivor").state is TaskState.DONE,
+               message="claimed on the retry")
+    assert not harness.errors and harness.consumers[0].healthy()
