@@ -9,7 +9,6 @@ import os
 import platform
 import queue
 import signal
-import statistics
 import tempfile
 import threading
 import time
@@ -229,19 +228,3 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def wait_count(client: Any, state: str, count: int, timeout: float) -> float:
-    """Poll until ``count`` tasks are in ``state``; returns when (monotonic)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if len(client.tasks(state=state)) >= count:
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{state} did not reach {count} in {timeout}s")
-        time.sleep(0.05)
-
-
-def median(values: Sequence[float]) -> float:
-    """Median, NaN when empty."""
-    return statistics.median(values) if values else float("nan")
