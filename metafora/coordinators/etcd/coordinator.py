@@ -117,6 +117,7 @@ class _Entry:
     """The watch cache's view of one task."""
 
     props: dict[str, Any] | None = None
+    props_error: str | None = None  # the damage of a props value written around metafora
     props_mod: int = 0
     launch_at: datetime | None = None
     expires_at: datetime | None = None
@@ -124,16 +125,17 @@ class _Entry:
     owner: str | None = None
     owner_rev: int = 0
 
-    def set_props(self, kv: KeyValue) -> None:
-        self.props, _ = props_of(kv)
+    def set_props(self, kv: KeyValue, task_id: str) -> None:
+        stored = props_of(kv, task_id)
+        self.props, self.props_error = stored.props, stored.error
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
     @classmethod
-    def from_record(cls, rec: TaskRecord) -> _Entry:
+    def from_record(cls, task_id: str, rec: TaskRecord) -> _Entry:
         entry = cls()
         if rec.props is not None:
-            entry.set_props(rec.props)
+            entry.set_props(rec.props, task_id)
         entry.finished = rec.state is not None
         if rec.owner is not None:
             entry.owner = rec.owner.value.decode(errors="replace")
@@ -534,7 +536,11 @@ class EtcdCoordinator(Coordinator):
         with self._lock:
             lease = self._lease_id
             entry = self._cache.get(task.id)
-            known = (entry.props, entry.props_mod) if entry and entry.props is not None else None
+            known = (
+                (entry.props, entry.props_error, entry.props_mod)
+                if entry and entry.props is not None
+                else None
+            )
         if lease is None:
             return None  # the lease is lost; the lease thread is re-registering
         tk = self._keys.task(task.id)
@@ -542,11 +548,13 @@ class EtcdCoordinator(Coordinator):
             kvs, _ = self._driver.range(Range(tk.props))
             if not kvs:
                 return None
-            props, _ = props_of(kvs[0])
-            known = (props, kvs[0].mod_revision)
-        props, props_mod = known
+            stored = props_of(kvs[0], task.id)
+            known = (stored.props, stored.error, kvs[0].mod_revision)
+        props, damage, props_mod = known
         for _attempt in range(3):
             try:
+                if damage is not None:
+                    raise InvalidProps(damage)
                 Task(task.id, props)
             except InvalidProps as exc:
                 # Written by hand or by something else than metafora: it can never run.
@@ -582,14 +590,14 @@ class EtcdCoordinator(Coordinator):
                     and props_kvs
                 ):
                     # An earlier attempt of this call was applied but its answer was lost.
-                    props, _ = props_of(props_kvs[0])
+                    props = props_of(props_kvs[0], task.id).props
                     return self._took(Task(task.id, props, owner.create_revision), lease)
                 return None
             if state_kvs or not props_kvs:
                 return None
             # The task was resubmitted since we read it: judge the new props and try again.
-            props, _ = props_of(props_kvs[0])
-            props_mod = props_kvs[0].mod_revision
+            stored = props_of(props_kvs[0], task.id)
+            props, damage, props_mod = stored.props, stored.error, props_kvs[0].mod_revision
         return None
 
     def _took(self, claimed: Task, lease: int) -> Task | None:
@@ -914,7 +922,7 @@ class EtcdCoordinator(Coordinator):
     def _relist(self) -> int:
         """Rebuild the cache from one consistent read; returns its revision."""
         records, revision = read_all_tasks(self._driver, self._keys)
-        cache = {task_id: _Entry.from_record(rec) for task_id, rec in records.items()}
+        cache = {task_id: _Entry.from_record(task_id, rec) for task_id, rec in records.items()}
         lost: list[Task] = []
         with self._lock:
             self._cache = cache
@@ -972,7 +980,7 @@ class EtcdCoordinator(Coordinator):
                                 lost.append(held.task)
                 elif part == "props":
                     if put:
-                        entry.set_props(event.kv)
+                        entry.set_props(event.kv, name)
                         dirty.add(name)
                     else:
                         entry.props = None

@@ -10,7 +10,6 @@ connection) every 10 ms. ``poll_interval`` is the safety-net poll behind both.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -31,7 +30,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.task import Task, validate_task_id
+from metafora.task import Task, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -256,8 +255,8 @@ class SQLCoordinator(Coordinator):
 
     def _parse_claimed(self, task_id: str, props_text: str, token: int) -> Task | None:
         try:
-            return Task(task_id, json.loads(props_text), token)
-        except (ValueError, MetaforaError) as exc:
+            return Task(task_id, decode_props(props_text, task_id), token)
+        except MetaforaError as exc:
             log.error("task %s has invalid stored props; marking it failed: %s", task_id, exc,
                       extra={"node": self._node_id, "task": task_id})
             with self._db.hot() as cur:
