@@ -102,7 +102,7 @@ class EtcdClient(Client):
         result = self._driver.txn(
             [absent(tk.props)],
             # A fresh task starts clean even if a crashed writer left a stray key behind.
-            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim)],
+            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim), Delete(tk.running)],
             [Range(tk.props)],
             repeatable=True,
         )
@@ -142,7 +142,8 @@ class EtcdClient(Client):
             if rec.state is None:
                 continue  # expired by this very read; read again
             result = self._driver.txn(
-                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state)]
+                # A retried task starts with no crash count (max_crashes counts afresh).
+                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state), Delete(tk.running)]
             )
             if result.succeeded:
                 return

@@ -10,6 +10,8 @@ exactly one path segment::
                             absent while the task is pending or claimed
     tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
                             mod_revision = that claim's token, version = number of claims
+    tasks/<id>/running      {"crashes": N}: put by a claim, deleted by its outcome (no lease), so
+                            a claim that finds it knows the previous one ended with its node dead
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
     nodes/<node>/alive      {"started_at"}, attached to the node's lease: the node is live
@@ -40,6 +42,7 @@ __all__ = [
     "Keys",
     "StoredProps",
     "TaskKeys",
+    "crashes_of",
     "decode_json",
     "encode_json",
     "iso",
@@ -114,6 +117,7 @@ class Keys:
             props=base + b"props",
             state=base + b"state",
             claim=base + b"claim",
+            running=base + b"running",
             owner=self.owners + seg,
             machine=self.states + seg,
             commands=self.task_commands + seg + b"/",
@@ -136,7 +140,7 @@ class Keys:
         kind, _, tail = rest.partition("/")
         if kind == "tasks":
             seg, slash, field = tail.partition("/")
-            if slash and seg and field in ("props", "state", "claim"):
+            if slash and seg and field in ("props", "state", "claim", "running"):
                 return ("task", unescape(seg), field)
         elif kind == "owners":
             if tail and "/" not in tail:
@@ -159,6 +163,7 @@ class TaskKeys:
     props: bytes
     state: bytes
     claim: bytes
+    running: bytes
     owner: bytes
     machine: bytes
     commands: bytes
@@ -172,9 +177,10 @@ class TaskRecord:
     state: KeyValue | None = None
     claim: KeyValue | None = None
     owner: KeyValue | None = None
+    running: KeyValue | None = None
 
     def set(self, field: str, kv: KeyValue | None) -> None:
-        """Store a key by its field name (props, state, claim, owner)."""
+        """Store a key by its field name (props, state, claim, owner, running)."""
         setattr(self, field, kv)
 
 
@@ -217,6 +223,14 @@ def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
     if state in (TaskState.PENDING, TaskState.CLAIMED):
         state = TaskState.FAILED
     return state, data
+
+
+def crashes_of(kv: KeyValue | None) -> int | None:
+    """The crash count a running key records; None if there is no running key."""
+    if kv is None:
+        return None
+    count = (decode_json(kv.value) or {}).get("crashes")
+    return count if isinstance(count, int) and count >= 0 else 0
 
 
 def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
