@@ -241,6 +241,44 @@ class Client(ClusterState, abc.ABC):
     def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
         """Every task (or those in ``state``), ordered by id."""
 
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """Up to ``limit`` tasks ordered by id, after id ``after`` (keyset paging), filtered by
+        ``state``, ``owner`` and id ``prefix``.
+
+        The default pages in memory over :meth:`tasks`; the SQL store overrides it with one
+        indexed query that never reads more than one page of rows.
+        """
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        page: list[TaskInfo] = []
+        for info in self.tasks(state):
+            if after is not None and info.id <= after:
+                continue
+            if not info.id.startswith(prefix) or (owner is not None and info.owner != owner):
+                continue
+            page.append(info)
+            if len(page) >= limit:
+                break
+        return page
+
+    def task_counts(self) -> dict[TaskState, int]:
+        """How many tasks are in each state (every state is a key).
+
+        The default counts in memory over :meth:`tasks`; the SQL store counts in the database.
+        """
+        counts = dict.fromkeys(TaskState, 0)
+        for info in self.tasks():
+            counts[info.state] += 1
+        return counts
+
     @abc.abstractmethod
     def nodes(self) -> list[str]:
         """Ids of the live nodes, sorted."""

@@ -7,8 +7,11 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy import TextClause, bindparam, text
+
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
@@ -45,6 +48,7 @@ class SQLClient(Client):
     def __init__(self, db: Database) -> None:
         self._db = db
         self._closed = threading.Event()
+        self._pages: dict[tuple[str, ...], TextClause] = {}
 
     @property
     def name(self) -> str:
@@ -141,6 +145,72 @@ class SQLClient(Client):
         if wanted is not None:
             infos = [i for i in infos if i.state is wanted]
         return infos
+
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key)."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        wanted = None if state is None else TaskState(state)
+        db = self._ready()
+        where = ["namespace = :ns"]
+        params: dict[str, Any] = {"ns": db.config.namespace, "limit": limit}
+        if wanted is not None:
+            where.append("state IN :states")
+            params["states"] = _STORED_AS[wanted]
+        if owner is not None:
+            where.append("owner = :owner")
+            params["owner"] = owner
+        if prefix:
+            where.append("substr(id, 1, :plen) = :prefix")
+            params["plen"], params["prefix"] = len(prefix), prefix
+        if after is not None:
+            where.append("id > :after")
+            params["after"] = after
+        infos: list[TaskInfo] = []
+        with db.read() as conn:
+            while True:
+                rows = conn.execute(self._page_clause(tuple(where)), params).fetchall()
+                for row in rows:
+                    info = self._info(row)
+                    if wanted is None or info.state is wanted:
+                        infos.append(info)
+                # A pending row past its expiry shows as expired: when a state filter dropped
+                # rows of this page, read on so a page is only short at the end.
+                if len(rows) < limit or len(infos) >= limit or wanted is None:
+                    return infos[:limit]
+                if "id > :after" not in where:
+                    where.append("id > :after")
+                params["after"] = str(rows[-1][0])
+
+    def _page_clause(self, where: tuple[str, ...]) -> TextClause:
+        cache = self._pages
+        clause = cache.get(where)
+        if clause is None:
+            sql = (f"SELECT {_INFO_COLUMNS} FROM metafora_tasks WHERE {' AND '.join(where)}"
+                   " ORDER BY id LIMIT :limit").format(**self._db.dialect.fragments())
+            clause = text(sql)
+            if "state IN :states" in where:
+                clause = clause.bindparams(bindparam("states", expanding=True))
+            cache[where] = clause
+        return clause
+
+    def task_counts(self) -> dict[TaskState, int]:
+        """Tasks per state, counted in the database (a pending task past expiry is expired)."""
+        db = self._ready()
+        with db.read() as conn:
+            rows = db.execute(conn, "count_states", {}).fetchall()
+        counts = dict.fromkeys(TaskState, 0)
+        for state, count in rows:
+            counts[TaskState(state)] += int(count)
+        return counts
 
     def nodes(self) -> list[str]:
         db = self._ready()

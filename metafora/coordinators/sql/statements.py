@@ -12,7 +12,7 @@ from sqlalchemy import TextClause, bindparam, text
 
 from metafora.coordinators.sql.dialect import Dialect
 
-__all__ = ["BATCH", "Statements"]
+__all__ = ["BATCH", "INFO_COLUMNS", "Statements"]
 
 BATCH = 500
 """Rows per watch query: offers go out in bounded, ordered batches."""
@@ -43,6 +43,9 @@ _INFO_COLUMNS = (
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN expires_at ELSE finished_at END"
     " AS finished_at, attempts"
 )
+
+INFO_COLUMNS = _INFO_COLUMNS
+"""The columns of a task listing (with ``{now}`` to fill in), for queries built elsewhere."""
 
 _SQL: dict[str, str] = {
     # -- claims (the hot path) ------------------------------------------------------------
@@ -243,6 +246,10 @@ _SQL: dict[str, str] = {
     ),
     "get": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns AND id = :id",
     "list": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns ORDER BY id",
+    "count_states": (
+        "SELECT CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS st,"
+        " count(*) FROM metafora_tasks WHERE namespace = :ns GROUP BY st"
+    ),
     "list_states": (
         "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns"
         " AND state IN :states ORDER BY id"
