@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +78,8 @@ class Dashboard:
         self.items_url = (items_url or url) if scheme in _SQL_SCHEMES else None
         self._items: Any = None
         self._items_lock = threading.Lock()
+        self._counts: tuple[float, dict[TaskState, int]] | None = None
+        self._counts_lock = threading.Lock()
         self.token = token or None
         key = secrets.token_bytes(32)  # sessions end when the server restarts
         secret = (token or "").encode()
@@ -155,6 +158,14 @@ class Dashboard:
                 self._items = ItemStore(self.items_url)
             return self._items
 
+    def task_counts(self) -> dict[TaskState, int]:
+        """Tasks per state, counted at most once per refresh interval (shared by every viewer)."""
+        with self._counts_lock:
+            now = time.monotonic()
+            if self._counts is None or now - self._counts[0] >= self.refresh_ms / 1000:
+                self._counts = (now, self.client.task_counts())
+            return self._counts[1]
+
     def close(self) -> None:
         """Close the client and the item store."""
         self.client.close()
@@ -206,7 +217,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
     def nodes_page(request: Request) -> Response:
         now = datetime.now(UTC)
         rows = [_node_row(i, now) for i in sorted(dash.client.node_infos(), key=lambda n: n.id)]
-        counts = dash.client.task_counts()
+        counts = dash.task_counts()
         return dash.render(request, "nodes.html", nodes=rows, counts=counts, title="Nodes")
 
     def tasks_page(request: Request) -> Response:
@@ -229,7 +240,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
                                   "limit": str(limit)}.items() if v}
         next_url = f"/tasks?{urlencode({**base, 'after': page[-1].id})}" if more and page else None
         first_url = f"/tasks?{urlencode(base)}" if after else None
-        return dash.render(request, "tasks.html", tasks=page, counts=dash.client.task_counts(),
+        return dash.render(request, "tasks.html", tasks=page, counts=dash.task_counts(),
                            state=state or "", owner=owner or "", prefix=prefix, limit=limit,
                            next_url=next_url, first_url=first_url, title="Tasks")
 

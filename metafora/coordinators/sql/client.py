@@ -39,6 +39,18 @@ _STORED_AS = {
 }
 
 
+def _successor(prefix: str) -> str | None:
+    """The least string greater than every string starting with ``prefix`` (None: no bound)."""
+    while prefix and ord(prefix[-1]) == 0x10FFFF:
+        prefix = prefix[:-1]
+    if not prefix:
+        return None
+    following = ord(prefix[-1]) + 1
+    if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: skip to U+E000
+        following = 0xE000
+    return prefix[:-1] + chr(following)
+
+
 class SQLClient(Client):
     """Operator client on a SQL store. Build it with :func:`metafora.open_client`.
 
@@ -169,8 +181,14 @@ class SQLClient(Client):
             where.append("owner = :owner")
             params["owner"] = owner
         if prefix:
-            where.append("substr(id, 1, :plen) = :prefix")
-            params["plen"], params["prefix"] = len(prefix), prefix
+            # ids compare byte-wise (code point order): [prefix, successor) is exactly the ids
+            # that start with prefix, an index range.
+            where.append("id >= :prefix")
+            params["prefix"] = prefix
+            upper = _successor(prefix)
+            if upper is not None:
+                where.append("id < :upper")
+                params["upper"] = upper
         if after is not None:
             where.append("id > :after")
             params["after"] = after
@@ -206,9 +224,15 @@ class SQLClient(Client):
         """Tasks per state, counted in the database (a pending task past expiry is expired)."""
         db = self._ready()
         with db.read() as conn:
-            rows = db.execute(conn, "count_states", {}).fetchall()
+            pending = int(db.execute(conn, "count_pending", {}).scalar_one())
+            overdue = int(db.execute(conn, "count_pending_expired", {}).scalar_one())
+            claimed = int(db.execute(conn, "count_claimed", {}).scalar_one())
+            finished = db.execute(conn, "count_finished", {}).fetchall()
         counts = dict.fromkeys(TaskState, 0)
-        for state, count in rows:
+        counts[TaskState.PENDING] = pending - overdue
+        counts[TaskState.EXPIRED] = overdue
+        counts[TaskState.CLAIMED] = claimed
+        for state, count in finished:
             counts[TaskState(state)] += int(count)
         return counts
 
