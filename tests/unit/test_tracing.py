@@ -30,9 +30,11 @@ def otel() -> Iterator[tuple[InMemorySpanExporter, InMemoryMetricReader]]:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     reader = InMemoryMetricReader()
-    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    meters = MeterProvider(metric_readers=[reader])
+    metrics.set_meter_provider(meters)
     yield exporter, reader
     provider.shutdown()
+    meters.shutdown()
 
 
 def _runs(exporter: InMemorySpanExporter, task_id: str) -> list[Any]:

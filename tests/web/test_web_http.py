@@ -226,3 +226,46 @@ def test_fast_with_100000_tasks(tmp_path: Path) -> None:
     app.state.dashboard.close()
     print("page render times with 100,000 tasks:", {k: f"{v * 1000:.0f} ms" for k, v in timings.items()})
     assert max(timings.values()) < 1.0, timings
+
+
+def test_task_detail_with_state_machine_and_gates(sqlite_url: str) -> None:
+    from metafora import open_coordinator
+    from metafora.coordinator import CoordinatorContext
+    from metafora.statemachine import State, StateCode, state_store_for
+    from metafora.statemachine.gates import ItemStore, NewItem
+
+    class Ctx(CoordinatorContext):
+        def lost(self, task: Task) -> None:
+            return
+
+    with open_client(sqlite_url) as client:
+        client.submit_task(Task("part-1"))
+        with open_coordinator(sqlite_url, node_id="writer") as coord:
+            coord.init(Ctx())
+            claimed = coord.claim(Task("part-1"))
+            assert claimed is not None
+            states = state_store_for(client)
+            try:  # a state is written under the claim (fenced by its token)
+                states.store(claimed, State(code=StateCode.PAUSED, cursor="row-42"))
+            finally:
+                states.close()
+    items = ItemStore(sqlite_url)
+    try:
+        items.add("part-1", [NewItem(0, b"a"), NewItem(0, b"b"), NewItem(1, b"c")])
+    finally:
+        items.close()
+    app = create_app(sqlite_url, token=TOKEN)
+    with TestClient(app, follow_redirects=False) as http:
+        page = http.get("/task", params={"id": "part-1"}).text
+        assert 'id="sm"' in page and "paused" in page and "row-42" in page
+        gates = page[page.index('id="gates"'):]
+        assert re.search(r"<td>0 ◀ current</td><td class=\"num\">2</td>", gates), gates[:600]
+        for verb in ("pause", "resume", "kill"):
+            assert f'data-action="{verb}"' in page
+        sent = http.post("/act", data={"target": "task", "verb": "pause", "id": "part-1"},
+                         headers={"X-Metafora-Token": TOKEN})
+        assert sent.status_code == 303 and "sent+pause" in sent.headers["location"]
+        retried = http.post("/act", data={"target": "task", "verb": "retry-items", "id": "part-1"},
+                            headers={"X-Metafora-Token": TOKEN})
+        assert retried.status_code == 303 and "0+failed+items" in retried.headers["location"]
+    app.state.dashboard.close()
