@@ -44,5 +44,8 @@ def web(ctx: click.Context, bind: str, token: str | None, items_url: str | None,
     click.echo(f"metafora web on http://{host}:{port}/ ({mode}); Ctrl-C stops it", err=True)
     try:
         server.serve_forever()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        pass
     finally:
         app.state.dashboard.close()
+    click.echo("metafora web stopped", err=True)

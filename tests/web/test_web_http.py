@@ -4,6 +4,7 @@ in any page, the CLI's bind checks, and speed with 100,000 tasks."""
 from __future__ import annotations
 
 import http.client
+import json
 import re
 import time
 from pathlib import Path
@@ -269,3 +270,41 @@ def test_task_detail_with_state_machine_and_gates(sqlite_url: str) -> None:
                             headers={"X-Metafora-Token": TOKEN})
         assert retried.status_code == 303 and "0+failed+items" in retried.headers["location"]
     app.state.dashboard.close()
+
+
+def test_metafora_web_command_serves_until_interrupted(sqlite_url: str) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from metafora.testing import wait_for
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "METAFORA_WEB_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "metafora", "--url", sqlite_url, "web",
+                             "--bind", f"127.0.0.1:{port}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def health() -> str | None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/healthz")
+                return conn.getresponse().read().decode()
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                return None
+
+        body = wait_for(health, 60, "metafora web to answer")
+        assert json.loads(body)["read_only"] is True
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "read-only" in err and "stopped" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
