@@ -181,7 +181,7 @@ async def _form(request: Request) -> dict[str, str]:
 
 def _back(form: dict[str, str], fallback: str, msg: str) -> RedirectResponse:
     target = form.get("next", "") or fallback
-    if not target.startswith("/") or target.startswith("//"):
+    if not target.startswith("/") or target.startswith(("//", "/\\")) or any(c < " " for c in target):
         target = fallback
     path, _, query = target.partition("?")
     params = [(k, v) for k, v in parse_qs(query).items() if k not in ("msg", "partial")]

@@ -123,6 +123,12 @@ def test_login_cookie_needs_the_csrf_field(store: str) -> None:
         ok = http.post("/act", data={"target": "task", "verb": "delete", "id": "alpha", "csrf": csrf,
                                      "next": "//evil.example/"})
         assert ok.status_code == 303 and ok.headers["location"].startswith("/tasks?msg=deleted")
+        for evil in ("/\\evil.example/", "https://evil.example/"):
+            moved = http.post("/act", data={"target": "task", "verb": "retry", "id": "nope", "next": evil},
+                              headers={"X-Metafora-Token": TOKEN})
+            assert moved.status_code == 404  # refused before any redirect
+        again = http.post("/login", data={"token": TOKEN, "next": "/\\evil.example"})
+        assert again.headers["location"].startswith("/nodes?")
         # header token (scripts): no CSRF field needed; a wrong one is refused
         assert http.post("/act", data={"target": "task", "verb": "retry", "id": "beta"},
                          headers={"Authorization": "Bearer nope"}, cookies={}).status_code == 403
