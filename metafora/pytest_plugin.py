@@ -26,13 +26,14 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import pytest
 
-from metafora.connect import open_client
-from metafora.coordinator import Client
-from metafora.testing import LocalCluster
+if TYPE_CHECKING:  # the fixtures import them when they run
+    from metafora.coordinator import Client
+    from metafora.testing import LocalCluster
 
 __all__ = [
     "ENV_STORES",
@@ -177,6 +178,8 @@ def metafora_url(request: pytest.FixtureRequest, metafora_store_url: Callable[[s
 @pytest.fixture
 def metafora_client(metafora_url: str) -> Iterator[Client]:
     """An operator client on ``metafora_url``, closed after the test."""
+    from metafora.connect import open_client
+
     with open_client(metafora_url) as client:
         yield client
 
@@ -185,5 +188,7 @@ def metafora_client(metafora_url: str) -> Iterator[Client]:
 def metafora_cluster(metafora_url: str) -> Iterator[LocalCluster]:
     """A :class:`~metafora.testing.LocalCluster` on ``metafora_url``; every consumer it started is
     shut down after the test."""
+    from metafora.testing import LocalCluster
+
     with LocalCluster(metafora_url) as cluster:
         yield cluster
