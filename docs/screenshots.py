@@ -14,12 +14,20 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-from metafora import Task, TaskState, commands, simple_handler
+from metafora import Task, TaskState, commands, open_coordinator, simple_handler
+from metafora.coordinator import CoordinatorContext
+from metafora.statemachine import State, StateCode, state_store_for
+from metafora.statemachine.gates import ItemStore, NewItem
 from metafora.testing import LocalCluster, wait_for
 from metafora.web.app import create_app
 from metafora.web.server import WebServer
 
 OUT = Path(__file__).parent
+
+
+class _Quiet(CoordinatorContext):
+    def lost(self, task: Task) -> None:
+        return
 
 
 def main() -> None:
@@ -35,6 +43,18 @@ def main() -> None:
         url = f"sqlite:///{tmp}/cluster.db"
         with LocalCluster(url) as cluster:
             client = cluster.client
+            # a stateful partition held by a node of its own, with a cursor and items at two gates
+            partition = open_coordinator(url, node_id="worker-d")
+            partition.init(_Quiet())
+            client.submit_task(Task("ingest-eu", {"region": "eu-west", "batch": 500}))
+            claimed = partition.claim(Task("ingest-eu"))
+            assert claimed is not None
+            states = state_store_for(client)
+            states.store(claimed, State(code=StateCode.RUNNABLE, cursor="s3://bucket/eu/part-0042"))
+            states.close()
+            items = ItemStore(url)
+            items.add("ingest-eu", [NewItem(0, f"row {i}".encode()) for i in range(37)]
+                      + [NewItem(1, f"summary {i}".encode()) for i in range(5)])
             for i in range(12):
                 client.submit_task(Task(f"thumbnail-{i:04d}", {"quick": True, "size": 256}))
             nodes = [cluster.add(simple_handler(work), f"worker-{n}", max_tasks=3) for n in "abc"]
@@ -47,7 +67,7 @@ def main() -> None:
             for i in range(5):
                 client.submit_task(Task(f"import-shard-{i:02d}", {"shard": i, "source": "s3://bucket/x"}))
             wait_for(lambda: client.task_counts()[TaskState.FAILED] == 2, 60, "failures")
-            wait_for(lambda: client.task_counts()[TaskState.CLAIMED] == 7, 60, "claims")
+            wait_for(lambda: client.task_counts()[TaskState.CLAIMED] == 8, 60, "claims")
             client.submit_command("worker-c", commands.freeze())
             wait_for(lambda: nodes[2].frozen, 30, "freeze")
             for i in range(3):
@@ -65,10 +85,12 @@ def main() -> None:
                 page.screenshot(path=str(OUT / "web-nodes.png"))
                 page.goto(f"{server.base_url}/tasks?limit=25")
                 page.screenshot(path=str(OUT / "web-tasks.png"))
-                page.goto(f"{server.base_url}/task?id=report-2026-11")
+                page.goto(f"{server.base_url}/task?id=ingest-eu")
                 page.screenshot(path=str(OUT / "web-task.png"))
                 browser.close()
             app.state.dashboard.close()
+            items.close()
+            partition.close()
 
 
 if __name__ == "__main__":
