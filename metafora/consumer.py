@@ -567,6 +567,8 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < len(tasks):
+            self.stats.incr("races_lost", len(tasks) - len(claimed))
         for task in claimed:
             self._start(task)
         with self._lock:
