@@ -20,7 +20,7 @@ from rich.text import Text
 from metafora.coordinator import Client, NodeInfo
 from metafora.task import TaskInfo, TaskState
 
-__all__ = ["Snapshot", "render", "run_top", "take_snapshot"]
+__all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,18 @@ def _age(now: datetime, then: datetime | None) -> str:
     return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
+def frozen_text(frozen: bool | None) -> str:
+    """``yes`` or ``no``; a node that never reported (None) was never frozen: nodes start unfrozen."""
+    return "yes" if frozen else "no"
+
+
 def render(store: str, prev: Snapshot | None, cur: Snapshot) -> RenderableType:
     """One frame of the view."""
     nodes = Table(title="nodes", expand=False)
     for col in ("node", "host", "tasks", "frozen", "heartbeat age"):
         nodes.add_column(col, justify="right" if col == "tasks" else "left")
     for n in cur.nodes:
-        frozen = "?" if n.frozen is None else ("yes" if n.frozen else "no")
-        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen, _age(cur.now, n.heartbeat))
+        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat))
     states = Table(title="tasks", expand=False)
     counts = cur.by_state()
     for state in TaskState:

@@ -57,7 +57,7 @@ def kill(ctx: click.Context, task_id: str) -> None:
 @click.command()
 @_TASK
 @click.option("--until", "until", required=True, metavar="TIME",
-              help="Wake-up time: ISO-8601 (naive = UTC) or '+DURATION' (+30s, +2h).")
+              help="Wake-up time: ISO-8601 (naive = UTC), 'now' or '+DURATION' (+30s, +2h).")
 @click.pass_context
 def sleep(ctx: click.Context, task_id: str, until: str) -> None:
     """Put stateful TASK to sleep until TIME: it keeps its claim and wakes then (or on resume)."""
