@@ -98,7 +98,7 @@ def check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if not value.strip():
         raise click.BadParameter(
             f"must not be empty: give a store URL, or leave --url out to use ${ENV_URL} "
-            f"or {DEFAULT_URL}", ctx, param)
+            f"or {DEFAULT_URL}", ctx, param, param_hint="'--url'")
     return value
 
 
