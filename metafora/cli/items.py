@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.cli._common import console, format_time, print_json, settings, store_client
+from metafora.cli.tool import check_url
 from metafora.errors import TaskExists, TaskNotFound
 from metafora.statemachine.gates import (
     MAX_GATE,
@@ -45,7 +46,7 @@ _STATUS_STYLE = {
 _PREVIEW = 48  # characters of data shown in the table
 
 _items_url_option = click.option(
-    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True,
+    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True, callback=check_url,
     help="The SQL store holding the items, when it is not --url (e.g. with an etcd coordinator).",
 )
 

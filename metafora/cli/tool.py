@@ -93,12 +93,12 @@ class MetaforaCommand(click.Command):
         return invoke_translated(lambda: super(MetaforaCommand, self).invoke(ctx), ctx)
 
 
-def check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """A click callback: refuse an empty or blank ``--url`` (it never means the default)."""
-    if not value.strip():
-        raise click.BadParameter(
-            f"must not be empty: give a store URL, or leave --url out to use ${ENV_URL} "
-            f"or {DEFAULT_URL}", ctx, param, param_hint="'--url'")
+def check_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: refuse an empty or blank URL option (it never means the default)."""
+    if value is not None and not value.strip():
+        name = param.opts[0] if param.opts else "--url"
+        raise click.BadParameter(f"must not be empty: give a store URL, or leave {name} out for its default",
+                                 ctx, param, param_hint=f"'{name}'")
     return value
 
 

@@ -264,3 +264,10 @@ def test_ci_script_defaults_ci_to_true() -> None:
                           cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "CI"},
                           capture_output=True, text=True, timeout=30, check=False)
     assert proc.stdout.strip() == "true"
+
+
+@pytest.mark.parametrize("args", [("demo", "--url", ""), ("items", "p", "--items-url", "")])
+def test_other_empty_url_options_are_errors(tmp_path: Path, args: tuple[str, ...]) -> None:
+    proc = metafora(*args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"Invalid value for '{args[-2]}': must not be empty" in proc.stderr
