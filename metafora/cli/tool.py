@@ -26,13 +26,13 @@ from metafora.cli._common import CliError, ExitCode, Settings, exit_code_for, sc
 from metafora.connect import DEFAULT_URL, ENV_URL
 from metafora.errors import MetaforaError
 
-__all__ = ["MetaforaCommand", "check_url", "translate_error", "url_option"]
+__all__ = ["MetaforaCommand", "check_url", "invoke_translated", "translate_error", "url_option"]
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-URL_HELP = ("The store: sqlite:///PATH.db, postgresql://user:pass@host/db, etcd://host:2379/NS, "
+_URL_HELP = ("The store: sqlite:///PATH.db, postgresql://user:pass@host/db, etcd://host:2379/NS, "
             "memory://NAME (in-process only).")
 
 
@@ -50,11 +50,12 @@ def _url(ctx: click.Context) -> str | None:
     obj = ctx.find_object(Settings)
     if obj is not None:
         return obj.url
-    while ctx is not None:  # a stand-alone command keeps it in its own parameters
-        value = ctx.params.get("url")
+    current: click.Context | None = ctx
+    while current is not None:  # a stand-alone command keeps it in its own parameters
+        value = current.params.get("url")
         if isinstance(value, str):
             return value
-        ctx = ctx.parent  # type: ignore[assignment]
+        current = current.parent
     return None
 
 
@@ -102,8 +103,8 @@ def check_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return value
 
 
-def url_option(fn: F) -> F:
+def url_option(fn: _F) -> _F:
     """``--url URL``: else ``$METAFORA_URL``, else ``sqlite:///metafora.db``; never empty."""
     option = click.option("--url", metavar="URL", default=DEFAULT_URL, show_default=True, envvar=ENV_URL,
-                          show_envvar=True, callback=check_url, help=URL_HELP)
+                          show_envvar=True, callback=check_url, help=_URL_HELP)
     return option(fn)
