@@ -15,7 +15,7 @@ from metafora.cli._common import Duration, console, format_time, parse_duration,
 from metafora.errors import InvalidProps
 from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_schedule, validate_task_id
 
-__all__ = ["TIME_FORMS", "delete", "parse_prop", "parse_when", "purge", "retry", "show", "submit", "tasks"]
+__all__ = ["delete", "parse_prop", "parse_when", "purge", "retry", "show", "submit", "tasks"]
 
 _STATE_STYLE = {
     TaskState.PENDING: "yellow",
@@ -46,7 +46,7 @@ def parse_prop(pair: str) -> tuple[str, Any]:
     return key, value
 
 
-TIME_FORMS = "an ISO-8601 time (naive = UTC, e.g. 2030-01-01T12:00:00Z), 'now' or '+DURATION' (+30s, +2h)"
+_TIME_FORMS = "an ISO-8601 time (naive = UTC, e.g. 2030-01-01T12:00:00Z), 'now' or '+DURATION' (+30s, +2h)"
 """Every form :func:`parse_when` accepts, for help texts and errors."""
 
 
@@ -62,12 +62,12 @@ def parse_when(text: str, option: str) -> str:
         try:
             delta = parse_duration(stripped[1:])
         except ValueError as exc:
-            raise InvalidProps(f"{option}: {exc}; expected {TIME_FORMS}") from None
+            raise InvalidProps(f"{option}: {exc}; expected {_TIME_FORMS}") from None
         return (datetime.now(UTC) + delta).isoformat()
     try:
         return parse_time(stripped, option).isoformat()
     except InvalidProps:
-        raise InvalidProps(f"{option}: {text!r} is not a time; expected {TIME_FORMS}") from None
+        raise InvalidProps(f"{option}: {text!r} is not a time; expected {_TIME_FORMS}") from None
 
 
 def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str | None,
