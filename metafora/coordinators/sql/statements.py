@@ -25,6 +25,9 @@ _OWNER_DEAD = (
     "NOT EXISTS (SELECT 1 FROM metafora_nodes o WHERE o.namespace = :ns"
     " AND o.node_id = metafora_tasks.owner AND o.lease_until > {now})"
 )
+# A claim anyone may take over: its owner is dead, unknown or NULL (a row written around
+# metafora); a NULL claimed_at must not make it unclaimable forever.
+_CLAIM_STALE = "(claimed_at IS NULL OR claimed_at < {now}) AND " + _OWNER_DEAD
 _ME_LIVE = (
     "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
     " AND me.session = :session AND me.lease_until > {now})"
@@ -52,7 +55,7 @@ _SQL: dict[str, str] = {
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
         " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
+        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE + "{lock})"
         " RETURNING token, props"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
@@ -61,7 +64,7 @@ _SQL: dict[str, str] = {
     "claim_many": (
         "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE
+        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE
         + " ORDER BY {id_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
@@ -197,6 +200,12 @@ _SQL: dict[str, str] = {
         "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
         " AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
         + " ORDER BY owner, id LIMIT :limit"
+    ),
+    # Claims with no owner at all (written around metafora): the keyset above never
+    # reaches them, as (NULL, id) > (...) is never true.
+    "scan_unowned": (
+        "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'claimed' AND owner IS NULL AND id > :after ORDER BY id LIMIT :limit"
     ),
     # A task that can never run (props or id not valid, written around metafora): failed,
     # with the reason, instead of pending forever.

@@ -173,20 +173,25 @@ class Watch:
                 break
             after = rows[-1][0]
         offered: dict[str, int] = {}
+        self._scan_claims("scan_orphans", offered)
+        self._scan_claims("scan_unowned", offered)
+        self._offered_dead = offered
+        if n_dead:
+            with self._db.write() as conn:
+                self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
+                self._db.execute(conn, "clean_commands", {})
+
+    def _scan_claims(self, name: str, offered: dict[str, int]) -> None:
+        """Offer the stale claims ``name`` pages through by (owner, id) (unowned: by id)."""
         owner, after = "", ""
         while not self._closed.is_set():
-            rows = self._query("scan_orphans", {"owner": owner, "after": after})
+            rows = self._query(name, {"owner": owner, "after": after})
             for row in rows:
                 offered[row[0]] = int(row[2])
                 self._offer(row[0], row[1])
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
-        self._offered_dead = offered
-        if n_dead:
-            with self._db.write() as conn:
-                self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
-                self._db.execute(conn, "clean_commands", {})
 
     def _scan_ids(self, ids: list[str]) -> None:
         for row in self._query("scan_ids", {"ids": ids}):
