@@ -9,12 +9,13 @@ from __future__ import annotations
 import abc
 import logging
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
+from metafora import bulk
 from metafora.balancer import ClusterState
 from metafora.commands import Command
 from metafora.task import Task, TaskInfo, TaskState
@@ -28,6 +29,8 @@ __all__ = [
     "as_sink",
     "error_text",
 ]
+
+log = logging.getLogger(__name__)
 
 TaskSink = Callable[[Task], None]
 """Where ``Coordinator.watch`` delivers claimable tasks."""
@@ -196,6 +199,30 @@ class Client(ClusterState, abc.ABC):
     @abc.abstractmethod
     def submit_task(self, task: Task) -> None:
         """Add a pending task. Raises TaskExists if the id is taken (in any state)."""
+
+    def submit_tasks(self, tasks: Iterable[Task]) -> None:
+        """Add many pending tasks in batched writes (one statement or txn per batch).
+
+        All-or-nothing per batch: a batch holding an id that already exists adds nothing and
+        raises TaskExists naming those ids (``.ids``); the batches before it stay added
+        (``.submitted`` says how many tasks). An id given twice in ``tasks`` is refused
+        before anything is written. One wake-up per batch, not per task.
+        """
+        todo = bulk.checked(tasks)
+        added = 0
+        for batch in bulk.batches(todo, self._batch_size):
+            existing = self._submit_batch(batch)
+            if existing:
+                raise bulk.exists_error(existing, added, len(todo), self.name)
+            added += len(batch)
+        log.debug("submitted %d tasks to %s", added, self.name)
+
+    _batch_size = 500
+    """Tasks per batch of :meth:`submit_tasks` (a store's limit on one write)."""
+
+    @abc.abstractmethod
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        """Add ``batch`` (ids distinct) atomically; or add nothing and return the ids that exist."""
 
     @abc.abstractmethod
     def delete_task(self, task_id: str) -> None:

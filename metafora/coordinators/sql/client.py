@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
@@ -34,6 +36,14 @@ _STORED_AS = {
     TaskState.FAILED: ["failed"],
     TaskState.EXPIRED: ["expired", "pending"],
 }
+
+
+class _Existing(Exception):
+    """Rolls a bulk submit's batch back: these ids exist."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__(ids)
+        self.ids = ids
 
 
 class SQLClient(Client):
@@ -96,6 +106,29 @@ class SQLClient(Client):
         if row is None:
             raise TaskExists(f"task {task.id!r} already exists in {self.name}")
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    _batch_size = BATCH
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        db = self._ready()
+        to_db = db.dialect.to_db_time
+        params: dict[str, Any] = {"ns": db.config.namespace}
+        for n, task in enumerate(batch):
+            params[f"id_{n}"] = task.id
+            params[f"props_{n}"] = task.props_json()
+            params[f"launch_at_{n}"] = to_db(task.launch_at)
+            params[f"expires_at_{n}"] = to_db(task.expires_at)
+        try:
+            with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
+                added = {str(row[0]): int(row[1])
+                         for row in conn.execute(db.sql.submit_many(len(batch)), params)}
+                if len(added) < len(batch):
+                    raise _Existing([task.id for task in batch if task.id not in added])
+                db.next_token_used(conn, max(added.values()))
+                db.execute(conn, "notify_batch", {"ready": min(added.values())})
+        except _Existing as refused:  # rolled back: the batch added nothing
+            return refused.ids
+        return []
 
     def delete_task(self, task_id: str) -> None:
         validate_task_id(task_id)

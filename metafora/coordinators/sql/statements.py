@@ -236,6 +236,8 @@ _SQL: dict[str, str] = {
         " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
         " {now}, {now}) ON CONFLICT (namespace, id) DO NOTHING RETURNING ready, {notify_task}"
     ),
+    # One wake-up for a bulk submit (see submit_many), not one per task.
+    "notify_batch": "SELECT {notify_batch}",
     "delete": (
         "DELETE FROM metafora_tasks WHERE namespace = :ns AND id = :id"
         " RETURNING state, owner, {notify_owner}"
@@ -281,12 +283,26 @@ _SQL: dict[str, str] = {
 
 _EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 
+# Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N and
+# expires_at_N (ROWNUM in the template). On SQLite the rows of a batch share one ready value.
+_SUBMIT_MANY = (
+    "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
+    " expires_at, attempts, created_at, updated_at) VALUES {rows}"
+    " ON CONFLICT (namespace, id) DO NOTHING RETURNING id, ready"
+)
+_SUBMIT_ROW = (
+    "(:ns, :id_ROWNUM, :props_ROWNUM, 'pending', 0, {next_token}, :launch_at_ROWNUM,"
+    " :expires_at_ROWNUM, 0, {now}, {now})"
+)
+
 
 class Statements:
     """The statements of one store, as compiled-once :class:`~sqlalchemy.TextClause` objects."""
 
     def __init__(self, dialect: Dialect) -> None:
         fragments = dialect.fragments()
+        self._row = _SUBMIT_ROW.format(**fragments)
+        self._many: dict[int, TextClause] = {}
         self._built: dict[str, TextClause] = {}
         for name, sql in _SQL.items():
             clause = text(sql.format(**fragments))
@@ -296,3 +312,11 @@ class Statements:
 
     def __getitem__(self, name: str) -> TextClause:
         return self._built[name]
+
+    def submit_many(self, rows: int) -> TextClause:
+        """The multi-row INSERT of ``rows`` tasks (built once per size; returns id, ready)."""
+        clause = self._many.get(rows)
+        if clause is None:
+            values = ", ".join(self._row.replace("ROWNUM", str(n)) for n in range(rows))
+            clause = self._many[rows] = text(_SUBMIT_MANY.format(rows=values))
+        return clause

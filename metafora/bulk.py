@@ -1,0 +1,49 @@
+"""What every store's ``Client.submit_tasks`` shares: input checks, batching, the refusal."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+from metafora.errors import ConfigError, TaskExists
+from metafora.task import Task
+
+__all__ = ["batches", "checked", "exists_error"]
+
+_NAMED = 20  # ids named in a message; the exception's ``ids`` holds them all
+
+
+def checked(tasks: Iterable[Task]) -> list[Task]:
+    """``tasks`` as a list of Tasks with distinct ids; TaskExists naming any id given twice."""
+    if isinstance(tasks, (str, bytes, Task)) or not isinstance(tasks, Iterable):
+        raise ConfigError(f"submit_tasks takes an iterable of Task, got {type(tasks).__name__}")
+    todo = list(tasks)
+    for number, task in enumerate(todo, 1):
+        if not isinstance(task, Task):
+            raise ConfigError(f"submit_tasks: item {number} is a {type(task).__name__}, not a Task")
+    repeated = [task_id for task_id, n in Counter(t.id for t in todo).items() if n > 1]
+    if repeated:
+        raise TaskExists(f"task id(s) {_names(repeated)} given more than once; nothing was added",
+                         ids=repeated)
+    return todo
+
+
+def batches(tasks: Sequence[Task], size: int) -> Iterator[Sequence[Task]]:
+    """``tasks`` in consecutive slices of at most ``size``."""
+    for start in range(0, len(tasks), size):
+        yield tasks[start:start + size]
+
+
+def exists_error(existing: Sequence[str], added: int, total: int, store: str) -> TaskExists:
+    """The refusal of a batch: which ids exist, and what the call added before it."""
+    return TaskExists(
+        f"task(s) {_names(existing)} already exist in {store}: their batch added nothing;"
+        f" {added} of the {total} task(s) were added before it",
+        ids=existing, submitted=added,
+    )
+
+
+def _names(ids: Sequence[str]) -> str:
+    shown = ", ".join(repr(i) for i in sorted(ids)[:_NAMED])
+    more = len(ids) - _NAMED
+    return f"{shown} and {more} more" if more > 0 else shown
