@@ -48,7 +48,7 @@ def test_a_batch_with_an_existing_id_adds_nothing_and_names_it(store_url: str) -
 
 def test_ids_repeated_in_the_input_are_refused_before_anything_is_written(store_url: str) -> None:
     with open_client(store_url) as client:
-        with pytest.raises(TaskExists, match="'dup'.*more than once") as info:
+        with pytest.raises(TaskExists, match=r"'dup'.*more than once") as info:
             client.submit_tasks([Task("a"), Task("dup"), Task("b"), Task("dup")])
         assert info.value.ids == ("dup",) and info.value.submitted == 0
         with pytest.raises(ConfigError, match="item 2"):
