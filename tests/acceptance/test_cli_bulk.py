@@ -22,7 +22,8 @@ def test_submit_from_stdin_in_a_subprocess(tmp_path: Path) -> None:
     with open_client(url) as client:
         infos = client.tasks()
     assert len(infos) == 1500 and all(i.state is TaskState.PENDING for i in infos)
+    first_five = "".join(lines.splitlines(keepends=True)[:5])
     again = subprocess.run([sys.executable, "-m", "metafora", "--url", url, "submit", "--from-file", "-"],
-                           input="".join(lines.splitlines(keepends=True)[:5]), env=_env(), capture_output=True, text=True, timeout=120,
+                           input=first_five, env=_env(), capture_output=True, text=True, timeout=120,
                            check=False)
     assert again.returncode == 1 and "already exist" in again.stderr and "Traceback" not in again.stderr
