@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from metafora import Task, TaskState, open_client, simple_handler
 from metafora.errors import ConfigError, TaskExists
 from metafora.testing import LocalCluster, wait_for
+from tests.helpers import RanIds
 
 N = 1200  # more than two SQL batches (500) and many etcd txns (42 tasks each)
 
@@ -59,16 +59,9 @@ def test_ids_repeated_in_the_input_are_refused_before_anything_is_written(store_
 
 
 def test_bulk_submitted_tasks_are_run_by_a_consumer(store_url: str) -> None:
-    seen: set[str] = set()
-    lock = threading.Lock()
-
-    def work(task: Task, stop: threading.Event) -> bool:
-        with lock:
-            seen.add(task.id)
-        return True
-
+    ran = RanIds()
     with LocalCluster(store_url) as cluster:
-        cluster.add(simple_handler(work), "bulk-runner")
+        cluster.add(simple_handler(ran), "bulk-runner")
         cluster.client.submit_tasks(Task(i) for i in _ids(600))
         wait_for(lambda: len(cluster.client.tasks("done")) == 600, 120, "600 bulk tasks done")
-        assert seen == set(_ids(600)) and not cluster.errors
+        assert sorted(ran.ids) == _ids(600) and not cluster.errors

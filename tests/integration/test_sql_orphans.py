@@ -7,15 +7,14 @@ started afterwards sees it released and runs it.
 
 from __future__ import annotations
 
-import threading
-
 from sqlalchemy import text
 
-from metafora import Task, TaskState, simple_handler
+from metafora import TaskState, simple_handler
 from metafora.config import parse_store_url
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database
 from metafora.testing import LocalCluster, wait_for
+from tests.helpers import RanIds
 
 
 def _write_claimed_rows(url: str, rows: list[tuple[str, str | None]]) -> None:
@@ -33,22 +32,15 @@ def _write_claimed_rows(url: str, rows: list[tuple[str, str | None]]) -> None:
 
 
 def test_claimed_rows_with_no_live_owner_are_released_and_run(sql_url: str) -> None:
-    ran: list[str] = []
-    lock = threading.Lock()
-
-    def work(task: Task, stop: threading.Event) -> bool:
-        with lock:
-            ran.append(task.id)
-        return True
-
+    ran = RanIds()
     with LocalCluster(sql_url) as cluster:
         cluster.client.tasks()  # creates the schema
         _write_claimed_rows(sql_url, [("no-owner", None), ("ghost-owner", "never-registered")])
         assert {i.id: i.state for i in cluster.client.tasks()} == {
             "no-owner": TaskState.CLAIMED, "ghost-owner": TaskState.CLAIMED}
-        cluster.add(simple_handler(work), "rescuer", coordinator_options={"poll_interval": 0.2})
+        cluster.add(simple_handler(ran), "rescuer", coordinator_options={"poll_interval": 0.2})
         wait_for(lambda: len(cluster.client.tasks("done")) == 2, 60, "both rows run to done")
-        assert sorted(ran) == ["ghost-owner", "no-owner"]
+        assert sorted(ran.ids) == ["ghost-owner", "no-owner"]
         for task_id in ("no-owner", "ghost-owner"):
             info = cluster.client.get_task(task_id)
             assert info.token != 7 and info.attempts == 1 and info.owner is None
