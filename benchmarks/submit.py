@@ -1,7 +1,7 @@
 """Bulk submit (issue 11 item 6): 20,000 tasks by ``Client.submit_tasks`` vs one at a time.
 
 ``python -m benchmarks submit [--quick] [--stores postgresql,sqlite,etcd]``. For each store:
-one ``submit_tasks`` call of N tasks (batched: SQL 500 rows per INSERT, etcd 42 tasks per
+one ``submit_tasks`` call of N tasks (batched: SQL 500 rows per INSERT, etcd 32 tasks per
 128-op txn), then N ``submit_task`` calls from 8 threads (the way it had to be done before),
 each on a fresh namespace; prints tasks/s and saves ``results/submit.json``.
 """

@@ -28,10 +28,18 @@ def checked(tasks: Iterable[Task]) -> list[Task]:
     return todo
 
 
-def batches(tasks: Sequence[Task], size: int) -> Iterator[Sequence[Task]]:
-    """``tasks`` in consecutive slices of at most ``size``."""
-    for start in range(0, len(tasks), size):
-        yield tasks[start:start + size]
+def batches(tasks: Sequence[Task], size: int, max_bytes: int | None = None) -> Iterator[Sequence[Task]]:
+    """``tasks`` in consecutive slices of at most ``size`` tasks and about ``max_bytes`` of ids
+    and props (a store's request limit; a task larger than that goes alone)."""
+    start, weight = 0, 0
+    for end, task in enumerate(tasks):
+        cost = len(task.id) + len(task.props_json()) if max_bytes is not None else 0
+        if end > start and (end - start >= size or (max_bytes is not None and weight + cost > max_bytes)):
+            yield tasks[start:end]
+            start, weight = end, 0
+        weight += cost
+    if start < len(tasks):
+        yield tasks[start:]
 
 
 def exists_error(existing: Sequence[str], added: int, total: int, store: str) -> TaskExists:

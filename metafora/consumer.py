@@ -24,7 +24,7 @@ from metafora import commands as cmds
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -164,6 +164,10 @@ class _Context(CoordinatorContext):
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
 
+    @property
+    def max_crashes(self) -> int | None:
+        return self._consumer._max_crashes
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -173,6 +177,9 @@ class Consumer:
     - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
       ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
     - ``max_tasks``: at most this many tasks run at once on this node.
+    - ``max_crashes``: a task whose last claims ended this many times in a row with their node
+      dead (a handler that kills its process) is failed instead of run again (default 5;
+      None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
     - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
       ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
@@ -193,6 +200,7 @@ class Consumer:
         balance_every: float | timedelta = 60.0,
         balance_jitter: float = 0.1,
         max_tasks: int | None = None,
+        max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
@@ -207,6 +215,10 @@ class Consumer:
             raise ConfigError("handler_func must be callable: Task -> Handler")
         if max_tasks is not None and (not isinstance(max_tasks, int) or max_tasks < 1):
             raise ConfigError(f"max_tasks must be a positive integer or None, got {max_tasks!r}")
+        if max_crashes is not None and (
+            not isinstance(max_crashes, int) or isinstance(max_crashes, bool) or max_crashes < 0
+        ):
+            raise ConfigError(f"max_crashes must be a non-negative integer or None, got {max_crashes!r}")
         if not 0 <= balance_jitter < 1:
             raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
         self._coord = coordinator
@@ -215,6 +227,7 @@ class Consumer:
         self._balance_every = _seconds(balance_every, "balance_every")
         self._balance_jitter = balance_jitter
         self._max_tasks = max_tasks
+        self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)

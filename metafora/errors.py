@@ -20,6 +20,7 @@ __all__ = [
     "MetaforaError",
     "NodeExists",
     "NodeNotFound",
+    "RequestTooLarge",
     "StoreError",
     "TaskExists",
     "TaskNotFound",
@@ -44,6 +45,10 @@ class InvalidProps(MetaforaError, ValueError):
 
 class InvalidCommand(MetaforaError, ValueError):
     """A command is unknown or malformed."""
+
+
+class RequestTooLarge(MetaforaError, ValueError):
+    """The store refused a request as over its size limit: retrying cannot help (a usage error)."""
 
 
 class TaskExists(MetaforaError):

@@ -11,10 +11,26 @@ from datetime import UTC, datetime
 from typing import Any
 
 from metafora.errors import InvalidProps, InvalidTaskId
+from metafora.jsontext import MAX_DEPTH, check_depth, load_object
 
-__all__ = ["MAX_TASK_ID_LENGTH", "Task", "TaskInfo", "TaskState", "parse_time", "validate_task_id"]
+__all__ = [
+    "MAX_PROPS_BYTES",
+    "MAX_PROPS_DEPTH",
+    "MAX_TASK_ID_LENGTH",
+    "Task",
+    "TaskInfo",
+    "TaskState",
+    "decode_props",
+    "parse_time",
+    "validate_task_id",
+]
 
 MAX_TASK_ID_LENGTH = 256
+MAX_PROPS_BYTES = 1024 * 1024
+"""The largest props a task may carry, as compact JSON (UTF-8 bytes). etcd refuses requests
+over 1.5 MiB by default; one limit for every store keeps a task portable between them."""
+MAX_PROPS_DEPTH = MAX_DEPTH
+"""How deeply props may nest objects and arrays (the props object itself is level 1)."""
 _TIME_PROPS = ("launch_at", "expires_at")
 
 
@@ -69,15 +85,33 @@ def _freeze_props(props: object) -> Mapping[str, Any]:
     for key in props:
         if not isinstance(key, str):
             raise InvalidProps(f"props keys must be strings, got {key!r}")
+    # Depth first, without recursion: json.dumps of a deep structure would raise RecursionError
+    # at a depth that depends on the caller's own stack.
+    check_depth(props, "props", InvalidProps)
     try:
-        # A JSON round trip both validates and takes a private copy of the caller's data.
-        plain: dict[str, Any] = json.loads(json.dumps(dict(props), allow_nan=False))
+        encoded = json.dumps(dict(props), allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidProps(f"props are not JSON-serialisable: {exc}") from None
+    if len(encoded) > MAX_PROPS_BYTES:  # ASCII (json.dumps escapes the rest): len is bytes
+        raise InvalidProps(f"props take {len(encoded)} bytes as JSON; the limit is {MAX_PROPS_BYTES}")
+    # The JSON round trip also takes a private copy of the caller's data.
+    plain: dict[str, Any] = json.loads(encoded)
     for name in _TIME_PROPS:
         if name in plain and plain[name] is not None:
             parse_time(plain[name], f"prop {name!r}")
     return plain  # a private copy; the dataclass is frozen, so it is never swapped
+
+
+def decode_props(raw: str | bytes, task_id: str) -> dict[str, Any]:
+    """Props read back from a store; raise :class:`InvalidProps` naming the damage.
+
+    Rows and keys may be written around metafora (by hand, by another program): text that is
+    not JSON, not an object, nested too deep or too large is reported, never read as ``{}``.
+    """
+    what = f"stored props of task {task_id!r}"
+    if len(raw) > 2 * MAX_PROPS_BYTES:  # room for a store's own formatting of the text
+        raise InvalidProps(f"{what}: {len(raw)} bytes, over the limit of {MAX_PROPS_BYTES}")
+    return load_object(raw, what, InvalidProps)
 
 
 @dataclass(frozen=True)

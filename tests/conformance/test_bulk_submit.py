@@ -11,7 +11,7 @@ from metafora.errors import ConfigError, TaskExists
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 
-N = 1200  # more than two SQL batches (500) and many etcd txns (42 tasks each)
+N = 1200  # more than two SQL batches (500) and many etcd txns (32 tasks each)
 
 
 def _ids(n: int) -> list[str]:
@@ -65,3 +65,10 @@ def test_bulk_submitted_tasks_are_run_by_a_consumer(store_url: str) -> None:
         cluster.client.submit_tasks(Task(i) for i in _ids(600))
         wait_for(lambda: len(cluster.client.tasks("done")) == 600, 120, "600 bulk tasks done")
         assert sorted(ran.ids) == _ids(600) and not cluster.errors
+
+
+def test_large_props_are_split_into_requests_the_store_accepts(store_url: str) -> None:
+    big = "x" * 100_000  # 40 x 100 kB: one etcd txn would exceed its 1.5 MiB request limit
+    with open_client(store_url) as client:
+        client.submit_tasks(Task(f"big-{i:02d}", {"blob": big}) for i in range(40))
+        assert len(client.tasks()) == 40 and client.get_task("big-39").props == {"blob": big}

@@ -102,7 +102,8 @@ class EtcdClient(Client):
             raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
         log.debug("submitted task %s", task.id, extra={"task": task.id})
 
-    _batch_size = _TXN_OPS // 3  # three ops per task
+    _batch_size = _TXN_OPS // 4  # four ops per task
+    _batch_bytes = 1024 * 1024  # etcd refuses requests over 1.5 MiB by default
 
     def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
         self._check_open()
@@ -111,7 +112,7 @@ class EtcdClient(Client):
         records = [encode_json({"props": dict(t.props), "created_at": created}) for t in batch]
         # A fresh task starts clean even if a crashed writer left a stray key behind.
         puts = [op for k, record in zip(keys, records, strict=True)
-                for op in (Put(k.props, record), Delete(k.state), Delete(k.claim))]
+                for op in (Put(k.props, record), Delete(k.state), Delete(k.claim), Delete(k.running))]
         for _ in range(_RETRIES):
             result = self._driver.txn([absent(k.props) for k in keys], puts,
                                       [Range(k.props) for k in keys], repeatable=True)
@@ -156,7 +157,8 @@ class EtcdClient(Client):
             if rec.state is None:
                 continue  # expired by this very read; read again
             result = self._driver.txn(
-                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state)]
+                # A retried task starts with no crash count (max_crashes counts afresh).
+                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state), Delete(tk.running)]
             )
             if result.succeeded:
                 return

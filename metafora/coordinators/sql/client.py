@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -15,12 +14,13 @@ from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
+    InvalidProps,
     InvalidTaskState,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_task_id
 
 __all__ = ["SQLClient"]
 
@@ -68,15 +68,13 @@ class SQLClient(Client):
 
     def _info(self, row: Any) -> TaskInfo:
         conv = self._db.dialect.from_db_time
+        error = row[6]
         try:
-            props = json.loads(row[1])
-            if not isinstance(props, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            # Written by hand, not by metafora: show the task (the listing must still work).
-            log.warning("task %s has invalid stored props (shown as {}): %s", row[0], exc,
-                        extra={"task": row[0]})
-            props = {}
+            props = decode_props(row[1], str(row[0]))
+        except InvalidProps as exc:
+            # Written around metafora: listed with the damage as its error (a claim fails it).
+            log.warning("%s (listed with empty props)", exc, extra={"task": row[0]})
+            props, error = {}, error or str(exc)
         return TaskInfo(
             id=str(row[0]),
             props=props,
@@ -84,7 +82,7 @@ class SQLClient(Client):
             owner=row[3],
             token=int(row[4]),
             claimed_at=conv(row[5]),
-            error=row[6],
+            error=error,
             created_at=conv(row[7]),
             finished_at=conv(row[8]),
             attempts=int(row[9]),
@@ -108,6 +106,7 @@ class SQLClient(Client):
         log.debug("submitted task %s", task.id, extra={"task": task.id})
 
     _batch_size = BATCH
+    _batch_bytes = 16 * 1024 * 1024  # one statement stays a reasonable size with large props
 
     def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
         db = self._ready()
