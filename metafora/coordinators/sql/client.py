@@ -38,6 +38,17 @@ _STORED_AS = {
 }
 
 
+def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
+    """The bind parameters of one submitted task (``suffix``: its row in a multi-row INSERT)."""
+    to_db = db.dialect.to_db_time
+    return {
+        f"id{suffix}": task.id,
+        f"props{suffix}": task.props_json(),
+        f"launch_at{suffix}": to_db(task.launch_at),
+        f"expires_at{suffix}": to_db(task.expires_at),
+    }
+
+
 class _Existing(Exception):
     """Rolls a bulk submit's batch back: these ids exist."""
 
@@ -90,13 +101,7 @@ class SQLClient(Client):
 
     def submit_task(self, task: Task) -> None:
         db = self._ready()
-        to_db = db.dialect.to_db_time
-        params = {
-            "id": task.id,
-            "props": task.props_json(),
-            "launch_at": to_db(task.launch_at),
-            "expires_at": to_db(task.expires_at),
-        }
+        params = _task_params(task, db)
         with db.write() as conn:
             row = db.execute(conn, "submit", params).first()
             if row is not None:
@@ -110,13 +115,9 @@ class SQLClient(Client):
 
     def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
         db = self._ready()
-        to_db = db.dialect.to_db_time
         params: dict[str, Any] = {"ns": db.config.namespace}
         for n, task in enumerate(batch):
-            params[f"id_{n}"] = task.id
-            params[f"props_{n}"] = task.props_json()
-            params[f"launch_at_{n}"] = to_db(task.launch_at)
-            params[f"expires_at_{n}"] = to_db(task.expires_at)
+            params.update(_task_params(task, db, f"_{n}"))
         try:
             with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
                 added = {str(row[0]): int(row[1])
