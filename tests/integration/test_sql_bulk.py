@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,6 +17,7 @@ from sqlalchemy.engine import Engine
 from metafora import Task, open_client
 from metafora.config import parse_store_url
 from metafora.coordinators.sql.dialect import channel_name
+from tests.integration.test_sql_coordinator import Nodes, next_offer
 
 N = 1200  # three batches of at most 500
 
@@ -53,3 +57,20 @@ def test_one_notification_per_batch_on_postgresql(postgres_url: str) -> None:
         client.submit_task(Task("single"))  # a single submit still names its task
         payloads = [n.payload for n in listener.notifies(timeout=10, stop_after=4)]
     assert [p[0] for p in payloads] == ["b", "b", "b", "t"] and payloads[-1] == "tsingle"
+
+
+def test_a_watch_is_woken_once_per_batch_not_by_its_safety_net(sql_url: str) -> None:
+    nodes = Nodes(sql_url)
+    with nodes.stack:
+        # The safety-net rescan and the lease-expiry wake-ups are minutes away.
+        watcher = nodes.node("w", poll_interval=300, lease_ttl=300)
+        offers = nodes.watch(watcher)
+        nodes.client.submit_task(Task("first"))
+        next_offer(offers, "first", 30)  # the watch has done its first full scan
+        nodes.client.submit_tasks(Task(f"t{i:05d}") for i in range(N))
+        wanted = {f"t{i:05d}" for i in range(N)}
+        deadline = time.monotonic() + 60
+        while wanted and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                wanted.discard(offers.get(timeout=1).id)
+        assert not wanted, f"{len(wanted)} bulk-submitted tasks were never offered"
