@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from metafora import Task, simple_handler
 from metafora.testing import LocalCluster, wait_for
-from tests.unit.test_masking import _all_records, _leaks, passwords
+from tests.unit.test_masking import all_records, leaks, passwords
 
 
 def _get(addr: str, path: str) -> str:
@@ -38,7 +38,7 @@ def test_info_metrics_and_logs_never_show_the_password(postgres_database_url: st
     url = postgres_database_url.replace("://postgres@", f"://postgres:{secret}@", 1) + (
         f"{sep}namespace=m{uuid.uuid4().hex[:10]}"
     )
-    with _all_records() as records, LocalCluster(url) as cluster:
+    with all_records() as records, LocalCluster(url) as cluster:
         consumer = cluster.add(simple_handler(lambda task, stop: True), "masked",
                                http_addr="127.0.0.1:0")
         cluster.client.submit_task(Task("t"))
@@ -48,4 +48,4 @@ def test_info_metrics_and_logs_never_show_the_password(postgres_database_url: st
     store = json.loads(info)["store"]
     assert store.startswith("postgresql://127.0.0.1:") and "@" not in store and "?" not in store
     texts = [info, metrics, cluster.client.name, *records.texts]
-    assert [(text, _leaks(text)) for text in texts if _leaks(text)] == []
+    assert [(text, leaks(text)) for text in texts if leaks(text)] == []

@@ -148,7 +148,7 @@ def urls(draw: st.DrawFn) -> tuple[str, str]:
     return f"{scheme}{slashes}{auth}{host}{tail}", password
 
 
-def _leaks(text: str) -> list[str]:
+def leaks(text: str) -> list[str]:
     return _MARKER_RE.findall(text)
 
 
@@ -164,7 +164,7 @@ class _Records(logging.Handler):
 
 
 @contextmanager
-def _all_records() -> Iterator[_Records]:
+def all_records() -> Iterator[_Records]:
     handler = _Records()
     root = logging.getLogger()
     old = root.level
@@ -181,8 +181,8 @@ def _all_records() -> Iterator[_Records]:
 @given(urls())
 def test_no_library_channel_shows_the_password(case: tuple[str, str]) -> None:
     url, password = case
-    assert _leaks(password)
-    with _all_records() as records:
+    assert leaks(password)
+    with all_records() as records:
         shown = [mask_url(url), mask_url(url, brief=True), scrub(f"x {url} {password} y", url)]
         try:
             parsed = parse_store_url(url)
@@ -204,7 +204,7 @@ def test_no_library_channel_shows_the_password(case: tuple[str, str]) -> None:
                     shown += [client.name, repr(client)]
                     client.close()
     shown += records.texts
-    assert [(text, _leaks(text)) for text in shown if _leaks(text)] == []
+    assert [(text, leaks(text)) for text in shown if leaks(text)] == []
 
 
 @settings(max_examples=100, deadline=None,
@@ -217,8 +217,8 @@ def test_no_cli_output_shows_the_password(tmp_path_factory: pytest.TempPathFacto
     if "sqlite" in url:  # a well-formed SQLite URL names a file: keep it in a temporary directory
         url = url.replace(":///", f":///{tmp_path_factory.mktemp('cli')}/", 1)
     args = ["--url", url, "--log-level", level] + (["--log-json"] if json_logs else []) + [command]
-    with _all_records() as records:
+    with all_records() as records:
         result = CliRunner().invoke(cli, args, env={"METAFORA_URL": None})
     assert result.exit_code in (0, 2, 3), (result.exit_code, result.output)
     texts = [result.stdout, result.stderr, *records.texts]
-    assert [(text, _leaks(text)) for text in texts if _leaks(text)] == []
+    assert [(text, leaks(text)) for text in texts if leaks(text)] == []
