@@ -4,23 +4,32 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
 
-from metafora.errors import ConfigError, TaskExists
-from metafora.task import Task
+from metafora.errors import ConfigError, InvalidProps, TaskExists
+from metafora.task import Task, validate_schedule
 
 __all__ = ["batches", "checked", "exists_error"]
 
 _NAMED = 20  # ids named in a message; the exception's ``ids`` holds them all
 
 
-def checked(tasks: Iterable[Task]) -> list[Task]:
-    """``tasks`` as a list of Tasks with distinct ids; TaskExists naming any id given twice."""
+def checked(tasks: Iterable[Task], now: datetime) -> list[Task]:
+    """``tasks`` as a list of Tasks with distinct ids, each claimable some time after ``now``.
+
+    TaskExists names any id given twice; InvalidProps names a task that could never be
+    claimed. Nothing is written before every task passed.
+    """
     if isinstance(tasks, (str, bytes, Task)) or not isinstance(tasks, Iterable):
         raise ConfigError(f"submit_tasks takes an iterable of Task, got {type(tasks).__name__}")
     todo = list(tasks)
     for number, task in enumerate(todo, 1):
         if not isinstance(task, Task):
             raise ConfigError(f"submit_tasks: item {number} is a {type(task).__name__}, not a Task")
+        try:
+            validate_schedule(task, now)
+        except InvalidProps as exc:
+            raise InvalidProps(f"submit_tasks: task {task.id!r} (item {number}): {exc}") from None
     repeated = [task_id for task_id, n in Counter(t.id for t in todo).items() if n > 1]
     if repeated:
         raise TaskExists(f"task id(s) {_names(repeated)} given more than once; nothing was added",

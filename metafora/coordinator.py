@@ -17,6 +17,7 @@ from typing import Any, Self
 
 from metafora import bulk
 from metafora.balancer import ClusterState
+from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.task import Task, TaskInfo, TaskState
 
@@ -234,9 +235,11 @@ class Client(ClusterState, abc.ABC):
         All-or-nothing per batch: a batch holding an id that already exists adds nothing and
         raises TaskExists naming those ids (``.ids``); the batches before it stay added
         (``.submitted`` says how many tasks). An id given twice in ``tasks`` is refused
-        before anything is written. One wake-up per batch, not per task.
+        before anything is written, and so is a task that could never be claimed
+        (``InvalidProps``, see :func:`~metafora.task.validate_schedule`). One wake-up per
+        batch, not per task.
         """
-        todo = bulk.checked(tasks)
+        todo = bulk.checked(tasks, self._now())
         added = 0
         for batch in bulk.batches(todo, self._batch_size, self._batch_bytes):
             existing = self._submit_batch(batch)
@@ -244,6 +247,11 @@ class Client(ClusterState, abc.ABC):
                 raise bulk.exists_error(existing, added, len(todo), self.name)
             added += len(batch)
         log.debug("submitted %d tasks to %s", added, self.name)
+
+    def _now(self) -> datetime:
+        """The time a submitted task's schedule is judged by (this machine's clock; a store
+        with an injected clock judges by that)."""
+        return SYSTEM_CLOCK.now()
 
     _batch_size = 500
     """Tasks per batch of :meth:`submit_tasks` (a store's limit on one write)."""

@@ -40,7 +40,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -411,6 +411,7 @@ class MemoryClient(Client):
         s = self._store
         with s.cond:
             self._check_open()
+            validate_schedule(task, s.clock.now())
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
             row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())
@@ -418,6 +419,9 @@ class MemoryClient(Client):
             row.ready = s.bump()
 
     _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
+
+    def _now(self) -> datetime:
+        return self._store.clock.now()
 
     def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
         s = self._store

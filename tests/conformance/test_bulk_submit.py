@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Task, TaskState, open_client, simple_handler
-from metafora.errors import ConfigError, TaskExists
+from metafora.errors import ConfigError, InvalidProps, TaskExists
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 
@@ -51,6 +51,9 @@ def test_ids_repeated_in_the_input_are_refused_before_anything_is_written(store_
         with pytest.raises(TaskExists, match=r"'dup'.*more than once") as info:
             client.submit_tasks([Task("a"), Task("dup"), Task("b"), Task("dup")])
         assert info.value.ids == ("dup",) and info.value.submitted == 0
+        past = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+        with pytest.raises(InvalidProps, match=r"'never' \(item 2\)"):
+            client.submit_tasks([Task("a"), Task("never", {"expires_at": past})])
         with pytest.raises(ConfigError, match="item 2"):
             client.submit_tasks([Task("a"), "b"])  # type: ignore[list-item]
         with pytest.raises(ConfigError, match="iterable of Task"):

@@ -46,6 +46,7 @@ def test_from_stdin(url: str, client: Client) -> None:
         ('{"id": 7}', EXIT_USAGE, "line 3: task id must be a string"),
         ('{"id": "x", "props": [1]}', EXIT_USAGE, "line 3: props must be a JSON object"),
         ('{"id": "x", "props": {"launch_at": "soon"}}', EXIT_USAGE, "line 3: prop 'launch_at'"),
+        ('{"id": "x", "props": {"expires_at": "2000-01-01T00:00:00Z"}}', EXIT_USAGE, "line 3: "),
         ('{"id": "f0000"}', EXIT_REFUSED, "given more than once"),
     ],
 )

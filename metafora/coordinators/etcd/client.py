@@ -53,7 +53,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["EtcdClient"]
 
@@ -98,9 +98,14 @@ class EtcdClient(Client):
     # -- tasks ------------------------------------------------------------------------
 
     def submit_task(self, task: Task) -> None:
+        self._check_open()
+        validate_schedule(task, self._clock.now())
         if self._submit_batch([task]):
             raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    def _now(self) -> datetime:
+        return self._clock.now()
 
     _batch_size = _TXN_OPS // 4  # four ops per task
     _batch_bytes = 1024 * 1024  # etcd refuses requests over 1.5 MiB by default

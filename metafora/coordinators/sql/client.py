@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.sql.statements import BATCH
@@ -20,7 +21,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
 
 __all__ = ["SQLClient"]
 
@@ -100,6 +101,7 @@ class SQLClient(Client):
         )
 
     def submit_task(self, task: Task) -> None:
+        validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
         params = _task_params(task, db)
         with db.write() as conn:
