@@ -35,6 +35,7 @@ from metafora.errors import (
 )
 from metafora.handler import Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
+from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
@@ -310,7 +311,7 @@ class Consumer:
             ignores = sorted(self._ignores)
         return {
             "node": self.node_id,
-            "store": self._coord.name,
+            "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +13,7 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
@@ -50,6 +52,25 @@ def _successor(prefix: str) -> str | None:
     if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: skip to U+E000
         following = 0xE000
     return prefix[:-1] + chr(following)
+
+
+def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
+    """The bind parameters of one submitted task (``suffix``: its row in a multi-row INSERT)."""
+    to_db = db.dialect.to_db_time
+    return {
+        f"id{suffix}": task.id,
+        f"props{suffix}": task.props_json(),
+        f"launch_at{suffix}": to_db(task.launch_at),
+        f"expires_at{suffix}": to_db(task.expires_at),
+    }
+
+
+class _Existing(Exception):
+    """Rolls a bulk submit's batch back: these ids exist."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__(ids)
+        self.ids = ids
 
 
 class SQLClient(Client):
@@ -98,13 +119,7 @@ class SQLClient(Client):
     def submit_task(self, task: Task) -> None:
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
-        to_db = db.dialect.to_db_time
-        params = {
-            "id": task.id,
-            "props": task.props_json(),
-            "launch_at": to_db(task.launch_at),
-            "expires_at": to_db(task.expires_at),
-        }
+        params = _task_params(task, db)
         with db.write() as conn:
             row = db.execute(conn, "submit", params).first()
             if row is not None:
@@ -112,6 +127,26 @@ class SQLClient(Client):
         if row is None:
             raise TaskExists(f"task {task.id!r} already exists in {self.name}")
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    _batch_size = BATCH
+    _batch_bytes = 16 * 1024 * 1024  # one statement stays a reasonable size with large props
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        db = self._ready()
+        params: dict[str, Any] = {"ns": db.config.namespace}
+        for n, task in enumerate(batch):
+            params.update(_task_params(task, db, f"_{n}"))
+        try:
+            with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
+                added = {str(row[0]): int(row[1])
+                         for row in conn.execute(db.sql.submit_many(len(batch)), params)}
+                if len(added) < len(batch):
+                    raise _Existing([task.id for task in batch if task.id not in added])
+                db.next_token_used(conn, max(added.values()))
+                db.execute(conn, "notify_batch", {"ready": min(added.values())})
+        except _Existing as refused:  # rolled back: the batch added nothing
+            return refused.ids
+        return []
 
     def delete_task(self, task_id: str) -> None:
         validate_task_id(task_id)
