@@ -30,11 +30,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from metafora import commands
-from metafora.cli._common import scrub
 from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, NodeNotFound, TaskNotFound
+from metafora.masking import scrub
 from metafora.task import TaskState, validate_task_id
 from metafora.web.server import display_url
 

@@ -10,8 +10,8 @@ import time
 from types import TracebackType
 from typing import Any, Self
 
-from metafora.config import parse_store_url
 from metafora.errors import ConfigError
+from metafora.masking import mask_url
 
 __all__ = ["ENV_TOKEN", "WebServer", "display_url", "is_loopback", "parse_bind"]
 
@@ -47,10 +47,8 @@ def is_loopback(host: str) -> bool:
 
 def display_url(url: str) -> str:
     """The store as a page may show it: scheme, hosts and database/path only (no user,
-    password or query options)."""
-    parsed = parse_store_url(url)
-    hosts = ",".join(f"[{h}]" if ":" in h else h if p is None else f"{h}:{p}" for h, p in parsed.hosts)
-    return f"{parsed.scheme}://{hosts}{parsed.path}"
+    password or query options) -- the one masking function's brief form."""
+    return mask_url(url, brief=True)
 
 
 class WebServer:
