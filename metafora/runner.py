@@ -1,0 +1,357 @@
+"""The handler runner: sync handlers on reusable threads, async ones on one event loop.
+
+A :class:`HandlerRunner` belongs to one Consumer. It starts each handler where it belongs
+(a thread of its own for :class:`~metafora.handler.Handler`, a task on the node's event loop
+for :class:`~metafora.handler.AsyncHandler`), delivers ``stop()`` and, for async handlers,
+cancellation, and hands each handler's result to a ``finish`` callback **off the event
+loop**: the callback writes to the store, which blocks.
+
+The event loop runs in a named thread started with the first async handler and is
+supervised: if it dies, the consumer is told (``on_fatal``) and shuts down. A watchdog
+thread warns when the loop is blocked (an async handler made a blocking call) for longer
+than ``slow_callback`` seconds, naming the task and where it is stuck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from metafora.handler import AsyncHandler, Handler, is_async
+
+__all__ = ["AsyncRun", "Finish", "HandlerRunner", "Run", "SyncRun"]
+
+log = logging.getLogger(__name__)
+
+Finish = Callable[[bool | None, BaseException | None], None]
+"""Called once a handler ended: ``(result, None)``, or ``(None, error)`` if it raised."""
+
+_OUTCOME_WRITERS = 8  # threads writing async handlers' outcomes (the store serialises them anyway)
+
+
+class SyncRun:
+    """A handler running on a thread: stop() is delivered directly; it cannot be cancelled."""
+
+    is_async = False
+
+    def __init__(self, handler: Handler, name: str) -> None:
+        self.handler = handler
+        self.name = name
+
+    def stop(self) -> None:
+        """Ask the handler to return (may raise what the handler's stop() raises)."""
+        self.handler.stop()
+
+
+class AsyncRun:
+    """A handler running as a task on the node's event loop."""
+
+    is_async = True
+
+    def __init__(self, handler: AsyncHandler | Handler, loop: _EventLoop, name: str,
+                 finish: Finish) -> None:
+        self.handler = handler
+        self.name = name
+        self.finish = finish
+        self.task: asyncio.Task[Any] | None = None
+        self._loop = loop
+
+    def stop(self) -> None:
+        """Call the handler's stop() on the loop's thread (where asyncio objects may be used)."""
+        self._loop.call(lambda: _call_stop(self))
+
+    def cancel(self) -> None:
+        """Cancel the handler's task (a lost claim, or stop() ignored at shutdown)."""
+        self._loop.call(lambda: self.task.cancel() if self.task is not None else None)
+
+
+Run = SyncRun | AsyncRun
+
+
+def _call_stop(run: Run) -> None:
+    try:
+        run.handler.stop()
+    except Exception:
+        log.exception("stop() of handler %s raised", run.name)
+
+
+class _Workers:
+    """Threads that run sync handlers: one thread per running handler, reused when idle.
+
+    Short tasks would otherwise pay a thread start each; a thread idle for ``idle_for``
+    seconds (or beyond ``keep`` idle ones) exits.
+    """
+
+    def __init__(self, keep: int = 32, idle_for: float = 30.0) -> None:
+        self._keep = keep
+        self._idle_for = idle_for
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+
+    def run(self, name: str, job: Callable[[], None]) -> None:
+        """Run ``job`` on an idle thread, or a new one."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is not None:
+            inbox.put(job)
+            return
+        inbox = queue.SimpleQueue()
+        inbox.put(job)
+        threading.Thread(target=self._loop, args=(inbox,), name=name, daemon=True).start()
+
+    def _loop(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            try:
+                job = inbox.get(timeout=self._idle_for)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:
+                        self._idle.remove(inbox)
+                        return
+                job = inbox.get()  # taken from the idle list just now: a job is on its way
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # a bug in the outcome path: log it where operators look
+                log.exception("handler thread failed outside the handler")
+            with self._lock:
+                if len(self._idle) >= self._keep:
+                    return
+                self._idle.append(inbox)
+
+    def close(self) -> None:
+        """Let idle threads exit."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+
+
+class _EventLoop:
+    """One asyncio loop in a named thread, with a watchdog for blocking callbacks."""
+
+    def __init__(self, node_id: str, slow_callback: float,
+                 on_fatal: Callable[[str, BaseException], None]) -> None:
+        self._node_id = node_id
+        self._slow = slow_callback
+        self._on_fatal = on_fatal
+        self._loop = asyncio.new_event_loop()
+        self._closing = threading.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()  # asyncio keeps only weak references
+        self._writers = concurrent.futures.ThreadPoolExecutor(
+            _OUTCOME_WRITERS, thread_name_prefix=f"metafora-outcome-{node_id}"
+        )
+        self._thread = threading.Thread(target=self._serve, name=f"metafora-asyncio-{node_id}",
+                                        daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name=f"metafora-asyncio-watchdog-{node_id}")
+        self._thread.start()
+        self._watchdog.start()
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop's thread soon (from any thread)."""
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # loop closed: nothing left to stop or cancel
+            pass
+
+    def spawn(self, run: AsyncRun) -> None:
+        """Start ``run``'s handler as a task on the loop."""
+        self.call(lambda: self._create(run))
+
+    def _create(self, run: AsyncRun) -> None:
+        try:
+            coro = run.handler.run()
+            if not asyncio.iscoroutine(coro):
+                raise TypeError(f"async handler {run.name}: run() returned {type(coro).__name__}, "
+                                "not a coroutine")
+        except BaseException as exc:
+            self._hand_off(run, None, exc)
+            return
+        task = self._loop.create_task(coro, name=run.name)
+        run.task = task
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._ended(run, t))
+
+    def _ended(self, run: AsyncRun, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        error: BaseException | None
+        if task.cancelled():
+            result, error = None, asyncio.CancelledError(f"{run.name} was cancelled")
+        else:
+            error = task.exception()
+            result = None if error is not None else bool(task.result())
+        self._hand_off(run, result, error)
+
+    def _hand_off(self, run: AsyncRun, result: bool | None, error: BaseException | None) -> None:
+        # The outcome is written to the store, which blocks: never on the loop's thread.
+        try:
+            self._writers.submit(run.finish, result, error)
+        except RuntimeError:  # closing: only abandoned handlers end now, and write nothing
+            run.finish(result, error)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        except BaseException as exc:
+            if not self._closing.is_set():
+                self._on_fatal("asyncio", exc)
+        else:
+            if not self._closing.is_set():
+                self._on_fatal("asyncio", RuntimeError("the event loop stopped unexpectedly"))
+
+    def _watch(self) -> None:
+        # Ping the loop every slow_callback seconds; a ping not answered within slow_callback
+        # means one callback holds the loop: a stall of 2 x slow_callback is always seen.
+        while not self._closing.wait(self._slow):
+            beat = threading.Event()
+            self.call(beat.set)
+            if beat.wait(self._slow) or self._closing.is_set():
+                continue
+            log.warning(
+                "the event loop of node %s has been blocked for over %.2fs by %s at %s; "
+                "async handlers must not make blocking calls (use asyncio.to_thread)",
+                self._node_id, self._slow, self._culprit(), self._where(),
+                extra={"node": self._node_id, "action": "slow_callback"},
+            )
+            waited = self._slow
+            while not beat.wait(1.0) and not self._closing.is_set():
+                waited += 1.0
+            log.warning("the event loop of node %s was blocked for about %.1fs", self._node_id,
+                        waited + self._slow,
+                        extra={"node": self._node_id, "action": "slow_callback"})
+
+    def _culprit(self) -> str:
+        try:
+            task = asyncio.current_task(self._loop)
+        except RuntimeError:
+            task = None
+        return f"task {task.get_name()}" if task is not None else "a callback"
+
+    def _where(self) -> str:
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return "?"
+        last = traceback.extract_stack(frame, limit=1)
+        return f"{last[-1].filename}:{last[-1].lineno} ({last[-1].name})" if last else "?"
+
+    def cancel_all(self, runs: Iterable[AsyncRun]) -> None:
+        """Cancel the tasks of ``runs`` in one loop callback."""
+        batch = list(runs)
+
+        def cancel() -> None:
+            for run in batch:
+                if run.task is not None:
+                    run.task.cancel()
+
+        self.call(cancel)
+
+    def stop_all(self, runs: Iterable[AsyncRun]) -> None:
+        """Call stop() of every handler of ``runs`` in one loop callback."""
+        batch = list(runs)
+
+        def stop() -> None:
+            for run in batch:
+                _call_stop(run)
+
+        self.call(stop)
+
+    def close(self, timeout: float) -> None:
+        """Cancel what still runs, stop the loop, let queued outcomes be written."""
+        self._closing.set()
+
+        async def cancel_rest() -> None:
+            rest = [t for t in self._tasks if not t.done()]
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(timeout + 1.0)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            log.error("async handlers of node %s did not end after cancellation", self._node_id)
+        self.call(self._loop.stop)
+        self._thread.join(timeout + 1.0)
+        self._watchdog.join(timeout + 1.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._writers.shutdown(wait=False)
+
+
+class HandlerRunner:
+    """Runs one consumer's handlers; see the module docstring."""
+
+    def __init__(self, node_id: str, *, slow_callback: float,
+                 on_fatal: Callable[[str, BaseException], None]) -> None:
+        self._node_id = node_id
+        self._slow = slow_callback
+        self._on_fatal = on_fatal
+        self._workers = _Workers()
+        self._loop: _EventLoop | None = None
+        self._lock = threading.Lock()
+
+    def start(self, name: str, handler: Handler | AsyncHandler, finish: Finish) -> Run:
+        """Start ``handler``; ``finish(result, error)`` is called once it ended."""
+        if is_async(handler):
+            loop = self._event_loop()
+            arun = AsyncRun(handler, loop, name, finish)
+            loop.spawn(arun)
+            return arun
+        assert isinstance(handler, Handler)
+        sync = SyncRun(handler, name)
+        self._workers.run(name, lambda: self._run_sync(name, sync, finish))
+        return sync
+
+    @staticmethod
+    def _run_sync(name: str, run: SyncRun, finish: Finish) -> None:
+        threading.current_thread().name = name
+        try:
+            result = bool(run.handler.run())
+        except BaseException as exc:
+            finish(None, exc)
+        else:
+            finish(result, None)
+
+    def _event_loop(self) -> _EventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = _EventLoop(self._node_id, self._slow, self._on_fatal)
+            return self._loop
+
+    def stop(self, runs: Iterable[Run]) -> None:
+        """Deliver stop() to every handler of ``runs`` (async ones in one loop callback).
+
+        A stop() that raises is logged; the others are still stopped.
+        """
+        asyncs: list[AsyncRun] = []
+        for run in runs:
+            if isinstance(run, AsyncRun):
+                asyncs.append(run)
+            else:
+                _call_stop(run)
+        if asyncs and self._loop is not None:
+            self._loop.stop_all(asyncs)
+
+    def cancel(self, runs: Iterable[Run]) -> None:
+        """Cancel the async handlers among ``runs`` (threads cannot be cancelled)."""
+        asyncs = [r for r in runs if isinstance(r, AsyncRun)]
+        if asyncs and self._loop is not None:
+            self._loop.cancel_all(asyncs)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the event loop (cancelling leftovers) and let idle threads exit."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close(timeout)
+        self._workers.close()
