@@ -19,7 +19,9 @@ import concurrent.futures
 import logging
 import queue
 import sys
+import sysconfig
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -214,6 +216,7 @@ class _EventLoop:
         # means one callback holds the loop: a stall of 2 x slow_callback is always seen.
         while not self._closing.wait(self._slow):
             beat = threading.Event()
+            sent = time.monotonic()
             self.call(beat.set)
             if beat.wait(self._slow) or self._closing.is_set():
                 continue
@@ -223,11 +226,10 @@ class _EventLoop:
                 self._node_id, self._slow, self._culprit(), self._where(),
                 extra={"node": self._node_id, "action": "slow_callback"},
             )
-            waited = self._slow
             while not beat.wait(1.0) and not self._closing.is_set():
-                waited += 1.0
-            log.warning("the event loop of node %s was blocked for about %.1fs", self._node_id,
-                        waited + self._slow,
+                pass
+            log.warning("the event loop of node %s answers again (a ping waited %.1fs)", self._node_id,
+                        time.monotonic() - sent,
                         extra={"node": self._node_id, "action": "slow_callback"})
 
     def _culprit(self) -> str:
@@ -238,11 +240,20 @@ class _EventLoop:
         return f"task {task.get_name()}" if task is not None else "a callback"
 
     def _where(self) -> str:
+        """Where the loop's thread is now: the innermost frame, and the user's code under it."""
         frame = sys._current_frames().get(self._thread.ident or -1)
         if frame is None:
             return "?"
-        last = traceback.extract_stack(frame, limit=1)
-        return f"{last[-1].filename}:{last[-1].lineno} ({last[-1].name})" if last else "?"
+        stack = traceback.extract_stack(frame)
+        if not stack:
+            return "?"
+        inner = stack[-1]
+        where = f"{inner.filename}:{inner.lineno} ({inner.name})"
+        library = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
+        mine = next((f for f in reversed(stack) if not f.filename.startswith(library)), None)
+        if mine is not None and mine is not inner:
+            where = f"{mine.filename}:{mine.lineno} ({mine.name}) in {where}"
+        return where
 
     def cancel_all(self, runs: Iterable[AsyncRun]) -> None:
         """Cancel the tasks of ``runs`` in one loop callback."""
