@@ -117,7 +117,7 @@ def test_a_sync_function_returning_a_coroutine_fails_not_done(harness: Harness) 
         return True
 
     # Not declared async: before async handlers, this was marked done without running.
-    harness.add(simple_handler(lambda task, stop: body()), "a")  # type: ignore[arg-type, return-value]
+    harness.add(simple_handler(lambda task, stop: body()), "a")
     harness.client.submit_task(Task("sneaky"))
     harness.wait_for_state("sneaky", TaskState.FAILED, 20)
     assert "awaitable" in (harness.client.get_task("sneaky").error or "")
