@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import queue
 import sys
@@ -24,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from metafora.handler import AsyncHandler, Handler, is_async
 
@@ -82,6 +83,13 @@ def _call_stop(run: Run) -> None:
         run.handler.stop()
     except Exception:
         log.exception("stop() of handler %s raised", run.name)
+
+
+def _finish_logged(run: AsyncRun, result: bool | None, error: BaseException | None) -> None:
+    try:
+        run.finish(result, error)
+    except Exception:  # a bug in the outcome path: an executor would keep it to itself
+        log.exception("writing the outcome of async handler %s failed", run.name)
 
 
 class _Workers:
@@ -196,9 +204,9 @@ class _EventLoop:
     def _hand_off(self, run: AsyncRun, result: bool | None, error: BaseException | None) -> None:
         # The outcome is written to the store, which blocks: never on the loop's thread.
         try:
-            self._writers.submit(run.finish, result, error)
+            self._writers.submit(_finish_logged, run, result, error)
         except RuntimeError:  # closing: only abandoned handlers end now, and write nothing
-            run.finish(result, error)
+            _finish_logged(run, result, error)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -287,10 +295,12 @@ class _EventLoop:
             if rest:
                 await asyncio.wait(rest, timeout=timeout)
 
-        try:
-            asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(timeout + 1.0)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            log.error("async handlers of node %s did not end after cancellation", self._node_id)
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(timeout + 1.0)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                log.error("async handlers of node %s did not end after cancellation",
+                          self._node_id)
         self.call(self._loop.stop)
         self._thread.join(timeout + 1.0)
         self._watchdog.join(timeout + 1.0)
@@ -318,8 +328,7 @@ class HandlerRunner:
             arun = AsyncRun(handler, loop, name, finish)
             loop.spawn(arun)
             return arun
-        assert isinstance(handler, Handler)
-        sync = SyncRun(handler, name)
+        sync = SyncRun(cast(Handler, handler), name)  # duck-typed handlers are welcome
         self._workers.run(name, lambda: self._run_sync(name, sync, finish))
         return sync
 
@@ -327,11 +336,16 @@ class HandlerRunner:
     def _run_sync(name: str, run: SyncRun, finish: Finish) -> None:
         threading.current_thread().name = name
         try:
-            result = bool(run.handler.run())
+            result = run.handler.run()
+            if inspect.isawaitable(result):
+                # Truthy, so it would count as done without having run: refuse it loudly.
+                getattr(result, "close", lambda: None)()
+                raise TypeError(f"handler {name}: run() returned an awaitable; declare it "
+                                "'async def' (or subclass AsyncHandler) to run it on the loop")
         except BaseException as exc:
             finish(None, exc)
         else:
-            finish(result, None)
+            finish(bool(result), None)
 
     def _event_loop(self) -> _EventLoop:
         with self._lock:

@@ -264,3 +264,44 @@ def test_a_blocking_async_handler_does_not_stall_claims_and_is_reported(
         harness.wait_for_state("blocker", TaskState.DONE, 20)
     warning = next(r.getMessage() for r in caplog.records if "blocked for over" in r.getMessage())
     assert "metafora-task-blocker" in warning and "test_async_handlers.py" in warning
+
+
+class Duck:
+    """Neither Handler nor AsyncHandler, but its run is a coroutine function: runs on the loop."""
+
+    def __init__(self, seen: Seen, task: Task) -> None:
+        self.seen, self.task = seen, task
+
+    async def run(self) -> bool:
+        self.seen.add(self.seen.started, self.task.id)
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+class Sneaky(Handler):
+    """A sync run() that hands back a coroutine: it must fail, never count as done."""
+
+    def run(self) -> bool:
+        async def body() -> bool:
+            return True
+
+        return body()  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        pass
+
+
+def test_duck_typed_async_run_and_a_sync_run_returning_a_coroutine(harness: Harness) -> None:
+    seen = Seen()
+    consumer = harness.add(
+        lambda t: Duck(seen, t) if t.id == "duck" else Sneaky(),  # type: ignore[arg-type, return-value]
+        "a",
+    )
+    harness.client.submit_task(Task("duck"))
+    harness.client.submit_task(Task("sneaky"))
+    harness.wait_for_state("duck", TaskState.DONE, 20)
+    harness.wait_for_state("sneaky", TaskState.FAILED, 20)
+    assert "awaitable" in (harness.client.get_task("sneaky").error or "")
+    assert seen.threads == {f"metafora-asyncio-{consumer.node_id}"}
