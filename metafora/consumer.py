@@ -627,8 +627,13 @@ class Consumer:
 
     # -- handler outcomes ---------------------------------------------------------------
 
-    def _finish(self, entry: _Running, result: bool | None, error: BaseException | None) -> None:
-        """A handler ended (called by the runner, off the event loop): record its outcome."""
+    def _finish(self, entry: _Running, result: bool | None,
+                error: BaseException | None) -> Callable[[], None] | None:
+        """A handler ended: book it (no I/O) and return the store write to do, if any.
+
+        The runner calls this on the handler's thread or on the event loop, and runs the
+        returned write off the loop: only the write blocks.
+        """
         if error is None:
             outcome = _Outcome.DONE if result else _Outcome.RELEASE
         else:
@@ -637,30 +642,42 @@ class Consumer:
                 self._log.error("handler of task %s raised: %s", entry.task.id, error,
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
+        stopping = self._stopping.is_set()
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]
             self._finishing.add(entry)  # shutdown waits for its outcome to be written
             entry.returned.set()
             skip = entry.lost or entry.abandoned
-            # Shutting down: close() releases every claim left in one store request, so
-            # thousands of handlers stopping at once do not each wait for a release write.
-            by_close = outcome is _Outcome.RELEASE and self._stopping.is_set()
-            # Back off before the store sees the release, so the offer it triggers is ignored.
-            if outcome is _Outcome.RELEASE or entry.lost:
+            if stopping:
+                pass  # no more claims: back-offs would only cost time with 10,000 handlers
+            elif outcome is _Outcome.RELEASE or entry.lost:
+                # Back off before the store sees the release, so its offer is ignored.
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
-        try:
-            if by_close and not skip:
+        # Shutting down: close() releases every claim left in one store request, so
+        # thousands of handlers stopping at once do not each wait for a release write.
+        if skip or (stopping and outcome is _Outcome.RELEASE):
+            if not skip:
                 self.stats.incr(_COUNTER[outcome])
-            elif not skip:
-                self._write(outcome, entry.task, error)
+            self._ended(entry, outcome)
+            return None
+        return lambda: self._write_outcome(entry, outcome, error)
+
+    def _write_outcome(self, entry: _Running, outcome: _Outcome,
+                       error: BaseException | None) -> None:
+        try:
+            self._write(outcome, entry.task, error)
         finally:
-            with self._lock:
-                self._finishing.discard(entry)
-            entry.finished.set()
-        self._post("finished", (entry.task, outcome))
+            self._ended(entry, outcome)
+
+    def _ended(self, entry: _Running, outcome: _Outcome) -> None:
+        with self._lock:
+            self._finishing.discard(entry)
+        entry.finished.set()
+        if not self._stopping.is_set():
+            self._post("finished", (entry.task, outcome))
 
     def _abandon(self, entries: list[_Running], timeout: float) -> None:
         """Handlers that ignored stop() until the deadline: cancel (async) or abandon (thread).
