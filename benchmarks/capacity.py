@@ -14,8 +14,10 @@ handler waits for ``stop``. Measured:
   until ``run()`` returns (``shutdown_timeout`` is 30 s), how many handlers were reported as
   having ignored ``stop()`` (must be 0), and whether every task is pending again.
 
-``--limit`` also probes how many thread handlers one process can start (SQLite, 10k / 20k /
-30k tasks).
+``--limit 10000,20000`` also probes how many thread handlers one process can start (SQLite).
+Mind the machine: threads count against the system-wide ``kernel.pid_max`` that every user of
+the machine shares (32,768 by default), and a process has room for about
+``vm.max_map_count / 2`` threads (a stack mapping and its guard page each).
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def limit(stores: Stores, n: int) -> dict[str, Any]:
 
 
 def run(stores: Stores, quick: bool, n: int | None = None,
-        modes: tuple[str, ...] = MODES, probe: bool = False) -> dict[str, Any]:
+        modes: tuple[str, ...] = MODES, probe: tuple[int, ...] = ()) -> dict[str, Any]:
     """Every SQL store x handler kind: print and save."""
     n = n or (2000 if quick else 10_000)
     results = []
@@ -206,7 +208,7 @@ def run(stores: Stores, quick: bool, n: int | None = None,
               "holding", "seconds_to_hold", "rss_mib", "peak_rss_mib", "idle_rss_mib",
               "kib_per_task", "threads", "shutdown_s", "ignored_stop", "pending_after")))
            for r in results])
-    limits = [limit(stores, count) for count in (10_000, 20_000, 30_000)] if probe else []
+    limits = [limit(stores, count) for count in probe]
     if limits:
         table("thread handlers in one process (SQLite)",
               ("threads", "ok", "held", "RSS MiB", "shutdown s"),
@@ -223,10 +225,12 @@ def main() -> None:
     parser.add_argument("--stores", default="sqlite,postgresql")
     parser.add_argument("-n", type=int, default=10_000)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--limit", action="store_true", help="probe the thread-handler limit")
+    parser.add_argument("--limit", default="",
+                        help="comma-separated thread-handler counts to probe (SQLite)")
     args = parser.parse_args()
     with Stores([k for k in args.stores.split(",") if k]) as stores:
-        run(stores, False, args.n, tuple(m for m in args.modes.split(",") if m), args.limit)
+        run(stores, False, args.n, tuple(m for m in args.modes.split(",") if m),
+            tuple(int(c) for c in args.limit.split(",") if c))
 
 
 if __name__ == "__main__":
