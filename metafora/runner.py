@@ -160,7 +160,8 @@ class _EventLoop:
         self._on_fatal = on_fatal
         self._loop = asyncio.new_event_loop()
         self._closing = threading.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()  # asyncio keeps only weak references
+        # Strong references (asyncio keeps weak ones), and the runs a dead loop must end.
+        self._tasks: dict[asyncio.Task[Any], AsyncRun] = {}
         self._writers = concurrent.futures.ThreadPoolExecutor(
             _OUTCOME_WRITERS, thread_name_prefix=f"metafora-outcome-{node_id}"
         )
@@ -193,11 +194,11 @@ class _EventLoop:
             return
         task = self._loop.create_task(coro, name=run.name)
         run.task = task
-        self._tasks.add(task)
+        self._tasks[task] = run
         task.add_done_callback(lambda t: self._ended(run, t))
 
     def _ended(self, run: AsyncRun, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         error: BaseException | None
         if task.cancelled():
             result, error = None, asyncio.CancelledError(f"{run.name} was cancelled")
@@ -222,11 +223,17 @@ class _EventLoop:
         try:
             self._loop.run_forever()
         except BaseException as exc:
-            if not self._closing.is_set():
-                self._on_fatal("asyncio", exc)
+            died: BaseException = exc
         else:
-            if not self._closing.is_set():
-                self._on_fatal("asyncio", RuntimeError("the event loop stopped unexpectedly"))
+            died = RuntimeError("the event loop stopped unexpectedly")
+        if self._closing.is_set():
+            return
+        self._on_fatal("asyncio", died)  # the node stops claiming and shuts down
+        # Nothing will run these handlers again: end them as released (the node's close()
+        # gives their tasks back), or shutdown would wait for them until its timeout.
+        for run in list(self._tasks.values()):
+            self._hand_off(run, False, None)
+        self._tasks.clear()
 
     def _watch(self) -> None:
         # Ping the loop every slow_callback seconds; a ping not answered within 1.5 x
@@ -305,7 +312,7 @@ class _EventLoop:
         self._closing.set()
 
         async def cancel_rest() -> None:
-            rest = [t for t in self._tasks if not t.done()]
+            rest = [t for t in list(self._tasks) if not t.done()]
             for task in rest:
                 task.cancel()
             if rest:

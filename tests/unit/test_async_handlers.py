@@ -305,3 +305,27 @@ def test_duck_typed_async_run_and_a_sync_run_returning_a_coroutine(harness: Harn
     harness.wait_for_state("sneaky", TaskState.FAILED, 20)
     assert "awaitable" in (harness.client.get_task("sneaky").error or "")
     assert seen.threads == {f"metafora-asyncio-{consumer.node_id}"}
+
+
+def test_a_dead_event_loop_stops_the_consumer(harness: Harness) -> None:
+    seen = Seen()
+    consumer = Consumer(harness.coordinator("a"), simple_handler(waiting(seen)))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    harness.client.submit_task(Task("t"))
+    wait_until(lambda: seen.started == ["t"], 20, "started")
+    loop = consumer._runner._loop  # white box: kill the loop the way a bug in it would
+    assert loop is not None
+    loop._loop.call_soon_threadsafe(loop._loop.stop)
+    thread.join(30)
+    assert not thread.is_alive() and failure
+    assert "event loop stopped unexpectedly" in str(failure[0])
+    assert harness.client.nodes() == []
