@@ -3,8 +3,10 @@
 A :class:`HandlerRunner` belongs to one Consumer. It starts each handler where it belongs
 (a thread of its own for :class:`~metafora.handler.Handler`, a task on the node's event loop
 for :class:`~metafora.handler.AsyncHandler`), delivers ``stop()`` and, for async handlers,
-cancellation, and hands each handler's result to a ``finish`` callback **off the event
-loop**: the callback writes to the store, which blocks.
+cancellation, and hands each handler's result to a ``finish`` callback where the handler
+ended. ``finish`` only books the outcome; the store write it returns (which blocks) runs on
+the handler's own thread, or for async handlers on a small pool of writer threads, **never
+on the event loop**.
 
 The event loop runs in a named thread started with the first async handler and is
 supervised: if it dies, the consumer is told (``on_fatal``) and shuts down. A watchdog
