@@ -25,7 +25,7 @@ from metafora import commands as cmds
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -54,6 +54,8 @@ class _Outcome(enum.Enum):
 
 
 _COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+# How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
+_PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
 
 
 def _handler_state(handler: Handler | AsyncHandler) -> str | None:
@@ -114,6 +116,10 @@ class _Context(CoordinatorContext):
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
 
+    @property
+    def max_crashes(self) -> int | None:
+        return self._consumer._max_crashes
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -123,6 +129,9 @@ class Consumer:
     - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
       ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
     - ``max_tasks``: at most this many tasks run at once on this node.
+    - ``max_crashes``: a task whose last claims ended this many times in a row with their node
+      dead (a handler that kills its process) is failed instead of run again (default 5;
+      None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
     - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
       ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
@@ -145,6 +154,7 @@ class Consumer:
         balance_every: float | timedelta = 60.0,
         balance_jitter: float = 0.1,
         max_tasks: int | None = None,
+        max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
@@ -160,6 +170,10 @@ class Consumer:
             raise ConfigError("handler_func must be callable: Task -> Handler")
         if max_tasks is not None and (not isinstance(max_tasks, int) or max_tasks < 1):
             raise ConfigError(f"max_tasks must be a positive integer or None, got {max_tasks!r}")
+        if max_crashes is not None and (
+            not isinstance(max_crashes, int) or isinstance(max_crashes, bool) or max_crashes < 0
+        ):
+            raise ConfigError(f"max_crashes must be a non-negative integer or None, got {max_crashes!r}")
         if not 0 <= balance_jitter < 1:
             raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
         self._coord = coordinator
@@ -168,6 +182,7 @@ class Consumer:
         self._balance_every = _seconds(balance_every, "balance_every")
         self._balance_jitter = balance_jitter
         self._max_tasks = max_tasks
+        self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
@@ -510,6 +525,8 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < len(tasks):
+            self.stats.incr("races_lost", len(tasks) - len(claimed))
         for task in claimed:
             self._start(task)
         with self._lock:
@@ -710,23 +727,23 @@ class Consumer:
                 else:
                     self._coord.fail(task, error if error is not None else "failed")
                 self.stats.incr(_COUNTER[outcome])
-                self._log.info("task %s %s", task.id, outcome.value, extra=extra)
+                self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
                 return
             except ClaimLost as exc:
-                self._log.warning("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                   extra=extra)
                 return
             except CoordinatorUnavailable as exc:
                 if self._done.is_set():
-                    self._log.error("gave up marking task %s %s: %s", task.id, outcome.value,
+                    self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
                                     exc, extra=extra)
                     return
-                self._log.warning("store unavailable marking task %s %s, retrying: %s",
-                                  task.id, outcome.value, exc, extra=extra)
+                self._log.warning("store unavailable recording task %s as %s, retrying: %s",
+                                  task.id, _PHRASE[outcome], exc, extra=extra)
                 self._clock.wait(self._done, delay)
                 delay = min(delay * 2, _FINISH_RETRY_MAX)
             except MetaforaError as exc:
-                self._log.error("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                 extra=extra)
                 return
 

@@ -20,12 +20,14 @@ from metafora.commands import Command
 from metafora.task import Task, TaskInfo, TaskState
 
 __all__ = [
+    "DEFAULT_MAX_CRASHES",
     "Client",
     "Coordinator",
     "CoordinatorContext",
     "NodeInfo",
     "TaskSink",
     "as_sink",
+    "crash_limit_error",
     "error_text",
 ]
 
@@ -45,6 +47,26 @@ def error_text(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
     return str(error)
+
+
+DEFAULT_MAX_CRASHES = 5
+"""Claims in a row that may end with their node dead before the task is failed (see below)."""
+
+
+def crash_limit_error(crashes: int, limit: int | None) -> str | None:
+    """Why a task is failed instead of claimed again, or None.
+
+    ``crashes`` counts the task's latest claims in a row that ended with no outcome because
+    their node died (its lease expired, or it restarted under the same id): a handler that
+    kills its process would otherwise take down every node of the cluster in turn, forever.
+    ``limit`` None or 0 turns the check off.
+    """
+    if not limit or crashes < limit:
+        return None
+    return (
+        f"process died while running it: {crashes} claims in a row ended with the node dead "
+        f"and no outcome (max_crashes={limit})"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,12 @@ class CoordinatorContext(abc.ABC):
     def renewed(self, seconds: float) -> None:
         """The node's lease was renewed; the renewal took ``seconds`` (for metrics)."""
         return  # optional hook: contexts that keep metrics override it
+
+    @property
+    def max_crashes(self) -> int | None:
+        """A claim fails a task whose previous claims ended this many times in a row with their
+        node dead (see :func:`crash_limit_error`); None or 0: never."""
+        return DEFAULT_MAX_CRASHES
 
 
 class Coordinator(ClusterState, abc.ABC):

@@ -18,6 +18,7 @@ __all__ = [
     "MetaforaError",
     "NodeExists",
     "NodeNotFound",
+    "RequestTooLarge",
     "StoreError",
     "TaskExists",
     "TaskNotFound",
@@ -42,6 +43,10 @@ class InvalidProps(MetaforaError, ValueError):
 
 class InvalidCommand(MetaforaError, ValueError):
     """A command is unknown or malformed."""
+
+
+class RequestTooLarge(MetaforaError, ValueError):
+    """The store refused a request as over its size limit: retrying cannot help (a usage error)."""
 
 
 class TaskExists(MetaforaError):

@@ -25,6 +25,7 @@ from metafora.coordinator import (
     NodeInfo,
     TaskSink,
     as_sink,
+    crash_limit_error,
     error_text,
 )
 from metafora.errors import (
@@ -38,7 +39,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -59,6 +60,7 @@ class _Row:
     error: str | None = None
     finished_at: datetime | None = None
     attempts: int = 0
+    crashes: int = 0  # latest claims in a row that ended with their node dead
     ready: int = 0  # store version at which the row last became claimable
 
     def task(self) -> Task:
@@ -134,8 +136,10 @@ class MemoryStore:
                     soonest = wait if soonest is None else min(soonest, wait)
         return soonest
 
-    def free_claims(self, node_id: str) -> list[Task]:
-        """Make every claim of ``node_id`` pending again; return the tasks it held."""
+    def free_claims(self, node_id: str, *, crashed: bool = False) -> list[Task]:
+        """Make every claim of ``node_id`` pending again; return the tasks it held.
+
+        ``crashed``: the node died (its lease was lost), so each claim counts as a crash."""
         rows = [r for r in self.tasks.values() if r.state is TaskState.CLAIMED and r.owner == node_id]
         freed = [row.task() for row in rows]
         if rows:
@@ -144,6 +148,7 @@ class MemoryStore:
                 row.state = TaskState.PENDING
                 row.owner = None
                 row.claimed_at = None
+                row.crashes = row.crashes + 1 if crashed else 0
                 row.ready = version
         return freed
 
@@ -264,6 +269,14 @@ class MemoryCoordinator(Coordinator):
             s.sweep(now)
             if row is None or not s.claimable(row, now):
                 return None
+            if row.state is TaskState.CLAIMED:  # taken over from a dead owner
+                row.crashes += 1
+            verdict = crash_limit_error(row.crashes, self._ctx.max_crashes if self._ctx else None)
+            if verdict is not None:
+                row.state, row.owner, row.error = TaskState.FAILED, None, verdict
+                row.finished_at = now
+                s.bump()
+                return None
             s.token_seq += 1
             row.state = TaskState.CLAIMED
             row.owner = self._node_id
@@ -293,6 +306,7 @@ class MemoryCoordinator(Coordinator):
             row.state = TaskState.PENDING
             row.owner = None
             row.claimed_at = None
+            row.crashes = 0
             row.ready = s.bump()
 
     def done(self, task: Task) -> None:
@@ -358,7 +372,7 @@ class MemoryCoordinator(Coordinator):
         """
         s = self._store
         with s.cond:
-            freed = s.free_claims(self._node_id)
+            freed = s.free_claims(self._node_id, crashed=True)
             s.nodes.pop(self._node_id, None)
             ctx = self._ctx
         if ctx is not None:
@@ -396,6 +410,7 @@ class MemoryClient(Client):
         s = self._store
         with s.cond:
             self._check_open()
+            validate_schedule(task, s.clock.now())
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
             row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())
@@ -432,6 +447,7 @@ class MemoryClient(Client):
             row.state = TaskState.PENDING
             row.error = None
             row.finished_at = None
+            row.crashes = 0
             row.ready = s.bump()
 
     def get_task(self, task_id: str) -> TaskInfo:

@@ -52,7 +52,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["EtcdClient"]
 
@@ -97,12 +97,13 @@ class EtcdClient(Client):
 
     def submit_task(self, task: Task) -> None:
         self._check_open()
+        validate_schedule(task, self._clock.now())
         tk = self._keys.task(task.id)
         record = encode_json({"props": dict(task.props), "created_at": iso(self._clock.now())})
         result = self._driver.txn(
             [absent(tk.props)],
             # A fresh task starts clean even if a crashed writer left a stray key behind.
-            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim)],
+            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim), Delete(tk.running)],
             [Range(tk.props)],
             repeatable=True,
         )
@@ -142,7 +143,8 @@ class EtcdClient(Client):
             if rec.state is None:
                 continue  # expired by this very read; read again
             result = self._driver.txn(
-                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state)]
+                # A retried task starts with no crash count (max_crashes counts afresh).
+                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state), Delete(tk.running)]
             )
             if result.succeeded:
                 return

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from datetime import timedelta
 from typing import Any
 
+from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
+    InvalidProps,
     InvalidTaskState,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
 
 __all__ = ["SQLClient"]
 
@@ -58,15 +59,13 @@ class SQLClient(Client):
 
     def _info(self, row: Any) -> TaskInfo:
         conv = self._db.dialect.from_db_time
+        error = row[6]
         try:
-            props = json.loads(row[1])
-            if not isinstance(props, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            # Written by hand, not by metafora: show the task (the listing must still work).
-            log.warning("task %s has invalid stored props (shown as {}): %s", row[0], exc,
-                        extra={"task": row[0]})
-            props = {}
+            props = decode_props(row[1], str(row[0]))
+        except InvalidProps as exc:
+            # Written around metafora: listed with the damage as its error (a claim fails it).
+            log.warning("%s (listed with empty props)", exc, extra={"task": row[0]})
+            props, error = {}, error or str(exc)
         return TaskInfo(
             id=str(row[0]),
             props=props,
@@ -74,13 +73,14 @@ class SQLClient(Client):
             owner=row[3],
             token=int(row[4]),
             claimed_at=conv(row[5]),
-            error=row[6],
+            error=error,
             created_at=conv(row[7]),
             finished_at=conv(row[8]),
             attempts=int(row[9]),
         )
 
     def submit_task(self, task: Task) -> None:
+        validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
         to_db = db.dialect.to_db_time
         params = {

@@ -15,6 +15,10 @@ import abc
 import hashlib
 import json
 import math
+import random
+import sqlite3
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -256,7 +260,7 @@ class SQLiteDialect(Dialect):
             cur = dbapi_conn.cursor()
             try:
                 cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-                cur.execute("PRAGMA journal_mode = WAL")
+                _wait_out_busy(lambda: cur.execute("PRAGMA journal_mode = WAL"), cfg.busy_timeout)
                 cur.execute("PRAGMA synchronous = NORMAL")
             finally:
                 cur.close()
@@ -295,6 +299,28 @@ class SQLiteDialect(Dialect):
 
     def lock_schema(self, conn: Connection) -> None:
         pass  # BEGIN IMMEDIATE already holds the only write lock
+
+
+def _wait_out_busy(step: Callable[[], object], timeout: float) -> None:
+    """Run ``step``, retrying while SQLite answers "locked"/"busy", for up to ``timeout`` seconds.
+
+    Switching a new file to WAL needs an exclusive lock and SQLite answers SQLITE_BUSY at once,
+    without its busy handler, while another connection converts the file: several processes
+    opening one fresh file at the same instant (the embedded default's normal start) must wait
+    that out, not report the store unavailable.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as exc:
+            text_ = str(exc).lower()
+            if ("locked" not in text_ and "busy" not in text_) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause * (1 + random.random()))  # jitter: racing processes do not retry in step
+        pause = min(pause * 2, 0.05)
 
 
 def make_dialect(config: SQLConfig) -> Dialect:

@@ -33,6 +33,8 @@ _ME_SESSION = (
     "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
     " AND me.session = :session)"
 )
+# A claim taken over from a dead owner counts one more crash of the task in a row.
+_CRASHED = "crashes = CASE WHEN state = 'claimed' THEN crashes + 1 ELSE crashes END"
 _FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
 _INFO_COLUMNS = (
     "id, props,"
@@ -49,11 +51,11 @@ _SQL: dict[str, str] = {
     # and this node's own lease is live; the UPDATE takes a fresh token.
     "claim": (
         "UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
-        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
-        " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+        + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
         " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
-        " RETURNING token, props"
+        " RETURNING token, props, crashes"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
     # :limit, in the order offered, each with its own token; rows another node holds locked
@@ -64,13 +66,14 @@ _SQL: dict[str, str] = {
         " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE
         + " ORDER BY {id_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
-        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1"
-        " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
-        " RETURNING id, token, props"
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+        + " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
+        " RETURNING id, token, props, crashes"
     ),
     "release": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " ready = {next_token}, updated_at = {now} WHERE " + _FENCED + " RETURNING ready, {notify_task}"
+        " crashes = 0, ready = {next_token}, updated_at = {now} WHERE " + _FENCED
+        + " RETURNING ready, {notify_task}"
     ),
     "done": (
         "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
@@ -100,7 +103,7 @@ _SQL: dict[str, str] = {
     # process that died) become pending again; a restarted node may take them back.
     "free_own": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " ready = {next_token}, updated_at = {now}"
+        " crashes = crashes + 1, ready = {next_token}, updated_at = {now}"
         " WHERE namespace = :ns AND owner = :node AND state = 'claimed'"
         " RETURNING ready, {notify_task}"
     ),
@@ -126,7 +129,7 @@ _SQL: dict[str, str] = {
     ),
     "close_free": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " ready = {next_token}, updated_at = {now}"
+        " crashes = 0, ready = {next_token}, updated_at = {now}"
         " WHERE namespace = :ns AND owner = :node AND state = 'claimed' AND " + _ME_SESSION
         + " RETURNING ready, {notify_task}"
     ),
@@ -234,7 +237,7 @@ _SQL: dict[str, str] = {
     "delete_state": "DELETE FROM metafora_state WHERE namespace = :ns AND task_id = :id",
     "retry": (
         "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
-        " owner = NULL, claimed_at = NULL, ready = {next_token}, updated_at = {now}"
+        " owner = NULL, claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
         " WHERE namespace = :ns AND id = :id AND (state IN ('failed', 'expired')"
         " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
     ),

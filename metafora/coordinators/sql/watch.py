@@ -21,7 +21,6 @@ Store errors never end the watch: it logs, backs off and rescans when the store 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import random
 import threading
@@ -32,7 +31,7 @@ from typing import Any
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
-from metafora.task import Task
+from metafora.task import Task, decode_props
 
 __all__ = ["Watch"]
 
@@ -150,9 +149,9 @@ class Watch:
             return
         self._this_round.add(task_id)
         try:
-            task = Task(task_id, json.loads(props))
-        except (ValueError, MetaforaError) as exc:
-            self._fail_invalid(task_id, f"invalid stored task: {exc}")
+            task = Task(task_id, decode_props(props, task_id))
+        except MetaforaError as exc:
+            self._fail_invalid(task_id, f"invalid props: {exc}")
             return
         self._sink(task)
 
