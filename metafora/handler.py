@@ -129,8 +129,11 @@ class _SimpleAsyncHandler(AsyncHandler):
             running = None
         if running is loop:
             event.set()
-        elif not loop.is_closed():
+            return
+        try:
             loop.call_soon_threadsafe(event.set)  # asyncio.Event is not thread-safe
+        except RuntimeError:
+            pass  # the loop is closed: run() is over, there is nothing left to stop
 
 
 @overload

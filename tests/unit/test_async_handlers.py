@@ -329,3 +329,22 @@ def test_a_dead_event_loop_stops_the_consumer(harness: Harness) -> None:
     assert not thread.is_alive() and failure
     assert "event loop stopped unexpectedly" in str(failure[0])
     assert harness.client.nodes() == []
+
+
+def test_slow_callback_must_be_a_positive_number(harness: Harness) -> None:
+    from metafora.errors import ConfigError
+
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="slow_callback"):
+            Consumer(harness.coordinator("a"), simple_handler(waiting(Seen())), slow_callback=bad)
+
+
+def test_stop_from_another_thread_before_and_after_run(harness: Harness) -> None:
+    seen = Seen()
+    make = simple_handler(waiting(seen))
+    handler = make(Task("early"))
+    assert isinstance(handler, AsyncHandler)
+    handler.stop()  # before run(): run() must see it and return at once
+    assert asyncio.run(handler.run()) is False
+    assert seen.stopped == ["early"]
+    handler.stop()  # after its loop is closed: a no-op, never an error
