@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 
 import pytest
 
-from metafora import HandlerFunc, Task, TaskState, commands, simple_handler
+from metafora import Consumer, HandlerFunc, Task, TaskState, commands, simple_handler
 from metafora.testing import LocalCluster, wait_for
 
 
@@ -100,3 +101,24 @@ def test_a_lost_claim_cancels_an_async_handler(store_url: str) -> None:
                  "the handler of the deleted task cancelled")
         wait_for(lambda: not consumer.tasks(), 30, "deaf-1 no longer running")
         assert not cluster.errors
+
+
+def _holds(consumer: Consumer, count: int) -> bool:
+    return len(consumer.tasks()) == count
+
+
+def test_a_graceful_shutdown_is_not_counted_as_a_crash(store_url: str) -> None:
+    # Claims still held at shutdown are released by the coordinator's close() in one
+    # request; that must count as a release (an outcome), not as a node that died.
+    seen = Seen()
+    ids = [f"hold-{i:03d}" for i in range(130)]  # etcd clears them 64 per txn
+    with LocalCluster(store_url) as cluster:
+        for node in ("a", "b"):
+            consumer = cluster.add(handler(seen), node, max_crashes=1)
+            if node == "a":
+                for task_id in ids:
+                    cluster.client.submit_task(Task(task_id))
+            wait_for(functools.partial(_holds, consumer, len(ids)), 60, f"{node} holds the tasks")
+            cluster.stop(consumer, timeout=30)
+        assert {t.state for t in cluster.client.tasks()} == {TaskState.PENDING}
+        assert seen.ids("started") == sorted(ids * 2)
