@@ -3,9 +3,9 @@
     python -m benchmarks capacity --stores sqlite,postgresql
     python benchmarks/capacity.py --stores sqlite -n 10000 --modes async,threads
 
-For each SQL store and handler kind, one consumer process (spawned, nothing else in it) claims
-``-n`` pending tasks inserted directly (one multi-row insert) and holds them all: every
-handler waits for ``stop``. Measured:
+For each store and handler kind, one consumer process (spawned, nothing else in it) claims
+``-n`` pending tasks (SQL: inserted by one multi-row insert; etcd: submitted from 8 threads)
+and holds them all: every handler waits for ``stop``. Measured:
 
 - seconds until the node holds every task (the claim pipeline, batches of 16);
 - RSS of the node process holding them (``VmRSS``), its peak (``VmHWM``) and its thread
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import sys
@@ -109,9 +110,14 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def _fill(kind: str, url: str, n: int) -> None:
-    from benchmarks.sql_raw import fill
+    ids = [f"cap-{i:06d}" for i in range(n)]
+    if kind != "etcd":
+        from benchmarks.sql_raw import fill
 
-    fill(url, [f"cap-{i:06d}" for i in range(n)], 0)
+        fill(url, ids, 0)  # one multi-row insert
+        return
+    with open_client(url) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda task_id: client.submit_task(Task(task_id)), ids))
 
 
 def measure(stores: Stores, kind: str, mode: str, n: int) -> dict[str, Any]:
@@ -190,10 +196,10 @@ def limit(stores: Stores, n: int) -> dict[str, Any]:
 
 def run(stores: Stores, quick: bool, n: int | None = None,
         modes: tuple[str, ...] = MODES, probe: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Every SQL store x handler kind: print and save."""
+    """Every store x handler kind: print and save."""
     n = n or (2000 if quick else 10_000)
     results = []
-    for kind in (k for k in stores.kinds if k in ("sqlite", "postgresql")):
+    for kind in stores.kinds:
         for mode in modes:
             try:
                 results.append(measure(stores, kind, mode, n))
