@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from metafora import commands as cmds
+from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
@@ -35,6 +36,7 @@ from metafora.errors import (
 )
 from metafora.handler import AsyncHandler, Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
+from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.runner import HandlerRunner, Run
 from metafora.task import Task
@@ -115,6 +117,7 @@ class _Context(CoordinatorContext):
 
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
+        tracing.record_renewal(self._consumer.node_id, seconds)
 
     @property
     def max_crashes(self) -> int | None:
@@ -264,7 +267,7 @@ class Consumer:
             ignores = sorted(self._ignores)
         return {
             "node": self.node_id,
-            "store": self._coord.name,
+            "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),
@@ -515,7 +518,9 @@ class Consumer:
     def _claim(self, tasks: list[Task]) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
-            claimed = self._coord.claim_many(tasks, len(tasks))
+            with tracing.claim_span(self.node_id, len(tasks)) as span:
+                claimed = self._coord.claim_many(tasks, len(tasks))
+                span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
         except MetaforaError as exc:  # one failed claim must not take the node down
@@ -566,8 +571,11 @@ class Consumer:
         with self._lock:
             self._running[claimed.id] = entry
         self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
-        run = self._runner.start(f"metafora-task-{claimed.id}", handler,
-                                 lambda result, error: self._finish(entry, result, error))
+        run = self._runner.start(
+            f"metafora-task-{claimed.id}", handler,
+            lambda result, error, span: self._finish(entry, result, error, span),
+            lambda: tracing.run_span(claimed.id, claimed.token, self.node_id, claimed.props),
+        )
         with self._lock:
             entry.run = run
             stopped, lost = entry.stopped is not None, entry.lost
@@ -644,17 +652,20 @@ class Consumer:
 
     # -- handler outcomes ---------------------------------------------------------------
 
-    def _finish(self, entry: _Running, result: bool | None,
-                error: BaseException | None) -> Callable[[], None] | None:
+    def _finish(self, entry: _Running, result: bool | None, error: BaseException | None,
+                span: tracing.SpanLike | None) -> Callable[[], None] | None:
         """A handler ended: book it (no I/O) and return the store write to do, if any.
 
-        The runner calls this on the handler's thread or on the event loop, and runs the
-        returned write off the loop: only the write blocks.
+        The runner calls this on the handler's thread or on the event loop, inside the run's
+        span, and runs the returned write off the loop: only the write blocks.
         """
         if error is None:
             outcome = _Outcome.DONE if result else _Outcome.RELEASE
         else:
             outcome = _Outcome.FAIL
+            if span is not None:
+                span.record_exception(error)
+                span.set_error(f"{type(error).__name__}: {error}")
             if not entry.lost and not entry.abandoned:
                 self._log.error("handler of task %s raised: %s", entry.task.id, error,
                                 exc_info=error, extra={"task": entry.task.id,
@@ -673,6 +684,8 @@ class Consumer:
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
+        if span is not None:
+            span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
         # Shutting down: close() releases every claim left in one store request, so
         # thousands of handlers stopping at once do not each wait for a release write.
         if skip or (stopping and outcome is _Outcome.RELEASE):
@@ -685,7 +698,8 @@ class Consumer:
     def _write_outcome(self, entry: _Running, outcome: _Outcome,
                        error: BaseException | None) -> None:
         try:
-            self._write(outcome, entry.task, error)
+            with tracing.outcome_span(outcome.value):
+                self._write(outcome, entry.task, error)
         finally:
             self._ended(entry, outcome)
 

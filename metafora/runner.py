@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import queue
@@ -27,20 +28,25 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 from metafora.handler import AsyncHandler, Handler, is_async
 
-__all__ = ["AsyncRun", "Finish", "HandlerRunner", "Run", "SyncRun", "Write"]
+__all__ = ["Around", "AsyncRun", "Finish", "HandlerRunner", "Run", "SyncRun", "Write"]
 
 log = logging.getLogger(__name__)
 
 Write = Callable[[], None]
-Finish = Callable[[bool | None, BaseException | None], Write | None]
-"""Called once a handler ended: ``(result, None)``, or ``(None, error)`` if it raised.
+Finish = Callable[[bool | None, BaseException | None, Any], Write | None]
+"""Called once a handler ended: ``(result, None, scope)``, or ``(None, error, scope)`` if it
+raised; ``scope`` is what the ``around`` context manager of the run yielded (a tracing span).
 
 It must not block (it may run on the event loop); it returns the blocking part (the store
-write of the outcome), if any, which the runner runs off the loop."""
+write of the outcome), if any, which the runner runs off the loop, in the run's context."""
+Around = Callable[[], AbstractContextManager[Any]]
+"""Entered around a handler's run and its ``finish`` (on the handler's thread, or inside its
+asyncio task), e.g. a tracing span that the handler's own spans then hang under."""
 
 _OUTCOME_WRITERS = 8  # threads writing async handlers' outcomes (the store serialises them anyway)
 
@@ -65,10 +71,12 @@ class AsyncRun:
     is_async = True
 
     def __init__(self, handler: AsyncHandler | Handler, loop: _EventLoop, name: str,
-                 finish: Finish) -> None:
+                 finish: Finish, around: Around) -> None:
         self.handler = handler
         self.name = name
         self.finish = finish
+        self.around = around
+        self.finished = False  # finish was called (inside the task, or by its done callback)
         self.task: asyncio.Task[Any] | None = None
         self._loop = loop
 
@@ -92,6 +100,7 @@ def _call_stop(run: Run) -> None:
 
 
 def _logged(name: str, fn: Callable[[], Write | None]) -> Write | None:
+    """Run ``fn``, logging (not raising) a bug in the outcome path."""
     try:
         return fn()
     except Exception:  # a bug in the outcome path: an executor would keep it to itself
@@ -192,33 +201,46 @@ class _EventLoop:
                 raise TypeError(f"async handler {run.name}: run() returned {type(coro).__name__}, "
                                 "not a coroutine")
         except BaseException as exc:
-            self._hand_off(run, None, exc)
+            self._hand_off(run, None, exc, None, None)
             return
-        task = self._loop.create_task(coro, name=run.name)
+        task = self._loop.create_task(self._drive(run, coro), name=run.name)
         run.task = task
         self._tasks[task] = run
         task.add_done_callback(lambda t: self._ended(run, t))
 
+    async def _drive(self, run: AsyncRun, coro: Any) -> None:
+        """The handler's task: its run and the booking of its end, inside ``around``."""
+        with run.around() as scope:
+            result: bool | None = None
+            error: BaseException | None = None
+            try:
+                result = bool(await coro)
+            except BaseException as exc:  # its outcome; cancellation included
+                error = exc
+            # The context of the write: the run's span stays the parent of the outcome's.
+            self._hand_off(run, result, error, scope, contextvars.copy_context())
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise error
+
     def _ended(self, run: AsyncRun, task: asyncio.Task[Any]) -> None:
         self._tasks.pop(task, None)
-        error: BaseException | None
-        if task.cancelled():
-            result, error = None, asyncio.CancelledError(f"{run.name} was cancelled")
-        else:
-            error = task.exception()
-            result = None if error is not None else bool(task.result())
-        self._hand_off(run, result, error)
+        if not run.finished:  # cancelled before its first step: _drive never ran
+            self._hand_off(run, None, asyncio.CancelledError(f"{run.name} was cancelled"),
+                           None, None)
 
-    def _hand_off(self, run: AsyncRun, result: bool | None, error: BaseException | None) -> None:
+    def _hand_off(self, run: AsyncRun, result: bool | None, error: BaseException | None,
+                  scope: Any, context: contextvars.Context | None) -> None:
         # Booked here at once (10,000 handlers stopping at shutdown need no thread hop);
         # the store write, which blocks, never runs on the loop's thread.
-        write = _logged(run.name, lambda: run.finish(result, error))
+        run.finished = True
+        write = _logged(run.name, lambda: run.finish(result, error, scope))
         if write is None:
             return
+        job = write if context is None else (lambda: context.run(write))
         try:
-            self._writers.submit(_logged, run.name, write)
+            self._writers.submit(_logged, run.name, job)
         except RuntimeError:  # closing: the executor is gone; write from a thread of its own
-            threading.Thread(target=write, name=f"{run.name}-outcome", daemon=True).start()
+            threading.Thread(target=job, name=f"{run.name}-outcome", daemon=True).start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -234,7 +256,7 @@ class _EventLoop:
         # Nothing will run these handlers again: end them as released (the node's close()
         # gives their tasks back), or shutdown would wait for them until its timeout.
         for run in list(self._tasks.values()):
-            self._hand_off(run, False, None)
+            self._hand_off(run, False, None, None, None)
         self._tasks.clear()
 
     def _watch(self) -> None:
@@ -346,33 +368,35 @@ class HandlerRunner:
         self._loop: _EventLoop | None = None
         self._lock = threading.Lock()
 
-    def start(self, name: str, handler: Handler | AsyncHandler, finish: Finish) -> Run:
-        """Start ``handler``; ``finish(result, error)`` is called once it ended."""
+    def start(self, name: str, handler: Handler | AsyncHandler, finish: Finish,
+              around: Around = nullcontext) -> Run:
+        """Start ``handler``; ``finish(result, error, scope)`` is called once it ended."""
         if is_async(handler):
             loop = self._event_loop()
-            arun = AsyncRun(handler, loop, name, finish)
+            arun = AsyncRun(handler, loop, name, finish, around)
             loop.spawn(arun)
             return arun
         sync = SyncRun(cast(Handler, handler), name)  # duck-typed handlers are welcome
-        self._workers.run(name, lambda: self._run_sync(name, sync, finish))
+        self._workers.run(name, lambda: self._run_sync(name, sync, finish, around))
         return sync
 
     @staticmethod
-    def _run_sync(name: str, run: SyncRun, finish: Finish) -> None:
+    def _run_sync(name: str, run: SyncRun, finish: Finish, around: Around) -> None:
         threading.current_thread().name = name
-        try:
-            result = run.handler.run()
-            if inspect.isawaitable(result):
-                # Truthy, so it would count as done without having run: refuse it loudly.
-                getattr(result, "close", lambda: None)()
-                raise TypeError(f"handler {name}: run() returned an awaitable; declare it "
-                                "'async def' (or subclass AsyncHandler) to run it on the loop")
-        except BaseException as exc:
-            write = finish(None, exc)
-        else:
-            write = finish(bool(result), None)
-        if write is not None:
-            write()
+        with around() as scope:
+            try:
+                result = run.handler.run()
+                if inspect.isawaitable(result):
+                    # Truthy, so it would count as done without having run: refuse it loudly.
+                    getattr(result, "close", lambda: None)()
+                    raise TypeError(f"handler {name}: run() returned an awaitable; declare it "
+                                    "'async def' (or subclass AsyncHandler) to run it on the loop")
+            except BaseException as exc:
+                write = finish(None, exc, scope)
+            else:
+                write = finish(bool(result), None, scope)
+            if write is not None:
+                write()
 
     def _event_loop(self) -> _EventLoop:
         with self._lock:
