@@ -55,6 +55,7 @@ from metafora.coordinators.etcd.driver import (
     EtcdDriver,
     KeyValue,
     LeaseNotFound,
+    Op,
     Put,
     Range,
     WatchBatch,
@@ -108,6 +109,9 @@ _STOP = object()
 
 _BATCH = 42
 """Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
+
+_CLOSE_BATCH = 64
+"""Claims per txn clearing running keys on close: 2 compares and 1 delete each (128 compares)."""
 
 
 def fence_margin(lease_ttl: float) -> float:
@@ -319,6 +323,7 @@ class EtcdCoordinator(Coordinator):
             self._closed = True
             leases = [lease for lease in (self._lease_id, self._old_lease) if lease is not None]
             self._lease_id = self._old_lease = None
+            given_back = [held.task for held in self._held.values()]
             self._held.clear()
             for sub in self._subs:
                 sub.event.set()
@@ -328,6 +333,8 @@ class EtcdCoordinator(Coordinator):
         self._beat_wake.set()
         if wq is not None:
             wq.put(_STOP)
+        if leases:
+            self._clear_running(given_back)
         # Revoking the lease deletes the registration, every owner key (the claims become
         # claimable at once) and the queued commands, in one round trip.
         for lease in leases:
@@ -344,6 +351,34 @@ class EtcdCoordinator(Coordinator):
                 thread.join(self._cfg.timeout + 2)
         self._driver.close()
         log.info("node %s closed", self._node_id, extra=self._extra)
+
+    def _clear_running(self, tasks: list[Task]) -> None:
+        """Delete the running keys of the claims close() gives back: a release, not a crash.
+
+        Fenced like a release (still ours, same token), in txns of ``_CLOSE_BATCH`` tasks; a
+        batch with a claim lost meanwhile is redone task by task.
+        """
+        for start in range(0, len(tasks), _CLOSE_BATCH):
+            batch = tasks[start:start + _CLOSE_BATCH]
+            try:
+                if not self._driver.txn(self._owned(batch), self._running_keys(batch)).succeeded:
+                    for task in batch:
+                        self._driver.txn(self._owned([task]), self._running_keys([task]))
+            except MetaforaError as exc:
+                log.warning("node %s: could not clear the running keys of its claims on close "
+                            "(%s); their next claims count a crash", self._node_id, exc,
+                            extra=self._extra)
+                return
+
+    def _owned(self, tasks: list[Task]) -> list[Compare]:
+        compares: list[Compare] = []
+        for task in tasks:
+            owner = self._keys.task(task.id).owner
+            compares += [value_is(owner, self._node_bytes), created_at(owner, task.token)]
+        return compares
+
+    def _running_keys(self, tasks: list[Task]) -> list[Op]:
+        return [Delete(self._keys.task(task.id).running) for task in tasks]
 
     # -- lease ------------------------------------------------------------------------
 
