@@ -13,6 +13,11 @@ Each claimed task gets a :class:`StatefulTaskHandler` whose ``run()``:
    terminal -- ``completed``, ``failed`` or ``killed``; the stored state says which and why --
    and ``False`` (release) on a ``release`` message or after ``stop()``.
 
+Commands reach the machine through a :class:`~metafora.statemachine.mailbox.Mailbox` the
+handler opens for its claim: pushed by the node's coordinator, so ``Commands.poll()`` and
+``Commands.get()`` do no store I/O while nothing arrived (see
+:mod:`metafora.statemachine.mailbox`).
+
 Failures: a fenced write refused (ClaimLost) stops the handler at once; a store that is
 unreachable is retried (``store_attempts``) and then the task is *released* -- never
 completed or deleted; a malformed stored state raises (the task is marked failed, with
@@ -40,6 +45,7 @@ from metafora.statemachine.machine import (
     StateCode,
     apply,
 )
+from metafora.statemachine.mailbox import Mailbox
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
 from metafora.task import Task
 
@@ -157,6 +163,7 @@ class StatefulTaskHandler(Handler):
         self._attempts = store_attempts
         self._retry_delay = store_retry_delay
         self._stop = threading.Event()
+        self._mailbox: Mailbox | None = None  # open while run() runs
         self._lost = False
         self._state: State | None = None
         self._checkpoint_error: BaseException | None = None
@@ -177,9 +184,26 @@ class StatefulTaskHandler(Handler):
     def stop(self) -> None:
         """Ask ``run()`` to return (release) soon. Never blocks."""
         self._stop.set()
+        mailbox = self._mailbox
+        if mailbox is not None:
+            mailbox.interrupt()
+
+    @property
+    def mailbox(self) -> Mailbox | None:
+        """The claim's command mailbox while ``run()`` runs (an async waiter's hook:
+        :meth:`~metafora.statemachine.mailbox.Mailbox.add_listener`)."""
+        return self._mailbox
 
     def run(self) -> bool:
         """Run the machine; True when the task reached a terminal state, False to release."""
+        self._mailbox = self._channel.open(self.task.id, self.task.token)
+        try:
+            return self._run()
+        finally:
+            mailbox, self._mailbox = self._mailbox, None
+            mailbox.close()
+
+    def _run(self) -> bool:
         task = self.task
         state = self._load()
         if state is None:
@@ -287,10 +311,15 @@ class StatefulTaskHandler(Handler):
     # -- store access ---------------------------------------------------------------------
 
     def receive(self, timeout: float) -> Message | None:
-        """The next command for this task (fenced), waiting up to ``timeout`` real seconds."""
+        """The next command for this task (fenced), waiting up to ``timeout`` real seconds.
+
+        Reads the store only when the mailbox was rung (or once after the claim)."""
+        mailbox = self._mailbox
         try:
-            return self._channel.receive(self.task.id, timeout, token=self.task.token,
-                                         cancel=self._stop)
+            if mailbox is None:  # not running: the stateless (polling) read
+                return self._channel.receive(self.task.id, timeout, token=self.task.token,
+                                             cancel=self._stop)
+            return self._channel.receive_from(mailbox, timeout, self._stop)
         except ClaimLost as exc:
             self._lose(exc)
         except (CoordinatorUnavailable, StoreError) as exc:
@@ -363,7 +392,7 @@ class StatefulTaskHandler(Handler):
             log.warning("task %s: claim lost (%s); stopping", self.task.id, exc,
                         extra={**self._extra, "action": "lost"})
         self._lost = True
-        self._stop.set()
+        self.stop()
 
 
 class StatefulHandlerFunc:
