@@ -326,13 +326,13 @@ class SQLCoordinator(Coordinator):
 
     def command(self, timeout: float | None = None) -> Command | None:
         """The next node command: the store is read only when a notification (or a SQLite
-        commit) woke us, or once per ``poll_interval`` as a safety net -- not per call."""
+        commit) woke us, or once per ``command_recheck`` as a safety net -- not per call."""
         if self._closed.is_set():
             return None
         self._db.ensure_schema()
         self._start_listener()
         deadline = None if timeout is None else time.monotonic() + timeout
-        poll = self._db.config.poll_interval
+        poll = self._db.config.command_recheck
         while not self._closed.is_set():
             now = time.monotonic()
             if self._command_wake.is_set() or now >= self._command_check_at:

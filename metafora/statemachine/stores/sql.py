@@ -13,7 +13,8 @@ Commands are pushed: queuing one sends ``m<task id>`` on the namespace's NOTIFY 
 :class:`~metafora.statemachine.mailbox.CommandBell`; on SQLite the coordinator's
 ``data_version`` check asks for one look at which tasks have commands. Either way a waiting
 task reads its queue only when something arrived, and the safety net is one
-``cmd_pending_ids`` per node per ``poll_interval`` (at least 1 s), not a query per task.
+``cmd_pending_ids`` per node per ``command_recheck`` (``max(poll_interval, 30 s)``), not a
+query per task.
 
 Fencing: a write is **one statement** -- an upsert whose ``SELECT`` only yields a row while
 the task is claimed under ``task.token`` by a node whose lease is live by the database
@@ -43,7 +44,6 @@ __all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
 log = logging.getLogger(__name__)
 
 _POLL = 0.5  # real seconds between looks of the stateless receive() (mailboxes are pushed)
-_SAFETY_MIN = 1.0  # seconds: the shortest safety-net interval of the pushed commands
 
 _CLAIM_HELD = (
     "EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns AND t.id = :id"
@@ -236,8 +236,7 @@ class SQLTaskCommands(TaskCommands):
     def __init__(self, db: Database, owner: object = None) -> None:
         self._db = db
         self._st = _Statements.of(db)
-        safety = max(db.config.poll_interval, _SAFETY_MIN)
-        self._bell = bell_for(owner, self._take, self._pending_ids, safety)
+        self._bell = bell_for(owner, self._take, self._pending_ids, db.config.command_recheck)
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> SQLTaskCommands:
