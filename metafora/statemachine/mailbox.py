@@ -64,6 +64,7 @@ class Mailbox:
         self._take_fn = take
         self._on_close = on_close
         self._poll_every = poll_every  # channels without push: look again this often
+        self._looked_at = 0.0  # monotonic time of the last look in the store
         self._cond = threading.Condition()
         self._ready = True  # a new claim checks once for commands queued before it
         self._interrupted = False
@@ -131,13 +132,13 @@ class Mailbox:
 
     def _wait(self, left: float | None) -> bool:
         """Wait until ready (or ``left`` s); True if interrupted or closed meanwhile."""
-        poll = self._poll_every
-        wait = left if poll is None else (poll if left is None else min(poll, left))
+        wait = left
+        if self._poll_every is not None:  # no push: until the next look is due
+            due = max(0.0, self._looked_at + self._poll_every - SYSTEM_CLOCK.monotonic())
+            wait = due if wait is None else min(wait, due)
         with self._cond:
             if not self._ready and not self._interrupted and not self._closed:
                 self._cond.wait(wait)
-            if poll is not None:
-                self._ready = True
             if self._interrupted or self._closed:
                 self._interrupted = False
                 return True
@@ -145,9 +146,14 @@ class Mailbox:
 
     def _take_ready(self) -> bool:
         """Whether to look in the store now (clears the flag first: a ring during the look
-        is not lost)."""
+        is not lost). Without push, a look is due every ``poll_every`` seconds."""
+        now = SYSTEM_CLOCK.monotonic()
         with self._cond:
             ready, self._ready = self._ready, False
+            if self._poll_every is not None and now >= self._looked_at + self._poll_every:
+                ready = True
+            if ready:
+                self._looked_at = now
             return ready
 
     def _take(self) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 
-from metafora.statemachine.mailbox import CommandBell
+from metafora.statemachine.mailbox import CommandBell, Mailbox
 from tests.helpers import wait_until
 
 
@@ -127,4 +127,17 @@ def test_a_recheck_looks_at_once() -> None:
     bell.recheck()
     wait_until(lambda: box.ready, 10, message="the recheck")
     assert box.receive(0) == "run"
+    box.close()
+
+
+def test_a_mailbox_without_push_looks_again_every_poll_interval() -> None:
+    store = Store()
+    box = Mailbox("t1", 1, store.take, poll_every=0.05)
+    assert box.receive(0) is None
+    store.put("t1", "pause")  # nobody rings: the fallback must look by itself
+    got: list[str | None] = []
+    wait_until(lambda: got.append(box.receive(0)) or got[-1] == "pause", 10,
+               message="a polled look")
+    store.put("t1", "run")
+    assert box.receive(10) == "run"
     box.close()
