@@ -18,7 +18,16 @@ fencing are the store's, unchanged.
 - Waiters: a thread blocks in :meth:`Mailbox.receive`; other waiters (an asyncio task)
   register :meth:`Mailbox.add_listener` callbacks, called from the ringing thread whenever
   the mailbox becomes ready or is interrupted -- bridge them to a loop with
-  ``loop.call_soon_threadsafe`` and then call ``receive(0)`` (which does I/O only when ready).
+  ``loop.call_soon_threadsafe`` and then call ``receive(0)`` (which does I/O only when ready)::
+
+      woken = asyncio.Event()
+      box.add_listener(lambda: loop.call_soon_threadsafe(woken.set))
+      while True:
+          woken.clear()                      # before looking: a ring meanwhile is kept
+          raw = await loop.run_in_executor(None, box.receive, 0)   # store I/O only if rung
+          if raw is not None or stopping:
+              break
+          await woken.wait()
 """
 
 from __future__ import annotations
