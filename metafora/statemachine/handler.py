@@ -109,12 +109,15 @@ class Commands:
         while True:
             if machine.stopping:
                 return Message.release()
-            wait = machine.poll_interval
+            # Without a deadline, block until the mailbox is rung or stop() interrupts it
+            # (10,000 waiting tasks must not wake up every second); with one, re-read the
+            # machine's clock every poll_interval (it may be a fake one).
+            wait: float | None = None
             if deadline is not None:
                 left = deadline - machine.clock.monotonic()
                 if left <= 0:
                     return None
-                wait = min(wait, left)
+                wait = min(machine.poll_interval, left)
             message = machine.receive(wait)
             if message is not None:
                 return message
@@ -283,12 +286,12 @@ class StatefulTaskHandler(Handler):
         """Wait for a command (paused), or for ``until`` or a command (sleeping)."""
         until = None if sleeping is None else sleeping.until
         while not self._stop.is_set():
-            wait = self.poll_interval
+            wait: float | None = None  # paused: until a command or stop() (no wake-ups)
             if until is not None:
                 left = (until - self.clock.now()).total_seconds()
                 if left <= 0:
                     return Message.run()
-                wait = min(wait, left)
+                wait = min(self.poll_interval, left)
             message = self.receive(wait)
             if message is not None:
                 return message
@@ -310,7 +313,7 @@ class StatefulTaskHandler(Handler):
 
     # -- store access ---------------------------------------------------------------------
 
-    def receive(self, timeout: float) -> Message | None:
+    def receive(self, timeout: float | None) -> Message | None:
         """The next command for this task (fenced), waiting up to ``timeout`` real seconds.
 
         Reads the store only when the mailbox was rung (or once after the claim)."""
@@ -325,7 +328,7 @@ class StatefulTaskHandler(Handler):
         except (CoordinatorUnavailable, StoreError) as exc:
             log.warning("task %s: cannot read commands: %s", self.task.id, exc,
                         extra={**self._extra, "action": "command"})
-            self._stop.wait(min(timeout, self.poll_interval))
+            self._stop.wait(self.poll_interval if timeout is None else min(timeout, self.poll_interval))
         return None
 
     def checkpoint(self, cursor: str | None) -> None:
@@ -450,8 +453,9 @@ def handler_func(
     (memory, SQL, etcd); pass ``state_store`` / ``task_commands`` to use others (then
     ``coordinator`` may be None). ``error_handler`` decides what a faulted task does
     (default: :class:`~metafora.statemachine.errors.ErrorPolicy`). ``clock`` times sleeps
-    and back-off. ``poll_interval`` (real seconds) bounds how long a paused or sleeping
-    task waits between re-checks of its clock. A store call failing with a retryable error
+    and back-off. ``poll_interval`` (real seconds) bounds how long a sleeping task (or a
+    ``cmds.get(timeout)``) waits between re-checks of its clock; a paused task and a
+    ``cmds.get()`` without timeout wake only for a command or ``stop()``. A store call failing with a retryable error
     is tried ``store_attempts`` times, ``store_retry_delay`` seconds apart (doubling).
     """
     if not callable(stateful):
