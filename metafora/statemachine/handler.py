@@ -455,8 +455,9 @@ def handler_func(
     (default: :class:`~metafora.statemachine.errors.ErrorPolicy`). ``clock`` times sleeps
     and back-off. ``poll_interval`` (real seconds) bounds how long a sleeping task (or a
     ``cmds.get(timeout)``) waits between re-checks of its clock; a paused task and a
-    ``cmds.get()`` without timeout wake only for a command or ``stop()``. A store call failing with a retryable error
-    is tried ``store_attempts`` times, ``store_retry_delay`` seconds apart (doubling).
+    ``cmds.get()`` without timeout wake only for a command or ``stop()``. A store call
+    failing with a retryable error is tried ``store_attempts`` times, ``store_retry_delay``
+    seconds apart (doubling).
     """
     if not callable(stateful):
         raise ConfigError("stateful must be callable: (task, commands) -> Message")
