@@ -7,7 +7,8 @@ import importlib
 
 from benchmarks.common import STORES, Stores
 
-BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "idle")
+BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
+              "idle")
 
 
 def main() -> None:

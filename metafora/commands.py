@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metafora.errors import InvalidCommand, InvalidTaskId
+from metafora.jsontext import load_object
 from metafora.task import validate_task_id
 
 __all__ = [
@@ -59,13 +60,7 @@ class Command:
     @classmethod
     def from_json(cls, data: str | bytes | Mapping[str, Any]) -> Command:
         """Parse and validate the wire form; raise InvalidCommand naming the problem."""
-        if isinstance(data, str | bytes):
-            try:
-                obj = json.loads(data)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise InvalidCommand(f"command is not valid JSON: {exc}") from None
-        else:
-            obj = data
+        obj = load_object(data, "command", InvalidCommand) if isinstance(data, str | bytes) else data
         if not isinstance(obj, Mapping):
             raise InvalidCommand("command must be a JSON object with 'command' and 'parameters'")
         extra = set(obj) - {"command", "parameters"}

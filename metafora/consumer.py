@@ -21,10 +21,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from metafora import commands as cmds
+from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -34,6 +35,7 @@ from metafora.errors import (
 )
 from metafora.handler import Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
+from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
@@ -52,6 +54,8 @@ class _Outcome(enum.Enum):
 
 
 _COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+# How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
+_PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
 
 
 def _handler_state(handler: Handler) -> str | None:
@@ -162,6 +166,11 @@ class _Context(CoordinatorContext):
 
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
+        tracing.record_renewal(self._consumer.node_id, seconds)
+
+    @property
+    def max_crashes(self) -> int | None:
+        return self._consumer._max_crashes
 
 
 class Consumer:
@@ -172,6 +181,9 @@ class Consumer:
     - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
       ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
     - ``max_tasks``: at most this many tasks run at once on this node.
+    - ``max_crashes``: a task whose last claims ended this many times in a row with their node
+      dead (a handler that kills its process) is failed instead of run again (default 5;
+      None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
     - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
       ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
@@ -192,6 +204,7 @@ class Consumer:
         balance_every: float | timedelta = 60.0,
         balance_jitter: float = 0.1,
         max_tasks: int | None = None,
+        max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
@@ -206,6 +219,10 @@ class Consumer:
             raise ConfigError("handler_func must be callable: Task -> Handler")
         if max_tasks is not None and (not isinstance(max_tasks, int) or max_tasks < 1):
             raise ConfigError(f"max_tasks must be a positive integer or None, got {max_tasks!r}")
+        if max_crashes is not None and (
+            not isinstance(max_crashes, int) or isinstance(max_crashes, bool) or max_crashes < 0
+        ):
+            raise ConfigError(f"max_crashes must be a non-negative integer or None, got {max_crashes!r}")
         if not 0 <= balance_jitter < 1:
             raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
         self._coord = coordinator
@@ -214,6 +231,7 @@ class Consumer:
         self._balance_every = _seconds(balance_every, "balance_every")
         self._balance_jitter = balance_jitter
         self._max_tasks = max_tasks
+        self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
@@ -293,7 +311,7 @@ class Consumer:
             ignores = sorted(self._ignores)
         return {
             "node": self.node_id,
-            "store": self._coord.name,
+            "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),
@@ -544,7 +562,9 @@ class Consumer:
     def _claim(self, tasks: list[Task]) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
-            claimed = self._coord.claim_many(tasks, len(tasks))
+            with tracing.claim_span(self.node_id, len(tasks)) as span:
+                claimed = self._coord.claim_many(tasks, len(tasks))
+                span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
         except MetaforaError as exc:  # one failed claim must not take the node down
@@ -554,6 +574,8 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < len(tasks):
+            self.stats.incr("races_lost", len(tasks) - len(claimed))
         for task in claimed:
             self._start(task)
         with self._lock:
@@ -663,12 +685,19 @@ class Consumer:
     # -- handler threads --------------------------------------------------------------
 
     def _run_handler(self, entry: _Running) -> None:
+        task = entry.task
+        with tracing.run_span(task.id, task.token, self.node_id, task.props) as span:
+            self._run_handler_traced(entry, span)
+
+    def _run_handler_traced(self, entry: _Running, span: tracing.SpanLike) -> None:
         threading.current_thread().name = f"metafora-task-{entry.task.id}"
         error: BaseException | None = None
         try:
             outcome = _Outcome.DONE if entry.handler.run() else _Outcome.RELEASE
         except BaseException as exc:
             outcome, error = _Outcome.FAIL, exc
+            span.record_exception(exc)
+            span.set_error(f"{type(exc).__name__}: {exc}")
             self._log.error("handler of task %s raised: %s", entry.task.id, exc, exc_info=exc,
                             extra={"task": entry.task.id, "token": entry.task.token,
                                    "action": "fail"})
@@ -682,9 +711,11 @@ class Consumer:
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
+        span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
         try:
             if not skip:
-                self._write(outcome, entry.task, error)
+                with tracing.outcome_span(outcome.value):
+                    self._write(outcome, entry.task, error)
         finally:
             with self._lock:
                 self._finishing.discard(entry)
@@ -704,23 +735,23 @@ class Consumer:
                 else:
                     self._coord.fail(task, error if error is not None else "failed")
                 self.stats.incr(_COUNTER[outcome])
-                self._log.info("task %s %s", task.id, outcome.value, extra=extra)
+                self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
                 return
             except ClaimLost as exc:
-                self._log.warning("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                   extra=extra)
                 return
             except CoordinatorUnavailable as exc:
                 if self._done.is_set():
-                    self._log.error("gave up marking task %s %s: %s", task.id, outcome.value,
+                    self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
                                     exc, extra=extra)
                     return
-                self._log.warning("store unavailable marking task %s %s, retrying: %s",
-                                  task.id, outcome.value, exc, extra=extra)
+                self._log.warning("store unavailable recording task %s as %s, retrying: %s",
+                                  task.id, _PHRASE[outcome], exc, extra=extra)
                 self._clock.wait(self._done, delay)
                 delay = min(delay * 2, _FINISH_RETRY_MAX)
             except MetaforaError as exc:
-                self._log.error("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                 extra=extra)
                 return
 

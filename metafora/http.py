@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from metafora.errors import ConfigError
+from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
 __all__ = ["InfoServer", "parse_addr", "render_metrics"]
@@ -54,6 +55,7 @@ def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
                 "done": "Tasks this node finished",
                 "failed": "Tasks whose handler raised on this node",
                 "lost": "Claims this node lost (lease lost, task deleted)",
+                "races_lost": "Offers this node tried to claim that another node won",
             }
             for name, value in stats.counters().items():
                 fam = CounterMetricFamily(f"metafora_{name}", docs[name], labels=["node"])
@@ -133,7 +135,7 @@ class InfoServer:
             body, ctype, status = b"/metrics needs prometheus_client\n", "text/plain", 501
         except Exception as exc:
             log.exception("http %s failed", path)
-            body, ctype, status = f"error: {exc}\n".encode(), "text/plain", 500
+            body, ctype, status = f"error: {scrub(str(exc))}\n".encode(), "text/plain", 500
         req.send_response(status)
         req.send_header("Content-Type", ctype)
         req.send_header("Content-Length", str(len(body)))

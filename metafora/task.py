@@ -11,10 +11,27 @@ from datetime import UTC, datetime
 from typing import Any
 
 from metafora.errors import InvalidProps, InvalidTaskId
+from metafora.jsontext import MAX_DEPTH, check_depth, load_object
 
-__all__ = ["MAX_TASK_ID_LENGTH", "Task", "TaskInfo", "TaskState", "parse_time", "validate_task_id"]
+__all__ = [
+    "MAX_PROPS_BYTES",
+    "MAX_PROPS_DEPTH",
+    "MAX_TASK_ID_LENGTH",
+    "Task",
+    "TaskInfo",
+    "TaskState",
+    "decode_props",
+    "parse_time",
+    "validate_schedule",
+    "validate_task_id",
+]
 
 MAX_TASK_ID_LENGTH = 256
+MAX_PROPS_BYTES = 1024 * 1024
+"""The largest props a task may carry, as compact JSON (UTF-8 bytes). etcd refuses requests
+over 1.5 MiB by default; one limit for every store keeps a task portable between them."""
+MAX_PROPS_DEPTH = MAX_DEPTH
+"""How deeply props may nest objects and arrays (the props object itself is level 1)."""
 _TIME_PROPS = ("launch_at", "expires_at")
 
 
@@ -34,6 +51,9 @@ def validate_task_id(task_id: object) -> str:
         raise InvalidTaskId(f"task id must be a string, not {type(task_id).__name__}")
     if not task_id.strip():
         raise InvalidTaskId("task id must not be empty or blank")
+    if task_id != task_id.strip():
+        # One rule for blank and padded ids: `"a "` and `"a"` would look alike in every listing.
+        raise InvalidTaskId(f"task id {task_id!r} must not start or end with whitespace")
     if len(task_id) > MAX_TASK_ID_LENGTH:
         raise InvalidTaskId(
             f"task id is {len(task_id)} characters long; the limit is {MAX_TASK_ID_LENGTH}"
@@ -63,21 +83,63 @@ def parse_time(value: object, what: str) -> datetime:
     return dt.astimezone(UTC)
 
 
+def validate_schedule(task: Task, now: datetime) -> Task:
+    """Return ``task`` if it could ever be claimed after ``now``, else raise :class:`InvalidProps`.
+
+    Refused: an ``expires_at`` at or before ``launch_at`` (never claimable) and an
+    ``expires_at`` already past at ``now`` (the store's clock where the client has one).
+    Every ``Client.submit_task`` calls this; stored tasks are not re-checked, so a task
+    that expires later is still read back and shown as ``expired``.
+    """
+    launch, expires = task.launch_at, task.expires_at
+    if expires is None:
+        return task
+    if launch is not None and expires <= launch:
+        raise InvalidProps(
+            f"task {task.id!r}: expires_at {expires.isoformat()} is not after launch_at "
+            f"{launch.isoformat()}, so the task could never be claimed"
+        )
+    if expires <= now:
+        raise InvalidProps(
+            f"task {task.id!r}: expires_at {expires.isoformat()} is already past "
+            f"(now {now.astimezone(UTC).isoformat()})"
+        )
+    return task
+
+
 def _freeze_props(props: object) -> Mapping[str, Any]:
     if not isinstance(props, Mapping):
         raise InvalidProps(f"props must be a JSON object (a mapping), not {type(props).__name__}")
     for key in props:
         if not isinstance(key, str):
             raise InvalidProps(f"props keys must be strings, got {key!r}")
+    # Depth first, without recursion: json.dumps of a deep structure would raise RecursionError
+    # at a depth that depends on the caller's own stack.
+    check_depth(props, "props", InvalidProps)
     try:
-        # A JSON round trip both validates and takes a private copy of the caller's data.
-        plain: dict[str, Any] = json.loads(json.dumps(dict(props), allow_nan=False))
+        encoded = json.dumps(dict(props), allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidProps(f"props are not JSON-serialisable: {exc}") from None
+    if len(encoded) > MAX_PROPS_BYTES:  # ASCII (json.dumps escapes the rest): len is bytes
+        raise InvalidProps(f"props take {len(encoded)} bytes as JSON; the limit is {MAX_PROPS_BYTES}")
+    # The JSON round trip also takes a private copy of the caller's data.
+    plain: dict[str, Any] = json.loads(encoded)
     for name in _TIME_PROPS:
         if name in plain and plain[name] is not None:
             parse_time(plain[name], f"prop {name!r}")
     return plain  # a private copy; the dataclass is frozen, so it is never swapped
+
+
+def decode_props(raw: str | bytes, task_id: str) -> dict[str, Any]:
+    """Props read back from a store; raise :class:`InvalidProps` naming the damage.
+
+    Rows and keys may be written around metafora (by hand, by another program): text that is
+    not JSON, not an object, nested too deep or too large is reported, never read as ``{}``.
+    """
+    what = f"stored props of task {task_id!r}"
+    if len(raw) > 2 * MAX_PROPS_BYTES:  # room for a store's own formatting of the text
+        raise InvalidProps(f"{what}: {len(raw)} bytes, over the limit of {MAX_PROPS_BYTES}")
+    return load_object(raw, what, InvalidProps)
 
 
 @dataclass(frozen=True)

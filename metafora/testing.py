@@ -21,7 +21,7 @@ from metafora.balancer import Balancer
 from metafora.clock import Clock
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
-from metafora.coordinator import Client, CoordinatorContext
+from metafora.coordinator import DEFAULT_MAX_CRASHES, Client, CoordinatorContext
 from metafora.handler import HandlerFunc
 from metafora.task import Task, TaskState
 
@@ -100,10 +100,15 @@ class FakeClock(Clock):
 class RecordingContext(CoordinatorContext):
     """A CoordinatorContext that records lost tasks (for driving a coordinator by hand)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_crashes: int | None = DEFAULT_MAX_CRASHES) -> None:
         self.lost_tasks: list[Task] = []
         self.lost_event = threading.Event()
         self._lock = threading.Lock()
+        self._max_crashes = max_crashes
+
+    @property
+    def max_crashes(self) -> int | None:
+        return self._max_crashes
 
     def lost(self, task: Task) -> None:
         with self._lock:

@@ -9,4 +9,4 @@ pytest_plugins = [
     name
     for name in ("tests.fixtures.postgres", "tests.fixtures.etcd", "tests.fixtures.faults")
     if importlib.util.find_spec(name) is not None
-]
+] + ["pytester"]  # metafora's own pytest plugin (metafora.pytest_plugin) is tested with pytester

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from metafora.coordinator import (
     NodeInfo,
     TaskSink,
     as_sink,
+    crash_limit_error,
     error_text,
 )
 from metafora.errors import (
@@ -38,7 +40,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -59,6 +61,7 @@ class _Row:
     error: str | None = None
     finished_at: datetime | None = None
     attempts: int = 0
+    crashes: int = 0  # latest claims in a row that ended with their node dead
     ready: int = 0  # store version at which the row last became claimable
 
     def task(self) -> Task:
@@ -134,8 +137,10 @@ class MemoryStore:
                     soonest = wait if soonest is None else min(soonest, wait)
         return soonest
 
-    def free_claims(self, node_id: str) -> list[Task]:
-        """Make every claim of ``node_id`` pending again; return the tasks it held."""
+    def free_claims(self, node_id: str, *, crashed: bool = False) -> list[Task]:
+        """Make every claim of ``node_id`` pending again; return the tasks it held.
+
+        ``crashed``: the node died (its lease was lost), so each claim counts as a crash."""
         rows = [r for r in self.tasks.values() if r.state is TaskState.CLAIMED and r.owner == node_id]
         freed = [row.task() for row in rows]
         if rows:
@@ -144,6 +149,7 @@ class MemoryStore:
                 row.state = TaskState.PENDING
                 row.owner = None
                 row.claimed_at = None
+                row.crashes = row.crashes + 1 if crashed else 0
                 row.ready = version
         return freed
 
@@ -264,6 +270,14 @@ class MemoryCoordinator(Coordinator):
             s.sweep(now)
             if row is None or not s.claimable(row, now):
                 return None
+            if row.state is TaskState.CLAIMED:  # taken over from a dead owner
+                row.crashes += 1
+            verdict = crash_limit_error(row.crashes, self._ctx.max_crashes if self._ctx else None)
+            if verdict is not None:
+                row.state, row.owner, row.error = TaskState.FAILED, None, verdict
+                row.finished_at = now
+                s.bump()
+                return None
             s.token_seq += 1
             row.state = TaskState.CLAIMED
             row.owner = self._node_id
@@ -293,6 +307,7 @@ class MemoryCoordinator(Coordinator):
             row.state = TaskState.PENDING
             row.owner = None
             row.claimed_at = None
+            row.crashes = 0
             row.ready = s.bump()
 
     def done(self, task: Task) -> None:
@@ -358,7 +373,7 @@ class MemoryCoordinator(Coordinator):
         """
         s = self._store
         with s.cond:
-            freed = s.free_claims(self._node_id)
+            freed = s.free_claims(self._node_id, crashed=True)
             s.nodes.pop(self._node_id, None)
             ctx = self._ctx
         if ctx is not None:
@@ -396,11 +411,30 @@ class MemoryClient(Client):
         s = self._store
         with s.cond:
             self._check_open()
+            validate_schedule(task, s.clock.now())
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
             row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())
             s.tasks[task.id] = row
             row.ready = s.bump()
+
+    _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
+
+    def _now(self) -> datetime:
+        return self._store.clock.now()
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            existing = [task.id for task in batch if task.id in s.tasks]
+            if existing:
+                return existing
+            now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
+            for task in batch:
+                row = s.tasks[task.id] = _Row(task.id, dict(task.props), TaskState.PENDING, now)
+                row.ready = ready
+        return []
 
     def _row(self, task_id: str) -> _Row:
         row = self._store.tasks.get(validate_task_id(task_id))
@@ -432,6 +466,7 @@ class MemoryClient(Client):
             row.state = TaskState.PENDING
             row.error = None
             row.finished_at = None
+            row.crashes = 0
             row.ready = s.bump()
 
     def get_task(self, task_id: str) -> TaskInfo:

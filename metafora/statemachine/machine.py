@@ -34,6 +34,7 @@ from typing import Any, Final, Literal
 
 from metafora.coordinator import error_text
 from metafora.errors import InvalidProps, MetaforaError
+from metafora.jsontext import load_object
 from metafora.task import parse_time
 
 __all__ = [
@@ -144,15 +145,10 @@ def _check_cursor(cursor: object, error: type[MetaforaError]) -> str | None:
 def _load_object(data: str | bytes | Mapping[str, Any], what: str,
                  error: type[MetaforaError]) -> Mapping[str, Any]:
     if isinstance(data, str | bytes):
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise error(f"{what} is not valid JSON: {exc}") from None
-    else:
-        obj = data
-    if not isinstance(obj, Mapping):
-        raise error(f"{what} must be a JSON object, not {type(obj).__name__}")
-    return obj
+        return load_object(data, what, error)
+    if not isinstance(data, Mapping):
+        raise error(f"{what} must be a JSON object, not {type(data).__name__}")
+    return data
 
 
 @dataclass(frozen=True)

@@ -308,9 +308,22 @@ class Campaign:
              f"{want} tasks running")
 
     def _wait_progress(self, mark: int, count: int = 2, timeout: float = 60.0) -> None:
-        """After a fault: wait until ``count`` more runs than ``mark`` finished (work goes on)."""
+        """After a fault: wait until ``count`` more runs than ``mark`` finished (work goes on).
+
+        Progress can only show while work remains: on a slow machine the whole load may have
+        finished elsewhere while the fault lasted (a zombie frozen until its tasks moved), and
+        waiting for more "done" then timed out although nothing had stalled. So the fleet is
+        given ``count`` fresh tasks whenever fewer than that are still unfinished.
+        """
+        if self._unfinished() < count:
+            self._submit(count)
         poll(lambda: self._done_count() >= mark + count, timeout,
              f"{count} more tasks to finish after the fault")
+
+    def _unfinished(self) -> int:
+        """Submitted tasks that have not ended done yet."""
+        done = {e["k"] for e in self.ledger.events() if e["e"] == "end" and e["why"] == "done"}
+        return sum(1 for task_id, want in self.expected.items() if want == "done" and task_id not in done)
 
     def _wait_busy(self) -> str:
         """Wait until a live node runs a task; returns one such node (at random)."""

@@ -161,8 +161,11 @@ def worker_main(spec: WorkerSpec) -> None:
         ledger.append("made", n=spec.node, k=task.id, tok=task.token)
         return LedgerHandler(task, spec.node, ledger, store, spec.write_every, deaf=spec.broken)
 
+    # The campaign kills nodes on purpose: the tasks they held are victims, not poison, so
+    # the crash limit (tested in tests/integration/test_crash_loops.py) is off here.
     consumer = Consumer(coord, make, PinBalancer(spec.node), max_tasks=spec.max_tasks,
-                        shutdown_timeout=5, release_backoff=0.2, release_backoff_max=2.0)
+                        shutdown_timeout=5, release_backoff=0.2, release_backoff_max=2.0,
+                        max_crashes=None)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
     ledger.append("up", n=spec.node, pid=os.getpid())
     try:

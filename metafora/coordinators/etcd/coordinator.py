@@ -34,6 +34,7 @@ import queue
 import socket
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -46,10 +47,12 @@ from metafora.coordinator import (
     TaskCommandListener,
     TaskSink,
     as_sink,
+    crash_limit_error,
     error_text,
 )
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import (
+    Compare,
     Delete,
     EtcdDriver,
     KeyValue,
@@ -68,8 +71,10 @@ from metafora.coordinators.etcd.driver import (
 from metafora.coordinators.etcd.layout import (
     Keys,
     TaskRecord,
+    crashes_of,
     decode_json,
     encode_json,
+    gather,
     iso,
     props_of,
 )
@@ -103,6 +108,10 @@ _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps
 _STOP = object()
 
 
+_BATCH = 42
+"""Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
+
+
 def fence_margin(lease_ttl: float) -> float:
     """Seconds before the lease could expire at which a node stops its handlers."""
     return max(0.5, lease_ttl / 4)
@@ -114,11 +123,27 @@ class _Held:
     finishing: bool = False  # a release/done/fail of this claim is in flight
 
 
+@dataclass(frozen=True)
+class _Known:
+    """A task as a claim sees it: its props and the revisions the claim is fenced on."""
+
+    props: dict[str, Any]
+    damage: str | None
+    props_mod: int
+    running_mod: int
+    crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
+
+    def crashes(self) -> int:
+        """This claim's count of crashes in a row (the previous claim died if it left its key)."""
+        return 0 if self.crashes_before is None else self.crashes_before + 1
+
+
 @dataclass
 class _Entry:
     """The watch cache's view of one task."""
 
     props: dict[str, Any] | None = None
+    props_error: str | None = None  # the damage of a props value written around metafora
     props_mod: int = 0
     launch_at: datetime | None = None
     expires_at: datetime | None = None
@@ -126,17 +151,32 @@ class _Entry:
     owner: str | None = None
     owner_rev: int = 0
 
-    def set_props(self, kv: KeyValue) -> None:
-        self.props, _ = props_of(kv)
+    running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
+    running_crashes: int | None = None
+
+    def known(self) -> _Known:
+        """What a claim is judged and fenced on."""
+        assert self.props is not None
+        return _Known(self.props, self.props_error, self.props_mod, self.running_mod,
+                      self.running_crashes)
+
+    def set_running(self, kv: KeyValue | None) -> None:
+        self.running_mod = 0 if kv is None else kv.mod_revision
+        self.running_crashes = crashes_of(kv)
+
+    def set_props(self, kv: KeyValue, task_id: str) -> None:
+        stored = props_of(kv, task_id)
+        self.props, self.props_error = stored.props, stored.error
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
     @classmethod
-    def from_record(cls, rec: TaskRecord) -> _Entry:
+    def from_record(cls, task_id: str, rec: TaskRecord) -> _Entry:
         entry = cls()
         if rec.props is not None:
-            entry.set_props(rec.props)
+            entry.set_props(rec.props, task_id)
         entry.finished = rec.state is not None
+        entry.set_running(rec.running)
         if rec.owner is not None:
             entry.owner = rec.owner.value.decode(errors="replace")
             entry.owner_rev = rec.owner.create_revision
@@ -540,63 +580,151 @@ class EtcdCoordinator(Coordinator):
         with self._lock:
             lease = self._lease_id
             entry = self._cache.get(task.id)
-            known = (entry.props, entry.props_mod) if entry and entry.props is not None else None
+            known = entry.known() if entry is not None and entry.props is not None else None
         if lease is None:
             return None  # the lease is lost; the lease thread is re-registering
         tk = self._keys.task(task.id)
         if known is None:
-            kvs, _ = self._driver.range(Range(tk.props))
-            if not kvs:
+            kvs, _ = self._driver.range(Range(tk.prefix, prefix=True))
+            rec = gather(self._keys, kvs).get(task.id)
+            if rec is None or rec.props is None:
                 return None
-            props, _ = props_of(kvs[0])
-            known = (props, kvs[0].mod_revision)
-        props, props_mod = known
+            known = _Entry.from_record(task.id, rec).known()
         for _attempt in range(3):
-            try:
-                Task(task.id, props)
-            except InvalidProps as exc:
-                # Written by hand or by something else than metafora: it can never run.
-                self._fail_invalid(task.id, props_mod, exc)
+            if not self._claimable(task.id, known):
                 return None
-            now = self._clock.now()
-            launch, expires = launch_and_expiry(props)
-            if expires is not None and expires <= now:
-                self._expire(task.id, props_mod)
-                return None
-            if launch is not None and launch > now:
-                return None
-            claim_record = encode_json({"node": self._node_id, "claimed_at": iso(now)})
+            compares, puts = self._claim_ops(task.id, known, lease)
             try:
                 result = self._driver.txn(
-                    [absent(tk.owner), absent(tk.state), modified_at(tk.props, props_mod)],
-                    [Put(tk.owner, self._node_bytes, lease), Put(tk.claim, claim_record)],
-                    [Range(tk.props), Range(tk.state), Range(tk.owner)],
+                    compares,
+                    puts,
+                    [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)],
                     repeatable=True,
                 )
             except LeaseNotFound:
                 self._fence("etcd refused a claim: lease not found")
                 return None
             if result.succeeded:
-                return self._took(Task(task.id, props, result.revision), lease)
-            props_kvs, state_kvs, owner_kvs = result.ranges
+                return self._took(Task(task.id, known.props, result.revision), lease)
+            props_kvs, state_kvs, owner_kvs, running_kvs = result.ranges
             if owner_kvs:
                 owner = owner_kvs[0]
                 if (
-                    result.retried
-                    and owner.value == self._node_bytes
+                    owner.value == self._node_bytes
                     and owner.lease == lease
                     and props_kvs
+                    and not self.holds_claim(task.id)
                 ):
-                    # An earlier attempt of this call was applied but its answer was lost.
-                    props, _ = props_of(props_kvs[0])
+                    # Ours but not known: an earlier attempt (of this call, or of a batch this
+                    # call falls back from) was applied and its answer lost. The owner key is
+                    # on this node's lease, so no one else could have taken it meanwhile.
+                    props = props_of(props_kvs[0], task.id).props
                     return self._took(Task(task.id, props, owner.create_revision), lease)
                 return None
             if state_kvs or not props_kvs:
                 return None
-            # The task was resubmitted since we read it: judge the new props and try again.
-            props, _ = props_of(props_kvs[0])
-            props_mod = props_kvs[0].mod_revision
+            # Resubmitted, or its previous claim ended, since we read it: judge again.
+            rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
+            known = _Entry.from_record(task.id, rec).known()
         return None
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each), falling back to one
+        claim per task for a batch whose compares fail (someone else took one of them)."""
+        self._require_init()
+        with self._lock:
+            lease = self._lease_id
+            batch: list[tuple[Task, _Known]] = []
+            single: list[Task] = []
+            for task in tasks:
+                entry = self._cache.get(task.id)
+                if entry is not None and (entry.owner is not None or entry.finished):
+                    continue  # seen taken: no round trip for a stale offer
+                if entry is None or entry.props is None:
+                    single.append(task)
+                else:
+                    batch.append((task, entry.known()))
+        if lease is None:
+            return []
+        claimed: list[Task] = []
+        for start in range(0, len(batch), _BATCH):
+            if len(claimed) >= limit:
+                return claimed
+            chunk = [(t, k) for t, k in batch[start:start + _BATCH] if self._claimable(t.id, k)]
+            chunk = chunk[: limit - len(claimed)]
+            got = self._claim_batch(chunk, lease) if len(chunk) > 1 else None
+            if got is None:  # a compare failed (or one task): claim them one by one
+                got = [c for c in (self.claim(t) for t, _ in chunk) if c is not None]
+            claimed.extend(got)
+        for task in single:
+            if len(claimed) >= limit:
+                break
+            got_one = self.claim(task)
+            if got_one is not None:
+                claimed.append(got_one)
+        return claimed
+
+    def _claim_batch(self, chunk: list[tuple[Task, _Known]], lease: int) -> list[Task] | None:
+        """One txn claiming every task of ``chunk``, or None if any compare failed."""
+        compares: list[Compare] = []
+        puts: list[Put] = []
+        for task, known in chunk:
+            c, p = self._claim_ops(task.id, known, lease)
+            compares += c
+            puts += p
+        try:
+            result = self._driver.txn(compares, puts, repeatable=True)
+        except LeaseNotFound:
+            self._fence("etcd refused a claim: lease not found")
+            return []
+        if not result.succeeded:
+            return None  # the per-task fallback also adopts claims of a lost first attempt
+        claimed = [self._took(Task(t.id, k.props, result.revision), lease) for t, k in chunk]
+        return [c for c in claimed if c is not None]
+
+    def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
+        """The compares and puts of one claim: free, unfinished, as judged, and this node's."""
+        tk = self._keys.task(task_id)
+        record = encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+        compares = [
+            absent(tk.owner),
+            absent(tk.state),
+            modified_at(tk.props, known.props_mod),
+            modified_at(tk.running, known.running_mod),
+        ]
+        puts = [
+            Put(tk.owner, self._node_bytes, lease),
+            Put(tk.claim, record),
+            Put(tk.running, encode_json({"crashes": known.crashes()})),
+        ]
+        return compares, puts
+
+    def holds_claim(self, task_id: str) -> bool:
+        """Whether this node knows it holds a claim of ``task_id`` (its local view, no I/O)."""
+        with self._lock:
+            return task_id in self._held
+
+    def _claimable(self, task_id: str, known: _Known) -> bool:
+        """Whether to try the claim; fails or expires a task that can never run."""
+        try:
+            if known.damage is not None:
+                raise InvalidProps(known.damage)
+            Task(task_id, known.props)
+        except InvalidProps as exc:
+            # Written by hand or by something else than metafora: it can never run.
+            self._fail_unclaimed(task_id, known.props_mod, f"invalid props: {exc}")
+            return False
+        limit = self._ctx.max_crashes if self._ctx is not None else None
+        verdict = crash_limit_error(known.crashes(), limit)
+        if verdict is not None:
+            self._fail_unclaimed(task_id, known.props_mod, verdict)
+            return False
+        now = self._clock.now()
+        launch, expires = launch_and_expiry(known.props)
+        if expires is not None and expires <= now:
+            self._expire(task_id, known.props_mod)
+            return False
+        return launch is None or launch <= now
 
     def _took(self, claimed: Task, lease: int) -> Task | None:
         """Record a successful claim, unless it is already gone."""
@@ -614,16 +742,13 @@ class EtcdCoordinator(Coordinator):
                   extra={"node": self._node_id, "task": claimed.id})
         return claimed
 
-    def _fail_invalid(self, task_id: str, props_mod: int, exc: MetaforaError) -> None:
+    def _fail_unclaimed(self, task_id: str, props_mod: int, error: str) -> None:
         extra = {"node": self._node_id, "task": task_id}
         try:
-            if fail_unclaimed(self._driver, self._keys, task_id, props_mod, self._clock.now(),
-                              f"invalid props: {exc}"):
-                log.error("task %s has invalid stored props; marked it failed: %s", task_id, exc,
-                          extra=extra)
+            if fail_unclaimed(self._driver, self._keys, task_id, props_mod, self._clock.now(), error):
+                log.error("task %s cannot run; marked it failed: %s", task_id, error, extra=extra)
         except MetaforaError as err:
-            log.warning("could not mark task %s (invalid props) failed: %s", task_id, err,
-                        extra=extra)
+            log.warning("could not mark task %s failed (%s): %s", task_id, error, err, extra=extra)
 
     def _expire(self, task_id: str, props_mod: int) -> None:
         try:
@@ -659,7 +784,7 @@ class EtcdCoordinator(Coordinator):
                 held.finishing = True
         result = self._driver.txn(
             [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
-            [*writes, Delete(tk.owner)],
+            [*writes, Delete(tk.owner), Delete(tk.running)],  # an outcome: no crash
             [Range(tk.state), Range(tk.claim), Range(tk.owner)],
             repeatable=True,
         )
@@ -937,7 +1062,7 @@ class EtcdCoordinator(Coordinator):
     def _relist(self) -> int:
         """Rebuild the cache from one consistent read; returns its revision."""
         records, revision = read_all_tasks(self._driver, self._keys)
-        cache = {task_id: _Entry.from_record(rec) for task_id, rec in records.items()}
+        cache = {task_id: _Entry.from_record(task_id, rec) for task_id, rec in records.items()}
         lost: list[Task] = []
         with self._lock:
             self._cache = cache
@@ -1010,10 +1135,12 @@ class EtcdCoordinator(Coordinator):
                                 lost.append(held.task)
                 elif part == "props":
                     if put:
-                        entry.set_props(event.kv)
+                        entry.set_props(event.kv, name)
                         dirty.add(name)
                     else:
                         entry.props = None
+                elif part == "running":
+                    entry.set_running(event.kv if put else None)
                 elif part == "state":
                     entry.finished = put
                     if not put:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import grpc
 
-from metafora.errors import ConfigError, CoordinatorUnavailable, StoreError
+from metafora.errors import ConfigError, CoordinatorUnavailable, RequestTooLarge, StoreError
 
 __all__ = [
     "Compare",
@@ -85,6 +85,14 @@ _UNAVAILABLE_CODES = frozenset(
     }
 )
 _TOKEN_ERRORS = ("invalid auth token", "auth token")
+
+
+def _too_large(code: object, details: str) -> bool:
+    """Whether etcd (or gRPC in front of it) refused a request for its size: never retryable."""
+    text = details.lower()
+    return (code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in text) or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and "too large" in text
+    )
 
 
 class LeaseNotFound(StoreError):
@@ -439,6 +447,9 @@ class EtcdDriver:
     def _translate(self, exc: grpc.RpcError, what: str) -> Exception:
         code = exc.code() if hasattr(exc, "code") else None
         details = (exc.details() if hasattr(exc, "details") else None) or str(code)
+        if _too_large(code, details):
+            return RequestTooLarge(f"etcd at {self.endpoints} refused the request as too large ({what}): "
+                                   f"{details}")
         if code in _UNAVAILABLE_CODES:
             return CoordinatorUnavailable(
                 f"etcd at {self.endpoints} is unavailable ({what}): {details}"

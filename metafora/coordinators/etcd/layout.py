@@ -10,6 +10,8 @@ exactly one path segment::
                             absent while the task is pending or claimed
     tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
                             mod_revision = that claim's token, version = number of claims
+    tasks/<id>/running      {"crashes": N}: put by a claim, deleted by its outcome (no lease), so
+                            a claim that finds it knows the previous one ended with its node dead
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
     nodes/<node>/alive      {"started_at"}, attached to the node's lease: the node is live
@@ -32,9 +34,22 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from metafora.coordinators.etcd.driver import KeyValue
-from metafora.task import TaskInfo, TaskState, parse_time
+from metafora.errors import InvalidProps, StoreError
+from metafora.jsontext import load_object
+from metafora.task import MAX_PROPS_BYTES, MAX_PROPS_DEPTH, TaskInfo, TaskState, parse_time
 
-__all__ = ["Keys", "TaskKeys", "decode_json", "encode_json", "iso", "parse_iso", "task_info"]
+__all__ = [
+    "Keys",
+    "StoredProps",
+    "TaskKeys",
+    "crashes_of",
+    "decode_json",
+    "encode_json",
+    "iso",
+    "parse_iso",
+    "props_of",
+    "task_info",
+]
 
 ROOT = "metafora"
 
@@ -55,12 +70,11 @@ def encode_json(data: dict[str, Any]) -> bytes:
 
 
 def decode_json(raw: bytes) -> dict[str, Any] | None:
-    """The JSON object in ``raw``, or None if it is not one."""
+    """The JSON object in ``raw``, or None if it is not one (or is nested absurdly deep)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        return load_object(raw, "value", StoreError)
+    except StoreError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def iso(dt: datetime) -> str:
@@ -103,6 +117,7 @@ class Keys:
             props=base + b"props",
             state=base + b"state",
             claim=base + b"claim",
+            running=base + b"running",
             owner=self.owners + seg,
             machine=self.states + seg,
             commands=self.task_commands + seg + b"/",
@@ -125,7 +140,7 @@ class Keys:
         kind, _, tail = rest.partition("/")
         if kind == "tasks":
             seg, slash, field = tail.partition("/")
-            if slash and seg and field in ("props", "state", "claim"):
+            if slash and seg and field in ("props", "state", "claim", "running"):
                 return ("task", unescape(seg), field)
         elif kind == "owners":
             if tail and "/" not in tail:
@@ -152,6 +167,7 @@ class TaskKeys:
     props: bytes
     state: bytes
     claim: bytes
+    running: bytes
     owner: bytes
     machine: bytes
     commands: bytes
@@ -165,17 +181,39 @@ class TaskRecord:
     state: KeyValue | None = None
     claim: KeyValue | None = None
     owner: KeyValue | None = None
+    running: KeyValue | None = None
 
     def set(self, field: str, kv: KeyValue | None) -> None:
-        """Store a key by its field name (props, state, claim, owner)."""
+        """Store a key by its field name (props, state, claim, owner, running)."""
         setattr(self, field, kv)
 
 
-def props_of(kv: KeyValue) -> tuple[dict[str, Any], datetime | None]:
-    """(props, created_at) of a props key; a damaged value reads as empty props."""
-    data = decode_json(kv.value) or {}
-    props = data.get("props")
-    return (props if isinstance(props, dict) else {}), _time(data.get("created_at"))
+@dataclass(frozen=True)
+class StoredProps:
+    """What a props key holds: the props, or, for a damaged value, ``{}`` and the damage."""
+
+    props: dict[str, Any]
+    created_at: datetime | None
+    error: str | None = None
+
+
+def props_of(kv: KeyValue, task_id: str) -> StoredProps:
+    """Read a props key. A damaged value (not JSON, too deep or large, no props object) is
+    reported in ``error``, never taken for empty props: a claim fails such a task."""
+    what = f"stored props of task {task_id!r}"
+    try:
+        if len(kv.value) > 2 * MAX_PROPS_BYTES:
+            raise InvalidProps(f"{what}: {len(kv.value)} bytes, over the limit of {MAX_PROPS_BYTES}")
+        # The record wraps the props one level down: {"props": {...}, "created_at": ...}.
+        data = load_object(kv.value, what, InvalidProps, MAX_PROPS_DEPTH, top=0)
+        if "props" not in data:
+            raise InvalidProps(f"{what}: the record has no props")
+        props = data["props"]
+        if not isinstance(props, dict):
+            raise InvalidProps(f"{what}: must be a JSON object, not {type(props).__name__}")
+    except InvalidProps as exc:
+        return StoredProps({}, None, str(exc))
+    return StoredProps(props, _time(data.get("created_at")))
 
 
 def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
@@ -191,22 +229,30 @@ def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
     return state, data
 
 
+def crashes_of(kv: KeyValue | None) -> int | None:
+    """The crash count a running key records; None if there is no running key."""
+    if kv is None:
+        return None
+    count = (decode_json(kv.value) or {}).get("crashes")
+    return count if isinstance(count, int) and count >= 0 else 0
+
+
 def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
     """The :class:`TaskInfo` of a task's keys (None if it has no props key)."""
     if rec.props is None:
         return None
-    props, created = props_of(rec.props)
+    stored = props_of(rec.props, task_id)
     claim = decode_json(rec.claim.value) if rec.claim is not None else None
     attempts = rec.claim.version if rec.claim is not None else 0
     token = rec.claim.mod_revision if rec.claim is not None else 0
     owner = None
     claimed_at = None
-    error = None
+    error = stored.error
     finished = None
     if rec.state is not None:
         state, data = state_of(rec.state)
         err = data.get("error")
-        error = err if isinstance(err, str) else None
+        error = err if isinstance(err, str) else error
         finished = _time(data.get("finished_at"))
     elif rec.owner is not None:
         state = TaskState.CLAIMED
@@ -218,13 +264,13 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
         state = TaskState.PENDING
     return TaskInfo(
         id=task_id,
-        props=props,
+        props=stored.props,
         state=state,
         owner=owner,
         token=token,
         claimed_at=claimed_at,
         error=error,
-        created_at=created,
+        created_at=stored.created_at,
         finished_at=finished,
         attempts=attempts,
     )

@@ -10,7 +10,6 @@ connection) every 10 ms. ``poll_interval`` is the safety-net poll behind both.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -25,6 +24,7 @@ from metafora.coordinator import (
     TaskCommandListener,
     TaskSink,
     as_sink,
+    crash_limit_error,
     error_text,
 )
 from metafora.coordinators.sql.lease import Lease
@@ -38,7 +38,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.task import Task, validate_task_id
+from metafora.task import Task, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -166,6 +166,11 @@ class SQLCoordinator(Coordinator):
                 watches = list(self._watches)
             for watch in watches:
                 watch.task_notified(name)
+        elif kind == "b" and name.isdigit():  # a bulk submit: one notification per batch
+            with self._lock:
+                watches = list(self._watches)
+            for watch in watches:
+                watch.pending_from(int(name))
         elif kind == "c" and name == self._node_id:
             self._command_wake.set()
         elif kind == "n" and name == self._node_id:
@@ -261,15 +266,15 @@ class SQLCoordinator(Coordinator):
             with self._db.hot() as cur:
                 if len(ids) == 1:
                     row = cur.one("claim", dict(params, id=ids[0]))
-                    rows = [] if row is None else [(ids[0], row[0], row[1])]
+                    rows = [] if row is None else [(ids[0], row[0], row[1], row[2])]
                 else:
                     params.update(ids=self._db.dialect.ids_param(ids), limit=limit)
                     rows = cur.all("claim_many", params)
                 if rows:
                     cur.token_used(max(int(r[1]) for r in rows))
             place = {task_id: i for i, task_id in enumerate(ids)}
-            for task_id, token, props_text in sorted(rows, key=lambda r: place[str(r[0])]):
-                task = self._parse_claimed(str(task_id), str(props_text), int(token))
+            for task_id, token, props_text, crashes in sorted(rows, key=lambda r: place[str(r[0])]):
+                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes))
                 if task is not None:
                     claimed.append(task)
         finally:
@@ -281,16 +286,23 @@ class SQLCoordinator(Coordinator):
             return []
         return claimed
 
-    def _parse_claimed(self, task_id: str, props_text: str, token: int) -> Task | None:
+    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int) -> Task | None:
+        """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            return Task(task_id, json.loads(props_text), token)
-        except (ValueError, MetaforaError) as exc:
-            log.error("task %s has invalid stored props; marking it failed: %s", task_id, exc,
-                      extra={"node": self._node_id, "task": task_id})
-            with self._db.hot() as cur:
-                cur.one("fail", {"id": task_id, "node": self._node_id, "token": token,
-                                 "error": f"invalid props: {exc}"})
-            return None
+            task = Task(task_id, decode_props(props_text, task_id), token)
+        except MetaforaError as exc:
+            error = f"invalid props: {exc}"
+        else:
+            limit = self._ctx.max_crashes if self._ctx is not None else None
+            verdict = crash_limit_error(crashes, limit)
+            if verdict is None:
+                return task
+            error = verdict
+        log.error("task %s cannot run; marking it failed: %s", task_id, error,
+                  extra={"node": self._node_id, "task": task_id})
+        with self._db.hot() as cur:
+            cur.one("fail", {"id": task_id, "node": self._node_id, "token": token, "error": error})
+        return None
 
     def holds(self, task: Task) -> bool:
         return self._lease.still_holds(task)

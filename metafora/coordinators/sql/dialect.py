@@ -15,6 +15,10 @@ import abc
 import hashlib
 import json
 import math
+import random
+import sqlite3
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,7 +55,9 @@ class Dialect(abc.ABC):
         ``now`` (the database clock), ``ts_plus_secs`` (``now`` plus the ``:secs`` parameter),
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
-        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner`` (RETURNING items that send a notification),
+        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner`` (RETURNING items that send a
+        notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
+        on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
         ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
         :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
@@ -115,6 +121,7 @@ class PostgresDialect(Dialect):
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
+            "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
             "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
             "next_token_at": "nextval('metafora_token_seq')",
@@ -212,6 +219,7 @@ class SQLiteDialect(Dialect):
             "notify_cmd": "NULL",
             "notify_task_cmd": "NULL",
             "notify_owner": "NULL",
+            "notify_batch": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
             "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
             # One statement claims several rows: each takes counter + 1 + its place in :ids.
@@ -258,7 +266,7 @@ class SQLiteDialect(Dialect):
             cur = dbapi_conn.cursor()
             try:
                 cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-                cur.execute("PRAGMA journal_mode = WAL")
+                _wait_out_busy(lambda: cur.execute("PRAGMA journal_mode = WAL"), cfg.busy_timeout)
                 cur.execute("PRAGMA synchronous = NORMAL")
             finally:
                 cur.close()
@@ -297,6 +305,28 @@ class SQLiteDialect(Dialect):
 
     def lock_schema(self, conn: Connection) -> None:
         pass  # BEGIN IMMEDIATE already holds the only write lock
+
+
+def _wait_out_busy(step: Callable[[], object], timeout: float) -> None:
+    """Run ``step``, retrying while SQLite answers "locked"/"busy", for up to ``timeout`` seconds.
+
+    Switching a new file to WAL needs an exclusive lock and SQLite answers SQLITE_BUSY at once,
+    without its busy handler, while another connection converts the file: several processes
+    opening one fresh file at the same instant (the embedded default's normal start) must wait
+    that out, not report the store unavailable.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as exc:
+            text_ = str(exc).lower()
+            if ("locked" not in text_ and "busy" not in text_) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause * (1 + random.random()))  # jitter: racing processes do not retry in step
+        pause = min(pause * 2, 0.05)
 
 
 def make_dialect(config: SQLConfig) -> Dialect:

@@ -10,7 +10,8 @@ Tables (all prefixed ``metafora_``):
 - ``tasks``: one row per task: props (JSON text), state, owner, token, claim and life-cycle
   times, ``launch_at``/``expires_at`` (copied from the props at submit), error, attempts, and
   ``ready`` (the counter value at which the row last became pending: lets a watcher find what
-  is new since its last look). Partial indexes keep pending and claimed rows findable without
+  is new since its last look), ``crashes`` (v3: the latest claims in a row that ended with their
+  node dead and no outcome). Partial indexes keep pending and claimed rows findable without
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2).
@@ -107,9 +108,14 @@ def _v2_node_frozen(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN frozen BOOLEAN"))
 
 
+def _v3_task_crashes(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
+    ("tasks.crashes: claims in a row that ended with their node dead", _v3_task_crashes),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

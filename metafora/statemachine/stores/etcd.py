@@ -38,6 +38,7 @@ from metafora.coordinators.etcd.driver import (
 )
 from metafora.coordinators.etcd.layout import Keys, escape
 from metafora.errors import ClaimLost, ConfigError
+from metafora.jsontext import load_object
 from metafora.statemachine.machine import InvalidState, State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
@@ -71,11 +72,8 @@ def _lost(task: Task) -> ClaimLost:
 
 
 def _decode(task_id: str, raw: bytes) -> tuple[int, State]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidState(f"stored state of task {task_id!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or set(data) != {"token", "state"} or not isinstance(
+    data = load_object(raw, f"stored state of task {task_id!r}", InvalidState)
+    if set(data) != {"token", "state"} or not isinstance(
         data["token"], int
     ):
         raise InvalidState(f"stored state of task {task_id!r} is not {{'token', 'state'}}")

@@ -1,0 +1,71 @@
+"""Bounded JSON decoding for data read from a store or a user.
+
+Data in a shared store may have been written by another program, by hand, or by an attacker:
+``json.loads`` of text nested a thousand levels deep raises ``RecursionError`` (not a
+``ValueError``), and how deep it can go depends on the caller's own stack. Every decode of
+stored or user-supplied JSON goes through :func:`load_object`, which turns any such failure into
+the caller's typed error and enforces one documented depth limit, whatever the stack.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from metafora.errors import MetaforaError
+
+__all__ = ["MAX_DEPTH", "check_depth", "load_object"]
+
+MAX_DEPTH = 64
+"""How deeply JSON objects and arrays may nest (the top-level object is level 1)."""
+
+# A JSON value takes at least one character, so more values than this cannot fit in the
+# size limits callers apply; it also bounds the walk of a structure that shares or cycles.
+_MAX_VALUES = 16 * 1024 * 1024
+
+
+def check_depth(
+    value: object, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1
+) -> None:
+    """Raise ``error`` if ``value`` nests lists/dicts deeper than ``limit`` (iteratively: no recursion).
+
+    ``top`` is the level of ``value`` itself: 0 for an envelope whose contents are what counts.
+    """
+    stack: list[tuple[object, int]] = [(value, top)]
+    seen = 0
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise error(f"{what}: nested deeper than {limit} levels")
+        seen += len(children)
+        if seen > _MAX_VALUES:
+            raise error(f"{what}: more than {_MAX_VALUES} values")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def load_object(
+    data: str | bytes, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1
+) -> dict[str, Any]:
+    """Decode ``data`` as a JSON object; raise ``error`` naming ``what`` and the problem.
+
+    Invalid JSON, invalid UTF-8, nesting deeper than ``limit`` (the object being at level
+    ``top``) and a value that is not an object all raise ``error`` (never ``RecursionError``,
+    never a bare ``ValueError``).
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise error(f"{what}: nested deeper than {limit} levels") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        raise error(f"{what}: not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{what}: must be a JSON object, not {type(obj).__name__}")
+    check_depth(obj, what, error, limit, top)
+    return obj
