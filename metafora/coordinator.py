@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -27,6 +27,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorContext",
     "NodeInfo",
+    "TaskCommandListener",
     "TaskSink",
     "as_sink",
     "crash_limit_error",
@@ -51,6 +52,19 @@ def error_text(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
     return str(error)
+
+
+class TaskCommandListener(Protocol):
+    """Told by a coordinator's push channel about task commands (no I/O, must not block).
+
+    The statemachine's :class:`~metafora.statemachine.mailbox.CommandBell` is one.
+    """
+
+    def ring(self, task_id: str) -> None:
+        """A command was queued for ``task_id``."""
+
+    def recheck(self) -> None:
+        """Notifications may have been missed (a reconnect, a watch restart): look once."""
 
 
 DEFAULT_MAX_CRASHES = 5
@@ -204,6 +218,13 @@ class Coordinator(ClusterState, abc.ABC):
     def report_frozen(self, frozen: bool) -> None:
         """Publish whether this node is frozen, for operators' views (best effort)."""
         return  # optional: stores that keep node details override it
+
+    def listen_task_commands(self, listener: TaskCommandListener) -> bool:
+        """Feed ``listener`` from this node's push channel (LISTEN/NOTIFY, etcd watch...).
+
+        Returns False when the store cannot push task commands (its channels then poll).
+        """
+        return False
 
     def __enter__(self) -> Self:
         return self
