@@ -240,6 +240,10 @@ class Consumer:
             entries = [e.view() for e in self._running.values()]
         return sorted(entries, key=lambda r: r.started)
 
+    def _task_count(self) -> int:
+        with self._lock:
+            return len(self._running)
+
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
         with self._lock:
@@ -299,7 +303,7 @@ class Consumer:
         try:
             self._start_http()
             self._balancer.init(
-                BalancerContext(self.node_id, self._coord, self.tasks, self._clock)
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
             self._start_side_thread("watch", self._watch)
             self._start_side_thread("commands", self._command_feed)
