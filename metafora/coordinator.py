@@ -9,11 +9,12 @@ from __future__ import annotations
 import abc
 import logging
 import queue
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -32,9 +33,12 @@ __all__ = [
     "as_sink",
     "crash_limit_error",
     "error_text",
+    "rotated",
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TaskSink = Callable[[Task], None]
 """Where ``Coordinator.watch`` delivers claimable tasks."""
@@ -45,6 +49,19 @@ def as_sink(out: TaskSink | queue.Queue[Task]) -> TaskSink:
     if isinstance(out, queue.Queue):
         return out.put
     return out
+
+
+def rotated(items: list[T], rng: random.Random | None = None) -> list[T]:
+    """``items`` starting at a random position, wrapping around.
+
+    Every node's watch finds the same backlog in the same order; offering it from a random
+    place makes racing nodes claim in different regions of it, so fewer claims are lost to a
+    race (the consumer's shuffle only mixes what one drain picked up).
+    """
+    if len(items) < 2:
+        return items
+    start = (rng or random).randrange(len(items))
+    return items[start:] + items[:start]
 
 
 def error_text(error: BaseException | str) -> str:

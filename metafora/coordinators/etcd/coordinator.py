@@ -49,6 +49,7 @@ from metafora.coordinator import (
     as_sink,
     crash_limit_error,
     error_text,
+    rotated,
 )
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import (
@@ -1039,7 +1040,7 @@ class EtcdCoordinator(Coordinator):
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
                         self._node_id, task_id[:80], reason, extra=self._extra)
-        return offers, expiring
+        return rotated(offers), expiring
 
     def _watch_loop(self) -> None:
         backoff = _BACKOFF_START
