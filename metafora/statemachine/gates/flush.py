@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_JOIN_TIMEOUT = 30.0  # seconds close() waits for a background write in progress
+
 Write = Callable[[int, Sequence[Outcome]], T]
 """``write(gate, results)``: a fenced write of results of items processed at ``gate``."""
 
@@ -97,7 +99,12 @@ class ResultFlusher:
             self._cond.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            # A write in progress ends within one store call: the owner is stopping, so
+            # the handler's store retries give up at once.
+            thread.join(_JOIN_TIMEOUT)
+            if thread.is_alive():
+                log.warning("%s: a result write is still running after %gs; not waiting for it",
+                            self._name, _JOIN_TIMEOUT)
 
     def _drain(self) -> tuple[int, list[Outcome]]:
         with self._cond:
