@@ -6,12 +6,12 @@
 (:class:`~metafora.statemachine.StatefulTaskHandler`) around one step function:
 
 1. take the partition for this claim (raise its fencing token in the item store);
-2. loop: take a batch of the current gate's available items (in id order; taking records
-   each item's attempt), process them with the :class:`Processor` (up to ``concurrency``
-   at once, each retried up to ``max_attempts`` times with back-off); each result is
-   written within ``flush_interval`` of finishing, or with the next batch's take, whichever
-   comes first (a group commit, :mod:`~metafora.statemachine.gates.flush`, fenced like
-   every item write);
+2. loop: take a batch of the current gate's available items (in id order; the batch is
+   recorded in the same write, so a death counts an attempt for its items), process them
+   with the :class:`Processor` (up to ``concurrency`` at once, each retried up to
+   ``max_attempts`` times with back-off); each result is written within ``flush_interval``
+   of finishing, or with the next batch's take, whichever comes first (a group commit,
+   :mod:`~metafora.statemachine.gates.flush`, fenced like every item write);
 3. when the gate has no available items and none failed: jump to the lowest gate that has
    work (a checkpoint: persisted and fenced, the gate also saved as the state's cursor);
    when no work is left: complete the partition (``auto_close``) or sleep until items are
@@ -163,7 +163,8 @@ class _PartitionRun:
         return self._results.commit(take)
 
     def _flush(self, *, release: bool = False) -> None:
-        """Write the waiting results now (``release``: and give back the items never started)."""
+        """Write the waiting results now (``release``: a clean stop, so the items of the batch
+        never started are not treated as a dead owner's)."""
         def finish(at: int, results: Sequence[Outcome]) -> None:
             if results or release:
                 self.call_store("write results", self.lease.finish, at, results, release=release)

@@ -21,6 +21,14 @@ Multi-statement writes (a batch of results, a gate move) first lock the partitio
 through a fenced ``UPDATE`` in the same transaction, which also serialises them with
 :meth:`ItemStore.add` (an item can never slip in below a gate that is moving).
 
+Crashes: the transaction that takes a batch also records it on the partition row
+(``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops the
+record; a new claim's :meth:`PartitionLease.open` turns the items of an older claim's record
+that have no result from it into **orphans** (``taken = 1``, an attempt counted). Orphans run
+one at a time (``taken = 2``, recorded on the item) once the rest of the gate is done, and an
+orphan that already died that way ``max_deaths`` claims in a row fails for good ("process
+died while processing"): a poison item cannot stall its partition or keep killing nodes.
+
 Driver errors are translated at this boundary with the SQL coordinator's
 :func:`~metafora.coordinators.sql.store.translate_error` (CoordinatorUnavailable, StoreError).
 """
