@@ -314,6 +314,14 @@ def test_a_clean_release_leaves_no_orphans(items: ItemStore) -> None:
     owner.open()
     assert [i.id for i in owner.take(0, 10)] == ids[1:]  # one batch: not orphans
     assert [items.get("p", i).attempts for i in ids] == [1, 0, 0, 0]
+    # ... this owner dies; the next takes an orphan on its own, and stops before starting it.
+    third = items.lease(Task("p", token=3))
+    third.open()
+    (orphan,) = third.take(0, 10)
+    assert _taken(items, "p")[orphan.id] == (2, 1)
+    assert third.finish(0, [], release=True) == 0
+    assert _taken(items, "p")[orphan.id] == (1, 0)  # an orphan again, this claim not counted
+    assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 1]
 
 
 def test_a_dead_claims_items_are_taken_one_at_a_time_and_a_poison_item_fails(items: ItemStore) -> None:

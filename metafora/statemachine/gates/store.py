@@ -154,6 +154,12 @@ _OWNER_SQL: dict[str, str] = {
     "unrecord": (
         "UPDATE metafora_partitions SET batch_token = 0 WHERE " + _WHERE_P + " AND token = :token"
     ),
+    # An orphan this claim took on its own and never started (a clean stop came first):
+    # an orphan again, its attempt and death under this claim not counted.
+    "give_back": (
+        "UPDATE metafora_items SET taken = 1, attempts = attempts - 1, deaths = deaths - 1"
+        " WHERE " + _WHERE_P + " AND status = 'available' AND taken = 2 AND token = :token"
+    ),
     # An item a dead claim had taken (an orphan) that died with it while taken on its own
     # (taken = 2), max_attempts times in a row: failed for good, never handed out again.
     "died": (
@@ -886,6 +892,7 @@ class PartitionLease:
             written = self._write(tx, gate, outcomes)
             if release:
                 tx.execute(self._sql["unrecord"], self._params())
+                tx.execute(self._sql["give_back"], self._params())
         return written
 
     def _write(self, tx: Connection, gate: int, outcomes: Sequence[Outcome]) -> int:
