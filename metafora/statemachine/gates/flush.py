@@ -53,7 +53,7 @@ class ResultFlusher:
         self._interval = interval
         self._name = name
         self._on_error = on_error
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock is cheaper
         self._commit_lock = threading.Lock()
         self._gate = 0
         self._pending: list[Outcome] = []
