@@ -164,15 +164,17 @@ def test_without_auto_close_the_partition_waits_and_new_items_wake_it(sql_url: s
             _consumer(cluster, owner_items, step, auto_close=False, command_interval=600)
             cluster.client.submit_task(Task("p"))
             wait_until(lambda: len(rec.ids()) == 1, 30, "the first item")
-            wait_until(lambda: adder.info("p").total("complete") == 1, 10, "its result")
+            wait_until(lambda: adder.info("p").total("complete") == 1, 60, "its result")
             began = time.monotonic()
             new = [NewItem(0, b"second"), NewItem(3, b"later")]
             if sql_url.startswith("postgresql"):
                 _add_from_another_process(sql_url, "p", new)  # NOTIFY reaches the owner
             else:
                 adder.add("p", new)  # SQLite has no push between processes: in-process news
-            wait_until(lambda: len(rec.ids()) == 3, 10, "the added items")
-            assert time.monotonic() - began < 10
+            # Far below the owner's 600 s poll (only a notification explains it), generous for
+            # a busy machine (spawning the adding process alone can take seconds).
+            wait_until(lambda: len(rec.ids()) == 3, 120, "the added items")
+            assert time.monotonic() - began < 120
             assert cluster.client.get_task("p").state is TaskState.CLAIMED  # still open, waiting
             info = adder.info("p")
             assert (info.gate, info.status) == (3, gates.PartitionStatus.OPEN)

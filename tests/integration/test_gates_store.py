@@ -267,7 +267,7 @@ def test_a_claim_whose_lease_expired_is_refused_before_anyone_reclaims(
             return True
         return False
 
-    wait_until(refused, 10, "the expired lease to fence the claim")
+    wait_until(refused, 60, "the expired lease to fence the claim")
     with pytest.raises(ClaimLost):
         lease.finish(0, [_done(item.id, 0)])
     assert items.get("p", item.id).status is ItemStatus.AVAILABLE
