@@ -30,8 +30,17 @@ ErrorHandler = Callable[[Task, State, datetime], Message]
 """``(task, state, now) -> Message``: decides what a faulted task does next.
 
 ``state`` is the ``fault`` state (its ``errors`` end with the newest); ``now`` is the
-machine's clock. An error handler that raises, or returns a message the ``fault`` state
-ignores, is logged and replaced by the default policy's answer.
+machine's clock. Each :class:`~metafora.statemachine.machine.ErrorRecord` has ``text``
+(``Type: message``) and, for errors raised during this run of the machine, ``exception``
+(the exception object; ``exception_type`` its type) -- errors read back from the store
+(raised before a restart or on another node) have the text only::
+
+    def handler(task, state, now):
+        if isinstance(state.errors[-1].exception, PermissionError):
+            return Message.error("permission denied: giving up")
+        return default_error_handler(task, state, now)
+
+An error handler that raises, or returns a message the ``fault`` state ignores, is logged and replaced by the default policy's answer.
 """
 
 

@@ -153,10 +153,18 @@ def _load_object(data: str | bytes | Mapping[str, Any], what: str,
 
 @dataclass(frozen=True)
 class ErrorRecord:
-    """One error a handler reported: when (UTC) and what (``Type: message``)."""
+    """One error a handler reported: when (UTC) and what (``Type: message``).
+
+    ``exception`` is the exception object itself for an error raised (or passed to
+    :meth:`Message.error`) during this run of the machine, so a custom error handler can
+    tell error types apart without parsing ``text``. It is not persisted: errors read back
+    from the store (an earlier run, another node) have only their text and ``exception``
+    None. It takes no part in equality.
+    """
 
     time: datetime
     text: str
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.time, datetime):
@@ -165,9 +173,18 @@ class ErrorRecord:
             raise InvalidState(f"error text must be a string, not {type(self.text).__name__}")
         object.__setattr__(self, "time", _utc(self.time, "error time", InvalidState))
         object.__setattr__(self, "text", _cut(self.text))
+        if self.exception is not None and not isinstance(self.exception, BaseException):
+            raise InvalidState(
+                f"error exception must be an exception, not {type(self.exception).__name__}"
+            )
+
+    @property
+    def exception_type(self) -> type[BaseException] | None:
+        """The type of :attr:`exception` (None for an error read back from the store)."""
+        return None if self.exception is None else type(self.exception)
 
     def to_dict(self) -> dict[str, str]:
-        """The wire form: ``{"time": ISO-8601, "error": text}``."""
+        """The wire form: ``{"time": ISO-8601, "error": text}`` (the exception is not kept)."""
         return {"time": self.time.isoformat(), "error": self.text}
 
 
@@ -270,8 +287,9 @@ class Message:
     """An event for the state machine. Build it with the class-method constructors.
 
     ``until`` belongs to ``sleep``, ``reason`` (the error text) to ``error``, ``cursor`` to
-    ``checkpoint``; ``exception`` keeps the original exception of an ``error`` message for
-    custom error handlers (it is not part of the wire format or of equality).
+    ``checkpoint``; ``exception`` keeps the original exception of an ``error`` message: it
+    reaches custom error handlers as ``ErrorRecord.exception`` of the state's newest error
+    (it is not part of the wire format or of equality).
     """
 
     kind: MessageKind
@@ -481,7 +499,8 @@ def apply(state: State, message: Message, now: datetime | None = None) -> State 
 
     ``sleep`` sets ``until``; ``checkpoint`` and ``release`` keep the current ``until`` (a
     sleeping task stays asleep); an ``error`` appends ``(now, text)`` to the bounded error
-    list; a ``checkpoint`` with a cursor replaces the cursor. Pure: no I/O.
+    list (with the message's exception, for the error handler of this run); a
+    ``checkpoint`` with a cursor replaces the cursor. Pure: no I/O.
     """
     target = TRANSITIONS[(state.code, message.kind)]
     if target == IGNORE:
@@ -494,7 +513,8 @@ def apply(state: State, message: Message, now: datetime | None = None) -> State 
     errors = state.errors
     if message.kind is MessageKind.ERROR:
         when = now if now is not None else datetime.now(UTC)
-        errors = (*errors, ErrorRecord(when, message.reason or "error"))[-MAX_ERRORS:]
+        record = ErrorRecord(when, message.reason or "error", message.exception)
+        errors = (*errors, record)[-MAX_ERRORS:]
     cursor = state.cursor
     if message.kind is MessageKind.CHECKPOINT and message.cursor is not None:
         cursor = message.cursor

@@ -404,6 +404,56 @@ def test_error_handler_may_retry_at_once_with_run(env: Env) -> None:
     assert len(attempts) == 2
 
 
+class _QuotaExceeded(Exception):
+    """A user's own error type, told apart by a custom error handler."""
+
+
+def test_a_custom_error_handler_sees_the_exception_raised_in_this_run(env: Env) -> None:
+    raised = _QuotaExceeded("quota of 3 exceeded")
+    seen: list[tuple[type[BaseException] | None, BaseException | None, str]] = []
+
+    def quota(task: Task, cmds: Commands) -> Message:
+        raise raised
+
+    def by_type(task: Task, state: State, now: Any) -> Message:
+        last = state.errors[-1]
+        seen.append((last.exception_type, last.exception, last.text))
+        if isinstance(last.exception, _QuotaExceeded):
+            return Message.kill()
+        return Message.run()
+
+    assert env.machine(quota, env.claim(), error_handler=by_type).run() is True
+    assert seen == [(_QuotaExceeded, raised, "_QuotaExceeded: quota of 3 exceeded")]
+    final = env.states.get("t1")
+    assert final is not None and final.code is StateCode.KILLED
+    # Read back from the store, an error has its text only.
+    assert final.errors[-1].text == "_QuotaExceeded: quota of 3 exceeded"
+    assert final.errors[-1].exception is None and final.errors[-1].exception_type is None
+
+
+def test_errors_read_back_from_the_store_reach_the_error_handler_as_text(env: Env) -> None:
+    calls = 0
+
+    def flaky(task: Task, cmds: Commands) -> Message:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return Message.error(TimeoutError("slow upstream"))
+        return Message.complete()
+
+    seen: list[list[tuple[str, type[BaseException] | None]]] = []
+
+    def record(task: Task, state: State, now: Any) -> Message:
+        seen.append([(e.text, e.exception_type) for e in state.errors])
+        return Message.run()
+
+    earlier = ErrorRecord(env.clock.now(), "OSError: disk full")  # an earlier run's error
+    task = env.claim()
+    env.states.store(task, State(errors=(earlier,)))
+    assert env.machine(flaky, task, error_handler=record).run() is True
+    assert seen == [[("OSError: disk full", None), ("TimeoutError: slow upstream", TimeoutError)]]
+
+
 def test_a_broken_error_handler_falls_back_to_the_default_policy(env: Env) -> None:
     def bad_handler(task: Task, state: State, now: Any) -> Message:
         raise RuntimeError("bug in error handler")

@@ -242,6 +242,23 @@ def test_message_wire_format() -> None:
     assert Message.error(OSError("x")).exception is not None
 
 
+def test_an_error_record_keeps_the_exception_of_this_run_but_never_stores_it() -> None:
+    exc = PermissionError("no access to bucket")
+    state = apply(State(), Message.error(exc), T0)
+    assert state is not None
+    record = state.errors[-1]
+    assert record.exception is exc and record.exception_type is PermissionError
+    assert record.text == "PermissionError: no access to bucket"
+    back = State.from_json(state.to_json())
+    assert "exception" not in state.to_json()
+    assert back.errors[-1].exception is None and back.errors[-1].exception_type is None
+    assert back == state  # the exception takes no part in equality
+    text_only = apply(State(), Message.error("plain text"), T0)
+    assert text_only is not None and text_only.errors[-1].exception is None
+    with pytest.raises(InvalidState, match="must be an exception"):
+        ErrorRecord(T0, "E: x", "not an exception")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("raw", "problem"),
     [
