@@ -305,8 +305,15 @@ class Client(ClusterState, abc.ABC):
         """Remove a task in any state; a running one is stopped on its node. TaskNotFound."""
 
     @abc.abstractmethod
-    def retry_task(self, task_id: str) -> None:
-        """Make a failed or expired task pending again. TaskNotFound, InvalidTaskState."""
+    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
+        """Make a failed or expired task pending again. TaskNotFound, InvalidTaskState.
+
+        With ``reset_state``, also a stateful task that ended ``failed`` or ``killed`` (it
+        is ``done`` in the coordinator): its stored state becomes ``runnable`` again, with no
+        errors, and the cursor of its last checkpoint only with ``keep_cursor``. Atomic:
+        the task and its state change together or not at all. The rules are
+        :func:`metafora.statemachine.retry.plan_retry`'s.
+        """
 
     @abc.abstractmethod
     def get_task(self, task_id: str) -> TaskInfo:

@@ -34,7 +34,6 @@ from metafora.errors import (
     ConfigError,
     CoordinatorClosed,
     InvalidCommand,
-    InvalidTaskState,
     NodeExists,
     NodeNotFound,
     TaskExists,
@@ -453,16 +452,23 @@ class MemoryClient(Client):
         if owner is not None:
             owner.ctx.lost(row.task())
 
-    def retry_task(self, task_id: str) -> None:
+    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
+        # Imported here: the state tables live in the state machine's memory store, which
+        # imports this module.
+        from metafora.statemachine.retry import check_retry_options, plan_retry
+        from metafora.statemachine.stores.memory import replace_state, stored_state
+
+        check_retry_options(reset_state, keep_cursor)
         s = self._store
         with s.cond:
             self._check_open()
             s.sweep(s.clock.now())
             row = self._row(task_id)
-            if row.state not in (TaskState.FAILED, TaskState.EXPIRED):
-                raise InvalidTaskState(
-                    f"task {task_id!r} is {row.state.value}; only failed or expired tasks can be retried"
-                )
+            stored = stored_state(s, task_id) if reset_state else None
+            new = plan_retry(task_id, row.state, stored, reset_state=reset_state,
+                             keep_cursor=keep_cursor)
+            if new is not None:
+                replace_state(s, task_id, new)
             row.state = TaskState.PENDING
             row.error = None
             row.finished_at = None

@@ -40,7 +40,8 @@ machine's clock. Each :class:`~metafora.statemachine.machine.ErrorRecord` has ``
             return Message.error("permission denied: giving up")
         return default_error_handler(task, state, now)
 
-An error handler that raises, or returns a message the ``fault`` state ignores, is logged and replaced by the default policy's answer.
+An error handler that raises, or returns a message the ``fault`` state ignores, is logged and
+replaced by the default policy's answer.
 """
 
 

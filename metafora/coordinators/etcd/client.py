@@ -21,6 +21,7 @@ from metafora.coordinators.etcd.coordinator import new_command_name
 from metafora.coordinators.etcd.driver import (
     Delete,
     EtcdDriver,
+    KeyValue,
     Put,
     Range,
     absent,
@@ -47,12 +48,14 @@ from metafora.coordinators.etcd.queries import (
 )
 from metafora.errors import (
     CoordinatorClosed,
-    InvalidTaskState,
     NodeNotFound,
     StoreError,
     TaskExists,
     TaskNotFound,
 )
+from metafora.statemachine.machine import InvalidState, State
+from metafora.statemachine.retry import check_retry_options, plan_retry
+from metafora.statemachine.stores.etcd import decode_state, encode_state
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["EtcdClient"]
@@ -148,26 +151,44 @@ class EtcdClient(Client):
             raise TaskNotFound(f"no task {task_id!r}")
         log.debug("deleted task %s", task_id, extra={"task": task_id})
 
-    def retry_task(self, task_id: str) -> None:
+    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
         self._check_open()
         task_id = validate_task_id(task_id)
+        check_retry_options(reset_state, keep_cursor)
         tk = self._keys.task(task_id)
         for _ in range(_RETRIES):
             info, rec = self._load(task_id)
-            if info.state not in (TaskState.FAILED, TaskState.EXPIRED):
-                raise InvalidTaskState(
-                    f"task {task_id!r} is {info.state.value}; only failed or expired tasks "
-                    "can be retried"
-                )
+            machine = self._machine_key(tk.machine) if reset_state else None
+            token, stored = self._stored_state(task_id, machine, info.token)
+            new = plan_retry(task_id, info.state, stored, reset_state=reset_state,
+                             keep_cursor=keep_cursor)
             if rec.state is None:
                 continue  # expired by this very read; read again
-            result = self._driver.txn(
-                # A retried task starts with no crash count (max_crashes counts afresh).
-                [modified_at(tk.state, rec.state.mod_revision)], [Delete(tk.state), Delete(tk.running)]
-            )
-            if result.succeeded:
+            compares = [modified_at(tk.state, rec.state.mod_revision)]
+            # A retried task starts with no crash count (max_crashes counts afresh).
+            ops: list[Put | Delete] = [Delete(tk.state), Delete(tk.running)]
+            if new is not None and machine is not None:
+                # One txn: the task is pending again only with its state reset.
+                compares.append(modified_at(tk.machine, machine.mod_revision))
+                ops.append(Put(tk.machine, encode_state(token, new)))
+            if self._driver.txn(compares, ops).succeeded:
                 return
         raise StoreError(f"task {task_id!r} kept changing; retry it again")
+
+    def _machine_key(self, key: bytes) -> KeyValue | None:
+        kvs, _ = self._driver.range(Range(key))
+        return kvs[0] if kvs else None
+
+    @staticmethod
+    def _stored_state(task_id: str, kv: KeyValue | None, last_token: int) -> tuple[int, State | bytes | None]:
+        """(token, state) of a state-machine key; a damaged one is passed on raw (plan_retry
+        replaces it, or names the damage when its cursor was to be kept)."""
+        if kv is None:
+            return last_token, None
+        try:
+            return decode_state(task_id, kv.value)
+        except InvalidState:
+            return last_token, kv.value
 
     def get_task(self, task_id: str) -> TaskInfo:
         self._check_open()

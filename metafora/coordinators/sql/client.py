@@ -24,6 +24,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.statemachine.retry import check_retry_options, plan_retry
 from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
 
 __all__ = ["SQLClient"]
@@ -160,18 +161,38 @@ class SQLClient(Client):
         log.info("deleted task %s (was %s on %s)", task_id, row[0], row[1],
                  extra={"task": task_id, "node": row[1]})
 
-    def retry_task(self, task_id: str) -> None:
+    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
         validate_task_id(task_id)
+        check_retry_options(reset_state, keep_cursor)
+        if reset_state:
+            self._retry_resetting(task_id, reset_state, keep_cursor)
+            return
         db = self._ready()
-        with db.write() as conn:
+        with db.write() as conn:  # one statement: the common case needs no read first
             row = db.execute(conn, "retry", {"id": task_id}).first()
             if row is not None:
                 db.next_token_used(conn, int(row[0]))
         if row is None:
-            state = self.get_task(task_id).state
-            raise InvalidTaskState(
-                f"task {task_id!r} is {state.value}; only failed or expired tasks can be retried"
-            )
+            plan_retry(task_id, self.get_task(task_id).state, None)  # raises why not
+            raise InvalidTaskState(f"task {task_id!r} changed while retrying it; try again")
+
+    def _retry_resetting(self, task_id: str, reset_state: bool, keep_cursor: bool) -> None:
+        """``retry_task`` with the state-machine state reset, in one transaction."""
+        db = self._ready()
+        with db.transaction() as conn:
+            found = db.execute(conn, "retry_read", {"id": task_id}).first()
+            if found is None:
+                raise TaskNotFound(f"no task {task_id!r} in {self.name}")
+            was, body = TaskState(found[0]), found[1]
+            new = plan_retry(task_id, was, body, reset_state=reset_state, keep_cursor=keep_cursor)
+            row = db.execute(conn, "retry_from", {"id": task_id, "was": was.value}).first()
+            if row is None:
+                raise InvalidTaskState(f"task {task_id!r} changed while retrying it; try again")
+            db.next_token_used(conn, int(row[0]))
+            if new is not None:
+                db.execute(conn, "state_reset", {"id": task_id, "body": new.to_json()})
+        log.info("task %s is pending again (was %s; state %s)", task_id, was.value,
+                 "kept" if new is None else "reset", extra={"task": task_id, "action": "retry"})
 
     def get_task(self, task_id: str) -> TaskInfo:
         validate_task_id(task_id)

@@ -255,6 +255,24 @@ _SQL: dict[str, str] = {
         " WHERE namespace = :ns AND id = :id AND (state IN ('failed', 'expired')"
         " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
     ),
+    # retry_task(reset_state=True), in one transaction: read the task's state (a pending
+    # task past expires_at counts as expired) and its state-machine state, then move it
+    # from exactly the state read (a concurrent change makes the UPDATE match nothing).
+    "retry_read": (
+        "SELECT CASE WHEN t.state = 'pending' AND t.expires_at <= {now} THEN 'expired'"
+        " ELSE t.state END, s.body FROM metafora_tasks t LEFT JOIN metafora_state s"
+        " ON s.namespace = t.namespace AND s.task_id = t.id WHERE t.namespace = :ns AND t.id = :id"
+    ),
+    "retry_from": (
+        "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
+        " owner = NULL, claimed_at = NULL, ready = {next_token}, updated_at = {now}"
+        " WHERE namespace = :ns AND id = :id AND (state = :was OR (:was = 'expired'"
+        " AND state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
+    ),
+    "state_reset": (
+        "UPDATE metafora_state SET body = :body, updated_at = {now}"
+        " WHERE namespace = :ns AND task_id = :id"
+    ),
     "get": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns AND id = :id",
     "list": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns ORDER BY id",
     # Task counts, each on its own partial index (one GROUP BY over the table reads every row).

@@ -44,7 +44,14 @@ from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
 from metafora.task import Task
 
-__all__ = ["EtcdStateStore", "EtcdTaskCommands", "state_store", "task_commands"]
+__all__ = [
+    "EtcdStateStore",
+    "EtcdTaskCommands",
+    "decode_state",
+    "encode_state",
+    "state_store",
+    "task_commands",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,14 @@ def _lost(task: Task) -> ClaimLost:
     return ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
 
 
-def _decode(task_id: str, raw: bytes) -> tuple[int, State]:
+def encode_state(token: int, state: State) -> bytes:
+    """The stored value of a state written under claim ``token``."""
+    return json.dumps({"token": token, "state": state.to_dict()},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_state(task_id: str, raw: bytes) -> tuple[int, State]:
+    """(token, state) of a stored value; InvalidState naming the problem if it is damaged."""
     data = load_object(raw, f"stored state of task {task_id!r}", InvalidState)
     if set(data) != {"token", "state"} or not isinstance(
         data["token"], int
@@ -101,15 +115,14 @@ class EtcdStateStore(StateStore):
         kvs = result.ranges[0]
         if not kvs:
             return State()
-        token, state = _decode(task.id, kvs[0].value)
+        token, state = decode_state(task.id, kvs[0].value)
         if token > task.token:
             raise ClaimLost(f"task {task.id!r}: state was written under token {token} > {task.token}")
         return state
 
     def store(self, task: Task, state: State) -> None:
         tk = self._keys.task(task.id)
-        value = json.dumps({"token": task.token, "state": state.to_dict()},
-                           separators=(",", ":"), sort_keys=True).encode()
+        value = encode_state(task.token, state)
         # Repeatable: a retried put under the same unchanged owner key writes the same value.
         result = self._driver.txn([created_at(tk.owner, task.token)], [Put(tk.machine, value)],
                                   repeatable=True)
@@ -118,12 +131,12 @@ class EtcdStateStore(StateStore):
 
     def get(self, task_id: str) -> State | None:
         kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
-        return None if not kvs else _decode(task_id, kvs[0].value)[1]
+        return None if not kvs else decode_state(task_id, kvs[0].value)[1]
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""
         kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
-        return None if not kvs else _decode(task_id, kvs[0].value)[0]
+        return None if not kvs else decode_state(task_id, kvs[0].value)[0]
 
 
 class EtcdTaskCommands(TaskCommands):

@@ -205,6 +205,21 @@ class MemoryTaskCommands(TaskCommands):
             return len(self._tables.queue(self._store, task_id) or ())
 
 
+def stored_state(store: MemoryStore, task_id: str) -> str | None:
+    """The task's stored state text, unfenced (the caller holds ``store.cond``)."""
+    held = _tables(store).state(store, task_id)
+    return None if held is None else held[1]
+
+
+def replace_state(store: MemoryStore, task_id: str, state: State) -> None:
+    """Overwrite the task's state, keeping the token it was written under (the caller
+    holds ``store.cond``; used by ``retry_task(reset_state=True)``)."""
+    tables = _tables(store)
+    held = tables.state(store, task_id)
+    row = store.tasks[task_id]
+    tables.states[task_id] = (0 if held is None else held[0], state.to_json(), weakref.ref(row))
+
+
 def state_store(coordinator_or_client: object) -> MemoryStateStore:
     """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
     return MemoryStateStore.of(coordinator_or_client)

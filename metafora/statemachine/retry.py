@@ -1,0 +1,108 @@
+"""Re-running a finished stateful task: what ``Client.retry_task`` does with its state.
+
+Every store's ``retry_task(id, reset_state=False, keep_cursor=False)`` reads the task's
+coordinator state and its stored state-machine state, asks :func:`plan_retry` what to do,
+and then -- in one transaction (SQL), one etcd txn, or under the memory store's lock --
+makes the task pending and writes the state :func:`plan_retry` returned. The rules live
+here once, so the stores cannot drift apart:
+
+- without ``reset_state`` (the historical behaviour): a *failed* or *expired* task becomes
+  pending; its stored state, if any, is kept as it is (a gated partition revives itself;
+  a plain stateful task whose state is terminal would end at once -- the CLI checks that
+  with :func:`would_end_at_once` and says so);
+- with ``reset_state``: also a *done* task whose stored state is ``failed`` or ``killed``
+  (a stateful task ends as ``done`` in the coordinator whatever its terminal state); its
+  state becomes ``runnable`` with no errors, keeping the cursor only with ``keep_cursor``.
+  A ``completed`` task is refused: its work is finished (delete and submit it to redo it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from metafora.errors import ConfigError, InvalidTaskState
+from metafora.statemachine.machine import InvalidState, State, StateCode
+from metafora.task import TaskState
+
+__all__ = ["RERUNNABLE", "check_retry_options", "plan_retry", "would_end_at_once"]
+
+RERUNNABLE: Final = frozenset({StateCode.FAILED, StateCode.KILLED})
+"""Terminal states a ``done`` task may be re-run from with ``reset_state``."""
+
+_RETRYABLE: Final = frozenset({TaskState.FAILED, TaskState.EXPIRED})
+
+Stored = str | bytes | Mapping[str, Any] | State | None
+"""A stored state as a store has it: wire text, a parsed mapping, a State, or None (none)."""
+
+
+def _parse(task_id: str, stored: Stored) -> State | None:
+    if stored is None or isinstance(stored, State):
+        return stored
+    try:
+        return State.from_json(stored)
+    except InvalidState as exc:
+        raise InvalidState(f"task {task_id!r} has a damaged stored state: {exc}") from None
+
+
+def check_retry_options(reset_state: bool, keep_cursor: bool) -> None:
+    """ConfigError for ``keep_cursor`` without ``reset_state`` (checked before any I/O)."""
+    if keep_cursor and not reset_state:
+        raise ConfigError("keep_cursor only applies with reset_state (the cursor of a reset state)")
+
+
+def plan_retry(
+    task_id: str,
+    task_state: TaskState,
+    stored: Stored,
+    *,
+    reset_state: bool = False,
+    keep_cursor: bool = False,
+) -> State | None:
+    """Check that the task may be retried; the state to store with it (None: keep it).
+
+    Raises :class:`~metafora.errors.InvalidTaskState` naming why the task cannot be
+    retried, :class:`~metafora.errors.ConfigError` for ``keep_cursor`` without
+    ``reset_state``, and :class:`~metafora.statemachine.InvalidState` when the cursor of a
+    damaged stored state was asked to be kept (without ``keep_cursor`` a damaged state is
+    simply replaced).
+    """
+    check_retry_options(reset_state, keep_cursor)
+    if not reset_state:
+        if task_state not in _RETRYABLE:
+            raise InvalidTaskState(
+                f"task {task_id!r} is {task_state.value}; only failed or expired tasks can be "
+                "retried (stateful tasks that ended failed or killed: with reset_state)"
+            )
+        return None
+    if task_state in _RETRYABLE:
+        if stored is None:
+            return None
+        return _fresh(task_id, stored, keep_cursor)
+    if task_state is not TaskState.DONE:
+        raise InvalidTaskState(
+            f"task {task_id!r} is {task_state.value}; only finished tasks can be retried"
+        )
+    try:
+        state = _parse(task_id, stored)
+    except InvalidState as exc:
+        raise InvalidTaskState(f"task {task_id!r} is done, and {exc}") from None
+    if state is None or state.code not in RERUNNABLE:
+        what = "has no state-machine state" if state is None else f"ended {state.code.value}"
+        raise InvalidTaskState(
+            f"task {task_id!r} is done and {what}; only a stateful task that ended failed "
+            "or killed can be re-run (delete and submit it again to redo finished work)"
+        )
+    return State(cursor=state.cursor if keep_cursor else None)
+
+
+def _fresh(task_id: str, stored: Stored, keep_cursor: bool) -> State:
+    if not keep_cursor:
+        return State()
+    state = _parse(task_id, stored)
+    return State(cursor=None if state is None else state.cursor)
+
+
+def would_end_at_once(state: State | None) -> bool:
+    """Whether a task pending again with this stored state would end as soon as it runs."""
+    return state is not None and state.code.terminal
