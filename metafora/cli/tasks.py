@@ -11,7 +11,16 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from metafora.cli._common import Duration, console, format_time, parse_duration, print_json, store_client
+from metafora.cli._common import (
+    CliError,
+    Duration,
+    ExitCode,
+    console,
+    format_time,
+    parse_duration,
+    print_json,
+    store_client,
+)
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_schedule, validate_task_id
 
@@ -183,13 +192,29 @@ def delete(ctx: click.Context, task_id: str) -> None:
 
 @click.command()
 @click.argument("task_id", metavar="ID")
+@click.option("--reset-state", is_flag=True,
+              help="Also re-run a stateful task that ended failed or killed: its state "
+                   "becomes runnable again, its errors cleared.")
+@click.option("--keep-cursor", is_flag=True,
+              help="With --reset-state: keep the cursor of its last checkpoint (resume there).")
 @click.pass_context
-def retry(ctx: click.Context, task_id: str) -> None:
-    """Make a failed or expired task ID pending again (its error is cleared)."""
+def retry(ctx: click.Context, task_id: str, reset_state: bool, keep_cursor: bool) -> None:
+    """Make a failed or expired task ID pending again (its error is cleared).
+
+    A stateful task whose stored state is terminal would end at once: it is refused with
+    the reason unless --reset-state is given.
+    """
+    from metafora.statemachine.retry import check_retry_options, retry_advice
+
     validate_task_id(task_id)
+    check_retry_options(reset_state, keep_cursor)
     with store_client(ctx) as client:
-        client.retry_task(task_id)
-    click.echo(f"task {task_id} is pending again")
+        if not reset_state and (advice := retry_advice(client, task_id)) is not None:
+            raise CliError.make(advice, ExitCode.REFUSED)
+        client.retry_task(task_id, reset_state=reset_state, keep_cursor=keep_cursor)
+    done = "" if not reset_state else " with a runnable state" + (
+        " (cursor kept)" if keep_cursor else "")
+    click.echo(f"task {task_id} is pending again{done}")
 
 
 def _state_cell(state: TaskState) -> Text:

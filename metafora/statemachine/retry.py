@@ -9,7 +9,7 @@ here once, so the stores cannot drift apart:
 - without ``reset_state`` (the historical behaviour): a *failed* or *expired* task becomes
   pending; its stored state, if any, is kept as it is (a gated partition revives itself;
   a plain stateful task whose state is terminal would end at once -- the CLI checks that
-  with :func:`would_end_at_once` and says so);
+  with :func:`retry_advice` and says so);
 - with ``reset_state``: also a *done* task whose stored state is ``failed`` or ``killed``
   (a stateful task ends as ``done`` in the coordinator whatever its terminal state); its
   state becomes ``runnable`` with no errors, keeping the cursor only with ``keep_cursor``.
@@ -21,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from metafora.coordinator import Client
 from metafora.errors import ConfigError, InvalidTaskState
 from metafora.statemachine.machine import InvalidState, State, StateCode
-from metafora.task import TaskState
+from metafora.statemachine.store import state_store_for
+from metafora.task import TaskState, validate_task_id
 
-__all__ = ["RERUNNABLE", "check_retry_options", "plan_retry", "would_end_at_once"]
+__all__ = ["RERUNNABLE", "check_retry_options", "plan_retry", "retry_advice", "would_end_at_once"]
 
 RERUNNABLE: Final = frozenset({StateCode.FAILED, StateCode.KILLED})
 """Terminal states a ``done`` task may be re-run from with ``reset_state``."""
@@ -106,3 +108,37 @@ def _fresh(task_id: str, stored: Stored, keep_cursor: bool) -> State:
 def would_end_at_once(state: State | None) -> bool:
     """Whether a task pending again with this stored state would end as soon as it runs."""
     return state is not None and state.code.terminal
+
+
+def retry_advice(client: Client, task_id: str) -> str | None:
+    """Why a plain ``retry_task(task_id)`` would end the task at once, and what to do
+    instead (None when it would run). Reads the task and its stored state (TaskNotFound).
+
+    The ``metafora retry`` CLI refuses with this text instead of retrying a task its
+    handler would finish on its first step.
+    """
+    validate_task_id(task_id)
+    task_state = client.get_task(task_id).state
+    store = state_store_for(client)
+    try:
+        stored = store.get(task_id)
+    except InvalidState as exc:
+        return (f"task {task_id!r} has a damaged stored state ({exc}): retried as it is, it "
+                f"would fail again at once; run 'metafora retry {task_id} --reset-state' to "
+                "replace it with a runnable state")
+    finally:
+        store.close()
+    if not would_end_at_once(stored):
+        return None
+    assert stored is not None
+    try:
+        plan_retry(task_id, task_state, stored, reset_state=True)
+    except InvalidTaskState:
+        hint = "delete it and submit it again to redo its work"
+    else:
+        hint = (f"run 'metafora retry {task_id} --reset-state' to run it again from a "
+                "runnable state")
+        if stored.cursor is not None:
+            hint += " (add --keep-cursor to resume from its last checkpoint)"
+    return (f"task {task_id!r} ended {stored.code.value} (its stored state): retried as it "
+            f"is, its handler would end it at once; {hint}")
