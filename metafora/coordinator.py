@@ -201,6 +201,17 @@ class Coordinator(ClusterState, abc.ABC):
         """
         return True
 
+    def claim_time_left(self, task: Task) -> float | None:
+        """Seconds this node still holds the claim ``task`` by its own clock (no I/O).
+
+        The time until the node's lease reaches its fencing deadline (when it stops its
+        handlers), ``0.0`` once the claim is lost or not held under ``task.token``; None
+        when this store bounds nothing (memory). Fenced writes about the claim (task state,
+        gate items) use it as their deadline: a write still waiting for the store then is
+        refused as :class:`~metafora.errors.ClaimLost`, never left blocking past the lease.
+        """
+        return None
+
     def seen_taken(self, task: Task) -> bool:
         """Whether this coordinator's local view (no I/O) already shows ``task`` taken or finished.
 

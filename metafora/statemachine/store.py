@@ -20,20 +20,75 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
 from metafora.statemachine.mailbox import CommandBell, Mailbox, PendingIds
 from metafora.task import Task, validate_task_id
 
-__all__ = ["StateStore", "TaskCommands", "commands_for", "state_store_for"]
+__all__ = [
+    "LeaseBound",
+    "StateStore",
+    "TaskCommands",
+    "TimeLeft",
+    "commands_for",
+    "lease_bound_of",
+    "state_store_for",
+]
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_POLL = 0.5  # real seconds between looks of a mailbox on a channel without push
+
+T = TypeVar("T")
+
+TimeLeft = Callable[[Task], "float | None"]
+"""``task -> seconds``: how long this node still holds the claim (see
+:meth:`~metafora.coordinator.Coordinator.claim_time_left`); None: unbounded."""
+
+
+class LeaseBound:
+    """Runs fenced store calls with the node's remaining lease time as their deadline.
+
+    A call is given ``timeout`` = the seconds this node still holds the claim (None when
+    unbounded, e.g. a store opened from a client). With no time left it is refused as
+    :class:`~metafora.errors.ClaimLost` without I/O; a call that fails (a store timeout, an
+    unreachable store) once the time has run out is reported as ClaimLost too, since by
+    then the claim may belong to another node -- so a fenced write never blocks past the
+    lease (etcd: gRPC deadline; PostgreSQL: statement timeout; SQLite: busy timeout).
+    """
+
+    def __init__(self, time_left: TimeLeft | None = None) -> None:
+        self._time_left = time_left
+
+    def left(self, task: Task) -> float | None:
+        """Seconds this node still holds ``task`` (None: unbounded)."""
+        return None if self._time_left is None else self._time_left(task)
+
+    def call(self, task: Task, what: str, fn: Callable[[float | None], T]) -> T:
+        """``fn(timeout)`` for the claim ``task``, bounded as the class docstring says."""
+        left = self.left(task)
+        if left is not None and left <= 0:
+            raise ClaimLost(f"task {task.id!r}: the lease of token {task.token} has run out; "
+                            f"{what} refused")
+        try:
+            return fn(left)
+        except (CoordinatorUnavailable, StoreError) as exc:
+            after = self.left(task)
+            if after is not None and after <= 0:
+                raise ClaimLost(f"task {task.id!r}: {what} did not finish before the lease of "
+                                f"token {task.token} ran out: {exc}") from exc
+            raise
+
+
+def lease_bound_of(coordinator_or_client: object) -> LeaseBound:
+    """The lease bound of a coordinator's claims; unbounded for a client (operators)."""
+    if isinstance(coordinator_or_client, Coordinator):
+        return LeaseBound(coordinator_or_client.claim_time_left)
+    return LeaseBound()
 
 
 class StateStore(abc.ABC):

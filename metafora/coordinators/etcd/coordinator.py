@@ -860,6 +860,13 @@ class EtcdCoordinator(Coordinator):
             )
         return live and mine is not None and mine.task.token == task.token
 
+    def claim_time_left(self, task: Task) -> float | None:
+        with self._lock:
+            mine = self._held.get(task.id)
+            if self._lease_id is None or mine is None or mine.task.token != task.token:
+                return 0.0
+            return max(0.0, self._renewed_at + self._fence_after - self._clock.monotonic())
+
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
         with self._lock:

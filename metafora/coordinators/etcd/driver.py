@@ -27,6 +27,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -509,13 +510,33 @@ class EtcdDriver:
 
     # -- KV ---------------------------------------------------------------------------
 
-    def range(self, request: Range, *, revision: int = 0) -> tuple[list[KeyValue], int]:
-        """Read keys; returns them and the store revision of the read."""
+    def _limit(self, timeout: float | None) -> Callable[[], float]:
+        """Each attempt's gRPC deadline: the request timeout, cut to what is left of
+        ``timeout`` (seconds for the whole call, retries included); past it, unavailable."""
+        if timeout is None:
+            return lambda: self._settings.timeout
+        ends = time.monotonic() + timeout
+
+        def left() -> float:
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorUnavailable(
+                    f"etcd at {self.endpoints}: no answer within the {timeout:.2f}s allowed"
+                )
+            return min(self._settings.timeout, remaining)
+
+        return left
+
+    def range(self, request: Range, *, revision: int = 0,
+              timeout: float | None = None) -> tuple[list[KeyValue], int]:
+        """Read keys; returns them and the store revision of the read. ``timeout`` bounds
+        the whole call (retries included) below the request timeout."""
+        limit = self._limit(timeout)
 
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
             return rpc.KVStub(channel).Range(
-                _range_request(rpc, request, revision), self._settings.timeout, metadata=md
+                _range_request(rpc, request, revision), limit(), metadata=md
             )
 
         response, _ = self._call("range", invoke, repeatable=True)
@@ -528,10 +549,13 @@ class EtcdDriver:
         failure: Sequence[Op] = (),
         *,
         repeatable: bool = False,
+        timeout: float | None = None,
     ) -> TxnResult:
         """Run a transaction. With ``repeatable`` it is retried on another endpoint after a
         connection error (``TxnResult.retried`` then says an earlier attempt may have applied).
+        ``timeout`` bounds the whole call (retries included) below the request timeout.
         """
+        limit = self._limit(timeout)
 
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
@@ -540,7 +564,7 @@ class EtcdDriver:
                 success=[_op(rpc, op) for op in success],
                 failure=[_op(rpc, op) for op in failure],
             )
-            return rpc.KVStub(channel).Txn(request, self._settings.timeout, metadata=md)
+            return rpc.KVStub(channel).Txn(request, limit(), metadata=md)
 
         response, retried = self._call("txn", invoke, repeatable=repeatable)
         ranges = [

@@ -307,6 +307,9 @@ class SQLCoordinator(Coordinator):
     def holds(self, task: Task) -> bool:
         return self._lease.still_holds(task)
 
+    def claim_time_left(self, task: Task) -> float | None:
+        return self._lease.time_left(task)
+
     def release(self, task: Task) -> None:
         self._fenced("release", task, {})
 

@@ -184,6 +184,14 @@ class Lease:
             return (self._live and time.monotonic() < self._deadline and mine is not None
                     and mine.token == task.token)
 
+    def time_left(self, task: Task) -> float:
+        """Seconds until the fencing deadline while this node holds ``task`` (else 0)."""
+        with self._lock:
+            mine = self._held.get(task.id)
+            if not self._live or mine is None or mine.token != task.token:
+                return 0.0
+            return max(0.0, self._deadline - time.monotonic())
+
     def begin_finish(self, task_id: str) -> None:
         """Before a fenced write (release/done/fail) of ``task_id``."""
         with self._lock:

@@ -22,6 +22,7 @@ Four ways in, each one round trip where the database allows it:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import Connection, Engine, PoolProxiedConnection
+from sqlalchemy import Connection, Engine, PoolProxiedConnection, text
 from sqlalchemy import exc as sa_exc
 
 from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect
@@ -119,6 +120,23 @@ class HotCursor:
 _BUMP = "UPDATE metafora_counter SET value = ? WHERE name = 'token' AND value < ?"
 
 
+_STATEMENT_TIMEOUT = text("SELECT set_config('statement_timeout', :ms, true)")
+_RLOCK = type(threading.RLock())
+
+
+def _millis(seconds: float) -> int:
+    # Rounded up, so a timeout that fired means the whole allowance has passed.
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _busy_timeout(raw: Any, millis: int) -> None:
+    cursor = raw.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(millis)}")
+    finally:
+        cursor.close()
+
+
 _SQLITE_WRITERS: dict[str, threading.RLock] = {}
 _SQLITE_WRITERS_LOCK = threading.Lock()
 
@@ -185,6 +203,47 @@ class Database:
         """A connection in a transaction for several statements."""
         with self._writer, self._translated(), self.engine.begin() as conn:
             yield conn
+
+    @contextmanager
+    def bounded(self, timeout: float | None) -> Iterator[Connection]:
+        """A transaction (as :meth:`transaction`) that waits at most ``timeout`` seconds.
+
+        PostgreSQL: the statements get a transaction-local ``statement_timeout`` (lock waits
+        included); SQLite: this process's writer lock and the busy handler wait at most
+        ``timeout``. Past it the store's error surfaces as CoordinatorUnavailable. For fenced
+        writes that must not outlive the node's lease; ``None`` is a plain transaction.
+        """
+        if timeout is None:
+            with self.transaction() as conn:
+                yield conn
+        elif self.config.kind == "postgresql":
+            with self._translated(), self.engine.begin() as conn:
+                conn.execute(_STATEMENT_TIMEOUT, {"ms": str(_millis(timeout))})
+                yield conn
+        else:
+            with self._sqlite_bounded(timeout) as conn:
+                yield conn
+
+    @contextmanager
+    def _sqlite_bounded(self, timeout: float) -> Iterator[Connection]:
+        lock = self._writer if isinstance(self._writer, _RLOCK) else None
+        if lock is not None and not lock.acquire(timeout=max(0.0, timeout)):
+            raise CoordinatorUnavailable(
+                f"the store {self.name} is busy: no write lock within {timeout:.2f}s"
+            )
+        try:
+            with self._translated(), self.engine.connect() as conn:
+                raw = conn.connection.driver_connection
+                assert raw is not None
+                _busy_timeout(raw, _millis(timeout))
+                try:
+                    with conn.begin():
+                        yield conn
+                finally:
+                    _busy_timeout(raw, _millis(self.config.busy_timeout))
+        finally:
+            if lock is not None:
+                lock.release()
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

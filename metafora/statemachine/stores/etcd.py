@@ -41,7 +41,14 @@ from metafora.errors import ClaimLost, ConfigError
 from metafora.jsontext import load_object
 from metafora.statemachine.machine import InvalidState, State
 from metafora.statemachine.mailbox import CommandBell
-from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
+from metafora.statemachine.store import (
+    LeaseBound,
+    StateStore,
+    TaskCommands,
+    bell_for,
+    lease_bound_of,
+    poll_take,
+)
 from metafora.task import Task
 
 __all__ = [
@@ -97,19 +104,23 @@ def decode_state(task_id: str, raw: bytes) -> tuple[int, State]:
 class EtcdStateStore(StateStore):
     """Task states in etcd, fenced by the owner key's create revision (the claim token)."""
 
-    def __init__(self, driver: EtcdDriver, keys: Keys) -> None:
+    def __init__(self, driver: EtcdDriver, keys: Keys, bound: LeaseBound | None = None) -> None:
         self._driver = driver
         self._keys = keys
+        self._bound = bound or LeaseBound()
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> EtcdStateStore:
-        """The state store on an etcd coordinator's or client's connection."""
-        return cls(*_parts(coordinator_or_client))
+        """The state store on an etcd coordinator's or client's connection (a coordinator's
+        bounds every fenced call by the node's lease)."""
+        return cls(*_parts(coordinator_or_client), lease_bound_of(coordinator_or_client))
 
     def load(self, task: Task) -> State:
         tk = self._keys.task(task.id)
-        result = self._driver.txn([created_at(tk.owner, task.token)], [Range(tk.machine)],
-                                  repeatable=True)
+        result = self._bound.call(task, "state load", lambda timeout: self._driver.txn(
+            [created_at(tk.owner, task.token)], [Range(tk.machine)], repeatable=True,
+            timeout=timeout,
+        ))
         if not result.succeeded:
             raise _lost(task)
         kvs = result.ranges[0]
@@ -124,8 +135,10 @@ class EtcdStateStore(StateStore):
         tk = self._keys.task(task.id)
         value = encode_state(task.token, state)
         # Repeatable: a retried put under the same unchanged owner key writes the same value.
-        result = self._driver.txn([created_at(tk.owner, task.token)], [Put(tk.machine, value)],
-                                  repeatable=True)
+        result = self._bound.call(task, "state write", lambda timeout: self._driver.txn(
+            [created_at(tk.owner, task.token)], [Put(tk.machine, value)], repeatable=True,
+            timeout=timeout,
+        ))
         if not result.succeeded:
             raise _lost(task)
 

@@ -36,7 +36,14 @@ from metafora.coordinators.sql.store import Database
 from metafora.errors import ClaimLost, ConfigError, StoreError
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
-from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
+from metafora.statemachine.store import (
+    LeaseBound,
+    StateStore,
+    TaskCommands,
+    bell_for,
+    lease_bound_of,
+    poll_take,
+)
 from metafora.task import Task
 
 __all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
@@ -180,19 +187,26 @@ class _Statements:
 class SQLStateStore(StateStore):
     """Task states in ``metafora_state``, fenced by the claim token and the owner's lease."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, bound: LeaseBound | None = None) -> None:
         self._db = db
         self._st = _Statements.of(db)
+        self._bound = bound or LeaseBound()
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> SQLStateStore:
-        """The state store on a SQL coordinator's or client's database handle."""
-        return cls(_database(coordinator_or_client))
+        """The state store on a SQL coordinator's or client's database handle (a
+        coordinator's bounds every fenced call by the node's lease)."""
+        return cls(_database(coordinator_or_client), lease_bound_of(coordinator_or_client))
 
     def load(self, task: Task) -> State:
         self._st.ensure()
-        with self._db.read() as conn:
-            row = self._st.run(conn, "load", {"id": task.id, "token": task.token}).first()
+
+        def read(_timeout: float | None) -> Any:
+            # A read never waits for a lock (WAL / MVCC); it is bounded for the lost check.
+            with self._db.read() as conn:
+                return self._st.run(conn, "load", {"id": task.id, "token": task.token}).first()
+
+        row = self._bound.call(task, "state load", read)
         if row is None:
             raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
         token, body = row
@@ -205,8 +219,15 @@ class SQLStateStore(StateStore):
     def store(self, task: Task, state: State) -> None:
         self._st.ensure()
         params = {"id": task.id, "token": task.token, "body": state.to_json()}
-        with self._db.write() as conn:
-            row = self._st.run(conn, "store", params).first()
+
+        def write(timeout: float | None) -> Any:
+            if timeout is None:
+                with self._db.write() as conn:  # one round trip when unbounded
+                    return self._st.run(conn, "store", params).first()
+            with self._db.bounded(timeout) as conn:
+                return self._st.run(conn, "store", params).first()
+
+        row = self._bound.call(task, "state write", write)
         if row is None:
             raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
 
