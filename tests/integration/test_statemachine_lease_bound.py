@@ -1,0 +1,137 @@
+"""Fenced state writes never block past the node's lease (issue 13 item 5), on real stores.
+
+Each test claims a task, then makes the store hang for this node -- etcd frozen with
+SIGSTOP; a PostgreSQL row lock on the node's lease row and the task's state row held by
+another connection; SQLite's write lock held by another connection -- so the lease cannot
+be renewed and the state write cannot finish. The write must come back as ClaimLost by
+the time the node's lease runs out (plus a generous allowance for a busy machine), although
+the store's own request / busy timeout is set to 30 s (what it waited for before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from metafora import Task, open_client, open_coordinator
+from metafora.coordinator import Coordinator
+from metafora.errors import ClaimLost
+from metafora.statemachine import State, state_store_for
+from metafora.testing import RecordingContext
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+SLACK = 3.0  # seconds beyond the lease a loaded machine may need to report the write lost
+STORE_TIMEOUT = 30.0  # the store's own timeout: what a write could block for without the bound
+
+
+def _claimed(url: str) -> tuple[Coordinator, Task, RecordingContext]:
+    with open_client(url) as client:
+        client.submit_task(Task("t1"))
+    ctx = RecordingContext()
+    coord = open_coordinator(url, node_id="a")
+    coord.init(ctx)
+    task = coord.claim(Task("t1"))
+    assert task is not None
+    state_store_for(coord).store(task, State(cursor="1"))  # the state row exists
+    return coord, task, ctx
+
+
+def _write_while_hung(coord: Coordinator, task: Task, hang: Callable[[], Any],
+                      store: str) -> float:
+    """Hang the store, write a state, and return how long the write took to be refused."""
+    states = state_store_for(coord)
+    with hang():
+        left = coord.claim_time_left(task)
+        assert left is not None and left > 0
+        started = time.monotonic()
+        with pytest.raises(ClaimLost):
+            states.store(task, State(cursor="2"))
+        took = time.monotonic() - started
+    assert took <= left + SLACK, f"the write took {took:.2f}s with {left:.2f}s of lease left"
+    assert took < STORE_TIMEOUT / 2
+    assert coord.claim_time_left(task) == 0.0
+    with pytest.raises(ClaimLost):  # no time left: refused at once, without I/O
+        states.store(task, State(cursor="3"))
+    print(f"{store}: state write refused as lost after {took:.2f}s ({left:.2f}s of lease left)")
+    return took
+
+
+def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
+    server = etcd_factory()
+    url = server.url() + f"?lease_ttl=2&timeout={STORE_TIMEOUT:g}"
+    coord, task, ctx = _claimed(url)
+
+    @contextlib.contextmanager
+    def frozen() -> Iterator[None]:
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+    try:
+        _write_while_hung(coord, task, frozen, "etcd")
+        wait_until(lambda: any(t.id == "t1" for t in ctx.lost_tasks), 30, message="lost reported")
+    finally:
+        coord.close()
+
+
+def test_postgresql_row_locks_held_by_another_connection(postgres_url: str) -> None:
+    url = postgres_url + f"&lease_ttl=3&connect_timeout={STORE_TIMEOUT:g}"
+    coord, task, ctx = _claimed(url)
+    db: Any = coord._db  # type: ignore[attr-defined]  # a second connection to the same database
+
+    @contextlib.contextmanager
+    def locked() -> Iterator[None]:
+        with db.engine.connect() as other:
+            tx = other.begin()
+            ns = {"ns": db.config.namespace}
+            # The lease row (renewals wait) and the state row (the state write waits).
+            other.execute(text("SELECT 1 FROM metafora_nodes WHERE namespace = :ns"
+                               " AND node_id = 'a' FOR UPDATE"), ns)
+            other.execute(text("SELECT 1 FROM metafora_state WHERE namespace = :ns"
+                               " AND task_id = 't1' FOR UPDATE"), ns)
+            try:
+                yield
+            finally:
+                tx.rollback()
+
+    try:
+        _write_while_hung(coord, task, locked, "postgresql")
+        wait_until(lambda: any(t.id == "t1" for t in ctx.lost_tasks), 30, message="lost reported")
+    finally:
+        coord.close()
+
+
+def test_sqlite_write_lock_held_by_another_connection(sqlite_url: str) -> None:
+    url = sqlite_url + f"?lease_ttl=3&busy_timeout={STORE_TIMEOUT:g}"
+    coord, task, ctx = _claimed(url)
+    path = sqlite_url.removeprefix("sqlite:///")
+
+    @contextlib.contextmanager
+    def locked() -> Iterator[None]:
+        other = sqlite3.connect(path, isolation_level=None, timeout=STORE_TIMEOUT)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # the one write lock of the file
+            try:
+                yield
+            finally:
+                other.execute("ROLLBACK")
+        finally:
+            other.close()
+
+    try:
+        _write_while_hung(coord, task, locked, "sqlite")
+        wait_until(lambda: any(t.id == "t1" for t in ctx.lost_tasks), 30, message="lost reported")
+    finally:
+        coord.close()
