@@ -19,7 +19,8 @@ import importlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
@@ -68,20 +69,27 @@ class LeaseBound:
         """Seconds this node still holds ``task`` (None: unbounded)."""
         return None if self._time_left is None else self._time_left(task)
 
-    def call(self, task: Task, what: str, fn: Callable[[float | None], T]) -> T:
-        """``fn(timeout)`` for the claim ``task``, bounded as the class docstring says."""
+    @contextmanager
+    def bounding(self, task: Task, what: str) -> Iterator[float | None]:
+        """Around one fenced store call for the claim ``task``: yields its timeout (the
+        seconds left, None: unbounded) and turns a failure past the lease into ClaimLost."""
         left = self.left(task)
         if left is not None and left <= 0:
             raise ClaimLost(f"task {task.id!r}: the lease of token {task.token} has run out; "
                             f"{what} refused")
         try:
-            return fn(left)
+            yield left
         except (CoordinatorUnavailable, StoreError) as exc:
             after = self.left(task)
             if after is not None and after <= 0:
                 raise ClaimLost(f"task {task.id!r}: {what} did not finish before the lease of "
                                 f"token {task.token} ran out: {exc}") from exc
             raise
+
+    def call(self, task: Task, what: str, fn: Callable[[float | None], T]) -> T:
+        """``fn(timeout)`` for the claim ``task``, bounded as the class docstring says."""
+        with self.bounding(task, what) as timeout:
+            return fn(timeout)
 
 
 def lease_bound_of(coordinator_or_client: object) -> LeaseBound:

@@ -1,11 +1,14 @@
-"""Fenced state writes never block past the node's lease (issue 13 item 5), on real stores.
+"""Fenced state and item writes never block past the node's lease (issue 13 item 5), on
+real stores.
 
-Each test claims a task, then makes the store hang for this node -- etcd frozen with
-SIGSTOP; a PostgreSQL row lock on the node's lease row and the task's state row held by
-another connection; SQLite's write lock held by another connection -- so the lease cannot
-be renewed and the state write cannot finish. The write must come back as ClaimLost by
-the time the node's lease runs out (plus a generous allowance for a busy machine), although
-the store's own request / busy timeout is set to 30 s (what it waited for before).
+Each test claims a task (for gates, also takes an item), then makes the store hang for
+this node -- etcd frozen with SIGSTOP; PostgreSQL row locks (the node's lease row, and the
+task's state row or the partition row) held by another connection; SQLite's write lock
+held by another connection -- so the lease cannot be renewed and the write cannot finish.
+The write must come back as ClaimLost by the time the node's lease runs out (plus a
+generous allowance for a busy machine), although the store's own request / busy timeout
+is 30 s (what it waited for before: 60 s on etcd, 30 s on SQLite, for ever on a PostgreSQL
+row lock).
 """
 
 from __future__ import annotations
@@ -135,3 +138,40 @@ def test_sqlite_write_lock_held_by_another_connection(sqlite_url: str) -> None:
         wait_until(lambda: any(t.id == "t1" for t in ctx.lost_tasks), 30, message="lost reported")
     finally:
         coord.close()
+
+
+def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: str) -> None:
+    from metafora.statemachine import gates
+    from metafora.statemachine.store import lease_bound_of
+
+    url = postgres_url + f"&lease_ttl=3&connect_timeout={STORE_TIMEOUT:g}"
+    with gates.ItemStore(url) as items:
+        items.add("t1", [gates.NewItem(gate=0, data=b"x")])
+        coord, task, _ctx = _claimed(url)
+        db: Any = coord._db  # type: ignore[attr-defined]  # a second connection to the same database
+        try:
+            lease = items.lease(task, "a", claim_fence=True, bound=lease_bound_of(coord))
+            lease.open()
+            [item] = lease.take(0, 10)
+            done = [gates.Outcome(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
+            with db.engine.connect() as other:
+                tx = other.begin()
+                ns = {"ns": db.config.namespace}
+                other.execute(text("SELECT 1 FROM metafora_nodes WHERE namespace = :ns"
+                                   " AND node_id = 'a' FOR UPDATE"), ns)
+                other.execute(text("SELECT 1 FROM metafora_partitions WHERE namespace = :ns"
+                                   " AND partition_id = 't1' FOR UPDATE"), ns)
+                try:
+                    left = coord.claim_time_left(task)
+                    assert left is not None and left > 0
+                    started = time.monotonic()
+                    with pytest.raises(ClaimLost):
+                        lease.finish(0, done)
+                    took = time.monotonic() - started
+                finally:
+                    tx.rollback()
+            assert took <= left + SLACK, f"the write took {took:.2f}s with {left:.2f}s of lease left"
+            print(f"postgresql items: write refused as lost after {took:.2f}s ({left:.2f}s left)")
+            assert items.get("t1", item.id).status is gates.ItemStatus.AVAILABLE  # nothing written
+        finally:
+            coord.close()

@@ -63,7 +63,14 @@ from metafora.statemachine.gates.processor import Processor, callable_processor
 from metafora.statemachine.gates.store import ItemStore, Outcome, PartitionLease
 from metafora.statemachine.handler import Commands, StatefulTaskHandler
 from metafora.statemachine.machine import MAX_ERROR_TEXT, Message, State, StateCode
-from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
+from metafora.statemachine.store import (
+    LeaseBound,
+    StateStore,
+    TaskCommands,
+    commands_for,
+    lease_bound_of,
+    state_store_for,
+)
 from metafora.task import Task, TaskState
 
 __all__ = [
@@ -450,7 +457,7 @@ class GateHandlerFunc:
     def __init__(self, processor: Processor, items: ItemStore, states: StateStore,
                  commands: TaskCommands, node_id: str | None, claim_fence: bool,
                  options: GateOptions, error_handler: ErrorHandler, clock: Clock | None,
-                 poll_interval: float) -> None:
+                 poll_interval: float, bound: LeaseBound | None = None) -> None:
         self.processor = processor
         self.items = items
         self.state_store = states
@@ -461,9 +468,11 @@ class GateHandlerFunc:
         self._error_handler = error_handler
         self._clock = clock
         self._poll_interval = poll_interval
+        self.bound = bound or LeaseBound()
 
     def __call__(self, task: Task) -> GateTaskHandler:
-        lease = self.items.lease(task, self.node_id, claim_fence=self.claim_fence)
+        lease = self.items.lease(task, self.node_id, claim_fence=self.claim_fence,
+                                 bound=self.bound)
         run = _PartitionRun(task, self.processor, lease, self.items, self.options)
         machine = StatefulTaskHandler(
             task, run.step, self.state_store, self.task_commands,
@@ -605,6 +614,8 @@ def handler_func(
         claim_fence, options,
         error_handler if error_handler is not None else gate_error_handler(items),
         clock, float(poll_interval),
+        # Item writes last no longer than the node holds the claim (else ClaimLost).
+        lease_bound_of(coordinator) if coordinator is not None else None,
     )
 
 

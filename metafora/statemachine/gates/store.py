@@ -84,6 +84,7 @@ from metafora.statemachine.gates.schema import (
     current_version,
     migrate,
 )
+from metafora.statemachine.store import LeaseBound
 from metafora.task import Task, validate_task_id
 
 __all__ = ["Advance", "ItemStore", "Outcome", "PartitionLease", "items_channel"]
@@ -723,23 +724,27 @@ class ItemStore:
 
     # -- owners -----------------------------------------------------------------------------
 
-    def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False) -> PartitionLease:
+    def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,
+              bound: LeaseBound | None = None) -> PartitionLease:
         """The fenced handle of the claim ``task`` (carrying its token) on the partition.
 
         ``claim_fence`` also checks every write against the coordinator's own tables (only
-        when this store is the SQL coordinator's database; needs ``node_id``).
+        when this store is the SQL coordinator's database; needs ``node_id``). ``bound``
+        (:func:`~metafora.statemachine.store.lease_bound_of` the coordinator) limits every
+        fenced write to the time the node still holds the claim (else ClaimLost).
         """
         if claim_fence and node_id is None:
             raise ConfigError("claim_fence needs the node id of the claim's owner")
-        return PartitionLease(self, task, node_id, claim_fence)
+        return PartitionLease(self, task, node_id, claim_fence, bound)
 
     def read(self) -> Any:
         """A connection for autocommit reads (context manager; errors translated)."""
         return self._db.read()
 
-    def transaction(self) -> Any:
-        """A connection in a transaction (context manager; errors translated)."""
-        return self._db.transaction()
+    def transaction(self, timeout: float | None = None) -> Any:
+        """A connection in a transaction (context manager; errors translated), waiting at
+        most ``timeout`` seconds for locks when given."""
+        return self._db.bounded(timeout)
 
     def item_from_row(self, partition: str, row: Any) -> Item:
         """An :class:`Item` from a row of the item columns."""
@@ -774,7 +779,8 @@ class PartitionLease:
     shows this node holding the task under this token with a live lease.
     """
 
-    def __init__(self, store: ItemStore, task: Task, node_id: str | None, claim_fence: bool) -> None:
+    def __init__(self, store: ItemStore, task: Task, node_id: str | None, claim_fence: bool,
+                 bound: LeaseBound | None = None) -> None:
         self.store = store
         self.task = task
         self.partition = task.id
@@ -782,6 +788,13 @@ class PartitionLease:
         self._node = node_id
         self._sql = store.owner_statements(claim_fence)
         self.claim_fence = claim_fence
+        self._bound = bound or LeaseBound()
+
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[Connection]:
+        """A fenced write's transaction, bounded by the node's lease on the claim."""
+        with self._bound.bounding(self.task, what) as timeout, self.store.transaction(timeout) as tx:
+            yield tx
 
     def _params(self, **extra: Any) -> dict[str, Any]:
         params: dict[str, Any] = {"ns": self.store.namespace, "p": self.partition, "token": self.token}
@@ -803,7 +816,7 @@ class PartitionLease:
         already took it (or the claim is not held).
         """
         self.store.ensure_schema()
-        with self.store.transaction() as tx:
+        with self._transaction("open the partition") as tx:
             tx.execute(self._sql["ensure"], self._params())
             orphans = int(tx.execute(self._sql["orphans"], self._params()).rowcount)
             row = tx.execute(self._sql["open"], self._params()).first()
@@ -840,7 +853,7 @@ class PartitionLease:
         The items are returned as stored, except ``attempts``: the attempts made before
         this one. ClaimLost (nothing written) if the claim is gone.
         """
-        with self.store.transaction() as tx:
+        with self._transaction("item results and take") as tx:
             self._guard(tx)
             self._write(tx, gate, results)
             rows = tx.execute(self._sql["take"], self._params(gate=gate, limit=limit)).fetchall()
@@ -887,7 +900,7 @@ class PartitionLease:
         """
         if not outcomes and not release:
             return 0
-        with self.store.transaction() as tx:
+        with self._transaction("item results") as tx:
             self._guard(tx)
             written = self._write(tx, gate, outcomes)
             if release:
@@ -926,7 +939,7 @@ class PartitionLease:
 
     def reopen_failed(self, gate: int) -> int:
         """Make the retryable failed items of ``gate`` available again (a partition retry)."""
-        with self.store.transaction() as tx:
+        with self._transaction("reopen failed items") as tx:
             self._guard(tx)
             return int(tx.execute(self._sql["reopen"], self._params(gate=gate)).rowcount)
 
@@ -950,7 +963,7 @@ class PartitionLease:
         -- not one step per poll; else, with no work left, complete the partition
         (``close``) or report it idle.
         """
-        with self.store.transaction() as tx:
+        with self._transaction("gate advance") as tx:
             current = self._guard(tx)
             if current != gate:
                 return Advance("moved", current)  # moved by an operator meanwhile
