@@ -89,28 +89,29 @@ def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
         coord.close()
 
 
+@contextlib.contextmanager
+def _pg_locked(coord: Coordinator, table: str, where: str) -> Iterator[None]:
+    """Another connection holds the node's lease row (renewals wait) and the rows of
+    ``table`` matching ``where`` (the write waits) until the block ends."""
+    db: Any = coord._db  # type: ignore[attr-defined]  # a second connection to the same database
+    with db.engine.connect() as other:
+        tx = other.begin()
+        ns = {"ns": db.config.namespace}
+        other.execute(text("SELECT 1 FROM metafora_nodes WHERE namespace = :ns"
+                           " AND node_id = 'a' FOR UPDATE"), ns)
+        other.execute(text(f"SELECT 1 FROM {table} WHERE namespace = :ns AND {where} FOR UPDATE"), ns)
+        try:
+            yield
+        finally:
+            tx.rollback()
+
+
 def test_postgresql_row_locks_held_by_another_connection(postgres_url: str) -> None:
     url = postgres_url + f"&lease_ttl=3&connect_timeout={STORE_TIMEOUT:g}"
     coord, task, ctx = _claimed(url)
-    db: Any = coord._db  # type: ignore[attr-defined]  # a second connection to the same database
-
-    @contextlib.contextmanager
-    def locked() -> Iterator[None]:
-        with db.engine.connect() as other:
-            tx = other.begin()
-            ns = {"ns": db.config.namespace}
-            # The lease row (renewals wait) and the state row (the state write waits).
-            other.execute(text("SELECT 1 FROM metafora_nodes WHERE namespace = :ns"
-                               " AND node_id = 'a' FOR UPDATE"), ns)
-            other.execute(text("SELECT 1 FROM metafora_state WHERE namespace = :ns"
-                               " AND task_id = 't1' FOR UPDATE"), ns)
-            try:
-                yield
-            finally:
-                tx.rollback()
-
     try:
-        _write_while_hung(coord, task, locked, "postgresql")
+        _write_while_hung(coord, task, lambda: _pg_locked(coord, "metafora_state", "task_id = 't1'"),
+                          "postgresql")
         wait_until(lambda: any(t.id == "t1" for t in ctx.lost_tasks), 30, message="lost reported")
     finally:
         coord.close()
@@ -148,28 +149,18 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
     with gates.ItemStore(url) as items:
         items.add("t1", [gates.NewItem(gate=0, data=b"x")])
         coord, task, _ctx = _claimed(url)
-        db: Any = coord._db  # type: ignore[attr-defined]  # a second connection to the same database
         try:
             lease = items.lease(task, "a", claim_fence=True, bound=lease_bound_of(coord))
             lease.open()
             [item] = lease.take(0, 10)
             done = [gates.Outcome(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
-            with db.engine.connect() as other:
-                tx = other.begin()
-                ns = {"ns": db.config.namespace}
-                other.execute(text("SELECT 1 FROM metafora_nodes WHERE namespace = :ns"
-                                   " AND node_id = 'a' FOR UPDATE"), ns)
-                other.execute(text("SELECT 1 FROM metafora_partitions WHERE namespace = :ns"
-                                   " AND partition_id = 't1' FOR UPDATE"), ns)
-                try:
-                    left = coord.claim_time_left(task)
-                    assert left is not None and left > 0
-                    started = time.monotonic()
-                    with pytest.raises(ClaimLost):
-                        lease.finish(0, done)
-                    took = time.monotonic() - started
-                finally:
-                    tx.rollback()
+            with _pg_locked(coord, "metafora_partitions", "partition_id = 't1'"):
+                left = coord.claim_time_left(task)
+                assert left is not None and left > 0
+                started = time.monotonic()
+                with pytest.raises(ClaimLost):
+                    lease.finish(0, done)
+                took = time.monotonic() - started
             assert took <= left + SLACK, f"the write took {took:.2f}s with {left:.2f}s of lease left"
             print(f"postgresql items: write refused as lost after {took:.2f}s ({left:.2f}s left)")
             assert items.get("t1", item.id).status is gates.ItemStatus.AVAILABLE  # nothing written
