@@ -119,6 +119,8 @@ def retry_advice(client: Client, task_id: str) -> str | None:
     """
     validate_task_id(task_id)
     task_state = client.get_task(task_id).state
+    if task_state not in _RETRYABLE and task_state is not TaskState.DONE:
+        return None  # not finished: retry_task itself says why it cannot be retried
     store = state_store_for(client)
     try:
         stored = store.get(task_id)
