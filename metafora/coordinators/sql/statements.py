@@ -50,6 +50,14 @@ _INFO_COLUMNS = (
 INFO_COLUMNS = _INFO_COLUMNS
 """The columns of a task listing (with ``{now}`` to fill in), for queries built elsewhere."""
 
+# A retried task: pending again, its error, owner and crash count cleared (the condition on
+# its current state follows).
+_RETRY = (
+    "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
+    " owner = NULL, claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
+    " WHERE namespace = :ns AND id = :id AND "
+)
+
 _SQL: dict[str, str] = {
     # -- claims (the hot path) ------------------------------------------------------------
     # One statement: the sub-select finds and locks the offered row if it is claimable
@@ -250,9 +258,7 @@ _SQL: dict[str, str] = {
     ),
     "delete_state": "DELETE FROM metafora_state WHERE namespace = :ns AND task_id = :id",
     "retry": (
-        "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
-        " owner = NULL, claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
-        " WHERE namespace = :ns AND id = :id AND (state IN ('failed', 'expired')"
+        _RETRY + "(state IN ('failed', 'expired')"
         " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
     ),
     # retry_task(reset_state=True), in one transaction: read the task's state (a pending
@@ -264,9 +270,7 @@ _SQL: dict[str, str] = {
         " ON s.namespace = t.namespace AND s.task_id = t.id WHERE t.namespace = :ns AND t.id = :id"
     ),
     "retry_from": (
-        "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
-        " owner = NULL, claimed_at = NULL, ready = {next_token}, updated_at = {now}"
-        " WHERE namespace = :ns AND id = :id AND (state = :was OR (:was = 'expired'"
+        _RETRY + "(state = :was OR (:was = 'expired'"
         " AND state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
     ),
     "state_reset": (
