@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -166,3 +167,49 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
             assert items.get("t1", item.id).status is gates.ItemStatus.AVAILABLE  # nothing written
         finally:
             coord.close()
+
+
+def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etcd_factory: Any) -> None:
+    """The symptom of issue 13: after a lost lease the handler stayed in a state write."""
+    from metafora.coordinators.etcd.coordinator import fence_margin
+    from metafora.statemachine import Commands, Message, handler_func
+
+    ttl = 4
+    server = etcd_factory()
+    url = server.url() + f"?lease_ttl={ttl}&timeout={STORE_TIMEOUT:g}"
+    with open_client(url) as client:
+        client.submit_task(Task("t1"))
+    ctx = RecordingContext()
+    coord = open_coordinator(url, node_id="a")
+    coord.init(ctx)
+    writing = threading.Event()
+
+    def checkpoints(task: Task, cmds: Commands) -> Message:
+        page = 0
+        while (message := cmds.poll()) is None:
+            page += 1
+            cmds.checkpoint(str(page))  # raises ClaimLost once the write is refused
+            writing.set()
+        return message
+
+    try:
+        task = coord.claim(Task("t1"))
+        assert task is not None
+        machine = handler_func(checkpoints, coord, store_retry_delay=0.05)(task)
+        returned: list[float] = []
+        runner = threading.Thread(target=lambda: (machine.run(), returned.append(time.monotonic())))
+        runner.start()
+        assert writing.wait(30), "the handler never checkpointed"
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert ctx.lost_event.wait(30), "the lease was never fenced"
+            fenced = time.monotonic()
+            runner.join(STORE_TIMEOUT)
+            assert not runner.is_alive(), "the machine stayed in a state write"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        took = returned[0] - fenced
+        print(f"etcd machine: returned {took:.2f}s after the fence (stop margin {fence_margin(ttl):.2f}s)")
+        assert took <= fence_margin(ttl) + SLACK
+    finally:
+        coord.close()
