@@ -75,7 +75,7 @@ def _backend(url: StoreURL) -> _Backend:
     try:
         module: ModuleType = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f" (pip install 'metafora[{extra}]')" if extra else ""
+        hint = f" (pip install 'metafora-cluster[{extra}]')" if extra else ""
         raise ConfigError(
             f"the {url.scheme} store is not available: {exc}{hint}"
         ) from exc
