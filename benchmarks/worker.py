@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from metafora import Consumer, Handler, Task, open_coordinator
+from metafora import Consumer, Handler, Task, open_coordinator, simple_handler
 from metafora.balancer import Balancer
 from metafora.balancers import DumbBalancer, FairBalancer
 
@@ -31,6 +31,27 @@ class _Handler(Handler):
         self._stop.set()
 
 
+async def _park(task: Task, stop: Any) -> bool:
+    """An async handler that holds its task until stopped (the storm's long-running work)."""
+    await stop.wait()
+    return False
+
+
+def _park_thread(task: Task, stop: threading.Event) -> bool:
+    stop.wait()
+    return False
+
+
+def _handler_func(spec: Any, events: Any) -> Any:
+    """``instant``/``hold`` report each start on ``events``; ``park``/``park-async`` are silent
+    (100,000 events would cost more than the claims being measured)."""
+    if spec.mode == "park":
+        return simple_handler(_park_thread)
+    if spec.mode == "park-async":
+        return simple_handler(_park)
+    return lambda task: _Handler(task, spec.node, spec.mode, events)
+
+
 def main(spec: Any, events: Any) -> None:
     """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
@@ -39,7 +60,7 @@ def main(spec: Any, events: Any) -> None:
     balancer: Balancer = DumbBalancer()
     if spec.balancer == "fair":
         balancer = FairBalancer()
-    consumer = Consumer(coord, lambda task: _Handler(task, spec.node, spec.mode, events), balancer,
+    consumer = Consumer(coord, _handler_func(spec, events), balancer,
                         balance_every=spec.balance_every, max_tasks=spec.max_tasks,
                         shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
@@ -53,4 +74,5 @@ def main(spec: Any, events: Any) -> None:
 
     threading.Thread(target=announce, daemon=True).start()
     consumer.run()
+    events.put(("stats", spec.node, consumer.stats.counters()))
     events.put(("stopped", spec.node, time.time()))

@@ -52,6 +52,8 @@ class _Outcome(enum.Enum):
 
 
 _COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+# How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
+_PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
 
 
 def _handler_state(handler: Handler) -> str | None:
@@ -567,6 +569,8 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < len(tasks):
+            self.stats.incr("races_lost", len(tasks) - len(claimed))
         for task in claimed:
             self._start(task)
         with self._lock:
@@ -717,23 +721,23 @@ class Consumer:
                 else:
                     self._coord.fail(task, error if error is not None else "failed")
                 self.stats.incr(_COUNTER[outcome])
-                self._log.info("task %s %s", task.id, outcome.value, extra=extra)
+                self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
                 return
             except ClaimLost as exc:
-                self._log.warning("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                   extra=extra)
                 return
             except CoordinatorUnavailable as exc:
                 if self._done.is_set():
-                    self._log.error("gave up marking task %s %s: %s", task.id, outcome.value,
+                    self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
                                     exc, extra=extra)
                     return
-                self._log.warning("store unavailable marking task %s %s, retrying: %s",
-                                  task.id, outcome.value, exc, extra=extra)
+                self._log.warning("store unavailable recording task %s as %s, retrying: %s",
+                                  task.id, _PHRASE[outcome], exc, extra=extra)
                 self._clock.wait(self._done, delay)
                 delay = min(delay * 2, _FINISH_RETRY_MAX)
             except MetaforaError as exc:
-                self._log.error("could not mark task %s %s: %s", task.id, outcome.value, exc,
+                self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
                                 extra=extra)
                 return
 

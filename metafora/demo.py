@@ -377,7 +377,8 @@ class Demo:
         table.add_column("node")
         table.add_column("pid", justify="right")
         table.add_column("status")
-        table.add_column("running tasks (←: moved from)", overflow="fold", min_width=30)
+        # No wider minimum: the whole table must fit an 80-column terminal (rich crops, not wraps).
+        table.add_column("running tasks (←: moved from)", overflow="fold", min_width=16)
         table.add_column("done", justify="right")
         for node in self.nodes:
             if node.killed_at is not None:
@@ -611,39 +612,53 @@ class Demo:
         killed = self.killed.name if self.killed else None
         verdict = verify(self.task_ids, runs, states, killed, self.kill_wall)
         total = len(self.task_ids)
-        table = Table(title="Summary", title_justify="left", show_header=False, box=None,
-                      padding=(0, 2, 0, 0))
-        table.add_column(style="bold")
-        table.add_column()
+        rows: list[tuple[str, Text | str]] = []
         done = sum(1 for s in states.values() if s is TaskState.DONE)
-        table.add_row("tasks", f"{total} submitted, {done} done, {len(runs)} handler runs in all")
+        rows.append(("tasks", f"{total} submitted, {done} done, {len(runs)} handler runs in all"))
         if verdict.ok:
-            table.add_row("exactly once", Text(
+            rows.append(("exactly once", Text(
                 f"[ok] every task ran exactly once to completion ({verdict.finished_once}/{total}); "
-                "no two runs of a task overlapped; every claim had a higher fencing token", style="green"))
+                "no two runs of a task overlapped; every claim had a higher fencing token", style="green")))
         else:
-            table.add_row("exactly once", Text(
+            rows.append(("exactly once", Text(
                 f"[FAILED] {verdict.finished_once}/{total} tasks finished exactly once; "
-                f"{len(verdict.problems)} problem(s) below", style="bold red"))
+                f"{len(verdict.problems)} problem(s) below", style="bold red")))
         if self.killed is None:
-            table.add_row("failover", "no node was killed (the tasks finished before one held any)")
+            rows.append(("failover", "no node was killed (the tasks finished before one held any)"))
         else:
             cut = ", ".join(r.task for r in verdict.interrupted) or "-"
-            table.add_row("killed", f"{self.killed.name} by SIGKILL, cutting off {len(verdict.interrupted)} "
-                          f"run(s): {cut}")
+            rows.append(("killed", f"{self.killed.name} by SIGKILL, cutting off {len(verdict.interrupted)} "
+                         f"run(s): {cut}"))
             if verdict.failover is not None:
-                table.add_row("failover", f"{verdict.failover:.1f}s from SIGKILL until the last of its tasks "
-                              f"ran again on another node (lease_ttl {self.lease_ttl:g}s)")
+                rows.append(("failover", f"{verdict.failover:.1f}s from SIGKILL until the last of its tasks "
+                             f"ran again on another node (lease_ttl {self.lease_ttl:g}s)"))
             else:
-                table.add_row("failover", "none needed: it held no unfinished task")
+                rows.append(("failover", "none needed: it held no unfinished task"))
         done_by = Counter(r.node for r in runs if r.outcome == "done")
-        table.add_row("done by", ", ".join(f"{n.name} {done_by[n.name]}" for n in self.nodes))
-        table.add_row("total", f"{elapsed:.1f}s")
-        self.out.print(table)
+        rows.append(("done by", ", ".join(f"{n.name} {done_by[n.name]}" for n in self.nodes)))
+        rows.append(("total", f"{elapsed:.1f}s"))
+        self._print_summary(rows)
         for problem in verdict.problems[:20]:
             self.out.print(Text(f"problem: {problem}", style="bold red"))
         self.verdict = verdict
         return verdict.ok
+
+
+    def _print_summary(self, rows: list[tuple[str, Text | str]]) -> None:
+        """A table on a terminal; plain lines elsewhere (a table pads every row to its widest)."""
+        if self.out.is_terminal:
+            table = Table(title="Summary", title_justify="left", show_header=False, box=None,
+                          padding=(0, 2, 0, 0))
+            table.add_column(style="bold")
+            table.add_column()
+            for label, value in rows:
+                table.add_row(label, value)
+            self.out.print(table)
+            return
+        width = max(len(label) for label, _ in rows)
+        self.out.print("Summary")
+        for label, value in rows:
+            self.out.print(Text(f"{label:<{width}}  ").append(value), soft_wrap=True)
 
 
 def run_demo(config: DemoConfig, out: Console | None = None) -> int:

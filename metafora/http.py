@@ -54,6 +54,7 @@ def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
                 "done": "Tasks this node finished",
                 "failed": "Tasks whose handler raised on this node",
                 "lost": "Claims this node lost (lease lost, task deleted)",
+                "races_lost": "Offers this node tried to claim that another node won",
             }
             for name, value in stats.counters().items():
                 fam = CounterMetricFamily(f"metafora_{name}", docs[name], labels=["node"])

@@ -49,25 +49,29 @@ class Histogram:
         return HistogramSnapshot(tuple(cumulative), running, total)
 
 
+_COUNTERS = ("claims", "releases", "done", "failed", "lost", "races_lost")
+
+
 @dataclass
 class ConsumerStats:
-    """What a consumer counts: every claim, release, done, failure and lost claim."""
+    """What a consumer counts: every claim, release, done, failure, lost claim and lost race."""
 
     claims: int = 0
     releases: int = 0
     done: int = 0
     failed: int = 0
     lost: int = 0
+    races_lost: int = 0  # offers tried and not won (another node took them first)
     claim_latency: Histogram = field(default_factory=Histogram)
     renewal_latency: Histogram = field(default_factory=Histogram)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def incr(self, name: str) -> None:
-        """Add one to the counter ``name``."""
+    def incr(self, name: str, by: int = 1) -> None:
+        """Add ``by`` (one) to the counter ``name``."""
         with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
+            setattr(self, name, getattr(self, name) + by)
 
     def counters(self) -> dict[str, int]:
         """A consistent copy of the counters."""
         with self._lock:
-            return {n: getattr(self, n) for n in ("claims", "releases", "done", "failed", "lost")}
+            return {n: getattr(self, n) for n in _COUNTERS}

@@ -22,6 +22,7 @@ __all__ = [
     "TaskState",
     "decode_props",
     "parse_time",
+    "validate_schedule",
     "validate_task_id",
 ]
 
@@ -50,6 +51,9 @@ def validate_task_id(task_id: object) -> str:
         raise InvalidTaskId(f"task id must be a string, not {type(task_id).__name__}")
     if not task_id.strip():
         raise InvalidTaskId("task id must not be empty or blank")
+    if task_id != task_id.strip():
+        # One rule for blank and padded ids: `"a "` and `"a"` would look alike in every listing.
+        raise InvalidTaskId(f"task id {task_id!r} must not start or end with whitespace")
     if len(task_id) > MAX_TASK_ID_LENGTH:
         raise InvalidTaskId(
             f"task id is {len(task_id)} characters long; the limit is {MAX_TASK_ID_LENGTH}"
@@ -77,6 +81,30 @@ def parse_time(value: object, what: str) -> datetime:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return dt.astimezone(UTC)
+
+
+def validate_schedule(task: Task, now: datetime) -> Task:
+    """Return ``task`` if it could ever be claimed after ``now``, else raise :class:`InvalidProps`.
+
+    Refused: an ``expires_at`` at or before ``launch_at`` (never claimable) and an
+    ``expires_at`` already past at ``now`` (the store's clock where the client has one).
+    Every ``Client.submit_task`` calls this; stored tasks are not re-checked, so a task
+    that expires later is still read back and shown as ``expired``.
+    """
+    launch, expires = task.launch_at, task.expires_at
+    if expires is None:
+        return task
+    if launch is not None and expires <= launch:
+        raise InvalidProps(
+            f"task {task.id!r}: expires_at {expires.isoformat()} is not after launch_at "
+            f"{launch.isoformat()}, so the task could never be claimed"
+        )
+    if expires <= now:
+        raise InvalidProps(
+            f"task {task.id!r}: expires_at {expires.isoformat()} is already past "
+            f"(now {now.astimezone(UTC).isoformat()})"
+        )
+    return task
 
 
 def _freeze_props(props: object) -> Mapping[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from rich.text import Text
 from metafora.coordinator import Client, NodeInfo
 from metafora.task import TaskInfo, TaskState
 
-__all__ = ["Snapshot", "render", "run_top", "take_snapshot"]
+__all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
 
 
 @dataclass(frozen=True)
@@ -75,21 +76,26 @@ def _age(now: datetime, then: datetime | None) -> str:
     return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
-def render(store: str, prev: Snapshot | None, cur: Snapshot) -> RenderableType:
-    """One frame of the view."""
+def frozen_text(frozen: bool | None) -> str:
+    """``yes`` or ``no``; a node that never reported (None) was never frozen: nodes start unfrozen."""
+    return "yes" if frozen else "no"
+
+
+def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = True) -> RenderableType:
+    """One frame of the view (``live=False``: a one-off snapshot, without the key hint)."""
     nodes = Table(title="nodes", expand=False)
     for col in ("node", "host", "tasks", "frozen", "heartbeat age"):
         nodes.add_column(col, justify="right" if col == "tasks" else "left")
     for n in cur.nodes:
-        frozen = "?" if n.frozen is None else ("yes" if n.frozen else "no")
-        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen, _age(cur.now, n.heartbeat))
+        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat))
     states = Table(title="tasks", expand=False)
     counts = cur.by_state()
     for state in TaskState:
         states.add_column(state.value, justify="right")
     states.add_row(*(str(counts[s]) for s in TaskState))
     claims, releases = rates(prev, cur)
-    header = Text(f"metafora top — {store} — {cur.now:%H:%M:%S} UTC — press q to quit", style="bold")
+    hint = " — press q to quit" if live else ""
+    header = Text(f"metafora top — {store} — {cur.now:%H:%M:%S} UTC{hint}", style="bold")
     footer = Text(f"claims/s {claims:.1f}   releases/s {releases:.1f}   nodes {len(cur.nodes)}")
     return Group(header, nodes, states, footer)
 
@@ -123,15 +129,39 @@ def _keys(stop: threading.Event) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+@contextlib.contextmanager
+def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGTERM, so the live view ends through its exit path (cursor shown again).
+
+    The default action would kill the process with the terminal's cursor still hidden. Only
+    the main thread may set signal handlers; elsewhere the default stays.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_top(client: Client, *, interval: float = 1.0, console: Console | None = None,
             frames: int | None = None) -> None:
-    """Show the live view until 'q', Ctrl-C, or ``frames`` refreshes."""
+    """Show the live view until 'q', Ctrl-C, SIGTERM or ``frames`` refreshes.
+
+    When ``console`` is not a terminal (a pipe, a file) it prints one snapshot and returns.
+    """
     console = console or Console()
+    if not console.is_terminal:
+        console.print(render(client.name, None, take_snapshot(client), live=False))
+        return
     stop = threading.Event()
     prev: Snapshot | None = None
     shown = 0
     try:
-        with _keys(stop), Live(console=console, auto_refresh=False, transient=False) as live:
+        with _keys(stop), _stop_on_sigterm(stop), \
+                Live(console=console, auto_refresh=False, transient=False) as live:
             while not stop.is_set():
                 cur = take_snapshot(client)
                 live.update(render(client.name, prev, cur), refresh=True)

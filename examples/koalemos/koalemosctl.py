@@ -1,7 +1,11 @@
 """koalemosctl: submit a command line as a koalemos task.
 
-    python examples/koalemos/koalemosctl.py sleep 3
-    python examples/koalemos/koalemosctl.py --id backup --wait -- tar czf /tmp/b.tgz /etc
+    .venv/bin/python examples/koalemos/koalemosctl.py sleep 3
+    .venv/bin/python examples/koalemos/koalemosctl.py --id backup --wait -- tar czf /tmp/b.tgz /etc
+
+Errors and exit codes are the ``metafora`` command's: 0 ok (with ``--wait``: the task is
+done), 1 refused (the id is taken, the task failed or did not finish in time), 2 usage (bad
+id, URL or option), 3 store unreachable; one ``Error: ...`` line, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,19 +17,21 @@ import uuid
 import click
 
 from metafora import Task, TaskState, open_client
-from metafora.connect import DEFAULT_URL, ENV_URL
+from metafora.cli.tool import MetaforaCommand, url_option
+from metafora.task import validate_task_id
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--url", envvar=ENV_URL, show_envvar=True, default=DEFAULT_URL, show_default=True,
-              help="Store URL.")
+@click.command(cls=MetaforaCommand, context_settings={"ignore_unknown_options": True})
+@url_option
 @click.option("--id", "task_id", default=None, help="Task id (default: koalemos-<random>).")
 @click.option("--wait", "wait_s", type=float, default=None, is_flag=False, flag_value=3600.0,
               help="Wait (up to N seconds) until the task is done or failed.")
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(url: str, task_id: str | None, wait_s: float | None, args: tuple[str, ...]) -> None:
     """Submit ARGS (a command and its arguments) as a task; print its id."""
-    task = Task(task_id or f"koalemos-{uuid.uuid4().hex[:8]}", {"args": list(args)})
+    # An explicit id is checked as given: `--id ""` is an error, never a random id.
+    chosen = validate_task_id(task_id) if task_id is not None else f"koalemos-{uuid.uuid4().hex[:8]}"
+    task = Task(chosen, {"args": list(args)})
     with open_client(url) as client:
         client.submit_task(task)
         click.echo(task.id)

@@ -7,7 +7,11 @@ process group. Exit code 0 marks the task done; non-zero fails it with the tail 
 gracefully: claims are released at once, so another daemon picks them up without waiting
 for the lease to expire.
 
-    python examples/koalemos/koalemosd.py --url sqlite:///metafora.db
+    .venv/bin/python examples/koalemos/koalemosd.py --url sqlite:///metafora.db
+
+Errors and exit codes are the ``metafora`` command's: 2 usage (bad URL, node id, option or
+``--http`` address, the HTTP port taken), 3 store unreachable, 1 refused (the node id is
+live elsewhere); one ``Error: ...`` line, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import click
 
 from metafora import Consumer, Handler, Task, open_coordinator
-from metafora.connect import DEFAULT_URL, ENV_URL
+from metafora.cli.tool import MetaforaCommand, url_option
 from metafora.logs import LEVELS, configure
 
 STDERR_TAIL = 2000  # characters of stderr kept in a failed task's error
@@ -83,9 +87,8 @@ class ShellHandler(Handler):
                 pass
 
 
-@click.command()
-@click.option("--url", envvar=ENV_URL, show_envvar=True, default=DEFAULT_URL, show_default=True,
-              help="Store URL.")
+@click.command(cls=MetaforaCommand)
+@url_option
 @click.option("--node", default=None, help="Node id (default: hostname-<random>).")
 @click.option("--max-tasks", type=click.IntRange(min=1), default=None, help="Concurrent tasks.")
 @click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
@@ -100,8 +103,12 @@ def main(url: str, node: str | None, max_tasks: int | None, grace: float, lease_
     configure(log_level, json_lines=log_json)
     options: dict[str, Any] = {} if lease_ttl is None else {"lease_ttl": lease_ttl}
     coord = open_coordinator(url, node_id=node, **options)
-    consumer = Consumer(coord, lambda task: ShellHandler(task, grace), max_tasks=max_tasks,
-                        http_addr=http_addr, shutdown_timeout=grace + 5)
+    try:
+        consumer = Consumer(coord, lambda task: ShellHandler(task, grace), max_tasks=max_tasks,
+                            http_addr=http_addr, shutdown_timeout=grace + 5)
+    except BaseException:
+        coord.close()  # a bad --http or option: leave nothing registered behind
+        raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.shutdown())
     click.echo(f"koalemosd {consumer.node_id} on {coord.name}", err=True)

@@ -10,7 +10,6 @@ id, props or command), 3 store unreachable, 70 an unexpected internal error. Err
 
 from __future__ import annotations
 
-import errno
 import logging
 import platform
 import sys
@@ -26,14 +25,10 @@ from metafora.cli._common import (
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    CliError,
     ExitCode,
     Settings,
-    exit_code_for,
-    scrub,
 )
-from metafora.connect import DEFAULT_URL, ENV_URL
-from metafora.errors import MetaforaError
+from metafora.cli.tool import invoke_translated, url_option
 from metafora.logs import LEVELS, configure
 
 __all__ = [
@@ -47,21 +42,10 @@ __all__ = [
     "main",
 ]
 
-log = logging.getLogger(__name__)
-
 ENV_LOG_LEVEL = "METAFORA_LOG_LEVEL"
 ENV_LOG_JSON = "METAFORA_LOG_JSON"
 #: The name to install from the package index (the import package and the command are ``metafora``).
 DISTRIBUTION = "metafora-cluster"
-
-
-def _describe(exc: BaseException) -> str:
-    """An error's message, or its class docstring when it was raised without one."""
-    text = str(exc).strip()
-    if text:
-        return text
-    doc = (type(exc).__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else type(exc).__name__
 
 
 class MetaforaGroup(click.Group):
@@ -69,33 +53,7 @@ class MetaforaGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         """Run the sub-command; turn every metafora error into a CliError (no traceback)."""
-        try:
-            return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise
-        except MetaforaError as exc:
-            raise CliError.make(scrub(_describe(exc), _url(ctx)), exit_code_for(exc)) from exc
-        except OSError as exc:
-            if exc.errno == errno.EPIPE:  # `metafora tasks | head`: click handles it quietly
-                raise
-            raise self._internal(ctx, exc) from exc
-        except Exception as exc:
-            raise self._internal(ctx, exc) from exc
-
-    @staticmethod
-    def _internal(ctx: click.Context, exc: Exception) -> CliError:
-        url = _url(ctx)
-        log.debug("unexpected error", exc_info=exc)
-        return CliError.make(
-            scrub(f"unexpected {type(exc).__name__}: {_describe(exc)} "
-                  "(rerun with --log-level debug to see the traceback)", url),
-            ExitCode.INTERNAL,
-        )
-
-
-def _url(ctx: click.Context) -> str | None:
-    obj = ctx.find_object(Settings)
-    return obj.url if obj is not None else None
+        return invoke_translated(lambda: super(MetaforaGroup, self).invoke(ctx), ctx)
 
 
 def _configure_logging(level: str, json_lines: bool) -> None:
@@ -106,10 +64,7 @@ def _configure_logging(level: str, json_lines: bool) -> None:
 
 
 @click.group(cls=MetaforaGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--url", metavar="URL", default=DEFAULT_URL, show_default=True, envvar=ENV_URL,
-              show_envvar=True,
-              help="The store: sqlite:///PATH.db, postgresql://user:pass@host/db, etcd://host:2379/NS, "
-                   "memory://NAME (in-process only).")
+@url_option
 @click.option("--log-level", type=click.Choice(LEVELS, case_sensitive=False), default="warning",
               show_default=True, envvar=ENV_LOG_LEVEL, show_envvar=True, help="Log verbosity (stderr).")
 @click.option("--log-json", is_flag=True, envvar=ENV_LOG_JSON, show_envvar=True,

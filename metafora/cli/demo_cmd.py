@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from metafora.cli._common import settings
+from metafora.cli.tool import check_url
 
 __all__ = ["demo"]
 
@@ -14,7 +15,7 @@ __all__ = ["demo"]
               help="Consumer processes to start (one of them is killed half-way).")
 @click.option("--tasks", "task_count", type=click.IntRange(1, 2000), default=30, show_default=True,
               help="Tasks to submit; each works for 1-2 seconds.")
-@click.option("--url", "demo_url", metavar="URL", default=None,
+@click.option("--url", "demo_url", metavar="URL", default=None, callback=check_url,
               help="Run on this store (in a namespace of its own) instead of a fresh temporary "
                    "SQLite file; `metafora --url URL demo` works too, but $METAFORA_URL is ignored "
                    "so the demo never lands in a real cluster by accident.")

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.cli._common import console, format_time, print_json, settings, store_client
+from metafora.cli.tool import check_url
 from metafora.errors import TaskExists, TaskNotFound
 from metafora.statemachine.gates import (
     MAX_GATE,
@@ -45,7 +46,7 @@ _STATUS_STYLE = {
 _PREVIEW = 48  # characters of data shown in the table
 
 _items_url_option = click.option(
-    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True,
+    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True, callback=check_url,
     help="The SQL store holding the items, when it is not --url (e.g. with an etcd coordinator).",
 )
 
@@ -59,6 +60,9 @@ def _item_store(ctx: click.Context, items_url: str | None) -> Iterator[ItemStore
         store.close()
 
 
+_ROUTED = "metafora.items.routed"  # ctx.meta key: `items PARTITION` was routed to `items list`
+
+
 class _ItemsGroup(click.Group):
     """``items PARTITION ...`` runs ``items list PARTITION ...``; sub-command names win."""
 
@@ -66,7 +70,25 @@ class _ItemsGroup(click.Group):
         """Route a first argument that is not a sub-command (or help) to ``list``."""
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
             args = ["list", *args]
+            ctx.meta[_ROUTED] = True
         return super().parse_args(ctx, args)
+
+
+class _ListContext(click.Context):
+    """Usage errors of a routed ``items PARTITION`` name the command the user typed."""
+
+    @property
+    def command_path(self) -> str:
+        """``metafora items`` when the user left ``list`` out, else the usual path."""
+        if self.parent is not None and self.meta.get(_ROUTED):
+            return self.parent.command_path
+        return super().command_path
+
+
+class _ListCommand(click.Command):
+    """`items list`, whose context knows when it was reached as `items PARTITION`."""
+
+    context_class = _ListContext
 
 
 @click.group(cls=_ItemsGroup)
@@ -98,7 +120,7 @@ def _caption(info: PartitionInfo, shown: int) -> str:
             + (f"; {shown} shown" if shown != info.total() else ""))
 
 
-@items.command("list")
+@items.command("list", cls=_ListCommand)
 @click.argument("partition")
 @click.option("--gate", type=click.IntRange(0, MAX_GATE), help="Only items at this gate.")
 @click.option("--status", type=click.Choice([s.value for s in ItemStatus], case_sensitive=False),
@@ -115,6 +137,8 @@ def list_items(ctx: click.Context, partition: str, gate: int | None, status: str
     wanted = None if status is None else ItemStatus(status.lower())
     with _item_store(ctx, items_url) as store:
         info = store.info(partition)
+        if not info.exists:  # not "gate 0 (open)": a typo must not look like an empty partition
+            raise TaskNotFound(f"no partition {partition!r}: no items were ever added to it")
         found = store.list(partition, gate=gate, status=wanted, limit=limit)
     if as_json:
         print_json({"partition": info.to_dict(), "items": [i.to_dict() for i in found]})

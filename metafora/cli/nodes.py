@@ -17,6 +17,7 @@ from metafora.connect import validate_node_id
 from metafora.coordinator import NodeInfo
 from metafora.errors import InvalidTaskState, NodeNotFound
 from metafora.task import TaskState
+from metafora.top import frozen_text
 
 __all__ = ["balance", "freeze", "nodes", "stop", "top", "unfreeze"]
 
@@ -25,7 +26,7 @@ def _node_dict(info: NodeInfo) -> dict[str, Any]:
     def iso(dt: datetime | None) -> str | None:
         return None if dt is None else dt.isoformat()
 
-    return {"node": info.id, "tasks": info.tasks, "frozen": info.frozen, "host": info.host,
+    return {"node": info.id, "tasks": info.tasks, "frozen": bool(info.frozen), "host": info.host,
             "pid": info.pid, "started": iso(info.started), "heartbeat": iso(info.heartbeat)}
 
 
@@ -61,7 +62,7 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     table.add_column("heartbeat")
     now = datetime.now(UTC)
     for info in infos:
-        frozen = "-" if info.frozen is None else ("yes" if info.frozen else "no")
+        frozen = frozen_text(info.frozen)
         table.add_row(Text(info.id), str(info.tasks), Text(frozen, style="bold blue" if info.frozen else ""),
                       Text(info.host or "-"), "-" if info.pid is None else str(info.pid),
                       _age(now, info.heartbeat))
@@ -136,6 +137,8 @@ def stop(ctx: click.Context, node: str, task_id: str) -> None:
     command = commands.stop_task(task_id)  # InvalidCommand for a bad task id: exit 2
     validate_node_id(node)
     with store_client(ctx) as client:
+        if node not in client.nodes():  # before the task: "not running there" would mislead
+            raise NodeNotFound(f"no live node {node!r}")
         info = client.get_task(task_id)  # TaskNotFound: exit 1
         if info.state is not TaskState.CLAIMED or info.owner != node:
             where = f"claimed by {info.owner}" if info.state is TaskState.CLAIMED else info.state.value

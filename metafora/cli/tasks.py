@@ -13,7 +13,7 @@ from rich.text import Text
 
 from metafora.cli._common import Duration, console, format_time, parse_duration, print_json, store_client
 from metafora.errors import InvalidProps
-from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_schedule, validate_task_id
 
 __all__ = ["delete", "parse_prop", "parse_when", "purge", "retry", "show", "submit", "tasks"]
 
@@ -46,8 +46,15 @@ def parse_prop(pair: str) -> tuple[str, Any]:
     return key, value
 
 
+_TIME_FORMS = "an ISO-8601 time (naive = UTC, e.g. 2030-01-01T12:00:00Z), 'now' or '+DURATION' (+30s, +2h)"
+"""Every form :func:`parse_when` accepts, for help texts and errors."""
+
+
 def parse_when(text: str, option: str) -> str:
-    """An ISO-8601 time, ``now``, or ``+DURATION`` from now, as an ISO-8601 UTC string."""
+    """An ISO-8601 time, ``now``, or ``+DURATION`` from now, as an ISO-8601 UTC string.
+
+    Raises InvalidProps naming every accepted form.
+    """
     stripped = text.strip()
     if stripped.lower() == "now":
         return datetime.now(UTC).isoformat()
@@ -55,9 +62,12 @@ def parse_when(text: str, option: str) -> str:
         try:
             delta = parse_duration(stripped[1:])
         except ValueError as exc:
-            raise InvalidProps(f"{option}: {exc}") from None
+            raise InvalidProps(f"{option}: {exc}; expected {_TIME_FORMS}") from None
         return (datetime.now(UTC) + delta).isoformat()
-    return parse_time(stripped, option).isoformat()
+    try:
+        return parse_time(stripped, option).isoformat()
+    except InvalidProps:
+        raise InvalidProps(f"{option}: {text!r} is not a time; expected {_TIME_FORMS}") from None
 
 
 def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str | None,
@@ -89,12 +99,14 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
 @click.option("--launch-at", metavar="TIME",
               help="Not claimable before TIME: ISO-8601 (naive = UTC), 'now' or '+DURATION' (+30s, +2h).")
 @click.option("--expires-at", metavar="TIME",
-              help="Not claimed after TIME (the task moves to 'expired'); same forms as --launch-at.")
+              help="Not claimed after TIME (the task moves to 'expired'); same forms as --launch-at. "
+                   "Must be in the future and after --launch-at.")
 @click.pass_context
 def submit(ctx: click.Context, task_id: str, pairs: tuple[str, ...], props_json: str | None,
            launch_at: str | None, expires_at: str | None) -> None:
     """Submit a new task ID (pending until a consumer claims it)."""
     task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at))
+    validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:
         client.submit_task(task)
     click.echo(f"submitted task {task.id}")

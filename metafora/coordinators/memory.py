@@ -39,7 +39,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -410,6 +410,7 @@ class MemoryClient(Client):
         s = self._store
         with s.cond:
             self._check_open()
+            validate_schedule(task, s.clock.now())
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
             row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())

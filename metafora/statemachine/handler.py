@@ -184,6 +184,10 @@ class StatefulTaskHandler(Handler):
         state = self._load()
         if state is None:
             return False
+        # A fresh task's state is stored at once: operators (`metafora pause`, `state`) can
+        # then tell a task a state machine runs from one no state machine would ever read.
+        if state == State() and not self._persist(state):
+            return False
         self._state = state
         if state.code.terminal:
             log.info("task %s is already %s; nothing to run", task.id, state,

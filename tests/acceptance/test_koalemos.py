@@ -93,3 +93,72 @@ def test_sigterm_releases_at_once_and_another_daemon_takes_over(
                           "k2 took the task over")
         assert info.state is TaskState.CLAIMED
         assert "k1" not in client.nodes()
+
+
+# -- user errors: the metafora command's messages and exit codes, never a traceback (issue 18) --
+
+
+def _script(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("--id", "", "--", "true"), 2, "Error: task id must not be empty or blank"),
+        (("--id", " x", "--", "true"), 2, "Error: task id ' x' must not start or end with whitespace"),
+        (("--id", "bad\x01id", "--", "true"), 2, "Error: task id 'bad\\x01id' contains the control"),
+        (("--url", "nosuch://h/x", "--", "true"), 2, "Error: unknown store scheme 'nosuch'"),
+        (("--url", "", "--", "true"), 2, "Error: Invalid value for '--url': must not be empty"),
+        (("--url", "postgresql://postgres:Pw123@127.0.0.1:1/postgres", "--", "true"), 3,
+         "Error: cannot reach the store postgresql://postgres:***@127.0.0.1:1/postgres"),
+    ],
+)
+def test_koalemosctl_user_errors(tmp_path: Path, args: tuple[str, ...], code: int, message: str) -> None:
+    proc = _script(KOALEMOSCTL, "--url", f"sqlite:///{tmp_path / 'k.db'}", *args, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr and "Pw123" not in proc.stderr
+    assert proc.stdout == ""  # nothing submitted, no id printed
+
+
+def test_koalemosctl_refuses_a_taken_id(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    assert _script(KOALEMOSCTL, "--url", url, "--id", "a", "--", "true", cwd=tmp_path).stdout == "a\n"
+    proc = _script(KOALEMOSCTL, "--url", url, "--id", "a", "--", "true", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: task 'a' already exists")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("--http", "9103"), 2, "Error: http_addr must be HOST:PORT, got '9103'"),
+        (("--node", "bad node "), 2, "Error: node id 'bad node ' must not start or end with whitespace"),
+        (("--url", "nosuch://h/x"), 2, "Error: unknown store scheme 'nosuch'"),
+        (("--url", ""), 2, "Error: Invalid value for '--url': must not be empty"),
+        (("--url", "postgresql://postgres:Pw123@127.0.0.1:1/postgres"), 3,
+         "Error: cannot reach the store postgresql://postgres:***@127.0.0.1:1/postgres"),
+    ],
+)
+def test_koalemosd_user_errors(tmp_path: Path, args: tuple[str, ...], code: int, message: str) -> None:
+    proc = _script(KOALEMOSD, "--url", f"sqlite:///{tmp_path / 'k.db'}", *args, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr and "Pw123" not in proc.stderr
+
+
+def test_koalemosd_http_port_in_use(tmp_path: Path) -> None:
+    import socket
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _script(KOALEMOSD, "--url", url, "--node", "k1", "--http", f"127.0.0.1:{port}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    with open_client(url) as client:
+        assert "k1" not in client.nodes()  # it left nothing registered behind

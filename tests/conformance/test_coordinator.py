@@ -14,6 +14,7 @@ from metafora import Task, TaskState, commands, open_client, open_coordinator
 from metafora.coordinator import Client, Coordinator
 from metafora.errors import (
     ClaimLost,
+    InvalidProps,
     InvalidTaskId,
     InvalidTaskState,
     NodeExists,
@@ -247,14 +248,27 @@ def test_launch_at_and_expires_at(cluster: Cluster) -> None:
     a = cluster.node("a")
     future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
     past = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
+    soon = datetime.now(UTC) + timedelta(seconds=0.5)  # an expires_at already past is refused
     cluster.client.submit_task(Task("later", {"launch_at": future}))
     cluster.client.submit_task(Task("now", {"launch_at": past}))
-    cluster.client.submit_task(Task("stale", {"expires_at": past}))
+    cluster.client.submit_task(Task("stale", {"expires_at": soon.isoformat()}))
     assert a.claim(Task("later")) is None
     assert a.claim(Task("now")) is not None
+    wait_until(lambda: datetime.now(UTC) > soon + timedelta(seconds=0.2), message="stale's expiry passed")
     assert a.claim(Task("stale")) is None
     wait_until(lambda: cluster.client.get_task("stale").state is TaskState.EXPIRED,
                message="stale task expired")
+
+
+def test_a_task_that_could_never_be_claimed_is_refused(cluster: Cluster) -> None:
+    now = datetime.now(UTC)
+    launch, expires = now + timedelta(hours=1), now + timedelta(seconds=30)
+    with pytest.raises(InvalidProps, match="is not after launch_at"):
+        cluster.client.submit_task(Task("inverted", {"launch_at": launch.isoformat(),
+                                                     "expires_at": expires.isoformat()}))
+    with pytest.raises(InvalidProps, match="already past"):
+        cluster.client.submit_task(Task("late", {"expires_at": (now - timedelta(seconds=1)).isoformat()}))
+    assert cluster.client.tasks() == []  # refused before anything was written
 
 
 def test_launch_at_soon_is_offered_when_due(cluster: Cluster) -> None:

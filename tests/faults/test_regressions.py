@@ -98,15 +98,15 @@ def test_etcd_offers_refused_while_re_registering_are_made_again(
     coord = open_coordinator(etcd_url, node_id="a", lease_ttl=2, poll_interval=60)
     assert isinstance(coord, EtcdCoordinator)
     refused: list[str] = []
-    real_claim = coord.claim
+    real_claim_many = coord.claim_many
 
-    def spy(task: Task) -> Task | None:
-        got = real_claim(task)
-        if got is None:
-            refused.append(task.id)
+    def spy(tasks: Sequence[Task], limit: int) -> list[Task]:
+        got = real_claim_many(tasks, limit)
+        taken = {t.id for t in got}
+        refused.extend(t.id for t in tasks if t.id not in taken)
         return got
 
-    coord.claim = spy  # type: ignore[method-assign]
+    coord.claim_many = spy  # type: ignore[method-assign]
 
     def work(task: Task, stop: threading.Event) -> bool:
         ran.append(task.id)

@@ -377,17 +377,19 @@ def test_watch_returns_promptly_on_close(nodes: Nodes) -> None:
 
 
 def test_expired_pending_task_is_moved_not_offered(nodes: Nodes) -> None:
-    a = nodes.node("a")
-    offers: queue.Queue[Task] = queue.Queue()
-    nodes.watch(a, offers.put)
-    soon = time.time() + 1.0
     from datetime import UTC, datetime
 
-    expires = datetime.fromtimestamp(soon, UTC).isoformat()
-    launch = datetime.fromtimestamp(soon + 1.0, UTC).isoformat()
-    nodes.client.submit_task(Task("never", {"launch_at": launch, "expires_at": expires}))
+    a = nodes.node("a")
+    # An expires_at already past (or not after launch_at) is refused at submit: expire it soon.
+    expires = datetime.fromtimestamp(time.time() + 0.5, UTC).isoformat()
+    nodes.client.submit_task(Task("never", {"expires_at": expires}))
     wait_until(lambda: nodes.client.get_task("never").state is TaskState.EXPIRED, timeout=10,
                message="never expires")
+    offers: queue.Queue[Task] = queue.Queue()
+    nodes.watch(a, offers.put)
+    nodes.client.submit_task(Task("fresh"))
+    wait_until(lambda: any(t.id == "fresh" for t in list(offers.queue)), timeout=10,
+               message="fresh offered")
     assert all(t.id != "never" for t in list(offers.queue))
     nodes.client.retry_task("never")  # pending again, and expired again at once
     assert nodes.client.get_task("never").state is TaskState.EXPIRED

@@ -389,10 +389,12 @@ def test_expired_tasks_are_swept_and_can_be_retried(nodes: Nodes) -> None:
     from datetime import UTC, datetime, timedelta
 
     a = nodes.node("a")
-    past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
-    nodes.client.submit_task(Task("old", {"expires_at": past}))
+    # An expires_at already past is refused at submit: expire it soon instead.
+    soon = datetime.now(UTC) + timedelta(seconds=0.5)
+    nodes.client.submit_task(Task("old", {"expires_at": soon.isoformat()}))
     nodes.client.submit_task(Task("fresh"))
-    assert nodes.client.get_task("old").state is TaskState.EXPIRED  # at once, before a sweep
+    wait_for(lambda: nodes.client.get_task("old").state is TaskState.EXPIRED, 10,
+             "old shows expired before any sweep")
     assert [i.id for i in nodes.client.tasks("expired")] == ["old"]
     assert [i.id for i in nodes.client.tasks("pending")] == ["fresh"]
     offers = nodes.watch(a)

@@ -7,15 +7,16 @@ The demo itself (processes, SIGKILL, SQLite) runs end to end in
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from rich.console import Console
 
-from metafora.demo import DemoConfig, _work, demo_url, run_demo, runs_by_task, verify
+from metafora.demo import Demo, DemoConfig, _work, demo_url, run_demo, runs_by_task, verify
 from metafora.errors import ConfigError
-from metafora.task import Task, TaskState
+from metafora.task import Task, TaskInfo, TaskState
 from metafora.testing import FileLedger, LedgerRun
 
 DONE = TaskState.DONE
@@ -157,3 +158,49 @@ def test_demo_refuses_a_memory_store_before_making_files(tmp_path: Path,
     with pytest.raises(ConfigError):
         run_demo(DemoConfig(url="memory://x"), Console(file=io.StringIO()))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[Demo]:
+    """A Demo with two finished node processes: enough to render its table and its summary."""
+    import subprocess
+    import sys
+
+    from metafora.demo import _Node
+
+    out = Console(file=io.StringIO(), width=200, force_terminal=False, soft_wrap=False)
+    shown = Demo(DemoConfig(nodes=2, tasks=30), out, tmp_path)
+    for name in ("node1", "node2"):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait(30)
+        proc.pid = 4194304  # the widest pid Linux hands out, whatever this one was
+        shown.nodes.append(_Node(name, proc, tmp_path / f"{name}.log"))
+    yield shown
+
+
+def test_summary_is_not_padded_when_not_a_terminal(demo: Demo) -> None:
+    """Issue 18: a rich table padded every summary line to 144 columns in a pipe."""
+    infos = [TaskInfo(t, {}, TaskState.DONE) for t in demo.task_ids]
+    demo._summary(infos, 7.5)
+    assert isinstance(demo.out.file, io.StringIO)
+    lines = demo.out.file.getvalue().splitlines()
+    assert lines[0] == "Summary"
+    assert all(line == line.rstrip() for line in lines), lines
+    assert any(line.startswith("tasks         30 submitted, 30 done") for line in lines), lines
+
+
+def test_live_table_fits_80_columns(demo: Demo) -> None:
+    """Issue 18: the live table's minimum width was 81 columns, so rich cropped its right edge."""
+    from collections import Counter
+
+    from metafora.demo import _View
+
+    infos = [TaskInfo(t, {}, TaskState.CLAIMED, owner="node1" if i % 2 else "node2")
+             for i, t in enumerate(demo.task_ids)]
+    view = _View(3.0, infos, Counter({"node1": 0, "node2": 0}), {demo.task_ids[0]: "node3"})
+    demo.nodes[1].killed_at, demo.nodes[1].gone = 1.0, True  # the widest status: "killed, lease expired"
+    narrow = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    narrow.print(demo._render(view))
+    lines = narrow.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    table = [line for line in lines if line.startswith(("┏", "┃", "│", "└"))]
+    assert table and all(len(line) <= 80 and line.rstrip().endswith(("┓", "┃", "│", "┘")) for line in table)

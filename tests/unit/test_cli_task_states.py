@@ -66,13 +66,28 @@ def _state(url: str, task_id: str) -> str | None:
     return None if data is None else str(data["state"])
 
 
+def test_commands_to_a_task_no_state_machine_runs_are_refused(url: str, client: Client) -> None:
+    """Issue 18: they reported success and did nothing."""
+    client.submit_task(Task("plain"))
+    for args in (("pause",), ("resume",), ("kill",), ("sleep", "--until", "+1h")):
+        result = on(url, args[0], "plain", *args[1:])
+        assert result.exit_code == EXIT_REFUSED, result.output
+        assert result.stderr.startswith("Error: task 'plain' is not run by a state machine"), result.stderr
+        assert "--queue" in result.stderr
+    channel = commands_for(client)
+    try:
+        assert channel.pending("plain") == 0  # nothing was sent
+    finally:
+        channel.close()
+
+
 def test_commands_queue_for_a_pending_task(url: str, client: Client) -> None:
     client.submit_task(Task("t1"))
     for verb in ("pause", "resume", "kill"):
-        result = on(url, verb, "t1")
+        result = on(url, verb, "t1", "--queue")
         assert result.exit_code == EXIT_OK, result.output
         assert f"sent {verb} to task t1" in result.stdout
-    result = on(url, "sleep", "t1", "--until", "+1h")
+    result = on(url, "sleep", "t1", "--until", "+1h", "--queue")
     assert result.exit_code == EXIT_OK, result.output
     channel = commands_for(client)
     try:
@@ -86,6 +101,8 @@ def test_commands_queue_for_a_pending_task(url: str, client: Client) -> None:
 def test_pause_resume_kill_a_running_machine(url: str, client: Client, machine_node: Consumer) -> None:
     client.submit_task(Task("job"))
     wait_until(lambda: client.get_task("job").owner == "sm1", message="sm1 runs job")
+    # The machine stores the fresh state as it starts: the CLI then knows a machine runs it.
+    wait_until(lambda: _state(url, "job") == StateCode.RUNNABLE.value, message="job's state stored")
     assert on(url, "pause", "job").exit_code == EXIT_OK
     wait_until(lambda: _state(url, "job") == StateCode.PAUSED.value, message="job paused")
     result = on(url, "state", "job")

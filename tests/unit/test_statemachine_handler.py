@@ -139,7 +139,7 @@ def test_terminal_message_finishes_the_task(env: Env, message: Message, code: St
 def test_release_returns_false_and_keeps_the_state(env: Env) -> None:
     handler = env.machine(returns(Message.release()), env.claim())
     assert handler.run() is False
-    assert env.states.get("t1") is None  # nothing changed, nothing written
+    assert env.states.get("t1") == State()  # only the fresh state, stored as the machine started
 
 
 def test_a_task_already_terminal_is_done_without_running(env: Env) -> None:
@@ -479,7 +479,7 @@ def test_transient_store_errors_are_retried(env: Env) -> None:
     handler = env.machine(returns(Message.complete()), env.claim(), state_store=flaky,
                           clock=None, store_attempts=3)
     assert handler.run() is True
-    assert flaky.calls == 3
+    assert flaky.calls == 4  # the fresh state (two blips, then stored), then completed
     assert code_of(env) is StateCode.COMPLETED
 
 
@@ -513,10 +513,12 @@ def test_a_failed_checkpoint_releases_the_task(env: Env) -> None:
             raise
         return Message.complete()
 
-    machine = env.machine(handler, env.claim(), state_store=flaky, clock=None, store_attempts=2)
+    task = env.claim()
+    env.states.store(task, State(cursor="0"))  # not fresh: the machine writes nothing as it starts
+    machine = env.machine(handler, task, state_store=flaky, clock=None, store_attempts=2)
     assert machine.run() is False
     assert "could not checkpoint task 't1'" in str(raised[0])
-    assert env.states.get("t1") is None
+    assert env.states.get("t1") == State(cursor="0")
 
 
 def test_a_corrupt_stored_state_fails_the_run_with_the_reason(env: Env) -> None:
@@ -571,7 +573,7 @@ def test_a_zombie_handler_is_stopped_by_its_refused_checkpoint(env: Env) -> None
         go.set()
         assert running.result() is False
         assert outcome and isinstance(outcome[0], ClaimLost)
-        assert env.states.get("t1") is None  # nothing the zombie wrote landed
+        assert env.states.get("t1") == State()  # the fresh state from its start; nothing later
     finally:
         b.close()
 

@@ -20,6 +20,31 @@ def test_bad_task_ids_are_refused(bad: object) -> None:
         Task(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("padded", [" a", "a ", "\ta", "a\n", "\u00a0a"])
+def test_ids_with_surrounding_whitespace_are_refused_like_blank_ones(padded: str) -> None:
+    """One rule (issue 18): " a" and "a" would look alike in every listing."""
+    with pytest.raises(InvalidTaskId, match=r"must not start or end with whitespace|control character"):
+        Task(padded)
+    with pytest.raises(ConfigError, match="node id"):
+        open_coordinator("memory://padded", node_id=padded)
+
+
+def test_schedule_that_could_never_run_is_refused() -> None:
+    from datetime import timedelta
+
+    from metafora.task import validate_schedule
+
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    at = (now + timedelta(hours=1)).isoformat()
+    with pytest.raises(InvalidProps, match="is not after launch_at"):
+        validate_schedule(Task("t", {"launch_at": at, "expires_at": at}), now)
+    with pytest.raises(InvalidProps, match="already past"):
+        validate_schedule(Task("t", {"expires_at": now.isoformat()}), now)
+    fine = Task("t", {"launch_at": now.isoformat(), "expires_at": at})
+    assert validate_schedule(fine, now) is fine
+    assert validate_schedule(Task("t", {"launch_at": "2000-01-01"}), now).id == "t"  # no expiry
+
+
 def test_good_task_ids() -> None:
     for ok in ("a", "x" * 256, "ünïcode/with spaces", "a.b-c_d:e"):
         assert Task(ok).id == ok

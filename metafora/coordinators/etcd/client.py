@@ -52,7 +52,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 
 __all__ = ["EtcdClient"]
 
@@ -97,6 +97,7 @@ class EtcdClient(Client):
 
     def submit_task(self, task: Task) -> None:
         self._check_open()
+        validate_schedule(task, self._clock.now())
         tk = self._keys.task(task.id)
         record = encode_json({"props": dict(task.props), "created_at": iso(self._clock.now())})
         result = self._driver.txn(

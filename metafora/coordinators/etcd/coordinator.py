@@ -33,6 +33,7 @@ import queue
 import socket
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -49,6 +50,7 @@ from metafora.coordinator import (
 )
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import (
+    Compare,
     Delete,
     EtcdDriver,
     KeyValue,
@@ -102,6 +104,10 @@ _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
 _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps)
 _STOP = object()
+
+
+_BATCH = 42
+"""Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
 
 
 def fence_margin(lease_ttl: float) -> float:
@@ -581,20 +587,11 @@ class EtcdCoordinator(Coordinator):
         for _attempt in range(3):
             if not self._claimable(task.id, known):
                 return None
-            claim_record = encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+            compares, puts = self._claim_ops(task.id, known, lease)
             try:
                 result = self._driver.txn(
-                    [
-                        absent(tk.owner),
-                        absent(tk.state),
-                        modified_at(tk.props, known.props_mod),
-                        modified_at(tk.running, known.running_mod),
-                    ],
-                    [
-                        Put(tk.owner, self._node_bytes, lease),
-                        Put(tk.claim, claim_record),
-                        Put(tk.running, encode_json({"crashes": known.crashes()})),
-                    ],
+                    compares,
+                    puts,
                     [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)],
                     repeatable=True,
                 )
@@ -607,12 +604,14 @@ class EtcdCoordinator(Coordinator):
             if owner_kvs:
                 owner = owner_kvs[0]
                 if (
-                    result.retried
-                    and owner.value == self._node_bytes
+                    owner.value == self._node_bytes
                     and owner.lease == lease
                     and props_kvs
+                    and not self.holds_claim(task.id)
                 ):
-                    # An earlier attempt of this call was applied but its answer was lost.
+                    # Ours but not known: an earlier attempt (of this call, or of a batch this
+                    # call falls back from) was applied and its answer lost. The owner key is
+                    # on this node's lease, so no one else could have taken it meanwhile.
                     props = props_of(props_kvs[0], task.id).props
                     return self._took(Task(task.id, props, owner.create_revision), lease)
                 return None
@@ -622,6 +621,82 @@ class EtcdCoordinator(Coordinator):
             rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
             known = _Entry.from_record(task.id, rec).known()
         return None
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each), falling back to one
+        claim per task for a batch whose compares fail (someone else took one of them)."""
+        self._require_init()
+        with self._lock:
+            lease = self._lease_id
+            batch: list[tuple[Task, _Known]] = []
+            single: list[Task] = []
+            for task in tasks:
+                entry = self._cache.get(task.id)
+                if entry is not None and (entry.owner is not None or entry.finished):
+                    continue  # seen taken: no round trip for a stale offer
+                if entry is None or entry.props is None:
+                    single.append(task)
+                else:
+                    batch.append((task, entry.known()))
+        if lease is None:
+            return []
+        claimed: list[Task] = []
+        for start in range(0, len(batch), _BATCH):
+            if len(claimed) >= limit:
+                return claimed
+            chunk = [(t, k) for t, k in batch[start:start + _BATCH] if self._claimable(t.id, k)]
+            chunk = chunk[: limit - len(claimed)]
+            got = self._claim_batch(chunk, lease) if len(chunk) > 1 else None
+            if got is None:  # a compare failed (or one task): claim them one by one
+                got = [c for c in (self.claim(t) for t, _ in chunk) if c is not None]
+            claimed.extend(got)
+        for task in single:
+            if len(claimed) >= limit:
+                break
+            got_one = self.claim(task)
+            if got_one is not None:
+                claimed.append(got_one)
+        return claimed
+
+    def _claim_batch(self, chunk: list[tuple[Task, _Known]], lease: int) -> list[Task] | None:
+        """One txn claiming every task of ``chunk``, or None if any compare failed."""
+        compares: list[Compare] = []
+        puts: list[Put] = []
+        for task, known in chunk:
+            c, p = self._claim_ops(task.id, known, lease)
+            compares += c
+            puts += p
+        try:
+            result = self._driver.txn(compares, puts, repeatable=True)
+        except LeaseNotFound:
+            self._fence("etcd refused a claim: lease not found")
+            return []
+        if not result.succeeded:
+            return None  # the per-task fallback also adopts claims of a lost first attempt
+        claimed = [self._took(Task(t.id, k.props, result.revision), lease) for t, k in chunk]
+        return [c for c in claimed if c is not None]
+
+    def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
+        """The compares and puts of one claim: free, unfinished, as judged, and this node's."""
+        tk = self._keys.task(task_id)
+        record = encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+        compares = [
+            absent(tk.owner),
+            absent(tk.state),
+            modified_at(tk.props, known.props_mod),
+            modified_at(tk.running, known.running_mod),
+        ]
+        puts = [
+            Put(tk.owner, self._node_bytes, lease),
+            Put(tk.claim, record),
+            Put(tk.running, encode_json({"crashes": known.crashes()})),
+        ]
+        return compares, puts
+
+    def holds_claim(self, task_id: str) -> bool:
+        """Whether this node knows it holds a claim of ``task_id`` (its local view, no I/O)."""
+        with self._lock:
+            return task_id in self._held
 
     def _claimable(self, task_id: str, known: _Known) -> bool:
         """Whether to try the claim; fails or expires a task that can never run."""

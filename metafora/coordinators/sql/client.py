@@ -7,6 +7,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.sql.store import Database
@@ -18,7 +19,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_task_id
+from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
 
 __all__ = ["SQLClient"]
 
@@ -79,6 +80,7 @@ class SQLClient(Client):
         )
 
     def submit_task(self, task: Task) -> None:
+        validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
         to_db = db.dialect.to_db_time
         params = {

@@ -1,0 +1,121 @@
+"""Start-up storm: N pending tasks, P consumer processes started at once (FairBalancer).
+
+Measured per store: seconds from the spawn of the processes until every task is held, the
+spread (max node / average) when all are held and after two balance periods, claims lost to
+races per claim won (the consumers' ``races_lost`` / ``claims`` counters), and store requests
+per task until all were held (PostgreSQL: transactions from pg_stat_database; etcd: gRPC calls
+from its /metrics; SQLite has no such counter). Handlers park until stopped: async ones by
+default (``METAFORA_STORM_MODE=park`` for threads: 100,000 of them exceed this machine's pid_max).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
+from metafora import Task, open_client
+
+BALANCE_EVERY = 5.0
+MODE = os.environ.get("METAFORA_STORM_MODE", "park-async")  # or "park": a thread per task
+
+
+def fill(url: str, n: int) -> float:
+    """Submit ``n`` pending tasks; returns tasks/s (bulk when the client has submit_tasks)."""
+    ids = [f"s{i:07d}" for i in range(n)]
+    began = time.perf_counter()
+    with open_client(url) as client:
+        bulk = getattr(client, "submit_tasks", None)
+        if bulk is not None:
+            for start in range(0, n, 5000):
+                bulk(Task(i) for i in ids[start:start + 5000])
+        else:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda i: client.submit_task(Task(i)), ids))
+    return n / (time.perf_counter() - began)
+
+
+def _requests(kind: str, url: str, stores: Stores) -> int:
+    from benchmarks.scale import _etcd_calls, _pg_xacts
+
+    if kind == "postgresql":
+        return _pg_xacts(url)
+    if kind == "etcd":
+        return _etcd_calls(stores)
+    return 0
+
+
+def _spread(counts: dict[str, int]) -> float:
+    if not counts:
+        return float("nan")
+    avg = sum(counts.values()) / len(counts)
+    return max(counts.values()) / avg if avg else float("nan")
+
+
+def _pause(seconds: float) -> None:
+    threading.Event().wait(seconds)
+
+
+def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict[str, Any]:
+    """One storm; every process is stopped before this returns."""
+    url = stores.url(kind)
+    submit_rate = fill(url, n)
+    fleet = Fleet()
+    result: dict[str, Any] = {"store": kind, "tasks": n, "processes": procs, "submit_per_s": submit_rate}
+    with open_client(url) as client:
+        probe = _requests(kind, url, stores)
+        client.node_task_count()
+        poll_cost = _requests(kind, url, stores) - probe
+        before = _requests(kind, url, stores)
+        began = time.monotonic()
+        try:
+            for i in range(procs):
+                fleet.spawn(WorkerSpec(url, f"n{i:02d}", mode=MODE, balancer="fair",
+                                       balance_every=BALANCE_EVERY))
+            polls, held, counts = 0, 0, {}
+            while time.monotonic() - began < timeout:
+                counts = client.node_task_count()
+                polls += 1
+                held = sum(counts.values())
+                if held >= n:
+                    break
+                _pause(0.5)
+            result["held"] = held
+            result["seconds_to_all_held"] = time.monotonic() - began if held >= n else float("nan")
+            after = _requests(kind, url, stores)
+            result["requests_per_task"] = (
+                (after - before - polls * poll_cost) / n if kind != "sqlite" else float("nan")
+            )
+            result["spread_at_all_held"] = _spread(counts)
+            _pause(2 * BALANCE_EVERY + 1)
+            result["spread_after_2_periods"] = _spread(client.node_task_count())
+        finally:
+            fleet.stop()
+    claims = races = 0
+    while True:
+        try:
+            event = fleet.events.get(timeout=0.5)
+        except queue.Empty:
+            break
+        if event[0] == "stats":
+            claims += event[2]["claims"]
+            races += event[2]["races_lost"]
+    result["races_lost_per_claim"] = races / claims if claims else float("nan")
+    return result
+
+
+def run(stores: Stores, quick: bool) -> dict[str, Any]:
+    """100,000 tasks and 10 processes (quick: 10,000 and 4) on every store; print and save."""
+    n, procs = (10_000, 4) if quick else (100_000, 10)
+    results = [storm(stores, kind, n, procs, timeout=300) for kind in stores.kinds]
+    table(f"start-up storm: {n:,} pending tasks, {procs} processes started at once (FairBalancer)",
+          ("store", "s to all held", "spread held", "spread +2 periods", "races lost/claim",
+           "requests/task", "submit/s"),
+          [(r["store"], r["seconds_to_all_held"], r["spread_at_all_held"], r["spread_after_2_periods"],
+            r["races_lost_per_claim"], r["requests_per_task"], r["submit_per_s"]) for r in results])
+    save("storm", {"quick": quick, "results": results})
+    return {"results": results}
