@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 import metafora
+from metafora import open_client
 from metafora.cli import DISTRIBUTION, cli
+from metafora.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,3 +39,14 @@ def test_changelog_starts_with_this_version() -> None:
     headings = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]?", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
     assert headings, "CHANGELOG.md has no release heading"
     assert headings[0] == metafora.__version__
+
+
+def test_a_missing_driver_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def without_psycopg(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == "psycopg" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_psycopg)
+    with pytest.raises(ConfigError, match=re.escape("pip install 'metafora-cluster[postgres]'")):
+        open_client("postgresql://nobody@127.0.0.1:1/none")
