@@ -50,3 +50,14 @@ def test_a_missing_driver_names_the_extra_to_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.util, "find_spec", without_psycopg)
     with pytest.raises(ConfigError, match=re.escape("pip install 'metafora-cluster[postgres]'")):
         open_client("postgresql://nobody@127.0.0.1:1/none")
+
+
+def test_install_hints_name_the_distribution() -> None:
+    # `pip install 'metafora[x]'` installs an unrelated project: every extra is metafora-cluster[x]
+    files = [ROOT / "README.md", *ROOT.glob("metafora/**/*.py"), *ROOT.glob("docs/**/*.md"),
+             *ROOT.glob("examples/**/*.py")]
+    wrong = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in files
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if "metafora[" in line]
+    assert not wrong, "install hints must name metafora-cluster:\n" + "\n".join(wrong)
