@@ -7,7 +7,7 @@ import importlib
 
 from benchmarks.common import STORES, Stores
 
-BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm")
+BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit")
 
 
 def main() -> None:

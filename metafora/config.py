@@ -7,9 +7,17 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from metafora.errors import ConfigError
+from metafora.masking import (
+    MASK,
+    is_secret_option,
+    mask_hosts,
+    mask_url,
+    secret_option_cut,
+    split_url,
+)
 
 __all__ = ["DEFAULT_NAMESPACE", "OptionReader", "StoreURL", "parse_store_url", "validate_namespace"]
 
@@ -27,80 +35,72 @@ class StoreURL:
     password: str | None = field(repr=False)
     hosts: tuple[tuple[str, int | None], ...]
     path: str
-    query: Mapping[str, str]
+    query: Mapping[str, str] = field(repr=False)  # may hold a credential-like option
 
     def redacted(self) -> str:
-        """The URL with its password replaced by ``***``."""
-        auth = ""
-        if self.username is not None:
-            auth = quote(self.username, safe="")
-            if self.password is not None:
-                auth += ":***"
-            auth += "@"
-        hosts = ",".join(h if p is None else f"{_host(h)}:{p}" for h, p in self.hosts)
-        query = "&".join(f"{k}={v}" for k, v in self.query.items())
-        return f"{self.scheme}://{auth}{hosts}{self.path}" + (f"?{query}" if query else "")
+        """The URL as typed, masked by :func:`~metafora.masking.mask_url`."""
+        return mask_url(self.raw)
+
+    def brief(self) -> str:
+        """Scheme, hosts and path (database, file or namespace) only: what ``/info`` shows."""
+        return mask_url(self.raw, brief=True)
 
     def __str__(self) -> str:
         return self.redacted()
 
 
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 def parse_store_url(url: str) -> StoreURL:
-    """Parse ``scheme://[user[:pass]@]host[:port][,host[:port]...]/path?opts``."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"store URL must look like scheme://..., got {_safe(url)!r}")
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    netloc, sep, tail = rest.partition("/")
-    path = sep + tail
-    query_text = ""
-    if "?" in netloc:  # e.g. memory://name?x=1 has no path
-        netloc, query_text = netloc.split("?", 1)
-        path = ""
-    elif "?" in path:
-        path, query_text = path.split("?", 1)
+    """Parse ``scheme://[user[:pass]@]host[:port][,host[:port]...]/path?opts``.
+
+    The URL is cut as :func:`~metafora.masking.split_url` cuts it (the credentials end at
+    the last ``@``), so what is parsed and what is masked can never disagree; errors name
+    the wrong part and show the URL masked.
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"store URL must be a string, got {type(url).__name__}")
+    parts = split_url(url)
+    if parts.separator != "://":
+        raise ConfigError(f"store URL must look like scheme://..., got {mask_url(url)!r}")
+    if secret_option_cut(parts):
+        raise ConfigError(
+            f"store URL {mask_url(url)!r} has an '@' in an option value: write it as %40"
+        )
     username = password = None
-    if "@" in netloc:
-        auth, netloc = netloc.rsplit("@", 1)
-        user, colon, pw = auth.partition(":")
+    if parts.userinfo is not None:
+        user, colon, pw = parts.userinfo.partition(":")
         username = unquote(user)
         password = unquote(pw) if colon else None
-    hosts: list[tuple[str, int | None]] = []
-    if netloc:
-        for part in netloc.split(","):
-            hosts.append(_parse_host(part, url))
+    hosts = tuple(_parse_host(piece, url) for piece in parts.authority.split(",")) if parts.authority else ()
+    query = _parse_query(parts.query or "", url)
+    return StoreURL(url, parts.scheme.lower(), username, password, hosts, unquote(parts.path), query)
+
+
+def _parse_query(text: str, url: str) -> dict[str, str]:
     try:
-        pairs = parse_qsl(query_text, keep_blank_values=True, strict_parsing=bool(query_text))
+        pairs = parse_qsl(text, keep_blank_values=True, strict_parsing=bool(text))
     except ValueError:
-        raise ConfigError(f"malformed query string in store URL {_safe(url)!r}") from None
+        raise ConfigError(f"malformed query string in store URL {mask_url(url)!r}") from None
     query: dict[str, str] = {}
     for key, value in pairs:
         if key in query:
-            raise ConfigError(f"option {key!r} is given twice in the store URL")
+            raise ConfigError(f"option {key!r} is given twice in the store URL {mask_url(url)!r}")
         query[key] = value
-    return StoreURL(url, scheme, username, password, tuple(hosts), unquote(path), query)
+    return query
 
 
-def _parse_host(part: str, url: str) -> tuple[str, int | None]:
+def _parse_host(piece: str, url: str) -> tuple[str, int | None]:
     try:
-        split = urlsplit("//" + part)
+        split = urlsplit("//" + piece)
         port = split.port
     except ValueError:
-        raise ConfigError(f"bad host or port {part!r} in store URL {_safe(url)!r}") from None
+        raise ConfigError(
+            f"bad host or port {mask_hosts(piece)!r} in store URL {mask_url(url)!r}"
+            " (a port is a number 0-65535; write an '@' in a password as %40)"
+        ) from None
     host = split.hostname or ""
     if not host:
-        raise ConfigError(f"empty host in store URL {_safe(url)!r}")
+        raise ConfigError(f"empty host in store URL {mask_url(url)!r}")
     return host, port
-
-
-def _safe(url: object) -> str:
-    """Best-effort redaction for error messages about URLs that did not parse."""
-    text = str(url)
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", text)
 
 
 def validate_namespace(value: str) -> str:
@@ -135,7 +135,7 @@ class OptionReader:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise ConfigError(f"option {name!r} must be a string, got {value!r}")
+            raise ConfigError(f"option {name!r} must be a string, got {_shown(name, value)}")
         return value
 
     def number(
@@ -148,9 +148,9 @@ class OptionReader:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"option {name!r} must be a number, got {value!r}") from None
+            raise ConfigError(f"option {name!r} must be a number, got {_shown(name, value)}") from None
         if not math.isfinite(number):
-            raise ConfigError(f"option {name!r} must be finite, got {value!r}")
+            raise ConfigError(f"option {name!r} must be finite, got {_shown(name, value)}")
         if minimum is not None and number < minimum:
             raise ConfigError(f"option {name!r} must be >= {minimum:g}, got {number:g}")
         if maximum is not None and number > maximum:
@@ -167,7 +167,7 @@ class OptionReader:
         try:
             number = int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"option {name!r} must be an integer, got {value!r}") from None
+            raise ConfigError(f"option {name!r} must be an integer, got {_shown(name, value)}") from None
         if minimum is not None and number < minimum:
             raise ConfigError(f"option {name!r} must be >= {minimum}, got {number}")
         if maximum is not None and number > maximum:
@@ -186,7 +186,7 @@ class OptionReader:
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"option {name!r} must be true or false, got {value!r}")
+        raise ConfigError(f"option {name!r} must be true or false, got {_shown(name, value)}")
 
     def namespace(self, default: str = DEFAULT_NAMESPACE) -> str:
         """The ``namespace`` option, validated."""
@@ -199,3 +199,8 @@ class OptionReader:
             raise ConfigError(
                 f"unknown option(s) {', '.join(map(repr, unknown))} for store {self._where}"
             )
+
+
+def _shown(name: str, value: object) -> str:
+    """How an option's value appears in an error: never, for a credential-like option."""
+    return MASK if is_secret_option(name) else repr(value)

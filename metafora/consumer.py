@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from metafora import commands as cmds
+from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
@@ -34,6 +35,7 @@ from metafora.errors import (
 )
 from metafora.handler import Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
+from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
@@ -164,6 +166,7 @@ class _Context(CoordinatorContext):
 
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
+        tracing.record_renewal(self._consumer.node_id, seconds)
 
     @property
     def max_crashes(self) -> int | None:
@@ -308,7 +311,7 @@ class Consumer:
             ignores = sorted(self._ignores)
         return {
             "node": self.node_id,
-            "store": self._coord.name,
+            "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),
@@ -559,7 +562,9 @@ class Consumer:
     def _claim(self, tasks: list[Task]) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
-            claimed = self._coord.claim_many(tasks, len(tasks))
+            with tracing.claim_span(self.node_id, len(tasks)) as span:
+                claimed = self._coord.claim_many(tasks, len(tasks))
+                span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
         except MetaforaError as exc:  # one failed claim must not take the node down
@@ -680,12 +685,19 @@ class Consumer:
     # -- handler threads --------------------------------------------------------------
 
     def _run_handler(self, entry: _Running) -> None:
+        task = entry.task
+        with tracing.run_span(task.id, task.token, self.node_id, task.props) as span:
+            self._run_handler_traced(entry, span)
+
+    def _run_handler_traced(self, entry: _Running, span: tracing.SpanLike) -> None:
         threading.current_thread().name = f"metafora-task-{entry.task.id}"
         error: BaseException | None = None
         try:
             outcome = _Outcome.DONE if entry.handler.run() else _Outcome.RELEASE
         except BaseException as exc:
             outcome, error = _Outcome.FAIL, exc
+            span.record_exception(exc)
+            span.set_error(f"{type(exc).__name__}: {exc}")
             self._log.error("handler of task %s raised: %s", entry.task.id, exc, exc_info=exc,
                             extra={"task": entry.task.id, "token": entry.task.token,
                                    "action": "fail"})
@@ -699,9 +711,11 @@ class Consumer:
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
+        span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
         try:
             if not skip:
-                self._write(outcome, entry.task, error)
+                with tracing.outcome_span(outcome.value):
+                    self._write(outcome, entry.task, error)
         finally:
             with self._lock:
                 self._finishing.discard(entry)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import abc
 import logging
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
+from metafora import bulk
 from metafora.balancer import ClusterState
+from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.task import Task, TaskInfo, TaskState
 
@@ -30,6 +32,8 @@ __all__ = [
     "crash_limit_error",
     "error_text",
 ]
+
+log = logging.getLogger(__name__)
 
 TaskSink = Callable[[Task], None]
 """Where ``Coordinator.watch`` delivers claimable tasks."""
@@ -225,6 +229,39 @@ class Client(ClusterState, abc.ABC):
     def submit_task(self, task: Task) -> None:
         """Add a pending task. Raises TaskExists if the id is taken (in any state)."""
 
+    def submit_tasks(self, tasks: Iterable[Task]) -> None:
+        """Add many pending tasks in batched writes (one statement or txn per batch).
+
+        All-or-nothing per batch: a batch holding an id that already exists adds nothing and
+        raises TaskExists naming those ids (``.ids``); the batches before it stay added
+        (``.submitted`` says how many tasks). An id given twice in ``tasks`` is refused
+        before anything is written, and so is a task that could never be claimed
+        (``InvalidProps``, see :func:`~metafora.task.validate_schedule`). One wake-up per
+        batch, not per task.
+        """
+        todo = bulk.checked(tasks, self._now())
+        added = 0
+        for batch in bulk.batches(todo, self._batch_size, self._batch_bytes):
+            existing = self._submit_batch(batch)
+            if existing:
+                raise bulk.exists_error(existing, added, len(todo), self.name)
+            added += len(batch)
+        log.debug("submitted %d tasks to %s", added, self.name)
+
+    def _now(self) -> datetime:
+        """The time a submitted task's schedule is judged by (this machine's clock; a store
+        with an injected clock judges by that)."""
+        return SYSTEM_CLOCK.now()
+
+    _batch_size = 500
+    """Tasks per batch of :meth:`submit_tasks` (a store's limit on one write)."""
+    _batch_bytes: int | None = None
+    """About how many bytes of ids and props one batch may carry (None: no limit)."""
+
+    @abc.abstractmethod
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        """Add ``batch`` (ids distinct) atomically; or add nothing and return the ids that exist."""
+
     @abc.abstractmethod
     def delete_task(self, task_id: str) -> None:
         """Remove a task in any state; a running one is stopped on its node. TaskNotFound."""
@@ -240,6 +277,44 @@ class Client(ClusterState, abc.ABC):
     @abc.abstractmethod
     def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
         """Every task (or those in ``state``), ordered by id."""
+
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """Up to ``limit`` tasks ordered by id, after id ``after`` (keyset paging), filtered by
+        ``state``, ``owner`` and id ``prefix``.
+
+        The default pages in memory over :meth:`tasks`; the SQL store overrides it with one
+        indexed query that never reads more than one page of rows.
+        """
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        page: list[TaskInfo] = []
+        for info in self.tasks(state):
+            if after is not None and info.id <= after:
+                continue
+            if not info.id.startswith(prefix) or (owner is not None and info.owner != owner):
+                continue
+            page.append(info)
+            if len(page) >= limit:
+                break
+        return page
+
+    def task_counts(self) -> dict[TaskState, int]:
+        """How many tasks are in each state (every state is a key).
+
+        The default counts in memory over :meth:`tasks`; the SQL store counts in the database.
+        """
+        counts = dict.fromkeys(TaskState, 0)
+        for info in self.tasks():
+            counts[info.state] += 1
+        return counts
 
     @abc.abstractmethod
     def nodes(self) -> list[str]:

@@ -6,6 +6,8 @@ coordinator boundary, with the original kept as ``__cause__``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "ClaimLost",
     "ConfigError",
@@ -51,6 +53,13 @@ class RequestTooLarge(MetaforaError, ValueError):
 
 class TaskExists(MetaforaError):
     """A task with this id already exists."""
+
+    def __init__(self, message: str = "", *, ids: Sequence[str] = (), submitted: int = 0) -> None:
+        super().__init__(*((message,) if message else ()))
+        self.ids: tuple[str, ...] = tuple(ids)
+        """The ids refused (``Client.submit_tasks``: existing or repeated ones), or ()."""
+        self.submitted = submitted
+        """How many tasks of a ``submit_tasks`` call were added before the refused batch."""
 
 
 class TaskNotFound(MetaforaError, LookupError):

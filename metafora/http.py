@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from metafora.errors import ConfigError
+from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
 __all__ = ["InfoServer", "parse_addr", "render_metrics"]
@@ -135,7 +136,7 @@ class InfoServer:
             ctype, status = "text/plain", 501
         except Exception as exc:
             log.exception("http %s failed", path)
-            body, ctype, status = f"error: {exc}\n".encode(), "text/plain", 500
+            body, ctype, status = f"error: {scrub(str(exc))}\n".encode(), "text/plain", 500
         req.send_response(status)
         req.send_header("Content-Type", ctype)
         req.send_header("Content-Length", str(len(body)))

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, items, nodes, task_states, tasks
+from metafora.cli import demo_cmd, items, nodes, task_states, tasks, web
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -92,6 +92,7 @@ for _command in (
     task_states.pause, task_states.resume, task_states.kill, task_states.sleep, task_states.state,
     items.items, items.gate,
     demo_cmd.demo,
+    web.web,
 ):
     cli.add_command(_command)
 

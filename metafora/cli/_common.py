@@ -20,7 +20,6 @@ from typing import IO, Any
 import click
 from rich.console import Console
 
-from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import Client
 from metafora.errors import (
@@ -31,6 +30,7 @@ from metafora.errors import (
     InvalidTaskId,
     MetaforaError,
 )
+from metafora.masking import scrub
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -128,35 +128,6 @@ _ERROR_CLASSES: dict[ExitCode, type[CliError]] = {
     ExitCode.UNAVAILABLE: _Unavailable,
     ExitCode.INTERNAL: _Internal,
 }
-
-
-def _passwords(url: str | None) -> list[str]:
-    """The password of ``url`` in every spelling it may appear in (raw and percent-decoded)."""
-    if not url:
-        return []
-    found: set[str] = set()
-    match = re.search(r"://[^:/@]*:([^@/]*)@", url)
-    if match and match.group(1):
-        found.add(match.group(1))
-    try:
-        parsed = parse_store_url(url)
-    except MetaforaError:
-        parsed = None
-    if parsed is not None and parsed.password:
-        found.add(parsed.password)
-    # Longest first, so a password containing another never leaves a piece behind.
-    return sorted(found, key=len, reverse=True)
-
-
-def scrub(text: str, url: str | None) -> str:
-    """``text`` with the password of ``url`` (if any) replaced by ``***``.
-
-    Library errors already redact URLs; this is the belt to those braces, for messages
-    from drivers and for anything the CLI itself prints.
-    """
-    for secret in _passwords(url):
-        text = text.replace(secret, "***")
-    return text
 
 
 @dataclass

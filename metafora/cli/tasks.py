@@ -5,17 +5,27 @@ from __future__ import annotations
 import json
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import IO, Any
 
 import click
 from rich.table import Table
 from rich.text import Text
 
 from metafora.cli._common import Duration, console, format_time, parse_duration, print_json, store_client
-from metafora.errors import InvalidProps
+from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_schedule, validate_task_id
 
-__all__ = ["delete", "parse_prop", "parse_when", "purge", "retry", "show", "submit", "tasks"]
+__all__ = [
+    "delete",
+    "parse_prop",
+    "parse_when",
+    "purge",
+    "read_task_lines",
+    "retry",
+    "show",
+    "submit",
+    "tasks",
+]
 
 _STATE_STYLE = {
     TaskState.PENDING: "yellow",
@@ -91,8 +101,42 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
     return props
 
 
+_LINE_KEYS = frozenset({"id", "props"})
+
+
+def read_task_lines(stream: IO[str]) -> list[Task]:
+    """Tasks from JSON lines ``{"id": ..., "props": {...}}`` (blank lines skipped).
+
+    Every line is checked; an error names the line number and keeps its type (a bad id is
+    InvalidTaskId, anything else InvalidProps).
+    """
+    tasks = []
+    for number, line in enumerate(stream, 1):
+        if line.strip():
+            tasks.append(_task_line(line, number))
+    return tasks
+
+
+def _task_line(line: str, number: int) -> Task:
+    try:
+        item = json.loads(line, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise InvalidProps(f"--from-file line {number}: not valid JSON: {exc}") from None
+    if not isinstance(item, dict):
+        raise InvalidProps(f"--from-file line {number}: must be a JSON object like "
+                           '{"id": "t1", "props": {}}')
+    unknown = sorted(set(item) - _LINE_KEYS)
+    if unknown or "id" not in item:
+        what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'id'"
+        raise InvalidProps(f"--from-file line {number}: {what} (a line holds 'id' and 'props')")
+    try:
+        return validate_schedule(Task(item["id"], item.get("props") or {}), datetime.now(UTC))
+    except (InvalidTaskId, InvalidProps) as exc:
+        raise type(exc)(f"--from-file line {number}: {exc}") from None
+
+
 @click.command()
-@click.argument("task_id", metavar="ID")
+@click.argument("task_id", metavar="ID", required=False)
 @click.option("--prop", "pairs", multiple=True, metavar="KEY=VALUE",
               help="A prop; VALUE is parsed as JSON if it is JSON, else kept as text. Repeatable.")
 @click.option("--props", "props_json", metavar="JSON", help="All props as one JSON object (--prop wins).")
@@ -101,10 +145,24 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
 @click.option("--expires-at", metavar="TIME",
               help="Not claimed after TIME (the task moves to 'expired'); same forms as --launch-at. "
                    "Must be in the future and after --launch-at.")
+@click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), metavar="FILE|-",
+              help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}} ("-": stdin), '
+                   "in batches, all-or-nothing per batch.")
 @click.pass_context
-def submit(ctx: click.Context, task_id: str, pairs: tuple[str, ...], props_json: str | None,
-           launch_at: str | None, expires_at: str | None) -> None:
-    """Submit a new task ID (pending until a consumer claims it)."""
+def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], props_json: str | None,
+           launch_at: str | None, expires_at: str | None, from_file: IO[str] | None) -> None:
+    """Submit a new task ID (pending until a consumer claims it), or many with --from-file."""
+    if from_file is not None:
+        if task_id is not None or pairs or props_json or launch_at or expires_at:
+            raise click.UsageError("--from-file takes no ID, --prop, --props, --launch-at or "
+                                   "--expires-at (put them in the file's lines)")
+        tasks = read_task_lines(from_file)
+        with store_client(ctx) as client:
+            client.submit_tasks(tasks)
+        click.echo(f"submitted {len(tasks)} task(s)")
+        return
+    if task_id is None:
+        raise click.UsageError("give a task ID, or --from-file FILE|-")
     task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at))
     validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -416,6 +417,24 @@ class MemoryClient(Client):
             row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())
             s.tasks[task.id] = row
             row.ready = s.bump()
+
+    _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
+
+    def _now(self) -> datetime:
+        return self._store.clock.now()
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            existing = [task.id for task in batch if task.id in s.tasks]
+            if existing:
+                return existing
+            now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
+            for task in batch:
+                row = s.tasks[task.id] = _Row(task.id, dict(task.props), TaskState.PENDING, now)
+                row.ready = ready
+        return []
 
     def _row(self, task_id: str) -> _Row:
         row = self._store.tasks.get(validate_task_id(task_id))

@@ -10,6 +10,7 @@ its state-machine command queue.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from metafora.clock import SYSTEM_CLOCK, Clock
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 _FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
 _RETRIES = 5
+_TXN_OPS = 128  # etcd's default --max-txn-ops: operations per branch of one txn
 
 
 class EtcdClient(Client):
@@ -98,20 +100,37 @@ class EtcdClient(Client):
     def submit_task(self, task: Task) -> None:
         self._check_open()
         validate_schedule(task, self._clock.now())
-        tk = self._keys.task(task.id)
-        record = encode_json({"props": dict(task.props), "created_at": iso(self._clock.now())})
-        result = self._driver.txn(
-            [absent(tk.props)],
-            # A fresh task starts clean even if a crashed writer left a stray key behind.
-            [Put(tk.props, record), Delete(tk.state), Delete(tk.claim), Delete(tk.running)],
-            [Range(tk.props)],
-            repeatable=True,
-        )
-        if not result.succeeded:
-            if result.retried and result.ranges[0] and result.ranges[0][0].value == record:
-                return  # our first attempt was applied
-            raise TaskExists(f"task {task.id!r} already exists")
+        if self._submit_batch([task]):
+            raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    def _now(self) -> datetime:
+        return self._clock.now()
+
+    _batch_size = _TXN_OPS // 4  # four ops per task
+    _batch_bytes = 1024 * 1024  # etcd refuses requests over 1.5 MiB by default
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        self._check_open()
+        keys = [self._keys.task(task.id) for task in batch]
+        created = iso(self._clock.now())
+        records = [encode_json({"props": dict(t.props), "created_at": created}) for t in batch]
+        # A fresh task starts clean even if a crashed writer left a stray key behind.
+        puts = [op for k, record in zip(keys, records, strict=True)
+                for op in (Put(k.props, record), Delete(k.state), Delete(k.claim), Delete(k.running))]
+        for _ in range(_RETRIES):
+            result = self._driver.txn([absent(k.props) for k in keys], puts,
+                                      [Range(k.props) for k in keys], repeatable=True)
+            if result.succeeded:
+                return []
+            found = [kvs[0].value if kvs else None for kvs in result.ranges]
+            if result.retried and found == records:
+                return []  # our first attempt was applied
+            existing = [t.id for t, value in zip(batch, found, strict=True) if value is not None]
+            if existing:
+                return existing
+            # The ids that failed the compare were deleted since: try again.
+        raise StoreError(f"could not submit {len(batch)} task(s) to {self.name}: the store kept changing")
 
     def delete_task(self, task_id: str) -> None:
         self._check_open()

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+
+from sqlalchemy import TextClause, bindparam, text
 
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql.statements import BATCH
+from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database
 from metafora.errors import (
     CoordinatorClosed,
@@ -37,6 +42,37 @@ _STORED_AS = {
 }
 
 
+def _successor(prefix: str) -> str | None:
+    """The least string greater than every string starting with ``prefix`` (None: no bound)."""
+    while prefix and ord(prefix[-1]) == 0x10FFFF:
+        prefix = prefix[:-1]
+    if not prefix:
+        return None
+    following = ord(prefix[-1]) + 1
+    if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: skip to U+E000
+        following = 0xE000
+    return prefix[:-1] + chr(following)
+
+
+def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
+    """The bind parameters of one submitted task (``suffix``: its row in a multi-row INSERT)."""
+    to_db = db.dialect.to_db_time
+    return {
+        f"id{suffix}": task.id,
+        f"props{suffix}": task.props_json(),
+        f"launch_at{suffix}": to_db(task.launch_at),
+        f"expires_at{suffix}": to_db(task.expires_at),
+    }
+
+
+class _Existing(Exception):
+    """Rolls a bulk submit's batch back: these ids exist."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__(ids)
+        self.ids = ids
+
+
 class SQLClient(Client):
     """Operator client on a SQL store. Build it with :func:`metafora.open_client`.
 
@@ -46,6 +82,7 @@ class SQLClient(Client):
     def __init__(self, db: Database) -> None:
         self._db = db
         self._closed = threading.Event()
+        self._pages: dict[tuple[str, ...], TextClause] = {}
 
     @property
     def name(self) -> str:
@@ -82,13 +119,7 @@ class SQLClient(Client):
     def submit_task(self, task: Task) -> None:
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
-        to_db = db.dialect.to_db_time
-        params = {
-            "id": task.id,
-            "props": task.props_json(),
-            "launch_at": to_db(task.launch_at),
-            "expires_at": to_db(task.expires_at),
-        }
+        params = _task_params(task, db)
         with db.write() as conn:
             row = db.execute(conn, "submit", params).first()
             if row is not None:
@@ -96,6 +127,26 @@ class SQLClient(Client):
         if row is None:
             raise TaskExists(f"task {task.id!r} already exists in {self.name}")
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+
+    _batch_size = BATCH
+    _batch_bytes = 16 * 1024 * 1024  # one statement stays a reasonable size with large props
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        db = self._ready()
+        params: dict[str, Any] = {"ns": db.config.namespace}
+        for n, task in enumerate(batch):
+            params.update(_task_params(task, db, f"_{n}"))
+        try:
+            with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
+                added = {str(row[0]): int(row[1])
+                         for row in conn.execute(db.sql.submit_many(len(batch)), params)}
+                if len(added) < len(batch):
+                    raise _Existing([task.id for task in batch if task.id not in added])
+                db.next_token_used(conn, max(added.values()))
+                db.execute(conn, "notify_batch", {"ready": min(added.values())})
+        except _Existing as refused:  # rolled back: the batch added nothing
+            return refused.ids
+        return []
 
     def delete_task(self, task_id: str) -> None:
         validate_task_id(task_id)
@@ -143,6 +194,84 @@ class SQLClient(Client):
         if wanted is not None:
             infos = [i for i in infos if i.state is wanted]
         return infos
+
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key)."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        wanted = None if state is None else TaskState(state)
+        db = self._ready()
+        where = ["namespace = :ns"]
+        params: dict[str, Any] = {"ns": db.config.namespace, "limit": limit}
+        if wanted is not None:
+            where.append("state IN :states")
+            params["states"] = _STORED_AS[wanted]
+        if owner is not None:
+            where.append("owner = :owner")
+            params["owner"] = owner
+        if prefix:
+            # ids compare byte-wise (code point order): [prefix, successor) is exactly the ids
+            # that start with prefix, an index range.
+            where.append("id >= :prefix")
+            params["prefix"] = prefix
+            upper = _successor(prefix)
+            if upper is not None:
+                where.append("id < :upper")
+                params["upper"] = upper
+        if after is not None:
+            where.append("id > :after")
+            params["after"] = after
+        infos: list[TaskInfo] = []
+        with db.read() as conn:
+            while True:
+                rows = conn.execute(self._page_clause(tuple(where)), params).fetchall()
+                for row in rows:
+                    info = self._info(row)
+                    if wanted is None or info.state is wanted:
+                        infos.append(info)
+                # A pending row past its expiry shows as expired: when a state filter dropped
+                # rows of this page, read on so a page is only short at the end.
+                if len(rows) < limit or len(infos) >= limit or wanted is None:
+                    return infos[:limit]
+                if "id > :after" not in where:
+                    where.append("id > :after")
+                params["after"] = str(rows[-1][0])
+
+    def _page_clause(self, where: tuple[str, ...]) -> TextClause:
+        cache = self._pages
+        clause = cache.get(where)
+        if clause is None:
+            sql = (f"SELECT {_INFO_COLUMNS} FROM metafora_tasks WHERE {' AND '.join(where)}"
+                   " ORDER BY id LIMIT :limit").format(**self._db.dialect.fragments())
+            clause = text(sql)
+            if "state IN :states" in where:
+                clause = clause.bindparams(bindparam("states", expanding=True))
+            cache[where] = clause
+        return clause
+
+    def task_counts(self) -> dict[TaskState, int]:
+        """Tasks per state, counted in the database (a pending task past expiry is expired)."""
+        db = self._ready()
+        with db.read() as conn:
+            pending = int(db.execute(conn, "count_pending", {}).scalar_one())
+            overdue = int(db.execute(conn, "count_pending_expired", {}).scalar_one())
+            claimed = int(db.execute(conn, "count_claimed", {}).scalar_one())
+            finished = db.execute(conn, "count_finished", {}).fetchall()
+        counts = dict.fromkeys(TaskState, 0)
+        counts[TaskState.PENDING] = pending - overdue
+        counts[TaskState.EXPIRED] = overdue
+        counts[TaskState.CLAIMED] = claimed
+        for state, count in finished:
+            counts[TaskState(state)] += int(count)
+        return counts
 
     def nodes(self) -> list[str]:
         db = self._ready()

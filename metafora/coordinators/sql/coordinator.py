@@ -163,6 +163,11 @@ class SQLCoordinator(Coordinator):
                 watches = list(self._watches)
             for watch in watches:
                 watch.task_notified(name)
+        elif kind == "b" and name.isdigit():  # a bulk submit: one notification per batch
+            with self._lock:
+                watches = list(self._watches)
+            for watch in watches:
+                watch.pending_from(int(name))
         elif kind == "c" and name == self._node_id:
             self._command_wake.set()
         elif kind == "n" and name == self._node_id:

@@ -56,6 +56,7 @@ class Dialect(abc.ABC):
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
         ``notify_cmd``, ``notify_owner`` (RETURNING items that send a notification),
+        ``notify_batch`` (one notification: tasks from ready value ``:ready`` on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
         ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
         :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
@@ -118,6 +119,7 @@ class PostgresDialect(Dialect):
             "notify_task": f"pg_notify('{chan}', 't' || id)",
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
+            "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
             "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
             "next_token_at": "nextval('metafora_token_seq')",
@@ -214,6 +216,7 @@ class SQLiteDialect(Dialect):
             "notify_task": "NULL",
             "notify_cmd": "NULL",
             "notify_owner": "NULL",
+            "notify_batch": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
             "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
             # One statement claims several rows: each takes counter + 1 + its place in :ids.

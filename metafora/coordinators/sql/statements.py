@@ -12,7 +12,7 @@ from sqlalchemy import TextClause, bindparam, text
 
 from metafora.coordinators.sql.dialect import Dialect
 
-__all__ = ["BATCH", "Statements"]
+__all__ = ["BATCH", "INFO_COLUMNS", "Statements"]
 
 BATCH = 500
 """Rows per watch query: offers go out in bounded, ordered batches."""
@@ -25,6 +25,9 @@ _OWNER_DEAD = (
     "NOT EXISTS (SELECT 1 FROM metafora_nodes o WHERE o.namespace = :ns"
     " AND o.node_id = metafora_tasks.owner AND o.lease_until > {now})"
 )
+# A claim anyone may take over: its owner is dead, unknown or NULL (a row written around
+# metafora); a NULL claimed_at must not make it unclaimable forever.
+_CLAIM_STALE = "(claimed_at IS NULL OR claimed_at < {now}) AND " + _OWNER_DEAD
 _ME_LIVE = (
     "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
     " AND me.session = :session AND me.lease_until > {now})"
@@ -44,6 +47,9 @@ _INFO_COLUMNS = (
     " AS finished_at, attempts"
 )
 
+INFO_COLUMNS = _INFO_COLUMNS
+"""The columns of a task listing (with ``{now}`` to fill in), for queries built elsewhere."""
+
 _SQL: dict[str, str] = {
     # -- claims (the hot path) ------------------------------------------------------------
     # One statement: the sub-select finds and locks the offered row if it is claimable
@@ -54,7 +60,7 @@ _SQL: dict[str, str] = {
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE + "{lock})"
+        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE + "{lock})"
         " RETURNING token, props, crashes"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
@@ -63,7 +69,7 @@ _SQL: dict[str, str] = {
     "claim_many": (
         "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND claimed_at < {now} AND " + _OWNER_DEAD + ")) AND " + _ME_LIVE
+        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE
         + " ORDER BY {id_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
@@ -201,6 +207,12 @@ _SQL: dict[str, str] = {
         " AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
         + " ORDER BY owner, id LIMIT :limit"
     ),
+    # Claims with no owner at all (written around metafora): the keyset above never
+    # reaches them, as (NULL, id) > (...) is never true.
+    "scan_unowned": (
+        "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'claimed' AND owner IS NULL AND id > :after ORDER BY id LIMIT :limit"
+    ),
     # A task that can never run (props or id not valid, written around metafora): failed,
     # with the reason, instead of pending forever.
     "fail_invalid": (
@@ -230,6 +242,8 @@ _SQL: dict[str, str] = {
         " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
         " {now}, {now}) ON CONFLICT (namespace, id) DO NOTHING RETURNING ready, {notify_task}"
     ),
+    # One wake-up for a bulk submit (see submit_many), not one per task.
+    "notify_batch": "SELECT {notify_batch}",
     "delete": (
         "DELETE FROM metafora_tasks WHERE namespace = :ns AND id = :id"
         " RETURNING state, owner, {notify_owner}"
@@ -243,6 +257,17 @@ _SQL: dict[str, str] = {
     ),
     "get": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns AND id = :id",
     "list": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns ORDER BY id",
+    # Task counts, each on its own partial index (one GROUP BY over the table reads every row).
+    "count_pending": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'",
+    "count_pending_expired": (
+        "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " AND expires_at IS NOT NULL AND expires_at <= {now}"
+    ),
+    "count_claimed": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'claimed'",
+    "count_finished": (
+        "SELECT state, count(*) FROM metafora_tasks WHERE namespace = :ns"
+        " AND state IN ('done', 'failed', 'expired') GROUP BY state"
+    ),
     "list_states": (
         "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns"
         " AND state IN :states ORDER BY id"
@@ -275,12 +300,26 @@ _SQL: dict[str, str] = {
 
 _EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 
+# Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N and
+# expires_at_N (ROWNUM in the template). On SQLite the rows of a batch share one ready value.
+_SUBMIT_MANY = (
+    "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
+    " expires_at, attempts, created_at, updated_at) VALUES {rows}"
+    " ON CONFLICT (namespace, id) DO NOTHING RETURNING id, ready"
+)
+_SUBMIT_ROW = (
+    "(:ns, :id_ROWNUM, :props_ROWNUM, 'pending', 0, {next_token}, :launch_at_ROWNUM,"
+    " :expires_at_ROWNUM, 0, {now}, {now})"
+)
+
 
 class Statements:
     """The statements of one store, as compiled-once :class:`~sqlalchemy.TextClause` objects."""
 
     def __init__(self, dialect: Dialect) -> None:
         fragments = dialect.fragments()
+        self._row = _SUBMIT_ROW.format(**fragments)
+        self._many: dict[int, TextClause] = {}
         self._built: dict[str, TextClause] = {}
         for name, sql in _SQL.items():
             clause = text(sql.format(**fragments))
@@ -290,3 +329,11 @@ class Statements:
 
     def __getitem__(self, name: str) -> TextClause:
         return self._built[name]
+
+    def submit_many(self, rows: int) -> TextClause:
+        """The multi-row INSERT of ``rows`` tasks (built once per size; returns id, ready)."""
+        clause = self._many.get(rows)
+        if clause is None:
+            values = ", ".join(self._row.replace("ROWNUM", str(n)) for n in range(rows))
+            clause = self._many[rows] = text(_SUBMIT_MANY.format(rows=values))
+        return clause

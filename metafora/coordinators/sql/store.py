@@ -37,6 +37,7 @@ from metafora.coordinators.sql.options import SQLConfig
 from metafora.coordinators.sql.schema import migrate, needs_migration
 from metafora.coordinators.sql.statements import Statements
 from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
+from metafora.masking import scrub
 
 __all__ = ["Database", "translate_error"]
 
@@ -69,19 +70,17 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
-def _reason(exc: BaseException, password: str | None) -> str:
+def _reason(exc: BaseException, url: str) -> str:
     orig = getattr(exc, "orig", None)
     source = orig if isinstance(orig, BaseException) else exc
     lines = [line.strip() for line in str(source).strip().splitlines() if line.strip()]
     reason = lines[0] if lines else type(source).__name__
-    if password:
-        reason = reason.replace(password, "***")
-    return reason
+    return scrub(reason, url)
 
 
 def translate_error(exc: BaseException, config: SQLConfig) -> MetaforaError:
     """A metafora error for a driver error; the URL in it never shows the password."""
-    reason = _reason(exc, config.url.password)
+    reason = _reason(exc, config.url.raw)
     if isinstance(exc, _UNAVAILABLE) or (
         isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
     ):

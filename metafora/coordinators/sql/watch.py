@@ -8,7 +8,9 @@ falls due (the earliest future ``launch_at``, the earliest live lease expiry) an
   offers every claimable pending task (ordered by id, ``BATCH`` at a time) and every task
   claimed by a node whose registration has expired or vanished, and deletes long-dead
   registrations that hold nothing;
-- otherwise a **quick check**: tasks named by notifications (PostgreSQL), tasks that became
+- otherwise a **quick check**: tasks named by notifications (PostgreSQL; a bulk submit
+  notifies once per batch with its lowest ``ready`` value, and the ``ready`` scan steps back
+  to it), tasks that became
   pending since the last look (the ``ready`` counter; exact on SQLite, where writers are
   serialized), tasks whose ``launch_at`` passed since the last round, and the claims of
   registrations that expired since.
@@ -61,6 +63,7 @@ class Watch:
         self._full = True
         self._next_full = 0.0
         self._ready = (0, _AFTER_ALL)
+        self._rewind: int | None = None  # the lowest ready value a bulk submit notified
         self._last_now: Any = None
         self._offered_dead: dict[str, int] = {}
         self._this_round: set[str] = set()  # offered in this round (no duplicates per round)
@@ -71,6 +74,12 @@ class Watch:
         """A notification says ``task_id`` became claimable."""
         with self._lock:
             self._ids[task_id] = None
+        self.wake.set()
+
+    def pending_from(self, ready: int) -> None:
+        """A notification says tasks with ready values from ``ready`` on became pending."""
+        with self._lock:
+            self._rewind = ready if self._rewind is None else min(self._rewind, ready)
         self.wake.set()
 
     def rescan(self) -> None:
@@ -115,8 +124,10 @@ class Watch:
             self._full = False
             if full:
                 self._ids.clear()
+                self._rewind = None
             ids = list(self._ids)
             self._ids.clear()
+            rewind, self._rewind = self._rewind, None
         if full:
             self._next_full = started + self._rescan
             self._scan_all(n_dead)
@@ -124,6 +135,8 @@ class Watch:
         else:
             for i in range(0, len(ids), BATCH):
                 self._scan_ids(ids[i : i + BATCH])
+            if rewind is not None:  # rows of a batch may commit behind ready values seen
+                self._ready = min(self._ready, (rewind - 1, _AFTER_ALL))
             self._scan_ready()
             if self._last_now is not None:
                 self._scan_launched(self._last_now, db_now)
@@ -172,20 +185,25 @@ class Watch:
                 break
             after = rows[-1][0]
         offered: dict[str, int] = {}
+        self._scan_claims("scan_orphans", offered)
+        self._scan_claims("scan_unowned", offered)
+        self._offered_dead = offered
+        if n_dead:
+            with self._db.write() as conn:
+                self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
+                self._db.execute(conn, "clean_commands", {})
+
+    def _scan_claims(self, name: str, offered: dict[str, int]) -> None:
+        """Offer the stale claims ``name`` pages through by (owner, id) (unowned: by id)."""
         owner, after = "", ""
         while not self._closed.is_set():
-            rows = self._query("scan_orphans", {"owner": owner, "after": after})
+            rows = self._query(name, {"owner": owner, "after": after})
             for row in rows:
                 offered[row[0]] = int(row[2])
                 self._offer(row[0], row[1])
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
-        self._offered_dead = offered
-        if n_dead:
-            with self._db.write() as conn:
-                self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
-                self._db.execute(conn, "clean_commands", {})
 
     def _scan_ids(self, ids: list[str]) -> None:
         for row in self._query("scan_ids", {"ids": ids}):

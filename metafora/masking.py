@@ -1,0 +1,198 @@
+"""The one place that decides what of a store URL may be shown (CLI, logs, errors, HTTP).
+
+The rule is positional, so a typing mistake cannot defeat it: everything between the
+scheme's ``//`` and the **last** ``@`` of the URL is credentials, whatever characters it
+holds (an unencoded ``/``, ``@``, ``:``, ``?`` or ``%`` in a password included), and is never
+shown. Only a plain user name (letters, digits, ``. _ ~ -``) followed by ``:`` survives:
+``postgresql://app:***@db:5432/jobs``. Query options whose name looks like a credential
+(``password``, ``passwd``, ``sslpassword``, ``token``, ``secret``, ...) show ``***`` as their
+value, and a port that is not a number (a password typed without its ``@``) shows ``***``.
+
+The price of the rule: an ``@`` meant in a path or an option value must be written ``%40``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, unquote, unquote_plus
+
+__all__ = [
+    "MASK",
+    "UrlParts",
+    "is_secret_option",
+    "mask_hosts",
+    "mask_url",
+    "scrub",
+    "secret_option_cut",
+    "split_url",
+    "url_secrets",
+]
+
+MASK = "***"
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(://|:)")
+_PLAIN_USER_RE = re.compile(r"[A-Za-z0-9._~-]+")
+_SECRET_OPTION_RE = re.compile(r"pass|pwd|token|secret|credential|api_?key", re.IGNORECASE)
+# Separators of query pairs; '?' and '#' too, so a stray second '?' cannot hide a secret.
+_QUERY_SEP_RE = re.compile(r"([&;?#])")
+# Credentials that hold a query with a credential-like option: an unencoded '@' in that
+# option's value moved the cut, and the "host" after it is a piece of the secret.
+_OPTION_IN_USERINFO_RE = re.compile(
+    r"[?&;][^=&;?#]*(pass|pwd|token|secret|credential|api_?key)[^=&;?#]*=", re.IGNORECASE
+)
+_ANY_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+
+
+@dataclass(frozen=True)
+class UrlParts:
+    """A URL cut where the masking rule cuts it; nothing is validated or decoded."""
+
+    scheme: str
+    """The scheme as typed ("" when the text does not start with one)."""
+    separator: str
+    """``://``, or ``:`` when the slashes are missing, or ""."""
+    userinfo: str | None
+    """Everything before the last ``@`` (without it); None when there is no ``@``."""
+    authority: str
+    """The host list: after the userinfo, up to the first ``/`` or ``?``."""
+    path: str
+    """From the ``/`` after the host list up to the ``?``."""
+    query: str | None
+    """After the first ``?`` that follows the userinfo; None when there is none."""
+
+
+def split_url(url: str) -> UrlParts:
+    """Cut ``url`` into scheme, credentials, hosts, path and query by the masking rule."""
+    match = _SCHEME_RE.match(url)
+    scheme, separator, rest = (match.group(1), match.group(2), url[match.end():]) if match else ("", "", url)
+    userinfo: str | None = None
+    at = rest.rfind("@")
+    if at >= 0:
+        userinfo, rest = rest[:at], rest[at + 1:]
+    query: str | None = None
+    end = _first_of(rest, "/?")
+    authority, rest = rest[:end], rest[end:]
+    if "?" in rest:
+        rest, query = rest.split("?", 1)
+    return UrlParts(scheme, separator, userinfo, authority, rest, query)
+
+
+def _first_of(text: str, chars: str) -> int:
+    found = [i for i in (text.find(c) for c in chars) if i >= 0]
+    return min(found) if found else len(text)
+
+
+def secret_option_cut(parts: UrlParts) -> bool:
+    """Whether the last ``@`` fell inside a credential-like option's value (nothing is safe)."""
+    return parts.userinfo is not None and _OPTION_IN_USERINFO_RE.search(parts.userinfo) is not None
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether a query option's value is a credential (``password``, ``sslpassword``, ``token``...)."""
+    return _SECRET_OPTION_RE.search(unquote_plus(name)) is not None
+
+
+def mask_url(url: object, *, brief: bool = False) -> str:
+    """``url`` with its credentials replaced by ``***`` (see the module's rule).
+
+    ``brief`` keeps the scheme, the hosts and the path (the database, file or namespace)
+    only, as ``/info`` shows a store. Works on any text, well-formed or not, and on its own
+    output (masking twice changes nothing).
+    """
+    parts = split_url(url if isinstance(url, str) else str(url))
+    head = f"{parts.scheme}{parts.separator}"
+    if secret_option_cut(parts):
+        return f"{head}{MASK}"
+    hosts = mask_hosts(parts.authority)
+    if brief:
+        return f"{head}{hosts}{parts.path}"
+    query = "" if parts.query is None else "?" + _mask_query(parts.query)
+    return f"{head}{_mask_userinfo(parts.userinfo)}{hosts}{parts.path}{query}"
+
+
+def _mask_userinfo(userinfo: str | None) -> str:
+    if userinfo is None:
+        return ""
+    user, colon, _ = userinfo.partition(":")
+    if colon and _PLAIN_USER_RE.fullmatch(user):
+        return f"{user}:{MASK}@"
+    return f"{MASK}@"
+
+
+def mask_hosts(authority: str) -> str:
+    """A host list with every port that is not a number (a mistyped credential) as ``***``."""
+    return ",".join(_mask_port(piece) for piece in authority.split(","))
+
+
+def _mask_port(piece: str) -> str:
+    bracket = piece.rfind("]")
+    colon = piece.find(":", bracket + 1)
+    if colon < 0:
+        return piece
+    port = piece[colon + 1:]
+    if port == "" or (port.isascii() and port.isdigit()) or port == MASK:
+        return piece
+    return f"{piece[:colon]}:{MASK}"
+
+
+def _mask_query(query: str) -> str:
+    pieces = _QUERY_SEP_RE.split(query)
+    for i in range(0, len(pieces), 2):  # even indices are pairs, odd ones separators
+        name, equals, _ = pieces[i].partition("=")
+        if equals and is_secret_option(name):
+            pieces[i] = f"{name}={MASK}"
+    return "".join(pieces)
+
+
+def url_secrets(url: str | None) -> list[str]:
+    """Every text of ``url`` that must never be shown, raw and percent-decoded, longest first."""
+    if not url:
+        return []
+    parts = split_url(url)
+    found: set[str] = set()
+    if secret_option_cut(parts):
+        rest = url[len(parts.scheme) + len(parts.separator):]
+        match = _OPTION_IN_USERINFO_RE.search(rest)
+        value = rest[match.end():] if match else rest
+        found.update((rest, value, _QUERY_SEP_RE.split(value)[0]))
+    if parts.userinfo is not None:
+        user, colon, password = parts.userinfo.partition(":")
+        if colon:
+            found.add(password)
+        if not (_PLAIN_USER_RE.fullmatch(user) and (colon or not password)):
+            found.add(parts.userinfo)
+    found.update(_odd_ports(parts.authority))
+    for pair in _QUERY_SEP_RE.split(parts.query or "")[::2]:
+        name, equals, value = pair.partition("=")
+        if equals and is_secret_option(name):
+            found.add(value)
+    decoded = {unquote(s) for s in found} | {unquote_plus(s) for s in found}
+    spellings = found | decoded | {quote(s, safe="") for s in decoded}
+    spellings.discard("")
+    # Longest first, so a secret containing another never leaves a piece behind.
+    return sorted(spellings, key=len, reverse=True)
+
+
+def _odd_ports(authority: str) -> list[str]:
+    """The ports of ``authority`` that :func:`mask_hosts` hides."""
+    odd = []
+    for piece in authority.split(","):
+        masked = _mask_port(piece)
+        if masked != piece:
+            odd.append(piece[len(masked) - len(MASK):])
+    return odd
+
+
+def scrub(text: str, url: str | None = None) -> str:
+    """``text`` with ``url`` shown masked, every secret of ``url`` and every URL in it masked.
+
+    For messages metafora does not compose itself (driver errors) and for anything the CLI
+    prints: the URL's own occurrences are masked first, so the rest of the text is not
+    mangled by the replacement of a secret that happens to be short.
+    """
+    if url:
+        text = text.replace(url, mask_url(url))
+        for secret in url_secrets(url):
+            text = text.replace(secret, MASK)
+    # Any other URL in the text (a driver's own message) is masked by the same rule.
+    return _ANY_URL_RE.sub(lambda m: mask_url(m.group(0)), text)

@@ -1,0 +1,88 @@
+"""metafora's pytest plugin (entry point pytest11), run in inner pytest sessions by pytester."""
+
+from __future__ import annotations
+
+import pytest
+
+USER_TESTS = '''
+import threading
+
+from metafora import Task, TaskState, simple_handler
+
+
+def resize(task, stop):
+    return task.props["width"] > 0
+
+
+def test_handler_finishes(metafora_cluster):
+    metafora_cluster.add(simple_handler(resize), "worker")
+    metafora_cluster.client.submit_task(Task("img-1", {"width": 640}))
+    metafora_cluster.wait_for_state("img-1", TaskState.DONE, timeout=30)
+
+
+def test_client_sees_submissions(metafora_client, metafora_url):
+    assert metafora_client.tasks() == []
+    metafora_client.submit_task(Task("a"))
+    assert [t.id for t in metafora_client.tasks()] == ["a"]
+    assert metafora_url.split("://")[0] in ("memory", "sqlite")
+'''
+
+
+def test_fixtures_default_to_memory(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("-v", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_handler_finishes?store=memory? PASSED*"])
+
+
+def test_stores_option_runs_each_test_per_store(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "--metafora-stores", "memory,sqlite")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*test_client_sees_submissions?store=sqlite? PASSED*"])
+
+
+def test_env_var_and_marker(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METAFORA_TEST_STORES", "sqlite")
+    pytester.makepyfile(test_marked='''
+import pytest
+
+
+def test_from_env(metafora_url):
+    assert metafora_url.startswith("sqlite:///")
+
+
+@pytest.mark.metafora_stores("memory")
+def test_marked(metafora_url):
+    assert metafora_url.startswith("memory://")
+
+
+@pytest.mark.parametrize("metafora_url", ["memory"], indirect=True)
+def test_own_parametrize(metafora_url):
+    assert metafora_url.startswith("memory://")
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+
+
+def test_unknown_store_kind_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "mongo")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown store kind(s) mongo*"])
+
+
+def test_a_store_that_does_not_answer_skips_locally_and_fails_in_ci(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METAFORA_TEST_ETCD_URL", "etcd://127.0.0.1:1")
+    pytester.makepyfile(test_user='''
+def test_needs_etcd(metafora_client):
+    pass
+''')
+    monkeypatch.setenv("CI", "false")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "etcd", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no etcd store: $METAFORA_TEST_ETCD_URL (127.0.0.1:1) does not answer*"])
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "etcd")
+    result.assert_outcomes(errors=1)
