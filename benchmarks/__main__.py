@@ -7,7 +7,8 @@ import importlib
 
 from benchmarks.common import STORES, Stores
 
-BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit")
+BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
+              "capacity", "idle")
 
 
 def main() -> None:

@@ -120,6 +120,23 @@ def main() -> None:
         if pg:
             out += ["", f"PostgreSQL claim plan: `{pg['claim_plan']}`"]
         out.append("")
+    if (data := _load("capacity")) is not None:
+        out += [
+            f"Capacity: one node holding {data['tasks']:,} tasks that wait for stop() (RSS target"
+            " < 250 MB with async handlers; shutdown_timeout 30 s):",
+            "",
+            "| store | handlers | s to hold | RSS MiB | idle RSS MiB | KiB/task | threads |"
+            " shutdown s | ignored stop() | pending after |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in data["results"]:
+            if "error" in v:
+                out.append(_row(v["store"], v["mode"], v["error"], "", "", "", "", "", "", ""))
+                continue
+            out.append(_row(v["store"], v["mode"], v["seconds_to_hold"], v["rss_mib"],
+                            v["idle_rss_mib"], v["kib_per_task"], v["threads"], v["shutdown_s"],
+                            v["ignored_stop"], v["pending_after"]))
+        out.append("")
     if (data := _load("gates")) is not None:
         out += ["Gates: see `benchmarks/results/gates.json`.", ""]
     machine = next((d["machine"] for n in ("claims", "latency", "failover") if (d := _load(n))), None)

@@ -21,6 +21,7 @@ from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
 from metafora import Task, open_client
 
 BALANCE_EVERY = 5.0
+BALANCER = os.environ.get("METAFORA_STORM_BALANCER", "fair")  # or "dumb"
 MODE = os.environ.get("METAFORA_STORM_MODE", "park-async")  # or "park": a thread per task
 
 
@@ -77,7 +78,7 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
         began = time.monotonic()
         try:
             for i in range(procs):
-                fleet.spawn(WorkerSpec(url, f"n{i:02d}", mode=MODE, balancer="fair",
+                fleet.spawn(WorkerSpec(url, f"n{i:02d}", mode=MODE, balancer=BALANCER,
                                        balance_every=BALANCE_EVERY))
             polls, held, counts = 0, 0, {}
             while time.monotonic() - began < timeout:

@@ -14,10 +14,11 @@ from metafora.connect import default_url, open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import Client, Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
-from metafora.handler import Handler, HandlerFunc, simple_handler
+from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
 from metafora.task import Task, TaskInfo, TaskState
 
 __all__ = [
+    "AsyncHandler",
     "Balancer",
     "BalancerContext",
     "Client",

@@ -43,10 +43,16 @@ class BalancerContext:
     cluster_state: ClusterState
     task_source: Callable[[], list[RunningTask]] = field(repr=False)
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+    count_source: Callable[[], int] | None = field(default=None, repr=False)
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""
         return self.task_source()
+
+    def task_count(self) -> int:
+        """How many tasks run on this node now: ``len(tasks())`` without building the list
+        (balancers ask on every offer; a node holding thousands must not pay for a copy)."""
+        return self.count_source() if self.count_source is not None else len(self.task_source())
 
 
 class Balancer(abc.ABC):

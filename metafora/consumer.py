@@ -2,9 +2,10 @@
 
 One serialized loop (this module's ``Consumer._loop``) owns every decision: offers from the
 coordinator's watch, commands, balance ticks and ignore deadlines all arrive as events on
-one queue. Handlers run each in their own thread; the watch and the command feed run in
-named side threads whose failure stops the consumer (a node must not keep claiming when
-its view of the store is gone).
+one queue. Handlers are run by :mod:`metafora.runner` (sync ones each on a thread of their
+own, async ones on the node's event loop); the watch and the command feed run in named side
+threads whose failure stops the consumer (a node must not keep claiming when its view of
+the store is gone).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from metafora.errors import (
     CoordinatorUnavailable,
     MetaforaError,
 )
-from metafora.handler import Handler, HandlerFunc
+from metafora.handler import AsyncHandler, Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
+from metafora.runner import HandlerRunner, Run
 from metafora.task import Task
 
 __all__ = ["Consumer"]
@@ -58,7 +60,7 @@ _COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: 
 _PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
 
 
-def _handler_state(handler: Handler) -> str | None:
+def _handler_state(handler: Handler | AsyncHandler) -> str | None:
     """A state-machine handler's current state, for /info (None for plain handlers)."""
     state = getattr(handler, "state", None)
     if callable(state):
@@ -74,12 +76,14 @@ def _handler_state(handler: Handler) -> str | None:
 @dataclass(eq=False)
 class _Running:
     task: Task
-    handler: Handler
+    handler: Handler | AsyncHandler
     started: datetime
+    run: Run | None = None  # set once the runner started it
     stopped: datetime | None = None
     lost: bool = False
     abandoned: bool = False
-    finished: threading.Event = field(default_factory=threading.Event)
+    returned: threading.Event = field(default_factory=threading.Event)  # run() ended
+    finished: threading.Event = field(default_factory=threading.Event)  # outcome written
 
     def view(self) -> RunningTask:
         return RunningTask(self.task, self.started, self.stopped)
@@ -98,59 +102,6 @@ def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
     return seconds
-
-
-class _Workers:
-    """Threads that run handlers: one thread per running handler, reused when idle.
-
-    Short tasks would otherwise pay a thread start each; a thread idle for ``idle_for``
-    seconds (or beyond ``keep`` idle ones) exits.
-    """
-
-    def __init__(self, keep: int = 32, idle_for: float = 30.0) -> None:
-        self._keep = keep
-        self._idle_for = idle_for
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
-
-    def run(self, name: str, job: Callable[[], None]) -> None:
-        """Run ``job`` on an idle thread, or a new one."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is not None:
-            inbox.put(job)
-            return
-        inbox = queue.SimpleQueue()
-        inbox.put(job)
-        threading.Thread(target=self._loop, args=(inbox,), name=name, daemon=True).start()
-
-    def _loop(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-        while True:
-            try:
-                job = inbox.get(timeout=self._idle_for)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:
-                        self._idle.remove(inbox)
-                        return
-                job = inbox.get()  # taken from the idle list just now: a job is on its way
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:  # a bug in the outcome path: log it where operators look
-                log.exception("handler thread failed outside the handler")
-            with self._lock:
-                if len(self._idle) >= self._keep:
-                    return
-                self._idle.append(inbox)
-
-    def close(self) -> None:
-        """Let idle threads exit."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for inbox in idle:
-            inbox.put(None)
 
 
 class _Context(CoordinatorContext):
@@ -190,6 +141,8 @@ class Consumer:
       loop and other nodes get it first.
     - ``refuse_retry``: when the balancer refuses a task without a deadline, re-offer it
       after this many seconds.
+    - ``slow_callback``: warn when an async handler holds the node's event loop (a blocking
+      call) longer than this many seconds.
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
@@ -209,6 +162,7 @@ class Consumer:
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
         refuse_retry: float | timedelta = 1.0,
+        slow_callback: float | timedelta = 0.25,
         http_addr: str | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
@@ -260,7 +214,9 @@ class Consumer:
         self._frozen = False
         self._started = False
         self._run_thread: threading.Thread | None = None
-        self._workers = _Workers()
+        self._runner = HandlerRunner(coordinator.node_id,
+                                     slow_callback=_seconds(slow_callback, "slow_callback"),
+                                     on_fatal=self._fail_fast)
         self._side_threads: list[threading.Thread] = []
         self._fatal: BaseException | None = None
         self._timeout_override: float | None = None
@@ -283,6 +239,10 @@ class Consumer:
         with self._lock:
             entries = [e.view() for e in self._running.values()]
         return sorted(entries, key=lambda r: r.started)
+
+    def _task_count(self) -> int:
+        with self._lock:
+            return len(self._running)
 
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
@@ -343,7 +303,7 @@ class Consumer:
         try:
             self._start_http()
             self._balancer.init(
-                BalancerContext(self.node_id, self._coord, self.tasks, self._clock)
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
             self._start_side_thread("watch", self._watch)
             self._start_side_thread("commands", self._command_feed)
@@ -615,7 +575,16 @@ class Consumer:
         with self._lock:
             self._running[claimed.id] = entry
         self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
-        self._workers.run(f"metafora-task-{claimed.id}", lambda: self._run_handler(entry))
+        run = self._runner.start(
+            f"metafora-task-{claimed.id}", handler,
+            lambda result, error, span: self._finish(entry, result, error, span),
+            lambda: tracing.run_span(claimed.id, claimed.token, self.node_id, claimed.props),
+        )
+        with self._lock:
+            entry.run = run
+            stopped, lost = entry.stopped is not None, entry.lost
+        if stopped:  # a stop or a lost claim came while it was starting
+            self._stop_handler(entry, cancel=lost)
 
     def _command(self, command: cmds.Command) -> None:
         extra = {"action": f"command:{command.name}"}
@@ -655,12 +624,14 @@ class Consumer:
         self._stop_handler(entry)
         return True
 
-    def _stop_handler(self, entry: _Running) -> None:
-        try:
-            entry.handler.stop()
-        except Exception:
-            self._log.exception("handler.stop() of task %s raised", entry.task.id,
-                                extra={"task": entry.task.id, "action": "stop"})
+    def _stop_handler(self, entry: _Running, *, cancel: bool = False) -> None:
+        """Deliver stop() (and, for an async handler of a lost claim, cancellation)."""
+        run = entry.run
+        if run is None:
+            return  # still starting: _start stops it once it has a run
+        self._runner.stop([run])
+        if cancel:
+            self._runner.cancel([run])
 
     def _lost(self, task: Task) -> None:
         with self._lock:
@@ -680,47 +651,86 @@ class Consumer:
         self._log.warning("lost the claim on task %s (token %d); stopping its handler",
                           task.id, entry.task.token,
                           extra={"task": task.id, "token": entry.task.token, "action": "lost"})
-        self._stop_handler(entry)
+        # An async handler is cancelled too: nothing it does from now on can be written.
+        self._stop_handler(entry, cancel=True)
 
-    # -- handler threads --------------------------------------------------------------
+    # -- handler outcomes ---------------------------------------------------------------
 
-    def _run_handler(self, entry: _Running) -> None:
-        task = entry.task
-        with tracing.run_span(task.id, task.token, self.node_id, task.props) as span:
-            self._run_handler_traced(entry, span)
+    def _finish(self, entry: _Running, result: bool | None, error: BaseException | None,
+                span: tracing.SpanLike | None) -> Callable[[], None] | None:
+        """A handler ended: book it (no I/O) and return the store write to do, if any.
 
-    def _run_handler_traced(self, entry: _Running, span: tracing.SpanLike) -> None:
-        threading.current_thread().name = f"metafora-task-{entry.task.id}"
-        error: BaseException | None = None
-        try:
-            outcome = _Outcome.DONE if entry.handler.run() else _Outcome.RELEASE
-        except BaseException as exc:
-            outcome, error = _Outcome.FAIL, exc
-            span.record_exception(exc)
-            span.set_error(f"{type(exc).__name__}: {exc}")
-            self._log.error("handler of task %s raised: %s", entry.task.id, exc, exc_info=exc,
-                            extra={"task": entry.task.id, "token": entry.task.token,
-                                   "action": "fail"})
+        The runner calls this on the handler's thread or on the event loop, inside the run's
+        span, and runs the returned write off the loop: only the write blocks.
+        """
+        if error is None:
+            outcome = _Outcome.DONE if result else _Outcome.RELEASE
+        else:
+            outcome = _Outcome.FAIL
+            if span is not None:
+                span.record_exception(error)
+                span.set_error(f"{type(error).__name__}: {error}")
+            if not entry.lost and not entry.abandoned:
+                self._log.error("handler of task %s raised: %s", entry.task.id, error,
+                                exc_info=error, extra={"task": entry.task.id,
+                                                       "token": entry.task.token, "action": "fail"})
+        stopping = self._stopping.is_set()
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]
             self._finishing.add(entry)  # shutdown waits for its outcome to be written
+            entry.returned.set()
             skip = entry.lost or entry.abandoned
-            # Back off before the store sees the release, so the offer it triggers is ignored.
-            if outcome is _Outcome.RELEASE or entry.lost:
+            if stopping:
+                pass  # no more claims: back-offs would only cost time with 10,000 handlers
+            elif outcome is _Outcome.RELEASE or entry.lost:
+                # Back off before the store sees the release, so its offer is ignored.
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
-        span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
-        try:
+        if span is not None:
+            span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
+        # Shutting down: close() releases every claim left in one store request, so
+        # thousands of handlers stopping at once do not each wait for a release write.
+        if skip or (stopping and outcome is _Outcome.RELEASE):
             if not skip:
-                with tracing.outcome_span(outcome.value):
-                    self._write(outcome, entry.task, error)
+                self.stats.incr(_COUNTER[outcome])
+            self._ended(entry, outcome)
+            return None
+        return lambda: self._write_outcome(entry, outcome, error)
+
+    def _write_outcome(self, entry: _Running, outcome: _Outcome,
+                       error: BaseException | None) -> None:
+        try:
+            with tracing.outcome_span(outcome.value):
+                self._write(outcome, entry.task, error)
         finally:
-            with self._lock:
-                self._finishing.discard(entry)
-            entry.finished.set()
-        self._post("finished", (entry.task, outcome))
+            self._ended(entry, outcome)
+
+    def _ended(self, entry: _Running, outcome: _Outcome) -> None:
+        with self._lock:
+            self._finishing.discard(entry)
+        entry.finished.set()
+        if not self._stopping.is_set():
+            self._post("finished", (entry.task, outcome))
+
+    def _abandon(self, entries: list[_Running], timeout: float) -> None:
+        """Handlers that ignored stop() until the deadline: cancel (async) or abandon (thread).
+
+        Their claims are released by the coordinator's close(), with every other claim left.
+        """
+        with self._lock:
+            late = [e for e in entries if not e.returned.is_set()]
+            for entry in late:
+                entry.abandoned = True  # read under the lock by _finish: it writes nothing
+        for entry in late:
+            fate = ("cancelling it" if entry.run is not None and entry.run.is_async
+                    else "abandoning it (its thread may still run)")
+            self._log.error("handler of task %s ignored stop() for %.1fs; %s and releasing the "
+                            "task", entry.task.id, timeout, fate,
+                            extra={"task": entry.task.id, "token": entry.task.token,
+                                   "action": "abandon"})
+        self._runner.cancel(e.run for e in late if e.run is not None)
 
     def _write(self, outcome: _Outcome, task: Task, error: BaseException | None) -> None:
         """Record a handler's outcome in the store, retrying while it is unreachable."""
@@ -777,31 +787,24 @@ class Consumer:
         if timeout is None:
             timeout = self._shutdown_timeout
         with self._lock:
-            finishing = list(self._finishing)
             entries = list(self._running.values())
             for entry in entries:
                 if entry.stopped is None:
                     entry.stopped = self._clock.now()
+        self._runner.stop(e.run for e in entries if e.run is not None)
+        deadline = SYSTEM_CLOCK.monotonic() + timeout  # one deadline shared by every handler
         for entry in entries:
-            self._stop_handler(entry)
-        deadline = SYSTEM_CLOCK.monotonic() + timeout
-        for entry in entries + finishing:
+            entry.returned.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
+        self._abandon([e for e in entries if not e.returned.is_set()], timeout)
+        with self._lock:
+            finishing = list(self._finishing)
+        for entry in finishing:
             entry.finished.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
-        for entry in entries:
-            with self._lock:
-                if entry.finished.is_set():
-                    continue
-                entry.abandoned = True
-            self._log.error(
-                "handler of task %s ignored stop() for %.1fs; abandoning it (its thread may "
-                "still run) and releasing the task", entry.task.id, timeout,
-                extra={"task": entry.task.id, "token": entry.task.token, "action": "abandon"},
-            )
-            try:
-                self._coord.release(entry.task)
-            except MetaforaError as exc:
-                self._log.error("could not release task %s: %s", entry.task.id, exc,
-                                extra={"task": entry.task.id, "action": "release"})
+        writing = sum(not e.finished.is_set() for e in finishing)
+        if writing:
+            self._log.warning("%d handler outcome(s) still being written after %.1fs; the "
+                              "store releases those claims on close", writing, timeout,
+                              extra={"action": "shutdown"})
         try:
             self._coord.close()
         except MetaforaError as exc:
@@ -811,7 +814,7 @@ class Consumer:
             if thread.is_alive():
                 self._log.error("side thread %s did not stop", thread.name,
                                 extra={"action": "shutdown"})
-        self._workers.close()
+        self._runner.close()
         if self._http is not None:
             self._http.close()
         self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})

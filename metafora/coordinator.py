@@ -9,11 +9,12 @@ from __future__ import annotations
 import abc
 import logging
 import queue
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -27,13 +28,17 @@ __all__ = [
     "Coordinator",
     "CoordinatorContext",
     "NodeInfo",
+    "TaskCommandListener",
     "TaskSink",
     "as_sink",
     "crash_limit_error",
     "error_text",
+    "rotated",
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TaskSink = Callable[[Task], None]
 """Where ``Coordinator.watch`` delivers claimable tasks."""
@@ -46,11 +51,37 @@ def as_sink(out: TaskSink | queue.Queue[Task]) -> TaskSink:
     return out
 
 
+def rotated(items: list[T], rng: random.Random | None = None) -> list[T]:
+    """``items`` starting at a random position, wrapping around.
+
+    Every node's watch finds the same backlog in the same order; offering it from a random
+    place makes racing nodes claim in different regions of it, so fewer claims are lost to a
+    race (the consumer's shuffle only mixes what one drain picked up).
+    """
+    if len(items) < 2:
+        return items
+    start = (rng or random).randrange(len(items))
+    return items[start:] + items[:start]
+
+
 def error_text(error: BaseException | str) -> str:
     """The text stored for a failed task: ``Type: message`` for exceptions."""
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
     return str(error)
+
+
+class TaskCommandListener(Protocol):
+    """Told by a coordinator's push channel about task commands (no I/O, must not block).
+
+    The statemachine's :class:`~metafora.statemachine.mailbox.CommandBell` is one.
+    """
+
+    def ring(self, task_id: str) -> None:
+        """A command was queued for ``task_id``."""
+
+    def recheck(self) -> None:
+        """Notifications may have been missed (a reconnect, a watch restart): look once."""
 
 
 DEFAULT_MAX_CRASHES = 5
@@ -204,6 +235,13 @@ class Coordinator(ClusterState, abc.ABC):
     def report_frozen(self, frozen: bool) -> None:
         """Publish whether this node is frozen, for operators' views (best effort)."""
         return  # optional: stores that keep node details override it
+
+    def listen_task_commands(self, listener: TaskCommandListener) -> bool:
+        """Feed ``listener`` from this node's push channel (LISTEN/NOTIFY, etcd watch...).
+
+        Returns False when the store cannot push task commands (its channels then poll).
+        """
+        return False
 
     def __enter__(self) -> Self:
         return self

@@ -28,7 +28,7 @@ class FairBalancer(ContextBalancer):
     """Releases random tasks while this node holds over ``threshold`` times the cluster average.
 
     The cluster's counts come from ``ctx.cluster_state.node_task_count()``; this node's own
-    entry is always its local count (``len(ctx.tasks())``), which the store's view may lag.
+    entry is always its local count (``ctx.task_count()``), which the store's view may lag.
 
     **Releasing** (:meth:`balance`): when this node holds more than ``threshold`` times the average,
     it releases just enough randomly chosen tasks (``rng``) to come down to
@@ -199,7 +199,7 @@ class FairBalancer(ContextBalancer):
         else:
             others = cached[1]
         counts = dict(others)
-        counts[ctx.node_id] = len(ctx.tasks())
+        counts[ctx.node_id] = ctx.task_count()
         return counts
 
     def _prune(self, now: datetime) -> None:

@@ -36,7 +36,7 @@ class SleepBalancer(ContextBalancer):
     def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
         """Wait :meth:`delay` for the current task count, then ``(True, None)``."""
         ctx, clock = self._context("can_claim")
-        self._sleep(clock, self.delay(len(ctx.tasks())))
+        self._sleep(clock, self.delay(ctx.task_count()))
         return True, None
 
     def balance(self) -> list[str]:

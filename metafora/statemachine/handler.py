@@ -13,6 +13,11 @@ Each claimed task gets a :class:`StatefulTaskHandler` whose ``run()``:
    terminal -- ``completed``, ``failed`` or ``killed``; the stored state says which and why --
    and ``False`` (release) on a ``release`` message or after ``stop()``.
 
+Commands reach the machine through a :class:`~metafora.statemachine.mailbox.Mailbox` the
+handler opens for its claim: pushed by the node's coordinator, so ``Commands.poll()`` and
+``Commands.get()`` do no store I/O while nothing arrived (see
+:mod:`metafora.statemachine.mailbox`).
+
 Failures: a fenced write refused (ClaimLost) stops the handler at once; a store that is
 unreachable is retried (``store_attempts``) and then the task is *released* -- never
 completed or deleted; a malformed stored state raises (the task is marked failed, with
@@ -40,6 +45,7 @@ from metafora.statemachine.machine import (
     StateCode,
     apply,
 )
+from metafora.statemachine.mailbox import Mailbox
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
 from metafora.task import Task
 
@@ -103,12 +109,15 @@ class Commands:
         while True:
             if machine.stopping:
                 return Message.release()
-            wait = machine.poll_interval
+            # Without a deadline, block until the mailbox is rung or stop() interrupts it
+            # (10,000 waiting tasks must not wake up every second); with one, re-read the
+            # machine's clock every poll_interval (it may be a fake one).
+            wait: float | None = None
             if deadline is not None:
                 left = deadline - machine.clock.monotonic()
                 if left <= 0:
                     return None
-                wait = min(wait, left)
+                wait = min(machine.poll_interval, left)
             message = machine.receive(wait)
             if message is not None:
                 return message
@@ -157,6 +166,7 @@ class StatefulTaskHandler(Handler):
         self._attempts = store_attempts
         self._retry_delay = store_retry_delay
         self._stop = threading.Event()
+        self._mailbox: Mailbox | None = None  # open while run() runs
         self._lost = False
         self._state: State | None = None
         self._checkpoint_error: BaseException | None = None
@@ -177,9 +187,26 @@ class StatefulTaskHandler(Handler):
     def stop(self) -> None:
         """Ask ``run()`` to return (release) soon. Never blocks."""
         self._stop.set()
+        mailbox = self._mailbox
+        if mailbox is not None:
+            mailbox.interrupt()
+
+    @property
+    def mailbox(self) -> Mailbox | None:
+        """The claim's command mailbox while ``run()`` runs (an async waiter's hook:
+        :meth:`~metafora.statemachine.mailbox.Mailbox.add_listener`)."""
+        return self._mailbox
 
     def run(self) -> bool:
         """Run the machine; True when the task reached a terminal state, False to release."""
+        self._mailbox = self._channel.open(self.task.id, self.task.token)
+        try:
+            return self._run()
+        finally:
+            mailbox, self._mailbox = self._mailbox, None
+            mailbox.close()
+
+    def _run(self) -> bool:
         task = self.task
         state = self._load()
         if state is None:
@@ -263,12 +290,12 @@ class StatefulTaskHandler(Handler):
         """Wait for a command (paused), or for ``until`` or a command (sleeping)."""
         until = None if sleeping is None else sleeping.until
         while not self._stop.is_set():
-            wait = self.poll_interval
+            wait: float | None = None  # paused: until a command or stop() (no wake-ups)
             if until is not None:
                 left = (until - self.clock.now()).total_seconds()
                 if left <= 0:
                     return Message.run()
-                wait = min(wait, left)
+                wait = min(self.poll_interval, left)
             message = self.receive(wait)
             if message is not None:
                 return message
@@ -290,17 +317,22 @@ class StatefulTaskHandler(Handler):
 
     # -- store access ---------------------------------------------------------------------
 
-    def receive(self, timeout: float) -> Message | None:
-        """The next command for this task (fenced), waiting up to ``timeout`` real seconds."""
+    def receive(self, timeout: float | None) -> Message | None:
+        """The next command for this task (fenced), waiting up to ``timeout`` real seconds.
+
+        Reads the store only when the mailbox was rung (or once after the claim)."""
+        mailbox = self._mailbox
         try:
-            return self._channel.receive(self.task.id, timeout, token=self.task.token,
-                                         cancel=self._stop)
+            if mailbox is None:  # not running: the stateless (polling) read
+                return self._channel.receive(self.task.id, timeout, token=self.task.token,
+                                             cancel=self._stop)
+            return self._channel.receive_from(mailbox, timeout, self._stop)
         except ClaimLost as exc:
             self._lose(exc)
         except (CoordinatorUnavailable, StoreError) as exc:
             log.warning("task %s: cannot read commands: %s", self.task.id, exc,
                         extra={**self._extra, "action": "command"})
-            self._stop.wait(min(timeout, self.poll_interval))
+            self._stop.wait(self.poll_interval if timeout is None else min(timeout, self.poll_interval))
         return None
 
     def checkpoint(self, cursor: str | None) -> None:
@@ -367,7 +399,7 @@ class StatefulTaskHandler(Handler):
             log.warning("task %s: claim lost (%s); stopping", self.task.id, exc,
                         extra={**self._extra, "action": "lost"})
         self._lost = True
-        self._stop.set()
+        self.stop()
 
 
 class StatefulHandlerFunc:
@@ -425,9 +457,11 @@ def handler_func(
     (memory, SQL, etcd); pass ``state_store`` / ``task_commands`` to use others (then
     ``coordinator`` may be None). ``error_handler`` decides what a faulted task does
     (default: :class:`~metafora.statemachine.errors.ErrorPolicy`). ``clock`` times sleeps
-    and back-off. ``poll_interval`` (real seconds) bounds how long a paused or sleeping
-    task waits between re-checks of its clock. A store call failing with a retryable error
-    is tried ``store_attempts`` times, ``store_retry_delay`` seconds apart (doubling).
+    and back-off. ``poll_interval`` (real seconds) bounds how long a sleeping task (or a
+    ``cmds.get(timeout)``) waits between re-checks of its clock; a paused task and a
+    ``cmds.get()`` without timeout wake only for a command or ``stop()``. A store call
+    failing with a retryable error is tried ``store_attempts`` times, ``store_retry_delay``
+    seconds apart (doubling).
     """
     if not callable(stateful):
         raise ConfigError("stateful must be callable: (task, commands) -> Message")

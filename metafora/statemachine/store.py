@@ -4,7 +4,9 @@
   **fenced** by the claim token: a store refuses it with :class:`~metafora.errors.ClaimLost`
   when the task is no longer claimed under that token, so a zombie owner cannot commit.
 - :class:`TaskCommands`: a per-task command channel (FIFO, each command delivered once).
-  Operators ``send``; the machine running the task ``receive``\\s.
+  Operators ``send``; the machine running the task ``open``\\s a
+  :class:`~metafora.statemachine.mailbox.Mailbox` for its claim and receives from it: on a
+  channel built from a coordinator, commands are pushed (no store I/O while none arrived).
 
 :func:`state_store_for` and :func:`commands_for` pick the implementation that lives in the
 same store as a coordinator or client (memory, SQL, etcd).
@@ -16,17 +18,22 @@ import abc
 import importlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from metafora.clock import SYSTEM_CLOCK
+from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
+from metafora.statemachine.mailbox import CommandBell, Mailbox, PendingIds
 from metafora.task import Task, validate_task_id
 
 __all__ = ["StateStore", "TaskCommands", "commands_for", "state_store_for"]
 
 log = logging.getLogger(__name__)
+
+_FALLBACK_POLL = 0.5  # real seconds between looks of a mailbox on a channel without push
 
 
 class StateStore(abc.ABC):
@@ -86,17 +93,31 @@ class TaskCommands(abc.ABC):
         taken only while the task is claimed under that token (else ClaimLost): a zombie
         cannot swallow its successor's commands.
         """
-        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + max(0.0, timeout)
-        while True:
-            left = None if deadline is None else max(0.0, deadline - SYSTEM_CLOCK.monotonic())
-            raw = self._pop(task_id, left, token, cancel)
-            if raw is None:
-                return None
-            try:
-                return validate_command(Message.from_json(raw))
-            except InvalidMessage as exc:
-                log.warning("dropping malformed command for task %s: %s", task_id, exc)
-            # Each pass consumed a command, so this loop ends when the queue is empty.
+        return _decoded(task_id, timeout, lambda left: self._pop(task_id, left, token, cancel))
+
+    def open(self, task_id: str, token: int | None) -> Mailbox:
+        """The mailbox of the claim ``token`` of the task: close it when the claim's run ends.
+
+        On a channel built from a coordinator that pushes (SQL, etcd, memory), the mailbox
+        reads the store only when a command may have arrived (and once at first, for
+        commands queued before the claim); otherwise it looks every 0.5 s.
+        """
+        bell = self.bell()
+        if bell is not None:
+            return bell.open(task_id, token)
+        return Mailbox(task_id, token, self._take_now, poll_every=_FALLBACK_POLL)
+
+    def receive_from(self, mailbox: Mailbox, timeout: float | None = 0.0,
+                     cancel: threading.Event | None = None) -> Message | None:
+        """Like :meth:`receive`, from a mailbox opened with :meth:`open` (same token)."""
+        return _decoded(mailbox.task_id, timeout, lambda left: mailbox.receive(left, cancel))
+
+    def bell(self) -> CommandBell | None:
+        """The node's push dispatcher feeding this channel's mailboxes; None if it polls."""
+        return None
+
+    def _take_now(self, task_id: str, token: int | None) -> str | None:
+        return self._pop(task_id, 0.0, token, None)
 
     @abc.abstractmethod
     def _push(self, task_id: str, raw: str) -> None:
@@ -151,6 +172,46 @@ def commands_for(coordinator_or_client: object) -> TaskCommands:
     return channel
 
 
+def _decoded(task_id: str, timeout: float | None,
+             pop: Callable[[float | None], str | None]) -> Message | None:
+    """The next well-formed command from ``pop(seconds left)``; malformed ones are dropped."""
+    deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + max(0.0, timeout)
+    while True:
+        left = None if deadline is None else max(0.0, deadline - SYSTEM_CLOCK.monotonic())
+        raw = pop(left)
+        if raw is None:
+            return None
+        try:
+            return validate_command(Message.from_json(raw))
+        except InvalidMessage as exc:
+            log.warning("dropping malformed command for task %s: %s", task_id, exc)
+        # Each pass consumed a command, so this loop ends when the queue is empty.
+
+
+_BELLS: weakref.WeakKeyDictionary[object, CommandBell | None] = weakref.WeakKeyDictionary()
+_BELLS_LOCK = threading.Lock()
+
+
+def bell_for(owner: object, take: Callable[[str, int | None], str | None],
+             pending_ids: PendingIds, safety_interval: float) -> CommandBell | None:
+    """The push dispatcher of a coordinator (one per coordinator, made on first use).
+
+    None when ``owner`` is not a coordinator that pushes task commands (a client: its
+    channel only sends) -- mailboxes then poll.
+    """
+    if not isinstance(owner, Coordinator):
+        return None
+    with _BELLS_LOCK:
+        if owner in _BELLS:
+            return _BELLS[owner]
+        bell: CommandBell | None = CommandBell(owner.node_id, take, pending_ids, safety_interval)
+        assert bell is not None
+        if not owner.listen_task_commands(bell):
+            bell = None
+        _BELLS[owner] = bell
+        return bell
+
+
 def poll_take(
     take: Callable[[], str | None],
     timeout: float | None,
@@ -159,7 +220,7 @@ def poll_take(
 ) -> str | None:
     """Call ``take`` every ``interval`` s until it returns a command, ``timeout`` or ``cancel``.
 
-    The stores' task-command channels share this wait (commands are polled, not pushed).
+    The stores' stateless :meth:`TaskCommands.receive` shares this wait (mailboxes are pushed).
     """
     deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
     gate = cancel or threading.Event()

@@ -1,7 +1,9 @@
 """Gated partitions across consumer processes (``spawn``) on SQLite and PostgreSQL: a SIGKILLed
-owner's partition resumes elsewhere without re-running completed items, and 10,000 items in
-10 partitions on 3 processes are each processed exactly once. Every item start and end is
-appended to a ledger file outside the store (O_APPEND lines survive SIGKILL)."""
+owner's partition resumes elsewhere without re-running completed items, nor items whose result
+was flushed while their batch was still in work; an item that kills its process fails after
+``max_attempts`` claims while another partition completes; and 10,000 items in 10 partitions
+on 3 processes are each processed exactly once. Every item start and end is appended to a
+ledger file outside the store (O_APPEND lines survive SIGKILL)."""
 
 from __future__ import annotations
 
@@ -46,8 +48,11 @@ def _ledger(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.endswith("\n")]
 
 
-def worker(url: str, node: str, ledger: str, pace: float, batch_size: int, max_tasks: int | None) -> None:
-    """A consumer process running the gate handler; SIGTERM shuts it down gracefully."""
+def worker(url: str, node: str, ledger: str, pace: float, batch_size: int, max_tasks: int | None,
+           options: dict[str, Any]) -> None:
+    """A consumer process running the gate handler; SIGTERM shuts it down gracefully. An item
+    whose data is ``options["poison"]`` kills the process (``os._exit(1)``)."""
+    poison = options.pop("poison", None)
     items = ItemStore(url)
     coord = open_coordinator(url, node_id=node)
     pacer = threading.Event()
@@ -55,13 +60,15 @@ def worker(url: str, node: str, ledger: str, pace: float, batch_size: int, max_t
     def step(item: Item) -> Response:
         _append(ledger, {"e": "start", "p": item.partition, "id": item.id, "gate": item.gate,
                          "node": node, "t": time.time()})
+        if item.data == poison:
+            os._exit(1)  # a processor that crashes its process: no result, no goodbye
         if pace:
             pacer.wait(pace)  # the fake work's duration, not synchronisation
         _append(ledger, {"e": "end", "p": item.partition, "id": item.id, "gate": item.gate,
                          "node": node, "t": time.time()})
         return Response(gate=item.gate, done=True)
 
-    consumer = Consumer(coord, gates.handler_func(step, coord, items, batch_size=batch_size),
+    consumer = Consumer(coord, gates.handler_func(step, coord, items, batch_size=batch_size, **options),
                         max_tasks=max_tasks, release_backoff=0.05)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
     try:
@@ -77,9 +84,9 @@ class Fleet:
     procs: dict[str, BaseProcess]
 
     def start(self, node: str, *, pace: float = 0.0, batch_size: int = 100,
-              max_tasks: int | None = None) -> None:
+              max_tasks: int | None = None, **options: Any) -> None:
         proc = SPAWN.Process(target=worker, name=node, daemon=True,
-                             args=(self.url, node, str(self.ledger), pace, batch_size, max_tasks))
+                             args=(self.url, node, str(self.ledger), pace, batch_size, max_tasks, options))
         proc.start()
         self.procs[node] = proc
         with open_client(self.url) as client:
@@ -142,6 +149,95 @@ def test_a_killed_owner_resumes_elsewhere_without_rerunning_completed_items(flee
         (rank_start,) = [r["t"] for r in records if r["e"] == "start" and r["id"] == rank]
         assert rank_start > max(r["t"] for r in records if r["e"] == "end" and r["gate"] == 0)
         assert items.info("resumes").status is gates.PartitionStatus.COMPLETED
+    finally:
+        items.close()
+
+
+FLUSH = 0.2  # flush_interval, seconds
+SLACK = 1.0  # seconds a flush may take on a busy machine (a generous bound, not a timing)
+
+
+def test_a_killed_owner_reruns_only_items_in_work_and_within_the_last_flush_interval(fleet: Fleet) -> None:
+    """SIGKILL in the middle of a 100-item batch (50 ms an item): the results finished more
+    than one flush interval before the kill were written, so they never run again."""
+    items = ItemStore(fleet.url)
+    try:
+        gate0 = items.add("durable", [NewItem(0, f"r{n}") for n in range(120)])
+        (fan_in,) = items.add("durable", [NewItem(1, b"fan-in")])
+        fleet.start("a", pace=0.05, flush_interval=FLUSH)  # batch_size 100: the batch is 5 s of work
+        with open_client(fleet.url) as client:
+            client.submit_task(Task("durable"))
+
+            def mid_batch() -> bool:
+                ended = sum(1 for r in _ledger(fleet.ledger) if r["e"] == "end")
+                return ended >= 30 and items.info("durable").total("complete") >= 10
+
+            wait_until(mid_batch, 60, "a to finish 30 items, some of them flushed")
+            killed_at = time.time()
+            fleet.kill("a")
+            flushed = {i.id for i in items.list("durable", status=ItemStatus.COMPLETE)}
+            fleet.start("b", flush_interval=FLUSH)
+            wait_until(lambda: client.get_task("durable").state is TaskState.DONE, 90, "b to finish")
+        records = _ledger(fleet.ledger)
+        started_by_a = {r["id"] for r in records if r["e"] == "start" and r["node"] == "a"}
+        ended_by_a = {r["id"]: r["t"] for r in records if r["e"] == "end" and r["node"] == "a"}
+        by_b = {r["id"] for r in records if r["e"] == "start" and r["node"] == "b"}
+        assert len(ended_by_a) < 100, "the kill came after the batch (not mid-batch)"
+        assert not by_b & flushed, "b re-ran items whose result a had flushed"
+        rerun = by_b & started_by_a
+        in_work = started_by_a - set(ended_by_a)
+        last_interval = {i for i, t in ended_by_a.items() if t >= killed_at - FLUSH - SLACK}
+        assert rerun <= in_work | last_interval, (
+            f"re-ran items a finished long before the kill: {sorted(rerun - in_work - last_interval)}")
+        # Without the group commit all of a's finished items (a whole batch's worth) re-ran.
+        assert len(rerun) <= 1 + (FLUSH + SLACK) / 0.05 < len(ended_by_a)
+        assert {r["id"] for r in records if r["e"] == "start"} == {*gate0, fan_in}
+        assert all(i.status is ItemStatus.COMPLETE for i in items.list("durable"))
+        print(f"a finished {len(ended_by_a)} items, {len(flushed)} flushed at the kill; "
+              f"b re-ran {len(rerun)} ({len(in_work)} in work)")
+    finally:
+        items.close()
+
+
+def test_a_poison_item_fails_after_max_attempts_while_another_partition_completes(fleet: Fleet) -> None:
+    """An item whose processing kills the process (``os._exit(1)``) is taken on each claim;
+    after ``max_attempts`` deaths it fails and its partition fails (the default error policy:
+    the failure is permanent); a second partition on the same workers completes."""
+    items = ItemStore(fleet.url)
+    try:
+        innocent = items.add("poisoned", [NewItem(0, f"ok{n}") for n in range(10)])
+        (poison,) = items.add("poisoned", [NewItem(0, b"poison")])
+        innocent += items.add("poisoned", [NewItem(0, f"ok{n}") for n in range(10, 20)])
+        healthy = items.add("healthy", [NewItem(0, f"h{n}") for n in range(40)])
+        options: dict[str, Any] = {"pace": 0.02, "max_attempts": 3, "poison": b"poison"}
+        fleet.start("w0", **options)
+        fleet.start("w1", **options)
+        replaced: set[str] = set()
+
+        def settled() -> bool:
+            for node, proc in list(fleet.procs.items()):
+                if proc.exitcode is not None and node not in replaced:
+                    replaced.add(node)
+                    fleet.start(f"w{len(fleet.procs)}", **options)  # the supervisor restarts it
+            with open_client(fleet.url) as client:
+                states = {t: client.get_task(t).state for t in ("poisoned", "healthy")}
+            return states == {"poisoned": TaskState.FAILED, "healthy": TaskState.DONE}
+
+        with open_client(fleet.url) as client:
+            client.submit_task(Task("poisoned"))
+            client.submit_task(Task("healthy"))
+            wait_until(settled, 240, "the poisoned partition to fail and the healthy one to finish")
+            error = client.get_task("poisoned").error or ""
+        assert "process died while processing" in error
+        records = _ledger(fleet.ledger)
+        assert sum(1 for r in records if r["e"] == "start" and r["id"] == poison) == 3
+        assert sum(1 for p in fleet.procs.values() if p.exitcode == 1) == 3  # one death per claim
+        item = items.get("poisoned", poison)
+        assert (item.status, item.permanent) == (ItemStatus.FAILED, True)
+        assert item.error is not None and "process died while processing" in item.error
+        # The innocent items it shared batches with completed (they ran first, one at a time).
+        assert all(items.get("poisoned", i).status is ItemStatus.COMPLETE for i in innocent)
+        assert all(items.get("healthy", i).status is ItemStatus.COMPLETE for i in healthy)
     finally:
         items.close()
 

@@ -237,9 +237,14 @@ def test_a_zombie_owner_cannot_write_items_after_its_claim_moved(
         zombie.state()
     owner = items.lease(new, "b", claim_fence=True)
     assert owner.open() == (0, PartitionStatus.OPEN)
-    assert owner.finish(0, [_done(i.id, 0) for i in owner.take(0, 10)]) == 3
+    # The zombie took the items and wrote nothing: they are orphans, taken one at a time.
+    for _ in range(3):
+        (orphan,) = owner.take(0, 10)
+        assert owner.finish(0, [_done(orphan.id, 0)]) == 1
+    assert owner.take(0, 10) == []
     assert owner.advance(0, move=True, close=True).kind == "moved"
-    assert [i.data for i in items.list("p", status="complete")] == [b"i0", b"i1", b"i2"]
+    done = items.list("p", status="complete")
+    assert [(i.data, i.attempts) for i in done] == [(b"i0", 2), (b"i1", 2), (b"i2", 2)]
 
 
 def test_a_claim_whose_lease_expired_is_refused_before_anyone_reclaims(
@@ -262,10 +267,96 @@ def test_a_claim_whose_lease_expired_is_refused_before_anyone_reclaims(
             return True
         return False
 
-    wait_until(refused, 10, "the expired lease to fence the claim")
+    wait_until(refused, 60, "the expired lease to fence the claim")
     with pytest.raises(ClaimLost):
         lease.finish(0, [_done(item.id, 0)])
     assert items.get("p", item.id).status is ItemStatus.AVAILABLE
+
+
+# -- attempts recorded when taken; orphans and poison items ---------------------------------
+
+
+def _taken(items: ItemStore, partition: str) -> dict[int, tuple[int, int]]:
+    """``{item id: (taken, deaths)}`` as stored (columns the Item value does not carry)."""
+    with items.read() as conn:
+        rows = conn.execute(text("SELECT id, taken, deaths FROM metafora_items WHERE partition_id = :p"),
+                            {"p": partition}).fetchall()
+    return {int(r[0]): (int(r[1]), int(r[2])) for r in rows}
+
+
+def test_a_batch_is_recorded_when_taken_and_a_dead_claims_items_count_an_attempt(
+        items: ItemStore) -> None:
+    ids = items.add("p", [NewItem(0, f"i{n}") for n in range(5)])
+    lease = items.lease(Task("p", token=1))
+    lease.open()
+    assert [i.id for i in lease.take(0, 3)] == ids[:3]
+    # The next take writes the results of the last batch in the same transaction.
+    assert [i.id for i in lease.take(0, 3, [_done(i, 0) for i in ids[:3]])] == ids[3:]
+    assert [items.get("p", i).status for i in ids[:3]] == [ItemStatus.COMPLETE] * 3
+    assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 0, 0]
+    # ... and the claim dies with ids[3] and ids[4] taken: the next claim counts their attempt.
+    owner = items.lease(Task("p", token=2))
+    owner.open()
+    assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 1, 1]
+    assert [_taken(items, "p")[i] for i in ids] == [(0, 0)] * 3 + [(1, 0)] * 2
+    (orphan,) = owner.take(0, 10)  # orphans: one at a time
+    assert (orphan.id, orphan.attempts) == (ids[3], 1)
+    assert _taken(items, "p")[ids[3]] == (2, 1)
+
+
+def test_a_clean_release_leaves_no_orphans(items: ItemStore) -> None:
+    ids = items.add("p", [NewItem(0, f"i{n}") for n in range(4)])
+    lease = items.lease(Task("p", token=1))
+    lease.open()
+    assert len(lease.take(0, 4)) == 4
+    assert lease.finish(0, [_done(ids[0], 0)], release=True) == 1  # stopped after one item
+    owner = items.lease(Task("p", token=2))
+    owner.open()
+    assert [i.id for i in owner.take(0, 10)] == ids[1:]  # one batch: not orphans
+    assert [items.get("p", i).attempts for i in ids] == [1, 0, 0, 0]
+    # ... this owner dies; the next takes an orphan on its own, and stops before starting it.
+    third = items.lease(Task("p", token=3))
+    third.open()
+    (orphan,) = third.take(0, 10)
+    assert _taken(items, "p")[orphan.id] == (2, 1)
+    assert third.finish(0, [], release=True) == 0
+    assert _taken(items, "p")[orphan.id] == (1, 0)  # an orphan again, this claim not counted
+    assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 1]
+
+
+def test_a_dead_claims_items_are_taken_one_at_a_time_and_a_poison_item_fails(items: ItemStore) -> None:
+    ids = items.add("p", [NewItem(0, f"i{n}") for n in range(3)])
+    poison = ids[1]
+    dead = items.lease(Task("p", token=1))
+    dead.open()
+    assert len(dead.take(0, 10)) == 3  # ... and the process dies while processing ids[1]
+    token = 1
+    for claim in range(2, 5):  # each claim: the orphans, one at a time, until the poison kills it
+        token = claim
+        owner = items.lease(Task("p", token=token))
+        owner.open()
+        results: list[Outcome] = []
+        while True:
+            taken = owner.take(0, 10, results, max_deaths=3)
+            if [i.status for i in taken] == [ItemStatus.FAILED]:
+                break
+            (item,) = taken  # on its own
+            if item.id == poison:
+                break  # the process dies again
+            results = [_done(item.id, 0)]
+        if taken[0].status is ItemStatus.FAILED:
+            break
+        assert _taken(items, "p")[poison] == (2, claim - 1)
+    # Died with its claim 3 times in a row (a batch, then twice on its own): failed for good.
+    assert token == 4 and taken[0].id == poison
+    failed = items.get("p", poison)
+    assert (failed.status, failed.permanent, failed.attempts) == (ItemStatus.FAILED, True, 3)
+    assert failed.error is not None and "process died while processing" in failed.error
+    assert [items.get("p", i).status for i in (ids[0], ids[2])] == [ItemStatus.COMPLETE] * 2
+    assert [items.get("p", i).attempts for i in (ids[0], ids[2])] == [2, 2]
+    # The operator's retry starts the count over.
+    assert items.retry("p") == 1
+    assert _taken(items, "p")[poison] == (0, 0)
 
 
 # -- operators ------------------------------------------------------------------------------

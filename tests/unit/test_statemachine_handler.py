@@ -579,10 +579,26 @@ def test_a_zombie_handler_is_stopped_by_its_refused_checkpoint(env: Env) -> None
 
 
 def test_a_lost_claim_stops_a_paused_task(env: Env) -> None:
+    # A paused task does not poll its queue: its node's coordinator reports the lost claim
+    # (ctx.lost), and the consumer calls stop(), which wakes the mailbox at once.
+    handler = env.machine(returns(Message.pause()), env.claim())
+    running = Running(handler)
+    wait_until(lambda: code_of(env) is StateCode.PAUSED, message="paused")
+    lost = env.coord.expire_lease()
+    assert [t.id for t in lost] == ["t1"]
+    handler.stop()
+    assert running.result() is False
+
+
+def test_a_paused_zombie_sent_a_command_finds_its_claim_lost(env: Env) -> None:
+    # Nobody told the machine (no consumer): the command rings its mailbox, and the fenced
+    # take refuses the zombie, which stops without taking its successor's command.
     running = Running(env.machine(returns(Message.pause()), env.claim()))
     wait_until(lambda: code_of(env) is StateCode.PAUSED, message="paused")
     env.coord.expire_lease()
+    env.commands.send("t1", Message.run())
     assert running.result() is False
+    assert env.commands.pending("t1") == 1
 
 
 def test_handler_func_validates_its_options(env: Env) -> None:

@@ -100,3 +100,39 @@ def test_damaged_trace_context_is_ignored(otel: tuple[InMemorySpanExporter, InMe
         span.set_attribute("metafora.outcome", "done")
     (run,) = _runs(exporter, "x")
     assert run.parent is None
+
+
+def test_async_handler_spans(otel: tuple[InMemorySpanExporter, InMemoryMetricReader],
+                             tmp_path: Any) -> None:
+    import asyncio
+
+    exporter, _ = otel
+    inner: list[Any] = []
+
+    async def work(task: Task, stop: asyncio.Event) -> bool:
+        # The run span is current inside the handler's task: its own spans hang under it.
+        with trace.get_tracer("handler").start_as_current_span("handler-work") as span:
+            inner.append(span)
+        if task.id == "async-bad":
+            raise ValueError("async bad input")
+        return True
+
+    with LocalCluster(f"sqlite:///{tmp_path / 'otel-async.db'}") as cluster:
+        cluster.add(simple_handler(work), "traced-async")
+        cluster.client.submit_task(Task("async-good"))
+        cluster.client.submit_task(Task("async-bad"))
+        cluster.wait_for_state("async-good", TaskState.DONE, timeout=30)
+        cluster.wait_for_state("async-bad", TaskState.FAILED, timeout=30)
+        wait_for(lambda: _runs(exporter, "async-good") and _runs(exporter, "async-bad"), 30,
+                 "run spans")
+        wait_for(lambda: any(s.name == "metafora.task.outcome" and s.parent is not None
+                             and s.parent.span_id == _runs(exporter, "async-good")[0].context.span_id
+                             for s in exporter.get_finished_spans()), 30, "the outcome span")
+
+    (good,) = _runs(exporter, "async-good")
+    assert good.attributes["metafora.outcome"] == "done"
+    assert any(s.parent is not None and s.parent.span_id == good.context.span_id for s in inner)
+    (bad,) = _runs(exporter, "async-bad")
+    assert bad.attributes["metafora.outcome"] == "fail"
+    assert bad.status.status_code is StatusCode.ERROR
+    assert "async bad input" in (bad.status.description or "")

@@ -20,9 +20,10 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
     Lists the tasks and owner keys at one revision into a cache, then watches the whole
     namespace from that revision + 1. Feeds :meth:`EtcdCoordinator.watch`, tells the node
     when a claim it holds disappears (task deleted by a client, lease expired) and wakes
-    :meth:`EtcdCoordinator.command`. Any watch error (etcd restarted, compaction, a
-    member gone) restarts it with back-off and a full re-list; so does ``poll_interval``
-    (the safety net). It never dies on an error.
+    :meth:`EtcdCoordinator.command` and the task command listeners (a put under
+    ``taskcmds/<id>/`` rings the task's mailbox; a re-list asks them to recheck). Any
+    watch error (etcd restarted, compaction, a member gone) restarts it with back-off and a
+    full re-list; so does ``poll_interval`` (the safety net). It never dies on an error.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
+    TaskCommandListener,
     TaskSink,
     as_sink,
     crash_limit_error,
     error_text,
+    rotated,
 )
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import (
@@ -55,6 +58,7 @@ from metafora.coordinators.etcd.driver import (
     EtcdDriver,
     KeyValue,
     LeaseNotFound,
+    Op,
     Put,
     Range,
     WatchBatch,
@@ -108,6 +112,9 @@ _STOP = object()
 
 _BATCH = 42
 """Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
+
+_CLOSE_BATCH = 64
+"""Claims per txn clearing running keys on close: 2 compares and 1 delete each (128 compares)."""
 
 
 def fence_margin(lease_ttl: float) -> float:
@@ -241,6 +248,10 @@ class EtcdCoordinator(Coordinator):
         # commands
         self._cmd_cond = threading.Condition(self._lock)
         self._cmd_seq = 0
+        self._cmd_seen_seq = -1  # the _cmd_seq of the last look at the node's commands
+        self._cmd_check_at = 0.0  # monotonic: next safety-net look at the node's commands
+        self._cmd_failing = False
+        self._task_cmd_listeners: list[TaskCommandListener] = []
         # threads
         self._threads: list[threading.Thread] = []
         self._watcher_started = False
@@ -319,6 +330,7 @@ class EtcdCoordinator(Coordinator):
             self._closed = True
             leases = [lease for lease in (self._lease_id, self._old_lease) if lease is not None]
             self._lease_id = self._old_lease = None
+            given_back = [held.task for held in self._held.values()]
             self._held.clear()
             for sub in self._subs:
                 sub.event.set()
@@ -328,6 +340,8 @@ class EtcdCoordinator(Coordinator):
         self._beat_wake.set()
         if wq is not None:
             wq.put(_STOP)
+        if leases:
+            self._clear_running(given_back)
         # Revoking the lease deletes the registration, every owner key (the claims become
         # claimable at once) and the queued commands, in one round trip.
         for lease in leases:
@@ -344,6 +358,34 @@ class EtcdCoordinator(Coordinator):
                 thread.join(self._cfg.timeout + 2)
         self._driver.close()
         log.info("node %s closed", self._node_id, extra=self._extra)
+
+    def _clear_running(self, tasks: list[Task]) -> None:
+        """Delete the running keys of the claims close() gives back: a release, not a crash.
+
+        Fenced like a release (still ours, same token), in txns of ``_CLOSE_BATCH`` tasks; a
+        batch with a claim lost meanwhile is redone task by task.
+        """
+        for start in range(0, len(tasks), _CLOSE_BATCH):
+            batch = tasks[start:start + _CLOSE_BATCH]
+            try:
+                if not self._driver.txn(self._owned(batch), self._running_keys(batch)).succeeded:
+                    for task in batch:
+                        self._driver.txn(self._owned([task]), self._running_keys([task]))
+            except MetaforaError as exc:
+                log.warning("node %s: could not clear the running keys of its claims on close "
+                            "(%s); their next claims count a crash", self._node_id, exc,
+                            extra=self._extra)
+                return
+
+    def _owned(self, tasks: list[Task]) -> list[Compare]:
+        compares: list[Compare] = []
+        for task in tasks:
+            owner = self._keys.task(task.id).owner
+            compares += [value_is(owner, self._node_bytes), created_at(owner, task.token)]
+        return compares
+
+    def _running_keys(self, tasks: list[Task]) -> list[Op]:
+        return [Delete(self._keys.task(task.id).running) for task in tasks]
 
     # -- lease ------------------------------------------------------------------------
 
@@ -832,25 +874,25 @@ class EtcdCoordinator(Coordinator):
     # -- commands ---------------------------------------------------------------------
 
     def command(self, timeout: float | None = None) -> Command | None:
+        """The next node command: etcd is read only after the watch saw one queued (or
+        re-listed), or once per ``poll_interval`` as a safety net -- not on every call."""
         deadline = None if timeout is None else self._clock.monotonic() + timeout
-        failing = False
         while True:
             with self._lock:
                 if self._closed:
                     return None
                 seq = self._cmd_seq
-                ready = self._ctx is not None
-            if ready:
-                try:
-                    command, more = self._take_command()
-                    failing = False
-                except MetaforaError as exc:
-                    if isinstance(exc, CoordinatorClosed) or self._closed:
-                        return None
-                    level = logging.DEBUG if failing else logging.WARNING
-                    log.log(level, "node %s: reading commands failed: %s", self._node_id, exc,
-                            extra=self._extra)
-                    failing, command, more = True, None, False
+                due = self._ctx is not None and (
+                    seq != self._cmd_seen_seq or self._clock.monotonic() >= self._cmd_check_at
+                )
+                if due:  # marked before the look: a wake-up during it is kept
+                    self._cmd_seen_seq = seq
+                    self._cmd_check_at = self._clock.monotonic() + self._cfg.poll_interval
+            if due:
+                command, more = self._look_for_command()
+                if command is not None or more:
+                    with self._lock:
+                        self._cmd_seen_seq = -1  # more may be queued behind it
                 if command is not None:
                     return command
                 if more:
@@ -858,12 +900,29 @@ class EtcdCoordinator(Coordinator):
             left = None if deadline is None else deadline - self._clock.monotonic()
             if left is not None and left <= 0:
                 return None
-            wait = self._cfg.poll_interval if left is None else min(left, self._cfg.poll_interval)
-            if failing:
-                wait = min(wait, 1.0)
             with self._lock:
+                wait = max(0.0, self._cmd_check_at - self._clock.monotonic())
+                if left is not None:
+                    wait = min(wait, left)
                 if self._cmd_seq == seq and not self._closed:
                     self._cmd_cond.wait(wait)
+
+    def _look_for_command(self) -> tuple[Command | None, bool]:
+        """:meth:`_take_command`, with store errors logged: (command, look again soon)."""
+        try:
+            found = self._take_command()
+            self._cmd_failing = False
+            return found
+        except MetaforaError as exc:
+            if isinstance(exc, CoordinatorClosed) or self._closed:
+                return None, False
+            level = logging.DEBUG if self._cmd_failing else logging.WARNING
+            self._cmd_failing = True
+            log.log(level, "node %s: reading commands failed: %s", self._node_id, exc,
+                    extra=self._extra)
+            with self._lock:  # retry within a second, not a whole poll_interval
+                self._cmd_check_at = min(self._cmd_check_at, self._clock.monotonic() + 1.0)
+            return None, False
 
     def _take_command(self) -> tuple[Command | None, bool]:
         """(the oldest command, whether to look again at once)."""
@@ -981,7 +1040,7 @@ class EtcdCoordinator(Coordinator):
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
                         self._node_id, task_id[:80], reason, extra=self._extra)
-        return offers, expiring
+        return rotated(offers), expiring
 
     def _watch_loop(self) -> None:
         backoff = _BACKOFF_START
@@ -1057,14 +1116,25 @@ class EtcdCoordinator(Coordinator):
                 sub.mark(None)
             self._cmd_seq += 1
             self._cmd_cond.notify_all()
+            listeners = list(self._task_cmd_listeners)
         self._notify_lost(lost)
+        for listener in listeners:
+            listener.recheck()  # the watch restarts: a put meanwhile may be unseen
         return revision
+
+    def listen_task_commands(self, listener: TaskCommandListener) -> bool:
+        """Ring ``listener`` for every task command the namespace watch sees queued, and
+        ask it to recheck whenever the watch re-lists."""
+        with self._lock:
+            self._task_cmd_listeners.append(listener)
+        return True
 
     def _apply(self, batch: WatchBatch) -> None:
         """Fold watch events into the cache; collect offers, lost claims, command wake-ups."""
         dirty: set[str] = set()
         lost: list[Task] = []
         commands = False
+        task_commands: list[str] = []
         with self._lock:
             for event in batch.events:
                 parsed = self._keys.parse(event.kv.key)
@@ -1074,6 +1144,10 @@ class EtcdCoordinator(Coordinator):
                 put = event.kind == "put"
                 if kind == "command":
                     commands = commands or (put and name == self._node_id)
+                    continue
+                if kind == "taskcmd":
+                    if put:
+                        task_commands.append(name)
                     continue
                 if kind not in ("task", "owner"):
                     continue
@@ -1116,7 +1190,11 @@ class EtcdCoordinator(Coordinator):
             if commands:
                 self._cmd_seq += 1
                 self._cmd_cond.notify_all()
+            listeners = list(self._task_cmd_listeners) if task_commands else []
         self._notify_lost(lost)
+        for listener in listeners:
+            for task_id in task_commands:
+                listener.ring(task_id)
 
 
 def _offer(task_id: str, props: dict[str, Any]) -> Task:

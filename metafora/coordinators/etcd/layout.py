@@ -133,7 +133,7 @@ class Keys:
 
     def parse(self, key: bytes) -> tuple[str, str, str] | None:
         """Classify a key: ("task", id, field), ("owner", id, ""), ("alive", node, ""),
-        ("command", node, name) or None for anything else."""
+        ("command", node, name), ("taskcmd", id, name) or None for anything else."""
         if not key.startswith(self.root):
             return None
         rest = key[len(self.root) :].decode(errors="replace")
@@ -145,6 +145,10 @@ class Keys:
         elif kind == "owners":
             if tail and "/" not in tail:
                 return ("owner", unescape(tail), "")
+        elif kind == "taskcmds":
+            seg, slash, name = tail.partition("/")
+            if slash and seg and name:
+                return ("taskcmd", unescape(seg), name)
         elif kind == "nodes":
             seg, slash, field = tail.partition("/")
             if slash and seg:

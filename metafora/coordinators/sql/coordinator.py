@@ -21,6 +21,7 @@ from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
+    TaskCommandListener,
     TaskSink,
     as_sink,
     crash_limit_error,
@@ -62,6 +63,8 @@ class SQLCoordinator(Coordinator):
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._command_wake = threading.Event()
+        self._command_check_at = 0.0  # monotonic: next safety-net look for node commands
+        self._task_command_listeners: list[TaskCommandListener] = []
         self._watches: list[Watch] = []
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
 
@@ -172,12 +175,17 @@ class SQLCoordinator(Coordinator):
             self._command_wake.set()
         elif kind == "n" and name == self._node_id:
             self._lease.request_check()
+        elif kind == "m":
+            for listener in self._listeners():
+                listener.ring(name)
         elif kind == "":  # SQLite: something was committed; look
             with self._lock:
                 watches = list(self._watches)
             for watch in watches:
                 watch.wake.set()
             self._command_wake.set()
+            for listener in self._listeners():
+                listener.recheck()
 
     def _reconnected(self) -> None:
         with self._lock:
@@ -185,8 +193,21 @@ class SQLCoordinator(Coordinator):
         for watch in watches:
             watch.rescan()
         self._command_wake.set()
+        for listener in self._listeners():
+            listener.recheck()
         if self._ctx is not None:
             self._lease.request_check()
+
+    def _listeners(self) -> list[TaskCommandListener]:
+        with self._lock:
+            return list(self._task_command_listeners)
+
+    def listen_task_commands(self, listener: TaskCommandListener) -> bool:
+        """Ring ``listener`` on ``m<task id>`` notifications (PostgreSQL); SQLite: recheck
+        on every commit seen by the change feed, and after a reconnect."""
+        with self._lock:
+            self._task_command_listeners.append(listener)
+        return True
 
     # -- tasks ------------------------------------------------------------------------------
 
@@ -316,21 +337,28 @@ class SQLCoordinator(Coordinator):
     # -- commands ---------------------------------------------------------------------------
 
     def command(self, timeout: float | None = None) -> Command | None:
+        """The next node command: the store is read only when a notification (or a SQLite
+        commit) woke us, or once per ``command_recheck`` as a safety net -- not per call."""
         if self._closed.is_set():
             return None
         self._db.ensure_schema()
         self._start_listener()
         deadline = None if timeout is None else time.monotonic() + timeout
-        poll = self._db.config.poll_interval
+        poll = self._db.config.command_recheck
         while not self._closed.is_set():
-            self._command_wake.clear()
-            command = self._take_command()
-            if command is not None:
-                return command
+            now = time.monotonic()
+            if self._command_wake.is_set() or now >= self._command_check_at:
+                self._command_wake.clear()  # before the look: a wake-up during it is kept
+                self._command_check_at = now + poll
+                command = self._take_command()
+                if command is not None:
+                    self._command_wake.set()  # more may be queued behind it
+                    return command
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
-            self._command_wake.wait(poll if left is None else min(poll, left))
+            wait = max(0.0, self._command_check_at - time.monotonic())
+            self._command_wake.wait(wait if left is None else min(wait, left))
         return None
 
     def _take_command(self) -> Command | None:

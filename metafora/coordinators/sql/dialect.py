@@ -55,8 +55,9 @@ class Dialect(abc.ABC):
         ``now`` (the database clock), ``ts_plus_secs`` (``now`` plus the ``:secs`` parameter),
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
-        ``notify_cmd``, ``notify_owner`` (RETURNING items that send a notification),
-        ``notify_batch`` (one notification: tasks from ready value ``:ready`` on became pending),
+        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner`` (RETURNING items that send a
+        notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
+        on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
         ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
         :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
@@ -118,6 +119,7 @@ class PostgresDialect(Dialect):
             "lock": " FOR UPDATE SKIP LOCKED",
             "notify_task": f"pg_notify('{chan}', 't' || id)",
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
+            "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
             "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
@@ -215,6 +217,7 @@ class SQLiteDialect(Dialect):
             "lock": "",
             "notify_task": "NULL",
             "notify_cmd": "NULL",
+            "notify_task_cmd": "NULL",
             "notify_owner": "NULL",
             "notify_batch": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",

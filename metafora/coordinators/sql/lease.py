@@ -7,8 +7,9 @@ clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. T
   tasks), which also returns the count and token sum of the claims the store says this node
   holds; a mismatch with the local set triggers a reconcile that reports vanished claims
   (deleted by a client, taken over) as lost and releases claims nobody here tracks. Between
-  renewals, while tasks are held, it checks the same summary every ``poll_interval`` (or at
-  once on a PostgreSQL ``n<node>`` notification), so a deleted task stops promptly.
+  renewals, while tasks are held, it checks the same summary at once on a PostgreSQL
+  ``n<node>`` notification (SQLite, which has none: every ``poll_interval``), so a deleted
+  task stops promptly.
 - **watchdog** self-fences: when ``2/3 * lease_ttl`` (lease_ttl minus a margin of a third)
   has passed on this host's monotonic clock since the START of the last successful renewal,
   it calls ``ctx.lost`` for every held claim. The store keeps the lease for ``lease_ttl``
@@ -60,7 +61,11 @@ class Lease:
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
-        self._check_every = max(cfg.poll_interval, 0.05)
+        # PostgreSQL pushes a deleted claim (NOTIFY n<node>) and every renewal compares the
+        # summary anyway: checking between renewals is only SQLite's way to notice promptly.
+        self._check_every = (
+            max(cfg.poll_interval, 0.05) if cfg.kind == "sqlite" else cfg.command_recheck
+        )
         self._extra = {"node": node_id}
         self._lock = threading.Lock()
         self._session: str | None = None

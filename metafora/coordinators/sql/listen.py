@@ -4,7 +4,8 @@ PostgreSQL: a dedicated autocommit psycopg connection LISTENs, in a named thread
 
 Notifications carry one letter and a name: ``t<task id>`` (a task became claimable: submit,
 release, retry, a freed registration), ``c<node id>`` (a command was queued for that node),
-``n<node id>`` (one of that node's claims was deleted under it). The channel is per
+``n<node id>`` (one of that node's claims was deleted under it), ``m<task id>`` (a command
+was queued for that task: its owner dispatches it in-process). The channel is per
 namespace (:func:`~metafora.coordinators.sql.dialect.channel_name`). When the connection
 drops, the listener reconnects with back-off and reports it (``on_connect``), so its users
 rescan: a notification lost meanwhile costs one scan, never a task.

@@ -22,6 +22,9 @@ _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"
 _MIN_SQLITE = (3, 35, 0)  # RETURNING
 
 
+_COMMAND_RECHECK_MIN = 30.0  # seconds
+
+
 @dataclass(frozen=True)
 class SQLConfig:
     """Everything a SQL coordinator or client needs, checked and typed."""
@@ -46,6 +49,16 @@ class SQLConfig:
     def renew_interval(self) -> float:
         """Seconds between lease renewals: a third of the TTL."""
         return self.lease_ttl / 3.0
+
+    @property
+    def command_recheck(self) -> float:
+        """Seconds between safety-net looks for node and task commands.
+
+        Commands are pushed (NOTIFY, SQLite's change check) and a reconnect rechecks at
+        once, so this only bounds the delay of a notification lost without a reconnect:
+        ``max(poll_interval, 30 s)`` keeps an idle node's traffic to its heartbeat.
+        """
+        return max(self.poll_interval, _COMMAND_RECHECK_MIN)
 
     @property
     def fence_after(self) -> float:

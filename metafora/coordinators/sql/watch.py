@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from metafora.coordinator import rotated
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
@@ -177,13 +178,15 @@ class Watch:
 
     def _scan_all(self, n_dead: int) -> None:
         after = ""
+        pending: list[Any] = []
         while not self._closed.is_set():
             rows = self._query("scan_pending", {"after": after})
-            for row in rows:
-                self._offer(row[0], row[1])
+            pending.extend(rows)
             if len(rows) < BATCH:
                 break
             after = rows[-1][0]
+        for row in rotated(pending):
+            self._offer(row[0], row[1])
         offered: dict[str, int] = {}
         self._scan_claims("scan_orphans", offered)
         self._scan_claims("scan_unowned", offered)

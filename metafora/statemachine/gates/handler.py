@@ -6,14 +6,22 @@
 (:class:`~metafora.statemachine.StatefulTaskHandler`) around one step function:
 
 1. take the partition for this claim (raise its fencing token in the item store);
-2. loop: take a batch of the current gate's available items (in id order), process them
+2. loop: take a batch of the current gate's available items (in id order; the batch is
+   recorded in the same write, so a death counts an attempt for its items), process them
    with the :class:`Processor` (up to ``concurrency`` at once, each retried up to
-   ``max_attempts`` times with back-off), write the results in one fenced transaction;
+   ``max_attempts`` times with back-off); each result is written within ``flush_interval``
+   of finishing, or with the next batch's take, whichever comes first (a group commit,
+   :mod:`~metafora.statemachine.gates.flush`, fenced like every item write);
 3. when the gate has no available items and none failed: jump to the lowest gate that has
    work (a checkpoint: persisted and fenced, the gate also saved as the state's cursor);
    when no work is left: complete the partition (``auto_close``) or sleep until items are
    added -- woken by a notification (PostgreSQL NOTIFY; in-process on SQLite, which also
    polls every ``poll_interval``).
+
+Crashes: items a dead owner had taken are taken again one at a time after the rest of the
+gate, so an item that kills its process (a *poison* item) is failed -- "process died while
+processing", permanently -- once ``max_attempts`` claims in a row died with it, and the
+error policy decides (the default fails the partition); other partitions are unaffected.
 
 Failures: an item that failed (retries exhausted, or non-retryable) faults the partition
 as soon as its batch is written (the rest of the gate waits: a failing downstream service
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -40,6 +48,7 @@ from metafora.coordinator import Client, Coordinator, error_text
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, MetaforaError, TaskNotFound
 from metafora.handler import Handler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
+from metafora.statemachine.gates.flush import ResultFlusher
 from metafora.statemachine.gates.model import (
     Item,
     ItemsFailed,
@@ -84,6 +93,7 @@ class GateOptions:
     command_interval: float = 1.0
     store_attempts: int = 5
     store_retry_delay: float = 0.2
+    flush_interval: float = 0.2
 
 
 def _cut(text: str) -> str:
@@ -107,6 +117,8 @@ class _PartitionRun:
         self._executor: ThreadPoolExecutor | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._extra: dict[str, Any] = {"task": task.id, "token": task.token}
+        self._results = ResultFlusher(self._flush_write, options.flush_interval,
+                                      f"metafora-gate-flush-{task.id}", self.stop)
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -123,23 +135,50 @@ class _PartitionRun:
         self._wake.set()
 
     def close(self) -> None:
-        """Unsubscribe and stop the worker threads. Idempotent."""
+        """Unsubscribe and stop the worker and flush threads. Idempotent."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        self._results.close()
 
     def _stopping(self, cmds: Commands | None) -> bool:
         return self._stop.is_set() or (cmds is not None and cmds.stopping)
 
+    # -- result writes (group commit) -------------------------------------------------------
+
+    def _flush_write(self, gate: int, results: Sequence[Outcome]) -> None:
+        """The background write of results that waited ``flush_interval``."""
+        self.call_store("write results", self.lease.finish, gate, results)
+
+    def _take(self, gate: int) -> list[Item]:
+        """Write the waiting results and take the next batch, in one fenced transaction."""
+        def take(at: int, results: Sequence[Outcome]) -> list[Item]:
+            if results and at != gate:  # never: results are written before the gate moves
+                raise AssertionError(f"results of gate {at} still waiting at gate {gate}")
+            return self.call_store("take items", self.lease.take, gate, self._opt.batch_size,
+                                   results, max_deaths=self._opt.max_attempts)
+        return self._results.commit(take)
+
+    def _flush(self, *, release: bool = False) -> None:
+        """Write the waiting results now (``release``: a clean stop, so the items of the batch
+        never started are not treated as a dead owner's)."""
+        def finish(at: int, results: Sequence[Outcome]) -> None:
+            if results or release:
+                self.call_store("write results", self.lease.finish, at, results, release=release)
+        self._results.commit(finish)
+
     # -- the step (called by the state machine while runnable) -----------------------------
 
     def step(self, task: Task, cmds: Commands) -> Message:
-        """The stateful handler: work the partition until a message is due."""
+        """The stateful handler: work the partition until a message is due; every result
+        is written before it returns."""
         try:
-            return self._step(cmds)
+            message = self._step(cmds)
+            self._flush()
+            return message
         except CoordinatorUnavailable as exc:
             log.error("partition %s: the item store stays unreachable; releasing it: %s", task.id,
                       exc, extra={**self._extra, "action": "release"})
@@ -167,14 +206,17 @@ class _PartitionRun:
             if message is not None:
                 return message
             self._wake.clear()
-            batch = self.call_store("take items", lease.take, gate, self._opt.batch_size)
+            batch = self._take(gate)
+            if any(i.status is ItemStatus.FAILED for i in batch):
+                return self._items_failed(gate)  # its process died with it too often
             if batch:
                 outcomes = self._process(batch, gate, cmds)
-                self.call_store("write results", lease.finish, gate, outcomes)
-                if any(o.status is ItemStatus.FAILED for o in outcomes):
-                    return self._items_failed(gate)
                 if len(outcomes) < len(batch):
+                    self._flush(release=True)
                     return Message.release()  # stopped in the middle of the batch
+                if any(o.status is ItemStatus.FAILED for o in outcomes):
+                    self._flush()
+                    return self._items_failed(gate)
                 continue
             step = self.call_store("advance the gate", lease.advance, gate,
                                    move=not self._opt.manual_checkpoint, close=self._opt.auto_close)
@@ -259,7 +301,7 @@ class _PartitionRun:
             for item in batch:
                 if self._stopping(cmds):
                     break
-                outcomes.append(self._attempt(item, gate))
+                outcomes.append(self._attempt_recorded(item, gate))
             return outcomes
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._opt.concurrency,
@@ -272,7 +314,13 @@ class _PartitionRun:
     def _attempt_unless_stopped(self, item: Item, gate: int) -> Outcome | None:
         if self._stop.is_set():  # (worker threads do not touch the machine's Commands)
             return None
-        return self._attempt(item, gate)
+        return self._attempt_recorded(item, gate)
+
+    def _attempt_recorded(self, item: Item, gate: int) -> Outcome:
+        """Process one item; its result goes to the group commit at once."""
+        outcome = self._attempt(item, gate)
+        self._results.add(gate, outcome)
+        return outcome
 
     def _attempt(self, item: Item, gate: int) -> Outcome:
         """Process one item, retrying retryable failures with back-off."""
@@ -492,6 +540,7 @@ def handler_func(
     task_commands: TaskCommands | None = None,
     store_attempts: int = 5,
     store_retry_delay: float = 0.2,
+    flush_interval: float = 0.2,
 ) -> GateHandlerFunc:
     """A HandlerFunc working gated partitions: each task is a partition of ``items``.
 
@@ -507,7 +556,12 @@ def handler_func(
     ``manual_checkpoint``: never move the gate; :meth:`ItemStore.set_gate` (``metafora gate``)
     does. ``batch_size`` items are taken per round, processed ``concurrency`` at a time
     (default: the processor's ``concurrency``, else 1). A retryable failure is tried up to
-    ``max_attempts`` times, ``retry_delay`` seconds apart (doubling up to ``max_retry_delay``).
+    ``max_attempts`` times, ``retry_delay`` seconds apart (doubling up to ``max_retry_delay``);
+    an item whose process died with it ``max_attempts`` claims in a row (the last time taken
+    on its own) fails permanently with "process died while processing".
+    ``flush_interval``: each item's result is written at most this many seconds after it
+    finished (with the next batch's take if that comes first), so a kill -9 re-runs at most
+    the items in work and those finished within the last ``flush_interval``.
     ``error_handler`` decides what a faulted partition does (default:
     :func:`gate_error_handler` around the state machine's default policy).
     ``command_interval`` bounds how long a task command (pause, kill...) waits to be seen;
@@ -529,6 +583,7 @@ def handler_func(
     _positive(max_retry_delay, "max_retry_delay", allow_zero=True)
     _positive(command_interval, "command_interval")
     _positive(store_retry_delay, "store_retry_delay", allow_zero=True)
+    _positive(flush_interval, "flush_interval", allow_zero=True)
     if not isinstance(poll_interval, int | float) or not 0 < poll_interval <= 60:
         raise ConfigError(f"poll_interval must be in (0, 60] seconds, got {poll_interval!r}")
     if (state_store is None or task_commands is None) and coordinator is None:
@@ -538,7 +593,7 @@ def handler_func(
         batch_size=batch_size, concurrency=concurrency, max_attempts=max_attempts,
         retry_delay=float(retry_delay), max_retry_delay=float(max_retry_delay),
         command_interval=float(command_interval), store_attempts=store_attempts,
-        store_retry_delay=float(store_retry_delay),
+        store_retry_delay=float(store_retry_delay), flush_interval=float(flush_interval),
     )
     config = _sql_config(coordinator) if coordinator is not None else None
     claim_fence = config is not None and items.same_database(config)

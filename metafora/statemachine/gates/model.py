@@ -187,7 +187,9 @@ class Item:
     """One item of a partition, as stored.
 
     ``id`` is store-wide unique and orders items of a partition by insertion; ``attempts``
-    counts processing attempts that ended (success or failure); ``error`` is the last
+    counts processing attempts, each recorded when the item is taken for processing (so an
+    attempt whose process died counts too; items taken but never started are given back
+    when their claim ends cleanly); ``error`` is the last
     failure (cleared on success); ``permanent`` says whether that failure was non-retryable;
     ``token`` is the claim token under which the item was last written by a handler.
     """

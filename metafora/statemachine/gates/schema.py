@@ -15,6 +15,11 @@ Tables (every row carries the ``namespace`` of its store URL):
   ``error``, ``permanent`` (the failure is not retryable), ``token`` (the claim that last
   wrote it), ``created_at``/``updated_at`` (database clock). Index ``metafora_items_work``
   on ``(namespace, partition_id, gate, status, id)`` serves the handler's queries.
+  Version 2 adds, for attempts recorded before processing: on items, ``taken`` (0: not in
+  work; 1: an orphan -- its batch's claim ended without its result; 2: taken on its own)
+  and ``deaths`` (claims in a row that took the item and ended without its result); on
+  partitions, the batch taken last (``batch_token``, ``batch_gate``, ids ``batch_first``
+  to ``batch_last``), written in the transaction that takes it.
 """
 
 from __future__ import annotations
@@ -79,8 +84,24 @@ def _v1_initial(conn: Connection, dialect: Dialect) -> None:
         conn.execute(text(ddl.format(**types)))
 
 
+_V2_COLUMNS = [
+    ("metafora_items", "taken", "INTEGER"),
+    ("metafora_items", "deaths", "INTEGER"),
+    ("metafora_partitions", "batch_token", "BIGINT"),
+    ("metafora_partitions", "batch_gate", "INTEGER"),
+    ("metafora_partitions", "batch_first", "BIGINT"),
+    ("metafora_partitions", "batch_last", "BIGINT"),
+]
+
+
+def _v2_batches(conn: Connection, dialect: Dialect) -> None:
+    for table, column, kind in _V2_COLUMNS:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind} NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("partitions and items", _v1_initial),
+    ("batches taken, orphans and deaths (attempts recorded before processing)", _v2_batches),
 ]
 """Migration ``i`` (0-based) takes the gates schema from version ``i`` to ``i + 1``."""
 

@@ -21,6 +21,14 @@ Multi-statement writes (a batch of results, a gate move) first lock the partitio
 through a fenced ``UPDATE`` in the same transaction, which also serialises them with
 :meth:`ItemStore.add` (an item can never slip in below a gate that is moving).
 
+Crashes: the transaction that takes a batch also records it on the partition row
+(``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops the
+record; a new claim's :meth:`PartitionLease.open` turns the items of an older claim's record
+that have no result from it into **orphans** (``taken = 1``, an attempt counted). Orphans run
+one at a time (``taken = 2``, recorded on the item) once the rest of the gate is done, and an
+orphan that already died that way ``max_deaths`` claims in a row fails for good ("process
+died while processing"): a poison item cannot stall its partition or keep killing nodes.
+
 Driver errors are translated at this boundary with the SQL coordinator's
 :func:`~metafora.coordinators.sql.store.translate_error` (CoordinatorUnavailable, StoreError).
 """
@@ -33,7 +41,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -110,9 +118,19 @@ _OWNER_SQL: dict[str, str] = {
         "INSERT INTO metafora_partitions (namespace, partition_id) VALUES (:ns, :p)"
         " ON CONFLICT (namespace, partition_id) DO NOTHING"
     ),
+    # An older claim's batch record says which items it had taken: those still available
+    # and without a result from it are orphans, and their attempt under it is counted.
+    "orphans": (
+        "UPDATE metafora_items SET taken = 1, attempts = attempts + 1 WHERE " + _WHERE_P
+        + " AND status = 'available' AND taken = 0 AND EXISTS (SELECT 1 FROM metafora_partitions"
+        " bp WHERE bp.namespace = :ns AND bp.partition_id = :p AND bp.batch_token <> 0"
+        " AND bp.batch_token < :token AND metafora_items.gate = bp.batch_gate"
+        " AND metafora_items.id BETWEEN bp.batch_first AND bp.batch_last"
+        " AND metafora_items.token <> bp.batch_token)"
+    ),
     "open": (
-        "UPDATE metafora_partitions SET token = :token, updated_at = {now} WHERE " + _WHERE_P
-        + " AND token <= :token{claim} RETURNING gate, status"
+        "UPDATE metafora_partitions SET token = :token, batch_token = 0, updated_at = {now}"
+        " WHERE " + _WHERE_P + " AND token <= :token{claim} RETURNING gate, status"
     ),
     "state": (
         "SELECT gate, status, token, CASE WHEN 1 = 1{claim} THEN 1 ELSE 0 END"
@@ -124,13 +142,47 @@ _OWNER_SQL: dict[str, str] = {
         + " AND token = :token AND status = 'open'{claim} RETURNING gate"
     ),
     "take": (
-        "SELECT " + _COLS + " FROM metafora_items WHERE " + _WHERE_P
-        + " AND gate = :gate AND status = 'available' AND {fence} ORDER BY id LIMIT :limit"
+        "SELECT " + _COLS + " FROM metafora_items WHERE " + _WHERE_P + " AND gate = :gate"
+        " AND status = 'available' AND taken = 0 AND {fence} ORDER BY id LIMIT :limit"
     ),
+    # The batch taken (ids first..last at gate): its items' attempt, recorded on the
+    # partition row (locked by the guard) in the transaction that takes them.
+    "record": (
+        "UPDATE metafora_partitions SET batch_token = :token, batch_gate = :gate,"
+        " batch_first = :first, batch_last = :last WHERE " + _WHERE_P + " AND token = :token"
+    ),
+    "unrecord": (
+        "UPDATE metafora_partitions SET batch_token = 0 WHERE " + _WHERE_P + " AND token = :token"
+    ),
+    # An orphan this claim took on its own and never started (a clean stop came first):
+    # an orphan again, its attempt and death under this claim not counted.
+    "give_back": (
+        "UPDATE metafora_items SET taken = 1, attempts = attempts - 1, deaths = deaths - 1"
+        " WHERE " + _WHERE_P + " AND status = 'available' AND taken = 2 AND token = :token"
+    ),
+    # An item a dead claim had taken (an orphan) that died with it while taken on its own
+    # (taken = 2), max_attempts times in a row: failed for good, never handed out again.
+    "died": (
+        "UPDATE metafora_items SET status = 'failed', error = :died, permanent = 1, taken = 0,"
+        " deaths = deaths + 1, token = :token, updated_at = {now} WHERE " + _WHERE_P
+        + " AND gate = :gate AND status = 'available' AND taken = 2"
+        " AND deaths + 1 >= :max_deaths AND {fence} RETURNING " + _COLS
+    ),
+    # One orphan, taken on its own (taken = 2) so that only its own death counts; the ones
+    # that died fewest times first, so the innocent finish before a poison item fails.
+    "orphan": (
+        "UPDATE metafora_items SET attempts = attempts + 1, taken = 2, deaths = deaths + 1,"
+        " token = :token, updated_at = {now} WHERE id = (SELECT id FROM metafora_items"
+        " WHERE " + _WHERE_P + " AND gate = :gate AND status = 'available' AND taken <> 0"
+        " ORDER BY deaths, id LIMIT 1) AND {fence} RETURNING " + _COLS
+    ),
+    # The first try of an item taken on its own (taken = 2) was counted when it was taken.
     "result": (
         "UPDATE metafora_items SET status = :status, gate = :new_gate,"
         " data = CASE WHEN :keep = 1 THEN data ELSE :data END, error = :error,"
-        " permanent = :permanent, attempts = attempts + :tries, token = :token,"
+        " permanent = :permanent,"
+        " attempts = attempts + :tries - CASE WHEN taken = 2 THEN 1 ELSE 0 END,"
+        " taken = 0, deaths = 0, token = :token,"
         " updated_at = {now} WHERE " + _WHERE_P + " AND id = :id AND gate = :gate"
         " AND status = 'available' AND {fence}"
     ),
@@ -180,7 +232,7 @@ _SQL: dict[str, str] = {
     ),
     "retry": (
         "UPDATE metafora_items SET status = 'available', error = NULL, permanent = 0,"
-        " updated_at = {now} WHERE " + _WHERE_P + " AND status = 'failed'"
+        " deaths = 0, updated_at = {now} WHERE " + _WHERE_P + " AND status = 'failed'"
     ),
     "failures": (
         "SELECT count(*), coalesce(sum(permanent), 0) FROM metafora_items WHERE " + _WHERE_P
@@ -746,14 +798,21 @@ class PartitionLease:
     def open(self) -> tuple[int, PartitionStatus]:
         """Take the partition for this claim (raise its token to ours); its gate and status.
 
-        ClaimLost if a newer claim already took it (or the claim is not held).
+        The items an older claim had taken in its last batch and left without a result
+        become orphans (see :meth:`take`), their attempt counted. ClaimLost if a newer claim
+        already took it (or the claim is not held).
         """
         self.store.ensure_schema()
         with self.store.transaction() as tx:
             tx.execute(self._sql["ensure"], self._params())
+            orphans = int(tx.execute(self._sql["orphans"], self._params()).rowcount)
             row = tx.execute(self._sql["open"], self._params()).first()
-        if row is None:
-            raise self._lost(" (a newer claim took it)")
+            if row is None:
+                raise self._lost(" (a newer claim took it)")
+        if orphans:
+            log.warning("partition %s: %d item(s) were in work when their last owner stopped "
+                        "without writing them; they run again one at a time", self.partition,
+                        orphans, extra={"task": self.partition, "action": "orphans"})
         return int(row[0]), PartitionStatus(row[1])
 
     def state(self) -> tuple[int, PartitionStatus]:
@@ -764,13 +823,50 @@ class PartitionLease:
             raise self._lost()
         return int(row[0]), PartitionStatus(row[1])
 
-    def take(self, gate: int, limit: int) -> list[Item]:
-        """Up to ``limit`` available items of ``gate``, in id order (a fenced read)."""
-        with self.store.read() as conn:
-            rows = conn.execute(self._sql["take"], self._params(gate=gate, limit=limit)).fetchall()
-        if not rows:
-            self.state()  # nothing, or not ours any more?
-        return [self.store.item_from_row(self.partition, row) for row in rows]
+    def take(self, gate: int, limit: int, results: Sequence[Outcome] = (), *,
+             max_deaths: int = 3) -> list[Item]:
+        """Write ``results`` (items processed at ``gate``, as :meth:`finish`), then take up to
+        ``limit`` available items of ``gate`` for processing, in one fenced transaction.
+
+        Items are taken in a batch, in id order, and the batch is recorded on the partition
+        row in the same transaction: if this claim ends without writing an item's result
+        (its process died), the next claim counts that attempt and treats the item as an
+        **orphan** (:meth:`open`). When no other item is left, orphans are taken one at a
+        time (their attempt recorded on the item), so that only an item that kills its
+        process keeps counting deaths; an orphan whose claim died with it taken on its own,
+        ``max_deaths`` claims in a row (counting the batch it was first in), is returned
+        **failed** instead ("process died while processing", permanent).
+
+        The items are returned as stored, except ``attempts``: the attempts made before
+        this one. ClaimLost (nothing written) if the claim is gone.
+        """
+        with self.store.transaction() as tx:
+            self._guard(tx)
+            self._write(tx, gate, results)
+            rows = tx.execute(self._sql["take"], self._params(gate=gate, limit=limit)).fetchall()
+            if rows:
+                tx.execute(self._sql["record"], self._params(
+                    gate=gate, first=int(rows[0][0]), last=int(rows[-1][0])))
+                return [self.store.item_from_row(self.partition, row) for row in rows]
+            rows = self._take_orphan(tx, gate, max_deaths)
+        return [self._alone(self.store.item_from_row(self.partition, row)) for row in rows]
+
+    @staticmethod
+    def _alone(item: Item) -> Item:
+        """An item taken on its own, as the processor sees it (its attempt counted already)."""
+        return item if item.status is ItemStatus.FAILED else replace(item, attempts=item.attempts - 1)
+
+    def _take_orphan(self, tx: Connection, gate: int, max_deaths: int) -> list[Any]:
+        died = self._params(gate=gate, max_deaths=max_deaths, died=(
+            f"process died while processing this item ({max_deaths} claim(s) in a row ended "
+            "without its result; the last one had taken it on its own)"))
+        rows = tx.execute(self._sql["died"], died).fetchall()
+        if rows:
+            log.warning("partition %s: item(s) %s failed: their process died while processing "
+                        "them %d time(s) in a row", self.partition, [int(r[0]) for r in rows],
+                        max_deaths, extra={"task": self.partition, "action": "item_died"})
+            return list(rows)
+        return list(tx.execute(self._sql["orphan"], self._params(gate=gate)).fetchall())
 
     def _guard(self, tx: Connection) -> int:
         row = tx.execute(self._sql["guard"], self._params()).first()
@@ -778,17 +874,29 @@ class PartitionLease:
             raise self._lost()
         return int(row[0])
 
-    def finish(self, gate: int, outcomes: Sequence[Outcome]) -> int:
+    def finish(self, gate: int, outcomes: Sequence[Outcome], *, release: bool = False) -> int:
         """Write the results of items processed at ``gate`` (and their spawned items) in one
         fenced transaction; returns how many items were written.
 
         An item changed meanwhile (already written, deleted, retried) is skipped with a
         warning, and so are the items it spawned: calling ``finish`` again after a commit
-        whose answer was lost writes nothing twice. ClaimLost (nothing written) if the
+        whose answer was lost writes nothing twice. ``release``: the claim is letting go of
+        the partition cleanly, so its batch record is dropped: the items it took and never
+        started are not orphans (no attempt counted). ClaimLost (nothing written) if the
         claim is gone.
         """
-        if not outcomes:
+        if not outcomes and not release:
             return 0
+        with self.store.transaction() as tx:
+            self._guard(tx)
+            written = self._write(tx, gate, outcomes)
+            if release:
+                tx.execute(self._sql["unrecord"], self._params())
+                tx.execute(self._sql["give_back"], self._params())
+        return written
+
+    def _write(self, tx: Connection, gate: int, outcomes: Sequence[Outcome]) -> int:
+        """Write item results inside ``tx`` (guarded by the caller); how many were written."""
         plain: list[dict[str, Any]] = []
         spawning: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
         for out in outcomes:
@@ -802,16 +910,14 @@ class PartitionLease:
             else:
                 plain.append(row)
         written = 0
-        with self.store.transaction() as tx:
-            self._guard(tx)
-            if plain:
-                written += int(tx.execute(self._sql["result"], plain).rowcount)
-            for row, spawns in spawning:  # one by one: spawn only for a result written now
-                if int(tx.execute(self._sql["result"], row).rowcount) != 1:
-                    continue
-                written += 1
-                if int(tx.execute(self._sql["spawn"], spawns).rowcount) != len(spawns):
-                    raise self._lost()
+        if plain:
+            written += int(tx.execute(self._sql["result"], plain).rowcount)
+        for row, spawns in spawning:  # one by one: spawn only for a result written now
+            if int(tx.execute(self._sql["result"], row).rowcount) != 1:
+                continue
+            written += 1
+            if int(tx.execute(self._sql["spawn"], spawns).rowcount) != len(spawns):
+                raise self._lost()
         if written != len(outcomes):
             log.warning("partition %s: %d of %d item result(s) not written (the items changed "
                         "meanwhile)", self.partition, len(outcomes) - written, len(outcomes),

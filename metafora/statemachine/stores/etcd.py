@@ -7,6 +7,11 @@ Keys (under the coordinator's namespace root ``/metafora/<namespace>/``):
 - ``taskcmds/<id>/<time>-<random>`` -- one task command (its JSON wire form), taken in
   create-revision order and deleted when taken.
 
+Commands are pushed: the owner's coordinator watches the whole namespace, so a put under
+``taskcmds/<id>/`` rings the task's :class:`~metafora.statemachine.mailbox.Mailbox` and a
+waiting task reads etcd only when something arrived. The safety net is one keys-only
+range of ``taskcmds/`` per node per ``poll_interval`` (and after every watch re-list).
+
 Fencing: the claim's token is the create revision of the owner key ``owners/<id>``. A state
 write is one transaction comparing that create revision with ``task.token``: it applies only
 while this very claim exists, so a zombie owner (its lease expired, the task re-claimed) is
@@ -35,14 +40,16 @@ from metafora.coordinators.etcd.layout import Keys, escape
 from metafora.errors import ClaimLost, ConfigError
 from metafora.jsontext import load_object
 from metafora.statemachine.machine import InvalidState, State
-from metafora.statemachine.store import StateStore, TaskCommands, poll_take
+from metafora.statemachine.mailbox import CommandBell
+from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
 from metafora.task import Task
 
 __all__ = ["EtcdStateStore", "EtcdTaskCommands", "state_store", "task_commands"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.5  # real seconds between looks at a task's command queue while waiting
+_POLL = 0.5  # real seconds between looks of the stateless receive() (mailboxes are pushed)
+_SAFETY_DEFAULT = 30.0  # seconds between safety-net looks when the owner has no poll_interval
 _TAKE_RACES = 10  # attempts to take the oldest command when others take it first
 
 
@@ -122,15 +129,31 @@ class EtcdStateStore(StateStore):
 class EtcdTaskCommands(TaskCommands):
     """Per-task command queues in etcd (``taskcmds/<id>/``)."""
 
-    def __init__(self, driver: EtcdDriver, keys: Keys) -> None:
+    def __init__(self, driver: EtcdDriver, keys: Keys, owner: object = None) -> None:
         self._driver = driver
         self._keys = keys
-        self._root = keys.root + b"taskcmds/"
+        self._root = keys.task_commands
+        config = getattr(owner, "config", None)
+        safety = float(getattr(config, "poll_interval", _SAFETY_DEFAULT))
+        self._bell = bell_for(owner, self._take, self._pending_ids, safety)
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> EtcdTaskCommands:
-        """The command channel on an etcd coordinator's or client's connection."""
-        return cls(*_parts(coordinator_or_client))
+        """The command channel on an etcd coordinator's or client's connection (pushed to
+        mailboxes when built from a coordinator)."""
+        return cls(*_parts(coordinator_or_client), coordinator_or_client)
+
+    def bell(self) -> CommandBell | None:
+        return self._bell
+
+    def _pending_ids(self) -> set[str]:
+        kvs, _ = self._driver.range(Range(self._root, prefix=True, keys_only=True))
+        ids: set[str] = set()
+        for kv in kvs:
+            parsed = self._keys.parse(kv.key)
+            if parsed is not None and parsed[0] == "taskcmd":
+                ids.add(parsed[1])
+        return ids
 
     def _prefix(self, task_id: str) -> bytes:
         return self._root + escape(task_id).encode() + b"/"

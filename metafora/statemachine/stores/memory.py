@@ -18,12 +18,14 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinators.memory import MemoryStore
 from metafora.errors import ClaimLost, ConfigError
 from metafora.statemachine.machine import State
+from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import StateStore, TaskCommands
 from metafora.task import Task, TaskState
 
 __all__ = ["MemoryStateStore", "MemoryTaskCommands", "state_store", "task_commands"]
 
 _SLICE = 0.05  # real seconds between checks of a cancel event while waiting for a command
+_SAFETY = 30.0  # seconds: a memory store's pushes cannot be lost; the net is a formality
 
 
 @dataclass
@@ -32,6 +34,7 @@ class _Tables:
     # again under the same id is a new row, and must not inherit the old state or commands.
     states: dict[str, tuple[int, str, weakref.ref[Any]]] = field(default_factory=dict)
     commands: dict[str, tuple[weakref.ref[Any] | None, deque[str]]] = field(default_factory=dict)
+    bell: CommandBell | None = None  # the mailboxes of every node on this store
 
     def state(self, store: MemoryStore, task_id: str) -> tuple[int, str] | None:
         held = self.states.get(task_id)
@@ -141,11 +144,24 @@ class MemoryTaskCommands(TaskCommands):
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self._tables = _tables(store)
+        with _TABLES_LOCK:
+            if self._tables.bell is None:  # one per store: pushing is a local call here
+                self._tables.bell = CommandBell(
+                    "memory", self._take_now, self._pending_ids, _SAFETY)
+            self._bell = self._tables.bell
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> MemoryTaskCommands:
         """The command channel of a memory coordinator's or client's store."""
         return cls(_memory_store(coordinator_or_client))
+
+    def bell(self) -> CommandBell | None:
+        return self._bell
+
+    def _pending_ids(self) -> set[str]:
+        with self._store.cond:
+            return {task_id for task_id in list(self._tables.commands)
+                    if self._tables.queue(self._store, task_id)}
 
     def _push(self, task_id: str, raw: str) -> None:
         s = self._store
@@ -157,6 +173,7 @@ class MemoryTaskCommands(TaskCommands):
                 self._tables.commands[task_id] = (None if row is None else weakref.ref(row), queue)
             queue.append(raw)
             s.cond.notify_all()
+        self._bell.ring(task_id)
 
     def inject_raw(self, task_id: str, raw: str) -> None:
         """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""

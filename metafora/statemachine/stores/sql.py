@@ -8,6 +8,14 @@ Tables:
 - ``metafora_task_commands`` (created here, ``CREATE TABLE IF NOT EXISTS``, on first use):
   per-task command FIFO by ``id``; a row is deleted when the task's machine takes it.
 
+Commands are pushed: queuing one sends ``m<task id>`` on the namespace's NOTIFY channel
+(PostgreSQL), which the owner's coordinator hands to its
+:class:`~metafora.statemachine.mailbox.CommandBell`; on SQLite the coordinator's
+``data_version`` check asks for one look at which tasks have commands. Either way a waiting
+task reads its queue only when something arrived, and the safety net is one
+``cmd_pending_ids`` per node per ``command_recheck`` (``max(poll_interval, 30 s)``), not a
+query per task.
+
 Fencing: a write is **one statement** -- an upsert whose ``SELECT`` only yields a row while
 the task is claimed under ``task.token`` by a node whose lease is live by the database
 clock, and whose ``DO UPDATE`` only replaces a state written under a token ``<=`` ours. No
@@ -27,14 +35,15 @@ from sqlalchemy import Connection, TextClause, text
 from metafora.coordinators.sql.store import Database
 from metafora.errors import ClaimLost, ConfigError, StoreError
 from metafora.statemachine.machine import State
-from metafora.statemachine.store import StateStore, TaskCommands, poll_take
+from metafora.statemachine.mailbox import CommandBell
+from metafora.statemachine.store import StateStore, TaskCommands, bell_for, poll_take
 from metafora.task import Task
 
 __all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.5  # real seconds between looks at a task's command queue while waiting
+_POLL = 0.5  # real seconds between looks of the stateless receive() (mailboxes are pushed)
 
 _CLAIM_HELD = (
     "EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns AND t.id = :id"
@@ -93,8 +102,9 @@ _SQL: dict[str, str] = {
     ),
     "cmd_push": (
         "INSERT INTO metafora_task_commands (namespace, task_id, body, created_at)"
-        " VALUES (:ns, :id, :body, {now})"
+        " VALUES (:ns, :id, :body, {now}) RETURNING {notify_task_cmd}"
     ),
+    "cmd_pending_ids": "SELECT DISTINCT task_id FROM metafora_task_commands WHERE namespace = :ns",
     "cmd_count": "SELECT count(*) FROM metafora_task_commands c WHERE " + _CURRENT,
     "cmd_clear": "DELETE FROM metafora_task_commands WHERE namespace = :ns AND task_id = :id",
 }
@@ -127,7 +137,8 @@ class _Statements:
         fragments = db.dialect.fragments()
         self.db = weakref.proxy(db)
         self.sql: dict[str, TextClause] = {
-            name: text(sql.format(now=fragments["now"], lock=fragments["lock"]))
+            name: text(sql.format(now=fragments["now"], lock=fragments["lock"],
+                                  notify_task_cmd=fragments["notify_task_cmd"]))
             for name, sql in _SQL.items()
         }
         types = db.dialect.ddl_types()
@@ -222,19 +233,29 @@ class SQLStateStore(StateStore):
 class SQLTaskCommands(TaskCommands):
     """Per-task command queues in ``metafora_task_commands``."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, owner: object = None) -> None:
         self._db = db
         self._st = _Statements.of(db)
+        self._bell = bell_for(owner, self._take, self._pending_ids, db.config.command_recheck)
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> SQLTaskCommands:
-        """The command channel on a SQL coordinator's or client's database handle."""
-        return cls(_database(coordinator_or_client))
+        """The command channel on a SQL coordinator's or client's database handle
+        (pushed to mailboxes when built from a coordinator)."""
+        return cls(_database(coordinator_or_client), coordinator_or_client)
+
+    def bell(self) -> CommandBell | None:
+        return self._bell
+
+    def _pending_ids(self) -> set[str]:
+        self._st.ensure()
+        with self._db.read() as conn:
+            return {str(row[0]) for row in self._st.run(conn, "cmd_pending_ids", {})}
 
     def _push(self, task_id: str, raw: str) -> None:
         self._st.ensure()
         with self._db.write() as conn:
-            self._st.run(conn, "cmd_push", {"id": task_id, "body": raw})
+            self._st.run(conn, "cmd_push", {"id": task_id, "body": raw}).all()  # (sends the NOTIFY)
 
     def inject_raw(self, task_id: str, raw: str) -> None:
         """Queue raw (possibly malformed) command text, bypassing validation (fault tests)."""
