@@ -1,6 +1,6 @@
 """Make the dashboard screenshots of the README (docs/web-*.png, 1280x800).
 
-Run: ``.venv/bin/python docs/screenshots.py`` (needs metafora[web,browser] and a system
+Run: ``.venv/bin/python docs/screenshots.py`` (needs metafora-cluster[web,browser] and a system
 Chromium). It builds a small SQLite cluster in a temporary directory, serves the dashboard
 on a free loopback port and photographs the nodes, tasks and task pages.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import socket
 import uuid
@@ -37,6 +38,9 @@ _BACKENDS: dict[str, tuple[str, str | None]] = {
     "etcd": ("metafora.coordinators.etcd", "etcd"),
     "etcds": ("metafora.coordinators.etcd", "etcd"),
 }
+
+# pip extra -> the driver module a store module imports only when it connects
+_DRIVERS: dict[str, str] = {"postgres": "psycopg"}
 
 
 class _Backend(Protocol):
@@ -74,8 +78,11 @@ def _backend(url: StoreURL) -> _Backend:
     module_name, extra = entry
     try:
         module: ModuleType = importlib.import_module(module_name)
+        driver = _DRIVERS.get(extra or "")
+        if driver is not None and importlib.util.find_spec(driver) is None:
+            raise ModuleNotFoundError(f"No module named {driver!r}")
     except ImportError as exc:
-        hint = f" (pip install 'metafora[{extra}]')" if extra else ""
+        hint = f" (pip install 'metafora-cluster[{extra}]')" if extra else ""
         raise ConfigError(
             f"the {url.scheme} store is not available: {exc}{hint}"
         ) from exc

@@ -1,7 +1,7 @@
 """Opt-in HTTP endpoints of a consumer: ``/info`` (JSON), ``/metrics`` (Prometheus), ``/healthz``.
 
 Started by ``Consumer(..., http_addr="127.0.0.1:PORT")``; binds to loopback unless told otherwise.
-``/metrics`` needs prometheus_client (``pip install 'metafora[http]'``).
+``/metrics`` needs prometheus_client (``pip install 'metafora-cluster[http]'``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ class InfoServer:
             else:
                 body, ctype, status = b"not found: try /info, /metrics, /healthz\n", "text/plain", 404
         except ImportError:
-            body, ctype, status = b"/metrics needs prometheus_client\n", "text/plain", 501
+            body = b"/metrics needs prometheus_client (pip install 'metafora-cluster[http]')\n"
+            ctype, status = "text/plain", 501
         except Exception as exc:
             log.exception("http %s failed", path)
             body, ctype, status = f"error: {scrub(str(exc))}\n".encode(), "text/plain", 500

@@ -1,4 +1,4 @@
-"""OpenTelemetry hooks (extra ``metafora[otel]``): spans around claims, task runs and outcomes,
+"""OpenTelemetry hooks (extra ``metafora-cluster[otel]``): spans around claims, task runs and outcomes,
 claim and lease-renewal latency as metrics, and trace context carried in task props.
 
 With the ``opentelemetry-api`` package installed, the consumer makes through the global tracer

@@ -11,6 +11,7 @@ id, props or command), 3 store unreachable, 70 an unexpected internal error. Err
 from __future__ import annotations
 
 import logging
+import platform
 import sys
 from typing import Any
 
@@ -43,6 +44,8 @@ __all__ = [
 
 ENV_LOG_LEVEL = "METAFORA_LOG_LEVEL"
 ENV_LOG_JSON = "METAFORA_LOG_JSON"
+#: The name to install from the package index (the import package and the command are ``metafora``).
+DISTRIBUTION = "metafora-cluster"
 
 
 class MetaforaGroup(click.Group):
@@ -66,7 +69,9 @@ def _configure_logging(level: str, json_lines: bool) -> None:
               show_default=True, envvar=ENV_LOG_LEVEL, show_envvar=True, help="Log verbosity (stderr).")
 @click.option("--log-json", is_flag=True, envvar=ENV_LOG_JSON, show_envvar=True,
               help="Log one JSON object per line (with node, task, token, action fields).")
-@click.version_option(metafora.__version__, "--version", prog_name="metafora")
+@click.version_option(metafora.__version__, "--version", prog_name="metafora",
+                      message=f"%(prog)s %(version)s (distribution {DISTRIBUTION}, "
+                              f"Python {platform.python_version()})")
 @click.pass_context
 def cli(ctx: click.Context, url: str, log_level: str, log_json: bool) -> None:
     """Run long-running tasks across a masterless cluster: operate it from here.

@@ -1,4 +1,4 @@
-"""``metafora web``: serve the dashboard (needs the extra ``metafora[web]``)."""
+"""``metafora web``: serve the dashboard (needs the extra ``metafora-cluster[web]``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def web(ctx: click.Context, bind: str, token: str | None, items_url: str | None,
         from metafora.web.app import create_app
         from metafora.web.server import WebServer
     except ImportError as exc:
-        raise CliError.make(f"the dashboard needs its extra: pip install 'metafora[web]' ({exc})",
+        raise CliError.make(f"the dashboard needs its extra: pip install 'metafora-cluster[web]' ({exc})",
                             ExitCode.USAGE) from None
     app = create_app(settings(ctx).url, token=token, items_url=items_url, refresh=refresh)
     server = WebServer(app, host, port)

@@ -1,4 +1,4 @@
-"""``metafora web``: a dashboard of the cluster served from the store (extra ``metafora[web]``).
+"""``metafora web``: a dashboard of the cluster served from the store (extra ``metafora-cluster[web]``).
 
 It needs no consumer: it opens an operator client on the store URL and shows nodes, tasks
 (paged in the store), one task's detail (state machine, gate progress) and, when started

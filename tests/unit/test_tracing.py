@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk (metafora[otel] + the SDK)")
+pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk (metafora-cluster[otel] + the SDK)")
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("starlette", reason="the dashboard needs the extra metafora[web]")
+pytest.importorskip("starlette", reason="the dashboard needs the extra metafora-cluster[web]")
 
 from metafora.web.app import create_app
 from metafora.web.server import WebServer
@@ -76,7 +76,7 @@ def browser() -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _missing("playwright is not installed (pip install 'metafora[browser]')")
+        _missing("playwright is not installed (pip install 'metafora-cluster[browser]')")
     path = _chromium()
     if path is None:
         _missing("no system Chromium (apt-get install -y chromium)")

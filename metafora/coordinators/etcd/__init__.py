@@ -3,7 +3,7 @@
 ``etcds://`` uses TLS (options ``ca_cert``, ``cert_key``, ``cert_cert``); ``user:password@``
 in the URL enables etcd authentication. Other options: ``lease_ttl`` (whole seconds, >= 2,
 default 30), ``poll_interval`` (safety-net re-list, default 30 s), ``timeout`` (one request,
-default 5 s), ``namespace`` (the URL path wins). Needs ``pip install 'metafora[etcd]'``
+default 5 s), ``namespace`` (the URL path wins). Needs ``pip install 'metafora-cluster[etcd]'``
 (``etcd-sdk-python`` and ``protobuf>=5.27.2``).
 
 Key layout: :mod:`metafora.coordinators.etcd.layout`. Lease, watch and self-fencing:

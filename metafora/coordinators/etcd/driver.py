@@ -111,7 +111,7 @@ def load_library() -> ModuleType:
         except Exception as exc:  # pragma: no cover - e.g. etcd3 with protobuf >= 4
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
     raise ImportError(
-        "no usable etcd client library (pip install 'metafora[etcd]'): " + "; ".join(errors)
+        "no usable etcd client library (pip install 'metafora-cluster[etcd]'): " + "; ".join(errors)
     )
 
 
@@ -372,7 +372,7 @@ class EtcdDriver:
         if not hasattr(lib, "MultiEndpointEtcd3Client"):
             raise ConfigError(
                 f"the installed {lib.__name__} is too old (no MultiEndpointEtcd3Client); "
-                "pip install 'metafora[etcd]'"
+                "pip install 'metafora-cluster[etcd]'"
             )
         s = self._settings
         creds = None
