@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _RESCAN = 5.0  # seconds between full scans at least (the safety net)
 _AFTER_ALL = "\U0010ffff"  # sorts after any id: "nothing left at this ready value"
 _MIN_WAIT = 0.005
+_RESCAN_ROWS_PER_S = 5000  # a full scan comes no more often than backlog / this many seconds
 
 
 class Watch:
@@ -130,8 +131,12 @@ class Watch:
             self._ids.clear()
             rewind, self._rewind = self._rewind, None
         if full:
-            self._next_full = started + self._rescan
-            self._scan_all(n_dead)
+            backlog = self._scan_all(n_dead)
+            # The safety net re-offers the whole backlog; spacing it by the backlog's size keeps
+            # its cost per second bounded (100,000 pending rows re-parsed every 5 s by every node
+            # starved a start-up storm). Progress never waits for it: notifications, the
+            # consumer's own re-offers of refused tasks and dead-owner scans go on meanwhile.
+            self._next_full = time.monotonic() + max(self._rescan, backlog / _RESCAN_ROWS_PER_S)
             self._ready = (int(max_ready), _AFTER_ALL)
         else:
             for i in range(0, len(ids), BATCH):
@@ -176,7 +181,8 @@ class Watch:
         with self._db.write() as conn:
             self._db.execute(conn, "fail_invalid", {"id": task_id, "error": error})
 
-    def _scan_all(self, n_dead: int) -> None:
+    def _scan_all(self, n_dead: int) -> int:
+        """Offer every claimable task (and stale claims); returns how many were pending."""
         after = ""
         pending: list[Any] = []
         while not self._closed.is_set():
@@ -195,6 +201,7 @@ class Watch:
             with self._db.write() as conn:
                 self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
                 self._db.execute(conn, "clean_commands", {})
+        return len(pending)
 
     def _scan_claims(self, name: str, offered: dict[str, int]) -> None:
         """Offer the stale claims ``name`` pages through by (owner, id) (unowned: by id)."""
