@@ -6,8 +6,10 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from metafora.connect import open_coordinator
+from metafora.coordinators.memory import MemoryCoordinator
 from metafora.task import Task
-from metafora.testing import wait_for
+from metafora.testing import LocalCluster, wait_for
 
 T = TypeVar("T")
 
@@ -28,3 +30,12 @@ class RanIds:
         with self._lock:
             self.ids.append(task.id)
         return True
+
+
+class Harness(LocalCluster):
+    """A LocalCluster on a fresh memory store, with direct access to memory coordinators."""
+
+    def coordinator(self, node: str) -> MemoryCoordinator:
+        coord = open_coordinator(self.url, node_id=node)
+        assert isinstance(coord, MemoryCoordinator)
+        return coord

@@ -5,34 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from metafora import AsyncHandler, Consumer, Handler, Task, TaskState, commands, simple_handler
-from metafora.coordinators.memory import MemoryCoordinator
-from metafora.testing import LocalCluster
-from tests.helpers import wait_until
-
-
-class Harness(LocalCluster):
-    """A LocalCluster on a fresh memory store, with direct access to memory coordinators."""
-
-    def coordinator(self, node: str) -> MemoryCoordinator:
-        from metafora import open_coordinator
-
-        coord = open_coordinator(self.url, node_id=node)
-        assert isinstance(coord, MemoryCoordinator)
-        return coord
-
-
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
-    try:
-        yield h
-    finally:
-        h.close()
+from tests.helpers import Harness, wait_until
 
 
 class Seen:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -17,13 +16,12 @@ from metafora import (
     Task,
     TaskState,
     commands,
-    open_coordinator,
     simple_handler,
 )
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import ConfigError
-from metafora.testing import FakeClock, LocalCluster
-from tests.helpers import wait_until
+from metafora.testing import FakeClock
+from tests.helpers import Harness, wait_until
 
 
 class Ledger:
@@ -55,22 +53,6 @@ class Ledger:
             return [r[1] for r in self.runs if r[0] == task_id]
 
 
-class Harness(LocalCluster):
-    """A LocalCluster on a fresh memory store, with direct access to memory coordinators."""
-
-    def coordinator(self, node: str) -> MemoryCoordinator:
-        coord = open_coordinator(self.url, node_id=node)
-        assert isinstance(coord, MemoryCoordinator)
-        return coord
-
-
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def ledger_handler(ledger: Ledger, node: str, *, block: bool = False,

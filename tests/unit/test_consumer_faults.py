@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 
 import pytest
@@ -15,8 +15,8 @@ from metafora import Balancer, BalancerContext, Consumer, Task, TaskState, comma
 from metafora.commands import Command
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import CoordinatorUnavailable, StoreError
-from tests.helpers import wait_until
-from tests.unit.test_consumer import Harness, Ledger, ledger_handler
+from tests.helpers import Harness, wait_until
+from tests.unit.test_consumer import Ledger, ledger_handler
 
 
 class FlakyCoordinator(MemoryCoordinator):
@@ -47,14 +47,6 @@ class FlakyCoordinator(MemoryCoordinator):
         self._maybe_fail("command")
         return super().command(timeout)
 
-
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def test_claim_and_done_are_retried_while_the_store_is_away(harness: Harness) -> None:
