@@ -184,8 +184,15 @@ _SQL: dict[str, str] = {
         " AND state = 'pending')"
     ),
     "scan_pending": (
-        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id > :after AND "
-        + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
+        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id > :after"
+        " AND id <= :until AND " + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
+    ),
+    # A random place in the pending rows (through the pending partial index): full scans start
+    # there and wrap around, so nodes racing over one backlog claim in different regions of it.
+    "pending_count": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'",
+    "pending_at": (
+        "SELECT id FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " ORDER BY id LIMIT 1 OFFSET :skip"
     ),
     "scan_ready": (
         "SELECT id, props, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"

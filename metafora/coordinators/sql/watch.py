@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from metafora.coordinator import rotated
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
@@ -183,16 +182,10 @@ class Watch:
 
     def _scan_all(self, n_dead: int) -> int:
         """Offer every claimable task (and stale claims); returns how many were pending."""
-        after = ""
-        pending: list[Any] = []
-        while not self._closed.is_set():
-            rows = self._query("scan_pending", {"after": after})
-            pending.extend(rows)
-            if len(rows) < BATCH:
-                break
-            after = rows[-1][0]
-        for row in rotated(pending):
-            self._offer(row[0], row[1])
+        pivot, backlog = self._pivot()
+        # Page by page (bounded memory), from just after a random pending id to the end, then
+        # from the start up to it.
+        backlog = self._scan_range(pivot, _AFTER_ALL) + (self._scan_range("", pivot) if pivot else 0)
         offered: dict[str, int] = {}
         self._scan_claims("scan_orphans", offered)
         self._scan_claims("scan_unowned", offered)
@@ -201,7 +194,29 @@ class Watch:
             with self._db.write() as conn:
                 self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
                 self._db.execute(conn, "clean_commands", {})
-        return len(pending)
+        return backlog
+
+    def _pivot(self) -> tuple[str, int]:
+        """A random pending id ("" when none) and how many rows are pending."""
+        with self._db.read() as conn:
+            count = int(self._db.execute(conn, "pending_count", {}).scalar_one())
+            if count < 2:
+                return "", count
+            row = self._db.execute(conn, "pending_at", {"skip": random.randrange(count)}).first()
+        return ("" if row is None else str(row[0])), count
+
+    def _scan_range(self, after: str, until: str) -> int:
+        """Offer the claimable pending tasks with ``after < id <= until``; returns how many."""
+        seen = 0
+        while not self._closed.is_set():
+            rows = self._query("scan_pending", {"after": after, "until": until})
+            for row in rows:
+                self._offer(row[0], row[1])
+            seen += len(rows)
+            if len(rows) < BATCH:
+                break
+            after = rows[-1][0]
+        return seen
 
     def _scan_claims(self, name: str, offered: dict[str, int]) -> None:
         """Offer the stale claims ``name`` pages through by (owner, id) (unowned: by id)."""
