@@ -90,6 +90,29 @@ def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
         coord.close()
 
 
+def test_etcd_command_take_on_frozen_etcd_is_bounded_by_the_lease(etcd_factory: Any) -> None:
+    """A fenced take from the task's command queue is bounded like a state write."""
+    from metafora.statemachine.stores.etcd import EtcdTaskCommands
+
+    server = etcd_factory()
+    url = server.url() + f"?lease_ttl=2&timeout={STORE_TIMEOUT:g}"
+    coord, task, _ctx = _claimed(url)
+    cmds = EtcdTaskCommands.of(coord)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        left = coord.claim_time_left(task)
+        assert left is not None and left > 0
+        started = time.monotonic()
+        with pytest.raises(ClaimLost):
+            cmds._take(task.id, task.token)
+        took = time.monotonic() - started
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        coord.close()
+    assert took <= left + SLACK, f"the take took {took:.2f}s with {left:.2f}s of lease left"
+    assert took < STORE_TIMEOUT / 2
+
+
 @contextlib.contextmanager
 def _pg_locked(coord: Coordinator, table: str, where: str) -> Iterator[None]:
     """Another connection holds the node's lease row (renewals wait) and the rows of

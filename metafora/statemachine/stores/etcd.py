@@ -32,6 +32,7 @@ from metafora.coordinators.etcd.driver import (
     EtcdDriver,
     Put,
     Range,
+    TxnResult,
     created_at,
     exists,
     modified_at,
@@ -162,6 +163,8 @@ class EtcdTaskCommands(TaskCommands):
         config = getattr(owner, "config", None)
         safety = float(getattr(config, "poll_interval", _SAFETY_DEFAULT))
         self._bell = bell_for(owner, self._take, self._pending_ids, safety)
+        # A fenced take is bounded by the claim's lease like a state write (client: unbounded).
+        self._bound = lease_bound_of(owner)
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> EtcdTaskCommands:
@@ -197,7 +200,8 @@ class EtcdTaskCommands(TaskCommands):
         prefix = self._prefix(task_id)
         tk = self._keys.task(task_id)
         for _ in range(_TAKE_RACES):
-            look = self._driver.txn(
+            look = self._fenced_txn(
+                task_id, token,
                 [], [Range(tk.props), Range(tk.owner), Range(prefix, prefix=True, limit=1, by_create=True)],
                 repeatable=True,
             )
@@ -213,7 +217,8 @@ class EtcdTaskCommands(TaskCommands):
                 log.info("dropped a command queued for an earlier task %s", task_id)
                 continue
             fence = [] if token is None else [created_at(tk.owner, token)]
-            result = self._driver.txn(
+            result = self._fenced_txn(
+                task_id, token,
                 [*fence, exists(kv.key), modified_at(kv.key, kv.mod_revision)],
                 [Delete(kv.key)],
                 [Range(tk.owner)],
@@ -226,6 +231,13 @@ class EtcdTaskCommands(TaskCommands):
                     raise ClaimLost(f"task {task_id!r} is no longer claimed with token {token}")
             # Someone else took that command first: look again.
         return None
+
+    def _fenced_txn(self, task_id: str, token: int | None, *args: Any, **kwargs: Any) -> TxnResult:
+        """A txn of a take: for the owner (``token``), bounded by the time its lease has left."""
+        if token is None:
+            return self._driver.txn(*args, **kwargs)
+        return self._bound.call(Task(task_id, token=token), "command take",
+                                lambda timeout: self._driver.txn(*args, timeout=timeout, **kwargs))
 
     def _pop(self, task_id: str, timeout: float | None, token: int | None,
              cancel: threading.Event | None) -> str | None:
