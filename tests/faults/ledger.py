@@ -176,7 +176,10 @@ def runs_of(events: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, str, int]
             continue
         run = runs.get(key)
         if run is None:
-            anomalies.append(f"{e['e']} of {key} without a start")
+            # The consumer may stop a handler it has made before its run() begins (its claim was
+            # lost or the node shut down meanwhile): the run never starts, which is no anomaly.
+            if e["e"] != "stop":
+                anomalies.append(f"{e['e']} of {key} without a start")
             continue
         if e["e"] == "stop":
             run.stopped = float(e["m"]) if run.stopped is None else run.stopped

@@ -108,3 +108,12 @@ def test_an_idle_cluster_with_work_waiting_is_a_stall() -> None:
     # The store was cut off for most of the gap: not a stall either.
     cut = FaultLog(cuts=[(2.5, 15.0)])
     assert not stalls(list(runs.values()), {"t1": 0.5, "t2": 0.5}, cut, threshold=10.0)
+
+
+def test_a_handler_stopped_before_its_run_began_is_no_anomaly() -> None:
+    base = {"n": "a", "k": "t1", "tok": 10}
+    made_then_stopped = [{"e": "made", "m": 1.0, **base}, {"e": "stop", "m": 1.1, **base}]
+    report = _judge(made_then_stopped + _run("b", 20, 2.0, 3.0))
+    assert report.ok, report.problems
+    orphan_end = [{"e": "end", "m": 1.2, "why": "done", **base}]
+    assert not _judge(orphan_end).ok  # an end without a start still is one
