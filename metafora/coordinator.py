@@ -7,6 +7,7 @@ Every store (memory, SQL, etcd) implements both, and one conformance suite
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 import queue
 import random
@@ -20,6 +21,7 @@ from metafora import bulk
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
+from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.task import Task, TaskInfo, TaskState
 
 __all__ = [
@@ -27,7 +29,9 @@ __all__ = [
     "Client",
     "Coordinator",
     "CoordinatorContext",
+    "Finish",
     "NodeInfo",
+    "Outcome",
     "TaskCommandListener",
     "TaskSink",
     "as_sink",
@@ -82,6 +86,26 @@ class TaskCommandListener(Protocol):
 
     def recheck(self) -> None:
         """Notifications may have been missed (a reconnect, a watch restart): look once."""
+
+
+class Outcome(enum.Enum):
+    """How a claim ended, as the consumer records it."""
+
+    DONE = "done"
+    RELEASE = "release"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """One outcome to record for a claimed task, fenced by ``task.token``.
+
+    ``error`` is the stored error text of a :attr:`Outcome.FAIL` (see :func:`error_text`).
+    """
+
+    task: Task
+    outcome: Outcome
+    error: str | None = None
 
 
 DEFAULT_MAX_CRASHES = 5
@@ -230,6 +254,38 @@ class Coordinator(ClusterState, abc.ABC):
     @abc.abstractmethod
     def fail(self, task: Task, error: BaseException | str) -> None:
         """Mark a claimed task failed with ``error``; kept, not rescheduled. Fenced."""
+
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Record many outcomes, each fenced by its own task's token, in few round trips.
+
+        Result ``i`` is None when ``finishes[i]`` was written, else the error that refused
+        it (:class:`~metafora.errors.ClaimLost` when the claim is no longer held). Raises
+        :class:`~metafora.errors.CoordinatorUnavailable` (or ``CoordinatorClosed``) when the
+        store could not be reached: the caller retries the batch, and an outcome whose first
+        answer was lost is then refused as ``ClaimLost``, as a single write would be. A store
+        may group them in one statement or transaction; this default writes them one by one.
+        """
+        results: list[MetaforaError | None] = []
+        for finish in finishes:
+            try:
+                if finish.outcome is Outcome.DONE:
+                    self.done(finish.task)
+                elif finish.outcome is Outcome.RELEASE:
+                    self.release(finish.task)
+                else:
+                    self.fail(finish.task, finish.error or "failed")
+            except (CoordinatorUnavailable, CoordinatorClosed):
+                if not results:
+                    raise
+                # Some were written: report the rest as unreachable, the caller retries them.
+                results.extend(CoordinatorUnavailable("store unreachable mid-batch")
+                               for _ in range(len(finishes) - len(results)))
+                return results
+            except MetaforaError as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+        return results
 
     @abc.abstractmethod
     def command(self, timeout: float | None = None) -> Command | None:
