@@ -12,22 +12,25 @@ Installed with metafora, it gives every test suite these fixtures:
 - ``metafora_store_url``: ``make(kind) -> url`` for tests that pick the kind themselves.
 
 Where the stores come from: ``memory`` is in-process; ``sqlite`` is a file in the test's
-temporary directory; ``postgresql`` and ``etcd`` use a ``postgres_url`` / ``etcd_url`` fixture
-when the suite defines one (metafora's own suite does: it starts local servers), else
-``$METAFORA_TEST_POSTGRES_URL`` / ``$METAFORA_TEST_ETCD_URL``, else a server on the default
-loopback port; with none, the test is skipped (failed when ``CI=true``). Each test gets its own
-namespace.
+temporary directory; ``postgresql`` and ``etcd`` are real servers from
+:mod:`metafora.testservers` (``$METAFORA_TEST_POSTGRES_URL`` / ``$METAFORA_TEST_ETCD_URL``, else a
+container when a Docker engine answers, else a server already on 127.0.0.1:5432 for
+PostgreSQL, else local binaries — ``initdb``/``pg_ctl``, ``etcd`` — started on free loopback
+ports for the session and stopped by pid). With none, the test is skipped with the reason
+(failed when ``CI=true``). Each test gets its own namespace (an etcd namespace is deleted
+after the test); a session gets one throw-away PostgreSQL database. The session fixtures
+``metafora_postgres_server``, ``metafora_postgres_database`` and ``metafora_etcd_server`` give
+the servers' base URLs to tests that need them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -40,6 +43,9 @@ __all__ = [
     "STORE_KINDS",
     "metafora_client",
     "metafora_cluster",
+    "metafora_etcd_server",
+    "metafora_postgres_database",
+    "metafora_postgres_server",
     "metafora_store_url",
     "metafora_url",
 ]
@@ -48,10 +54,6 @@ STORE_KINDS = ("memory", "sqlite", "postgresql", "etcd")
 """The store kinds ``--metafora-stores`` accepts (``all`` means every one)."""
 
 ENV_STORES = "METAFORA_TEST_STORES"
-ENV_POSTGRES = "METAFORA_TEST_POSTGRES_URL"
-ENV_ETCD = "METAFORA_TEST_ETCD_URL"
-_LOCAL = {"postgresql": ("127.0.0.1", 5432, "postgresql://postgres@127.0.0.1:5432/postgres"),
-          "etcd": ("127.0.0.1", 2379, "etcd://127.0.0.1:2379")}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -111,42 +113,52 @@ def _unavailable(kind: str, reason: str) -> None:
     pytest.skip(f"no {kind} store: {reason}")
 
 
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return True
-    except OSError:
-        return False
+def _serve(kind: str, server: contextlib.AbstractContextManager[str]) -> Iterator[str]:
+    """Enter ``server`` (from metafora.testservers), or skip/fail saying why there is none."""
+    from metafora.testservers import ServerUnavailable
+
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(server)
+        except ServerUnavailable as exc:
+            _unavailable(kind, str(exc))
+        yield url
 
 
-def _server_url(request: pytest.FixtureRequest, kind: str, fixture: str, env: str) -> str:
-    """A fresh-namespace URL on a server: the suite's fixture, else $env, else loopback."""
-    try:
-        return str(request.getfixturevalue(fixture))
-    except pytest.FixtureLookupError:
-        pass
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    base = os.environ.get(env)
-    if base:
-        parts = urlsplit(base)
-        host, port = parts.hostname or "127.0.0.1", parts.port or _LOCAL[kind][1]
-        if not _answers(host, port):
-            _unavailable(kind, f"${env} ({host}:{port}) does not answer")
-    else:
-        host, port, base = _LOCAL[kind]
-        if not _answers(host, port):
-            _unavailable(kind, f"no ${env} and nothing answers on {host}:{port}")
-    if kind == "etcd":
-        parts = urlsplit(base)
-        return f"{parts.scheme}://{parts.netloc}/{namespace}"
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}namespace={namespace}"
+@pytest.fixture(scope="session")
+def metafora_postgres_server() -> Iterator[str]:
+    """A PostgreSQL server's maintenance-database URL for the session (found or started)."""
+    from metafora.testservers import postgres_server
+
+    yield from _serve("postgresql", postgres_server())
+
+
+@pytest.fixture(scope="session")
+def metafora_postgres_database(metafora_postgres_server: str) -> Iterator[str]:
+    """A throw-away PostgreSQL database for the session, dropped at its end."""
+    from metafora.testservers import postgres_database
+
+    with postgres_database(metafora_postgres_server) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def metafora_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An etcd's base URL (``etcd://host:port``) for the session (found or started)."""
+    from metafora.testservers import etcd_server
+
+    yield from _serve("etcd", etcd_server(tmp_path_factory.mktemp("metafora-etcd")))
+
+
+def _namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture
 def metafora_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[str], str]]:
     """``make(kind) -> url``: a fresh, empty store of ``kind`` for this test (see the module doc)."""
     dropped: list[str] = []
+    etcd_urls: list[str] = []
 
     def make(kind: str) -> str:
         if kind not in STORE_KINDS:
@@ -158,14 +170,24 @@ def metafora_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterat
         if kind == "sqlite":
             return f"sqlite:///{tmp_path / f'metafora-{uuid.uuid4().hex[:6]}.db'}"
         if kind == "postgresql":
-            return _server_url(request, kind, "postgres_url", ENV_POSTGRES)
-        return _server_url(request, kind, "etcd_url", ENV_ETCD)
+            base = str(request.getfixturevalue("metafora_postgres_database"))
+            sep = "&" if "?" in base else "?"
+            return f"{base}{sep}namespace={_namespace()}"
+        url = f"{request.getfixturevalue('metafora_etcd_server')}/{_namespace()}"
+        etcd_urls.append(url)
+        return url
 
     yield make
     from metafora.coordinators.memory import drop_store
 
     for name in dropped:
         drop_store(f"{name}/metafora")
+    if etcd_urls:
+        from metafora.testservers import drop_etcd_namespace
+
+        for url in etcd_urls:
+            with contextlib.suppress(Exception):  # best effort: the server may be gone
+                drop_etcd_namespace(url)
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ pytest_plugins = [
 # Tests that need a store server get a marker of its name, so `-m "not postgresql and not etcd"`
 # selects the memory and SQLite tests (CI runs those on every supported Python).
 _SERVER_FIXTURES = {
-    "postgresql": {"postgres_server_url", "postgres_database_url", "postgres_url", "temp_postgres"},
-    "etcd": {"etcd_server", "etcd_url", "etcd_factory", "etcd_cluster"},
+    "postgresql": {"postgres_server_url", "postgres_database_url", "postgres_url", "temp_postgres",
+                   "metafora_postgres_server", "metafora_postgres_database"},
+    "etcd": {"etcd_server", "etcd_url", "etcd_factory", "etcd_cluster", "metafora_etcd_server"},
 }
 
 

@@ -20,7 +20,7 @@ from tests.faults.campaign import Size
 from tests.faults.stores import EtcdStore, PostgresStore
 from tests.fixtures.etcd import find_etcd, start_cluster
 from tests.fixtures.faults import is_long
-from tests.fixtures.postgres import TempCluster, _pg_bin
+from tests.fixtures.postgres import TempCluster, pg_bin
 
 
 def _missing(what: str) -> None:
@@ -32,7 +32,7 @@ def _missing(what: str) -> None:
 @pytest.fixture(scope="module")
 def pg_store() -> Iterator[PostgresStore]:
     """A private, restartable PostgreSQL for this module's scenarios."""
-    if _pg_bin("initdb") is None or _pg_bin("pg_ctl") is None:
+    if pg_bin("initdb") is None or pg_bin("pg_ctl") is None:
         _missing("initdb and pg_ctl")
     cluster = TempCluster()
     try:

@@ -86,3 +86,52 @@ def test_needs_etcd(metafora_client):
     monkeypatch.setenv("CI", "true")
     result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "etcd")
     result.assert_outcomes(errors=1)
+
+
+SERVER_TESTS = '''
+import os
+
+from metafora import Task, TaskState, simple_handler
+
+
+def test_handler_on_a_real_server(metafora_cluster, metafora_url):
+    assert metafora_url.split("://")[0] in ("postgresql", "etcd")
+    metafora_cluster.add(simple_handler(lambda task, stop: True), "worker")
+    metafora_cluster.client.submit_task(Task("job-1"))
+    metafora_cluster.wait_for_state("job-1", TaskState.DONE, timeout=60)
+
+
+def test_each_test_gets_an_empty_namespace(metafora_client):
+    assert metafora_client.tasks() == []
+    metafora_client.submit_task(Task("job-1"))
+'''
+
+
+@pytest.mark.postgresql
+@pytest.mark.etcd
+def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A user's suite defines no store fixture and names no server: the plugin finds
+    # PostgreSQL (here the machine's on :5432, else initdb) and starts etcd from its binary.
+    for name in ("METAFORA_TEST_POSTGRES_URL", "METAFORA_TEST_ETCD_URL"):
+        monkeypatch.delenv(name, raising=False)
+    from metafora.testservers import find_etcd
+
+    if find_etcd() is None:
+        pytest.skip("no etcd binary")  # CI installs etcd-server; the marker makes a skip fail there
+    pytester.makepyfile(test_user=SERVER_TESTS)
+    result = pytester.runpytest_subprocess(
+        "-v", "-p", "no:cacheprovider", "--metafora-stores", "postgresql,etcd", timeout=600)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*test_handler_on_a_real_server?store=etcd? PASSED*"])
+
+
+def test_server_unavailable_says_what_was_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metafora import testservers
+
+    monkeypatch.delenv("METAFORA_TEST_ETCD_URL", raising=False)
+    monkeypatch.setenv("METAFORA_TEST_ETCD", "/nonexistent/etcd")
+    monkeypatch.setattr(testservers, "docker_answers", lambda: False)
+    with pytest.raises(testservers.ServerUnavailable, match="no etcd binary"), \
+            testservers.etcd_server():
+        pass
