@@ -30,25 +30,21 @@ if TYPE_CHECKING:
     from metafora.statemachine.handler import StatefulTaskHandler
 
 
-class AsyncCommands:
-    """What an :data:`AsyncStatefulHandler` gets besides its task: commands, cursor, checkpoints.
+class _MachineView:
+    """The task, state and cursor of a running machine, as its handler sees them."""
 
-    The async twin of :class:`~metafora.statemachine.handler.Commands`; use it only from the
-    handler's coroutine.
-    """
-
-    def __init__(self, runner: AsyncStatefulTaskHandler) -> None:
-        self._runner = runner
+    def __init__(self, machine: StatefulTaskHandler) -> None:
+        self._machine = machine
 
     @property
     def task(self) -> Task:
         """The claimed task (with its fencing token)."""
-        return self._runner.machine.task
+        return self._machine.task
 
     @property
     def state(self) -> State:
         """The task's current state (runnable while the handler runs)."""
-        state = self._runner.machine.state
+        state = self._machine.state
         assert state is not None
         return state
 
@@ -60,7 +56,19 @@ class AsyncCommands:
     @property
     def stopping(self) -> bool:
         """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
-        return self._runner.machine.stopping
+        return self._machine.stopping
+
+
+class AsyncCommands(_MachineView):
+    """What an :data:`AsyncStatefulHandler` gets besides its task: commands, cursor, checkpoints.
+
+    The async twin of :class:`~metafora.statemachine.handler.Commands`; use it only from the
+    handler's coroutine.
+    """
+
+    def __init__(self, runner: AsyncStatefulTaskHandler) -> None:
+        super().__init__(runner.machine)
+        self._runner = runner
 
     async def poll(self) -> Message | None:
         """The next command without waiting, or None (``release`` once stopping)."""
@@ -82,7 +90,7 @@ class AsyncCommands:
         Raises ClaimLost if another owner holds the task, CoordinatorUnavailable if the
         store stayed unreachable (the machine then releases the task if you let it propagate).
         """
-        await asyncio.to_thread(self._runner.machine.checkpoint, cursor)
+        await asyncio.to_thread(self._machine.checkpoint, cursor)
 
 
 AsyncStatefulHandler = Callable[[Task, AsyncCommands], Awaitable[Message]]

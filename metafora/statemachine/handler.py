@@ -35,7 +35,7 @@ from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.handler import Handler, _is_coroutine_fn
-from metafora.statemachine.aio import AsyncStatefulHandler, AsyncStatefulTaskHandler
+from metafora.statemachine.aio import AsyncStatefulHandler, AsyncStatefulTaskHandler, _MachineView
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.machine import (
     IGNORE,
@@ -59,36 +59,12 @@ T = TypeVar("T")
 _RETRY_MAX = 5.0  # seconds: the longest pause between store retries
 
 
-class Commands:
+class Commands(_MachineView):
     """What a :data:`StatefulHandler` gets besides its task: commands, cursor, checkpoints.
 
-    Use it only from the thread that called the handler.
+    ``task``, ``state``, ``cursor`` and ``stopping`` describe the running machine. Use it only
+    from the thread that called the handler.
     """
-
-    def __init__(self, machine: StatefulTaskHandler) -> None:
-        self._machine = machine
-
-    @property
-    def task(self) -> Task:
-        """The claimed task (with its fencing token)."""
-        return self._machine.task
-
-    @property
-    def state(self) -> State:
-        """The task's current state (runnable while the handler runs)."""
-        state = self._machine.state
-        assert state is not None
-        return state
-
-    @property
-    def cursor(self) -> str | None:
-        """The cursor of the last checkpoint (from any earlier owner too), or None."""
-        return self.state.cursor
-
-    @property
-    def stopping(self) -> bool:
-        """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
-        return self._machine.stopping
 
     def poll(self) -> Message | None:
         """The next command without waiting, or None.

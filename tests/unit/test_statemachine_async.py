@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
-import pytest
-
-from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora import Task, TaskState, open_coordinator
 from metafora.statemachine import (
     AsyncCommands,
     AsyncStatefulTaskHandler,
@@ -23,6 +20,9 @@ from metafora.statemachine import (
     send_task_command,
 )
 from metafora.testing import FakeClock, LocalCluster
+from tests.helpers import start_stateful as start
+from tests.helpers import state_code as code
+from tests.helpers import state_cursor as cursor
 from tests.helpers import wait_until
 
 
@@ -47,28 +47,6 @@ class Worker:
                 await asyncio.sleep(0.005)  # pacing the fake work (not synchronisation)
 
         return work
-
-
-@pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(shutdown_timeout=5.0) as c:
-        yield c
-
-
-def start(cluster: LocalCluster, stateful: object, node: str, **kwargs: object) -> Consumer:
-    coord = open_coordinator(cluster.url, node_id=node)
-    kwargs.setdefault("poll_interval", 0.02)
-    return cluster.start(Consumer(coord, handler_func(stateful, coord, **kwargs)))  # type: ignore[arg-type]
-
-
-def cursor(cluster: LocalCluster, task_id: str = "t1") -> int:
-    state = get_state(cluster.client, task_id)
-    return int(state.cursor or 0) if state is not None else 0
-
-
-def code(cluster: LocalCluster, task_id: str = "t1") -> StateCode | None:
-    state = get_state(cluster.client, task_id)
-    return None if state is None else state.code
 
 
 def test_handler_func_picks_the_async_runner_for_an_async_def(cluster: LocalCluster) -> None:
