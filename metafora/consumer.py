@@ -16,7 +16,7 @@ import math
 import queue
 import random
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,6 +32,7 @@ from metafora.errors import (
     ConfigError,
     CoordinatorClosed,
     CoordinatorUnavailable,
+    InvalidProps,
     MetaforaError,
 )
 from metafora.handler import AsyncHandler, Handler, HandlerFunc
@@ -39,7 +40,7 @@ from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.runner import HandlerRunner, Run
-from metafora.task import Task
+from metafora.task import Task, matches, validate_labels
 
 __all__ = ["Consumer"]
 
@@ -97,6 +98,10 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         return msg, kwargs
 
 
+def _by_priority(task: Task) -> int:
+    return -task.priority
+
+
 def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
@@ -123,6 +128,10 @@ class _Context(CoordinatorContext):
     def max_crashes(self) -> int | None:
         return self._consumer._max_crashes
 
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self._consumer.labels
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -143,6 +152,9 @@ class Consumer:
       after this many seconds.
     - ``slow_callback``: warn when an async handler holds the node's event loop (a blocking
       call) longer than this many seconds.
+    - ``labels``: this node's placement labels (``{"zone": "eu", "gpu": "1"}``), published
+      with its registration: it claims only tasks whose selector they match (see
+      docs/placement.md). Offers are tried highest ``Task.priority`` first.
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
@@ -164,6 +176,7 @@ class Consumer:
         refuse_retry: float | timedelta = 1.0,
         slow_callback: float | timedelta = 0.25,
         http_addr: str | None = None,
+        labels: Mapping[str, str] | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -179,6 +192,10 @@ class Consumer:
             raise ConfigError(f"max_crashes must be a non-negative integer or None, got {max_crashes!r}")
         if not 0 <= balance_jitter < 1:
             raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
+        try:
+            self._labels = validate_labels(labels or {}, "labels")
+        except InvalidProps as exc:
+            raise ConfigError(str(exc)) from None
         self._coord = coordinator
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else DumbBalancer()
@@ -230,6 +247,11 @@ class Consumer:
         return self._coord.node_id
 
     @property
+    def labels(self) -> Mapping[str, str]:
+        """This node's placement labels (a copy)."""
+        return dict(self._labels)
+
+    @property
     def frozen(self) -> bool:
         """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
         return self._frozen
@@ -273,6 +295,7 @@ class Consumer:
             "node": self.node_id,
             "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
+            "labels": dict(self._labels),
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),
             "tasks": rows,
@@ -445,6 +468,8 @@ class Consumer:
         # Every node hears the same offers in the same order; shuffling them makes nodes
         # try different tasks first, so fewer claims are lost to a race (one round trip each).
         self._rng.shuffle(offers)
+        # Higher priority first; the sort is stable, so each priority stays shuffled.
+        offers.sort(key=_by_priority)
         for kind, payload in batch:
             if self._stopping.is_set():
                 return
@@ -466,6 +491,8 @@ class Consumer:
         for task in tasks:
             if self._stopping.is_set():
                 return
+            if task.selector and not matches(task.selector, self._labels):
+                continue  # placement: another node's task (the claim would refuse it too)
             with self._lock:
                 if task.id in self._running or any(t.id == task.id for t in approved):
                     continue
@@ -511,12 +538,16 @@ class Consumer:
             due = [t for d, t in self._ignores.values() if d <= now]
             for task in due:
                 del self._ignores[task.id]
+        due.sort(key=_by_priority)
         self._offer(*due)
 
     def _redo_deferred(self) -> None:
         with self._lock:
             waiting = list(self._deferred.values())
             self._deferred.clear()
+        # Highest priority first: under max_tasks pressure a freed slot goes to the most
+        # urgent task this node was offered.
+        waiting.sort(key=_by_priority)
         self._offer(*waiting)
 
     def _claim(self, tasks: list[Task]) -> None:
@@ -770,7 +801,8 @@ class Consumer:
         self._releases[task.id] = count
         backoff = min(self._release_backoff * 2 ** (count - 1), self._release_backoff_max)
         if backoff > 0:
-            self._ignore(Task(task.id, task.props), backoff * self._rng.uniform(0.8, 1.2))
+            self._ignore(Task(task.id, task.props, selector=task.selector, priority=task.priority),
+                         backoff * self._rng.uniform(0.8, 1.2))
 
     def _finished(self, task: Task, outcome: _Outcome) -> None:
         self._retry_deferred()

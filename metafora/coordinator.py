@@ -11,8 +11,8 @@ import enum
 import logging
 import queue
 import random
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
@@ -139,6 +139,8 @@ class NodeInfo:
     started: datetime | None = None
     heartbeat: datetime | None = None
     frozen: bool | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The node's placement labels (see ``Consumer(labels=...)``)."""
 
 
 class CoordinatorContext(abc.ABC):
@@ -162,6 +164,12 @@ class CoordinatorContext(abc.ABC):
         """A claim fails a task whose previous claims ended this many times in a row with their
         node dead (see :func:`crash_limit_error`); None or 0: never."""
         return DEFAULT_MAX_CRASHES
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """The node's placement labels, published with its registration: the coordinator's
+        claim refuses a task whose selector they do not match (validated by the consumer)."""
+        return {}
 
 
 class Coordinator(ClusterState, abc.ABC):

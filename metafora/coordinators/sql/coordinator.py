@@ -38,7 +38,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.task import Task, decode_props, validate_task_id
+from metafora.task import Task, decode_labels, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -84,6 +84,7 @@ class SQLCoordinator(Coordinator):
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
             self._db.ensure_schema()
+            self._lease.labels = ctx.labels
             if not self._lease.register(first=True):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
             self._ctx = ctx
@@ -262,19 +263,22 @@ class SQLCoordinator(Coordinator):
         epoch, session = started
         claimed: list[Task] = []
         try:
-            params: dict[str, Any] = {"node": self._node_id, "session": session}
+            params: dict[str, Any] = {"node": self._node_id, "session": session,
+                                      "labels": self._lease.labels_json() or "{}"}
             with self._db.hot() as cur:
                 if len(ids) == 1:
                     row = cur.one("claim", dict(params, id=ids[0]))
-                    rows = [] if row is None else [(ids[0], row[0], row[1], row[2])]
+                    rows = [] if row is None else [(ids[0], *row)]
                 else:
                     params.update(ids=self._db.dialect.ids_param(ids), limit=limit)
                     rows = cur.all("claim_many", params)
                 if rows:
                     cur.token_used(max(int(r[1]) for r in rows))
             place = {task_id: i for i, task_id in enumerate(ids)}
-            for task_id, token, props_text, crashes in sorted(rows, key=lambda r: place[str(r[0])]):
-                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes))
+            for task_id, token, props_text, crashes, selector, priority in sorted(
+                    rows, key=lambda r: place[str(r[0])]):
+                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
+                                           selector, int(priority or 0))
                 if task is not None:
                     claimed.append(task)
         finally:
@@ -286,10 +290,13 @@ class SQLCoordinator(Coordinator):
             return []
         return claimed
 
-    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int) -> Task | None:
+    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
+                       selector: str | None = None, priority: int = 0) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            task = Task(task_id, decode_props(props_text, task_id), token)
+            task = Task(task_id, decode_props(props_text, task_id), token,
+                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
+                        priority=priority)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:
