@@ -1,0 +1,86 @@
+"""Placement and priorities end to end on every store: consumers with labels, a full node."""
+
+from __future__ import annotations
+
+import threading
+
+from metafora import Task, TaskState, simple_handler
+from metafora.consumer import Consumer
+from metafora.testing import LocalCluster, wait_for
+
+
+class Runs:
+    """A handler recording (task, node) in start order; tasks named ``hold*`` block until
+    :meth:`let_go`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: list[tuple[str, str]] = []
+        self.gate = threading.Event()
+
+    def handler(self, node: str) -> object:
+        def work(task: Task, stop: threading.Event) -> bool:
+            with self.lock:
+                self.runs.append((task.id, node))
+            if task.id.startswith("hold"):
+                self.gate.wait(120)
+                self.gate.clear()
+            return True
+
+        return simple_handler(work)
+
+    def let_go(self) -> None:
+        self.gate.set()
+
+    def order(self) -> list[str]:
+        with self.lock:
+            return [t for t, _ in self.runs]
+
+    def node_of(self) -> dict[str, str]:
+        with self.lock:
+            return dict(self.runs)
+
+
+def _deferred(consumer: Consumer) -> int:
+    return len(consumer._deferred)  # offers met while the node was full
+
+
+def test_only_nodes_whose_labels_match_run_a_task(store_url: str) -> None:
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        cluster.add(runs.handler("cpu"), "cpu", labels={"gpu": "0", "zone": "eu"})
+        cluster.add(runs.handler("gpu"), "gpu", labels={"gpu": "1", "zone": "eu"})
+        cluster.add(runs.handler("bare"), "bare")
+        nodes = {n.id: dict(n.labels) for n in cluster.client.node_infos()}
+        assert nodes == {"bare": {}, "cpu": {"gpu": "0", "zone": "eu"},
+                         "gpu": {"gpu": "1", "zone": "eu"}}
+        cluster.client.submit_tasks([Task(f"g{i}", selector={"gpu": "1"}) for i in range(8)]
+                                    + [Task(f"e{i}", selector={"zone": "eu"}) for i in range(8)]
+                                    + [Task(f"p{i}") for i in range(8)])
+        wait_for(lambda: len(cluster.client.tasks("done")) == 24, 60, "24 tasks done")
+        where = runs.node_of()
+        assert {where[f"g{i}"] for i in range(8)} == {"gpu"}
+        assert {where[f"e{i}"] for i in range(8)} <= {"gpu", "cpu"}
+        assert len(runs.order()) == 24  # each ran once
+        assert not cluster.errors
+
+
+def test_a_full_node_claims_the_highest_priority_first_and_never_preempts(store_url: str) -> None:
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        node = cluster.add(runs.handler("n"), "n", max_tasks=1)
+        cluster.client.submit_task(Task("hold-low", priority=-5))
+        wait_for(lambda: runs.order() == ["hold-low"], 30, "hold-low running")
+        # Submitted while the node is full, lowest first: the urgent one comes last.
+        cluster.client.submit_tasks([Task("a-low"), Task("b-mid", priority=3),
+                                     Task("c-low"), Task("z-urgent", priority=100)])
+        wait_for(lambda: _deferred(node) == 4, 30, "the four offers deferred")
+        # Priority does not pre-empt: the running low task keeps its slot.
+        assert cluster.client.get_task("hold-low").state is TaskState.CLAIMED
+        assert cluster.client.get_task("z-urgent").state is TaskState.PENDING
+        runs.let_go()
+        wait_for(lambda: len(cluster.client.tasks("done")) == 5, 60, "five tasks done")
+        order = runs.order()
+        assert order[:3] == ["hold-low", "z-urgent", "b-mid"]
+        assert sorted(order[3:]) == ["a-low", "c-low"]
+        assert not cluster.errors
