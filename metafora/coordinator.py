@@ -444,6 +444,10 @@ class Client(ClusterState, abc.ABC):
         """Details of the live nodes, sorted by id (stores add host, heartbeat, frozen...)."""
         return [NodeInfo(n, c) for n, c in sorted(self.node_task_count().items())]
 
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        """Live node id -> its placement labels (from :meth:`node_infos`)."""
+        return {n.id: dict(n.labels) for n in self.node_infos()}
+
     @abc.abstractmethod
     def submit_command(self, node_id: str, command: Command) -> None:
         """Queue ``command`` for a live node. Raises NodeNotFound."""

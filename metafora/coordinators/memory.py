@@ -370,6 +370,10 @@ class MemoryCoordinator(Coordinator):
         with self._store.cond:
             return self._store.counts()
 
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        with self._store.cond:
+            return {n.node_id: dict(n.labels) for n in self._store.nodes.values()}
+
     def close(self) -> None:
         s = self._store
         with s.cond:

@@ -84,6 +84,7 @@ from metafora.coordinators.etcd.queries import (
     expire_task,
     fail_unclaimed,
     launch_and_expiry,
+    node_labels,
     node_task_count,
     read_all_tasks,
 )
@@ -892,6 +893,10 @@ class EtcdCoordinator(Coordinator):
     def node_task_count(self) -> dict[str, int]:
         self._check_open()
         return node_task_count(self._driver, self._keys)
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self._check_open()
+        return node_labels(self._driver, self._keys)
 
     # -- commands ---------------------------------------------------------------------
 

@@ -411,6 +411,20 @@ class SQLCoordinator(Coordinator):
             rows = self._db.execute(conn, "node_counts", {}).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self._check_open()
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "node_labels", {}).fetchall()
+        labels: dict[str, dict[str, str]] = {}
+        for node_id, raw in rows:
+            try:
+                labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
+            except MetaforaError as exc:  # written around metafora: no labels
+                log.warning("%s", exc, extra=self._extra)
+                labels[str(node_id)] = {}
+        return labels
+
     # -- test hooks -------------------------------------------------------------------------
 
     def _pause_heartbeat(self) -> None:

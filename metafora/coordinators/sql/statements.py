@@ -325,6 +325,9 @@ _SQL: dict[str, str] = {
         " n.renewed_at, n.frozen, n.labels FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} ORDER BY n.node_id"
     ),
+    "node_labels": (
+        "SELECT node_id, labels FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
+    ),
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
