@@ -26,6 +26,7 @@ __all__ = [
     "TaskInfo",
     "TaskState",
     "decode_labels",
+    "decode_placement",
     "decode_props",
     "label_text",
     "matches",
@@ -34,6 +35,7 @@ __all__ = [
     "validate_labels",
     "validate_priority",
     "validate_schedule",
+    "validate_spread",
     "validate_task_id",
 ]
 
@@ -175,6 +177,23 @@ def validate_priority(priority: object) -> int:
     return priority
 
 
+def validate_spread(spread: object) -> str | None:
+    """An anti-affinity group name (None for none): a non-empty printable string."""
+    if spread is None:
+        return None
+    return _label_part(spread, "spread group", MAX_LABEL_VALUE_LENGTH)
+
+
+def decode_placement(raw: str | bytes | None, task_id: str) -> tuple[dict[str, str], str | None]:
+    """A task's soft placement as stored (``{"prefer": {...}, "spread": "..."}`` JSON text, None
+    for none): ``(prefer, spread)``."""
+    if raw is None or raw in ("", b""):
+        return {}, None
+    what = f"stored placement of task {task_id!r}"
+    data = load_object(raw, what, InvalidProps)
+    return validate_labels(data.get("prefer") or {}, f"{what}: prefer"), validate_spread(data.get("spread"))
+
+
 def decode_labels(raw: str | bytes | None, what: str) -> dict[str, str]:
     """Labels or a selector read back from a store (JSON text; None or empty means none)."""
     if raw is None or raw in ("", b""):
@@ -248,7 +267,10 @@ class Task:
     ``selector`` (placement): only a node whose labels include every pair may claim the
     task (see :func:`validate_labels`). ``priority``: among claimable tasks, higher ones are
     offered and claimed first (an integer in [-1,000,000, 1,000,000], default 0); it never
-    pre-empts a running task.
+    pre-empts a running task. Soft placement: ``prefer`` (labels a node should have: others
+    hold back briefly before they take the task) and ``spread`` (an anti-affinity group:
+    a node already running a task of the group holds back briefly before it takes another),
+    both best effort (see docs/placement.md).
     """
 
     id: str
@@ -256,6 +278,8 @@ class Task:
     token: int = 0
     selector: Mapping[str, str] = field(default_factory=dict, hash=False, kw_only=True)
     priority: int = field(default=0, kw_only=True)
+    prefer: Mapping[str, str] = field(default_factory=dict, hash=False, kw_only=True)
+    spread: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         validate_task_id(self.id)
@@ -264,6 +288,8 @@ class Task:
             raise InvalidProps(f"token must be a non-negative integer, got {self.token!r}")
         object.__setattr__(self, "selector", validate_labels(self.selector, "selector"))
         validate_priority(self.priority)
+        object.__setattr__(self, "prefer", validate_labels(self.prefer, "prefer"))
+        validate_spread(self.spread)
 
     @property
     def launch_at(self) -> datetime | None:
@@ -287,9 +313,19 @@ class Task:
             return None
         return json.dumps(dict(self.selector), separators=(",", ":"), sort_keys=True)
 
+    def placement_json(self) -> str | None:
+        """``prefer`` and ``spread`` as compact JSON, or None when neither is set."""
+        data: dict[str, Any] = {}
+        if self.prefer:
+            data["prefer"] = dict(self.prefer)
+        if self.spread is not None:
+            data["spread"] = self.spread
+        return json.dumps(data, separators=(",", ":"), sort_keys=True) if data else None
+
     def with_token(self, token: int) -> Task:
         """A copy of this task carrying another fencing token."""
-        return Task(self.id, self.props, token, selector=self.selector, priority=self.priority)
+        return Task(self.id, self.props, token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
 
 
 @dataclass(frozen=True)
@@ -308,10 +344,13 @@ class TaskInfo:
     attempts: int = 0
     selector: Mapping[str, str] = field(default_factory=dict)
     priority: int = 0
+    prefer: Mapping[str, str] = field(default_factory=dict)
+    spread: str | None = None
 
     def task(self) -> Task:
         """The task itself, carrying its current token."""
-        return Task(self.id, self.props, self.token, selector=self.selector, priority=self.priority)
+        return Task(self.id, self.props, self.token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (times as ISO-8601 strings)."""
@@ -332,4 +371,6 @@ class TaskInfo:
             "attempts": self.attempts,
             "selector": dict(self.selector),
             "priority": self.priority,
+            "prefer": dict(self.prefer),
+            "spread": self.spread,
         }

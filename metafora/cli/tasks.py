@@ -137,12 +137,12 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
     return props
 
 
-_LINE_KEYS = frozenset({"id", "props", "selector", "priority"})
+_LINE_KEYS = frozenset({"id", "props", "selector", "priority", "prefer", "spread"})
 
 
 def read_task_lines(stream: IO[str]) -> list[Task]:
-    """Tasks from JSON lines ``{"id": ..., "props": {...}, "selector": {...}, "priority": N}``
-    (only ``id`` is required; blank lines skipped).
+    """Tasks from JSON lines ``{"id": ..., "props": {...}, "selector": {...}, "priority": N,
+    "prefer": {...}, "spread": "..."}`` (only ``id`` is required; blank lines skipped).
 
     Every line is checked; an error names the line number and keeps its type (a bad id is
     InvalidTaskId, anything else InvalidProps).
@@ -166,10 +166,11 @@ def _task_line(line: str, number: int) -> Task:
     if unknown or "id" not in item:
         what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'id'"
         raise InvalidProps(f"--from-file line {number}: {what} (a line holds 'id' and optionally "
-                           "'props', 'selector', 'priority')")
+                           "'props', 'selector', 'priority', 'prefer', 'spread')")
     try:
         task = Task(item["id"], item.get("props") or {}, selector=item.get("selector") or {},
-                    priority=item.get("priority", 0))
+                    priority=item.get("priority", 0), prefer=item.get("prefer") or {},
+                    spread=item.get("spread"))
         return validate_schedule(task, datetime.now(UTC))
     except (InvalidTaskId, InvalidProps) as exc:
         raise type(exc)(f"--from-file line {number}: {exc}") from None
@@ -191,6 +192,11 @@ def _task_line(line: str, number: int) -> Task:
 @click.option("--priority", type=int, default=None, metavar="N",
               help=f"Higher is claimed first among claimable tasks (default 0; {MIN_PRIORITY:,} "
                    f"to {MAX_PRIORITY:,}). Never stops a running task.")
+@click.option("--prefer", "prefer", multiple=True, metavar="KEY=VALUE",
+              help="Soft placement: nodes without these labels hold back briefly while a node "
+                   "with them is live. Repeatable.")
+@click.option("--spread", metavar="GROUP",
+              help="Anti-affinity: tasks of one GROUP go to distinct nodes where possible.")
 @click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), metavar="FILE|-",
               help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}, '
                    '"selector": {...}, "priority": N} ("-": stdin), in batches, all-or-nothing '
@@ -198,14 +204,15 @@ def _task_line(line: str, number: int) -> Task:
 @click.pass_context
 def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], props_json: str | None,
            launch_at: str | None, expires_at: str | None, select: tuple[str, ...],
-           priority: int | None, from_file: IO[str] | None) -> None:
+           priority: int | None, prefer: tuple[str, ...], spread: str | None,
+           from_file: IO[str] | None) -> None:
     """Submit a new task ID (pending until a consumer claims it), or many with --from-file."""
     if from_file is not None:
         if (task_id is not None or pairs or props_json or launch_at or expires_at or select
-                or priority is not None):
+                or priority is not None or prefer or spread is not None):
             raise click.UsageError("--from-file takes no ID, --prop, --props, --launch-at, "
-                                   "--expires-at, --select or --priority (put them in the "
-                                   "file's lines)")
+                                   "--expires-at, --select, --priority, --prefer or --spread "
+                                   "(put them in the file's lines)")
         tasks = read_task_lines(from_file)
         with store_client(ctx) as client:
             client.submit_tasks(tasks)
@@ -216,7 +223,8 @@ def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], prop
     if priority is not None and not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidProps(f"--priority {priority} is out of range [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at),
-                selector=parse_select(select), priority=priority or 0)
+                selector=parse_select(select), priority=priority or 0,
+                prefer=parse_select(prefer, "--prefer"), spread=spread)
     validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:
         client.submit_task(task)
@@ -362,6 +370,8 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ("attempts", str(info.attempts)),
         ("priority", str(info.priority)),
         ("selector", Text(label_text(info.selector) or "-")),
+        ("prefer", Text(label_text(info.prefer) or "-")),
+        ("spread", Text(info.spread or "-")),
         ("created_at", format_time(info.created_at)),
         ("claimed_at", format_time(info.claimed_at)),
         ("finished_at", format_time(info.finished_at)),

@@ -71,15 +71,18 @@ class _Row:
     ready: int = 0  # store version at which the row last became claimable
     selector: dict[str, str] = field(default_factory=dict)
     priority: int = 0
+    prefer: dict[str, str] = field(default_factory=dict)
+    spread: str | None = None
 
     @classmethod
     def new(cls, task: Task, now: datetime) -> _Row:
         return cls(task.id, dict(task.props), TaskState.PENDING, now,
-                   selector=dict(task.selector), priority=task.priority)
+                   selector=dict(task.selector), priority=task.priority,
+                   prefer=dict(task.prefer), spread=task.spread)
 
     def task(self) -> Task:
         return Task(self.task_id, self.props, self.token, selector=self.selector,
-                    priority=self.priority)
+                    priority=self.priority, prefer=self.prefer, spread=self.spread)
 
     def info(self) -> TaskInfo:
         return TaskInfo(
@@ -95,6 +98,8 @@ class _Row:
             attempts=self.attempts,
             selector=dict(self.selector),
             priority=self.priority,
+            prefer=dict(self.prefer),
+            spread=self.spread,
         )
 
 

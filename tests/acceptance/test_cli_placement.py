@@ -117,3 +117,19 @@ def test_bad_select_in_a_subprocess_exits_2_without_traceback(tmp_path: Path) ->
     with open_client(url) as client:
         info = client.get_task("t")
     assert (dict(info.selector), info.priority) == ({"gpu": "1"}, -4)
+
+
+def test_submit_prefer_and_spread(url: str, tmp_path: Path) -> None:
+    result = on(url, "submit", "t1", "--prefer", "zone=eu", "--spread", "shards")
+    assert result.exit_code == EXIT_OK, result.output
+    lines = tmp_path / "soft.jsonl"
+    lines.write_text(json.dumps({"id": "t2", "prefer": {"ssd": "yes"}, "spread": "g"}) + "\n")
+    assert on(url, "submit", "--from-file", str(lines)).exit_code == EXIT_OK
+    with open_client(url) as client:
+        got = {i.id: (dict(i.prefer), i.spread) for i in client.tasks()}
+    assert got == {"t1": ({"zone": "eu"}, "shards"), "t2": ({"ssd": "yes"}, "g")}
+    assert "zone=eu" in on(url, "show", "t1").output
+    bad = on(url, "submit", "t3", "--spread", "")
+    assert bad.exit_code == EXIT_USAGE and "spread group must not be empty" in bad.output
+    bad = on(url, "submit", "t3", "--prefer", "=x")
+    assert bad.exit_code == EXIT_USAGE and "--prefer key must not be empty" in bad.output

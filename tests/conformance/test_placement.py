@@ -52,6 +52,19 @@ def test_selector_and_priority_are_stored_and_returned(cluster: Cluster) -> None
     assert [(p.id, p.priority) for p in page] == [("gpu", 7)]
 
 
+def test_soft_placement_is_stored_and_returned(cluster: Cluster) -> None:
+    cluster.client.submit_task(Task("soft", prefer={"zone": "eu"}, spread="shards"))
+    cluster.client.submit_tasks([Task("bulk", prefer={"ssd": "yes"}), Task("none")])
+    info = cluster.client.get_task("soft")
+    assert (dict(info.prefer), info.spread) == ({"zone": "eu"}, "shards")
+    infos = {i.id: i for i in cluster.client.tasks()}
+    assert (dict(infos["bulk"].prefer), infos["bulk"].spread) == ({"ssd": "yes"}, None)
+    assert (dict(infos["none"].prefer), infos["none"].spread) == ({}, None)
+    node = cluster.node("n")
+    got = node.claim(Task("soft"))
+    assert got is not None and (dict(got.prefer), got.spread) == ({"zone": "eu"}, "shards")
+
+
 def test_labels_are_published_with_the_registration(cluster: Cluster) -> None:
     cluster.node("n1", {"zone": "eu", "gpu": "1"})
     cluster.node("n2")

@@ -84,3 +84,57 @@ def test_a_full_node_claims_the_highest_priority_first_and_never_preempts(store_
         assert order[:3] == ["hold-low", "z-urgent", "b-mid"]
         assert sorted(order[3:]) == ["a-low", "c-low"]
         assert not cluster.errors
+
+
+def _owners(cluster: LocalCluster, ids: list[str]) -> list[str | None]:
+    return [cluster.client.get_task(i).owner for i in ids]
+
+
+def _blocking(runs: Runs, node: str) -> object:
+    def work(task: Task, stop: threading.Event) -> bool:
+        with runs.lock:
+            runs.runs.append((task.id, node))
+        stop.wait(120)
+        return False
+
+    return simple_handler(work)
+
+
+def test_a_spread_group_goes_to_distinct_nodes_first(store_url: str) -> None:
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        # A node already running a task of the group would wait an hour: only a node
+        # running none of the group may take the second one.
+        for name in ("a", "b"):
+            cluster.add(_blocking(runs, name), name, placement_wait=3600, refuse_retry=0.2)
+        cluster.client.submit_tasks([Task("s1", spread="shard"), Task("s2", spread="shard")])
+        wait_for(lambda: None not in _owners(cluster, ["s1", "s2"]), 60, "both claimed")
+        assert sorted(_owners(cluster, ["s1", "s2"])) == ["a", "b"]  # type: ignore[type-var]
+        assert not cluster.errors
+
+
+def test_a_spread_group_larger_than_the_cluster_still_runs(store_url: str) -> None:
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        for name in ("a", "b"):
+            cluster.add(_blocking(runs, name), name, placement_wait=0.5, refuse_retry=0.2)
+        ids = ["g1", "g2", "g3"]
+        cluster.client.submit_tasks([Task(i, spread="shard") for i in ids])
+        wait_for(lambda: None not in _owners(cluster, ids), 60, "all three claimed")
+        assert set(_owners(cluster, ids)) == {"a", "b"}
+        assert not cluster.errors
+
+
+def test_prefer_goes_to_the_preferred_node_and_falls_back_when_none_is_live(store_url: str) -> None:
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        cluster.add(runs.handler("us"), "us", labels={"zone": "us"}, placement_wait=3600)
+        cluster.add(runs.handler("eu"), "eu", labels={"zone": "eu"}, placement_wait=3600)
+        cluster.client.submit_tasks([Task(f"p{i}", prefer={"zone": "eu"}) for i in range(4)])
+        wait_for(lambda: len(cluster.client.tasks("done")) == 4, 60, "four tasks done")
+        assert set(runs.node_of().values()) == {"eu"}
+        # No live node has zone=mars: the preference cannot be met and holds nothing back
+        # (with an hour's placement_wait, a held-back task would never run in this test).
+        cluster.client.submit_task(Task("mars", prefer={"zone": "mars"}))
+        cluster.wait_for_state("mars", TaskState.DONE, 60)
+        assert not cluster.errors

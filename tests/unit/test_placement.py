@@ -81,3 +81,17 @@ def test_consumer_labels_are_validated_and_shown() -> None:
     assert consumer.labels == {"gpu": "1"}
     assert consumer.info()["labels"] == {"gpu": "1"}
     consumer.shutdown()
+
+
+def test_soft_placement_values() -> None:
+    task = Task("t", prefer={"zone": "eu"}, spread="shards")
+    assert task.placement_json() == '{"prefer":{"zone":"eu"},"spread":"shards"}'
+    assert Task("u").placement_json() is None
+    moved = task.with_token(3)
+    assert (dict(moved.prefer), moved.spread) == ({"zone": "eu"}, "shards")
+    with pytest.raises(InvalidProps, match="spread group must not be empty"):
+        Task("t", spread="")
+    with pytest.raises(InvalidProps, match="spread group must be a string"):
+        Task("t", spread=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidProps, match="prefer key must not be empty"):
+        Task("t", prefer={"": "x"})

@@ -72,6 +72,7 @@ from metafora.coordinators.etcd.driver import (
 )
 from metafora.coordinators.etcd.layout import (
     Keys,
+    StoredProps,
     TaskRecord,
     crashes_of,
     decode_json,
@@ -138,12 +139,18 @@ class _Known:
     props_mod: int
     running_mod: int
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
-    selector: Mapping[str, str] = field(default_factory=dict)
-    priority: int = 0
+    stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
+
+    @property
+    def selector(self) -> Mapping[str, str]:
+        """The task's selector ({} when unknown)."""
+        return self.stored.selector if self.stored is not None else {}
 
     def task(self, task_id: str, token: int = 0) -> Task:
         """The task these props describe, carrying ``token``."""
-        return Task(task_id, self.props, token, selector=self.selector, priority=self.priority)
+        if self.stored is None:
+            return Task(task_id, self.props, token)
+        return self.stored.task(task_id, token)
 
     def crashes(self) -> int:
         """This claim's count of crashes in a row (the previous claim died if it left its key)."""
@@ -162,8 +169,7 @@ class _Entry:
     finished: bool = False
     owner: str | None = None
     owner_rev: int = 0
-    selector: dict[str, str] = field(default_factory=dict)
-    priority: int = 0
+    stored: StoredProps | None = None
 
     running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
     running_crashes: int | None = None
@@ -172,7 +178,7 @@ class _Entry:
         """What a claim is judged and fenced on."""
         assert self.props is not None
         return _Known(self.props, self.props_error, self.props_mod, self.running_mod,
-                      self.running_crashes, self.selector, self.priority)
+                      self.running_crashes, self.stored)
 
     def set_running(self, kv: KeyValue | None) -> None:
         self.running_mod = 0 if kv is None else kv.mod_revision
@@ -181,7 +187,7 @@ class _Entry:
     def set_props(self, kv: KeyValue, task_id: str) -> None:
         stored = props_of(kv, task_id)
         self.props, self.props_error = stored.props, stored.error
-        self.selector, self.priority = stored.selector, stored.priority
+        self.stored = stored
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
@@ -668,8 +674,7 @@ class EtcdCoordinator(Coordinator):
                     # call falls back from) was applied and its answer lost. The owner key is
                     # on this node's lease, so no one else could have taken it meanwhile.
                     stored = props_of(props_kvs[0], task.id)
-                    return self._took(Task(task.id, stored.props, owner.create_revision,
-                                           selector=stored.selector, priority=stored.priority), lease)
+                    return self._took(stored.task(task.id, owner.create_revision), lease)
                 return None
             if state_kvs or not props_kvs:
                 return None
@@ -1231,7 +1236,7 @@ class EtcdCoordinator(Coordinator):
 def _offer(task_id: str, entry: _Entry) -> Task:
     """The task to offer; without its props if they are invalid (the claim then fails it)."""
     try:
-        return Task(task_id, entry.props or {}, selector=entry.selector, priority=entry.priority)
+        return entry.stored.task(task_id) if entry.stored is not None else Task(task_id)
     except InvalidProps:
         return Task(task_id)
 

@@ -5,8 +5,9 @@ prefix operation on task ``foo`` can never touch task ``foobar``. Ids are percen
 (``urllib.parse.quote(id, safe="")``), so an id containing ``/`` or ``%`` still maps to
 exactly one path segment::
 
-    tasks/<id>/props        {"props": {...}, "created_at": ISO[, "selector": {...}, "priority": N]}
-                            the task exists iff this does (selector/priority only when set)
+    tasks/<id>/props        {"props": {...}, "created_at": ISO[, "selector": {...}, "priority": N,
+                            "prefer": {...}, "spread": "..."]}: the task exists iff this does
+                            (placement keys only when set)
     tasks/<id>/state        {"state": "done"|"failed"|"expired", "error", "finished_at", "token"}
                             absent while the task is pending or claimed
     tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
@@ -48,6 +49,7 @@ from metafora.task import (
     parse_time,
     validate_labels,
     validate_priority,
+    validate_spread,
 )
 
 __all__ = [
@@ -213,6 +215,13 @@ class StoredProps:
     error: str | None = None
     selector: dict[str, str] = field(default_factory=dict)
     priority: int = 0
+    prefer: dict[str, str] = field(default_factory=dict)
+    spread: str | None = None
+
+    def task(self, task_id: str, token: int = 0) -> Task:
+        """The task this record describes, carrying ``token``."""
+        return Task(task_id, self.props, token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
 
 
 def task_record(task: Task, created: str) -> bytes:
@@ -222,6 +231,10 @@ def task_record(task: Task, created: str) -> bytes:
         record["selector"] = dict(task.selector)
     if task.priority:
         record["priority"] = task.priority
+    if task.prefer:
+        record["prefer"] = dict(task.prefer)
+    if task.spread is not None:
+        record["spread"] = task.spread
     return encode_json(record)
 
 
@@ -250,9 +263,12 @@ def props_of(kv: KeyValue, task_id: str) -> StoredProps:
             raise InvalidProps(f"{what}: must be a JSON object, not {type(props).__name__}")
         selector = validate_labels(data.get("selector") or {}, f"stored selector of task {task_id!r}")
         priority = validate_priority(data.get("priority", 0))
+        prefer = validate_labels(data.get("prefer") or {}, f"stored prefer of task {task_id!r}")
+        spread = validate_spread(data.get("spread"))
     except InvalidProps as exc:
         return StoredProps({}, None, str(exc))
-    return StoredProps(props, _time(data.get("created_at")), selector=selector, priority=priority)
+    return StoredProps(props, _time(data.get("created_at")), selector=selector, priority=priority,
+                       prefer=prefer, spread=spread)
 
 
 def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
@@ -314,6 +330,8 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
         attempts=attempts,
         selector=stored.selector,
         priority=stored.priority,
+        prefer=stored.prefer,
+        spread=stored.spread,
     )
 
 

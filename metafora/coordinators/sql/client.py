@@ -30,6 +30,7 @@ from metafora.task import (
     TaskInfo,
     TaskState,
     decode_labels,
+    decode_placement,
     decode_props,
     validate_schedule,
     validate_task_id,
@@ -73,6 +74,7 @@ def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
         f"expires_at{suffix}": to_db(task.expires_at),
         f"selector{suffix}": task.selector_json(),
         f"priority{suffix}": task.priority,
+        f"placement{suffix}": task.placement_json(),
     }
 
 
@@ -82,6 +84,15 @@ def _selector(raw: str | None, task_id: str) -> dict[str, str]:
     except InvalidProps as exc:  # written around metafora: listed as no node can match it
         log.warning("%s", exc, extra={"task": task_id})
         return {"invalid selector": "?"}
+
+
+def _placement(raw: str | None, task_id: str) -> dict[str, Any]:
+    try:
+        prefer, spread = decode_placement(raw, task_id)
+    except InvalidProps as exc:  # written around metafora: listed without it
+        log.warning("%s", exc, extra={"task": task_id})
+        return {}
+    return {"prefer": prefer, "spread": spread}
 
 
 def _labels(raw: str | None, node_id: str) -> dict[str, str]:
@@ -143,6 +154,7 @@ class SQLClient(Client):
             attempts=int(row[9]),
             selector=_selector(row[10], str(row[0])),
             priority=int(row[11] or 0),
+            **_placement(row[12], str(row[0])),
         )
 
     def submit_task(self, task: Task) -> None:

@@ -38,7 +38,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.task import Task, decode_labels, decode_props, validate_task_id
+from metafora.task import Task, decode_labels, decode_placement, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -275,10 +275,10 @@ class SQLCoordinator(Coordinator):
                 if rows:
                     cur.token_used(max(int(r[1]) for r in rows))
             place = {task_id: i for i, task_id in enumerate(ids)}
-            for task_id, token, props_text, crashes, selector, priority in sorted(
+            for task_id, token, props_text, crashes, *placed in sorted(
                     rows, key=lambda r: place[str(r[0])]):
                 task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
-                                           selector, int(priority or 0))
+                                           *placed)
                 if task is not None:
                     claimed.append(task)
         finally:
@@ -291,12 +291,14 @@ class SQLCoordinator(Coordinator):
         return claimed
 
     def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
-                       selector: str | None = None, priority: int = 0) -> Task | None:
+                       selector: str | None = None, priority: int | None = 0,
+                       placement: str | None = None) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
+            prefer, spread = decode_placement(placement, task_id)
             task = Task(task_id, decode_props(props_text, task_id), token,
                         selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=priority)
+                        priority=int(priority or 0), prefer=prefer, spread=spread)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:

@@ -33,7 +33,7 @@ from typing import Any
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
-from metafora.task import Task, decode_labels, decode_props
+from metafora.task import Task, decode_labels, decode_placement, decode_props
 
 __all__ = ["Watch"]
 
@@ -163,8 +163,9 @@ class Watch:
         return rows
 
     def _offer_rows(self, rows: Sequence[Any]) -> None:
-        """Offer a page of rows (id, props, ..., selector, priority), highest priority first."""
-        for row in sorted(rows, key=lambda r: -int(r[-1] or 0)):
+        """Offer a page of rows (id, props, ..., selector, priority, placement), highest
+        priority first."""
+        for row in sorted(rows, key=lambda r: -int(r[-2] or 0)):
             self._offer(row)
 
     def _offer(self, row: Any) -> None:
@@ -173,9 +174,10 @@ class Watch:
             return
         self._this_round.add(task_id)
         try:
+            prefer, spread = decode_placement(row[-1], task_id)
             task = Task(task_id, decode_props(props, task_id),
-                        selector=decode_labels(row[-2], f"stored selector of task {task_id!r}"),
-                        priority=int(row[-1] or 0))
+                        selector=decode_labels(row[-3], f"stored selector of task {task_id!r}"),
+                        priority=int(row[-2] or 0), prefer=prefer, spread=spread)
         except MetaforaError as exc:
             self._fail_invalid(task_id, f"invalid props: {exc}")
             return
