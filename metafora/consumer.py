@@ -158,7 +158,7 @@ class Consumer:
     - ``placement_wait``: seconds this node holds back, once, before it takes a task whose
       soft placement it does not fit (``Task.prefer`` names labels it lacks while a live
       node has them, or it already runs a task of the task's ``spread`` group), so a better
-      placed node may take it first.
+      placed node may take it first (0 ignores soft placement).
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
@@ -545,7 +545,7 @@ class Consumer:
         again after its wait, nobody better placed took it, so this node does: best effort,
         never a task left waiting.
         """
-        if not task.prefer and task.spread is None:
+        if (not task.prefer and task.spread is None) or not self._placement_wait:
             return None
         in_wave = task.spread is not None and any(t.spread == task.spread for t in approved)
         running = 0
