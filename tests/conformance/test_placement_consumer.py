@@ -138,3 +138,34 @@ def test_prefer_goes_to_the_preferred_node_and_falls_back_when_none_is_live(stor
         cluster.client.submit_task(Task("mars", prefer={"zone": "mars"}))
         cluster.wait_for_state("mars", TaskState.DONE, 60)
         assert not cluster.errors
+
+
+def test_fair_balancer_balances_among_the_nodes_that_can_run_the_tasks(store_url: str) -> None:
+    from metafora import commands
+    from metafora.balancer import BalancerContext
+    from metafora.balancers import FairBalancer
+
+    runs = Runs()
+    with LocalCluster(store_url) as cluster:
+        fair1, fair2 = FairBalancer(1.2, claim_delay=30), FairBalancer(1.2)
+        g1 = cluster.add(_blocking(runs, "g1"), "g1", fair1, labels={"gpu": "1"},
+                         balance_every=3600)
+        cluster.client.submit_tasks([Task(f"t{i}", selector={"gpu": "1"}) for i in range(6)])
+        wait_for(lambda: len(g1.tasks()) == 6, 60, "g1 runs all six")
+        g2 = cluster.add(_blocking(runs, "g2"), "g2", fair2, labels={"gpu": "1"},
+                         balance_every=3600)
+        cpu = cluster.add(_blocking(runs, "cpu"), "cpu", FairBalancer(1.2), balance_every=3600)
+        cluster.client.submit_command("g1", commands.balance())
+        # Peers of these tasks: g1 and g2 (average 3, down to ceil(3.6) = 4). Counting the
+        # CPU node too would have released three (average 2, down to 3).
+        wait_for(lambda: len(g2.tasks()) == 2, 60, "g2 took two")
+        assert len(g1.tasks()) == 4 and cpu.tasks() == []
+        wait_for(lambda: cluster.client.node_task_count() == {"g1": 4, "g2": 2, "cpu": 0}, 30,
+                 "the store's counts settled")
+        # Nothing moves back or on (no ping-pong): neither balancer would release a task now.
+        # (g1's claim_delay window would make it answer [] anyway: ask a fresh balancer.)
+        assert fair2.balance() == []
+        again = FairBalancer(1.2)
+        again.init(BalancerContext("g1", g1._coord, g1.tasks, count_source=lambda: len(g1.tasks())))
+        assert again.balance() == []
+        assert not cluster.errors
