@@ -34,6 +34,14 @@ class ClusterState(abc.ABC):
     def node_task_count(self) -> dict[str, int]:
         """Live node id -> number of tasks it holds (nodes holding none are included)."""
 
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        """Live node id -> its placement labels (one store read).
+
+        Balancers ask only when a task carries a selector. A node missing from the answer
+        (this default knows none) is taken as able to run any task.
+        """
+        return {}
+
 
 @dataclass
 class BalancerContext:

@@ -13,7 +13,15 @@ from metafora.coordinators.etcd.driver import (
     absent,
     modified_at,
 )
-from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso
+from metafora.coordinators.etcd.layout import (
+    Keys,
+    TaskRecord,
+    decode_json,
+    encode_json,
+    gather,
+    iso,
+    labels_of,
+)
 from metafora.task import parse_time
 
 __all__ = [
@@ -21,6 +29,7 @@ __all__ = [
     "fail_unclaimed",
     "launch_and_expiry",
     "live_nodes",
+    "node_labels",
     "node_task_count",
     "read_all_tasks",
     "read_task",
@@ -80,6 +89,17 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     nodes = _alive(keys, [kv.key for kv in result.ranges[0]])
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
     return {node: held.get(node, 0) for node in sorted(nodes)}
+
+
+def node_labels(driver: EtcdDriver, keys: Keys) -> dict[str, dict[str, str]]:
+    """Live node -> the labels its registration record publishes."""
+    kvs, _ = driver.range(Range(keys.nodes, prefix=True))
+    labels: dict[str, dict[str, str]] = {}
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is not None and parsed[0] == "alive":
+            labels[parsed[1]] = labels_of(decode_json(kv.value) or {}, parsed[1])
+    return labels
 
 
 def expire_task(
