@@ -16,7 +16,10 @@ PostgreSQL database, or a fresh SQLite file). Workloads:
 - idle submit-to-start latency: with both workers idle, one task at a time is submitted and
   the next only after its handler started; latency = the handler's ``time.time()`` at start
   minus the parent's ``time.time()`` just before the submit call (same machine, same clock).
-  The first 10 submits warm connections and caches up and are not counted.
+  The first 10 submits warm connections and caches up and are not counted;
+- crash recovery: one task, its handler holds it; the worker running it is SIGKILLed; seconds
+  from the kill until the other worker's handler starts it. Each system with a 3 s failure
+  detection (CRASH_SETTINGS): the defaults (30 s for all three) would measure only the default.
 
 The pure parts (rotation, statistics, the table and ratios) need neither peer installed and
 are unit-tested in tests/unit/test_bench_peers.py.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import logging
 import multiprocessing
 import os
 import queue
@@ -40,6 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,18 @@ SETTINGS = {
                 " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver, defaults otherwise",
     "procrastinate": f"run_worker_async(concurrency={CONCURRENCY}), async no-op task, LISTEN/NOTIFY,"
                      " PsycopgConnector, defaults otherwise (jobs kept, not deleted)",
+}
+#: How each system detects a dead worker in the crash workload.
+CRASH_TTL = 3
+CRASH_SETTINGS = {
+    "metafora-postgresql": f"lease_ttl {CRASH_TTL} s",
+    "metafora-sqlite": f"lease_ttl {CRASH_TTL} s",
+    "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
+                " the default 30 s made recovery take 30 s)",
+    "procrastinate": f"update_heartbeat_interval 1 s, stalled_worker_timeout {CRASH_TTL} s,"
+                     " fetch_job_polling_interval 1 s (a retried job is found by polling), and a loop in"
+                     " each worker that retries get_stalled_jobs(seconds_since_heartbeat="
+                     f"{CRASH_TTL}) every 0.5 s (procrastinate does not retry stalled jobs by itself)",
 }
 _DIST = {"pgqueuer": "pgqueuer", "procrastinate": "procrastinate"}
 SPAWN = multiprocessing.get_context("spawn")
@@ -108,15 +125,17 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return ordered[rank]
 
 
+FIGURES = ("tasks_per_s", "p50_ms", "p99_ms", "recovery_s")
+
+
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Spread]]:
-    """Per system: spreads of ``tasks_per_s``, ``p50_ms`` and ``p99_ms`` over its runs
+    """Per system: spreads of ``tasks_per_s``, ``p50_ms``, ``p99_ms``, ``recovery_s`` over its runs
     (each run is a dict with ``system`` and whichever of those figures it measured)."""
     by_system: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_system.setdefault(run["system"], []).append(run)
     return {
-        system: {key: Spread.of([r[key] for r in rs if key in r]) for key in ("tasks_per_s", "p50_ms",
-                                                                             "p99_ms")}
+        system: {key: Spread.of([r[key] for r in rs if key in r]) for key in FIGURES}
         for system, rs in by_system.items()
     }
 
@@ -148,15 +167,20 @@ def _times(value: float) -> str:
 
 def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], rounds: int,
              tasks: int, submits: int) -> str:
-    """The README table: one row per system, then metafora ÷ each peer."""
+    """The README table: one row per system, then metafora ÷ each peer (the crash column only
+    when a run measured it)."""
+    crash = any(f.get("recovery_s", Spread.of([])).median == f.get("recovery_s", Spread.of([])).median
+                for f in summary.values())
     out = [
         f"| system | tasks/s, {tasks:,} tasks (median of {rounds}; range) |"
-        f" submit→start p50 ms, idle ({submits} submits) | p99 ms |",
-        "|---|---|---|---|",
+        f" submit→start p50 ms, idle ({submits} submits) | p99 ms |"
+        + (f" crash recovery s ({CRASH_TTL} s detection) |" if crash else ""),
+        "|---|---|---|---|" + ("---|" if crash else ""),
     ]
     for system, figures in summary.items():
         out.append(f"| {labels.get(system, system)} | {_spread(figures['tasks_per_s'])} |"
-                   f" {_spread(figures['p50_ms'])} | {_spread(figures['p99_ms'])} |")
+                   f" {_spread(figures['p50_ms'])} | {_spread(figures['p99_ms'])} |"
+                   + (f" {_spread(figures.get('recovery_s', Spread.of([])))} |" if crash else ""))
     rows = ratio_rows(summary)
     if rows:
         out += ["", "| ratio (medians) | tasks/s (> 1: metafora faster) | p50 (< 1: metafora sooner) |"
@@ -239,8 +263,10 @@ class _Reporter:
     """Tells the parent when a handler starts: every start (latency) or the first only (throughput:
     a queue message per task would cost more than the no-op task being measured)."""
 
-    def __init__(self, node: str, events: Any, every: bool) -> None:
-        self.node, self.events, self.every, self.sent = node, events, every, False
+    def __init__(self, node: str, events: Any, mode: str) -> None:
+        self.node, self.events, self.mode, self.sent = node, events, mode, False
+        self.every = mode != "throughput"
+        self.hold = mode == "crash"
 
     def __call__(self, key: str) -> None:
         now = time.time()
@@ -252,9 +278,12 @@ class _Reporter:
         self.events.put(("ready", self.node, os.getpid()))
 
 
-def worker_main(system: str, url: str, node: str, events: Any, every: bool) -> None:
-    """One worker process of ``system`` until SIGTERM (run in a spawned process)."""
-    report = _Reporter(node, events, every)
+def worker_main(system: str, url: str, node: str, events: Any, mode: str) -> None:
+    """One worker process of ``system`` until SIGTERM (run in a spawned process); ``mode`` is
+    the workload (``throughput``, ``latency``, ``crash``: handlers hold their task)."""
+    logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
+                        format=f"%(asctime)s {system} {node} %(name)s %(levelname)s %(message)s")
+    report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         _metafora_worker(url, node, report)
     elif system == "pgqueuer":
@@ -270,6 +299,9 @@ def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
 
     async def noop(task: Task, stop: asyncio.Event) -> bool:
         report(task.id)
+        if report.hold:
+            await stop.wait()
+            return False
         return True
 
     consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop),
@@ -297,10 +329,16 @@ async def _pgqueuer_worker(url: str, report: _Reporter) -> None:
     @qm.entrypoint("noop")
     async def noop(job: Job) -> None:
         report((job.payload or b"").decode())
+        if report.hold:
+            await asyncio.Event().wait()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, qm.shutdown.set)
     report.ready()
-    await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY)
+    if not report.hold:
+        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY)
+    else:
+        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY,
+                     heartbeat_timeout=timedelta(seconds=CRASH_TTL), dequeue_timeout=timedelta(seconds=1))
     await conn.close()
 
 
@@ -317,11 +355,26 @@ async def _procrastinate_worker(url: str, node: str, report: _Reporter) -> None:
     @app.task(name="noop")
     async def noop(key: str) -> None:
         report(key)
+        if report.hold:
+            await asyncio.Event().wait()
+
+    async def retry_stalled() -> None:
+        # the recipe of procrastinate's docs ("retry stalled jobs"), run often enough to compare
+        while True:
+            for job in await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=CRASH_TTL):
+                await app.job_manager.retry_job(job)
+            await asyncio.sleep(0.5)
 
     async with app.open_async():
         report.ready()
-        # its own SIGTERM handler stops the worker gracefully
-        await app.run_worker_async(concurrency=CONCURRENCY, name=node)
+        if not report.hold:
+            # its own SIGTERM handler stops the worker gracefully
+            await app.run_worker_async(concurrency=CONCURRENCY, name=node)
+            return
+        retrier = asyncio.create_task(retry_stalled())
+        await app.run_worker_async(concurrency=CONCURRENCY, name=node, update_heartbeat_interval=1.0,
+                                   stalled_worker_timeout=float(CRASH_TTL), fetch_job_polling_interval=1.0)
+        retrier.cancel()
 
 
 # --------------------------------------------------------------------------- the parent's side of each system
@@ -358,12 +411,13 @@ class _Metafora(_System):
 
         self.client = open_client(self.url)
         self.client.tasks()  # creates the schema
-        if self.url.startswith("sqlite"):
-            self.reader: Any = sqlite3.connect(self.url.removeprefix("sqlite:///"), timeout=30)
+        plain = self.url.split("?", 1)[0]  # without metafora's options (lease_ttl=...)
+        if plain.startswith("sqlite"):
+            self.reader: Any = sqlite3.connect(plain.removeprefix("sqlite:///"), timeout=30)
         else:
             import psycopg
 
-            self.reader = psycopg.connect(self.url, autocommit=True)
+            self.reader = psycopg.connect(plain, autocommit=True)
 
     def submit_many(self, keys: Sequence[str]) -> None:
         from metafora import Task
@@ -467,17 +521,34 @@ def _system(name: str, url: str) -> _System:
 
 
 class _Workers:
-    """``PROCESSES`` spawned worker processes and the queue they report on; stopped by pid."""
+    """``PROCESSES`` spawned worker processes reporting on ``events``; stopped by pid.
 
-    def __init__(self, system: str, url: str, every: bool) -> None:
-        self.events: Any = SPAWN.Queue()
-        self.procs = [SPAWN.Process(target=worker_main, args=(system, url, f"w{i}", self.events, every),
-                                    name=f"{system}-w{i}", daemon=True) for i in range(PROCESSES)]
+    Each process writes to a queue of its own, forwarded here by a thread: a process SIGKILLed
+    while holding a shared queue's write lock would silence the other one (the crash workload).
+    """
+
+    def __init__(self, system: str, url: str, mode: str) -> None:
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.inboxes = [SPAWN.Queue() for _ in range(PROCESSES)]
+        self.procs = [SPAWN.Process(target=worker_main, args=(system, url, f"w{i}", inbox, mode),
+                                    name=f"{system}-w{i}", daemon=True)
+                      for i, inbox in enumerate(self.inboxes)]
 
     def __enter__(self) -> _Workers:
-        for proc in self.procs:
+        for proc, inbox in zip(self.procs, self.inboxes, strict=True):
             proc.start()
+            threading.Thread(target=self._forward, args=(proc, inbox), daemon=True).start()
         return self
+
+    def _forward(self, proc: Any, inbox: Any) -> None:
+        while True:
+            try:
+                self.events.put(inbox.get(timeout=0.5))
+            except queue.Empty:
+                if not proc.is_alive():
+                    return
+            except (EOFError, OSError, ValueError):
+                return
 
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs:
@@ -488,6 +559,14 @@ class _Workers:
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.join(5)
+
+    def kill(self, node: str) -> float:
+        """SIGKILL the worker ``node`` (by pid); the ``time.time()`` just before."""
+        proc = next(p for p in self.procs if p.name.endswith(f"-{node}"))
+        sent = time.time()
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        return sent
 
     def next(self, timeout: float) -> tuple[Any, ...]:
         """The next event (``queue.Empty`` after ``timeout`` s); a dead worker is an error."""
@@ -517,7 +596,7 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
     side.setup()
     try:
         side.submit_many([f"t{i:06d}" for i in range(tasks)])
-        with _Workers(system, url, every=False) as workers:
+        with _Workers(system, url, "throughput") as workers:
             first: list[float] = []
             end = time.time() + deadline_s
             last = float("nan")
@@ -541,7 +620,8 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
                     if event[0] == "start":
                         first.append(event[3])
         if last != last or not first:
-            return {"system": system, "tasks": tasks, "tasks_per_s": float("nan"), "error": "not finished"}
+            return {"system": system, "tasks": tasks, "tasks_per_s": float("nan"),
+                    "throughput_error": f"not finished in {deadline_s} s"}
         seconds = last - min(first)
         return {"system": system, "tasks": tasks, "seconds": seconds, "tasks_per_s": tasks / seconds}
     finally:
@@ -553,7 +633,7 @@ def latency(system: str, url: str, submits: int) -> dict[str, Any]:
     side = _system(system, url)
     side.setup()
     try:
-        with _Workers(system, url, every=True) as workers:
+        with _Workers(system, url, "latency") as workers:
             workers.wait_ready()
             samples = []
             for i in range(submits + WARMUP):
@@ -570,6 +650,35 @@ def latency(system: str, url: str, submits: int) -> dict[str, Any]:
                 "p99_ms": percentile(samples, 99), "max_ms": max(samples)}
     finally:
         side.close()
+
+
+def crash(system: str, url: str, deadline_s: float = 120) -> dict[str, Any]:
+    """One held task; SIGKILL its worker; seconds until the other worker's handler starts it."""
+    if system.startswith("metafora"):
+        url += ("&" if "?" in url else "?") + f"lease_ttl={CRASH_TTL}"
+    side = _system(system, url)
+    side.setup()
+    try:
+        with _Workers(system, url, "crash") as workers:
+            workers.wait_ready()
+            side.submit("c0")
+            holder = _expect_start(workers, "c0", None, deadline_s)[1]
+            killed = workers.kill(holder)
+            again = _expect_start(workers, "c0", holder, deadline_s)
+        return {"system": system, "recovery_s": again[3] - killed}
+    finally:
+        side.close()
+
+
+def _expect_start(workers: _Workers, key: str, not_on: str | None, timeout: float) -> tuple[Any, ...]:
+    """The next start of ``key`` on a node other than ``not_on``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            event = tuple(workers.events.get(timeout=1))
+            if event[0] == "start" and event[2] == key and event[1] != not_on:
+                return event
+    raise TimeoutError(f"{key} did not start again within {timeout} s")
 
 
 # --------------------------------------------------------------------------- the run
@@ -590,9 +699,9 @@ def versions(systems: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def run_peers(quick: bool, rounds: int, systems: Sequence[str],
+def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool = True,
               say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every round runs every system (throughput, then latency); print and save the table."""
+    """Every round runs every system (throughput, latency, crash recovery); print and save."""
     from benchmarks.common import save
 
     found = versions(systems)
@@ -603,13 +712,18 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str],
     try:
         for rnd, system in rounds_order(systems, rounds):
             result: dict[str, Any] = {"round": rnd, "system": system}
-            try:
-                with fresh_database(system, workdir) as url:
-                    result.update(throughput(system, url, tasks))
-                with fresh_database(system, workdir) as url:
-                    result.update(latency(system, url, submits))
-            except Exception as exc:  # one system failing must not lose the others' figures
-                result["error"] = f"{type(exc).__name__}: {exc}"
+            workloads: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
+                ("throughput", lambda url, s=system: throughput(s, url, tasks)),
+                ("latency", lambda url, s=system: latency(s, url, submits)),
+            ]
+            if with_crash:
+                workloads.append(("crash", lambda url, s=system: crash(s, url)))
+            for name, workload in workloads:
+                try:
+                    with fresh_database(system, workdir) as url:
+                        result.update(workload(url))
+                except Exception as exc:  # one failure must not lose the other figures
+                    result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             say(f"round {rnd} {system}: " + ", ".join(
                 f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in result.items()
                 if k not in ("round", "system")))
@@ -621,10 +735,13 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str],
     text = markdown(summary, labels, rounds, tasks, submits)
     say(text)
     say("\nSettings: " + "; ".join(f"{labels[s]}: {SETTINGS[s]}" for s in systems))
+    if with_crash:
+        say("Crash workload: " + "; ".join(f"{labels[s]}: {CRASH_SETTINGS[s]}" for s in systems))
     save("peers", {
         "quick": quick, "rounds": rounds, "tasks": tasks, "submits": submits, "processes": PROCESSES,
         "concurrency": CONCURRENCY, "load_average_at_start": load, "versions": found,
         "settings": {s: SETTINGS[s] for s in systems}, "labels": labels, "runs": runs,
+        "crash_settings": {s: CRASH_SETTINGS[s] for s in systems} if with_crash else {},
         "summary": {s: {k: vars(v) for k, v in f.items()} for s, f in summary.items()},
     })
     return {"runs": runs, "summary": summary}
@@ -634,6 +751,10 @@ def readme_text(data: dict[str, Any]) -> str:
     """The README's table from a saved ``results/peers.json``."""
     summary = {s: {k: Spread(**v) for k, v in f.items()} for s, f in data["summary"].items()}
     settings = "\n".join(f"- {data['labels'][s]}: {text}" for s, text in data["settings"].items())
+    if data.get("crash_settings"):
+        settings += "\n\nCrash recovery (one held task, its worker SIGKILLed; seconds until the other" \
+                    " worker starts it), failure detection per system:\n\n" + "\n".join(
+                        f"- {data['labels'][s]}: {text}" for s, text in data["crash_settings"].items())
     return (
         f"Side by side with the Python PostgreSQL queues (`python -m benchmarks peers`; {data['rounds']}"
         f" interleaved rounds of one run, {data['processes']} worker processes per system, a fresh"

@@ -93,11 +93,23 @@ def test_markdown_table_and_ratio_rows() -> None:
     assert "| metafora-postgresql ÷ pgqueuer | 0.50x | 1.67x | 1.50x |" in lines
 
 
+def test_markdown_adds_the_crash_column_when_measured() -> None:
+    runs = [*_runs(), {"round": 1, "system": "pgqueuer", "recovery_s": 3.2},
+            {"round": 1, "system": "metafora-postgresql", "recovery_s": 2.4}]
+    summary = peers.summarize(runs)
+    assert summary["pgqueuer"]["recovery_s"] == Spread(3.2, 3.2, 3.2)
+    lines = peers.markdown(summary, {}, 1, 5000, 200).splitlines()
+    assert lines[0].endswith("| crash recovery s (3 s detection) |")
+    assert lines[1] == "|---|---|---|---|---|"
+    assert lines[2].endswith("| 2.40 (2.40 - 2.40) |")
+
+
 def test_markdown_without_peers_has_no_ratio_table_and_dashes_for_failures() -> None:
     summary = peers.summarize([{"system": "metafora-sqlite", "error": "x"}])
     text = peers.markdown(summary, peers.labels_for(["metafora-sqlite"], {}), 1, 1000, 50)
     assert "| metafora, SQLite | - | - | - |" in text
     assert "ratio" not in text
+    assert "crash" not in text
 
 
 def test_readme_text_from_saved_results() -> None:
