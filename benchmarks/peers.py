@@ -9,10 +9,10 @@ interleaved rounds of one run (round 1: A B C D, round 2: B C D A, ...: the orde
 system always follows the same neighbour), each run on a fresh database (a throw-away
 PostgreSQL database, or a fresh SQLite file). Workloads:
 
-- throughput: N no-op tasks submitted in bulk first, then the 2 worker processes start; tasks/s
-  from the first handler start (reported by the workers, ``time.time()``) to the moment the
-  store says nothing is left unfinished (the parent counts unfinished rows every 10 ms: the
-  store's word, not the workers');
+- throughput: N no-op tasks submitted in bulk first, then the 2 worker processes start (together,
+  once both have imported their system); tasks/s from the first handler start (reported by
+  the workers, ``time.time()``) to the moment the store says nothing is left unfinished (the
+  parent counts unfinished rows every 10 ms: the store's word, not the workers');
 - idle submit-to-start latency: with both workers idle, one task at a time is submitted and
   the next only after its handler started; latency = the handler's ``time.time()`` at start
   minus the parent's ``time.time()`` just before the submit call (same machine, same clock).
@@ -278,12 +278,26 @@ class _Reporter:
         self.events.put(("ready", self.node, os.getpid()))
 
 
-def worker_main(system: str, url: str, node: str, events: Any, mode: str) -> None:
+def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: Any) -> None:
     """One worker process of ``system`` until SIGTERM (run in a spawned process); ``mode`` is
-    the workload (``throughput``, ``latency``, ``crash``: handlers hold their task)."""
+    the workload (``throughput``, ``latency``, ``crash``: handlers hold their task).
+
+    The system's modules are imported first, then the process waits for ``go``: both workers
+    of a throughput run start their worker loops together, not one an import later.
+    """
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
                         format=f"%(asctime)s {system} {node} %(name)s %(levelname)s %(message)s")
     report = _Reporter(node, events, mode)
+    if system.startswith("metafora"):
+        import metafora  # noqa: F401
+    elif system == "pgqueuer":
+        import asyncpg  # noqa: F401
+        import pgqueuer  # noqa: F401
+    else:
+        import procrastinate  # noqa: F401
+    events.put(("loaded", node, os.getpid()))
+    if not go.wait(120):
+        raise SystemExit("no go from the benchmark in 120 s")
     if system.startswith("metafora"):
         _metafora_worker(url, node, report)
     elif system == "pgqueuer":
@@ -529,8 +543,9 @@ class _Workers:
 
     def __init__(self, system: str, url: str, mode: str) -> None:
         self.events: queue.Queue[Any] = queue.Queue()
+        self.go = SPAWN.Event()
         self.inboxes = [SPAWN.Queue() for _ in range(PROCESSES)]
-        self.procs = [SPAWN.Process(target=worker_main, args=(system, url, f"w{i}", inbox, mode),
+        self.procs = [SPAWN.Process(target=worker_main, args=(system, url, f"w{i}", inbox, mode, self.go),
                                     name=f"{system}-w{i}", daemon=True)
                       for i, inbox in enumerate(self.inboxes)]
 
@@ -578,12 +593,22 @@ class _Workers:
                 raise RuntimeError(f"worker(s) {', '.join(dead)} died") from None
             raise
 
+    def wait_for(self, kind: str, timeout: float = 120) -> None:
+        """Until every process sent an event of ``kind`` (``loaded``, ``ready``)."""
+        deadline, seen = time.monotonic() + timeout, 0
+        while seen < len(self.procs):
+            if self.next(max(0.1, deadline - time.monotonic()))[0] == kind:
+                seen += 1
+
+    def start_together(self) -> None:
+        """Once every process has imported its system, let them all go."""
+        self.wait_for("loaded")
+        self.go.set()
+
     def wait_ready(self, timeout: float = 120) -> None:
-        """Until every process said it is ready."""
-        deadline, ready = time.monotonic() + timeout, 0
-        while ready < len(self.procs):
-            if self.next(max(0.1, deadline - time.monotonic()))[0] == "ready":
-                ready += 1
+        """Let the processes go; return when every one said it is ready (idle, listening)."""
+        self.start_together()
+        self.wait_for("ready", timeout)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -597,6 +622,7 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
     try:
         side.submit_many([f"t{i:06d}" for i in range(tasks)])
         with _Workers(system, url, "throughput") as workers:
+            workers.start_together()
             first: list[float] = []
             end = time.time() + deadline_s
             last = float("nan")
