@@ -765,7 +765,8 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool
         say("Crash workload: " + "; ".join(f"{labels[s]}: {CRASH_SETTINGS[s]}" for s in systems))
     save("peers", {
         "quick": quick, "rounds": rounds, "tasks": tasks, "submits": submits, "processes": PROCESSES,
-        "concurrency": CONCURRENCY, "load_average_at_start": load, "versions": found,
+        "concurrency": CONCURRENCY, "load_average_at_start": load,
+        "load_average_at_end": os.getloadavg()[0], "versions": found,
         "settings": {s: SETTINGS[s] for s in systems}, "labels": labels, "runs": runs,
         "crash_settings": {s: CRASH_SETTINGS[s] for s in systems} if with_crash else {},
         "summary": {s: {k: vars(v) for k, v in f.items()} for s, f in summary.items()},
