@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
@@ -13,6 +13,7 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database
@@ -24,6 +25,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.schedule import Schedule
 from metafora.statemachine.retry import check_retry_options, plan_retry
 from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
 
@@ -336,6 +338,18 @@ class SQLClient(Client):
         log.info("purged %d finished task(s) from %s", count, self.name,
                  extra={"action": "purge"})
         return count
+
+    def schedules(self) -> list[Schedule]:
+        return _schedules.list_schedules(self._ready())
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        _schedules.insert(self._ready(), schedule)
+
+    def _schedule_delete(self, name: str) -> None:
+        _schedules.delete(self._ready(), name)
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        _schedules.set_paused(self._ready(), name, paused, now)
 
     def close(self) -> None:
         if not self._closed.is_set():

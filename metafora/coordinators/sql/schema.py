@@ -17,6 +17,9 @@ Tables (all prefixed ``metafora_``):
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
+- ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
+  ``missed`` policy, ``paused``, ``tick_cursor`` (every tick at or before it is settled) and
+  ``version`` (the compare-and-set token materialising a tick checks).
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
 """
 
@@ -112,10 +115,32 @@ def _v3_task_crashes(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0"))
 
 
+_V5_SCHEDULES = """CREATE TABLE metafora_schedules (
+    namespace {key} NOT NULL,
+    name {key} NOT NULL,
+    every_secs INTEGER CHECK (every_secs IS NULL OR every_secs >= 1),
+    cron TEXT,
+    props TEXT NOT NULL,
+    missed VARCHAR(8) NOT NULL CHECK (missed IN ('skip', 'once', 'all')),
+    paused BOOLEAN NOT NULL,
+    tick_cursor {ts} NOT NULL,
+    created_at {ts} NOT NULL,
+    version BIGINT NOT NULL,
+    PRIMARY KEY (namespace, name),
+    CHECK ((every_secs IS NULL) <> (cron IS NULL))
+)"""
+
+
+def _v5_schedules(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text(_V5_SCHEDULES.format(**dialect.ddl_types())))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
     ("tasks.crashes: claims in a row that ended with their node dead", _v3_task_crashes),
+    # v5 (h-sched); v4 is placement's: the lead orders them at merge.
+    ("schedules: masterless periodic tasks", _v5_schedules),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 
