@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LATE_AFTER",
     "MAX_CATCH_UP",
+    "MAX_TICKS_PER_STEP",
     "MISSED_POLICIES",
     "Due",
     "Schedule",
@@ -62,6 +63,10 @@ MISSED_POLICIES = ("skip", "once", "all")
 
 MAX_CATCH_UP = 100
 """``missed="all"`` makes at most this many tasks for missed ticks at once (the latest ones)."""
+
+MAX_TICKS_PER_STEP = 25
+"""Ticks settled by one atomic step (an etcd txn holds at most 128 operations, 4 a task);
+more are settled in several steps, oldest first."""
 
 LATE_AFTER = timedelta(seconds=30)
 """A tick older than this when a node gets to it was missed; younger ones are on time."""
@@ -379,19 +384,22 @@ class Scheduler:
             if found is None:
                 continue
             moved = True
-            won = self._coord.materialise(schedule, [schedule.task(t) for t in found.ticks],
-                                          found.cursor)
+            ticks, cursor = found.ticks, found.cursor
+            if len(ticks) > MAX_TICKS_PER_STEP:  # the rest on the next round, after a re-read
+                ticks = ticks[:MAX_TICKS_PER_STEP]
+                cursor = ticks[-1]
+            won = self._coord.materialise(schedule, [schedule.task(t) for t in ticks], cursor)
             if not won:
                 continue  # another node settled it first (or it changed): re-read
-            self.made += len(found.ticks)
+            self.made += len(ticks)
             if found.dropped:
                 self._log.warning(
                     "schedule %s: %d missed tick(s) dropped (missed=%s%s)", schedule.name,
                     found.dropped, schedule.missed,
                     f", at most {MAX_CATCH_UP} caught up" if schedule.missed == "all" else "",
                     extra={"action": "schedule"})
-            if found.ticks:
+            if ticks:
                 self._log.info("schedule %s: made %d task(s), last %s", schedule.name,
-                               len(found.ticks), tick_id(schedule.name, found.ticks[-1]),
+                               len(ticks), tick_id(schedule.name, ticks[-1]),
                                extra={"action": "schedule"})
         return moved
