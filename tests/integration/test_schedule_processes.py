@@ -39,9 +39,9 @@ def _worker(url: str, node_id: str) -> None:
     runner.join(30)
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "etcd"])
+@pytest.fixture(params=["sqlite_url", "postgres_url", "etcd_url"])
 def url(request: pytest.FixtureRequest) -> str:
-    return str(request.getfixturevalue(f"{'postgres' if request.param == 'postgresql' else request.param}_url"))
+    return str(request.getfixturevalue(request.param))
 
 
 @pytest.fixture
