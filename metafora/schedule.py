@@ -327,6 +327,7 @@ class Scheduler:
         self._log = logger or log
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._broken: set[str] = set()  # schedules whose ticks cannot be computed
         self.made = 0
         """Ticks this node made into tasks (won the compare-and-set for)."""
 
@@ -371,7 +372,7 @@ class Scheduler:
             now = self._clock.now()
             wait = refresh - (self._clock.monotonic() - refreshed)
             for schedule in known:
-                if not schedule.paused:
+                if not schedule.paused and schedule.name not in self._broken:
                     wait = min(wait, (schedule.next_tick(schedule.cursor) - now).total_seconds())
             self._clock.wait(self._wake, max(0.0, wait))
 
@@ -380,7 +381,16 @@ class Scheduler:
         now = self._clock.now()
         moved = False
         for schedule in known:
-            found = due(schedule, now)
+            try:
+                found = due(schedule, now)
+            except (ValueError, LookupError, TypeError, AssertionError) as exc:
+                # A row written around metafora must not stop the node: skip it, say so once.
+                if schedule.name not in self._broken:
+                    self._log.error("schedule %s cannot be evaluated, skipped: %s", schedule.name,
+                                    exc, extra={"action": "schedule"})
+                self._broken.add(schedule.name)
+                continue
+            self._broken.discard(schedule.name)
             if found is None:
                 continue
             moved = True

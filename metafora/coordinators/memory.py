@@ -219,6 +219,7 @@ class MemoryCoordinator(Coordinator):
         self._node_id = validate_task_id(node_id)
         self._ctx: CoordinatorContext | None = None
         self._closed = False
+        self._schedule_wakes: list[Callable[[], None]] = []
 
     @property
     def name(self) -> str:
@@ -371,6 +372,8 @@ class MemoryCoordinator(Coordinator):
             if self._closed:
                 return
             self._closed = True
+            for wake in self._schedule_wakes:
+                s.schedule_listeners.remove(wake)
             if self._ctx is not None and self._node_id in s.nodes:
                 s.free_claims(self._node_id)
                 del s.nodes[self._node_id]
@@ -426,6 +429,7 @@ class MemoryCoordinator(Coordinator):
     def listen_schedules(self, wake: Callable[[], None]) -> bool:
         with self._store.cond:
             self._store.schedule_listeners.append(wake)
+            self._schedule_wakes.append(wake)
         return True
 
     def inject_raw_command(self, raw: str) -> None:

@@ -179,3 +179,30 @@ def test_scheduler_on_memory_makes_each_tick_once_and_wakes_on_a_push() -> None:
             c.close()
         client.close()
         drop_store("sched-unit/default")
+
+
+def test_a_schedule_that_cannot_be_evaluated_is_skipped_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock(T0)
+    drop_store("sched-broken/default")
+    client = open_client("memory://sched-broken", clock=clock)
+    coord = open_coordinator("memory://sched-broken", "n1", clock=clock)
+    store = coord._store  # type: ignore[attr-defined]
+    with store.cond:  # a row written around metafora: cron croniter refuses
+        store.schedule_changed(Schedule("bad", None, "not a cron", {}, "skip", False, T0), "bad")
+    client.add_schedule("good", every="1s")
+    scheduler = Scheduler(coord, clock)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    try:
+        thread.start()
+        assert clock.wait_for_waiters(1)
+        clock.advance(1.0)
+        wait_for(lambda: len(client.tasks()) == 1, timeout=30, what="the good schedule's tick")
+        assert thread.is_alive()
+        assert [i.id for i in client.tasks()] == [tick_id("good", T0 + timedelta(seconds=1))]
+        assert "schedule bad cannot be evaluated" in caplog.text
+    finally:
+        scheduler.stop()
+        thread.join(10)
+        coord.close()
+        client.close()
+        drop_store("sched-broken/default")

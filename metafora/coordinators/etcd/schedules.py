@@ -56,11 +56,15 @@ def _decode(keys: Keys, kv: KeyValue) -> Schedule | None:
         log.warning("schedule %s has an unreadable value; ignored", name)
         return None
     every: Any = data.get("every")
+    expr: Any = data.get("cron")
     props: Any = data.get("props")
+    if (isinstance(every, int) and every >= 1) == isinstance(expr, str):
+        log.warning("schedule %s needs exactly one of every and cron; ignored", name)
+        return None
     return Schedule(
         name=name,
         every=every if isinstance(every, int) else None,
-        cron=data.get("cron") if isinstance(data.get("cron"), str) else None,
+        cron=expr if isinstance(expr, str) else None,
         props=props if isinstance(props, dict) else {},
         missed=str(data.get("missed", "skip")),
         paused=bool(data.get("paused", False)),
