@@ -328,8 +328,14 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._broken: set[str] = set()  # schedules whose ticks cannot be computed
+        self._known: list[str] = []
         self.made = 0
         """Ticks this node made into tasks (won the compare-and-set for)."""
+
+    @property
+    def known(self) -> list[str]:
+        """Names of the schedules this scheduler read last (for tests and views)."""
+        return list(self._known)
 
     def wake(self) -> None:
         """The schedules changed (a push from the store): re-read them now."""
@@ -342,7 +348,10 @@ class Scheduler:
 
     def run(self) -> None:
         """Loop until :meth:`stop`. Store outages are logged and retried with a back-off."""
-        pushed = self._coord.listen_schedules(self.wake)
+        try:
+            pushed = self._coord.listen_schedules(self.wake)
+        except CoordinatorClosed:
+            return
         refresh = self._refresh_every if pushed else min(self._refresh_every, 5.0)
         backoff = 0.5
         known: list[Schedule] = []
@@ -353,6 +362,7 @@ class Scheduler:
                 if stale or self._wake.is_set() or self._clock.monotonic() - refreshed >= refresh:
                     self._wake.clear()
                     known = self._coord.schedules()
+                    self._known = [schedule.name for schedule in known]
                     refreshed = self._clock.monotonic()
                 stale = self._tick(known)
             except CoordinatorClosed:

@@ -11,7 +11,7 @@ from metafora import open_client, open_coordinator
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId, ScheduleExists, ScheduleNotFound
 from metafora.schedule import Scheduler, due, tick_id
 from metafora.task import TaskState
-from metafora.testing import FakeClock, wait_for
+from metafora.testing import FakeClock, RecordingContext, wait_for
 
 
 def test_add_list_pause_resume_delete(store_url: str) -> None:
@@ -140,3 +140,26 @@ def test_schedulers_on_two_nodes_make_every_tick_once_with_a_fake_clock(store_ur
                 t.join(30)
             for c in coords:
                 c.close()
+
+
+def test_a_new_schedule_is_pushed_to_running_schedulers(store_url: str) -> None:
+    if store_url.startswith("sqlite"):
+        pytest.skip("SQLite has no push for schedules: its schedulers re-read every 5 s")
+    clock = FakeClock(datetime.now(UTC))  # never advanced: only a push can make it look again
+    coord = open_coordinator(store_url, "n1")
+    coord.init(RecordingContext())
+    scheduler = Scheduler(coord, clock, refresh_every=3600.0)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    try:
+        thread.start()
+        assert clock.wait_for_waiters(1, timeout=60)
+        assert scheduler.known == []
+        with open_client(store_url) as client:
+            client.add_schedule("pushed", every="1h")
+            wait_for(lambda: scheduler.known == ["pushed"], timeout=60, what="the pushed schedule")
+            client.delete_schedule("pushed")
+            wait_for(lambda: scheduler.known == [], timeout=60, what="the pushed delete")
+    finally:
+        scheduler.stop()
+        thread.join(30)
+        coord.close()

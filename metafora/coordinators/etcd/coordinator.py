@@ -1065,6 +1065,11 @@ class EtcdCoordinator(Coordinator):
                         return
                     self._watch_queue = wq
                 handle = self._driver.watch_prefix(self._keys.root, revision + 1, wq.put)
+                # Schedule changes while no watch ran were not pushed: the schedulers look once.
+                with self._lock:
+                    wakes = list(self._schedule_listeners)
+                for wake in wakes:
+                    wake()
                 if failing:
                     log.info("node %s: watch recovered", self._node_id, extra=self._extra)
                 failing = False

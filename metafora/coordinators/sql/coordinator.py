@@ -242,6 +242,9 @@ class SQLCoordinator(Coordinator):
         with self._lock:
             self._schedule_listeners.append(wake)
         self._start_listener()
+        if self._listener is not None:
+            # LISTEN before the scheduler's first read, so no change in between is missed.
+            self._listener.wait_listening(self._db.config.connect_timeout)
         return True
 
     # -- tasks ------------------------------------------------------------------------------
