@@ -8,7 +8,7 @@ import importlib
 from benchmarks.common import STORES, Stores
 
 BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
-              "capacity", "idle")
+              "capacity", "idle", "schedules")
 
 
 def main() -> None:

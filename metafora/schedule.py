@@ -77,6 +77,7 @@ _TICK_SUFFIX = len("@2026-11-23T14:05:00Z")
 MAX_NAME_LENGTH = MAX_TASK_ID_LENGTH - _TICK_SUFFIX
 """The longest schedule name: its tasks' ids add ``@`` and the tick time."""
 
+_TIME_PROPS = ("launch_at", "expires_at")
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -125,10 +126,12 @@ def check_cron(expr: object) -> str:
     """``expr`` if croniter understands it, else a ConfigError naming the expression."""
     if not isinstance(expr, str) or not expr.strip():
         raise ConfigError(f"a cron expression must be a non-empty string, got {expr!r}")
-    from croniter import CroniterError
+    from croniter import CroniterBadDateError, CroniterError
 
     try:
         _croniter(expr, _EPOCH).get_next(datetime)
+    except CroniterBadDateError:
+        raise ConfigError(f"cron expression {expr!r} never matches a date") from None
     except (CroniterError, ValueError, KeyError) as exc:
         raise ConfigError(f"unknown cron syntax {expr!r}: {exc}") from None
     return expr.strip()
@@ -235,9 +238,14 @@ def new_schedule(
     expr = None if cron is None else check_cron(cron)
     if missed not in MISSED_POLICIES:
         raise ConfigError(f"missed must be one of {', '.join(MISSED_POLICIES)}, got {missed!r}")
+    if props is not None and not isinstance(props, Mapping):
+        raise InvalidProps(f"schedule props must be a JSON object, not {type(props).__name__}")
     props = dict(props or {})
-    if not isinstance(props, dict):
-        raise InvalidProps("schedule props must be a JSON object")
+    fixed = sorted(k for k in _TIME_PROPS if k in props)
+    if fixed:
+        # Every tick's task would carry the same absolute time: one past it, all are wrong.
+        raise InvalidProps(f"schedule props must not set {', '.join(fixed)} (every tick's task "
+                           "would share that one time)")
     Task(tick_id(name, now), props).props_json()  # the size and shape rules of task props
     return Schedule(name, period, expr, props, missed, False, now.astimezone(UTC), now, 0)
 

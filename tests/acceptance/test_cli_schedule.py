@@ -49,6 +49,8 @@ def test_schedule_verbs(tmp_path: Path, db: str) -> None:
     ("args", "code", "message"),
     [
         (["add", "a", "--cron", "every tuesday"], 2, "Error: unknown cron syntax 'every tuesday'"),
+        (["add", "a", "--cron", "0 0 31 2 *"], 2, "Error: cron expression '0 0 31 2 *' never matches"),
+        (["add", "a", "--every", "1h", "--props", '{"expires_at": "2031-01-01"}'], 2, "must not set"),
         (["add", "a"], 2, "give exactly one of --every DURATION and --cron EXPR"),
         (["add", "a", "--every", "5m", "--cron", "* * * * *"], 2, "exactly one of"),
         (["add", "a", "--every", "soon"], 2, "Error: bad duration 'soon'"),

@@ -142,6 +142,12 @@ def test_new_schedule_validates() -> None:
         new_schedule("", every="5m", now=T0)
     with pytest.raises(InvalidProps):
         new_schedule("job", every="5m", props={"x": "y" * (1024 * 1024 + 1)}, now=T0)
+    with pytest.raises(ConfigError, match=r"'0 0 31 2 \*' never matches a date"):
+        new_schedule("job", cron="0 0 31 2 *", now=T0)
+    with pytest.raises(InvalidProps, match="must not set expires_at"):
+        new_schedule("job", every="5m", props={"expires_at": "2031-01-01T00:00:00Z"}, now=T0)
+    with pytest.raises(InvalidProps, match="JSON object"):
+        new_schedule("job", every="5m", props=[1], now=T0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="missed"):
         new_schedule("job", every="5m", missed="some", now=T0)
 
