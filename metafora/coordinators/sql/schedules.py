@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from metafora.coordinators.sql.store import Database
-from metafora.errors import ScheduleExists, ScheduleNotFound
+from metafora.errors import InvalidProps, ScheduleExists, ScheduleNotFound
 from metafora.schedule import Schedule
 from metafora.task import Task, decode_props
 
@@ -75,7 +75,13 @@ def list_schedules(db: Database) -> list[Schedule]:
     """Every schedule of the namespace, by name."""
     with db.read() as conn:
         rows = conn.execute(_LIST, {"ns": db.config.namespace}).fetchall()
-    return [_schedule(db, row) for row in rows]
+    found = []
+    for row in rows:
+        try:
+            found.append(_schedule(db, row))
+        except InvalidProps as exc:  # a row written around metafora must not stop the others
+            log.warning("schedule %s ignored: %s", row[0], exc, extra={"action": "schedule"})
+    return found
 
 
 def insert(db: Database, schedule: Schedule) -> None:
