@@ -15,6 +15,7 @@ from metafora.consumer import Consumer
 from metafora.coordinator import Client, Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
 from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
+from metafora.schedule import Schedule
 from metafora.task import Task, TaskInfo, TaskState
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "HandlerFunc",
     "MetaforaError",
     "RunningTask",
+    "Schedule",
     "Task",
     "TaskInfo",
     "TaskState",

@@ -40,6 +40,7 @@ from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.runner import HandlerRunner, Run
+from metafora.schedule import Scheduler
 from metafora.task import Task, matches, validate_labels
 
 __all__ = ["Consumer"]
@@ -224,6 +225,8 @@ class Consumer:
         self._http_addr = http_addr
         self._http: InfoServer | None = None
         self.stats = ConsumerStats()
+        # Any node may materialise due ticks of periodic schedules (metafora.schedule).
+        self._scheduler = Scheduler(coordinator, self._clock, logger=self._log)
         self._started_at: datetime | None = None
 
         self._lock = threading.RLock()
@@ -339,6 +342,7 @@ class Consumer:
             )
             self._start_side_thread("watch", self._watch)
             self._start_side_thread("commands", self._command_feed)
+            self._start_side_thread("schedules", self._scheduler.run)
             self._next_balance = self._clock.monotonic() + self._balance_interval()
             self._loop()
         except BaseException as exc:
@@ -871,6 +875,7 @@ class Consumer:
 
     def _shutdown_sequence(self) -> None:
         self._stopping.set()
+        self._scheduler.stop()
         timeout = self._timeout_override
         if timeout is None:
             timeout = self._shutdown_timeout

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -23,6 +23,9 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.task import Task, TaskInfo, TaskState
+
+if TYPE_CHECKING:
+    from metafora.schedule import Schedule
 
 __all__ = [
     "DEFAULT_MAX_CRASHES",
@@ -318,6 +321,27 @@ class Coordinator(ClusterState, abc.ABC):
         """
         return False
 
+    # -- periodic schedules (see metafora.schedule) ------------------------------------
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule of the namespace, by name (a store without schedules: none)."""
+        return []
+
+    def materialise(self, schedule: Schedule, tasks: Sequence[Task], cursor: datetime) -> bool:
+        """Settle due ticks of ``schedule`` atomically: in ONE transaction, move its cursor to
+        ``cursor`` if the stored row still has ``schedule.version`` (compare-and-set) and
+        create each of ``tasks`` that does not exist yet (an existing id is left alone).
+
+        True if this call moved the cursor; False if the schedule changed or is gone (another
+        node won the race, or an operator paused, resumed or deleted it): nothing is written.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def listen_schedules(self, wake: Callable[[], None]) -> bool:
+        """Call ``wake`` (no I/O, must not block) when the schedules change; False when the
+        store cannot push that (the scheduler then re-reads them more often)."""
+        return False
+
     def __enter__(self) -> Self:
         return self
 
@@ -458,6 +482,65 @@ class Client(ClusterState, abc.ABC):
 
         Returns how many were deleted.
         """
+
+    # -- periodic schedules (see metafora.schedule) ------------------------------------
+
+    def add_schedule(
+        self,
+        name: str,
+        *,
+        every: str | int | timedelta | None = None,
+        cron: str | None = None,
+        props: dict[str, Any] | None = None,
+        missed: str = "skip",
+    ) -> Schedule:
+        """Add a periodic task: every ``every`` (``"30s"``, ``"5m"``, ``"1h"``, ``"1d"``, seconds
+        or a timedelta; at least 1 s) or at the times of the ``cron`` expression (UTC).
+
+        Any live consumer makes each tick one task ``NAME@<tick time>`` with ``props``; ticks
+        missed while no node was up follow ``missed`` (``skip``, ``once`` or ``all``). The first
+        tick is the first one after now. Raises ConfigError, InvalidTaskId, InvalidProps or
+        ScheduleExists.
+        """
+        from metafora.schedule import new_schedule
+
+        schedule = new_schedule(name, every=every, cron=cron, props=props, missed=missed,
+                                now=self._now())
+        self._schedule_insert(schedule)
+        log.info("added schedule %s (%s)", name, schedule.spec, extra={"action": "schedule"})
+        return schedule
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def delete_schedule(self, name: str) -> None:
+        """Remove a schedule; tasks it already made stay. Raises ScheduleNotFound."""
+        self._schedule_delete(name)
+        log.info("deleted schedule %s", name, extra={"action": "schedule"})
+
+    def pause_schedule(self, name: str) -> None:
+        """Stop making tasks of a schedule until resumed (its ticks meanwhile are not made
+        later). Idempotent. Raises ScheduleNotFound."""
+        self._schedule_pause(name, True, self._now())
+
+    def resume_schedule(self, name: str) -> None:
+        """Make tasks of a paused schedule again, from its first tick after now. Idempotent.
+        Raises ScheduleNotFound."""
+        self._schedule_pause(name, False, self._now())
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        """Store a new schedule. Raises ScheduleExists."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def _schedule_delete(self, name: str) -> None:
+        """Delete a schedule. Raises ScheduleNotFound."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        """Set ``paused``; resuming a paused schedule moves its cursor to ``now`` (ticks while
+        paused are not made). Changes the row's version. Raises ScheduleNotFound."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
 
     @abc.abstractmethod
     def close(self) -> None:

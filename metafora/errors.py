@@ -21,6 +21,8 @@ __all__ = [
     "NodeExists",
     "NodeNotFound",
     "RequestTooLarge",
+    "ScheduleExists",
+    "ScheduleNotFound",
     "StoreError",
     "TaskExists",
     "TaskNotFound",
@@ -92,3 +94,11 @@ class CoordinatorClosed(MetaforaError):
 
 class ClaimLost(MetaforaError):
     """A fenced write was refused: this node no longer holds the claim (owner or token differ)."""
+
+
+class ScheduleExists(MetaforaError):
+    """A schedule with this name already exists."""
+
+
+class ScheduleNotFound(MetaforaError, LookupError):
+    """No schedule with this name."""

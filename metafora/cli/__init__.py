@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, items, nodes, task_states, tasks, web
+from metafora.cli import demo_cmd, items, nodes, schedules, task_states, tasks, web
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -91,6 +91,7 @@ for _command in (
     nodes.nodes, nodes.freeze, nodes.unfreeze, nodes.balance, nodes.stop, nodes.top,
     task_states.pause, task_states.resume, task_states.kill, task_states.sleep, task_states.state,
     items.items, items.gate,
+    schedules.schedule,
     demo_cmd.demo,
     web.web,
 ):

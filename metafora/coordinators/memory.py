@@ -7,11 +7,12 @@ as the real stores (see docs/coordinators.md). Nodes hold their claims until ``c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -36,9 +37,12 @@ from metafora.errors import (
     InvalidCommand,
     NodeExists,
     NodeNotFound,
+    ScheduleExists,
+    ScheduleNotFound,
     TaskExists,
     TaskNotFound,
 )
+from metafora.schedule import Schedule
 from metafora.task import (
     Task,
     TaskInfo,
@@ -124,6 +128,19 @@ class MemoryStore:
         self.nodes: dict[str, _Node] = {}
         self.token_seq = 0
         self.version = 0
+        self.schedules: dict[str, Schedule] = {}
+        self.schedule_seq = 0  # the schedules' compare-and-set versions
+        self.schedule_listeners: list[Callable[[], None]] = []
+
+    def schedule_changed(self, schedule: Schedule | None, name: str) -> None:
+        """Store ``schedule`` (None: delete ``name``) with a fresh version; tell the listeners."""
+        if schedule is None:
+            self.schedules.pop(name, None)
+        else:
+            self.schedule_seq += 1
+            self.schedules[name] = dataclasses.replace(schedule, version=self.schedule_seq)
+        for wake in self.schedule_listeners:
+            wake()
 
     def bump(self) -> int:
         """Note a change that may make tasks claimable; wake watchers."""
@@ -225,6 +242,7 @@ class MemoryCoordinator(Coordinator):
         self._node_id = validate_task_id(node_id)
         self._ctx: CoordinatorContext | None = None
         self._closed = False
+        self._schedule_wakes: list[Callable[[], None]] = []
 
     @property
     def name(self) -> str:
@@ -385,6 +403,8 @@ class MemoryCoordinator(Coordinator):
             if self._closed:
                 return
             self._closed = True
+            for wake in self._schedule_wakes:
+                s.schedule_listeners.remove(wake)
             if self._ctx is not None and self._node_id in s.nodes:
                 s.free_claims(self._node_id)
                 del s.nodes[self._node_id]
@@ -410,6 +430,38 @@ class MemoryCoordinator(Coordinator):
             for task in freed:
                 ctx.lost(task)
         return freed
+
+    def schedules(self) -> list[Schedule]:
+        with self._store.cond:
+            self._check_open()
+            return sorted(self._store.schedules.values(), key=lambda x: x.name)
+
+    def materialise(self, schedule: Schedule, tasks: Sequence[Task], cursor: datetime) -> bool:
+        s = self._store
+        with s.cond:  # the lock makes the compare-and-set and the creates one step
+            self._check_open()
+            stored = s.schedules.get(schedule.name)
+            if stored is None or stored.version != schedule.version:
+                return False
+            now = s.clock.now()
+            added = False
+            for task in tasks:
+                if task.id not in s.tasks:
+                    row = s.tasks[task.id] = _Row(task.id, dict(task.props), TaskState.PENDING, now)
+                    row.ready = s.bump()
+                    added = True
+            s.schedule_seq += 1
+            s.schedules[schedule.name] = dataclasses.replace(stored, cursor=cursor,
+                                                              version=s.schedule_seq)
+            if added:
+                s.bump()
+            return True
+
+    def listen_schedules(self, wake: Callable[[], None]) -> bool:
+        with self._store.cond:
+            self._store.schedule_listeners.append(wake)
+            self._schedule_wakes.append(wake)
+        return True
 
     def inject_raw_command(self, raw: str) -> None:
         """Queue a raw (possibly malformed) command text for this node, for fault tests."""
@@ -569,6 +621,42 @@ class MemoryClient(Client):
             for task_id in doomed:
                 del s.tasks[task_id]
             return len(doomed)
+
+    def schedules(self) -> list[Schedule]:
+        with self._store.cond:
+            self._check_open()
+            return sorted(self._store.schedules.values(), key=lambda x: x.name)
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            if schedule.name in s.schedules:
+                raise ScheduleExists(f"schedule {schedule.name!r} already exists")
+            s.schedule_changed(schedule, schedule.name)
+
+    def _stored_schedule(self, name: str) -> Schedule:
+        found = self._store.schedules.get(name)
+        if found is None:
+            raise ScheduleNotFound(f"no schedule {name!r}")
+        return found
+
+    def _schedule_delete(self, name: str) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            self._stored_schedule(name)
+            s.schedule_changed(None, name)
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            found = self._stored_schedule(name)
+            if found.paused == paused:
+                return
+            cursor = found.cursor if paused else max(found.cursor, now)
+            s.schedule_changed(dataclasses.replace(found, paused=paused, cursor=cursor), name)
 
     def close(self) -> None:
         self._closed = True

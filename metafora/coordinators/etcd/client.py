@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import new_command_name
 from metafora.coordinators.etcd.driver import (
@@ -54,6 +55,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.schedule import Schedule
 from metafora.statemachine.machine import InvalidState, State
 from metafora.statemachine.retry import check_retry_options, plan_retry
 from metafora.statemachine.stores.etcd import decode_state, encode_state
@@ -323,6 +325,24 @@ class EtcdClient(Client):
             if result.succeeded:
                 return
         raise NodeNotFound(f"no live node {node_id!r}")
+
+    # -- schedules --------------------------------------------------------------------
+
+    def schedules(self) -> list[Schedule]:
+        self._check_open()
+        return _schedules.list_schedules(self._driver, self._keys)
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        self._check_open()
+        _schedules.insert(self._driver, self._keys, schedule)
+
+    def _schedule_delete(self, name: str) -> None:
+        self._check_open()
+        _schedules.delete(self._driver, self._keys, name)
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        self._check_open()
+        _schedules.set_paused(self._driver, self._keys, name, paused, now)
 
     def close(self) -> None:
         if self._closed:

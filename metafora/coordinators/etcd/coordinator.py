@@ -34,7 +34,7 @@ import queue
 import socket
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -51,6 +51,7 @@ from metafora.coordinator import (
     error_text,
     rotated,
 )
+from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import (
     Compare,
@@ -100,6 +101,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
+from metafora.schedule import Schedule
 from metafora.task import Task, matches, validate_task_id
 
 __all__ = ["EtcdCoordinator", "fence_margin", "new_command_name"]
@@ -255,6 +257,7 @@ class EtcdCoordinator(Coordinator):
         self._labels: dict[str, str] = {}  # placement labels, from init(ctx)
         # claims this node holds
         self._held: dict[str, _Held] = {}
+        self._schedule_listeners: list[Callable[[], None]] = []
         # watch cache
         self._cache: dict[str, _Entry] = {}
         self._cache_ready = False
@@ -1091,6 +1094,11 @@ class EtcdCoordinator(Coordinator):
                         return
                     self._watch_queue = wq
                 handle = self._driver.watch_prefix(self._keys.root, revision + 1, wq.put)
+                # Schedule changes while no watch ran were not pushed: the schedulers look once.
+                with self._lock:
+                    wakes = list(self._schedule_listeners)
+                for wake in wakes:
+                    wake()
                 if failing:
                     log.info("node %s: watch recovered", self._node_id, extra=self._extra)
                 failing = False
@@ -1165,11 +1173,29 @@ class EtcdCoordinator(Coordinator):
             self._task_cmd_listeners.append(listener)
         return True
 
+    def schedules(self) -> list[Schedule]:
+        self._check_open()
+        return _schedules.list_schedules(self._driver, self._keys)
+
+    def materialise(self, schedule: Schedule, tasks: Sequence[Task], cursor: datetime) -> bool:
+        self._check_open()
+        return _schedules.materialise(self._driver, self._keys, schedule, tasks, cursor,
+                                      self._clock.now())
+
+    def listen_schedules(self, wake: Callable[[], None]) -> bool:
+        """Woken by the node's watch (it covers the namespace); False before :meth:`init`."""
+        with self._lock:
+            if self._ctx is None:
+                return False
+            self._schedule_listeners.append(wake)
+        return True
+
     def _apply(self, batch: WatchBatch) -> None:
         """Fold watch events into the cache; collect offers, lost claims, command wake-ups."""
         dirty: set[str] = set()
         lost: list[Task] = []
         commands = False
+        schedules_changed = False
         task_commands: list[str] = []
         with self._lock:
             for event in batch.events:
@@ -1184,6 +1210,9 @@ class EtcdCoordinator(Coordinator):
                 if kind == "taskcmd":
                     if put:
                         task_commands.append(name)
+                    continue
+                if kind == "schedule":
+                    schedules_changed = True
                     continue
                 if kind not in ("task", "owner"):
                     continue
@@ -1227,6 +1256,9 @@ class EtcdCoordinator(Coordinator):
                 self._cmd_seq += 1
                 self._cmd_cond.notify_all()
             listeners = list(self._task_cmd_listeners) if task_commands else []
+            wakes = list(self._schedule_listeners) if schedules_changed else []
+        for wake in wakes:
+            wake()
         self._notify_lost(lost)
         for listener in listeners:
             for task_id in task_commands:

@@ -23,6 +23,8 @@ exactly one path segment::
     state/<id>              state-machine state of the task (fenced by the claim; written by
                             :mod:`metafora.statemachine.stores.etcd`)
     taskcmds/<id>/<...>     state-machine commands to the task (same module)
+    schedules/<name>        a periodic schedule (JSON, see :mod:`metafora.coordinators.etcd.schedules`);
+                            mod_revision = its compare-and-set version
 
 Owner keys have their own prefix so that "who holds what" (node_task_count, the balancers'
 view) is one small range read that never carries task props.
@@ -125,6 +127,11 @@ class Keys:
         self.nodes = self.root + b"nodes/"
         self.states = self.root + b"state/"
         self.task_commands = self.root + b"taskcmds/"
+        self.schedules = self.root + b"schedules/"
+
+    def schedule(self, name: str) -> bytes:
+        """The key of a periodic schedule."""
+        return self.schedules + escape(name).encode()
 
     def task(self, task_id: str) -> TaskKeys:
         """The keys of one task."""
@@ -151,7 +158,8 @@ class Keys:
 
     def parse(self, key: bytes) -> tuple[str, str, str] | None:
         """Classify a key: ("task", id, field), ("owner", id, ""), ("alive", node, ""),
-        ("command", node, name), ("taskcmd", id, name) or None for anything else."""
+        ("command", node, name), ("taskcmd", id, name), ("schedule", name, "") or None for
+        anything else."""
         if not key.startswith(self.root):
             return None
         rest = key[len(self.root) :].decode(errors="replace")
@@ -163,6 +171,9 @@ class Keys:
         elif kind == "owners":
             if tail and "/" not in tail:
                 return ("owner", unescape(tail), "")
+        elif kind == "schedules":
+            if tail and "/" not in tail:
+                return ("schedule", unescape(tail), "")
         elif kind == "taskcmds":
             seg, slash, name = tail.partition("/")
             if slash and seg and name:

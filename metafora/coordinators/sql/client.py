@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
@@ -13,9 +13,10 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
-from metafora.coordinators.sql.store import Database
+from metafora.coordinators.sql.store import Database, task_params
 from metafora.errors import (
     CoordinatorClosed,
     InvalidProps,
@@ -24,6 +25,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.schedule import Schedule
 from metafora.statemachine.retry import check_retry_options, plan_retry
 from metafora.task import (
     Task,
@@ -62,20 +64,6 @@ def _successor(prefix: str) -> str | None:
     if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: skip to U+E000
         following = 0xE000
     return prefix[:-1] + chr(following)
-
-
-def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
-    """The bind parameters of one submitted task (``suffix``: its row in a multi-row INSERT)."""
-    to_db = db.dialect.to_db_time
-    return {
-        f"id{suffix}": task.id,
-        f"props{suffix}": task.props_json(),
-        f"launch_at{suffix}": to_db(task.launch_at),
-        f"expires_at{suffix}": to_db(task.expires_at),
-        f"selector{suffix}": task.selector_json(),
-        f"priority{suffix}": task.priority,
-        f"placement{suffix}": task.placement_json(),
-    }
 
 
 def _selector(raw: str | None, task_id: str) -> dict[str, str]:
@@ -160,7 +148,7 @@ class SQLClient(Client):
     def submit_task(self, task: Task) -> None:
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         db = self._ready()
-        params = _task_params(task, db)
+        params = task_params(task, db)
         with db.write() as conn:
             row = db.execute(conn, "submit", params).first()
             if row is not None:
@@ -176,7 +164,7 @@ class SQLClient(Client):
         db = self._ready()
         params: dict[str, Any] = {"ns": db.config.namespace}
         for n, task in enumerate(batch):
-            params.update(_task_params(task, db, f"_{n}"))
+            params.update(task_params(task, db, f"_{n}"))
         try:
             with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
                 added = {str(row[0]): int(row[1])
@@ -377,6 +365,18 @@ class SQLClient(Client):
         log.info("purged %d finished task(s) from %s", count, self.name,
                  extra={"action": "purge"})
         return count
+
+    def schedules(self) -> list[Schedule]:
+        return _schedules.list_schedules(self._ready())
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        _schedules.insert(self._ready(), schedule)
+
+    def _schedule_delete(self, name: str) -> None:
+        _schedules.delete(self._ready(), name)
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        _schedules.set_paused(self._ready(), name, paused, now)
 
     def close(self) -> None:
         if not self._closed.is_set():

@@ -14,7 +14,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 from metafora.commands import Command
@@ -27,6 +28,7 @@ from metafora.coordinator import (
     crash_limit_error,
     error_text,
 )
+from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.store import Database
@@ -38,6 +40,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
+from metafora.schedule import Schedule
 from metafora.task import Task, decode_labels, decode_placement, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
@@ -65,6 +68,7 @@ class SQLCoordinator(Coordinator):
         self._command_wake = threading.Event()
         self._command_check_at = 0.0  # monotonic: next safety-net look for node commands
         self._task_command_listeners: list[TaskCommandListener] = []
+        self._schedule_listeners: list[Callable[[], None]] = []
         self._watches: list[Watch] = []
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
 
@@ -179,6 +183,8 @@ class SQLCoordinator(Coordinator):
         elif kind == "m":
             for listener in self._listeners():
                 listener.ring(name)
+        elif kind == "s":
+            self._wake_schedulers()
         elif kind == "":  # SQLite: something was committed; look
             with self._lock:
                 watches = list(self._watches)
@@ -196,6 +202,7 @@ class SQLCoordinator(Coordinator):
         self._command_wake.set()
         for listener in self._listeners():
             listener.recheck()
+        self._wake_schedulers()
         if self._ctx is not None:
             self._lease.request_check()
 
@@ -208,6 +215,37 @@ class SQLCoordinator(Coordinator):
         on every commit seen by the change feed, and after a reconnect."""
         with self._lock:
             self._task_command_listeners.append(listener)
+        return True
+
+    # -- schedules --------------------------------------------------------------------------
+
+    def _wake_schedulers(self) -> None:
+        with self._lock:
+            wakes = list(self._schedule_listeners)
+        for wake in wakes:
+            wake()
+
+    def schedules(self) -> list[Schedule]:
+        self._check_open()
+        self._db.ensure_schema()
+        return _schedules.list_schedules(self._db)
+
+    def materialise(self, schedule: Schedule, tasks: Sequence[Task], cursor: datetime) -> bool:
+        self._check_open()
+        self._db.ensure_schema()
+        return _schedules.materialise(self._db, schedule, tasks, cursor)
+
+    def listen_schedules(self, wake: Callable[[], None]) -> bool:
+        """PostgreSQL: ``s`` notifications. SQLite has no push worth listening to for this
+        (its change feed fires on every commit): the scheduler's safety net re-reads."""
+        if self._db.config.kind != "postgresql":
+            return False
+        with self._lock:
+            self._schedule_listeners.append(wake)
+        self._start_listener()
+        if self._listener is not None:
+            # LISTEN before the scheduler's first read, so no change in between is missed.
+            self._listener.wait_listening(self._db.config.connect_timeout)
         return True
 
     # -- tasks ------------------------------------------------------------------------------

@@ -20,6 +20,9 @@ Tables (all prefixed ``metafora_``):
   ``labels`` (v4: JSON object, NULL for none).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
+- ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
+  ``missed`` policy, ``paused``, ``tick_cursor`` (every tick at or before it is settled) and
+  ``version`` (the compare-and-set token materialising a tick checks).
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
 """
 
@@ -123,6 +126,24 @@ def _v4_placement(conn: Connection, dialect: Dialect) -> None:
     # The full scan walks the pending rows one priority at a time, highest first.
     conn.execute(text("CREATE INDEX metafora_tasks_priority ON metafora_tasks"
                       " (namespace, priority, id) WHERE state = 'pending'"))
+_V5_SCHEDULES = """CREATE TABLE metafora_schedules (
+    namespace {key} NOT NULL,
+    name {key} NOT NULL,
+    every_secs INTEGER CHECK (every_secs IS NULL OR every_secs >= 1),
+    cron TEXT,
+    props TEXT NOT NULL,
+    missed VARCHAR(8) NOT NULL CHECK (missed IN ('skip', 'once', 'all')),
+    paused BOOLEAN NOT NULL,
+    tick_cursor {ts} NOT NULL,
+    created_at {ts} NOT NULL,
+    version BIGINT NOT NULL,
+    PRIMARY KEY (namespace, name),
+    CHECK ((every_secs IS NULL) <> (cron IS NULL))
+)"""
+
+
+def _v5_schedules(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text(_V5_SCHEDULES.format(**dialect.ddl_types())))
 
 
 MIGRATIONS: list[tuple[str, Migration]] = [
@@ -131,6 +152,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks.crashes: claims in a row that ended with their node dead", _v3_task_crashes),
     ("nodes.labels, tasks.selector, priority and placement: placement and priorities",
      _v4_placement),
+    ("schedules: masterless periodic tasks", _v5_schedules),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

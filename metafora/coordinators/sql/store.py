@@ -39,8 +39,9 @@ from metafora.coordinators.sql.schema import migrate, needs_migration
 from metafora.coordinators.sql.statements import Statements
 from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
 from metafora.masking import scrub
+from metafora.task import Task
 
-__all__ = ["Database", "translate_error"]
+__all__ = ["Database", "task_params", "translate_error"]
 
 log = logging.getLogger(__name__)
 
@@ -326,3 +327,17 @@ class Database:
             self.engine.dispose()
             if self._write_engine is not self.engine:
                 self._write_engine.dispose()
+
+
+def task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
+    """The bind parameters of one submitted task (``suffix``: its row in a multi-row INSERT)."""
+    to_db = db.dialect.to_db_time
+    return {
+        f"id{suffix}": task.id,
+        f"props{suffix}": task.props_json(),
+        f"launch_at{suffix}": to_db(task.launch_at),
+        f"expires_at{suffix}": to_db(task.expires_at),
+        f"selector{suffix}": task.selector_json(),
+        f"priority{suffix}": task.priority,
+        f"placement{suffix}": task.placement_json(),
+    }
