@@ -23,7 +23,9 @@ from metafora.coordinator import (
     Client,
     Coordinator,
     CoordinatorContext,
+    Finish,
     NodeInfo,
+    Outcome,
     TaskSink,
     as_sink,
     crash_limit_error,
@@ -34,6 +36,7 @@ from metafora.errors import (
     ConfigError,
     CoordinatorClosed,
     InvalidCommand,
+    MetaforaError,
     NodeExists,
     NodeNotFound,
     TaskExists,
@@ -314,6 +317,25 @@ class MemoryCoordinator(Coordinator):
 
     def fail(self, task: Task, error: BaseException | str) -> None:
         self._finish(task, TaskState.FAILED, error_text(error))
+
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Every outcome under one hold of the store's lock (each fenced on its own)."""
+        results: list[MetaforaError | None] = []
+        with self._store.cond:  # re-entrant: the single-outcome methods take it again
+            self._check_open()
+            for finish in finishes:
+                try:
+                    if finish.outcome is Outcome.DONE:
+                        self._finish(finish.task, TaskState.DONE, None)
+                    elif finish.outcome is Outcome.RELEASE:
+                        self.release(finish.task)
+                    else:
+                        self._finish(finish.task, TaskState.FAILED, finish.error or "failed")
+                except ClaimLost as exc:
+                    results.append(exc)
+                else:
+                    results.append(None)
+        return results
 
     def _finish(self, task: Task, state: TaskState, error: str | None) -> None:
         s = self._store

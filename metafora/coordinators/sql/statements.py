@@ -39,6 +39,10 @@ _ME_SESSION = (
 # A claim taken over from a dead owner counts one more crash of the task in a row.
 _CRASHED = "crashes = CASE WHEN state = 'claimed' THEN crashes + 1 ELSE crashes END"
 _FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
+_FENCED_MANY = (
+    "metafora_tasks.namespace = :ns AND metafora_tasks.id = v.fid AND owner = :node"
+    " AND token = v.ftoken AND state = 'claimed'"
+)
 _INFO_COLUMNS = (
     "id, props,"
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
@@ -96,6 +100,23 @@ _SQL: dict[str, str] = {
     "fail": (
         "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = :error,"
         " finished_at = {now}, updated_at = {now} WHERE " + _FENCED + " RETURNING token"
+    ),
+    # Group-committed outcomes (Coordinator.finish_many): one statement per outcome kind for
+    # many claims, each row fenced by its own (id, token) as the single-row statements are;
+    # the rows written come back, the others were refused (ClaimLost).
+    "release_many": (
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
+        " crashes = 0, ready = {next_token}, updated_at = {now} FROM {finish_rows}"
+        " WHERE " + _FENCED_MANY + " RETURNING id, token, ready, {notify_task}"
+    ),
+    "done_many": (
+        "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
+        " updated_at = {now} FROM {finish_rows} WHERE " + _FENCED_MANY + " RETURNING id, token"
+    ),
+    "fail_many": (
+        "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = v.ferror,"
+        " finished_at = {now}, updated_at = {now} FROM {finish_rows} WHERE " + _FENCED_MANY
+        + " RETURNING id, token"
     ),
     # -- the node lease ---------------------------------------------------------------------
     # Takes over a missing or expired registration only; returns nothing if the id is live.
