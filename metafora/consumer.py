@@ -10,7 +10,7 @@ the store is gone).
 
 from __future__ import annotations
 
-import enum
+import itertools
 import logging
 import math
 import queue
@@ -26,7 +26,14 @@ from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
+from metafora.coordinator import (
+    DEFAULT_MAX_CRASHES,
+    Coordinator,
+    CoordinatorContext,
+    Finish,
+    Outcome,
+    error_text,
+)
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -38,6 +45,7 @@ from metafora.handler import AsyncHandler, Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
+from metafora.outcomes import OutcomeWriter, Pending
 from metafora.runner import HandlerRunner, Run
 from metafora.task import Task
 
@@ -45,19 +53,11 @@ __all__ = ["Consumer"]
 
 log = logging.getLogger(__name__)
 
-_CLAIM_BATCH = 16  # offers approved by the balancer are claimed this many per call
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
-
-class _Outcome(enum.Enum):
-    DONE = "done"
-    RELEASE = "release"
-    FAIL = "fail"
-
-
-_COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+_COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
 # How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
-_PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
+_PHRASE = {Outcome.DONE: "done", Outcome.RELEASE: "released", Outcome.FAIL: "failed"}
 
 
 def _handler_state(handler: Handler | AsyncHandler) -> str | None:
@@ -221,6 +221,11 @@ class Consumer:
         self._fatal: BaseException | None = None
         self._timeout_override: float | None = None
         self._next_balance = 0.0
+        # Handlers' outcomes are group-committed by one writer thread (see metafora.outcomes).
+        self._outcomes = OutcomeWriter(coordinator, retry_max=_FINISH_RETRY_MAX, clock=self._clock,
+                                       on_retry=self._outcome_retry)
+        # Offers approved by the balancer are claimed this many per claim_many call.
+        self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", 32)))
 
     # -- public surface -------------------------------------------------------------
 
@@ -305,6 +310,7 @@ class Consumer:
             self._balancer.init(
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
+            self._start_side_thread("outcomes", self._outcomes.run)
             self._start_side_thread("watch", self._watch)
             self._start_side_thread("commands", self._command_feed)
             self._next_balance = self._clock.monotonic() + self._balance_interval()
@@ -445,15 +451,16 @@ class Consumer:
         # Every node hears the same offers in the same order; shuffling them makes nodes
         # try different tasks first, so fewer claims are lost to a race (one round trip each).
         self._rng.shuffle(offers)
+        room = False
         for kind, payload in batch:
             if self._stopping.is_set():
                 return
             if kind == "command":
                 self._command(payload)
-            elif kind == "finished":
-                self._finished(*payload)
-            elif kind == "room":
-                self._retry_deferred()
+            elif kind in ("finished", "room"):
+                room = True  # once per drain, not once per finished task
+        if room:
+            self._retry_deferred()
         self._offer(*offers)
 
     def _balance_interval(self) -> float:
@@ -463,11 +470,12 @@ class Consumer:
     def _offer(self, *tasks: Task) -> None:
         """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
         approved: list[Task] = []
+        approved_ids: set[str] = set()
         for task in tasks:
             if self._stopping.is_set():
                 return
             with self._lock:
-                if task.id in self._running or any(t.id == task.id for t in approved):
+                if task.id in self._running or task.id in approved_ids:
                     continue
                 ignored = self._ignores.get(task.id)
                 if ignored is not None:
@@ -489,9 +497,11 @@ class Consumer:
                 self._ignore(task, until)
                 continue
             approved.append(task)
-            if len(approved) >= _CLAIM_BATCH:
+            approved_ids.add(task.id)
+            if len(approved) >= self._claim_burst:
                 self._claim(approved)
                 approved = []
+                approved_ids.clear()
         if approved:
             self._claim(approved)
 
@@ -514,10 +524,24 @@ class Consumer:
         self._offer(*due)
 
     def _redo_deferred(self) -> None:
-        with self._lock:
-            waiting = list(self._deferred.values())
-            self._deferred.clear()
-        self._offer(*waiting)
+        """Re-offer deferred tasks, as many as there are free slots (oldest first).
+
+        Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
+        after every finished task (quadratic). Slots still free after a round (offers refused
+        or lost to a race) take another round; the map shrinks every round.
+        """
+        while True:
+            with self._lock:
+                if self._frozen or not self._deferred or self._stopping.is_set():
+                    return
+                free = len(self._deferred)
+                if self._max_tasks is not None:
+                    free = min(free, self._max_tasks - len(self._running))
+                if free <= 0:
+                    return
+                ids = list(itertools.islice(self._deferred, free))
+                waiting = [self._deferred.pop(task_id) for task_id in ids]
+            self._offer(*waiting)
 
     def _claim(self, tasks: list[Task]) -> None:
         began = SYSTEM_CLOCK.monotonic()
@@ -569,7 +593,8 @@ class Consumer:
             handler = self._handler_func(claimed)
         except Exception as exc:
             self._log.exception("handler_func failed for task %s", claimed.id, extra=extra)
-            self._write(_Outcome.FAIL, claimed, exc)
+            self._write(Finish(claimed, Outcome.FAIL, error_text(exc)),
+                        lambda result: self._recorded(Outcome.FAIL, claimed, result))
             return
         entry = _Running(claimed, handler, self._clock.now())
         with self._lock:
@@ -664,9 +689,9 @@ class Consumer:
         span, and runs the returned write off the loop: only the write blocks.
         """
         if error is None:
-            outcome = _Outcome.DONE if result else _Outcome.RELEASE
+            outcome = Outcome.DONE if result else Outcome.RELEASE
         else:
-            outcome = _Outcome.FAIL
+            outcome = Outcome.FAIL
             if span is not None:
                 span.record_exception(error)
                 span.set_error(f"{type(error).__name__}: {error}")
@@ -683,7 +708,7 @@ class Consumer:
             skip = entry.lost or entry.abandoned
             if stopping:
                 pass  # no more claims: back-offs would only cost time with 10,000 handlers
-            elif outcome is _Outcome.RELEASE or entry.lost:
+            elif outcome is Outcome.RELEASE or entry.lost:
                 # Back off before the store sees the release, so its offer is ignored.
                 self._back_off(entry.task)
             else:
@@ -692,22 +717,29 @@ class Consumer:
             span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
         # Shutting down: close() releases every claim left in one store request, so
         # thousands of handlers stopping at once do not each wait for a release write.
-        if skip or (stopping and outcome is _Outcome.RELEASE):
+        if skip or (stopping and outcome is Outcome.RELEASE):
             if not skip:
                 self.stats.incr(_COUNTER[outcome])
             self._ended(entry, outcome)
             return None
-        return lambda: self._write_outcome(entry, outcome, error)
+        return lambda: self._queue_outcome(entry, outcome, error)
 
-    def _write_outcome(self, entry: _Running, outcome: _Outcome,
+    def _queue_outcome(self, entry: _Running, outcome: Outcome,
                        error: BaseException | None) -> None:
-        try:
-            with tracing.outcome_span(outcome.value):
-                self._write(outcome, entry.task, error)
-        finally:
-            self._ended(entry, outcome)
+        """Hand the outcome to the group commit (runs in the run's context, off the loop)."""
+        end_span = tracing.start_outcome_span(outcome.value)
 
-    def _ended(self, entry: _Running, outcome: _Outcome) -> None:
+        def settle(result: MetaforaError | None) -> None:
+            try:
+                self._recorded(outcome, entry.task, result)
+            finally:
+                end_span()
+                self._ended(entry, outcome)
+
+        self._write(Finish(entry.task, outcome, None if error is None else error_text(error)),
+                    settle)
+
+    def _ended(self, entry: _Running, outcome: Outcome) -> None:
         with self._lock:
             self._finishing.discard(entry)
         entry.finished.set()
@@ -732,38 +764,39 @@ class Consumer:
                                    "action": "abandon"})
         self._runner.cancel(e.run for e in late if e.run is not None)
 
-    def _write(self, outcome: _Outcome, task: Task, error: BaseException | None) -> None:
-        """Record a handler's outcome in the store, retrying while it is unreachable."""
+    def _write(self, finish: Finish, settle: Callable[[MetaforaError | None], None]) -> None:
+        """Queue an outcome for the group commit; ``settle`` is told how it ended.
+
+        The writer retries while the store is unreachable, until shutdown gives up. After it
+        stopped (a handler returning after shutdown), the outcome is written right here.
+        """
+        if self._outcomes.put(Pending(finish, settle)):
+            return
+        try:
+            (result,) = self._coord.finish_many([finish])
+        except MetaforaError as exc:
+            result = exc
+        settle(result)
+
+    def _recorded(self, outcome: Outcome, task: Task, result: MetaforaError | None) -> None:
+        """Count and log how one outcome's write ended."""
         extra = {"task": task.id, "token": task.token, "action": outcome.value}
-        delay = 0.1
-        while True:
-            try:
-                if outcome is _Outcome.DONE:
-                    self._coord.done(task)
-                elif outcome is _Outcome.RELEASE:
-                    self._coord.release(task)
-                else:
-                    self._coord.fail(task, error if error is not None else "failed")
-                self.stats.incr(_COUNTER[outcome])
-                self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
-                return
-            except ClaimLost as exc:
-                self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
-                                  extra=extra)
-                return
-            except CoordinatorUnavailable as exc:
-                if self._done.is_set():
-                    self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
-                                    exc, extra=extra)
-                    return
-                self._log.warning("store unavailable recording task %s as %s, retrying: %s",
-                                  task.id, _PHRASE[outcome], exc, extra=extra)
-                self._clock.wait(self._done, delay)
-                delay = min(delay * 2, _FINISH_RETRY_MAX)
-            except MetaforaError as exc:
-                self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
-                                extra=extra)
-                return
+        if result is None:
+            self.stats.incr(_COUNTER[outcome])
+            self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
+        elif isinstance(result, ClaimLost):
+            self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                              result, extra=extra)
+        elif isinstance(result, CoordinatorUnavailable):
+            self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+        else:
+            self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+
+    def _outcome_retry(self, count: int, error: MetaforaError, delay: float) -> None:
+        self._log.warning("store unavailable recording %d outcome(s), retrying in %.1fs: %s",
+                          count, delay, error, extra={"action": "outcome"})
 
     def _back_off(self, task: Task) -> None:
         count = self._releases.get(task.id, 0) + 1
@@ -771,9 +804,6 @@ class Consumer:
         backoff = min(self._release_backoff * 2 ** (count - 1), self._release_backoff_max)
         if backoff > 0:
             self._ignore(Task(task.id, task.props), backoff * self._rng.uniform(0.8, 1.2))
-
-    def _finished(self, task: Task, outcome: _Outcome) -> None:
-        self._retry_deferred()
 
     def _retry_deferred(self) -> None:
         if self._deferred and not self._frozen:
@@ -805,6 +835,7 @@ class Consumer:
             self._log.warning("%d handler outcome(s) still being written after %.1fs; the "
                               "store releases those claims on close", writing, timeout,
                               extra={"action": "shutdown"})
+        self._outcomes.stop()  # one more try for what is left, then give up
         try:
             self._coord.close()
         except MetaforaError as exc:
