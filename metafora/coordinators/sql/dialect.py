@@ -62,7 +62,7 @@ class Dialect(abc.ABC):
         ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
         :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
         multi-row UPDATE of the listed ids), ``finish_rows`` (the ``:rows`` JSON list of
-        ``{"fid", "ftoken", "ferror"}`` objects as a table ``v(fid, ftoken, ferror)``, for
+        ``{"fid", "ftoken", "ferror"}`` objects as a table with those columns, for
         the group-committed outcomes).
         """
 
@@ -128,7 +128,7 @@ class PostgresDialect(Dialect):
             "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
             "next_token_at": "nextval('metafora_token_seq')",
             "finish_rows": (
-                "jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(fid text, ftoken bigint, ferror text)"
+                "jsonb_to_recordset(CAST(:rows AS jsonb)) AS r(fid text, ftoken bigint, ferror text)"
             ),
             "secs_until_launch": "CAST(EXTRACT(EPOCH FROM (min(launch_at) - now())) AS double precision)",
             "secs_until_lease": "CAST(EXTRACT(EPOCH FROM (min(lease_until) - now())) AS double precision)",
@@ -234,7 +234,7 @@ class SQLiteDialect(Dialect):
             ),
             "finish_rows": (
                 "(SELECT json_extract(value, '$.fid') AS fid, json_extract(value, '$.ftoken')"
-                " AS ftoken, json_extract(value, '$.ferror') AS ferror FROM json_each(:rows)) AS v"
+                " AS ftoken, json_extract(value, '$.ferror') AS ferror FROM json_each(:rows)) AS r"
             ),
             "secs_until_launch": "((julianday(min(launch_at)) - julianday('now')) * 86400.0)",
             "secs_until_lease": "((julianday(min(lease_until)) - julianday('now')) * 86400.0)",

@@ -39,9 +39,10 @@ _ME_SESSION = (
 # A claim taken over from a dead owner counts one more crash of the task in a row.
 _CRASHED = "crashes = CASE WHEN state = 'claimed' THEN crashes + 1 ELSE crashes END"
 _FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
+_FINISH_ROWS = "WITH v AS MATERIALIZED (SELECT fid, ftoken, ferror FROM {finish_rows}) "
 _FENCED_MANY = (
-    "metafora_tasks.namespace = :ns AND metafora_tasks.id = v.fid AND owner = :node"
-    " AND token = v.ftoken AND state = 'claimed'"
+    "namespace = :ns AND id IN (SELECT fid FROM v) AND (id, token) IN (SELECT fid, ftoken FROM v)"
+    " AND owner = :node AND state = 'claimed'"
 )
 _INFO_COLUMNS = (
     "id, props,"
@@ -103,20 +104,23 @@ _SQL: dict[str, str] = {
     ),
     # Group-committed outcomes (Coordinator.finish_many): one statement per outcome kind for
     # many claims, each row fenced by its own (id, token) as the single-row statements are;
-    # the rows written come back, the others were refused (ClaimLost).
+    # the rows written come back, the others were refused (ClaimLost). The outcomes are
+    # materialized first so the update walks them through the primary key (SQLite would
+    # otherwise re-read the JSON for every claim the node holds).
     "release_many": (
-        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " crashes = 0, ready = {next_token}, updated_at = {now} FROM {finish_rows}"
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'pending', owner = NULL,"
+        " claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
         " WHERE " + _FENCED_MANY + " RETURNING id, token, ready, {notify_task}"
     ),
     "done_many": (
-        "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
-        " updated_at = {now} FROM {finish_rows} WHERE " + _FENCED_MANY + " RETURNING id, token"
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'done', owner = NULL,"
+        " finished_at = {now}, updated_at = {now} WHERE " + _FENCED_MANY + " RETURNING id, token"
     ),
     "fail_many": (
-        "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = v.ferror,"
-        " finished_at = {now}, updated_at = {now} FROM {finish_rows} WHERE " + _FENCED_MANY
-        + " RETURNING id, token"
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'failed', owner = NULL,"
+        " error = (SELECT v.ferror FROM v WHERE v.fid = metafora_tasks.id"
+        " AND v.ftoken = metafora_tasks.token), finished_at = {now}, updated_at = {now}"
+        " WHERE " + _FENCED_MANY + " RETURNING id, token"
     ),
     # -- the node lease ---------------------------------------------------------------------
     # Takes over a missing or expired registration only; returns nothing if the id is live.
