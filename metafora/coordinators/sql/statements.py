@@ -229,6 +229,10 @@ _SQL: dict[str, str] = {
         " AND launch_at > :since AND launch_at <= :until"
         " AND (expires_at IS NULL OR expires_at > {now}) ORDER BY launch_at, id LIMIT :limit"
     ),
+    "scan_ids_hot": (
+        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id {in_ids} AND "
+        + _CLAIMABLE_PENDING
+    ),
     "scan_ids": (
         "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id IN :ids AND "
         + _CLAIMABLE_PENDING
