@@ -59,8 +59,9 @@ class Dialect(abc.ABC):
         notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
         on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
-        ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
-        :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of the
+        ``in_ids`` (membership in the ``:ids`` list parameter, see :meth:`ids_param`),
+        ``offered_tasks`` / ``offered_pos`` (a FROM ... WHERE finding the task rows of ``:ids``
+        / a row's place in that list), ``next_token_at`` (a distinct next token for each row of the
         claim_many UPDATE, from its ``picked(id, pos)`` CTE), ``in_picked`` / ``in_finished``
         (membership in the ids of the ``picked`` / ``v`` CTE), ``finish_rows`` (the ``:rows`` JSON list of
         ``{"fid", "ftoken", "ferror"}`` objects as a table with those columns, for
@@ -126,7 +127,10 @@ class PostgresDialect(Dialect):
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
             "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
-            "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
+            "offered_tasks": (
+                "metafora_tasks WHERE namespace = :ns AND id = ANY(CAST(:ids AS text[]))"
+            ),
+            "offered_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
             # Primary-key probes whatever the statistics say (see claim_many).
             "in_picked": "= ANY(ARRAY(SELECT id FROM picked))",
             "in_finished": "= ANY(ARRAY(SELECT fid FROM v))",
@@ -236,7 +240,14 @@ class SQLiteDialect(Dialect):
             "notify_owner": "NULL",
             "notify_batch": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
-            "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
+            # The offered ids drive the loop (CROSS JOIN fixes the order): one primary-key
+            # probe each, and their places without re-reading the JSON per row.
+            "offered_tasks": (
+                "(SELECT key AS pos, value AS oid FROM json_each(:ids)) AS offered"
+                " CROSS JOIN metafora_tasks"
+                " WHERE metafora_tasks.namespace = :ns AND metafora_tasks.id = offered.oid"
+            ),
+            "offered_pos": "offered.pos",
             "in_picked": "IN (SELECT id FROM picked)",
             "in_finished": "IN (SELECT fid FROM v)",
             # One statement claims several rows: each takes counter + 1 + its place in :ids.

@@ -90,9 +90,9 @@ _SQL: dict[str, str] = {
     # array): a join or IN-subquery let a plan built on stale statistics (a namespace filled
     # since the last ANALYZE) scan the whole namespace once per claimed row.
     "claim_many": (
-        "WITH picked AS MATERIALIZED (SELECT id, {id_pos} AS pos FROM metafora_tasks"
-        " WHERE namespace = :ns AND id {in_ids} AND " + _CLAIMABLE + " AND " + _ME_LIVE
-        + " ORDER BY {id_pos} LIMIT :limit{lock})"
+        "WITH picked AS MATERIALIZED (SELECT id, {offered_pos} AS pos FROM {offered_tasks}"
+        " AND " + _CLAIMABLE + " AND " + _ME_LIVE
+        + " ORDER BY {offered_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id {in_picked}"
