@@ -3,9 +3,10 @@
 One serialized loop (this module's ``Consumer._loop``) owns every decision: offers from the
 coordinator's watch, commands, balance ticks and ignore deadlines all arrive as events on
 one queue. Handlers are run by :mod:`metafora.runner` (sync ones each on a thread of their
-own, async ones on the node's event loop); the watch and the command feed run in named side
-threads whose failure stops the consumer (a node must not keep claiming when its view of
-the store is gone).
+own, async ones on the node's event loop); their outcomes are group-committed by the
+writer of :mod:`metafora.outcomes`. The watch, the command feed and that writer run in named
+side threads whose failure stops the consumer (a node must not keep claiming when its view
+of the store is gone).
 """
 
 from __future__ import annotations
