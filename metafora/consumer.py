@@ -716,6 +716,10 @@ class Consumer:
                 self._releases.pop(entry.task.id, None)
         if span is not None:
             span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
+        if not stopping and self._max_tasks is not None:
+            # The slot is free now, not when the outcome is written: claims for it overlap
+            # the group commit instead of waiting for it.
+            self._post("room", None)
         # Shutting down: close() releases every claim left in one store request, so
         # thousands of handlers stopping at once do not each wait for a release write.
         if skip or (stopping and outcome is Outcome.RELEASE):
