@@ -54,6 +54,10 @@ __all__ = ["Consumer"]
 
 log = logging.getLogger(__name__)
 
+# With max_tasks, one claim_many gets this many offers per free slot (and a limit of the free
+# slots): offers another node took meanwhile are skipped inside the statement instead of
+# costing a round trip each.
+_OVERFETCH = 4
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
 _COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
@@ -482,10 +486,8 @@ class Consumer:
                 if ignored is not None:
                     self._ignores[task.id] = (ignored[0], task)
                     continue
-                full = self._max_tasks is not None and (
-                    len(self._running) + len(approved) >= self._max_tasks
-                )
-                if self._frozen or full:
+                slots = self._free_slots()
+                if self._frozen or (slots is not None and slots <= 0):
                     self._deferred[task.id] = task
                     continue
             try:
@@ -499,12 +501,22 @@ class Consumer:
                 continue
             approved.append(task)
             approved_ids.add(task.id)
-            if len(approved) >= self._claim_burst:
-                self._claim(approved)
+            burst = self._claim_burst if slots is None else min(self._claim_burst,
+                                                                 slots * _OVERFETCH)
+            if len(approved) >= burst:
+                self._claim(approved, len(approved) if slots is None else slots)
                 approved = []
                 approved_ids.clear()
         if approved:
-            self._claim(approved)
+            with self._lock:
+                slots = self._free_slots()
+            self._claim(approved, len(approved) if slots is None else max(1, slots))
+
+    def _free_slots(self) -> int | None:
+        """Handlers this node may still start (None: no max_tasks). Called holding the lock."""
+        if self._max_tasks is None:
+            return None
+        return self._max_tasks - len(self._running)
 
     def _ignore(self, task: Task, until: datetime | float | None) -> None:
         if until is None:
@@ -525,30 +537,30 @@ class Consumer:
         self._offer(*due)
 
     def _redo_deferred(self) -> None:
-        """Re-offer deferred tasks, as many as there are free slots (oldest first).
+        """Re-offer deferred tasks, a few per free slot (oldest first; see ``_OVERFETCH``).
 
         Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
         after every finished task (quadratic). Slots still free after a round (offers refused
-        or lost to a race) take another round; the map shrinks every round.
+        or lost to a race) take another round; the map shrinks every round (offers go back
+        only when a claim filled every free slot, which ends the rounds).
         """
         while True:
             with self._lock:
                 if self._frozen or not self._deferred or self._stopping.is_set():
                     return
-                free = len(self._deferred)
-                if self._max_tasks is not None:
-                    free = min(free, self._max_tasks - len(self._running))
-                if free <= 0:
+                slots = self._free_slots()
+                if slots is not None and slots <= 0:
                     return
-                ids = list(itertools.islice(self._deferred, free))
+                take = len(self._deferred) if slots is None else slots * _OVERFETCH
+                ids = list(itertools.islice(self._deferred, take))
                 waiting = [self._deferred.pop(task_id) for task_id in ids]
             self._offer(*waiting)
 
-    def _claim(self, tasks: list[Task]) -> None:
+    def _claim(self, tasks: list[Task], limit: int) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
             with tracing.claim_span(self.node_id, len(tasks)) as span:
-                claimed = self._coord.claim_many(tasks, len(tasks))
+                claimed = self._coord.claim_many(tasks, limit)
                 span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
@@ -559,8 +571,16 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
-        if len(claimed) < len(tasks):
+        if len(claimed) < limit:  # every offer was tried: those not won went to others
             self.stats.incr("races_lost", len(tasks) - len(claimed))
+        elif len(claimed) < len(tasks):
+            # The limit was reached: offers past it may not have been tried. Defer them again
+            # (a slot freeing up re-offers them); stale ones drop out once a claim tries all.
+            won = {t.id for t in claimed}
+            with self._lock:
+                for task in tasks:
+                    if task.id not in won:
+                        self._deferred.setdefault(task.id, task)
         for task in claimed:
             self._start(task)
         with self._lock:

@@ -187,6 +187,7 @@ def test_deferred_offers_are_not_rewalked_per_finished_task(harness: Harness) ->
                                               max_tasks=2))
     wait_until(lambda: consumer.stats.counters()["done"] == n, 60, "every task done")
     assert sorted(ran.ids) == [f"d{i:03d}" for i in range(n)]
-    # Each offer is walked about twice (offered, deferred, re-offered when a slot frees);
+    # Each offer is walked a few times (offered, deferred, re-offered with a few others per
+    # free slot, deferred again while the slots fill first);
     # re-walking every deferred offer after each finished task would be ~n*n/2 (45,000).
-    assert consumer.walked < 5 * n
+    assert consumer.walked < 10 * n
