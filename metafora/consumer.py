@@ -3,14 +3,15 @@
 One serialized loop (this module's ``Consumer._loop``) owns every decision: offers from the
 coordinator's watch, commands, balance ticks and ignore deadlines all arrive as events on
 one queue. Handlers are run by :mod:`metafora.runner` (sync ones each on a thread of their
-own, async ones on the node's event loop); the watch and the command feed run in named side
-threads whose failure stops the consumer (a node must not keep claiming when its view of
-the store is gone).
+own, async ones on the node's event loop); their outcomes are group-committed by the
+writer of :mod:`metafora.outcomes`. The watch, the command feed and that writer run in named
+side threads whose failure stops the consumer (a node must not keep claiming when its view
+of the store is gone).
 """
 
 from __future__ import annotations
 
-import enum
+import itertools
 import logging
 import math
 import queue
@@ -26,7 +27,14 @@ from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
+from metafora.coordinator import (
+    DEFAULT_MAX_CRASHES,
+    Coordinator,
+    CoordinatorContext,
+    Finish,
+    Outcome,
+    error_text,
+)
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -39,6 +47,7 @@ from metafora.handler import AsyncHandler, Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
+from metafora.outcomes import OutcomeWriter, Pending
 from metafora.runner import HandlerRunner, Run
 from metafora.schedule import Scheduler
 from metafora.task import Task, matches, validate_labels
@@ -47,19 +56,15 @@ __all__ = ["Consumer"]
 
 log = logging.getLogger(__name__)
 
-_CLAIM_BATCH = 16  # offers approved by the balancer are claimed this many per call
+# With max_tasks, one claim_many gets this many offers per free slot (and a limit of the free
+# slots): offers another node took meanwhile are skipped inside the statement instead of
+# costing a round trip each.
+_OVERFETCH = 4
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
-
-class _Outcome(enum.Enum):
-    DONE = "done"
-    RELEASE = "release"
-    FAIL = "fail"
-
-
-_COUNTER = {_Outcome.DONE: "done", _Outcome.RELEASE: "releases", _Outcome.FAIL: "failed"}
+_COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
 # How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
-_PHRASE = {_Outcome.DONE: "done", _Outcome.RELEASE: "released", _Outcome.FAIL: "failed"}
+_PHRASE = {Outcome.DONE: "done", Outcome.RELEASE: "released", Outcome.FAIL: "failed"}
 
 
 def _handler_state(handler: Handler | AsyncHandler) -> str | None:
@@ -101,6 +106,48 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 def _by_priority(task: Task) -> int:
     return -task.priority
+
+
+class _Deferred:
+    """Offers waiting for a free slot: highest priority first, oldest first within one.
+
+    Taking ``n`` costs O(n + priority levels), not a walk of the whole backlog, so a node far
+    over ``max_tasks`` does not re-sort it after every finished task.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[int, dict[str, Task]] = {}
+        self._level_of: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._level_of)
+
+    def put(self, task: Task, *, replace: bool = True) -> None:
+        """Defer ``task`` (a newer offer of a deferred id replaces it unless ``replace`` is off)."""
+        level = self._level_of.get(task.id)
+        if level is not None:
+            if not replace:
+                return
+            del self._levels[level][task.id]
+            if not self._levels[level]:
+                del self._levels[level]
+        self._levels.setdefault(task.priority, {})[task.id] = task
+        self._level_of[task.id] = task.priority
+
+    def take(self, count: int | None) -> list[Task]:
+        """Remove and return up to ``count`` (None: all) deferred tasks, in order."""
+        taken: list[Task] = []
+        for level in sorted(self._levels, reverse=True):
+            tasks = self._levels[level]
+            want = len(tasks) if count is None else min(len(tasks), count - len(taken))
+            for task_id in list(itertools.islice(tasks, want)):
+                taken.append(tasks.pop(task_id))
+                del self._level_of[task_id]
+            if not tasks:
+                del self._levels[level]
+            if count is not None and len(taken) >= count:
+                break
+        return taken
 
 
 def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
@@ -236,7 +283,7 @@ class Consumer:
         self._done = threading.Event()
         self._running: dict[str, _Running] = {}
         self._ignores: dict[str, tuple[float, Task]] = {}
-        self._deferred: dict[str, Task] = {}
+        self._deferred = _Deferred()
         self._releases: dict[str, int] = {}
         self._lost_early: dict[str, int] = {}
         self._finishing: set[_Running] = set()
@@ -250,6 +297,11 @@ class Consumer:
         self._fatal: BaseException | None = None
         self._timeout_override: float | None = None
         self._next_balance = 0.0
+        # Handlers' outcomes are group-committed by one writer thread (see metafora.outcomes).
+        self._outcomes = OutcomeWriter(coordinator, retry_max=_FINISH_RETRY_MAX, clock=self._clock,
+                                       on_retry=self._outcome_retry)
+        # Offers approved by the balancer are claimed this many per claim_many call.
+        self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", 32)))
 
     # -- public surface -------------------------------------------------------------
 
@@ -340,6 +392,7 @@ class Consumer:
             self._balancer.init(
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
+            self._start_side_thread("outcomes", self._outcomes.run)
             self._start_side_thread("watch", self._watch)
             self._start_side_thread("commands", self._command_feed)
             self._start_side_thread("schedules", self._scheduler.run)
@@ -483,15 +536,16 @@ class Consumer:
         self._rng.shuffle(offers)
         # Higher priority first; the sort is stable, so each priority stays shuffled.
         offers.sort(key=_by_priority)
+        room = False
         for kind, payload in batch:
             if self._stopping.is_set():
                 return
             if kind == "command":
                 self._command(payload)
-            elif kind == "finished":
-                self._finished(*payload)
-            elif kind == "room":
-                self._retry_deferred()
+            elif kind in ("finished", "room"):
+                room = True  # once per drain, not once per finished task
+        if room:
+            self._retry_deferred()
         self._offer(*offers)
 
     def _balance_interval(self) -> float:
@@ -501,23 +555,22 @@ class Consumer:
     def _offer(self, *tasks: Task) -> None:
         """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
         approved: list[Task] = []
+        approved_ids: set[str] = set()
         for task in tasks:
             if self._stopping.is_set():
                 return
             if task.selector and not matches(task.selector, self._labels):
                 continue  # placement: another node's task (the claim would refuse it too)
             with self._lock:
-                if task.id in self._running or any(t.id == task.id for t in approved):
+                if task.id in self._running or task.id in approved_ids:
                     continue
                 ignored = self._ignores.get(task.id)
                 if ignored is not None:
                     self._ignores[task.id] = (ignored[0], task)
                     continue
-                full = self._max_tasks is not None and (
-                    len(self._running) + len(approved) >= self._max_tasks
-                )
-                if self._frozen or full:
-                    self._deferred[task.id] = task
+                slots = self._free_slots()
+                if self._frozen or (slots is not None and slots <= 0):
+                    self._deferred.put(task)
                     continue
             wait = self._hold_back(task, approved)
             if wait is not None:
@@ -533,11 +586,23 @@ class Consumer:
                 self._ignore(task, until)
                 continue
             approved.append(task)
-            if len(approved) >= _CLAIM_BATCH:
-                self._claim(approved)
+            approved_ids.add(task.id)
+            burst = self._claim_burst if slots is None else min(self._claim_burst,
+                                                                 slots * _OVERFETCH)
+            if len(approved) >= burst:
+                self._claim(approved, len(approved) if slots is None else slots)
                 approved = []
+                approved_ids.clear()
         if approved:
-            self._claim(approved)
+            with self._lock:
+                slots = self._free_slots()
+            self._claim(approved, len(approved) if slots is None else max(1, slots))
+
+    def _free_slots(self) -> int | None:
+        """Handlers this node may still start (None: no max_tasks). Called holding the lock."""
+        if self._max_tasks is None:
+            return None
+        return self._max_tasks - len(self._running)
 
     def _hold_back(self, task: Task, approved: list[Task]) -> float | None:
         """Seconds to hold ``task`` back for its soft placement, or None to go on claiming.
@@ -603,19 +668,29 @@ class Consumer:
         self._offer(*due)
 
     def _redo_deferred(self) -> None:
-        with self._lock:
-            waiting = list(self._deferred.values())
-            self._deferred.clear()
-        # Highest priority first: under max_tasks pressure a freed slot goes to the most
-        # urgent task this node was offered.
-        waiting.sort(key=_by_priority)
-        self._offer(*waiting)
+        """Re-offer deferred tasks, a few per free slot (highest priority first, then
+        oldest; see ``_OVERFETCH``).
 
-    def _claim(self, tasks: list[Task]) -> None:
+        Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
+        after every finished task (quadratic). Slots still free after a round (offers refused
+        or lost to a race) take another round; the map shrinks every round (offers go back
+        only when a claim filled every free slot, which ends the rounds).
+        """
+        while True:
+            with self._lock:
+                if self._frozen or not self._deferred or self._stopping.is_set():
+                    return
+                slots = self._free_slots()
+                if slots is not None and slots <= 0:
+                    return
+                waiting = self._deferred.take(None if slots is None else slots * _OVERFETCH)
+            self._offer(*waiting)
+
+    def _claim(self, tasks: list[Task], limit: int) -> None:
         began = SYSTEM_CLOCK.monotonic()
         try:
             with tracing.claim_span(self.node_id, len(tasks)) as span:
-                claimed = self._coord.claim_many(tasks, len(tasks))
+                claimed = self._coord.claim_many(tasks, limit)
                 span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
@@ -626,8 +701,16 @@ class Consumer:
                 self._ignore(task, self._refuse_retry)
             return
         self.stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
-        if len(claimed) < len(tasks):
+        if len(claimed) < limit:  # every offer was tried: those not won went to others
             self.stats.incr("races_lost", len(tasks) - len(claimed))
+        elif len(claimed) < len(tasks):
+            # The limit was reached: offers past it may not have been tried. Defer them again
+            # (a slot freeing up re-offers them); stale ones drop out once a claim tries all.
+            won = {t.id for t in claimed}
+            with self._lock:
+                for task in tasks:
+                    if task.id not in won:
+                        self._deferred.put(task, replace=False)
         for task in claimed:
             self._start(task)
         with self._lock:
@@ -661,7 +744,8 @@ class Consumer:
             handler = self._handler_func(claimed)
         except Exception as exc:
             self._log.exception("handler_func failed for task %s", claimed.id, extra=extra)
-            self._write(_Outcome.FAIL, claimed, exc)
+            self._write(Finish(claimed, Outcome.FAIL, error_text(exc)),
+                        lambda result: self._recorded(Outcome.FAIL, claimed, result))
             return
         entry = _Running(claimed, handler, self._clock.now())
         with self._lock:
@@ -756,9 +840,9 @@ class Consumer:
         span, and runs the returned write off the loop: only the write blocks.
         """
         if error is None:
-            outcome = _Outcome.DONE if result else _Outcome.RELEASE
+            outcome = Outcome.DONE if result else Outcome.RELEASE
         else:
-            outcome = _Outcome.FAIL
+            outcome = Outcome.FAIL
             if span is not None:
                 span.record_exception(error)
                 span.set_error(f"{type(error).__name__}: {error}")
@@ -775,31 +859,42 @@ class Consumer:
             skip = entry.lost or entry.abandoned
             if stopping:
                 pass  # no more claims: back-offs would only cost time with 10,000 handlers
-            elif outcome is _Outcome.RELEASE or entry.lost:
+            elif outcome is Outcome.RELEASE or entry.lost:
                 # Back off before the store sees the release, so its offer is ignored.
                 self._back_off(entry.task)
             else:
                 self._releases.pop(entry.task.id, None)
         if span is not None:
             span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
+        if not stopping and self._max_tasks is not None:
+            # The slot is free now, not when the outcome is written: claims for it overlap
+            # the group commit instead of waiting for it.
+            self._post("room", None)
         # Shutting down: close() releases every claim left in one store request, so
         # thousands of handlers stopping at once do not each wait for a release write.
-        if skip or (stopping and outcome is _Outcome.RELEASE):
+        if skip or (stopping and outcome is Outcome.RELEASE):
             if not skip:
                 self.stats.incr(_COUNTER[outcome])
             self._ended(entry, outcome)
             return None
-        return lambda: self._write_outcome(entry, outcome, error)
+        return lambda: self._queue_outcome(entry, outcome, error)
 
-    def _write_outcome(self, entry: _Running, outcome: _Outcome,
+    def _queue_outcome(self, entry: _Running, outcome: Outcome,
                        error: BaseException | None) -> None:
-        try:
-            with tracing.outcome_span(outcome.value):
-                self._write(outcome, entry.task, error)
-        finally:
-            self._ended(entry, outcome)
+        """Hand the outcome to the group commit (runs in the run's context, off the loop)."""
+        end_span = tracing.start_outcome_span(outcome.value)
 
-    def _ended(self, entry: _Running, outcome: _Outcome) -> None:
+        def settle(result: MetaforaError | None) -> None:
+            try:
+                self._recorded(outcome, entry.task, result)
+            finally:
+                end_span()
+                self._ended(entry, outcome)
+
+        self._write(Finish(entry.task, outcome, None if error is None else error_text(error)),
+                    settle)
+
+    def _ended(self, entry: _Running, outcome: Outcome) -> None:
         with self._lock:
             self._finishing.discard(entry)
         entry.finished.set()
@@ -824,38 +919,39 @@ class Consumer:
                                    "action": "abandon"})
         self._runner.cancel(e.run for e in late if e.run is not None)
 
-    def _write(self, outcome: _Outcome, task: Task, error: BaseException | None) -> None:
-        """Record a handler's outcome in the store, retrying while it is unreachable."""
+    def _write(self, finish: Finish, settle: Callable[[MetaforaError | None], None]) -> None:
+        """Queue an outcome for the group commit; ``settle`` is told how it ended.
+
+        The writer retries while the store is unreachable, until shutdown gives up. After it
+        stopped (a handler returning after shutdown), the outcome is written right here.
+        """
+        if self._outcomes.put(Pending(finish, settle)):
+            return
+        try:
+            (result,) = self._coord.finish_many([finish])
+        except MetaforaError as exc:
+            result = exc
+        settle(result)
+
+    def _recorded(self, outcome: Outcome, task: Task, result: MetaforaError | None) -> None:
+        """Count and log how one outcome's write ended."""
         extra = {"task": task.id, "token": task.token, "action": outcome.value}
-        delay = 0.1
-        while True:
-            try:
-                if outcome is _Outcome.DONE:
-                    self._coord.done(task)
-                elif outcome is _Outcome.RELEASE:
-                    self._coord.release(task)
-                else:
-                    self._coord.fail(task, error if error is not None else "failed")
-                self.stats.incr(_COUNTER[outcome])
-                self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
-                return
-            except ClaimLost as exc:
-                self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
-                                  extra=extra)
-                return
-            except CoordinatorUnavailable as exc:
-                if self._done.is_set():
-                    self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
-                                    exc, extra=extra)
-                    return
-                self._log.warning("store unavailable recording task %s as %s, retrying: %s",
-                                  task.id, _PHRASE[outcome], exc, extra=extra)
-                self._clock.wait(self._done, delay)
-                delay = min(delay * 2, _FINISH_RETRY_MAX)
-            except MetaforaError as exc:
-                self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome], exc,
-                                extra=extra)
-                return
+        if result is None:
+            self.stats.incr(_COUNTER[outcome])
+            self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
+        elif isinstance(result, ClaimLost):
+            self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                              result, extra=extra)
+        elif isinstance(result, CoordinatorUnavailable):
+            self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+        else:
+            self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+
+    def _outcome_retry(self, count: int, error: MetaforaError, delay: float) -> None:
+        self._log.warning("store unavailable recording %d outcome(s), retrying in %.1fs: %s",
+                          count, delay, error, extra={"action": "outcome"})
 
     def _back_off(self, task: Task) -> None:
         count = self._releases.get(task.id, 0) + 1
@@ -863,9 +959,6 @@ class Consumer:
         backoff = min(self._release_backoff * 2 ** (count - 1), self._release_backoff_max)
         if backoff > 0:
             self._ignore(task.with_token(0), backoff * self._rng.uniform(0.8, 1.2))
-
-    def _finished(self, task: Task, outcome: _Outcome) -> None:
-        self._retry_deferred()
 
     def _retry_deferred(self) -> None:
         if self._deferred and not self._frozen:
@@ -898,6 +991,7 @@ class Consumer:
             self._log.warning("%d handler outcome(s) still being written after %.1fs; the "
                               "store releases those claims on close", writing, timeout,
                               extra={"action": "shutdown"})
+        self._outcomes.stop()  # one more try for what is left, then give up
         try:
             self._coord.close()
         except MetaforaError as exc:

@@ -183,6 +183,10 @@ class Coordinator(ClusterState, abc.ABC):
     the node no longer holds it.
     """
 
+    claim_burst: int = 32
+    """At most this many offered tasks go to one :meth:`claim_many` call from the consumer (a
+    store that claims a burst in one statement sets more; etcd's txn limit wants fewer)."""
+
     @property
     @abc.abstractmethod
     def name(self) -> str:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
 
 __all__ = ["TRACE_PROP", "claim_span", "enabled", "outcome_span", "record_renewal", "run_span",
+           "start_outcome_span",
            "with_trace_context"]
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,22 @@ def outcome_span(outcome: str) -> Iterator[SpanLike]:
     with _tracer().start_as_current_span("metafora.task.outcome",
                                          attributes={"metafora.outcome": outcome}) as span:
         yield _Span(span)
+
+
+def start_outcome_span(outcome: str) -> Callable[[], None]:
+    """Start a ``metafora.task.outcome`` span under the current one; call the result to end it.
+
+    For an outcome written later by another thread (the group commit): the span covers the
+    wait in the queue and the write, and keeps the run's span as its parent.
+    """
+    if _trace is None:
+        return _nothing
+    span = _tracer().start_span("metafora.task.outcome", attributes={"metafora.outcome": outcome})
+    return cast(Callable[[], None], span.end)
+
+
+def _nothing() -> None:
+    """No span to end."""
 
 
 def record_renewal(node_id: str, seconds: float) -> None:

@@ -10,6 +10,7 @@ connection) every 10 ms. ``poll_interval`` is the safety-net poll behind both.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -22,6 +23,8 @@ from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
+    Finish,
+    Outcome,
     TaskCommandListener,
     TaskSink,
     as_sink,
@@ -48,6 +51,10 @@ __all__ = ["SQLCoordinator"]
 log = logging.getLogger(__name__)
 
 _CLAIM_MANY_MAX = 100  # ids per claim_many statement
+_FINISH_MANY_MAX = 500  # outcomes per finish_many statement
+# Statement order of a group commit: a claim finished twice in one batch keeps its first kind.
+_FINISH_STATEMENTS = ((Outcome.DONE, "done_many"), (Outcome.FAIL, "fail_many"),
+                      (Outcome.RELEASE, "release_many"))
 
 
 class SQLCoordinator(Coordinator):
@@ -55,6 +62,8 @@ class SQLCoordinator(Coordinator):
 
     Nothing touches the store until :meth:`init`. Thread-safe.
     """
+
+    claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
 
     def __init__(self, db: Database, node_id: str) -> None:
         self._db = db
@@ -275,17 +284,20 @@ class SQLCoordinator(Coordinator):
         return got[0] if got else None
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim up to ``limit`` of ``tasks`` in ONE statement, in the order offered.
+        """Claim up to ``limit`` of ``tasks`` in one statement per 100, in the order offered.
 
-        At most 100 ids go into one statement; offers of tasks this node already holds are
-        skipped without a round trip.
+        Offers of tasks this node already holds are skipped without a round trip.
         """
-        ids = [t.id for t in tasks if not self.seen_taken(t)]
-        ids = list(dict.fromkeys(ids))[:_CLAIM_MANY_MAX]
+        ids = list(dict.fromkeys(t.id for t in tasks if not self.seen_taken(t)))
         if limit <= 0 or not ids:
             self._require_init()
             return []
-        return self._claim(ids, limit)
+        claimed: list[Task] = []
+        for start in range(0, len(ids), _CLAIM_MANY_MAX):
+            if len(claimed) >= limit:
+                break
+            claimed += self._claim(ids[start:start + _CLAIM_MANY_MAX], limit - len(claimed))
+        return claimed
 
     def seen_taken(self, task: Task) -> bool:
         return self._lease.holds(task.id)
@@ -380,9 +392,57 @@ class SQLCoordinator(Coordinator):
         finally:
             self._lease.end_finish(task, settled)
         if row is None:
-            raise ClaimLost(
-                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
-            )
+            raise self._claim_lost(task)
+
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Group commit: one fenced statement per outcome kind (and per 500 outcomes).
+
+        PostgreSQL runs each statement in autocommit, SQLite all of them in one transaction.
+        A second finish of the same claim in one batch is refused as ``ClaimLost``, as it
+        would be if it came after the first.
+        """
+        self._check_open()
+        results: list[MetaforaError | None] = [None] * len(finishes)
+        first: dict[tuple[str, int], int] = {}
+        for i, finish in enumerate(finishes):
+            key = (finish.task.id, finish.task.token)
+            if key in first:
+                results[i] = self._claim_lost(finish.task)
+            else:
+                first[key] = i
+        if not first:
+            return results
+        unique = [finishes[i] for i in first.values()]
+        written: set[tuple[str, int]] = set()
+        for finish in unique:
+            self._lease.begin_finish(finish.task.id)
+        settled = False
+        try:
+            with self._db.hot() as cur:
+                for outcome, name in _FINISH_STATEMENTS:
+                    group = [f for f in unique if f.outcome is outcome]
+                    for start in range(0, len(group), _FINISH_MANY_MAX):
+                        rows = json.dumps([
+                            {"fid": f.task.id, "ftoken": f.task.token, "ferror": f.error or "failed"}
+                            for f in group[start:start + _FINISH_MANY_MAX]
+                        ])
+                        got = cur.all(name, {"node": self._node_id, "rows": rows})
+                        if got and outcome is Outcome.RELEASE:
+                            cur.token_used(max(int(r[2]) for r in got))
+                        written.update((str(r[0]), int(r[1])) for r in got)
+            settled = True
+        finally:
+            for finish in unique:
+                self._lease.end_finish(finish.task, settled)
+        for key, i in first.items():
+            if key not in written:
+                results[i] = self._claim_lost(finishes[i].task)
+        return results
+
+    def _claim_lost(self, task: Task) -> ClaimLost:
+        return ClaimLost(
+            f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
+        )
 
     # -- commands ---------------------------------------------------------------------------
 

@@ -59,10 +59,14 @@ class Dialect(abc.ABC):
         notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
         on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
-        ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
-        :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
-        multi-row UPDATE of the listed ids), ``selector_ok`` (the task's selector is matched
-        by the labels in the ``:labels`` JSON parameter).
+        ``in_ids`` (membership in the ``:ids`` list parameter, see :meth:`ids_param`),
+        ``offered_tasks`` / ``offered_pos`` (a FROM ... WHERE finding the task rows of ``:ids``
+        / a row's place in that list), ``next_token_at`` (a distinct next token for each row of the
+        claim_many UPDATE, from its ``picked(id, pos)`` CTE), ``in_picked`` / ``in_finished``
+        (membership in the ids of the ``picked`` / ``v`` CTE), ``finish_rows`` (the ``:rows`` JSON list of
+        ``{"fid", "ftoken", "ferror"}`` objects as a table with those columns, for
+        the group-committed outcomes), ``selector_ok`` (the task's selector is matched by the
+        labels in the ``:labels`` JSON parameter).
         """
 
     @abc.abstractmethod
@@ -124,8 +128,17 @@ class PostgresDialect(Dialect):
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
             "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
-            "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
+            "offered_tasks": (
+                "metafora_tasks WHERE namespace = :ns AND id = ANY(CAST(:ids AS text[]))"
+            ),
+            "offered_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
+            # Primary-key probes whatever the statistics say (see claim_many).
+            "in_picked": "= ANY(ARRAY(SELECT id FROM picked))",
+            "in_finished": "= ANY(ARRAY(SELECT fid FROM v))",
             "next_token_at": "nextval('metafora_token_seq')",
+            "finish_rows": (
+                "jsonb_to_recordset(CAST(:rows AS jsonb)) AS r(fid text, ftoken bigint, ferror text)"
+            ),
             "secs_until_launch": "CAST(EXTRACT(EPOCH FROM (min(launch_at) - now())) AS double precision)",
             "secs_until_lease": "CAST(EXTRACT(EPOCH FROM (min(lease_until) - now())) AS double precision)",
             "selector_ok": (
@@ -178,6 +191,12 @@ class PostgresDialect(Dialect):
             database=kwargs.pop("dbname"),
         )
         kwargs["options"] = "-c timezone=UTC"
+        if autocommit:
+            # The hot statements are prepared (see store.HotCursor) and planned once for any
+            # namespace. A plan for the namespace's value trusts statistics taken before its
+            # tasks were submitted (autovacuum analyzes a minute later at best): it believed
+            # the namespace held one row and filtered 20,000 rows per claim, 150+ ms each.
+            kwargs["options"] += " -c plan_cache_mode=force_generic_plan"
         size = self.config.pool_size if autocommit else max(2, self.config.pool_size // 2)
         return create_engine(
             url,
@@ -226,11 +245,24 @@ class SQLiteDialect(Dialect):
             "notify_owner": "NULL",
             "notify_batch": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
-            "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
+            # The offered ids drive the loop (CROSS JOIN fixes the order): one primary-key
+            # probe each, and their places without re-reading the JSON per row.
+            "offered_tasks": (
+                "(SELECT key AS pos, value AS oid FROM json_each(:ids)) AS offered"
+                " CROSS JOIN metafora_tasks"
+                " WHERE metafora_tasks.namespace = :ns AND metafora_tasks.id = offered.oid"
+            ),
+            "offered_pos": "offered.pos",
+            "in_picked": "IN (SELECT id FROM picked)",
+            "in_finished": "IN (SELECT fid FROM v)",
             # One statement claims several rows: each takes counter + 1 + its place in :ids.
             "next_token_at": (
                 "((SELECT value FROM metafora_counter WHERE name = 'token') + 1"
-                " + (SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id))"
+                " + (SELECT p.pos FROM picked p WHERE p.id = metafora_tasks.id))"
+            ),
+            "finish_rows": (
+                "(SELECT json_extract(value, '$.fid') AS fid, json_extract(value, '$.ftoken')"
+                " AS ftoken, json_extract(value, '$.ferror') AS ferror FROM json_each(:rows)) AS r"
             ),
             "secs_until_launch": "((julianday(min(launch_at)) - julianday('now')) * 86400.0)",
             "secs_until_lease": "((julianday(min(lease_until)) - julianday('now')) * 86400.0)",

@@ -28,6 +28,14 @@ _OWNER_DEAD = (
 # A claim anyone may take over: its owner is dead, unknown or NULL (a row written around
 # metafora); a NULL claimed_at must not make it unclaimable forever.
 _CLAIM_STALE = "(claimed_at IS NULL OR claimed_at < {now}) AND " + _OWNER_DEAD
+# Claimable: pending and due, or claimed by a dead owner. A CASE, not an OR of the two: the
+# planner matched each branch to a partial index -- the (namespace, owner, id) one probed
+# without its owner is a scan of every claim entry of the namespace, dead ones included, and
+# with claims churning it grew to hundreds of ms per claim. Now the rows are found by id.
+_CLAIMABLE = (
+    "(CASE state WHEN 'pending' THEN (" + _CLAIMABLE_PENDING + ") WHEN 'claimed' THEN ("
+    + _CLAIM_STALE + ") ELSE FALSE END)"
+)
 _ME_LIVE = (
     "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
     " AND me.session = :session AND me.lease_until > {now})"
@@ -39,6 +47,11 @@ _ME_SESSION = (
 # A claim taken over from a dead owner counts one more crash of the task in a row.
 _CRASHED = "crashes = CASE WHEN state = 'claimed' THEN crashes + 1 ELSE crashes END"
 _FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
+_FINISH_ROWS = "WITH v AS MATERIALIZED (SELECT fid, ftoken, ferror FROM {finish_rows}) "
+_FENCED_MANY = (
+    "namespace = :ns AND id {in_finished} AND (id, token) IN (SELECT fid, ftoken FROM v)"
+    " AND owner = :node AND state = 'claimed'"
+)
 _INFO_COLUMNS = (
     "id, props,"
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
@@ -67,21 +80,22 @@ _SQL: dict[str, str] = {
         "UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
-        " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND " + _CLAIM_STALE + ")) AND {selector_ok} AND " + _ME_LIVE + "{lock})"
+        " AND id = :id AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE + "{lock})"
         " RETURNING token, props, crashes, selector, priority, placement"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
     # :limit, in the order offered, each with its own token; rows another node holds locked
-    # are skipped, not waited for. The CTE is MATERIALIZED so the LIMIT applies once.
+    # are skipped, not waited for. The CTE is MATERIALIZED so the LIMIT applies once. Both
+    # lookups name the ids outright ({in_picked}: PostgreSQL probes the primary key with an
+    # array): a join or IN-subquery let a plan built on stale statistics (a namespace filled
+    # since the last ANALYZE) scan the whole namespace once per claimed row.
     "claim_many": (
-        "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
-        " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND " + _CLAIM_STALE + ")) AND {selector_ok} AND " + _ME_LIVE
-        + " ORDER BY {id_pos} LIMIT :limit{lock})"
+        "WITH picked AS MATERIALIZED (SELECT id, {offered_pos} AS pos FROM {offered_tasks}"
+        " AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
+        + " ORDER BY {offered_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
-        + " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
+        + " WHERE namespace = :ns AND id {in_picked}"
         " RETURNING id, token, props, crashes, selector, priority, placement"
     ),
     "release": (
@@ -96,6 +110,26 @@ _SQL: dict[str, str] = {
     "fail": (
         "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = :error,"
         " finished_at = {now}, updated_at = {now} WHERE " + _FENCED + " RETURNING token"
+    ),
+    # Group-committed outcomes (Coordinator.finish_many): one statement per outcome kind for
+    # many claims, each row fenced by its own (id, token) as the single-row statements are;
+    # the rows written come back, the others were refused (ClaimLost). The outcomes are
+    # materialized first so the update walks them through the primary key (SQLite would
+    # otherwise re-read the JSON for every claim the node holds).
+    "release_many": (
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'pending', owner = NULL,"
+        " claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
+        " WHERE " + _FENCED_MANY + " RETURNING id, token, ready, {notify_task}"
+    ),
+    "done_many": (
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'done', owner = NULL,"
+        " finished_at = {now}, updated_at = {now} WHERE " + _FENCED_MANY + " RETURNING id, token"
+    ),
+    "fail_many": (
+        _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'failed', owner = NULL,"
+        " error = (SELECT v.ferror FROM v WHERE v.fid = metafora_tasks.id"
+        " AND v.ftoken = metafora_tasks.token), finished_at = {now}, updated_at = {now}"
+        " WHERE " + _FENCED_MANY + " RETURNING id, token"
     ),
     # -- the node lease ---------------------------------------------------------------------
     # Takes over a missing or expired registration only; returns nothing if the id is live.
@@ -213,6 +247,11 @@ _SQL: dict[str, str] = {
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND state = 'pending' AND launch_at > :since AND launch_at <= :until"
         " AND (expires_at IS NULL OR expires_at > {now}) ORDER BY launch_at, id LIMIT :limit"
+    ),
+    "scan_ids_hot": (
+        "SELECT id, props, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND id {in_ids} AND "
+        + _CLAIMABLE_PENDING
     ),
     "scan_ids": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"

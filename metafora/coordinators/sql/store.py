@@ -96,20 +96,25 @@ class HotCursor:
     def __init__(self, db: Database, cursor: Any) -> None:
         self._db = db
         self._cursor = cursor
+        # psycopg: prepared from the first run, so its generic plan is used at once (see
+        # the PostgreSQL dialect's plan_cache_mode); sqlite3 caches statements by itself.
+        self._options: dict[str, Any] = {"prepare": True} if db.config.kind == "postgresql" else {}
+
+    def _run(self, name: str, params: dict[str, Any]) -> None:
+        sql, order = self._db.driver_sql(name)
+        params["ns"] = self._db.config.namespace
+        self._cursor.execute(sql, [params[k] for k in order] if order is not None else params,
+                             **self._options)
 
     def one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """Run statement ``name``; its first row (None if it returned no row)."""
-        sql, order = self._db.driver_sql(name)
-        params["ns"] = self._db.config.namespace
-        self._cursor.execute(sql, [params[k] for k in order] if order is not None else params)
+        self._run(name, params)
         rows = self._cursor.fetchall()  # drain: SQLite cannot COMMIT with a statement open
         return tuple(rows[0]) if rows else None
 
     def all(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run statement ``name``; every row it returned."""
-        sql, order = self._db.driver_sql(name)
-        params["ns"] = self._db.config.namespace
-        self._cursor.execute(sql, [params[k] for k in order] if order is not None else params)
+        self._run(name, params)
         return [tuple(row) for row in self._cursor.fetchall()]
 
     def token_used(self, value: int) -> None:
