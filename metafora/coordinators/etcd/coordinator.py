@@ -44,6 +44,8 @@ from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
+    Finish,
+    Outcome,
     TaskCommandListener,
     TaskSink,
     as_sink,
@@ -61,6 +63,7 @@ from metafora.coordinators.etcd.driver import (
     Op,
     Put,
     Range,
+    TxnRequest,
     WatchBatch,
     WatchCompacted,
     WatchFailure,
@@ -74,12 +77,12 @@ from metafora.coordinators.etcd.layout import (
     Keys,
     TaskRecord,
     crashes_of,
-    decode_json,
     encode_json,
     gather,
     iso,
     props_of,
 )
+from metafora.coordinators.etcd.outcomes import ITEMS_PER_TXN, GroupCommit, OutcomeWriter
 from metafora.coordinators.etcd.queries import (
     expire_task,
     fail_unclaimed,
@@ -88,7 +91,6 @@ from metafora.coordinators.etcd.queries import (
     read_all_tasks,
 )
 from metafora.errors import (
-    ClaimLost,
     CoordinatorClosed,
     CoordinatorUnavailable,
     InvalidCommand,
@@ -110,8 +112,12 @@ _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps
 _STOP = object()
 
 
-_BATCH = 42
-"""Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
+_BATCH = 32
+"""Tasks per claim txn: 4 compares, 3 puts and 4 failure reads each, within etcd's default
+limit of 128 operations per txn branch."""
+
+_COMMIT_BATCH = 4 * ITEMS_PER_TXN
+"""Outcomes of concurrent done/release/fail calls written together at most (4 txns in flight)."""
 
 _CLOSE_BATCH = 64
 """Claims per txn clearing running keys on close: 2 compares and 1 delete each (128 compares)."""
@@ -252,6 +258,11 @@ class EtcdCoordinator(Coordinator):
         self._cmd_check_at = 0.0  # monotonic: next safety-net look at the node's commands
         self._cmd_failing = False
         self._task_cmd_listeners: list[TaskCommandListener] = []
+        # outcomes: done/release/fail of concurrent callers share txns
+        self._outcomes = OutcomeWriter(self._driver, self._keys, self._node_id, clock)
+        self._commit: GroupCommit[Finish, MetaforaError | None] = GroupCommit(
+            self._outcomes.write, _COMMIT_BATCH
+        )
         # threads
         self._threads: list[threading.Thread] = []
         self._watcher_started = False
@@ -619,54 +630,26 @@ class EtcdCoordinator(Coordinator):
             known = entry.known() if entry is not None and entry.props is not None else None
         if lease is None:
             return None  # the lease is lost; the lease thread is re-registering
-        tk = self._keys.task(task.id)
         if known is None:
-            kvs, _ = self._driver.range(Range(tk.prefix, prefix=True))
-            rec = gather(self._keys, kvs).get(task.id)
-            if rec is None or rec.props is None:
+            known = self._read_known(task.id)
+            if known is None:
                 return None
-            known = _Entry.from_record(task.id, rec).known()
-        for _attempt in range(3):
-            if not self._claimable(task.id, known):
-                return None
-            compares, puts = self._claim_ops(task.id, known, lease)
-            try:
-                result = self._driver.txn(
-                    compares,
-                    puts,
-                    [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)],
-                    repeatable=True,
-                )
-            except LeaseNotFound:
-                self._fence("etcd refused a claim: lease not found")
-                return None
-            if result.succeeded:
-                return self._took(Task(task.id, known.props, result.revision), lease)
-            props_kvs, state_kvs, owner_kvs, running_kvs = result.ranges
-            if owner_kvs:
-                owner = owner_kvs[0]
-                if (
-                    owner.value == self._node_bytes
-                    and owner.lease == lease
-                    and props_kvs
-                    and not self.holds_claim(task.id)
-                ):
-                    # Ours but not known: an earlier attempt (of this call, or of a batch this
-                    # call falls back from) was applied and its answer lost. The owner key is
-                    # on this node's lease, so no one else could have taken it meanwhile.
-                    props = props_of(props_kvs[0], task.id).props
-                    return self._took(Task(task.id, props, owner.create_revision), lease)
-                return None
-            if state_kvs or not props_kvs:
-                return None
-            # Resubmitted, or its previous claim ended, since we read it: judge again.
-            rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
-            known = _Entry.from_record(task.id, rec).known()
-        return None
+        claimed = self._claim_known([(task, known)], lease)
+        return claimed[0] if claimed else None
+
+    def _read_known(self, task_id: str) -> _Known | None:
+        """A task the watch cache does not know (yet): read it."""
+        tk = self._keys.task(task_id)
+        kvs, _ = self._driver.range(Range(tk.prefix, prefix=True))
+        rec = gather(self._keys, kvs).get(task_id)
+        if rec is None or rec.props is None:
+            return None
+        return _Entry.from_record(task_id, rec).known()
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each), falling back to one
-        claim per task for a batch whose compares fail (someone else took one of them)."""
+        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each, all in flight at
+        once); a txn refused because one of its tasks was taken meanwhile tells, in the same
+        round trip, which ones to try again."""
         self._require_init()
         with self._lock:
             lease = self._lease_id
@@ -682,41 +665,87 @@ class EtcdCoordinator(Coordinator):
                     batch.append((task, entry.known()))
         if lease is None:
             return []
+        for task in single:  # not in the watch cache yet: rare (an offer the cache has not seen)
+            known = self._read_known(task.id)
+            if known is not None:
+                batch.append((task, known))
         claimed: list[Task] = []
-        for start in range(0, len(batch), _BATCH):
-            if len(claimed) >= limit:
-                return claimed
-            chunk = [(t, k) for t, k in batch[start:start + _BATCH] if self._claimable(t.id, k)]
-            chunk = chunk[: limit - len(claimed)]
-            got = self._claim_batch(chunk, lease) if len(chunk) > 1 else None
-            if got is None:  # a compare failed (or one task): claim them one by one
-                got = [c for c in (self.claim(t) for t, _ in chunk) if c is not None]
-            claimed.extend(got)
-        for task in single:
-            if len(claimed) >= limit:
-                break
-            got_one = self.claim(task)
-            if got_one is not None:
-                claimed.append(got_one)
+        while batch and len(claimed) < limit:
+            take, batch = batch[: limit - len(claimed)], batch[limit - len(claimed):]
+            claimed += self._claim_known(take, lease)
         return claimed
 
-    def _claim_batch(self, chunk: list[tuple[Task, _Known]], lease: int) -> list[Task] | None:
-        """One txn claiming every task of ``chunk``, or None if any compare failed."""
+    def _claim_known(self, items: list[tuple[Task, _Known]], lease: int) -> list[Task]:
+        """Claim ``items`` as judged by their ``_Known``: one txn per :data:`_BATCH` of them,
+        in flight together; what a refused txn's failure branch read re-judges its tasks for
+        the next round (at most three rounds, as a lone claim always had)."""
+        claimed: list[Task] = []
+        error: MetaforaError | None = None
+        for _round in range(3):
+            items = [(t, k) for t, k in items if self._claimable(t.id, k)]
+            if not items:
+                break
+            chunks = [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
+            requests = [self._claim_request(chunk, lease) for chunk in chunks]
+            answers = self._driver.txns(requests, repeatable=True)
+            items = []
+            for chunk, answer in zip(chunks, answers, strict=True):
+                if isinstance(answer, LeaseNotFound):
+                    self._fence("etcd refused a claim: lease not found")
+                    return claimed
+                if isinstance(answer, MetaforaError):
+                    error = answer
+                    continue
+                if answer.succeeded:
+                    for task, known in chunk:
+                        got = self._took(Task(task.id, known.props, answer.revision), lease)
+                        if got is not None:
+                            claimed.append(got)
+                    continue
+                for n, (task, _known) in enumerate(chunk):
+                    props_kvs, state_kvs, owner_kvs, running_kvs = answer.ranges[4 * n:4 * n + 4]
+                    if owner_kvs:
+                        owner = owner_kvs[0]
+                        if (
+                            answer.retried
+                            and owner.value == self._node_bytes
+                            and owner.lease == lease
+                            and props_kvs
+                            and not self.holds_claim(task.id)
+                        ):
+                            # Ours but not known: the lost first attempt of this txn was
+                            # applied. The owner key is on this node's lease, so no one else
+                            # could have taken it meanwhile.
+                            props = props_of(props_kvs[0], task.id).props
+                            got = self._took(Task(task.id, props, owner.create_revision), lease)
+                            if got is not None:
+                                claimed.append(got)
+                        continue
+                    if state_kvs or not props_kvs:
+                        continue
+                    # Resubmitted, or its previous claim ended, since we read it: judge again.
+                    rec = TaskRecord(props=props_kvs[0],
+                                     running=running_kvs[0] if running_kvs else None)
+                    items.append((task, _Entry.from_record(task.id, rec).known()))
+        if error is not None:
+            if not claimed:
+                raise error
+            log.warning("node %s: some claims failed (%s); their tasks are offered again at the "
+                        "next re-list", self._node_id, error, extra=self._extra)
+        return claimed
+
+    def _claim_request(self, chunk: list[tuple[Task, _Known]], lease: int) -> TxnRequest:
+        """The txn claiming every task of ``chunk``; its failure branch reads them back."""
         compares: list[Compare] = []
-        puts: list[Put] = []
+        puts: list[Op] = []
+        reads: list[Op] = []
         for task, known in chunk:
             c, p = self._claim_ops(task.id, known, lease)
             compares += c
             puts += p
-        try:
-            result = self._driver.txn(compares, puts, repeatable=True)
-        except LeaseNotFound:
-            self._fence("etcd refused a claim: lease not found")
-            return []
-        if not result.succeeded:
-            return None  # the per-task fallback also adopts claims of a lost first attempt
-        claimed = [self._took(Task(t.id, k.props, result.revision), lease) for t, k in chunk]
-        return [c for c in claimed if c is not None]
+            tk = self._keys.task(task.id)
+            reads += [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)]
+        return compares, puts, reads
 
     def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
         """The compares and puts of one claim: free, unfinished, as judged, and this node's."""
@@ -795,62 +824,62 @@ class EtcdCoordinator(Coordinator):
                       extra={"node": self._node_id, "task": task_id})
 
     def release(self, task: Task) -> None:
-        self._fenced(task, "release", [])
+        self._finish_one(Finish(task, Outcome.RELEASE))
 
     def done(self, task: Task) -> None:
-        record = {"state": "done", "finished_at": iso(self._clock.now()), "token": task.token}
-        self._fenced(task, "done", [Put(self._keys.task(task.id).state, encode_json(record))])
+        self._finish_one(Finish(task, Outcome.DONE))
 
     def fail(self, task: Task, error: BaseException | str) -> None:
-        record = {
-            "state": "failed",
-            "error": error_text(error),
-            "finished_at": iso(self._clock.now()),
-            "token": task.token,
-        }
-        self._fenced(task, "failed", [Put(self._keys.task(task.id).state, encode_json(record))])
+        self._finish_one(Finish(task, Outcome.FAIL, error_text(error)))
 
-    def _fenced(self, task: Task, what: str, writes: list[Put]) -> None:
-        """Apply ``writes`` and delete the owner key iff this node still holds the claim."""
+    def _finish_one(self, finish: Finish) -> None:
+        """One fenced outcome, group-committed with those other threads write meanwhile."""
         self._check_open()
-        tk = self._keys.task(task.id)
-        with self._lock:
-            held = self._held.get(task.id)
-            if held is not None and held.task.token == task.token:
-                held.finishing = True
-        result = self._driver.txn(
-            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
-            [*writes, Delete(tk.owner), Delete(tk.running)],  # an outcome: no crash
-            [Range(tk.state), Range(tk.claim), Range(tk.owner)],
-            repeatable=True,
-        )
-        ok = result.succeeded or (result.retried and self._applied_before(task, what, result.ranges))
-        with self._lock:
-            held = self._held.get(task.id)
-            if held is not None and held.task.token == task.token:
-                del self._held[task.id]
-        if not ok:
-            raise ClaimLost(
-                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
-            )
-        log.debug("node %s: %s %s (token %d)", self._node_id, what, task.id, task.token,
-                  extra={"node": self._node_id, "task": task.id})
+        self._finishing([finish])
+        error = self._commit.submit(finish)
+        self._finished([finish], [error])
+        if error is not None:
+            raise error
 
-    @staticmethod
-    def _applied_before(task: Task, what: str, ranges: list[list[KeyValue]]) -> bool:
-        """After a retried txn failed: did the lost first attempt do the job?"""
-        state_kvs, claim_kvs, owner_kvs = ranges
-        if what == "release":
-            return (
-                not owner_kvs
-                and not state_kvs
-                and bool(claim_kvs)
-                and claim_kvs[0].mod_revision == task.token
-            )
-        if not state_kvs:
-            return False
-        data = decode_json(state_kvs[0].value) or {}
-        return data.get("state") == what and data.get("token") == task.token
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Record many outcomes in multi-op txns (up to 42 outcomes each, several in flight),
+        each fenced by its own claim's owner key and token exactly as a single write is."""
+        self._check_open()
+        finishes = list(finishes)
+        if not finishes:
+            return []
+        self._finishing(finishes)
+        results = self._outcomes.write(finishes)
+        self._finished(finishes, results)
+        if all(isinstance(r, CoordinatorUnavailable | CoordinatorClosed) for r in results):
+            # Nothing written: the caller retries the batch (an outcome whose lost first
+            # answer was applied is then refused as ClaimLost, as a single write is).
+            error = results[0]
+            assert error is not None
+            raise error
+        return results
+
+    def _finishing(self, finishes: list[Finish]) -> None:
+        """Mark the claims whose outcome is being written (their owner key's delete is not a
+        lost claim)."""
+        with self._lock:
+            for finish in finishes:
+                held = self._held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    held.finishing = True
+
+    def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
+        """Forget the claims whose outcome was written, or refused."""
+        with self._lock:
+            for finish in finishes:
+                held = self._held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    del self._held[finish.task.id]
+        for finish, error in zip(finishes, results, strict=True):
+            if error is None:
+                task = finish.task
+                log.debug("node %s: %s %s (token %d)", self._node_id, finish.outcome.value,
+                          task.id, task.token, extra={"node": self._node_id, "task": task.id})
 
     def holds(self, task: Task) -> bool:
         with self._lock:
