@@ -143,6 +143,7 @@ class _Known:
     props_mod: int
     running_mod: int
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
+    valid: bool = False  # the props made a Task already (no need to check them again)
 
     def crashes(self) -> int:
         """This claim's count of crashes in a row (the previous claim died if it left its key)."""
@@ -155,6 +156,7 @@ class _Entry:
 
     props: dict[str, Any] | None = None
     props_error: str | None = None  # the damage of a props value written around metafora
+    props_valid: bool = False  # these props made a Task when offered
     props_mod: int = 0
     launch_at: datetime | None = None
     expires_at: datetime | None = None
@@ -169,7 +171,7 @@ class _Entry:
         """What a claim is judged and fenced on."""
         assert self.props is not None
         return _Known(self.props, self.props_error, self.props_mod, self.running_mod,
-                      self.running_crashes)
+                      self.running_crashes, self.props_valid)
 
     def set_running(self, kv: KeyValue | None) -> None:
         self.running_mod = 0 if kv is None else kv.mod_revision
@@ -178,6 +180,7 @@ class _Entry:
     def set_props(self, kv: KeyValue, task_id: str) -> None:
         stored = props_of(kv, task_id)
         self.props, self.props_error = stored.props, stored.error
+        self.props_valid = False
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
@@ -774,7 +777,8 @@ class EtcdCoordinator(Coordinator):
         try:
             if known.damage is not None:
                 raise InvalidProps(known.damage)
-            Task(task_id, known.props)
+            if not known.valid:  # checked when offered, unless read since
+                Task(task_id, known.props)
         except InvalidProps as exc:
             # Written by hand or by something else than metafora: it can never run.
             self._fail_unclaimed(task_id, known.props_mod, f"invalid props: {exc}")
@@ -1068,7 +1072,8 @@ class EtcdCoordinator(Coordinator):
                 elif entry.launch_at is not None and entry.launch_at > now:
                     timers[task_id] = entry.launch_at
                 else:
-                    offers.append(_offer(task_id, entry.props))
+                    offer, entry.props_valid = _offer(task_id, entry.props)
+                    offers.append(offer)
                     if entry.expires_at is not None:
                         timers[task_id] = entry.expires_at
                     else:
@@ -1233,12 +1238,13 @@ class EtcdCoordinator(Coordinator):
                 listener.ring(task_id)
 
 
-def _offer(task_id: str, props: dict[str, Any]) -> Task:
-    """The task to offer; without its props if they are invalid (the claim then fails it)."""
+def _offer(task_id: str, props: dict[str, Any]) -> tuple[Task, bool]:
+    """The task to offer, and whether its props are valid; without them if they are not
+    (the claim then fails it)."""
     try:
-        return Task(task_id, props)
+        return Task(task_id, props), True
     except InvalidProps:
-        return Task(task_id)
+        return Task(task_id), False
 
 
 def new_command_name() -> str:

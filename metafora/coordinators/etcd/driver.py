@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import grpc
 
@@ -125,8 +125,7 @@ def load_library() -> ModuleType:
 # --------------------------------------------------------------------------- data
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
+class KeyValue(NamedTuple):
     """One stored key with its revisions and lease."""
 
     key: bytes
@@ -137,8 +136,7 @@ class KeyValue:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
-class Compare:
+class Compare(NamedTuple):
     """A txn condition: ``target(key) op value``."""
 
     key: bytes
@@ -172,8 +170,7 @@ def value_is(key: bytes, value: bytes) -> Compare:
     return Compare(key, "value", "==", value)
 
 
-@dataclass(frozen=True, slots=True)
-class Put:
+class Put(NamedTuple):
     """Write ``value`` at ``key``, attached to ``lease`` (0: none)."""
 
     key: bytes
@@ -181,16 +178,14 @@ class Put:
     lease: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Delete:
+class Delete(NamedTuple):
     """Delete ``key`` (or every key under it when ``prefix``)."""
 
     key: bytes
     prefix: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Range:
+class Range(NamedTuple):
     """Read ``key`` (or every key under it when ``prefix``)."""
 
     key: bytes
@@ -216,8 +211,7 @@ class TxnResult:
     retried: bool = False  # an earlier attempt may have been applied (connection lost)
 
 
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
+class WatchEvent(NamedTuple):
     """A put or a delete seen by a watch. For deletes only ``key`` and ``mod_revision`` count."""
 
     kind: Literal["put", "delete"]
@@ -799,11 +793,8 @@ _OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
 
 def _compare(rpc: Any, c: Compare) -> Any:
-    msg = rpc.Compare(
-        key=c.key,
-        target=getattr(rpc.Compare, _TARGETS[c.target]),
-        result=getattr(rpc.Compare, _OPS[c.op]),
-    )
+    cls = rpc.Compare
+    msg = cls(key=c.key, target=getattr(cls, _TARGETS[c.target]), result=getattr(cls, _OPS[c.op]))
     if c.target == "value":
         assert isinstance(c.value, bytes)
         msg.value = c.value
