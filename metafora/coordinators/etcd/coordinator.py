@@ -254,6 +254,7 @@ class EtcdCoordinator(Coordinator):
         self._subs: list[_Subscriber] = []
         self._unusable: dict[str, int] = {}  # stored ids no Task may have -> props revision logged
         self._watch_queue: queue.Queue[object] | None = None
+        self._watch_gen = 0  # which watch stream may fold events into the cache
         # commands
         self._cmd_cond = threading.Condition(self._lock)
         self._cmd_seq = 0
@@ -1089,13 +1090,26 @@ class EtcdCoordinator(Coordinator):
         while not self._stop.is_set():
             handle: WatchHandle | None = None
             try:
+                with self._lock:  # from now on, a late event of the old stream is dropped
+                    self._watch_gen += 1
+                    gen = self._watch_gen
                 revision = self._relist()
                 wq: queue.Queue[object] = queue.Queue()
                 with self._lock:
                     if self._closed:
                         return
                     self._watch_queue = wq
-                handle = self._driver.watch_prefix(self._keys.root, revision + 1, wq.put)
+
+                def deliver(item: WatchBatch | WatchFailure, gen: int = gen,
+                            wq: queue.Queue[object] = wq) -> None:
+                    # Events are folded in on the stream's reader thread: one thread hop
+                    # less between a submit and its offer. Failures go to this loop.
+                    if isinstance(item, WatchBatch):
+                        self._apply(item, gen)
+                    else:
+                        wq.put(item)
+
+                handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver)
                 if failing:
                     log.info("node %s: watch recovered", self._node_id, extra=self._extra)
                 failing = False
@@ -1115,8 +1129,6 @@ class EtcdCoordinator(Coordinator):
                         if item.compacted:
                             raise WatchCompacted(revision + 1)
                         raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
-                    if isinstance(item, WatchBatch):
-                        self._apply(item)
             except WatchCompacted:
                 log.info("node %s: watch history compacted; re-listing", self._node_id,
                          extra=self._extra)
@@ -1170,13 +1182,19 @@ class EtcdCoordinator(Coordinator):
             self._task_cmd_listeners.append(listener)
         return True
 
-    def _apply(self, batch: WatchBatch) -> None:
-        """Fold watch events into the cache; collect offers, lost claims, command wake-ups."""
+    def _apply(self, batch: WatchBatch, gen: int) -> None:
+        """Fold watch events into the cache; collect offers, lost claims, command wake-ups.
+
+        ``gen`` is the stream's: events of a stream replaced since (a late delivery racing
+        its cancel) are dropped, the re-list that replaced it has read past them.
+        """
         dirty: set[str] = set()
         lost: list[Task] = []
         commands = False
         task_commands: list[str] = []
         with self._lock:
+            if gen != self._watch_gen:
+                return
             for event in batch.events:
                 parsed = self._keys.parse(event.kv.key)
                 if parsed is None:
