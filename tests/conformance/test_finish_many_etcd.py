@@ -237,3 +237,19 @@ def test_claim_many_with_stale_views_and_rivals(cluster: Cluster) -> None:
     assert [(i.owner, i.token) for i in infos] == [("a", t.token) for t in
                                                    sorted(adopted, key=lambda t: t.id)]
     assert node.finish_many([Finish(t, Outcome.DONE) for t in adopted]) == [None] * 3
+
+
+def test_one_task_twice_in_a_batch(cluster: Cluster) -> None:
+    node = cluster.node("a")
+    tasks = claim_all(node, cluster.submit("t", 3))
+    # etcd refuses a txn writing a key twice: the second outcome goes in its own txn and
+    # finds the claim ended by the first (whichever ran first wins, the other is refused)
+    results = node.finish_many([Finish(tasks[0], Outcome.DONE), Finish(tasks[1], Outcome.DONE),
+                                Finish(tasks[0], Outcome.DONE), Finish(tasks[2], Outcome.DONE)])
+    assert results[1] is None and results[3] is None
+    assert sorted(r is None for r in (results[0], results[2])) == [False, True]
+    assert all(cluster.state(t.id) is TaskState.DONE for t in tasks)
+    more = cluster.submit("u", 2)
+    wait_until(lambda: all(node._cache.get(t.id) is not None for t in more), 30)
+    got = node.claim_many([more[0], more[1], more[0]], 3)
+    assert sorted(t.id for t in got) == [t.id for t in more]

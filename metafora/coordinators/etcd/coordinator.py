@@ -659,7 +659,11 @@ class EtcdCoordinator(Coordinator):
             lease = self._lease_id
             batch: list[tuple[Task, _Known]] = []
             single: list[Task] = []
+            seen: set[str] = set()
             for task in tasks:
+                if task.id in seen:
+                    continue  # one claim txn may not write a key twice
+                seen.add(task.id)
                 entry = self._cache.get(task.id)
                 if entry is not None and (entry.owner is not None or entry.finished):
                     continue  # seen taken: no round trip for a stale offer
@@ -874,9 +878,12 @@ class EtcdCoordinator(Coordinator):
                     held.finishing = True
 
     def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
-        """Forget the claims whose outcome was written, or refused."""
+        """Forget the claims whose outcome was written, or refused (kept while etcd could not
+        be reached: the caller retries)."""
         with self._lock:
-            for finish in finishes:
+            for finish, error in zip(finishes, results, strict=True):
+                if isinstance(error, CoordinatorUnavailable | CoordinatorClosed):
+                    continue
                 held = self._held.get(finish.task.id)
                 if held is not None and held.task.token == finish.task.token:
                     del self._held[finish.task.id]

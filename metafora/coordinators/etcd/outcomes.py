@@ -190,14 +190,21 @@ class OutcomeWriter:
 
 
 def _chunks(items: list[_Item]) -> list[list[_Item]]:
+    """Txns of at most :data:`ITEMS_PER_TXN` items and about :data:`TXN_BYTES`, never two
+    outcomes of one task in a txn (etcd refuses a txn writing a key twice)."""
     chunks: list[list[_Item]] = []
     current: list[_Item] = []
+    ids: set[str] = set()
     size = 0
     for item in items:
-        if current and (len(current) >= ITEMS_PER_TXN or size + item.size > TXN_BYTES):
+        task_id = item.finish.task.id
+        if current and (len(current) >= ITEMS_PER_TXN or size + item.size > TXN_BYTES
+                        or task_id in ids):
             chunks.append(current)
             current, size = [], 0
+            ids = set()
         current.append(item)
+        ids.add(task_id)
         size += item.size
     if current:
         chunks.append(current)
