@@ -28,6 +28,7 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -747,18 +748,23 @@ class EtcdCoordinator(Coordinator):
         compares: list[Compare] = []
         puts: list[Op] = []
         reads: list[Op] = []
+        record = self._claim_record()  # one clock read and encoding per txn, not per task
         for task, known in chunk:
-            c, p = self._claim_ops(task.id, known, lease)
+            c, p = self._claim_ops(task.id, known, lease, record)
             compares += c
             puts += p
             tk = self._keys.task(task.id)
             reads += [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)]
         return compares, puts, reads
 
-    def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
+    def _claim_record(self) -> bytes:
+        """The claim key's value for claims made now."""
+        return encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+
+    def _claim_ops(self, task_id: str, known: _Known, lease: int,
+                   record: bytes) -> tuple[list[Compare], list[Put]]:
         """The compares and puts of one claim: free, unfinished, as judged, and this node's."""
         tk = self._keys.task(task_id)
-        record = encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
         compares = [
             absent(tk.owner),
             absent(tk.state),
@@ -768,7 +774,7 @@ class EtcdCoordinator(Coordinator):
         puts = [
             Put(tk.owner, self._node_bytes, lease),
             Put(tk.claim, record),
-            Put(tk.running, encode_json({"crashes": known.crashes()})),
+            Put(tk.running, _running_record(known.crashes())),
         ]
         return compares, puts
 
@@ -1215,8 +1221,8 @@ class EtcdCoordinator(Coordinator):
                     if put:
                         task_commands.append(name)
                     continue
-                if kind not in ("task", "owner"):
-                    continue
+                if kind not in ("task", "owner") or part == "claim":
+                    continue  # the claim key (who claimed last, when) is not cached
                 entry = self._cache.setdefault(name, _Entry())
                 if kind == "owner":
                     held = self._held.get(name)
@@ -1270,6 +1276,12 @@ def _offer(task_id: str, props: dict[str, Any]) -> tuple[Task, bool]:
         return Task(task_id, props), True
     except InvalidProps:
         return Task(task_id), False
+
+
+@functools.lru_cache(maxsize=64)
+def _running_record(crashes: int) -> bytes:
+    """The running key's value (a handful of distinct values: encoded once each)."""
+    return encode_json({"crashes": crashes})
 
 
 def new_command_name() -> str:
