@@ -6,6 +6,7 @@
 Prints one table:
 - raw put, raw create-if-absent txn with a lease (sequential, one client): the ceiling;
 - metafora claim (one process, watch cache warm: one txn per claim), claim + done;
+- outcomes: finish_many in batches of 42 and 256, done from 16 threads (group commit);
 - claim + done with 2 consumer-less worker processes (spawn) sharing the tasks;
 - raw watch latency (put -> event) and submit -> handler start through a Consumer, p50/p99.
 """
@@ -33,6 +34,7 @@ from typing import Any
 from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.config import parse_store_url
 from metafora.consumer import Consumer
+from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.etcd import EtcdConfig, EtcdCoordinator
 from metafora.coordinators.etcd.driver import (
     EtcdDriver,
@@ -166,6 +168,7 @@ def bench_claim(url: str, n: int) -> list[tuple[str, str, str]]:
             assert c is not None
             coord.done(c)
         rows.append(("metafora done (1 fenced txn)", rate(n, time.perf_counter() - t0), f"n={n}"))
+        rows += bench_finish_many(url, coord, n)
         coord.close()
         cold = open_coordinator(url, node_id="cold")
         cold.init(RecordingContext())
@@ -178,6 +181,58 @@ def bench_claim(url: str, n: int) -> list[tuple[str, str, str]]:
         rows.append(("metafora claim, task not in cache (get + txn)", rate(n, elapsed), f"n={n}"))
         cold.close()
     return rows
+
+
+def bench_finish_many(url: str, coord: EtcdCoordinator, n: int) -> list[tuple[str, str, str]]:
+    """Outcomes many per txn: ``finish_many`` in batches, and ``done`` from 16 threads at
+    once (group-committed), beside the one-txn-per-task figure above."""
+    rows = []
+    with open_client(url) as client:
+        for batch in (42, 256):
+            ids = [f"f{batch}-{i:06d}" for i in range(n)]
+            client.submit_tasks(Task(i) for i in ids)
+            claimed = claim_ids(coord, ids)
+            t0 = time.perf_counter()
+            for start in range(0, n, batch):
+                results = coord.finish_many(
+                    [Finish(t, Outcome.DONE) for t in claimed[start:start + batch]])
+                assert not any(results), results
+            rows.append((f"metafora finish_many, batches of {batch}",
+                         rate(n, time.perf_counter() - t0), f"n={n}"))
+        ids = [f"g-{i:06d}" for i in range(n)]
+        client.submit_tasks(Task(i) for i in ids)
+        claimed = claim_ids(coord, ids)
+        todo: queue.SimpleQueue[Task] = queue.SimpleQueue()
+        for task in claimed:
+            todo.put(task)
+
+        def finisher() -> None:
+            while True:
+                try:
+                    coord.done(todo.get_nowait())
+                except queue.Empty:
+                    return
+
+        threads = [threading.Thread(target=finisher) for _ in range(16)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows.append(("metafora done from 16 threads (group commit)",
+                     rate(n, time.perf_counter() - t0), f"n={n}"))
+    return rows
+
+
+def claim_ids(coord: EtcdCoordinator, ids: list[str]) -> list[Task]:
+    """Claim every task in ``ids`` (the watch cache may need a moment to see them)."""
+    claimed: list[Task] = []
+    deadline = time.monotonic() + 60
+    while len(claimed) < len(ids) and time.monotonic() < deadline:
+        have = {t.id for t in claimed}
+        claimed += coord.claim_many([Task(i) for i in ids if i not in have], len(ids))
+    assert len(claimed) == len(ids)
+    return claimed
 
 
 def claim_worker(url: str, node_id: str, expected: int, go: Any, results: Any) -> None:

@@ -28,6 +28,7 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -44,6 +45,8 @@ from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
+    Finish,
+    Outcome,
     TaskCommandListener,
     TaskSink,
     as_sink,
@@ -62,6 +65,7 @@ from metafora.coordinators.etcd.driver import (
     Op,
     Put,
     Range,
+    TxnRequest,
     WatchBatch,
     WatchCompacted,
     WatchFailure,
@@ -76,12 +80,12 @@ from metafora.coordinators.etcd.layout import (
     StoredProps,
     TaskRecord,
     crashes_of,
-    decode_json,
     encode_json,
     gather,
     iso,
     props_of,
 )
+from metafora.coordinators.etcd.outcomes import ITEMS_PER_TXN, GroupCommit, OutcomeWriter
 from metafora.coordinators.etcd.queries import (
     expire_task,
     fail_unclaimed,
@@ -91,7 +95,6 @@ from metafora.coordinators.etcd.queries import (
     read_all_tasks,
 )
 from metafora.errors import (
-    ClaimLost,
     CoordinatorClosed,
     CoordinatorUnavailable,
     InvalidCommand,
@@ -114,8 +117,12 @@ _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps
 _STOP = object()
 
 
-_BATCH = 42
-"""Tasks per claim txn: 3 puts each, within etcd's default limit of 128 operations per txn."""
+_BATCH = 32
+"""Tasks per claim txn: 4 compares, 3 puts and 4 failure reads each, within etcd's default
+limit of 128 operations per txn branch."""
+
+_COMMIT_BATCH = 4 * ITEMS_PER_TXN
+"""Outcomes of concurrent done/release/fail calls written together at most (4 txns in flight)."""
 
 _CLOSE_BATCH = 64
 """Claims per txn clearing running keys on close: 2 compares and 1 delete each (128 compares)."""
@@ -142,6 +149,7 @@ class _Known:
     running_mod: int
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
     stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
+    valid: bool = False  # the props made a Task already (no need to check them again)
 
     @property
     def selector(self) -> Mapping[str, str]:
@@ -165,6 +173,7 @@ class _Entry:
 
     props: dict[str, Any] | None = None
     props_error: str | None = None  # the damage of a props value written around metafora
+    props_valid: bool = False  # these props made a Task when offered
     props_mod: int = 0
     launch_at: datetime | None = None
     expires_at: datetime | None = None
@@ -180,7 +189,7 @@ class _Entry:
         """What a claim is judged and fenced on."""
         assert self.props is not None
         return _Known(self.props, self.props_error, self.props_mod, self.running_mod,
-                      self.running_crashes, self.stored)
+                      self.running_crashes, self.stored, self.props_valid)
 
     def set_running(self, kv: KeyValue | None) -> None:
         self.running_mod = 0 if kv is None else kv.mod_revision
@@ -190,6 +199,7 @@ class _Entry:
         stored = props_of(kv, task_id)
         self.props, self.props_error = stored.props, stored.error
         self.stored = stored
+        self.props_valid = False
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
@@ -265,6 +275,7 @@ class EtcdCoordinator(Coordinator):
         self._subs: list[_Subscriber] = []
         self._unusable: dict[str, int] = {}  # stored ids no Task may have -> props revision logged
         self._watch_queue: queue.Queue[object] | None = None
+        self._watch_gen = 0  # which watch stream may fold events into the cache
         # commands
         self._cmd_cond = threading.Condition(self._lock)
         self._cmd_seq = 0
@@ -272,6 +283,11 @@ class EtcdCoordinator(Coordinator):
         self._cmd_check_at = 0.0  # monotonic: next safety-net look at the node's commands
         self._cmd_failing = False
         self._task_cmd_listeners: list[TaskCommandListener] = []
+        # outcomes: done/release/fail of concurrent callers share txns
+        self._outcomes = OutcomeWriter(self._driver, self._keys, self._node_id, clock)
+        self._commit: GroupCommit[Finish, MetaforaError | None] = GroupCommit(
+            self._outcomes.write, _COMMIT_BATCH
+        )
         # threads
         self._threads: list[threading.Thread] = []
         self._watcher_started = False
@@ -641,60 +657,36 @@ class EtcdCoordinator(Coordinator):
             known = entry.known() if entry is not None and entry.props is not None else None
         if lease is None:
             return None  # the lease is lost; the lease thread is re-registering
-        tk = self._keys.task(task.id)
         if known is None:
-            kvs, _ = self._driver.range(Range(tk.prefix, prefix=True))
-            rec = gather(self._keys, kvs).get(task.id)
-            if rec is None or rec.props is None:
+            known = self._read_known(task.id)
+            if known is None:
                 return None
-            known = _Entry.from_record(task.id, rec).known()
-        for _attempt in range(3):
-            if not self._claimable(task.id, known):
-                return None
-            compares, puts = self._claim_ops(task.id, known, lease)
-            try:
-                result = self._driver.txn(
-                    compares,
-                    puts,
-                    [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)],
-                    repeatable=True,
-                )
-            except LeaseNotFound:
-                self._fence("etcd refused a claim: lease not found")
-                return None
-            if result.succeeded:
-                return self._took(known.task(task.id, result.revision), lease)
-            props_kvs, state_kvs, owner_kvs, running_kvs = result.ranges
-            if owner_kvs:
-                owner = owner_kvs[0]
-                if (
-                    owner.value == self._node_bytes
-                    and owner.lease == lease
-                    and props_kvs
-                    and not self.holds_claim(task.id)
-                ):
-                    # Ours but not known: an earlier attempt (of this call, or of a batch this
-                    # call falls back from) was applied and its answer lost. The owner key is
-                    # on this node's lease, so no one else could have taken it meanwhile.
-                    stored = props_of(props_kvs[0], task.id)
-                    return self._took(stored.task(task.id, owner.create_revision), lease)
-                return None
-            if state_kvs or not props_kvs:
-                return None
-            # Resubmitted, or its previous claim ended, since we read it: judge again.
-            rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
-            known = _Entry.from_record(task.id, rec).known()
-        return None
+        claimed = self._claim_known([(task, known)], lease)
+        return claimed[0] if claimed else None
+
+    def _read_known(self, task_id: str) -> _Known | None:
+        """A task the watch cache does not know (yet): read it."""
+        tk = self._keys.task(task_id)
+        kvs, _ = self._driver.range(Range(tk.prefix, prefix=True))
+        rec = gather(self._keys, kvs).get(task_id)
+        if rec is None or rec.props is None:
+            return None
+        return _Entry.from_record(task_id, rec).known()
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each), falling back to one
-        claim per task for a batch whose compares fail (someone else took one of them)."""
+        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each, all in flight at
+        once); a txn refused because one of its tasks was taken meanwhile tells, in the same
+        round trip, which ones to try again."""
         self._require_init()
         with self._lock:
             lease = self._lease_id
             batch: list[tuple[Task, _Known]] = []
             single: list[Task] = []
+            seen: set[str] = set()
             for task in tasks:
+                if task.id in seen:
+                    continue  # one claim txn may not write a key twice
+                seen.add(task.id)
                 entry = self._cache.get(task.id)
                 if entry is not None and (entry.owner is not None or entry.finished):
                     continue  # seen taken: no round trip for a stale offer
@@ -704,46 +696,97 @@ class EtcdCoordinator(Coordinator):
                     batch.append((task, entry.known()))
         if lease is None:
             return []
+        for task in single:  # not in the watch cache yet: rare (an offer the cache has not seen)
+            known = self._read_known(task.id)
+            if known is not None:
+                batch.append((task, known))
         claimed: list[Task] = []
-        for start in range(0, len(batch), _BATCH):
-            if len(claimed) >= limit:
-                return claimed
-            chunk = [(t, k) for t, k in batch[start:start + _BATCH] if self._claimable(t.id, k)]
-            chunk = chunk[: limit - len(claimed)]
-            got = self._claim_batch(chunk, lease) if len(chunk) > 1 else None
-            if got is None:  # a compare failed (or one task): claim them one by one
-                got = [c for c in (self.claim(t) for t, _ in chunk) if c is not None]
-            claimed.extend(got)
-        for task in single:
-            if len(claimed) >= limit:
-                break
-            got_one = self.claim(task)
-            if got_one is not None:
-                claimed.append(got_one)
+        while batch and len(claimed) < limit:
+            take, batch = batch[: limit - len(claimed)], batch[limit - len(claimed):]
+            claimed += self._claim_known(take, lease)
         return claimed
 
-    def _claim_batch(self, chunk: list[tuple[Task, _Known]], lease: int) -> list[Task] | None:
-        """One txn claiming every task of ``chunk``, or None if any compare failed."""
+    def _claim_known(self, items: list[tuple[Task, _Known]], lease: int) -> list[Task]:
+        """Claim ``items`` as judged by their ``_Known``: one txn per :data:`_BATCH` of them,
+        in flight together; what a refused txn's failure branch read re-judges its tasks for
+        the next round (at most three rounds, as a lone claim always had)."""
+        claimed: list[Task] = []
+        error: MetaforaError | None = None
+        for _round in range(3):
+            items = [(t, k) for t, k in items if self._claimable(t.id, k)]
+            if not items:
+                break
+            chunks = [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
+            requests = [self._claim_request(chunk, lease) for chunk in chunks]
+            answers = self._driver.txns(requests, repeatable=True)
+            items = []
+            for chunk, answer in zip(chunks, answers, strict=True):
+                if isinstance(answer, LeaseNotFound):
+                    self._fence("etcd refused a claim: lease not found")
+                    return claimed
+                if isinstance(answer, MetaforaError):
+                    error = answer
+                    continue
+                if answer.succeeded:
+                    for task, known in chunk:
+                        got = self._took(known.task(task.id, answer.revision), lease)
+                        if got is not None:
+                            claimed.append(got)
+                    continue
+                for n, (task, _known) in enumerate(chunk):
+                    props_kvs, state_kvs, owner_kvs, running_kvs = answer.ranges[4 * n:4 * n + 4]
+                    if owner_kvs:
+                        owner = owner_kvs[0]
+                        if (
+                            answer.retried
+                            and owner.value == self._node_bytes
+                            and owner.lease == lease
+                            and props_kvs
+                            and not self.holds_claim(task.id)
+                        ):
+                            # Ours but not known: the lost first attempt of this txn was
+                            # applied. The owner key is on this node's lease, so no one else
+                            # could have taken it meanwhile.
+                            stored = props_of(props_kvs[0], task.id)
+                            got = self._took(stored.task(task.id, owner.create_revision), lease)
+                            if got is not None:
+                                claimed.append(got)
+                        continue
+                    if state_kvs or not props_kvs:
+                        continue
+                    # Resubmitted, or its previous claim ended, since we read it: judge again.
+                    rec = TaskRecord(props=props_kvs[0],
+                                     running=running_kvs[0] if running_kvs else None)
+                    items.append((task, _Entry.from_record(task.id, rec).known()))
+        if error is not None:
+            if not claimed:
+                raise error
+            log.warning("node %s: some claims failed (%s); their tasks are offered again at the "
+                        "next re-list", self._node_id, error, extra=self._extra)
+        return claimed
+
+    def _claim_request(self, chunk: list[tuple[Task, _Known]], lease: int) -> TxnRequest:
+        """The txn claiming every task of ``chunk``; its failure branch reads them back."""
         compares: list[Compare] = []
-        puts: list[Put] = []
+        puts: list[Op] = []
+        reads: list[Op] = []
+        record = self._claim_record()  # one clock read and encoding per txn, not per task
         for task, known in chunk:
-            c, p = self._claim_ops(task.id, known, lease)
+            c, p = self._claim_ops(task.id, known, lease, record)
             compares += c
             puts += p
-        try:
-            result = self._driver.txn(compares, puts, repeatable=True)
-        except LeaseNotFound:
-            self._fence("etcd refused a claim: lease not found")
-            return []
-        if not result.succeeded:
-            return None  # the per-task fallback also adopts claims of a lost first attempt
-        claimed = [self._took(k.task(t.id, result.revision), lease) for t, k in chunk]
-        return [c for c in claimed if c is not None]
+            tk = self._keys.task(task.id)
+            reads += [Range(tk.props), Range(tk.state), Range(tk.owner), Range(tk.running)]
+        return compares, puts, reads
 
-    def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
+    def _claim_record(self) -> bytes:
+        """The claim key's value for claims made now."""
+        return encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+
+    def _claim_ops(self, task_id: str, known: _Known, lease: int,
+                   record: bytes) -> tuple[list[Compare], list[Put]]:
         """The compares and puts of one claim: free, unfinished, as judged, and this node's."""
         tk = self._keys.task(task_id)
-        record = encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
         compares = [
             absent(tk.owner),
             absent(tk.state),
@@ -753,7 +796,7 @@ class EtcdCoordinator(Coordinator):
         puts = [
             Put(tk.owner, self._node_bytes, lease),
             Put(tk.claim, record),
-            Put(tk.running, encode_json({"crashes": known.crashes()})),
+            Put(tk.running, _running_record(known.crashes())),
         ]
         return compares, puts
 
@@ -767,7 +810,8 @@ class EtcdCoordinator(Coordinator):
         try:
             if known.damage is not None:
                 raise InvalidProps(known.damage)
-            Task(task_id, known.props)
+            if not known.valid:  # checked when offered, unless read since
+                Task(task_id, known.props)
         except InvalidProps as exc:
             # Written by hand or by something else than metafora: it can never run.
             self._fail_unclaimed(task_id, known.props_mod, f"invalid props: {exc}")
@@ -819,62 +863,65 @@ class EtcdCoordinator(Coordinator):
                       extra={"node": self._node_id, "task": task_id})
 
     def release(self, task: Task) -> None:
-        self._fenced(task, "release", [])
+        self._finish_one(Finish(task, Outcome.RELEASE))
 
     def done(self, task: Task) -> None:
-        record = {"state": "done", "finished_at": iso(self._clock.now()), "token": task.token}
-        self._fenced(task, "done", [Put(self._keys.task(task.id).state, encode_json(record))])
+        self._finish_one(Finish(task, Outcome.DONE))
 
     def fail(self, task: Task, error: BaseException | str) -> None:
-        record = {
-            "state": "failed",
-            "error": error_text(error),
-            "finished_at": iso(self._clock.now()),
-            "token": task.token,
-        }
-        self._fenced(task, "failed", [Put(self._keys.task(task.id).state, encode_json(record))])
+        self._finish_one(Finish(task, Outcome.FAIL, error_text(error)))
 
-    def _fenced(self, task: Task, what: str, writes: list[Put]) -> None:
-        """Apply ``writes`` and delete the owner key iff this node still holds the claim."""
+    def _finish_one(self, finish: Finish) -> None:
+        """One fenced outcome, group-committed with those other threads write meanwhile."""
         self._check_open()
-        tk = self._keys.task(task.id)
-        with self._lock:
-            held = self._held.get(task.id)
-            if held is not None and held.task.token == task.token:
-                held.finishing = True
-        result = self._driver.txn(
-            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
-            [*writes, Delete(tk.owner), Delete(tk.running)],  # an outcome: no crash
-            [Range(tk.state), Range(tk.claim), Range(tk.owner)],
-            repeatable=True,
-        )
-        ok = result.succeeded or (result.retried and self._applied_before(task, what, result.ranges))
-        with self._lock:
-            held = self._held.get(task.id)
-            if held is not None and held.task.token == task.token:
-                del self._held[task.id]
-        if not ok:
-            raise ClaimLost(
-                f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
-            )
-        log.debug("node %s: %s %s (token %d)", self._node_id, what, task.id, task.token,
-                  extra={"node": self._node_id, "task": task.id})
+        self._finishing([finish])
+        error = self._commit.submit(finish)
+        self._finished([finish], [error])
+        if error is not None:
+            raise error
 
-    @staticmethod
-    def _applied_before(task: Task, what: str, ranges: list[list[KeyValue]]) -> bool:
-        """After a retried txn failed: did the lost first attempt do the job?"""
-        state_kvs, claim_kvs, owner_kvs = ranges
-        if what == "release":
-            return (
-                not owner_kvs
-                and not state_kvs
-                and bool(claim_kvs)
-                and claim_kvs[0].mod_revision == task.token
-            )
-        if not state_kvs:
-            return False
-        data = decode_json(state_kvs[0].value) or {}
-        return data.get("state") == what and data.get("token") == task.token
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Record many outcomes in multi-op txns (up to 42 outcomes each, several in flight),
+        each fenced by its own claim's owner key and token exactly as a single write is."""
+        self._check_open()
+        finishes = list(finishes)
+        if not finishes:
+            return []
+        self._finishing(finishes)
+        results = self._outcomes.write(finishes)
+        self._finished(finishes, results)
+        if all(isinstance(r, CoordinatorUnavailable | CoordinatorClosed) for r in results):
+            # Nothing written: the caller retries the batch (an outcome whose lost first
+            # answer was applied is then refused as ClaimLost, as a single write is).
+            error = results[0]
+            assert error is not None
+            raise error
+        return results
+
+    def _finishing(self, finishes: list[Finish]) -> None:
+        """Mark the claims whose outcome is being written (their owner key's delete is not a
+        lost claim)."""
+        with self._lock:
+            for finish in finishes:
+                held = self._held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    held.finishing = True
+
+    def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
+        """Forget the claims whose outcome was written, or refused (kept while etcd could not
+        be reached: the caller retries)."""
+        with self._lock:
+            for finish, error in zip(finishes, results, strict=True):
+                if isinstance(error, CoordinatorUnavailable | CoordinatorClosed):
+                    continue
+                held = self._held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    del self._held[finish.task.id]
+        for finish, error in zip(finishes, results, strict=True):
+            if error is None:
+                task = finish.task
+                log.debug("node %s: %s %s (token %d)", self._node_id, finish.outcome.value,
+                          task.id, task.token, extra={"node": self._node_id, "task": task.id})
 
     def holds(self, task: Task) -> bool:
         with self._lock:
@@ -1067,7 +1114,8 @@ class EtcdCoordinator(Coordinator):
                 elif entry.launch_at is not None and entry.launch_at > now:
                     timers[task_id] = entry.launch_at
                 else:
-                    offers.append(_offer(task_id, entry))
+                    offer, entry.props_valid = _offer(task_id, entry)
+                    offers.append(offer)
                     if entry.expires_at is not None:
                         timers[task_id] = entry.expires_at
                     else:
@@ -1087,13 +1135,26 @@ class EtcdCoordinator(Coordinator):
         while not self._stop.is_set():
             handle: WatchHandle | None = None
             try:
+                with self._lock:  # from now on, a late event of the old stream is dropped
+                    self._watch_gen += 1
+                    gen = self._watch_gen
                 revision = self._relist()
                 wq: queue.Queue[object] = queue.Queue()
                 with self._lock:
                     if self._closed:
                         return
                     self._watch_queue = wq
-                handle = self._driver.watch_prefix(self._keys.root, revision + 1, wq.put)
+
+                def deliver(item: WatchBatch | WatchFailure, gen: int = gen,
+                            wq: queue.Queue[object] = wq) -> None:
+                    # Events are folded in on the stream's reader thread: one thread hop
+                    # less between a submit and its offer. Failures go to this loop.
+                    if isinstance(item, WatchBatch):
+                        self._apply(item, gen)
+                    else:
+                        wq.put(item)
+
+                handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver)
                 # Schedule changes while no watch ran were not pushed: the schedulers look once.
                 with self._lock:
                     wakes = list(self._schedule_listeners)
@@ -1118,8 +1179,6 @@ class EtcdCoordinator(Coordinator):
                         if item.compacted:
                             raise WatchCompacted(revision + 1)
                         raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
-                    if isinstance(item, WatchBatch):
-                        self._apply(item)
             except WatchCompacted:
                 log.info("node %s: watch history compacted; re-listing", self._node_id,
                          extra=self._extra)
@@ -1190,14 +1249,20 @@ class EtcdCoordinator(Coordinator):
             self._schedule_listeners.append(wake)
         return True
 
-    def _apply(self, batch: WatchBatch) -> None:
-        """Fold watch events into the cache; collect offers, lost claims, command wake-ups."""
+    def _apply(self, batch: WatchBatch, gen: int) -> None:
+        """Fold watch events into the cache; collect offers, lost claims, command wake-ups.
+
+        ``gen`` is the stream's: events of a stream replaced since (a late delivery racing
+        its cancel) are dropped, the re-list that replaced it has read past them.
+        """
         dirty: set[str] = set()
         lost: list[Task] = []
         commands = False
         schedules_changed = False
         task_commands: list[str] = []
         with self._lock:
+            if gen != self._watch_gen:
+                return
             for event in batch.events:
                 parsed = self._keys.parse(event.kv.key)
                 if parsed is None:
@@ -1214,8 +1279,8 @@ class EtcdCoordinator(Coordinator):
                 if kind == "schedule":
                     schedules_changed = True
                     continue
-                if kind not in ("task", "owner"):
-                    continue
+                if kind not in ("task", "owner") or part == "claim":
+                    continue  # the claim key (who claimed last, when) is not cached
                 entry = self._cache.setdefault(name, _Entry())
                 if kind == "owner":
                     held = self._held.get(name)
@@ -1265,12 +1330,20 @@ class EtcdCoordinator(Coordinator):
                 listener.ring(task_id)
 
 
-def _offer(task_id: str, entry: _Entry) -> Task:
-    """The task to offer; without its props if they are invalid (the claim then fails it)."""
+def _offer(task_id: str, entry: _Entry) -> tuple[Task, bool]:
+    """The task to offer, and whether its props are valid; without them if they are not
+    (the claim then fails it)."""
     try:
-        return entry.stored.task(task_id) if entry.stored is not None else Task(task_id)
+        task = entry.stored.task(task_id) if entry.stored is not None else Task(task_id)
+        return task, entry.stored is not None
     except InvalidProps:
-        return Task(task_id)
+        return Task(task_id), False
+
+
+@functools.lru_cache(maxsize=64)
+def _running_record(crashes: int) -> bytes:
+    """The running key's value (a handful of distinct values: encoded once each)."""
+    return encode_json({"crashes": crashes})
 
 
 def new_command_name() -> str:

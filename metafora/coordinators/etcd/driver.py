@@ -31,11 +31,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import grpc
 
-from metafora.errors import ConfigError, CoordinatorUnavailable, RequestTooLarge, StoreError
+from metafora.errors import (
+    ConfigError,
+    CoordinatorUnavailable,
+    MetaforaError,
+    RequestTooLarge,
+    StoreError,
+)
 
 __all__ = [
     "Compare",
@@ -45,6 +51,7 @@ __all__ = [
     "LeaseNotFound",
     "Put",
     "Range",
+    "TxnRequest",
     "TxnResult",
     "WatchBatch",
     "WatchEvent",
@@ -118,8 +125,7 @@ def load_library() -> ModuleType:
 # --------------------------------------------------------------------------- data
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
+class KeyValue(NamedTuple):
     """One stored key with its revisions and lease."""
 
     key: bytes
@@ -130,8 +136,7 @@ class KeyValue:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
-class Compare:
+class Compare(NamedTuple):
     """A txn condition: ``target(key) op value``."""
 
     key: bytes
@@ -165,8 +170,7 @@ def value_is(key: bytes, value: bytes) -> Compare:
     return Compare(key, "value", "==", value)
 
 
-@dataclass(frozen=True, slots=True)
-class Put:
+class Put(NamedTuple):
     """Write ``value`` at ``key``, attached to ``lease`` (0: none)."""
 
     key: bytes
@@ -174,16 +178,14 @@ class Put:
     lease: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Delete:
+class Delete(NamedTuple):
     """Delete ``key`` (or every key under it when ``prefix``)."""
 
     key: bytes
     prefix: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Range:
+class Range(NamedTuple):
     """Read ``key`` (or every key under it when ``prefix``)."""
 
     key: bytes
@@ -194,6 +196,9 @@ class Range:
 
 
 Op = Put | Delete | Range
+
+TxnRequest = tuple[Sequence[Compare], Sequence[Op], Sequence[Op]]
+"""A txn for :meth:`EtcdDriver.txns`: (compares, success ops, failure ops)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +211,7 @@ class TxnResult:
     retried: bool = False  # an earlier attempt may have been applied (connection lost)
 
 
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
+class WatchEvent(NamedTuple):
     """A put or a delete seen by a watch. For deletes only ``key`` and ``mod_revision`` count."""
 
     kind: Literal["put", "delete"]
@@ -559,20 +563,72 @@ class EtcdDriver:
 
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
-            request = rpc.TxnRequest(
-                compare=[_compare(rpc, c) for c in compares],
-                success=[_op(rpc, op) for op in success],
-                failure=[_op(rpc, op) for op in failure],
-            )
+            request = _txn_request(rpc, compares, success, failure)
             return rpc.KVStub(channel).Txn(request, limit(), metadata=md)
 
         response, retried = self._call("txn", invoke, repeatable=repeatable)
-        ranges = [
-            [_kv(kv) for kv in r.response_range.kvs]
-            for r in response.responses
-            if r.WhichOneof("response") == "response_range"
-        ]
-        return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, retried)
+        return _txn_result(response, retried)
+
+    def txns(
+        self,
+        requests: Sequence[TxnRequest],
+        *,
+        repeatable: bool = False,
+        timeout: float | None = None,
+    ) -> list[TxnResult | MetaforaError]:
+        """Run independent transactions with all of them in flight at once (one round trip
+        of latency for the lot instead of one each); result ``i`` is request ``i``'s.
+
+        A request refused or lost is reported as its error (never raised), so that a caller
+        can keep what the others did. With ``repeatable``, one that met a connection error
+        is run again through :meth:`txn` (its result then says ``retried``).
+        """
+        if len(requests) == 1:
+            try:
+                return [self.txn(*requests[0], repeatable=repeatable, timeout=timeout)]
+            except MetaforaError as exc:
+                return [exc]
+        limit = self._limit(timeout)
+        results: list[TxnResult | MetaforaError] = []
+        try:
+            channel, index, lib = self._channel()
+            rpc = lib.etcdrpc
+            stub = rpc.KVStub(channel)
+            futures = [
+                stub.Txn.future(_txn_request(rpc, *request), limit(), metadata=self._metadata)
+                for request in requests
+            ]
+        except MetaforaError as exc:
+            return [exc for _ in requests]
+        for request, future in zip(requests, futures, strict=True):
+            try:
+                results.append(_txn_result(future.result(), retried=False))
+                continue
+            except grpc.RpcError as exc:
+                err = self._translate(exc, "txn")
+                err.__cause__ = exc
+            assert isinstance(err, MetaforaError)
+            if isinstance(err, ConfigError) and self._settings.user is not None:
+                # Perhaps an expired auth token: refused, so safe to run again; txn()
+                # re-authenticates.
+                try:
+                    results.append(self.txn(*request, repeatable=repeatable, timeout=timeout))
+                except MetaforaError as exc:
+                    results.append(exc)
+                continue
+            if not isinstance(err, CoordinatorUnavailable):
+                results.append(err)
+                continue
+            self._failover(index)
+            if not repeatable:
+                results.append(err)
+                continue
+            try:  # on its own now; the first attempt may have been applied
+                again = self.txn(*request, repeatable=True, timeout=timeout)
+                results.append(dataclasses.replace(again, retried=True))
+            except MetaforaError as exc:
+                results.append(exc)
+        return results
 
     # -- leases -----------------------------------------------------------------------
 
@@ -704,6 +760,24 @@ def _events(events: Iterator[Any]) -> list[WatchEvent]:
     return out
 
 
+def _txn_request(rpc: Any, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op] = ()) -> Any:
+    return rpc.TxnRequest(
+        compare=[_compare(rpc, c) for c in compares],
+        success=[_op(rpc, op) for op in success],
+        failure=[_op(rpc, op) for op in failure],
+    )
+
+
+def _txn_result(response: Any, retried: bool) -> TxnResult:
+    ranges = [
+        [_kv(kv) for kv in r.response_range.kvs]
+        for r in response.responses
+        if r.WhichOneof("response") == "response_range"
+    ]
+    return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, retried)
+
+
 def _range_request(rpc: Any, r: Range, revision: int) -> Any:
     request = rpc.RangeRequest(key=r.key, keys_only=r.keys_only, limit=r.limit, revision=revision)
     if r.prefix:
@@ -719,11 +793,8 @@ _OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
 
 def _compare(rpc: Any, c: Compare) -> Any:
-    msg = rpc.Compare(
-        key=c.key,
-        target=getattr(rpc.Compare, _TARGETS[c.target]),
-        result=getattr(rpc.Compare, _OPS[c.op]),
-    )
+    cls = rpc.Compare
+    msg = cls(key=c.key, target=getattr(cls, _TARGETS[c.target]), result=getattr(cls, _OPS[c.op]))
     if c.target == "value":
         assert isinstance(c.value, bytes)
         msg.value = c.value

@@ -116,6 +116,9 @@ def _time(value: object) -> datetime | None:
         return None
 
 
+_TASK_KEYS_KEPT = 50_000
+
+
 class Keys:
     """The key layout of one namespace."""
 
@@ -128,13 +131,23 @@ class Keys:
         self.states = self.root + b"state/"
         self.task_commands = self.root + b"taskcmds/"
         self.schedules = self.root + b"schedules/"
+        self._task_keys: dict[str, TaskKeys] = {}
 
     def schedule(self, name: str) -> bytes:
         """The key of a periodic schedule."""
         return self.schedules + escape(name).encode()
 
     def task(self, task_id: str) -> TaskKeys:
-        """The keys of one task."""
+        """The keys of one task (remembered: a claim and its outcome build them several times,
+        and percent-encoding is not free)."""
+        found = self._task_keys.get(task_id)
+        if found is None:
+            if len(self._task_keys) >= _TASK_KEYS_KEPT:
+                self._task_keys.clear()  # simplest bound; rebuilt on demand
+            found = self._task_keys[task_id] = self._build_task(task_id)
+        return found
+
+    def _build_task(self, task_id: str) -> TaskKeys:
         seg = escape(task_id).encode()
         base = self.tasks + seg + b"/"
         return TaskKeys(

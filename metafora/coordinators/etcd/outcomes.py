@@ -1,0 +1,303 @@
+"""Outcomes (done, release, fail) written many per etcd txn, each fenced by its own claim.
+
+One outcome is the txn the coordinator always wrote (compares: the owner key holds this
+node's id and was created at the claim's token; success: the state record if any, delete
+the owner and running keys; failure: read the state, claim and owner keys). Many outcomes
+are those ops side by side in one txn, up to :data:`ITEMS_PER_TXN` (etcd's default
+``--max-txn-ops`` is 128 per branch) and :data:`TXN_BYTES`, and the txns of one batch are
+in flight together (:meth:`~metafora.coordinators.etcd.driver.EtcdDriver.txns`).
+
+A txn is all or nothing: when one of its claims is stale, nothing is written, and the
+failure branch tells which claims still hold (their owner key is as fenced), so those are
+written again without the stale ones; a stale one whose txn was retried after a lost answer
+is judged by what the lost attempt left (:func:`applied_before`), as a single write is.
+
+:class:`GroupCommit` lets threads that each record one outcome (the consumer's handler
+threads calling ``done``) share those txns: the first caller writes at once; callers that
+arrive while a write is in flight are written together by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from metafora.clock import Clock
+from metafora.coordinator import Finish, Outcome
+from metafora.coordinators.etcd.driver import (
+    Compare,
+    Delete,
+    EtcdDriver,
+    KeyValue,
+    Op,
+    Put,
+    Range,
+    TxnRequest,
+    TxnResult,
+    created_at,
+    value_is,
+)
+from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
+from metafora.errors import (
+    ClaimLost,
+    CoordinatorClosed,
+    CoordinatorUnavailable,
+    MetaforaError,
+    RequestTooLarge,
+    StoreError,
+)
+
+__all__ = ["ITEMS_PER_TXN", "TXN_BYTES", "GroupCommit", "OutcomeWriter", "applied_before"]
+
+log = logging.getLogger(__name__)
+
+ITEMS_PER_TXN = 42
+"""Outcomes per txn: 2 compares, up to 3 writes and 3 reads each, within 128 ops a branch."""
+
+TXN_BYTES = 512 * 1024
+"""About how many bytes of keys and values one txn may carry (etcd refuses 1.5 MiB)."""
+
+_STATE = {Outcome.DONE: "done", Outcome.FAIL: "failed", Outcome.RELEASE: "release"}
+
+ItemT = TypeVar("ItemT")
+R = TypeVar("R")
+
+
+def applied_before(finish: Finish, ranges: Sequence[list[KeyValue]]) -> bool:
+    """After a retried txn failed: did the lost first attempt record ``finish``?
+
+    ``ranges`` are the state, claim and owner reads of the failure branch.
+    """
+    state_kvs, claim_kvs, owner_kvs = ranges
+    task = finish.task
+    if finish.outcome is Outcome.RELEASE:
+        return (
+            not owner_kvs
+            and not state_kvs
+            and bool(claim_kvs)
+            and claim_kvs[0].mod_revision == task.token
+        )
+    if not state_kvs:
+        return False
+    data = decode_json(state_kvs[0].value) or {}
+    return data.get("state") == _STATE[finish.outcome] and data.get("token") == task.token
+
+
+@dataclass
+class _Item:
+    """One outcome being written: its ops and, once known, its result."""
+
+    index: int
+    finish: Finish
+    compares: list[Compare]
+    writes: list[Op]
+    reads: list[Op]
+    size: int
+
+
+class OutcomeWriter:
+    """Writes outcomes of this node's claims, many per txn, each fenced by its token."""
+
+    def __init__(self, driver: EtcdDriver, keys: Keys, node_id: str, clock: Clock) -> None:
+        self._driver = driver
+        self._keys = keys
+        self._node_bytes = node_id.encode()
+        self._clock = clock
+
+    def _item(self, index: int, finish: Finish) -> _Item:
+        task = finish.task
+        tk = self._keys.task(task.id)
+        writes: list[Op] = []
+        size = 3 * len(tk.owner) + len(self._node_bytes)
+        if finish.outcome is not Outcome.RELEASE:
+            record = {"state": _STATE[finish.outcome], "finished_at": iso(self._clock.now()),
+                      "token": task.token}
+            if finish.outcome is Outcome.FAIL:
+                record["error"] = finish.error or "failed"
+            value = encode_json(record)
+            writes.append(Put(tk.state, value))
+            size += len(tk.state) + len(value)
+        writes += [Delete(tk.owner), Delete(tk.running)]  # an outcome: no crash
+        return _Item(
+            index,
+            finish,
+            [value_is(tk.owner, self._node_bytes), created_at(tk.owner, task.token)],
+            writes,
+            [Range(tk.state), Range(tk.claim), Range(tk.owner)],
+            size,
+        )
+
+    def write(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Record ``finishes``; result ``i`` is None when ``finishes[i]`` was written, else why
+        not (``ClaimLost``; ``CoordinatorUnavailable`` when etcd could not be reached). Never
+        raises a :class:`~metafora.errors.MetaforaError`."""
+        results: list[MetaforaError | None] = [None] * len(finishes)
+        pending: list[_Item] = []
+        seen: set[tuple[str, int]] = set()
+        for i, finish in enumerate(finishes):
+            claim = (finish.task.id, finish.task.token)
+            if claim in seen:  # the same claim twice in one batch: the first outcome counts
+                results[i] = ClaimLost(
+                    f"node {self._node_bytes.decode()!r} no longer holds task "
+                    f"{finish.task.id!r} with token {finish.task.token} (finished earlier in "
+                    "this batch)")
+                continue
+            seen.add(claim)
+            pending.append(self._item(i, finish))
+        # Each round writes every pending outcome; a txn refused for a stale claim sends its
+        # fresh ones to the next round. Each such round drops at least one stale outcome.
+        while pending:
+            chunks = _chunks(pending)
+            answers = self._driver.txns([_request(c) for c in chunks], repeatable=True)
+            pending = []
+            for chunk, answer in zip(chunks, answers, strict=True):
+                if isinstance(answer, RequestTooLarge) and len(chunk) > 1:
+                    pending += chunk  # split finer in the next round (one a txn at worst)
+                    for item in chunk:
+                        item.size = TXN_BYTES
+                    continue
+                if isinstance(answer, MetaforaError):
+                    for item in chunk:
+                        results[item.index] = _copy(answer)
+                    continue
+                pending += self._sort(chunk, answer, results)
+        return results
+
+    def _sort(self, chunk: list[_Item], answer: TxnResult,
+              results: list[MetaforaError | None]) -> list[_Item]:
+        """Settle the outcomes of one answered txn; the ones to write again."""
+        if answer.succeeded:
+            return []
+        again: list[_Item] = []
+        for n, item in enumerate(chunk):
+            state_kvs, claim_kvs, owner_kvs = answer.ranges[3 * n:3 * n + 3]
+            task = item.finish.task
+            owner = owner_kvs[0] if owner_kvs else None
+            if (
+                owner is not None
+                and owner.value == self._node_bytes
+                and owner.create_revision == task.token
+            ):
+                again.append(item)  # still held: refused only for another one's sake
+            elif not (answer.retried and applied_before(item.finish,
+                                                        [state_kvs, claim_kvs, owner_kvs])):
+                results[item.index] = ClaimLost(
+                    f"node {self._node_bytes.decode()!r} no longer holds task {task.id!r} "
+                    f"with token {task.token}"
+                )
+        if len(again) == len(chunk):
+            # Every claim read as held, yet a compare failed: cannot happen within one txn;
+            # report rather than loop.
+            for item in again:
+                results[item.index] = StoreError(
+                    f"etcd refused the outcome of task {item.finish.task.id!r} for no reason "
+                    "it could read back"
+                )
+            return []
+        return again
+
+
+def _chunks(items: list[_Item]) -> list[list[_Item]]:
+    """Txns of at most :data:`ITEMS_PER_TXN` items and about :data:`TXN_BYTES`, never two
+    outcomes of one task in a txn (etcd refuses a txn writing a key twice)."""
+    chunks: list[list[_Item]] = []
+    current: list[_Item] = []
+    ids: set[str] = set()
+    size = 0
+    for item in items:
+        task_id = item.finish.task.id
+        if current and (len(current) >= ITEMS_PER_TXN or size + item.size > TXN_BYTES
+                        or task_id in ids):
+            chunks.append(current)
+            current, size = [], 0
+            ids = set()
+        current.append(item)
+        ids.add(task_id)
+        size += item.size
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _request(chunk: list[_Item]) -> TxnRequest:
+    compares: list[Compare] = []
+    writes: list[Op] = []
+    reads: list[Op] = []
+    for item in chunk:
+        compares += item.compares
+        writes += item.writes
+        reads += item.reads
+    return compares, writes, reads
+
+
+def _copy(error: MetaforaError) -> MetaforaError:
+    """A separate exception per outcome (each may be raised in its own thread)."""
+    if isinstance(error, CoordinatorClosed):
+        return CoordinatorClosed(str(error))
+    if isinstance(error, CoordinatorUnavailable):
+        return CoordinatorUnavailable(str(error))
+    if isinstance(error, RequestTooLarge):
+        return RequestTooLarge(str(error))
+    return StoreError(str(error))
+
+
+@dataclass
+class _Slot(Generic[ItemT, R]):
+    item: ItemT
+    done: bool = False
+    result: R | None = None
+    error: BaseException | None = None
+
+
+class GroupCommit(Generic[ItemT, R]):
+    """Coalesce items submitted by many threads into calls of ``write`` (group commit).
+
+    A caller that finds no write in flight writes its item (and any queued) at once: no
+    added latency when idle. Callers that arrive meanwhile queue up, and the next of them
+    to run writes the whole queue (up to ``max_batch``) in one call.
+    """
+
+    def __init__(self, write: Callable[[list[ItemT]], list[R]], max_batch: int) -> None:
+        self._write = write
+        self._max = max_batch
+        self._cond = threading.Condition()
+        self._queue: list[_Slot[ItemT, R]] = []
+        self._busy = False
+
+    def submit(self, item: ItemT) -> R:
+        """Write ``item`` (with whatever else is queued); its result, or raise its error."""
+        slot: _Slot[ItemT, R] = _Slot(item)
+        with self._cond:
+            self._queue.append(slot)
+            while not slot.done and self._busy:
+                self._cond.wait()
+            while not slot.done:
+                self._busy = True
+                batch = self._queue[: self._max]
+                del self._queue[: self._max]
+                self._cond.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    self._cond.notify_all()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result  # type: ignore[return-value]  # R may itself be Optional
+
+    def _run(self, batch: list[_Slot[ItemT, R]]) -> None:
+        try:
+            results = self._write([s.item for s in batch])
+        except BaseException as exc:  # each waiter gets the error, none waits forever
+            for slot in batch:
+                slot.error = exc if slot is batch[0] else StoreError(f"outcome write failed: {exc}")
+                slot.done = True
+            log.debug("group commit of %d item(s) failed: %s", len(batch), exc)
+            return
+        for slot, result in zip(batch, results, strict=True):
+            slot.result = result
+            slot.done = True
