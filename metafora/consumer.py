@@ -26,7 +26,13 @@ from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.coordinator import DEFAULT_MAX_CRASHES, Coordinator, CoordinatorContext
+from metafora.coordinator import (
+    DEFAULT_MAX_CRASHES,
+    Coordinator,
+    CoordinatorContext,
+    Finish,
+    Outcome,
+)
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -46,6 +52,7 @@ __all__ = ["Consumer"]
 log = logging.getLogger(__name__)
 
 _CLAIM_BATCH = 16  # offers approved by the balancer are claimed this many per call
+_LET_GO_EVERY = 0.1  # seconds between batched releases while handlers stop on shutdown
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
 
@@ -131,6 +138,11 @@ class Consumer:
 
     - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
       ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
+    - ``rebalance_window``: when the store reports that a node joined, left or announced
+      leaving (``Coordinator.listen_membership``), balance after a random delay between half
+      this window and all of it (default 3 s), not only every ``balance_every``; every event
+      of a burst falls into the same window, so repeated joins coalesce into one balance.
+      0 balances at once on each change.
     - ``max_tasks``: at most this many tasks run at once on this node.
     - ``max_crashes``: a task whose last claims ended this many times in a row with their node
       dead (a handler that kills its process) is failed instead of run again (default 5;
@@ -156,6 +168,7 @@ class Consumer:
         *,
         balance_every: float | timedelta = 60.0,
         balance_jitter: float = 0.1,
+        rebalance_window: float | timedelta = 3.0,
         max_tasks: int | None = None,
         max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
@@ -184,6 +197,7 @@ class Consumer:
         self._balancer = balancer if balancer is not None else DumbBalancer()
         self._balance_every = _seconds(balance_every, "balance_every")
         self._balance_jitter = balance_jitter
+        self._rebalance_window = _seconds(rebalance_window, "rebalance_window", allow_zero=True)
         self._max_tasks = max_tasks
         self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
@@ -221,6 +235,9 @@ class Consumer:
         self._fatal: BaseException | None = None
         self._timeout_override: float | None = None
         self._next_balance = 0.0
+        self._members: set[str] | None = None  # active nodes at the last membership event
+        self._leaving_announced = False
+        self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
 
     # -- public surface -------------------------------------------------------------
 
@@ -306,6 +323,7 @@ class Consumer:
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
             self._start_side_thread("watch", self._watch)
+            self._listen_membership()
             self._start_side_thread("commands", self._command_feed)
             self._next_balance = self._clock.monotonic() + self._balance_interval()
             self._loop()
@@ -454,7 +472,60 @@ class Consumer:
                 self._finished(*payload)
             elif kind == "room":
                 self._retry_deferred()
+            elif kind == "members":
+                self._members_changed()
         self._offer(*offers)
+
+    # -- membership events -------------------------------------------------------------
+
+    def _listen_membership(self) -> None:
+        try:
+            self._members = set(self._coord.active_task_count())
+        except MetaforaError as exc:  # only the first diff is less precise
+            self._log.warning("could not read the cluster's nodes: %s", exc,
+                              extra={"action": "members"})
+        if not self._coord.listen_membership(lambda: self._post("members", None)):
+            self._log.debug("store %s reports no membership changes: balancing every %.0fs only",
+                            mask_url(self._coord.name, brief=True), self._balance_every,
+                            extra={"action": "members"})
+
+    def _members_changed(self) -> None:
+        """A node may have joined, left or announced leaving: see who, then act on it.
+
+        A leave frees orphans, which are claimed at once (the balancer stops refusing after
+        its own releases, and offers it refused are tried again); any change schedules a
+        balance within the dampening window, unless one is due sooner already.
+        """
+        try:
+            now_members = set(self._coord.active_task_count())
+        except MetaforaError as exc:
+            self._log.warning("could not read the cluster's nodes: %s", exc,
+                              extra={"action": "members"})
+            return
+        before = self._members
+        self._members = now_members
+        if before is not None and before == now_members:
+            return  # spurious, or already handled
+        joined = sorted(now_members - before) if before is not None else []
+        left = sorted(before - now_members) if before is not None else []
+        self._log.info("cluster membership changed: joined %s, left %s", joined or "-",
+                       left or "-", extra={"action": "members"})
+        try:
+            self._balancer.nodes_changed(bool(left))
+        except Exception as exc:
+            self._log.exception("balancer failed on nodes_changed: %s", exc,
+                                extra={"action": "members"})
+        now = self._clock.monotonic()
+        if left:
+            with self._lock:
+                # Offers the balancer refused may be the leaver's orphans: try them now. Our
+                # own release back-offs stay (they stop a released task from coming back).
+                for task_id, (due, task) in list(self._ignores.items()):
+                    if task_id not in self._releases and due > now:
+                        self._ignores[task_id] = (now, task)
+        delay = self._rebalance_window * self._rng.uniform(0.5, 1.0)
+        self._next_balance = min(self._next_balance, now + delay)
+        self._wake.set()
 
     def _balance_interval(self) -> float:
         spread = self._balance_jitter * self._balance_every
@@ -690,11 +761,14 @@ class Consumer:
                 self._releases.pop(entry.task.id, None)
         if span is not None:
             span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
-        # Shutting down: close() releases every claim left in one store request, so
-        # thousands of handlers stopping at once do not each wait for a release write.
+        # Shutting down: the shutdown sequence releases the claims of returned handlers in
+        # batches (finish_many), so thousands of handlers stopping at once do not each wait
+        # for a release write, and a handler still blocked does not hold the others' back.
         if skip or (stopping and outcome is _Outcome.RELEASE):
             if not skip:
                 self.stats.incr(_COUNTER[outcome])
+                with self._lock:
+                    self._let_go.append(entry.task)
             self._ended(entry, outcome)
             return None
         return lambda: self._write_outcome(entry, outcome, error)
@@ -781,8 +855,35 @@ class Consumer:
 
     # -- shutdown -------------------------------------------------------------------
 
+    def _release_let_go(self) -> None:
+        """Write the releases of handlers that returned during shutdown, in one batch."""
+        with self._lock:
+            tasks, self._let_go = self._let_go, []
+        if not tasks:
+            return
+        try:
+            results = self._coord.finish_many([Finish(t, Outcome.RELEASE) for t in tasks])
+        except MetaforaError as exc:  # close() frees them anyway (or their lease expires)
+            self._log.warning("could not release %d task(s) while shutting down: %s",
+                              len(tasks), exc, extra={"action": "release"})
+            return
+        released = sum(r is None for r in results)
+        self._log.info("released %d task(s) while shutting down", released,
+                       extra={"action": "release", "released": released})
+
+    def _announce_leaving(self) -> None:
+        """Tell the cluster this node is going, before its handlers stop (issue #92)."""
+        if self._leaving_announced:
+            return
+        self._leaving_announced = True
+        try:
+            self._coord.announce_leaving()
+        except MetaforaError as exc:
+            self._log.warning("could not announce leaving: %s", exc, extra={"action": "shutdown"})
+
     def _shutdown_sequence(self) -> None:
         self._stopping.set()
+        self._announce_leaving()
         timeout = self._timeout_override
         if timeout is None:
             timeout = self._shutdown_timeout
@@ -793,8 +894,17 @@ class Consumer:
                     entry.stopped = self._clock.now()
         self._runner.stop(e.run for e in entries if e.run is not None)
         deadline = SYSTEM_CLOCK.monotonic() + timeout  # one deadline shared by every handler
-        for entry in entries:
-            entry.returned.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
+        waiting = entries
+        while True:
+            # Orphans move at once: what returned is released now, not when the last
+            # (maybe stubborn) handler returns and close() frees the rest.
+            self._release_let_go()
+            waiting = [e for e in waiting if not e.returned.is_set()]
+            left = deadline - SYSTEM_CLOCK.monotonic()
+            if not waiting or left <= 0:
+                break
+            waiting[0].returned.wait(min(left, _LET_GO_EVERY))
+        self._release_let_go()
         self._abandon([e for e in entries if not e.returned.is_set()], timeout)
         with self._lock:
             finishing = list(self._finishing)

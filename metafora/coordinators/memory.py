@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -88,6 +88,7 @@ class _Node:
     started: datetime
     commands: deque[str] = field(default_factory=deque)
     frozen: bool = False
+    leaving: bool = False
 
 
 class MemoryStore:
@@ -101,6 +102,15 @@ class MemoryStore:
         self.nodes: dict[str, _Node] = {}
         self.token_seq = 0
         self.version = 0
+        self.member_listeners: list[Callable[[], None]] = []
+
+    def members_changed(self) -> None:
+        """A node joined, left or announced leaving: tell every listening coordinator."""
+        for listener in list(self.member_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a membership listener of %s raised", self.name)
 
     def bump(self) -> int:
         """Note a change that may make tasks claimable; wake watchers."""
@@ -152,8 +162,9 @@ class MemoryStore:
                 row.ready = version
         return freed
 
-    def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(self.nodes, 0)
+    def counts(self, *, active: bool = False) -> dict[str, int]:
+        counts = dict.fromkeys((n for n, node in self.nodes.items()
+                                if not (active and node.leaving)), 0)
         for row in self.tasks.values():
             if row.state is TaskState.CLAIMED and row.owner in counts:
                 counts[row.owner] += 1
@@ -202,6 +213,7 @@ class MemoryCoordinator(Coordinator):
         self._node_id = validate_task_id(node_id)
         self._ctx: CoordinatorContext | None = None
         self._closed = False
+        self._listening: list[Callable[[], None]] = []
 
     @property
     def name(self) -> str:
@@ -220,6 +232,7 @@ class MemoryCoordinator(Coordinator):
             s.nodes[self._node_id] = _Node(self._node_id, ctx, s.clock.now())
             self._ctx = ctx
             s.bump()
+            s.members_changed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -232,6 +245,7 @@ class MemoryCoordinator(Coordinator):
         if self._node_id not in self._store.nodes:
             # The lease was lost (expire_lease): come back as a fresh registration.
             self._store.nodes[self._node_id] = _Node(self._node_id, self._ctx, self._store.clock.now())
+            self._store.members_changed()
 
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
         sink = as_sink(out)
@@ -348,15 +362,40 @@ class MemoryCoordinator(Coordinator):
         with self._store.cond:
             return self._store.counts()
 
+    def active_task_count(self) -> dict[str, int]:
+        with self._store.cond:
+            return self._store.counts(active=True)
+
+    def announce_leaving(self) -> None:
+        """Mark this node leaving (balancers stop counting it) and tell the listeners."""
+        with self._store.cond:
+            node = self._store.nodes.get(self._node_id)
+            if node is None or node.leaving or self._closed:
+                return
+            node.leaving = True
+            self._store.members_changed()
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` whenever a node of this store joins, leaves or announces leaving."""
+        with self._store.cond:
+            self._check_open()
+            self._store.member_listeners.append(listener)
+            self._listening.append(listener)
+        return True
+
     def close(self) -> None:
         s = self._store
         with s.cond:
             if self._closed:
                 return
             self._closed = True
+            for listener in self._listening:
+                s.member_listeners.remove(listener)
+            self._listening.clear()
             if self._ctx is not None and self._node_id in s.nodes:
                 s.free_claims(self._node_id)
                 del s.nodes[self._node_id]
+                s.members_changed()
             s.bump()
 
     def report_frozen(self, frozen: bool) -> None:
@@ -373,7 +412,8 @@ class MemoryCoordinator(Coordinator):
         s = self._store
         with s.cond:
             freed = s.free_claims(self._node_id, crashed=True)
-            s.nodes.pop(self._node_id, None)
+            if s.nodes.pop(self._node_id, None) is not None:
+                s.members_changed()
             ctx = self._ctx
         if ctx is not None:
             for task in freed:

@@ -34,7 +34,7 @@ import queue
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -81,6 +81,7 @@ from metafora.coordinators.etcd.layout import (
     props_of,
 )
 from metafora.coordinators.etcd.queries import (
+    active_task_count,
     expire_task,
     fail_unclaimed,
     launch_and_expiry,
@@ -236,6 +237,8 @@ class EtcdCoordinator(Coordinator):
         self._alive_rev = 0  # create revision of our registration key
         self._started_at = clock.now()
         self._frozen = False
+        self._leaving = False
+        self._member_listeners: list[Callable[[], None]] = []
         # claims this node holds
         self._held: dict[str, _Held] = {}
         # watch cache
@@ -422,6 +425,7 @@ class EtcdCoordinator(Coordinator):
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "frozen": self._frozen,
+                "leaving": self._leaving,
             }
         )
 
@@ -429,6 +433,17 @@ class EtcdCoordinator(Coordinator):
         """Publish the frozen flag in the node's registration (best effort)."""
         with self._lock:
             self._frozen = frozen
+        self._republish(f"frozen={frozen}", logging.DEBUG)
+
+    def announce_leaving(self) -> None:
+        """Publish ``leaving`` in the node's registration (best effort): the other nodes'
+        watches see it at once and their balancers stop counting this node."""
+        with self._lock:
+            self._leaving = True
+        self._republish("leaving", logging.WARNING)
+
+    def _republish(self, what: str, level: int) -> None:
+        with self._lock:
             lease, alive_rev = self._lease_id, self._alive_rev
         if lease is None or self._closed:
             return
@@ -436,8 +451,22 @@ class EtcdCoordinator(Coordinator):
         try:
             self._driver.txn([created_at(alive, alive_rev)], [Put(alive, self._alive_record(), lease)])
         except MetaforaError as exc:
-            log.debug("node %s: could not publish frozen=%s: %s", self._node_id, frozen, exc,
-                      extra=self._extra)
+            log.log(level, "node %s: could not publish %s: %s", self._node_id, what, exc,
+                    extra=self._extra)
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` when the namespace watch sees a registration key change (a
+        join, a leave or lease expiry, a ``leaving`` flag) and whenever it re-lists."""
+        with self._lock:
+            self._member_listeners.append(listener)
+        self._ensure_watcher()
+        return True
+
+    def _members_changed(self) -> None:
+        with self._lock:
+            listeners = list(self._member_listeners)
+        for listener in listeners:
+            listener()
 
     def _revoke_quietly(self, lease: int) -> None:
         try:
@@ -878,6 +907,10 @@ class EtcdCoordinator(Coordinator):
         self._check_open()
         return node_task_count(self._driver, self._keys)
 
+    def active_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return active_task_count(self._driver, self._keys)
+
     # -- commands ---------------------------------------------------------------------
 
     def command(self, timeout: float | None = None) -> Command | None:
@@ -1127,6 +1160,7 @@ class EtcdCoordinator(Coordinator):
         self._notify_lost(lost)
         for listener in listeners:
             listener.recheck()  # the watch restarts: a put meanwhile may be unseen
+        self._members_changed()  # likewise for a node that came or went meanwhile
         return revision
 
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
@@ -1141,6 +1175,7 @@ class EtcdCoordinator(Coordinator):
         dirty: set[str] = set()
         lost: list[Task] = []
         commands = False
+        members = False
         task_commands: list[str] = []
         with self._lock:
             for event in batch.events:
@@ -1151,6 +1186,9 @@ class EtcdCoordinator(Coordinator):
                 put = event.kind == "put"
                 if kind == "command":
                     commands = commands or (put and name == self._node_id)
+                    continue
+                if kind == "alive":
+                    members = members or name != self._node_id
                     continue
                 if kind == "taskcmd":
                     if put:
@@ -1199,6 +1237,8 @@ class EtcdCoordinator(Coordinator):
                 self._cmd_cond.notify_all()
             listeners = list(self._task_cmd_listeners) if task_commands else []
         self._notify_lost(lost)
+        if members:
+            self._members_changed()
         for listener in listeners:
             for task_id in task_commands:
                 listener.ring(task_id)

@@ -13,7 +13,14 @@ from metafora.coordinators.etcd.driver import (
     absent,
     modified_at,
 )
-from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso
+from metafora.coordinators.etcd.layout import (
+    Keys,
+    TaskRecord,
+    decode_json,
+    encode_json,
+    gather,
+    iso,
+)
 from metafora.task import parse_time
 
 __all__ = [
@@ -78,6 +85,24 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
         repeatable=True,
     )
     nodes = _alive(keys, [kv.key for kv in result.ranges[0]])
+    held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
+    return {node: held.get(node, 0) for node in sorted(nodes)}
+
+
+def active_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
+    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``."""
+    result = driver.txn(
+        [], [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
+    )
+    nodes = set()
+    for kv in result.ranges[0]:
+        parsed = keys.parse(kv.key)
+        if parsed is None or parsed[0] != "alive":
+            continue
+        data = decode_json(kv.value)
+        if isinstance(data, dict) and data.get("leaving"):
+            continue
+        nodes.add(parsed[1])
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
     return {node: held.get(node, 0) for node in sorted(nodes)}
 

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from metafora.commands import Command
@@ -67,6 +67,9 @@ class SQLCoordinator(Coordinator):
         self._task_command_listeners: list[TaskCommandListener] = []
         self._watches: list[Watch] = []
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
+        self._member_listeners: list[Callable[[], None]] = []
+        self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._lease.on_members = self._members_seen
 
     @property
     def name(self) -> str:
@@ -119,7 +122,7 @@ class SQLCoordinator(Coordinator):
                 if freed:
                     db.next_token_used(conn, max(int(row[0]) for row in freed))
                 db.execute(conn, "close_commands", dict(params))
-                db.execute(conn, "close_node", dict(params))
+                db.execute(conn, "close_node", dict(params)).fetchall()
         except MetaforaError as exc:
             log.warning("could not deregister node %s from %s (its lease will expire): %s",
                         self._node_id, self.name, exc, extra=self._extra)
@@ -178,6 +181,8 @@ class SQLCoordinator(Coordinator):
         elif kind == "m":
             for listener in self._listeners():
                 listener.ring(name)
+        elif kind == "j" and name != self._node_id:
+            self._members_changed()
         elif kind == "":  # SQLite: something was committed; look
             with self._lock:
                 watches = list(self._watches)
@@ -197,6 +202,40 @@ class SQLCoordinator(Coordinator):
             listener.recheck()
         if self._ctx is not None:
             self._lease.request_check()
+
+    def _members_seen(self, fingerprint: tuple[Any, ...]) -> None:
+        """The lease read the membership fingerprint: tell the listeners if it changed."""
+        with self._lock:
+            before, self._member_print = self._member_print, fingerprint
+        if before != fingerprint:  # the first reading too: a change before it went unseen
+            self._members_changed()
+
+    def _members_changed(self) -> None:
+        with self._lock:
+            listeners = list(self._member_listeners)
+        for listener in listeners:
+            listener()
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """PostgreSQL: NOTIFY on every register, leaving and deregister; both dialects: the
+        lease's renewal (and SQLite's held-claims check) compare a membership fingerprint,
+        which also catches a node whose lease expired."""
+        with self._lock:
+            self._member_listeners.append(listener)
+        return True
+
+    def announce_leaving(self) -> None:
+        """Set this node's ``leaving`` flag (best effort; NOTIFY on PostgreSQL)."""
+        session = self._lease.session()
+        if session is None or self._closed.is_set():
+            return
+        try:
+            with self._db.write() as conn:
+                self._db.execute(conn, "node_leaving",
+                                 {"node": self._node_id, "session": session}).fetchall()
+        except MetaforaError as exc:
+            log.warning("could not publish that node %s is leaving: %s", self._node_id, exc,
+                        extra=self._extra)
 
     def _listeners(self) -> list[TaskCommandListener]:
         with self._lock:
@@ -402,6 +441,13 @@ class SQLCoordinator(Coordinator):
         self._db.ensure_schema()
         with self._db.read() as conn:
             rows = self._db.execute(conn, "node_counts", {}).fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def active_task_count(self) -> dict[str, int]:
+        self._check_open()
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "active_counts", {}).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
     # -- test hooks -------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class Dialect(abc.ABC):
         ``now`` (the database clock), ``ts_plus_secs`` (``now`` plus the ``:secs`` parameter),
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
-        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner`` (RETURNING items that send a
+        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner``, ``notify_members`` (RETURNING items that send a
         notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
         on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
@@ -122,6 +122,7 @@ class PostgresDialect(Dialect):
             "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
             "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
+            "notify_members": f"pg_notify('{chan}', 'j' || node_id)",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
             "id_pos": "array_position(CAST(:ids AS text[]), metafora_tasks.id)",
             "next_token_at": "nextval('metafora_token_seq')",
@@ -220,6 +221,7 @@ class SQLiteDialect(Dialect):
             "notify_task_cmd": "NULL",
             "notify_owner": "NULL",
             "notify_batch": "NULL",
+            "notify_members": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
             "id_pos": "(SELECT j.key FROM json_each(:ids) j WHERE j.value = metafora_tasks.id)",
             # One statement claims several rows: each takes counter + 1 + its place in :ids.

@@ -112,10 +112,16 @@ def _v3_task_crashes(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0"))
 
 
+def _v6_node_leaving(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN leaving BOOLEAN"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
     ("tasks.crashes: claims in a row that ended with their node dead", _v3_task_crashes),
+    # v6 in this session's numbering (v4, v5 are other branches'): renumbered at merge.
+    ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 
