@@ -148,6 +148,11 @@ class Consumer:
       dead (a handler that kills its process) is failed instead of run again (default 5;
       None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
+    - ``handoff_timeout``: how long a handler asked to give its task up by the balancer or
+      ``metafora stop`` may take to return (a stateful handler's final checkpoint, see
+      :meth:`metafora.statemachine.handler.Commands.handoff`); past it the handler is
+      abandoned (an async one cancelled) and the claim released, so the task moves anyway
+      (its writes are fenced: a late one is refused). Default 30 s.
     - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
       ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
       loop and other nodes get it first.
@@ -172,6 +177,7 @@ class Consumer:
         max_tasks: int | None = None,
         max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
+        handoff_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
         refuse_retry: float | timedelta = 1.0,
@@ -201,6 +207,7 @@ class Consumer:
         self._max_tasks = max_tasks
         self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
+        self._handoff_timeout = _seconds(handoff_timeout, "handoff_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
         self._refuse_retry = _seconds(refuse_retry, "refuse_retry")
@@ -237,6 +244,7 @@ class Consumer:
         self._next_balance = 0.0
         self._members: set[str] | None = None  # active nodes at the last membership event
         self._leaving_announced = False
+        self._handoffs: dict[str, tuple[float, _Running]] = {}  # releases asked, by deadline
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
 
     # -- public surface -------------------------------------------------------------
@@ -439,6 +447,7 @@ class Consumer:
                 break
             now = self._clock.monotonic()
             self._expire_ignores(now)
+            self._expire_handoffs(now)
             if now >= self._next_balance:
                 self._balance()
                 self._next_balance = now + self._balance_interval()
@@ -446,6 +455,8 @@ class Consumer:
             with self._lock:
                 if self._ignores:
                     deadline = min(deadline, *(d for d, _ in self._ignores.values()))
+                if self._handoffs:
+                    deadline = min(deadline, *(d for d, _ in self._handoffs.values()))
             if self._events.empty():
                 self._clock.wait(self._wake, max(0.0, deadline - self._clock.monotonic()))
 
@@ -692,8 +703,34 @@ class Consumer:
             if entry is None or entry.stopped is not None:
                 return entry is not None
             entry.stopped = self._clock.now()
+            due = self._clock.monotonic() + self._handoff_timeout
+            self._handoffs[task_id] = (due, entry)
         self._stop_handler(entry)
         return True
+
+    def _expire_handoffs(self, now: float) -> None:
+        """Handlers asked to give their task up that did not return within the handoff
+        timeout: abandon them and release the claim, so the task moves anyway."""
+        with self._lock:
+            due = [e for d, e in self._handoffs.values() if d <= now]
+            late = []
+            for entry in due:
+                del self._handoffs[entry.task.id]
+                if entry.returned.is_set() or entry.lost:
+                    continue
+                entry.abandoned = True  # read under the lock by _finish: it writes nothing
+                if self._running.get(entry.task.id) is entry:
+                    del self._running[entry.task.id]
+                self._back_off(entry.task)
+                late.append(entry)
+        for entry in late:
+            extra = {"task": entry.task.id, "token": entry.task.token, "action": "abandon"}
+            self._log.error("handler of task %s did not return within the handoff timeout "
+                            "(%.1fs); abandoning it and releasing the task", entry.task.id,
+                            self._handoff_timeout, extra=extra)
+            if entry.run is not None:
+                self._runner.cancel([entry.run])
+            self._write(_Outcome.RELEASE, entry.task, None)
 
     def _stop_handler(self, entry: _Running, *, cancel: bool = False) -> None:
         """Deliver stop() (and, for an async handler of a lost claim, cancellation)."""

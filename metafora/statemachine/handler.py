@@ -122,6 +122,20 @@ class Commands:
             if message is not None:
                 return message
 
+    def handoff(self, cursor: str | None = None) -> Message:
+        """Answer a release with a final checkpoint: save ``cursor``, return ``release``.
+
+        When ``poll()`` or ``get()`` answers ``Message.release()`` (the balancer, ``metafora
+        stop`` or a shutdown asked for the task), ``return cmds.handoff(cursor)`` saves the
+        exact position reached (a fenced state write) before the claim moves, so the next
+        owner's ``cmds.cursor`` resumes right there. The consumer's ``handoff_timeout``
+        bounds how long this may take. If the write is refused (the claim was lost) or the
+        store stays unreachable, the error propagates and the task is still released: the
+        next owner resumes from the previous checkpoint.
+        """
+        self._machine.checkpoint(cursor)
+        return Message.release()
+
     def checkpoint(self, cursor: str | None = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write).
 

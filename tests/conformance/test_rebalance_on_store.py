@@ -9,9 +9,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-from metafora import Task, commands, open_coordinator, simple_handler
+from metafora import Consumer, Task, TaskState, commands, open_coordinator, simple_handler
 from metafora.balancers.fair import FairBalancer
+from metafora.statemachine.handler import Commands, handler_func
+from metafora.statemachine.machine import Message, MessageKind
 from metafora.testing import LocalCluster, RecordingContext, wait_for
 
 
@@ -124,4 +127,71 @@ def test_a_join_balances_at_once_and_orphans_skip_claim_delay(store_url: str) ->
         cluster.stop(b)
         # ... but b's tasks are orphans, not a rebalance: a takes them well before that.
         wait_for(lambda: len(running.on("a")) == 6, 60, "a takes b's orphans")
+        assert not cluster.errors
+
+
+class Items:
+    """A stateful handler working through items 0..N-1, one per ~20 ms; its cursor is the
+    next item. Asked to release, it hands off with the exact position (a final checkpoint)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.lock = threading.Lock()
+        self.done: list[tuple[int, str]] = []
+
+    def on(self, node: str) -> list[int]:
+        with self.lock:
+            return [i for i, n in self.done if n == node]
+
+    def handler(self, node: str) -> Callable[[Task, Commands], Message]:
+        def step(task: Task, cmds: Commands) -> Message:
+            i = int(cmds.cursor or 0)
+            while i < self.total:
+                with self.lock:
+                    self.done.append((i, node))
+                i += 1
+                msg = cmds.get(timeout=0.02)  # paces the work; answers release when asked
+                if msg is not None and msg.kind is MessageKind.RELEASE:
+                    return cmds.handoff(str(i))
+                if msg is not None:
+                    return msg
+            return Message.complete()
+
+        return step
+
+
+def test_a_stateful_task_handed_off_resumes_exactly_where_it_stopped(store_url: str) -> None:
+    items = Items(total=150)
+    with LocalCluster(store_url, shutdown_timeout=30) as cluster:
+        a_coord = open_coordinator(store_url, node_id="a")
+        cluster.start(Consumer(a_coord, handler_func(items.handler("a"), a_coord, poll_interval=0.02),
+                               release_backoff=600))
+        cluster.client.submit_task(Task("job"))
+        wait_for(lambda: len(items.on("a")) >= 10, 60, "a works on job")
+        b_coord = open_coordinator(store_url, node_id="b")
+        cluster.start(Consumer(b_coord, handler_func(items.handler("b"), b_coord, poll_interval=0.02)))
+        cluster.client.submit_command("a", commands.stop_task("job"))  # as `metafora stop` does
+        wait_for(lambda: len(items.on("b")) >= 1, 60, "b resumes job")
+        cluster.wait_for_state("job", TaskState.DONE, 60)
+        with items.lock:
+            order = [i for i, _ in items.done]
+        assert order == list(range(150))  # no item twice, none skipped
+        assert items.on("a") and items.on("b")
+        assert not cluster.errors
+
+
+def test_a_handler_that_ignores_a_release_is_abandoned_after_the_handoff_timeout(
+    store_url: str,
+) -> None:
+    running = Running(stubborn=("stuck",))
+    with LocalCluster(store_url, shutdown_timeout=5) as cluster:
+        a = cluster.add(running.handler("a"), "a", handoff_timeout=0.5, release_backoff=600)
+        cluster.client.submit_task(Task("stuck"))
+        wait_for(lambda: running.on("a") == ["stuck"], 60, "a runs stuck")
+        cluster.add(running.handler("b"), "b")
+        cluster.client.submit_command("a", commands.stop_task("stuck"))
+        # a's handler never returns, yet the claim moves to b once the handoff timeout passed.
+        wait_for(lambda: cluster.client.get_task("stuck").owner == "b", 60, "b takes stuck")
+        assert [t.id for t in a.tasks()] == []
+        running.unblock.set()
         assert not cluster.errors
