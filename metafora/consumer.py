@@ -142,7 +142,8 @@ class Consumer:
       leaving (``Coordinator.listen_membership``), balance after a random delay between half
       this window and all of it (default 3 s), not only every ``balance_every``; every event
       of a burst falls into the same window, so repeated joins coalesce into one balance.
-      0 balances at once on each change.
+      One more balance follows a few seconds later (twice the window, at least 2 s), once
+      the released tasks found their new owners. 0 balances at once on each change.
     - ``max_tasks``: at most this many tasks run at once on this node.
     - ``max_crashes``: a task whose last claims ended this many times in a row with their node
       dead (a handler that kills its process) is failed instead of run again (default 5;
@@ -244,6 +245,7 @@ class Consumer:
         self._next_balance = 0.0
         self._members: set[str] | None = None  # active nodes at the last membership event
         self._leaving_announced = False
+        self._follow_up = False  # a membership balance is followed by one settling balance
         self._handoffs: dict[str, tuple[float, _Running]] = {}  # releases asked, by deadline
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
 
@@ -331,9 +333,14 @@ class Consumer:
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
             self._start_side_thread("watch", self._watch)
-            self._listen_membership()
+            pushed = self._listen_membership()
             self._start_side_thread("commands", self._command_feed)
             self._next_balance = self._clock.monotonic() + self._balance_interval()
+            if pushed:
+                # Joining is a membership change too: the tasks the others release race to
+                # their new owners, and this node may take more than its share of them.
+                self._next_balance = min(self._next_balance,
+                                         self._clock.monotonic() + self._settle_after())
             self._loop()
         except BaseException as exc:
             if self._fatal is None:
@@ -451,6 +458,11 @@ class Consumer:
             if now >= self._next_balance:
                 self._balance()
                 self._next_balance = now + self._balance_interval()
+                if self._follow_up:
+                    # Released tasks race to new owners; a node at its share may take one
+                    # too many. One more look once they settled, not a whole period later.
+                    self._follow_up = False
+                    self._next_balance = min(self._next_balance, now + self._settle_after())
             deadline = self._next_balance
             with self._lock:
                 if self._ignores:
@@ -489,7 +501,7 @@ class Consumer:
 
     # -- membership events -------------------------------------------------------------
 
-    def _listen_membership(self) -> None:
+    def _listen_membership(self) -> bool:
         try:
             self._members = set(self._coord.active_task_count())
         except MetaforaError as exc:  # only the first diff is less precise
@@ -499,6 +511,8 @@ class Consumer:
             self._log.debug("store %s reports no membership changes: balancing every %.0fs only",
                             mask_url(self._coord.name, brief=True), self._balance_every,
                             extra={"action": "members"})
+            return False
+        return True
 
     def _members_changed(self) -> None:
         """A node may have joined, left or announced leaving: see who, then act on it.
@@ -536,7 +550,11 @@ class Consumer:
                         self._ignores[task_id] = (now, task)
         delay = self._rebalance_window * self._rng.uniform(0.5, 1.0)
         self._next_balance = min(self._next_balance, now + delay)
+        self._follow_up = True
         self._wake.set()
+
+    def _settle_after(self) -> float:
+        return max(2 * self._rebalance_window, 2.0) * self._rng.uniform(1.0, 1.5)
 
     def _balance_interval(self) -> float:
         spread = self._balance_jitter * self._balance_every
