@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _CLAIM_BATCH = 16  # offers approved by the balancer are claimed this many per call
 _LET_GO_EVERY = 0.1  # seconds between batched releases while handlers stop on shutdown
+_LET_GO_BATCH = 100  # releases per batch (close() frees the rest in one request)
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
 
@@ -913,7 +914,7 @@ class Consumer:
     def _release_let_go(self) -> None:
         """Write the releases of handlers that returned during shutdown, in one batch."""
         with self._lock:
-            tasks, self._let_go = self._let_go, []
+            tasks, self._let_go = self._let_go[:_LET_GO_BATCH], self._let_go[_LET_GO_BATCH:]
         if not tasks:
             return
         try:
@@ -951,15 +952,14 @@ class Consumer:
         deadline = SYSTEM_CLOCK.monotonic() + timeout  # one deadline shared by every handler
         waiting = entries
         while True:
-            # Orphans move at once: what returned is released now, not when the last
-            # (maybe stubborn) handler returns and close() frees the rest.
-            self._release_let_go()
             waiting = [e for e in waiting if not e.returned.is_set()]
             left = deadline - SYSTEM_CLOCK.monotonic()
             if not waiting or left <= 0:
-                break
+                break  # close() releases what is left in one request
+            # Orphans move at once: while some handler still runs (maybe a stubborn one),
+            # what returned is released now, a bounded batch per pass.
+            self._release_let_go()
             waiting[0].returned.wait(min(left, _LET_GO_EVERY))
-        self._release_let_go()
         self._abandon([e for e in entries if not e.returned.is_set()], timeout)
         with self._lock:
             finishing = list(self._finishing)
