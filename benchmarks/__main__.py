@@ -1,4 +1,8 @@
-"""Run benchmarks: ``python -m benchmarks all --quick``, or one by name (see BENCHMARKS)."""
+"""Run benchmarks: ``python -m benchmarks all --quick``, or one by name (see BENCHMARKS).
+
+``peers`` (metafora beside pgqueuer and procrastinate, needs the ``bench`` extra) is not part of
+``all``: ``python -m benchmarks peers [--quick] [--rounds 3] [--systems ...]``.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,28 @@ import importlib
 from benchmarks.common import STORES, Stores
 
 BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
-              "capacity", "idle")
+              "capacity", "idle", "placement")
 
 
 def main() -> None:
     """Parse arguments and run the chosen benchmarks."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("which", choices=("all", *BENCHMARKS))
+    parser.add_argument("which", choices=("all", *BENCHMARKS, "peers"))
     parser.add_argument("--quick", action="store_true", help="smaller runs (minutes, not tens)")
     parser.add_argument("--stores", default=",".join(STORES),
                         help=f"comma-separated subset of {','.join(STORES)}")
+    parser.add_argument("--rounds", type=int, default=3, help="peers: interleaved rounds (default 3)")
+    parser.add_argument("--systems", default=None,
+                        help="peers: comma-separated subset of metafora-postgresql,metafora-sqlite,"
+                             "pgqueuer,procrastinate")
     args = parser.parse_args()
+    if args.which == "peers":  # makes its own databases: no shared stores to provision
+        from benchmarks import peers
+
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        peers.run_peers(args.quick, args.rounds, peers.parse_systems(args.systems))
+        return
     kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
     names = BENCHMARKS if args.which == "all" else (args.which,)
     with Stores(kinds) as stores:

@@ -3,7 +3,9 @@
     python -m benchmarks capacity --stores sqlite,postgresql
     python benchmarks/capacity.py --stores sqlite -n 10000 --modes async,threads
 
-For each store and handler kind, one consumer process (spawned, nothing else in it) claims
+Handler kinds: ``async`` and ``threads`` (plain handlers waiting for ``stop``) and
+``async-stateful`` (state machines waiting in ``await cmds.get()``). For each store and handler
+kind, one consumer process (spawned, nothing else in it) claims
 ``-n`` pending tasks (SQL: inserted by one multi-row insert; etcd: submitted from 8 threads)
 and holds them all: every handler waits for ``stop``. Measured:
 
@@ -37,14 +39,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, save, table
 from metafora import Consumer, HandlerFunc, Task, TaskState, open_client, open_coordinator, simple_handler
+from metafora.coordinator import Coordinator
+from metafora.statemachine import AsyncCommands, Message, handler_func
 
 SPAWN = multiprocessing.get_context("spawn")
-MODES = ("async", "threads")
+MODES = ("async", "threads", "async-stateful")
 SHUTDOWN_TIMEOUT = 30.0
 TARGET_RSS_MIB = 250
 
 
-def _handler(mode: str) -> HandlerFunc:
+def _handler(mode: str, coord: Coordinator) -> HandlerFunc:
+    if mode == "async-stateful":  # a state machine waiting in `await cmds.get()` (no thread)
+        async def wait_for_command(task: Task, cmds: AsyncCommands) -> Message:
+            message = await cmds.get()
+            assert message is not None  # release, once stopped
+            return message
+
+        return handler_func(wait_for_command, coord)
     if mode == "async":
         async def hold_async(task: Task, stop: asyncio.Event) -> bool:
             await stop.wait()
@@ -85,7 +96,8 @@ def node(url: str, mode: str, expected: int, conn: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s capacity %(levelname)s %(message)s")
     ignored = _Ignored()
     logging.getLogger("metafora").addHandler(ignored)
-    consumer = Consumer(open_coordinator(url, node_id=f"capacity-{mode}"), _handler(mode),
+    coord = open_coordinator(url, node_id=f"capacity-{mode}")
+    consumer = Consumer(coord, _handler(mode, coord),
                         shutdown_timeout=SHUTDOWN_TIMEOUT, release_backoff=60)
     runner = threading.Thread(target=consumer.run, name="capacity-run")
     began = time.monotonic()
@@ -159,7 +171,7 @@ def measure(stores: Stores, kind: str, mode: str, n: int) -> dict[str, Any]:
 
 def _limit_probe(url: str, n: int, conn: Any) -> None:
     """Can one process start ``n`` thread handlers?"""
-    consumer = Consumer(open_coordinator(url, node_id="limit"), _handler("threads"),
+    consumer = Consumer(coord := open_coordinator(url, node_id="limit"), _handler("threads", coord),
                         shutdown_timeout=SHUTDOWN_TIMEOUT)
     runner = threading.Thread(target=consumer.run, name="limit-run")
     runner.start()

@@ -61,6 +61,10 @@ def main() -> None:
             _row(k, v["submits"], v["p50_ms"], v["p99_ms"], v["max_ms"]) for k, v in data["results"].items()
         ]
         out.append("")
+    if (data := _load("peers")) is not None:
+        from benchmarks.peers import readme_text
+
+        out += [readme_text(data)]
     if (data := _load("failover")) is not None:
         out += [
             "Failover of one of 3 consumers holding 100 tasks (lease_ttl 3 s): seconds until all its"

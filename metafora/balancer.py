@@ -43,6 +43,13 @@ class ClusterState(abc.ABC):
         counts every live node.
         """
         return self.node_task_count()
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        """Live node id -> its placement labels (one store read).
+
+        Balancers ask only when a task carries a selector. A node missing from the answer
+        (this default knows none) is taken as able to run any task.
+        """
+        return {}
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 import queue
 import random
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,6 +38,7 @@ from metafora.errors import (
     ConfigError,
     CoordinatorClosed,
     CoordinatorUnavailable,
+    InvalidProps,
     MetaforaError,
 )
 from metafora.handler import AsyncHandler, Handler, HandlerFunc
@@ -45,7 +46,7 @@ from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.runner import HandlerRunner, Run
-from metafora.task import Task
+from metafora.task import Task, matches, validate_labels
 
 __all__ = ["Consumer"]
 
@@ -105,6 +106,10 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         return msg, kwargs
 
 
+def _by_priority(task: Task) -> int:
+    return -task.priority
+
+
 def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
@@ -130,6 +135,10 @@ class _Context(CoordinatorContext):
     @property
     def max_crashes(self) -> int | None:
         return self._consumer._max_crashes
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self._consumer.labels
 
 
 class Consumer:
@@ -162,6 +171,13 @@ class Consumer:
       after this many seconds.
     - ``slow_callback``: warn when an async handler holds the node's event loop (a blocking
       call) longer than this many seconds.
+    - ``labels``: this node's placement labels (``{"zone": "eu", "gpu": "1"}``), published
+      with its registration: it claims only tasks whose selector they match (see
+      docs/placement.md). Offers are tried highest ``Task.priority`` first.
+    - ``placement_wait``: seconds this node holds back, once, before it takes a task whose
+      soft placement it does not fit (``Task.prefer`` names labels it lacks while a live
+      node has them, or it already runs a task of the task's ``spread`` group), so a better
+      placed node may take it first (0 ignores soft placement).
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
@@ -185,6 +201,8 @@ class Consumer:
         refuse_retry: float | timedelta = 1.0,
         slow_callback: float | timedelta = 0.25,
         http_addr: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        placement_wait: float | timedelta = 2.0,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -200,6 +218,14 @@ class Consumer:
             raise ConfigError(f"max_crashes must be a non-negative integer or None, got {max_crashes!r}")
         if not 0 <= balance_jitter < 1:
             raise ConfigError(f"balance_jitter must be in [0, 1), got {balance_jitter!r}")
+        try:
+            self._labels = validate_labels(labels or {}, "labels")
+        except InvalidProps as exc:
+            raise ConfigError(str(exc)) from None
+        self._placement_wait = _seconds(placement_wait, "placement_wait", allow_zero=True)
+        # task id -> (until when soft placement holds it back, group tasks running then)
+        self._held_back: dict[str, tuple[float, int]] = {}
+        self._node_labels: tuple[float, list[dict[str, str]]] | None = None
         self._coord = coordinator
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else DumbBalancer()
@@ -258,6 +284,11 @@ class Consumer:
         return self._coord.node_id
 
     @property
+    def labels(self) -> Mapping[str, str]:
+        """This node's placement labels (a copy)."""
+        return dict(self._labels)
+
+    @property
     def frozen(self) -> bool:
         """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
         return self._frozen
@@ -301,6 +332,7 @@ class Consumer:
             "node": self.node_id,
             "store": mask_url(self._coord.name, brief=True),
             "frozen": self._frozen,
+            "labels": dict(self._labels),
             "started": self._started_at.isoformat() if self._started_at else None,
             "stopping": self._stopping.is_set(),
             "tasks": rows,
@@ -487,6 +519,8 @@ class Consumer:
         # Every node hears the same offers in the same order; shuffling them makes nodes
         # try different tasks first, so fewer claims are lost to a race (one round trip each).
         self._rng.shuffle(offers)
+        # Higher priority first; the sort is stable, so each priority stays shuffled.
+        offers.sort(key=_by_priority)
         for kind, payload in batch:
             if self._stopping.is_set():
                 return
@@ -567,6 +601,8 @@ class Consumer:
         for task in tasks:
             if self._stopping.is_set():
                 return
+            if task.selector and not matches(task.selector, self._labels):
+                continue  # placement: another node's task (the claim would refuse it too)
             with self._lock:
                 if task.id in self._running or any(t.id == task.id for t in approved):
                     continue
@@ -580,6 +616,10 @@ class Consumer:
                 if self._frozen or full:
                     self._deferred[task.id] = task
                     continue
+            wait = self._hold_back(task, approved)
+            if wait is not None:
+                self._ignore(task, wait)
+                continue
             try:
                 ok, until = self._balancer.can_claim(task)
             except Exception as exc:
@@ -595,6 +635,50 @@ class Consumer:
                 approved = []
         if approved:
             self._claim(approved)
+
+    def _hold_back(self, task: Task, approved: list[Task]) -> float | None:
+        """Seconds to hold ``task`` back for its soft placement, or None to go on claiming.
+
+        ``spread``: a node running ``n`` tasks of the group waits ``n * placement_wait``, so
+        nodes running fewer take it first; a task of a group another task of this offer wave
+        was approved from waits only ``refuse_retry`` (that claim may be lost). ``prefer``: a
+        node without the labels waits ``placement_wait`` while a live node has them. Offered
+        again after its wait, nobody better placed took it, so this node does: best effort,
+        never a task left waiting.
+        """
+        if (not task.prefer and task.spread is None) or not self._placement_wait:
+            return None
+        in_wave = task.spread is not None and any(t.spread == task.spread for t in approved)
+        running = 0
+        if task.spread is not None:
+            with self._lock:
+                running = sum(1 for e in self._running.values() if e.task.spread == task.spread)
+        now = self._clock.monotonic()
+        misplaced = (bool(task.prefer) and not matches(task.prefer, self._labels)
+                     and self._preferred_node_live(task.prefer, now))
+        held = self._held_back.get(task.id)
+        if not (in_wave or running or misplaced):
+            self._held_back.pop(task.id, None)
+            return None
+        if held is not None and now >= held[0] and not in_wave and running <= held[1]:
+            del self._held_back[task.id]
+            return None
+        if held is None or now >= held[0] or running > held[1]:
+            if len(self._held_back) > 10_000:  # forget holds long past (tasks taken elsewhere)
+                self._held_back = {k: h for k, h in self._held_back.items() if h[0] > now - 60}
+            wait = max(running * self._placement_wait, self._placement_wait if misplaced else 0.0)
+            held = self._held_back[task.id] = (now + (wait or self._refuse_retry), running)
+        return max(0.0, held[0] - now)
+
+    def _preferred_node_live(self, prefer: Mapping[str, str], now: float) -> bool:
+        """Whether a live node has the ``prefer`` labels (node labels cached for 5 s)."""
+        cached = self._node_labels
+        if cached is None or now - cached[0] > 5.0:
+            try:
+                cached = self._node_labels = (now, list(self._coord.node_labels().values()))
+            except MetaforaError:
+                return True  # unsure: hold back once, as if one did
+        return any(matches(prefer, labels) for labels in cached[1])
 
     def _ignore(self, task: Task, until: datetime | float | None) -> None:
         if until is None:
@@ -612,12 +696,16 @@ class Consumer:
             due = [t for d, t in self._ignores.values() if d <= now]
             for task in due:
                 del self._ignores[task.id]
+        due.sort(key=_by_priority)
         self._offer(*due)
 
     def _redo_deferred(self) -> None:
         with self._lock:
             waiting = list(self._deferred.values())
             self._deferred.clear()
+        # Highest priority first: under max_tasks pressure a freed slot goes to the most
+        # urgent task this node was offered.
+        waiting.sort(key=_by_priority)
         self._offer(*waiting)
 
     def _claim(self, tasks: list[Task]) -> None:
@@ -900,7 +988,7 @@ class Consumer:
         self._releases[task.id] = count
         backoff = min(self._release_backoff * 2 ** (count - 1), self._release_backoff_max)
         if backoff > 0:
-            self._ignore(Task(task.id, task.props), backoff * self._rng.uniform(0.8, 1.2))
+            self._ignore(task.with_token(0), backoff * self._rng.uniform(0.8, 1.2))
 
     def _finished(self, task: Task, outcome: _Outcome) -> None:
         self._retry_deferred()

@@ -11,8 +11,8 @@ import enum
 import logging
 import queue
 import random
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
@@ -139,6 +139,8 @@ class NodeInfo:
     started: datetime | None = None
     heartbeat: datetime | None = None
     frozen: bool | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The node's placement labels (see ``Consumer(labels=...)``)."""
 
 
 class CoordinatorContext(abc.ABC):
@@ -162,6 +164,12 @@ class CoordinatorContext(abc.ABC):
         """A claim fails a task whose previous claims ended this many times in a row with their
         node dead (see :func:`crash_limit_error`); None or 0: never."""
         return DEFAULT_MAX_CRASHES
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """The node's placement labels, published with its registration: the coordinator's
+        claim refuses a task whose selector they do not match (validated by the consumer)."""
+        return {}
 
 
 class Coordinator(ClusterState, abc.ABC):
@@ -454,6 +462,10 @@ class Client(ClusterState, abc.ABC):
     def node_infos(self) -> list[NodeInfo]:
         """Details of the live nodes, sorted by id (stores add host, heartbeat, frozen...)."""
         return [NodeInfo(n, c) for n, c in sorted(self.node_task_count().items())]
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        """Live node id -> its placement labels (from :meth:`node_infos`)."""
+        return {n.id: dict(n.labels) for n in self.node_infos()}
 
     @abc.abstractmethod
     def submit_command(self, node_id: str, command: Command) -> None:

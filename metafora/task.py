@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -14,15 +14,28 @@ from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import MAX_DEPTH, check_depth, load_object
 
 __all__ = [
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_LENGTH",
+    "MAX_LABEL_VALUE_LENGTH",
+    "MAX_PRIORITY",
     "MAX_PROPS_BYTES",
     "MAX_PROPS_DEPTH",
     "MAX_TASK_ID_LENGTH",
+    "MIN_PRIORITY",
     "Task",
     "TaskInfo",
     "TaskState",
+    "decode_labels",
+    "decode_placement",
     "decode_props",
+    "label_text",
+    "matches",
     "parse_time",
+    "placement_reason",
+    "validate_labels",
+    "validate_priority",
     "validate_schedule",
+    "validate_spread",
     "validate_task_id",
 ]
 
@@ -33,6 +46,16 @@ over 1.5 MiB by default; one limit for every store keeps a task portable between
 MAX_PROPS_DEPTH = MAX_DEPTH
 """How deeply props may nest objects and arrays (the props object itself is level 1)."""
 _TIME_PROPS = ("launch_at", "expires_at")
+MAX_LABELS = 32
+"""How many labels a node (or pairs a task's selector) may have."""
+MAX_LABEL_KEY_LENGTH = 63
+"""The longest label key, in characters."""
+MAX_LABEL_VALUE_LENGTH = 255
+"""The longest label value, in characters."""
+MIN_PRIORITY = -1_000_000
+"""The lowest task priority."""
+MAX_PRIORITY = 1_000_000
+"""The highest task priority (higher is offered and claimed first; 0 is the default)."""
 
 
 class TaskState(enum.StrEnum):
@@ -107,6 +130,97 @@ def validate_schedule(task: Task, now: datetime) -> Task:
     return task
 
 
+def _label_part(text: object, what: str, limit: int) -> str:
+    if not isinstance(text, str):
+        raise InvalidProps(f"{what} must be a string, not {type(text).__name__}")
+    if not text:
+        raise InvalidProps(f"{what} must not be empty")
+    if len(text) > limit:
+        raise InvalidProps(f"{what} {text[:20]!r}... is {len(text)} characters long; the limit is {limit}")
+    if not text.isprintable() or text != text.strip():
+        raise InvalidProps(f"{what} {text!r} must be printable, without leading or trailing spaces")
+    return text
+
+
+def validate_labels(labels: object, what: str = "labels") -> dict[str, str]:
+    """``labels`` (node labels or a task's selector) as a plain dict, or :class:`InvalidProps`.
+
+    Keys and values are non-empty printable strings (keys up to
+    :data:`MAX_LABEL_KEY_LENGTH` characters and without ``=`` or ``,``, values up to
+    :data:`MAX_LABEL_VALUE_LENGTH`), at most :data:`MAX_LABELS` pairs. ``what`` names the
+    input in the error ("labels", "selector").
+    """
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise InvalidProps(f"{what} must be a mapping of strings to strings, not {type(labels).__name__}")
+    if len(labels) > MAX_LABELS:
+        raise InvalidProps(f"{what} has {len(labels)} pairs; the limit is {MAX_LABELS}")
+    plain: dict[str, str] = {}
+    for key, value in labels.items():
+        _label_part(key, f"{what} key", MAX_LABEL_KEY_LENGTH)
+        if "=" in key or "," in key:
+            # `--select k=v` and the label listings could not say such a key unambiguously.
+            raise InvalidProps(f"{what} key {key!r} must not contain '=' or ','")
+        plain[key] = _label_part(value, f"{what} value of {key!r}", MAX_LABEL_VALUE_LENGTH)
+    return dict(sorted(plain.items()))
+
+
+def validate_priority(priority: object) -> int:
+    """``priority`` if it is an integer in [:data:`MIN_PRIORITY`, :data:`MAX_PRIORITY`]."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidProps(f"priority must be an integer, not {type(priority).__name__}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidProps(
+            f"priority {priority} is out of range [{MIN_PRIORITY}, {MAX_PRIORITY}]"
+        )
+    return priority
+
+
+def validate_spread(spread: object) -> str | None:
+    """An anti-affinity group name (None for none): a non-empty printable string."""
+    if spread is None:
+        return None
+    return _label_part(spread, "spread group", MAX_LABEL_VALUE_LENGTH)
+
+
+def decode_placement(raw: str | bytes | None, task_id: str) -> tuple[dict[str, str], str | None]:
+    """A task's soft placement as stored (``{"prefer": {...}, "spread": "..."}`` JSON text, None
+    for none): ``(prefer, spread)``."""
+    if raw is None or raw in ("", b""):
+        return {}, None
+    what = f"stored placement of task {task_id!r}"
+    data = load_object(raw, what, InvalidProps)
+    return validate_labels(data.get("prefer") or {}, f"{what}: prefer"), validate_spread(data.get("spread"))
+
+
+def decode_labels(raw: str | bytes | None, what: str) -> dict[str, str]:
+    """Labels or a selector read back from a store (JSON text; None or empty means none)."""
+    if raw is None or raw in ("", b""):
+        return {}
+    return validate_labels(load_object(raw, what, InvalidProps), what)
+
+
+def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Whether a node with ``labels`` may run a task with ``selector`` (every pair present)."""
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def label_text(labels: Mapping[str, str]) -> str:
+    """``k=v,k2=v2`` (sorted by key), as listings show labels and selectors."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def placement_reason(selector: Mapping[str, str], nodes: Iterable[Mapping[str, str]]) -> str | None:
+    """Why a pending task with ``selector`` cannot be claimed now, or None if a live node
+    (given by their labels) matches it."""
+    if not selector:
+        return None
+    if any(matches(selector, labels) for labels in nodes):
+        return None
+    return f"no live node matches {label_text(selector)}"
+
+
 def _freeze_props(props: object) -> Mapping[str, Any]:
     if not isinstance(props, Mapping):
         raise InvalidProps(f"props must be a JSON object (a mapping), not {type(props).__name__}")
@@ -149,17 +263,33 @@ class Task:
     ``props`` is JSON-serialisable user data (kept as a read-only copy). ``token`` is the
     fencing token of the claim this object was handed out under (0 when not claimed):
     it strictly increases every time the task is claimed, by anyone.
+
+    ``selector`` (placement): only a node whose labels include every pair may claim the
+    task (see :func:`validate_labels`). ``priority``: among claimable tasks, higher ones are
+    offered and claimed first (an integer in [-1,000,000, 1,000,000], default 0); it never
+    pre-empts a running task. Soft placement: ``prefer`` (labels a node should have: others
+    hold back briefly before they take the task) and ``spread`` (an anti-affinity group:
+    a node already running a task of the group holds back briefly before it takes another),
+    both best effort (see docs/placement.md).
     """
 
     id: str
     props: Mapping[str, Any] = field(default_factory=dict, hash=False)
     token: int = 0
+    selector: Mapping[str, str] = field(default_factory=dict, hash=False, kw_only=True)
+    priority: int = field(default=0, kw_only=True)
+    prefer: Mapping[str, str] = field(default_factory=dict, hash=False, kw_only=True)
+    spread: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         validate_task_id(self.id)
         object.__setattr__(self, "props", _freeze_props(self.props))
         if not isinstance(self.token, int) or isinstance(self.token, bool) or self.token < 0:
             raise InvalidProps(f"token must be a non-negative integer, got {self.token!r}")
+        object.__setattr__(self, "selector", validate_labels(self.selector, "selector"))
+        validate_priority(self.priority)
+        object.__setattr__(self, "prefer", validate_labels(self.prefer, "prefer"))
+        validate_spread(self.spread)
 
     @property
     def launch_at(self) -> datetime | None:
@@ -177,9 +307,25 @@ class Task:
         """The props as a compact JSON object."""
         return json.dumps(dict(self.props), separators=(",", ":"), sort_keys=True)
 
+    def selector_json(self) -> str | None:
+        """The selector as compact JSON, or None when it is empty (how stores keep it)."""
+        if not self.selector:
+            return None
+        return json.dumps(dict(self.selector), separators=(",", ":"), sort_keys=True)
+
+    def placement_json(self) -> str | None:
+        """``prefer`` and ``spread`` as compact JSON, or None when neither is set."""
+        data: dict[str, Any] = {}
+        if self.prefer:
+            data["prefer"] = dict(self.prefer)
+        if self.spread is not None:
+            data["spread"] = self.spread
+        return json.dumps(data, separators=(",", ":"), sort_keys=True) if data else None
+
     def with_token(self, token: int) -> Task:
         """A copy of this task carrying another fencing token."""
-        return Task(self.id, self.props, token)
+        return Task(self.id, self.props, token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
 
 
 @dataclass(frozen=True)
@@ -196,10 +342,15 @@ class TaskInfo:
     created_at: datetime | None = None
     finished_at: datetime | None = None
     attempts: int = 0
+    selector: Mapping[str, str] = field(default_factory=dict)
+    priority: int = 0
+    prefer: Mapping[str, str] = field(default_factory=dict)
+    spread: str | None = None
 
     def task(self) -> Task:
         """The task itself, carrying its current token."""
-        return Task(self.id, self.props, self.token)
+        return Task(self.id, self.props, self.token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (times as ISO-8601 strings)."""
@@ -218,4 +369,8 @@ class TaskInfo:
             "created_at": iso(self.created_at),
             "finished_at": iso(self.finished_at),
             "attempts": self.attempts,
+            "selector": dict(self.selector),
+            "priority": self.priority,
+            "prefer": dict(self.prefer),
+            "spread": self.spread,
         }

@@ -23,7 +23,7 @@ from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import DEFAULT_MAX_CRASHES, Client, CoordinatorContext
 from metafora.handler import HandlerFunc
-from metafora.task import Task, TaskState
+from metafora.task import Task, TaskState, validate_labels
 
 __all__ = ["FakeClock", "FileLedger", "LedgerRun", "LocalCluster", "RecordingContext", "wait_for"]
 
@@ -100,15 +100,21 @@ class FakeClock(Clock):
 class RecordingContext(CoordinatorContext):
     """A CoordinatorContext that records lost tasks (for driving a coordinator by hand)."""
 
-    def __init__(self, *, max_crashes: int | None = DEFAULT_MAX_CRASHES) -> None:
+    def __init__(self, *, max_crashes: int | None = DEFAULT_MAX_CRASHES,
+                 labels: Mapping[str, str] | None = None) -> None:
         self.lost_tasks: list[Task] = []
         self.lost_event = threading.Event()
         self._lock = threading.Lock()
         self._max_crashes = max_crashes
+        self._labels = validate_labels(labels or {}, "labels")
 
     @property
     def max_crashes(self) -> int | None:
         return self._max_crashes
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self._labels
 
     def lost(self, task: Task) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.coordinator import Client, NodeInfo
-from metafora.task import TaskInfo, TaskState
+from metafora.task import TaskInfo, TaskState, label_text, placement_reason
 
 __all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
 
@@ -39,6 +39,13 @@ class Snapshot:
         for info in self.tasks.values():
             counts[info.state] += 1
         return counts
+
+    def unplaceable(self) -> int:
+        """How many pending tasks no live node can run (their selector matches no labels)."""
+        labels = [n.labels for n in self.nodes]
+        return sum(1 for info in self.tasks.values()
+                   if info.state is TaskState.PENDING and info.selector
+                   and placement_reason(info.selector, labels) is not None)
 
 
 def take_snapshot(client: Client) -> Snapshot:
@@ -84,10 +91,12 @@ def frozen_text(frozen: bool | None) -> str:
 def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = True) -> RenderableType:
     """One frame of the view (``live=False``: a one-off snapshot, without the key hint)."""
     nodes = Table(title="nodes", expand=False)
-    for col in ("node", "host", "tasks", "frozen", "heartbeat age"):
+    labelled = any(n.labels for n in cur.nodes)
+    for col in ("node", "host", "tasks", "frozen", "heartbeat age") + (("labels",) if labelled else ()):
         nodes.add_column(col, justify="right" if col == "tasks" else "left")
     for n in cur.nodes:
-        nodes.add_row(n.id, n.host or "-", str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat))
+        row = [n.id, n.host or "-", str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat)]
+        nodes.add_row(*row, *((label_text(n.labels) or "-",) if labelled else ()))
     states = Table(title="tasks", expand=False)
     counts = cur.by_state()
     for state in TaskState:
@@ -97,6 +106,9 @@ def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = Tru
     hint = " — press q to quit" if live else ""
     header = Text(f"metafora top — {store} — {cur.now:%H:%M:%S} UTC{hint}", style="bold")
     footer = Text(f"claims/s {claims:.1f}   releases/s {releases:.1f}   nodes {len(cur.nodes)}")
+    stuck = cur.unplaceable()
+    if stuck:
+        footer.append(f"   pending with no matching node {stuck}", style="yellow")
     return Group(header, nodes, states, footer)
 
 

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from metafora.connect import open_coordinator
+from metafora.consumer import Consumer
 from metafora.coordinators.memory import MemoryCoordinator
+from metafora.statemachine.machine import StateCode
 from metafora.task import Task
 from metafora.testing import LocalCluster, wait_for
 
@@ -39,3 +41,29 @@ class Harness(LocalCluster):
         coord = open_coordinator(self.url, node_id=node)
         assert isinstance(coord, MemoryCoordinator)
         return coord
+
+
+def start_stateful(cluster: LocalCluster, stateful: object, node: str, **kwargs: object) -> Consumer:
+    """Start a consumer ``node`` in ``cluster`` running ``stateful`` (sync or ``async def``)
+    through the state machine (``poll_interval`` 0.02 s unless given)."""
+    from metafora.statemachine import handler_func
+
+    coord = open_coordinator(cluster.url, node_id=node)
+    kwargs.setdefault("poll_interval", 0.02)
+    return cluster.start(Consumer(coord, handler_func(stateful, coord, **kwargs)))  # type: ignore[arg-type]
+
+
+def state_cursor(cluster: LocalCluster, task_id: str = "t1") -> int:
+    """The task's stored cursor as a page number (0 when none)."""
+    from metafora.statemachine import get_state
+
+    state = get_state(cluster.client, task_id)
+    return int(state.cursor or 0) if state is not None else 0
+
+
+def state_code(cluster: LocalCluster, task_id: str = "t1") -> StateCode | None:
+    """The task's stored state code (None before a state machine ran it)."""
+    from metafora.statemachine import get_state
+
+    state = get_state(cluster.client, task_id)
+    return None if state is None else state.code

@@ -9,11 +9,11 @@ import threading
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext
+from metafora.balancer import BalancerContext, RunningTask
 from metafora.balancers._base import ContextBalancer, seconds
 from metafora.clock import Clock
 from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.task import Task, matches
 
 __all__ = ["FairBalancer"]
 
@@ -49,9 +49,17 @@ class FairBalancer(ContextBalancer):
     full), so it claims it rather than leave the task waiting. A node that is alone in the
     cluster never refuses a claim.
 
-    ``node_task_count`` costs a store round trip, so :meth:`can_claim` reuses counts for up
-    to ``counts_ttl`` seconds (0 re-reads them every time); :meth:`balance` always re-reads.
-    Errors from the store propagate to the caller.
+    **Placement**: a task with a selector is weighed against its *peers*, the live nodes
+    whose labels match it (``ctx.cluster_state.node_labels()``), not against nodes that could
+    never run it: :meth:`can_claim` compares this node with the task's peers, and
+    :meth:`balance` takes the running tasks one selector at a time, releasing a task only
+    when this node is above ``threshold`` times its peers' average (a task no other node
+    could run is never released). Without selectors every node is a peer: the plain rule.
+
+    ``node_task_count`` costs a store round trip, so :meth:`can_claim` reuses counts (and
+    labels, read only for tasks with a selector) for up to ``counts_ttl`` seconds (0
+    re-reads them every time); :meth:`balance` always re-reads. Errors from the store
+    propagate to the caller.
 
     ``clock`` defaults to the context's; durations are seconds or timedeltas.
     """
@@ -83,6 +91,7 @@ class FairBalancer(ContextBalancer):
         self._refuse_until: datetime | None = None
         self._refused: dict[str, datetime] = {}
         self._cache: tuple[float, dict[str, int]] | None = None
+        self._labels_cache: tuple[float, dict[str, dict[str, str]]] | None = None
 
     @property
     def threshold(self) -> float:
@@ -102,6 +111,7 @@ class FairBalancer(ContextBalancer):
             self._refuse_until = None
             self._refused.clear()
             self._cache = None
+            self._labels_cache = None
 
     # -- the arithmetic, pure and public so it can be checked on its own ---------------
 
@@ -134,7 +144,8 @@ class FairBalancer(ContextBalancer):
     def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
         """Claim unless just released, or above the threshold and a lighter node may take it."""
         ctx, clock = self._context("can_claim")
-        counts = self._counts(ctx, clock, fresh=False)
+        counts = self._peers(ctx, clock, task.selector, self._counts(ctx, clock, fresh=False),
+                             fresh=False)
         if len(counts) < 2:
             return True, None  # alone: refusing would leave the task to nobody
         now = clock.now()
@@ -167,14 +178,24 @@ class FairBalancer(ContextBalancer):
             if self._refuse_until is not None and now < self._refuse_until:
                 return []  # released tasks are still finding new owners; counts are in flux
         counts = self._counts(ctx, clock, fresh=True)
-        if not self.overloaded(ctx.node_id, counts):
-            return []
         releasable = [rt for rt in ctx.tasks() if rt.stopped is None]
-        target = self.desired_count(counts)
-        excess = len(releasable) - target
-        if excess <= 0:
+        # One group per selector (one group, every node a peer, when no task has one).
+        groups: dict[tuple[tuple[str, str], ...], list[RunningTask]] = {}
+        for rt in releasable:
+            groups.setdefault(tuple(sorted(rt.task.selector.items())), []).append(rt)
+        chosen: list[str] = []
+        target = 0
+        for key in sorted(groups):
+            peers = self._peers(ctx, clock, dict(key), counts, fresh=True)
+            peers[ctx.node_id] = counts[ctx.node_id] - len(chosen)
+            if not self.overloaded(ctx.node_id, peers):
+                continue
+            target = self.desired_count(peers)
+            excess = min(len(groups[key]), len(releasable) - len(chosen) - target)
+            if excess > 0:
+                chosen += [rt.id for rt in self._rng.sample(groups[key], excess)]
+        if not chosen:
             return []
-        chosen = [rt.id for rt in self._rng.sample(releasable, excess)]
         with self._lock:
             self._refuse_until = now + self._claim_delay
         logger.info(
@@ -218,6 +239,24 @@ class FairBalancer(ContextBalancer):
         counts = dict(others)
         counts[ctx.node_id] = ctx.task_count()
         return counts
+
+    def _peers(self, ctx: BalancerContext, clock: Clock, selector: Mapping[str, str],
+               counts: dict[str, int], *, fresh: bool) -> dict[str, int]:
+        """``counts`` of the nodes that could run a task with ``selector`` (and this node)."""
+        if not selector:
+            return dict(counts)
+        mono = clock.monotonic()
+        with self._lock:
+            cached = self._labels_cache
+        if fresh or cached is None or mono - cached[0] >= self._counts_ttl:
+            labels = dict(ctx.cluster_state.node_labels())
+            with self._lock:
+                self._labels_cache = (mono, labels)
+        else:
+            labels = cached[1]
+        # A node the store gave no labels for (just joined) counts as a peer.
+        return {node: n for node, n in counts.items()
+                if node == ctx.node_id or node not in labels or matches(selector, labels[node])}
 
     def _prune(self, now: datetime) -> None:
         """Forget old first refusals (caller holds the lock)."""

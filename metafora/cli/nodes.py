@@ -16,7 +16,7 @@ from metafora.commands import Command
 from metafora.connect import validate_node_id
 from metafora.coordinator import NodeInfo
 from metafora.errors import InvalidTaskState, NodeNotFound
-from metafora.task import TaskState
+from metafora.task import TaskState, label_text
 from metafora.top import frozen_text
 
 __all__ = ["balance", "freeze", "nodes", "stop", "top", "unfreeze"]
@@ -27,7 +27,8 @@ def _node_dict(info: NodeInfo) -> dict[str, Any]:
         return None if dt is None else dt.isoformat()
 
     return {"node": info.id, "tasks": info.tasks, "frozen": bool(info.frozen), "host": info.host,
-            "pid": info.pid, "started": iso(info.started), "heartbeat": iso(info.heartbeat)}
+            "pid": info.pid, "started": iso(info.started), "heartbeat": iso(info.heartbeat),
+            "labels": dict(info.labels)}
 
 
 def _age(now: datetime, then: datetime | None) -> str:
@@ -41,7 +42,8 @@ def _age(now: datetime, then: datetime | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
-    """List live nodes: tasks held, frozen, host, pid, last heartbeat (where the store keeps them)."""
+    """List live nodes: tasks held, frozen, labels, host, pid, last heartbeat (where the store
+    keeps them)."""
     with store_client(ctx) as client:
         infos = sorted(client.node_infos(), key=lambda n: n.id)
     if as_json:
@@ -57,6 +59,7 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     table.add_column("node", overflow="fold")
     table.add_column("tasks", justify="right")
     table.add_column("frozen")
+    table.add_column("labels", overflow="fold")
     table.add_column("host", overflow="fold")
     table.add_column("pid", justify="right")
     table.add_column("heartbeat")
@@ -64,7 +67,8 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     for info in infos:
         frozen = frozen_text(info.frozen)
         table.add_row(Text(info.id), str(info.tasks), Text(frozen, style="bold blue" if info.frozen else ""),
-                      Text(info.host or "-"), "-" if info.pid is None else str(info.pid),
+                      Text(label_text(info.labels) or "-"), Text(info.host or "-"),
+                      "-" if info.pid is None else str(info.pid),
                       _age(now, info.heartbeat))
     out.print(table)
 

@@ -21,12 +21,26 @@ from metafora.cli._common import (
     print_json,
     store_client,
 )
+from metafora.coordinator import Client
 from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.task import Task, TaskInfo, TaskState, parse_time, validate_schedule, validate_task_id
+from metafora.task import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    Task,
+    TaskInfo,
+    TaskState,
+    label_text,
+    parse_time,
+    placement_reason,
+    validate_labels,
+    validate_schedule,
+    validate_task_id,
+)
 
 __all__ = [
     "delete",
     "parse_prop",
+    "parse_select",
     "parse_when",
     "purge",
     "read_task_lines",
@@ -63,6 +77,19 @@ def parse_prop(pair: str) -> tuple[str, Any]:
     except ValueError:
         value = raw
     return key, value
+
+
+def parse_select(pairs: tuple[str, ...] | list[str], option: str = "--select") -> dict[str, str]:
+    """``("gpu=1", "zone=eu")`` -> a validated selector (or labels); a clear error otherwise."""
+    selector: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InvalidProps(f"{option} {pair!r} is not KEY=VALUE (e.g. {option} gpu=1)")
+        if key in selector and selector[key] != value:
+            raise InvalidProps(f"{option} gives {key!r} twice ({selector[key]!r} and {value!r})")
+        selector[key] = value
+    return validate_labels(selector, option)
 
 
 _TIME_FORMS = "an ISO-8601 time (naive = UTC, e.g. 2030-01-01T12:00:00Z), 'now' or '+DURATION' (+30s, +2h)"
@@ -110,11 +137,12 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
     return props
 
 
-_LINE_KEYS = frozenset({"id", "props"})
+_LINE_KEYS = frozenset({"id", "props", "selector", "priority", "prefer", "spread"})
 
 
 def read_task_lines(stream: IO[str]) -> list[Task]:
-    """Tasks from JSON lines ``{"id": ..., "props": {...}}`` (blank lines skipped).
+    """Tasks from JSON lines ``{"id": ..., "props": {...}, "selector": {...}, "priority": N,
+    "prefer": {...}, "spread": "..."}`` (only ``id`` is required; blank lines skipped).
 
     Every line is checked; an error names the line number and keeps its type (a bad id is
     InvalidTaskId, anything else InvalidProps).
@@ -137,9 +165,13 @@ def _task_line(line: str, number: int) -> Task:
     unknown = sorted(set(item) - _LINE_KEYS)
     if unknown or "id" not in item:
         what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'id'"
-        raise InvalidProps(f"--from-file line {number}: {what} (a line holds 'id' and 'props')")
+        raise InvalidProps(f"--from-file line {number}: {what} (a line holds 'id' and optionally "
+                           "'props', 'selector', 'priority', 'prefer', 'spread')")
     try:
-        return validate_schedule(Task(item["id"], item.get("props") or {}), datetime.now(UTC))
+        task = Task(item["id"], item.get("props") or {}, selector=item.get("selector") or {},
+                    priority=item.get("priority", 0), prefer=item.get("prefer") or {},
+                    spread=item.get("spread"))
+        return validate_schedule(task, datetime.now(UTC))
     except (InvalidTaskId, InvalidProps) as exc:
         raise type(exc)(f"--from-file line {number}: {exc}") from None
 
@@ -154,17 +186,33 @@ def _task_line(line: str, number: int) -> Task:
 @click.option("--expires-at", metavar="TIME",
               help="Not claimed after TIME (the task moves to 'expired'); same forms as --launch-at. "
                    "Must be in the future and after --launch-at.")
+@click.option("--select", "select", multiple=True, metavar="KEY=VALUE",
+              help="Placement: only a node whose labels include KEY=VALUE may claim the task. "
+                   "Repeatable (every pair must match).")
+@click.option("--priority", type=int, default=None, metavar="N",
+              help=f"Higher is claimed first among claimable tasks (default 0; {MIN_PRIORITY:,} "
+                   f"to {MAX_PRIORITY:,}). Never stops a running task.")
+@click.option("--prefer", "prefer", multiple=True, metavar="KEY=VALUE",
+              help="Soft placement: nodes without these labels hold back briefly while a node "
+                   "with them is live. Repeatable.")
+@click.option("--spread", metavar="GROUP",
+              help="Anti-affinity: tasks of one GROUP go to distinct nodes where possible.")
 @click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), metavar="FILE|-",
-              help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}} ("-": stdin), '
-                   "in batches, all-or-nothing per batch.")
+              help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}, '
+                   '"selector": {...}, "priority": N} ("-": stdin), in batches, all-or-nothing '
+                   "per batch.")
 @click.pass_context
 def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], props_json: str | None,
-           launch_at: str | None, expires_at: str | None, from_file: IO[str] | None) -> None:
+           launch_at: str | None, expires_at: str | None, select: tuple[str, ...],
+           priority: int | None, prefer: tuple[str, ...], spread: str | None,
+           from_file: IO[str] | None) -> None:
     """Submit a new task ID (pending until a consumer claims it), or many with --from-file."""
     if from_file is not None:
-        if task_id is not None or pairs or props_json or launch_at or expires_at:
-            raise click.UsageError("--from-file takes no ID, --prop, --props, --launch-at or "
-                                   "--expires-at (put them in the file's lines)")
+        if (task_id is not None or pairs or props_json or launch_at or expires_at or select
+                or priority is not None or prefer or spread is not None):
+            raise click.UsageError("--from-file takes no ID, --prop, --props, --launch-at, "
+                                   "--expires-at, --select, --priority, --prefer or --spread "
+                                   "(put them in the file's lines)")
         tasks = read_task_lines(from_file)
         with store_client(ctx) as client:
             client.submit_tasks(tasks)
@@ -172,7 +220,11 @@ def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], prop
         return
     if task_id is None:
         raise click.UsageError("give a task ID, or --from-file FILE|-")
-    task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at))
+    if priority is not None and not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidProps(f"--priority {priority} is out of range [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+    task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at),
+                selector=parse_select(select), priority=priority or 0,
+                prefer=parse_select(prefer, "--prefer"), spread=spread)
     validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:
         client.submit_task(task)
@@ -241,12 +293,17 @@ def _summary(infos: list[TaskInfo]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @click.pass_context
 def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
-    """List tasks (ordered by id): state, owner node, fencing token, claim time, error."""
+    """List tasks (ordered by id): state, owner node, fencing token, claim time, error.
+
+    A pending task that no live node can run (its selector matches no node's labels) says
+    why; tasks with a priority or a selector show them.
+    """
     wanted = None if state is None else TaskState(state.lower())
     with store_client(ctx) as client:
         infos = client.tasks(wanted)
+        reasons = pending_reasons(client, infos)
     if as_json:
-        print_json([info.to_dict() for info in infos])
+        print_json([{**info.to_dict(), "reason": reasons.get(info.id)} for info in infos])
         return
     out = console()
     if not infos:
@@ -258,13 +315,36 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
     table.add_column("owner", overflow="fold")
     table.add_column("token", justify="right")
     table.add_column("claimed_at")
+    placed = any(info.selector or info.priority for info in infos)
+    if placed:
+        table.add_column("priority", justify="right")
+        table.add_column("selector", overflow="fold")
     table.add_column("error", max_width=60)
     for info in infos:
-        table.add_row(
+        cells: list[Text | str] = [
             Text(info.id), _state_cell(info.state), Text(info.owner or "-"),
-            str(info.token), format_time(info.claimed_at), _error_cell(info.error),
-        )
+            str(info.token), format_time(info.claimed_at)]
+        if placed:
+            cells += [str(info.priority), Text(label_text(info.selector) or "-")]
+        reason = reasons.get(info.id)
+        cells.append(Text(reason, style="yellow") if reason else _error_cell(info.error))
+        table.add_row(*cells)
     out.print(table)
+
+
+def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
+    """Task id -> why a pending task cannot be claimed now (no live node matches its
+    selector); the node labels are read only when a pending task has a selector."""
+    waiting = [i for i in infos if i.state is TaskState.PENDING and i.selector]
+    if not waiting:
+        return {}
+    labels = list(client.node_labels().values())
+    reasons = {}
+    for info in waiting:
+        reason = placement_reason(info.selector, labels)
+        if reason is not None:
+            reasons[info.id] = reason
+    return reasons
 
 
 @click.command()
@@ -288,6 +368,10 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ("owner", Text(info.owner or "-")),
         ("token", str(info.token)),
         ("attempts", str(info.attempts)),
+        ("priority", str(info.priority)),
+        ("selector", Text(label_text(info.selector) or "-")),
+        ("prefer", Text(label_text(info.prefer) or "-")),
+        ("spread", Text(info.spread or "-")),
         ("created_at", format_time(info.created_at)),
         ("claimed_at", format_time(info.claimed_at)),
         ("finished_at", format_time(info.finished_at)),

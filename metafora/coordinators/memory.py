@@ -39,7 +39,14 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
+from metafora.task import (
+    Task,
+    TaskInfo,
+    TaskState,
+    matches,
+    validate_schedule,
+    validate_task_id,
+)
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -62,9 +69,20 @@ class _Row:
     attempts: int = 0
     crashes: int = 0  # latest claims in a row that ended with their node dead
     ready: int = 0  # store version at which the row last became claimable
+    selector: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    prefer: dict[str, str] = field(default_factory=dict)
+    spread: str | None = None
+
+    @classmethod
+    def new(cls, task: Task, now: datetime) -> _Row:
+        return cls(task.id, dict(task.props), TaskState.PENDING, now,
+                   selector=dict(task.selector), priority=task.priority,
+                   prefer=dict(task.prefer), spread=task.spread)
 
     def task(self) -> Task:
-        return Task(self.task_id, self.props, self.token)
+        return Task(self.task_id, self.props, self.token, selector=self.selector,
+                    priority=self.priority, prefer=self.prefer, spread=self.spread)
 
     def info(self) -> TaskInfo:
         return TaskInfo(
@@ -78,6 +96,10 @@ class _Row:
             created_at=self.created_at,
             finished_at=self.finished_at,
             attempts=self.attempts,
+            selector=dict(self.selector),
+            priority=self.priority,
+            prefer=dict(self.prefer),
+            spread=self.spread,
         )
 
 
@@ -89,6 +111,7 @@ class _Node:
     commands: deque[str] = field(default_factory=deque)
     frozen: bool = False
     leaving: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 class MemoryStore:
@@ -229,7 +252,7 @@ class MemoryCoordinator(Coordinator):
             self._check_open()
             if self._node_id in s.nodes:
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
-            s.nodes[self._node_id] = _Node(self._node_id, ctx, s.clock.now())
+            s.nodes[self._node_id] = _Node(self._node_id, ctx, s.clock.now(), labels=dict(ctx.labels))
             self._ctx = ctx
             s.bump()
             s.members_changed()
@@ -244,7 +267,8 @@ class MemoryCoordinator(Coordinator):
             raise CoordinatorClosed("init(ctx) must be called before using the coordinator")
         if self._node_id not in self._store.nodes:
             # The lease was lost (expire_lease): come back as a fresh registration.
-            self._store.nodes[self._node_id] = _Node(self._node_id, self._ctx, self._store.clock.now())
+            self._store.nodes[self._node_id] = _Node(self._node_id, self._ctx, self._store.clock.now(),
+                                                     labels=dict(self._ctx.labels))
             self._store.members_changed()
 
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
@@ -265,8 +289,9 @@ class MemoryCoordinator(Coordinator):
                 for task in batch:
                     offered[task.id] = s.tasks[task.id].ready
                 version = s.version
+            batch.sort(key=lambda t: -t.priority)  # higher priority offered first
             for task in batch:
-                sink(Task(task.id, task.props))
+                sink(task.with_token(0))
             with s.cond:
                 if self._closed:
                     return
@@ -283,6 +308,8 @@ class MemoryCoordinator(Coordinator):
             s.sweep(now)
             if row is None or not s.claimable(row, now):
                 return None
+            if self._ctx is not None and not matches(row.selector, self._ctx.labels):
+                return None  # placement: this node's labels do not match the task's selector
             if row.state is TaskState.CLAIMED:  # taken over from a dead owner
                 row.crashes += 1
             verdict = crash_limit_error(row.crashes, self._ctx.max_crashes if self._ctx else None)
@@ -382,6 +409,9 @@ class MemoryCoordinator(Coordinator):
             self._store.member_listeners.append(listener)
             self._listening.append(listener)
         return True
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        with self._store.cond:
+            return {n.node_id: dict(n.labels) for n in self._store.nodes.values()}
 
     def close(self) -> None:
         s = self._store
@@ -453,7 +483,7 @@ class MemoryClient(Client):
             validate_schedule(task, s.clock.now())
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
-            row = _Row(task.id, dict(task.props), TaskState.PENDING, s.clock.now())
+            row = _Row.new(task, s.clock.now())
             s.tasks[task.id] = row
             row.ready = s.bump()
 
@@ -471,7 +501,7 @@ class MemoryClient(Client):
                 return existing
             now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
             for task in batch:
-                row = s.tasks[task.id] = _Row(task.id, dict(task.props), TaskState.PENDING, now)
+                row = s.tasks[task.id] = _Row.new(task, now)
                 row.ready = ready
         return []
 
@@ -547,7 +577,8 @@ class MemoryClient(Client):
             self._check_open()
             counts = s.counts()
             return [
-                NodeInfo(n.node_id, counts.get(n.node_id, 0), started=n.started, frozen=n.frozen)
+                NodeInfo(n.node_id, counts.get(n.node_id, 0), started=n.started, frozen=n.frozen,
+                         labels=dict(n.labels))
                 for n in sorted(s.nodes.values(), key=lambda n: n.node_id)
             ]
 

@@ -19,6 +19,7 @@ from typing import Any
 from metafora.connect import open_client
 from metafora.coordinator import Client
 from metafora.errors import InvalidTaskState
+from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (
     ErrorHandler,
     ErrorPolicy,
@@ -54,6 +55,9 @@ __all__ = [
     "COMMAND_VERBS",
     "IGNORE",
     "TRANSITIONS",
+    "AsyncCommands",
+    "AsyncStatefulHandler",
+    "AsyncStatefulTaskHandler",
     "Commands",
     "ErrorHandler",
     "ErrorPolicy",

@@ -34,7 +34,8 @@ from typing import TypeVar
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
-from metafora.handler import Handler
+from metafora.handler import Handler, _is_coroutine_fn
+from metafora.statemachine.aio import AsyncStatefulHandler, AsyncStatefulTaskHandler, _MachineView
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.machine import (
     IGNORE,
@@ -58,36 +59,12 @@ T = TypeVar("T")
 _RETRY_MAX = 5.0  # seconds: the longest pause between store retries
 
 
-class Commands:
+class Commands(_MachineView):
     """What a :data:`StatefulHandler` gets besides its task: commands, cursor, checkpoints.
 
-    Use it only from the thread that called the handler.
+    ``task``, ``state``, ``cursor`` and ``stopping`` describe the running machine. Use it only
+    from the thread that called the handler.
     """
-
-    def __init__(self, machine: StatefulTaskHandler) -> None:
-        self._machine = machine
-
-    @property
-    def task(self) -> Task:
-        """The claimed task (with its fencing token)."""
-        return self._machine.task
-
-    @property
-    def state(self) -> State:
-        """The task's current state (runnable while the handler runs)."""
-        state = self._machine.state
-        assert state is not None
-        return state
-
-    @property
-    def cursor(self) -> str | None:
-        """The cursor of the last checkpoint (from any earlier owner too), or None."""
-        return self.state.cursor
-
-    @property
-    def stopping(self) -> bool:
-        """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
-        return self._machine.stopping
 
     def poll(self) -> Message | None:
         """The next command without waiting, or None.
@@ -221,46 +198,72 @@ class StatefulTaskHandler(Handler):
             mailbox.close()
 
     def _run(self) -> bool:
-        task = self.task
-        state = self._load()
-        if state is None:
-            return False
-        # A fresh task's state is stored at once: operators (`metafora pause`, `state`) can
-        # then tell a task a state machine runs from one no state machine would ever read.
-        if state == State() and not self._persist(state):
-            return False
-        self._state = state
-        if state.code.terminal:
-            log.info("task %s is already %s; nothing to run", task.id, state,
-                     extra={**self._extra, "action": "terminal"})
-            return True
+        state, result = self._begin()
+        if result is not None:
+            return result
         while not self._stop.is_set():
             message = self._next_message(state)
             if message is None:
                 break
-            assert self._state is not None
-            state = self._state  # the handler's checkpoints may have moved the cursor
-            new = apply(state, message, self.clock.now())
-            if new is None:
-                log.warning("task %s: ignoring %s in state %s", task.id, message, state.code.value,
-                            extra={**self._extra, "action": "ignore"})
-                continue
-            if (new != state or message.kind is MessageKind.CHECKPOINT) and not self._persist(new):
-                return False
-            if new.code is not state.code:
-                log.info("task %s: %s --%s--> %s", task.id, state.code.value, message, new,
-                         extra={**self._extra, "action": "transition"})
-            state = self._state = new
-            if state.code.terminal:
-                level = logging.INFO if state.code is StateCode.COMPLETED else logging.WARNING
-                log.log(level, "task %s finished: %s", task.id, state,
-                        extra={**self._extra, "action": state.code.value})
-                return True
-            if message.kind is MessageKind.RELEASE:
-                break
-        log.info("task %s released in state %s", task.id, state.code.value,
+            state, result = self._advance(message)
+            if result is not None:
+                return result
+        return self._released()
+
+    def _advance(self, message: Message) -> tuple[State, bool | None]:
+        """Apply ``message`` to the current state and persist the change (fenced).
+
+        Returns the state now and the run's result when it ends here: True at a terminal
+        state, False when the task is to be released (a release message, or a write that
+        failed); None to go on. Shared by the sync loop and the async one (which calls it
+        on a worker thread: it does store I/O).
+        """
+        task = self.task
+        assert self._state is not None
+        state = self._state  # the handler's checkpoints may have moved the cursor
+        new = apply(state, message, self.clock.now())
+        if new is None:
+            log.warning("task %s: ignoring %s in state %s", task.id, message, state.code.value,
+                        extra={**self._extra, "action": "ignore"})
+            return state, None
+        if (new != state or message.kind is MessageKind.CHECKPOINT) and not self._persist(new):
+            return state, False
+        if new.code is not state.code:
+            log.info("task %s: %s --%s--> %s", task.id, state.code.value, message, new,
+                     extra={**self._extra, "action": "transition"})
+        state = self._state = new
+        if state.code.terminal:
+            level = logging.INFO if state.code is StateCode.COMPLETED else logging.WARNING
+            log.log(level, "task %s finished: %s", task.id, state,
+                    extra={**self._extra, "action": state.code.value})
+            return state, True
+        if message.kind is MessageKind.RELEASE:
+            return state, self._released()
+        return state, None
+
+    def _released(self) -> bool:
+        state = self._state
+        log.info("task %s released in state %s", self.task.id,
+                 state.code.value if state is not None else "unknown",
                  extra={**self._extra, "action": "release"})
         return False
+
+    def _begin(self) -> tuple[State, bool | None]:
+        """Load the task's state (and store a fresh one); the run's result if it ends here."""
+        task = self.task
+        state = self._load()
+        if state is None:
+            return State(), False
+        # A fresh task's state is stored at once: operators (`metafora pause`, `state`) can
+        # then tell a task a state machine runs from one no state machine would ever read.
+        if state == State() and not self._persist(state):
+            return state, False
+        self._state = state
+        if state.code.terminal:
+            log.info("task %s is already %s; nothing to run", task.id, state,
+                     extra={**self._extra, "action": "terminal"})
+            return state, True
+        return state, None
 
     # -- one step -------------------------------------------------------------------------
 
@@ -281,17 +284,25 @@ class StatefulTaskHandler(Handler):
         self._checkpoint_error = None
         try:
             result = self._stateful(self.task, Commands(self))
-        except ClaimLost as exc:
+        except Exception as exc:
+            return self._user_raised(exc)
+        return self._user_returned(result)
+
+    def _user_raised(self, exc: Exception) -> Message | None:
+        """The message for a user's step that raised (None: stop, the claim is lost or the
+        store could not take a checkpoint)."""
+        if isinstance(exc, ClaimLost):
             self._lose(exc)
             return None
-        except Exception as exc:
-            if exc is self._checkpoint_error:
-                log.error("task %s: could not checkpoint; releasing it: %s", self.task.id, exc,
-                          extra={**self._extra, "action": "release"})
-                return None
-            log.warning("task %s: handler raised %s: %s", self.task.id, type(exc).__name__, exc,
-                        exc_info=exc, extra={**self._extra, "action": "error"})
-            return Message.error(exc)
+        if exc is self._checkpoint_error:
+            log.error("task %s: could not checkpoint; releasing it: %s", self.task.id, exc,
+                      extra={**self._extra, "action": "release"})
+            return None
+        log.warning("task %s: handler raised %s: %s", self.task.id, type(exc).__name__, exc,
+                    exc_info=exc, extra={**self._extra, "action": "error"})
+        return Message.error(exc)
+
+    def _user_returned(self, result: object) -> Message | None:
         if self._lost:
             return None
         if not isinstance(result, Message):
@@ -425,7 +436,7 @@ class StatefulHandlerFunc:
 
     def __init__(
         self,
-        stateful: StatefulHandler,
+        stateful: StatefulHandler | AsyncStatefulHandler,
         state_store: StateStore,
         task_commands: TaskCommands,
         *,
@@ -444,17 +455,21 @@ class StatefulHandlerFunc:
         self._store_attempts = store_attempts
         self._store_retry_delay = store_retry_delay
 
-    def __call__(self, task: Task) -> StatefulTaskHandler:
-        return StatefulTaskHandler(
-            task, self.stateful, self.state_store, self.task_commands,
+    def __call__(self, task: Task) -> StatefulTaskHandler | AsyncStatefulTaskHandler:
+        is_async = _is_coroutine_fn(self.stateful)
+        machine = StatefulTaskHandler(
+            task, self.stateful, self.state_store, self.task_commands,  # type: ignore[arg-type]
             error_handler=self._error_handler, clock=self._clock,
             poll_interval=self._poll_interval, store_attempts=self._store_attempts,
             store_retry_delay=self._store_retry_delay,
         )
+        if is_async:
+            return AsyncStatefulTaskHandler(machine, self.stateful)  # type: ignore[arg-type]
+        return machine
 
 
 def handler_func(
-    stateful: StatefulHandler,
+    stateful: StatefulHandler | AsyncStatefulHandler,
     coordinator: Coordinator | None,
     *,
     error_handler: ErrorHandler = default_error_handler,
@@ -466,6 +481,11 @@ def handler_func(
     store_retry_delay: float = 0.2,
 ) -> StatefulHandlerFunc:
     """A HandlerFunc running ``stateful`` through the state machine.
+
+    ``stateful`` is ``fn(task, cmds) -> Message``, run on a thread of its own per task, or
+    ``async def fn(task, cmds) -> Message``, run on the consumer's event loop with
+    :class:`~metafora.statemachine.aio.AsyncCommands` (``await cmds.get()``): a task waiting
+    there holds no thread (see :mod:`metafora.statemachine.aio`).
 
     The state store and the task command channel live in the coordinator's store
     (memory, SQL, etcd); pass ``state_store`` / ``task_commands`` to use others (then

@@ -86,6 +86,11 @@ class Mailbox:
         with self._cond:
             return self._ready
 
+    @property
+    def poll_every(self) -> float | None:
+        """Seconds between looks in the store on a channel without push (None: it pushes)."""
+        return self._poll_every
+
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (from any thread, must not block) when the mailbox becomes
         ready or is interrupted: the hook an async waiter bridges to its event loop."""

@@ -551,11 +551,16 @@ def test_schema_upgrades_from_version_one(empty_store_url: str) -> None:
     finally:
         db.close()
     with open_client(sql_url) as client:
-        assert client.get_task("old").props == {"k": 1}  # data kept
+        old = client.get_task("old")
+        assert old.props == {"k": 1}  # data kept
+        assert (old.priority, dict(old.selector)) == (0, {})  # v4 defaults for an old row
         coord = open_coordinator(sql_url, node_id="n")
-        coord.init(RecordingContext())
+        coord.init(RecordingContext(labels={"zone": "eu"}))
         coord.report_frozen(True)
         assert client.node_infos()[0].frozen is True  # the v2 column is there
+        assert dict(client.node_infos()[0].labels) == {"zone": "eu"}  # and v4's
+        got = coord.claim(Task("old"))
+        assert got is not None and got.props == {"k": 1}
         coord.close()
     db = Database(parse_config(parse_store_url(sql_url), {}))
     try:

@@ -13,6 +13,7 @@ workers (SIGKILL), freezes them (SIGSTOP / SIGCONT) and reads the store.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -27,7 +28,15 @@ import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator
 from metafora.errors import ClaimLost
-from metafora.statemachine import Commands, Message, StateCode, get_state, handler_func, send_task_command
+from metafora.statemachine import (
+    AsyncCommands,
+    Commands,
+    Message,
+    StateCode,
+    get_state,
+    handler_func,
+    send_task_command,
+)
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -49,11 +58,25 @@ def _record(ledger: str, **event: Any) -> None:
         os.close(fd)
 
 
-def worker_main(url: str, node: str, ledger: str, gate: str) -> None:
+def worker_main(url: str, node: str, ledger: str, gate: str, mode: str = "sync") -> None:
     """Run a consumer until SIGTERM. With ``gate`` set to a path, the handler waits after
     its first page until that file exists (so a test can freeze it at a known point), then
-    checkpoints again at once, without looking at commands: what a zombie would do."""
+    checkpoints again at once, without looking at commands: what a zombie would do.
+    ``mode`` ``async`` runs the same crawl as an async stateful handler (no gate)."""
     pace = threading.Event()
+
+    async def crawl_async(task: Task, cmds: AsyncCommands) -> Message:
+        _record(ledger, e="start", node=node, token=task.token, cursor=cmds.cursor)
+        page = int(cmds.cursor or 0)
+        while True:
+            message = await cmds.poll()
+            if message is not None:
+                _record(ledger, e="message", node=node, token=task.token, kind=message.kind.value)
+                return message
+            page += 1
+            await cmds.checkpoint(str(page))
+            _record(ledger, e="ok", node=node, token=task.token, page=page)
+            await asyncio.sleep(0.02)  # pacing the fake work
 
     def crawl(task: Task, cmds: Commands) -> Message:
         _record(ledger, e="start", node=node, token=task.token, cursor=cmds.cursor)
@@ -81,7 +104,8 @@ def worker_main(url: str, node: str, ledger: str, gate: str) -> None:
                 pace.wait(0.02)  # pacing the fake work
 
     coord = open_coordinator(url, node_id=node, lease_ttl=LEASE_TTL)
-    consumer = Consumer(coord, handler_func(crawl, coord, poll_interval=0.1),
+    step = crawl_async if mode == "async" else crawl
+    consumer = Consumer(coord, handler_func(step, coord, poll_interval=0.1),
                         release_backoff=0.1, shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
     _record(ledger, e="up", node=node, pid=os.getpid())
@@ -101,12 +125,12 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.client = open_client(url)
 
-    def start(self, node: str, gate: str = "") -> subprocess.Popen[bytes]:
+    def start(self, node: str, gate: str = "", mode: str = "sync") -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         with open(self.tmp / f"{node}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.test_statemachine_processes",
-                 self.url, node, self.ledger, gate],
+                 self.url, node, self.ledger, gate, mode],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
             )
         self.procs[node] = proc
@@ -178,11 +202,12 @@ def test_operator_pauses_resumes_and_kills_a_task_in_another_process(cluster: Cl
     assert kinds == ["pause", "kill"]
 
 
-def test_a_task_resumes_from_its_cursor_after_its_owner_is_killed(cluster: Cluster) -> None:
-    a = cluster.start("a")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_task_resumes_from_its_cursor_after_its_owner_is_killed(cluster: Cluster, mode: str) -> None:
+    a = cluster.start("a", mode=mode)
     cluster.client.submit_task(Task("t1"))
     wait_until(lambda: cluster.cursor() >= 5, 60, message="progress on a")
-    cluster.start("b")
+    cluster.start("b", mode=mode)
     os.kill(a.pid, signal.SIGKILL)
     a.wait(10)
     last = max(e["page"] for e in cluster.of("a", "ok"))
@@ -219,4 +244,4 @@ def test_a_zombie_owner_cannot_write_state(cluster: Cluster, tmp_path: Path) -> 
 
 
 if __name__ == "__main__":
-    worker_main(*sys.argv[1:5])
+    worker_main(*sys.argv[1:6])

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from metafora.testing import LocalCluster
 from tests.helpers import Harness
 
 
@@ -17,3 +18,10 @@ def harness() -> Iterator[Harness]:
         yield h
     finally:
         h.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    """A :class:`~metafora.testing.LocalCluster` on a fresh memory store (5 s shutdown)."""
+    with LocalCluster(shutdown_timeout=5.0) as c:
+        yield c

@@ -717,3 +717,74 @@ def test_fair_a_node_leaving_ends_the_refusal_after_a_release() -> None:
     balancer.nodes_changed(left=True)
     assert balancer.refusing_until is None
     assert balancer.can_claim(task("orphan")) == (True, None)
+# -- placement: FairBalancer weighs a task against the nodes that could run it -------------
+
+
+class LabelledCluster(FakeCluster):
+    """A FakeCluster that also answers node_labels (and counts those calls)."""
+
+    def __init__(self, counts: dict[str, int], labels: dict[str, dict[str, str]]) -> None:
+        super().__init__(counts)
+        self.labels = labels
+        self.label_calls = 0
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self.label_calls += 1
+        return {n: dict(v) for n, v in self.labels.items()}
+
+
+def placed(counts: dict[str, int], labels: dict[str, dict[str, str]],
+           tasks: list[RunningTask]) -> tuple[FairBalancer, LabelledCluster]:
+    cluster = LabelledCluster({ME: len(tasks), **counts}, labels)
+    fair = FairBalancer(1.2, counts_ttl=0, rng=random.Random(3))
+    fair.init(BalancerContext(ME, cluster, lambda: list(tasks), FakeClock()))
+    return fair, cluster
+
+
+def gpu_tasks(n: int, prefix: str = "g") -> list[RunningTask]:
+    return [RunningTask(Task(f"{prefix}{i}", selector={"gpu": "1"}), T0) for i in range(n)]
+
+
+def test_fair_can_claim_compares_only_with_nodes_that_match_the_selector() -> None:
+    labels = {ME: {"gpu": "1"}, "cpu1": {"gpu": "0"}, "cpu2": {}}
+    fair, cluster = placed({"cpu1": 0, "cpu2": 0}, labels, gpu_tasks(6))
+    # The CPU nodes cannot run it: this node is the only peer, so it never refuses.
+    assert fair.can_claim(Task("g-new", selector={"gpu": "1"})) == (True, None)
+    # A plain task is weighed against every node: 6 > 1.2 * 2, refused on its first offer.
+    assert fair.can_claim(Task("plain"))[0] is False
+    assert cluster.label_calls == 1  # labels are read only for a task with a selector
+
+
+def test_fair_never_releases_a_task_no_other_node_could_run() -> None:
+    labels = {ME: {"gpu": "1"}, "cpu1": {"gpu": "0"}, "cpu2": {"gpu": "0"}}
+    fair, _ = placed({"cpu1": 0, "cpu2": 0}, labels, gpu_tasks(6))
+    assert fair.balance() == []
+    assert fair.refusing_until is None
+
+
+def test_fair_releases_tasks_only_down_to_the_share_among_their_peers() -> None:
+    labels = {ME: {"gpu": "1"}, "gpu2": {"gpu": "1"}, "cpu1": {}, "cpu2": {}}
+    tasks = gpu_tasks(6) + running(2, prefix="p")
+    fair, _ = placed({"gpu2": 0, "cpu1": 2, "cpu2": 2}, labels, tasks)
+    released = sorted(fair.balance())
+    # Plain tasks first, against every node (average 3, down to ceil(3.6) = 4): both go.
+    # Then the GPU tasks against their peers {me: 6, gpu2: 0} (average 3): down to 4 again.
+    assert released[:2] == ["g" + released[0][1:], "g" + released[1][1:]]
+    assert [r for r in released if r.startswith("p")] == ["p0", "p1"]
+    assert len([r for r in released if r.startswith("g")]) == 2
+
+
+def test_fair_placement_keeps_zero_ping_pong() -> None:
+    # Two GPU nodes and two CPU nodes; after the heavy GPU node releases, the taker is not
+    # above the threshold of its own peers, so nothing moves back.
+    labels = {ME: {"gpu": "1"}, "gpu2": {"gpu": "1"}, "cpu1": {}, "cpu2": {}}
+    mine = gpu_tasks(10)
+    fair, _ = placed({"gpu2": 0, "cpu1": 0, "cpu2": 0}, labels, mine)
+    released = set(fair.balance())
+    kept = [rt for rt in mine if rt.id not in released]
+    taken = [rt for rt in mine if rt.id in released]
+    other, _ = placed({"gpu2": len(kept), "cpu1": 0, "cpu2": 0},
+                      {**labels, ME: {"gpu": "1"}, "gpu2": {"gpu": "1"}}, taken)
+    assert released and other.balance() == []
+    again, _ = placed({"gpu2": len(taken), "cpu1": 0, "cpu2": 0}, labels, kept)
+    assert again.balance() == []

@@ -4,12 +4,11 @@ operator (pause, resume, kill, sleep), cursor resume on another node, operator h
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 
-from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora import Task, TaskState
 from metafora.errors import InvalidTaskState, TaskNotFound
 from metafora.statemachine import (
     Commands,
@@ -20,11 +19,13 @@ from metafora.statemachine import (
     StatefulHandler,
     command_message,
     get_state,
-    handler_func,
     send_task_command,
 )
 from metafora.statemachine.stores.memory import MemoryTaskCommands
 from metafora.testing import FakeClock, LocalCluster
+from tests.helpers import start_stateful as start
+from tests.helpers import state_code as code
+from tests.helpers import state_cursor as cursor
 from tests.helpers import wait_until
 
 _PACE = 0.005  # real seconds between pages of the test worker (pacing, not synchronisation)
@@ -52,28 +53,6 @@ class Worker:
                 self._pace.wait(_PACE)
 
         return work
-
-
-@pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(shutdown_timeout=5.0) as c:
-        yield c
-
-
-def start(cluster: LocalCluster, stateful: StatefulHandler, node: str, **kwargs: object) -> Consumer:
-    coord = open_coordinator(cluster.url, node_id=node)
-    kwargs.setdefault("poll_interval", 0.02)
-    return cluster.start(Consumer(coord, handler_func(stateful, coord, **kwargs)))  # type: ignore[arg-type]
-
-
-def cursor(cluster: LocalCluster, task_id: str = "t1") -> int:
-    state = get_state(cluster.client, task_id)
-    return int(state.cursor or 0) if state is not None else 0
-
-
-def code(cluster: LocalCluster, task_id: str = "t1") -> StateCode | None:
-    state = get_state(cluster.client, task_id)
-    return None if state is None else state.code
 
 
 def test_pause_resume_kill_from_an_operator(cluster: LocalCluster) -> None:

@@ -314,3 +314,19 @@ def test_metafora_web_command_serves_until_interrupted(sqlite_url: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_node_list_shows_labels(store: str) -> None:
+    from metafora import open_coordinator
+    from metafora.testing import RecordingContext
+
+    coord = open_coordinator(store, node_id="gpu-node")
+    coord.init(RecordingContext(labels={"gpu": "1", "zone": "eu"}))
+    app = create_app(store)
+    try:
+        with TestClient(app) as http:
+            page = http.get("/nodes")
+            assert page.status_code == 200 and "gpu=1, zone=eu" in page.text
+    finally:
+        app.state.dashboard.close()
+        coord.close()

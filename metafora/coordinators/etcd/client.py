@@ -33,10 +33,11 @@ from metafora.coordinators.etcd.layout import (
     Keys,
     TaskRecord,
     decode_json,
-    encode_json,
     iso,
+    labels_of,
     parse_iso,
     task_info,
+    task_record,
 )
 from metafora.coordinators.etcd.queries import (
     expire_task,
@@ -117,7 +118,7 @@ class EtcdClient(Client):
         self._check_open()
         keys = [self._keys.task(task.id) for task in batch]
         created = iso(self._clock.now())
-        records = [encode_json({"props": dict(t.props), "created_at": created}) for t in batch]
+        records = [task_record(t, created) for t in batch]
         # A fresh task starts clean even if a crashed writer left a stray key behind.
         puts = [op for k, record in zip(keys, records, strict=True)
                 for op in (Put(k.props, record), Delete(k.state), Delete(k.claim), Delete(k.running))]
@@ -216,6 +217,7 @@ class EtcdClient(Client):
             return TaskInfo(
                 id=info.id, props=info.props, state=TaskState.EXPIRED, token=info.token,
                 created_at=info.created_at, finished_at=now, attempts=info.attempts,
+                selector=info.selector, priority=info.priority,
             )
         fresh = task_info(task_id, read_task(self._driver, self._keys, task_id))
         return fresh
@@ -300,6 +302,7 @@ class EtcdClient(Client):
                     pid=pid if isinstance(pid, int) else None,
                     started=parse_iso(data.get("started_at")),
                     frozen=frozen if isinstance(frozen, bool) else None,
+                    labels=labels_of(data, parsed[1]),
                 )
             )
         return sorted(infos, key=lambda n: n.id)

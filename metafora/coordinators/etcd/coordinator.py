@@ -34,7 +34,7 @@ import queue
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -72,6 +72,7 @@ from metafora.coordinators.etcd.driver import (
 )
 from metafora.coordinators.etcd.layout import (
     Keys,
+    StoredProps,
     TaskRecord,
     crashes_of,
     decode_json,
@@ -85,6 +86,7 @@ from metafora.coordinators.etcd.queries import (
     expire_task,
     fail_unclaimed,
     launch_and_expiry,
+    node_labels,
     node_task_count,
     read_all_tasks,
 )
@@ -99,7 +101,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
-from metafora.task import Task, validate_task_id
+from metafora.task import Task, matches, validate_task_id
 
 __all__ = ["EtcdCoordinator", "fence_margin", "new_command_name"]
 
@@ -138,6 +140,18 @@ class _Known:
     props_mod: int
     running_mod: int
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
+    stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
+
+    @property
+    def selector(self) -> Mapping[str, str]:
+        """The task's selector ({} when unknown)."""
+        return self.stored.selector if self.stored is not None else {}
+
+    def task(self, task_id: str, token: int = 0) -> Task:
+        """The task these props describe, carrying ``token``."""
+        if self.stored is None:
+            return Task(task_id, self.props, token)
+        return self.stored.task(task_id, token)
 
     def crashes(self) -> int:
         """This claim's count of crashes in a row (the previous claim died if it left its key)."""
@@ -156,6 +170,7 @@ class _Entry:
     finished: bool = False
     owner: str | None = None
     owner_rev: int = 0
+    stored: StoredProps | None = None
 
     running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
     running_crashes: int | None = None
@@ -164,7 +179,7 @@ class _Entry:
         """What a claim is judged and fenced on."""
         assert self.props is not None
         return _Known(self.props, self.props_error, self.props_mod, self.running_mod,
-                      self.running_crashes)
+                      self.running_crashes, self.stored)
 
     def set_running(self, kv: KeyValue | None) -> None:
         self.running_mod = 0 if kv is None else kv.mod_revision
@@ -173,6 +188,7 @@ class _Entry:
     def set_props(self, kv: KeyValue, task_id: str) -> None:
         stored = props_of(kv, task_id)
         self.props, self.props_error = stored.props, stored.error
+        self.stored = stored
         self.props_mod = kv.mod_revision
         self.launch_at, self.expires_at = launch_and_expiry(self.props)
 
@@ -239,6 +255,7 @@ class EtcdCoordinator(Coordinator):
         self._frozen = False
         self._leaving = False
         self._member_listeners: list[Callable[[], None]] = []
+        self._labels: dict[str, str] = {}  # placement labels, from init(ctx)
         # claims this node holds
         self._held: dict[str, _Held] = {}
         # watch cache
@@ -295,6 +312,7 @@ class EtcdCoordinator(Coordinator):
             self._check_open()
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
+            self._labels = dict(ctx.labels)
         self._driver.connect()
         self._register()
         with self._lock:
@@ -426,6 +444,7 @@ class EtcdCoordinator(Coordinator):
                 "pid": os.getpid(),
                 "frozen": self._frozen,
                 "leaving": self._leaving,
+                **({"labels": self._labels} if self._labels else {}),
             }
         )
 
@@ -670,7 +689,7 @@ class EtcdCoordinator(Coordinator):
                 self._fence("etcd refused a claim: lease not found")
                 return None
             if result.succeeded:
-                return self._took(Task(task.id, known.props, result.revision), lease)
+                return self._took(known.task(task.id, result.revision), lease)
             props_kvs, state_kvs, owner_kvs, running_kvs = result.ranges
             if owner_kvs:
                 owner = owner_kvs[0]
@@ -683,8 +702,8 @@ class EtcdCoordinator(Coordinator):
                     # Ours but not known: an earlier attempt (of this call, or of a batch this
                     # call falls back from) was applied and its answer lost. The owner key is
                     # on this node's lease, so no one else could have taken it meanwhile.
-                    props = props_of(props_kvs[0], task.id).props
-                    return self._took(Task(task.id, props, owner.create_revision), lease)
+                    stored = props_of(props_kvs[0], task.id)
+                    return self._took(stored.task(task.id, owner.create_revision), lease)
                 return None
             if state_kvs or not props_kvs:
                 return None
@@ -744,7 +763,7 @@ class EtcdCoordinator(Coordinator):
             return []
         if not result.succeeded:
             return None  # the per-task fallback also adopts claims of a lost first attempt
-        claimed = [self._took(Task(t.id, k.props, result.revision), lease) for t, k in chunk]
+        claimed = [self._took(k.task(t.id, result.revision), lease) for t, k in chunk]
         return [c for c in claimed if c is not None]
 
     def _claim_ops(self, task_id: str, known: _Known, lease: int) -> tuple[list[Compare], list[Put]]:
@@ -779,6 +798,8 @@ class EtcdCoordinator(Coordinator):
             # Written by hand or by something else than metafora: it can never run.
             self._fail_unclaimed(task_id, known.props_mod, f"invalid props: {exc}")
             return False
+        if not matches(known.selector, self._labels):
+            return False  # placement: this node's labels do not match the task's selector
         limit = self._ctx.max_crashes if self._ctx is not None else None
         verdict = crash_limit_error(known.crashes(), limit)
         if verdict is not None:
@@ -910,6 +931,9 @@ class EtcdCoordinator(Coordinator):
     def active_task_count(self) -> dict[str, int]:
         self._check_open()
         return active_task_count(self._driver, self._keys)
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self._check_open()
+        return node_labels(self._driver, self._keys)
 
     # -- commands ---------------------------------------------------------------------
 
@@ -1072,7 +1096,7 @@ class EtcdCoordinator(Coordinator):
                 elif entry.launch_at is not None and entry.launch_at > now:
                     timers[task_id] = entry.launch_at
                 else:
-                    offers.append(_offer(task_id, entry.props))
+                    offers.append(_offer(task_id, entry))
                     if entry.expires_at is not None:
                         timers[task_id] = entry.expires_at
                     else:
@@ -1080,7 +1104,11 @@ class EtcdCoordinator(Coordinator):
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
                         self._node_id, task_id[:80], reason, extra=self._extra)
-        return rotated(offers), expiring
+        # From a random place (racing nodes start in different regions), highest priority
+        # first (the sort is stable: each priority keeps its rotation).
+        offers = rotated(offers)
+        offers.sort(key=lambda t: -t.priority)
+        return offers, expiring
 
     def _watch_loop(self) -> None:
         backoff = _BACKOFF_START
@@ -1244,10 +1272,10 @@ class EtcdCoordinator(Coordinator):
                 listener.ring(task_id)
 
 
-def _offer(task_id: str, props: dict[str, Any]) -> Task:
+def _offer(task_id: str, entry: _Entry) -> Task:
     """The task to offer; without its props if they are invalid (the claim then fails it)."""
     try:
-        return Task(task_id, props)
+        return entry.stored.task(task_id) if entry.stored is not None else Task(task_id)
     except InvalidProps:
         return Task(task_id)
 

@@ -5,7 +5,9 @@ prefix operation on task ``foo`` can never touch task ``foobar``. Ids are percen
 (``urllib.parse.quote(id, safe="")``), so an id containing ``/`` or ``%`` still maps to
 exactly one path segment::
 
-    tasks/<id>/props        {"props": {...}, "created_at": ISO}       the task exists iff this does
+    tasks/<id>/props        {"props": {...}, "created_at": ISO[, "selector": {...}, "priority": N,
+                            "prefer": {...}, "spread": "..."]}: the task exists iff this does
+                            (placement keys only when set)
     tasks/<id>/state        {"state": "done"|"failed"|"expired", "error", "finished_at", "token"}
                             absent while the task is pending or claimed
     tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
@@ -14,7 +16,8 @@ exactly one path segment::
                             a claim that finds it knows the previous one ended with its node dead
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
-    nodes/<node>/alive      {"started_at"}, attached to the node's lease: the node is live
+    nodes/<node>/alive      {"started_at", "host", "pid", "frozen"[, "labels"]}, attached to the
+                            node's lease: the node is live
     nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
                             taken in create-revision order and deleted when taken
     state/<id>              state-machine state of the task (fenced by the claim; written by
@@ -28,7 +31,8 @@ view) is one small range read that never carries task props.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote, unquote
@@ -36,7 +40,17 @@ from urllib.parse import quote, unquote
 from metafora.coordinators.etcd.driver import KeyValue
 from metafora.errors import InvalidProps, StoreError
 from metafora.jsontext import load_object
-from metafora.task import MAX_PROPS_BYTES, MAX_PROPS_DEPTH, TaskInfo, TaskState, parse_time
+from metafora.task import (
+    MAX_PROPS_BYTES,
+    MAX_PROPS_DEPTH,
+    Task,
+    TaskInfo,
+    TaskState,
+    parse_time,
+    validate_labels,
+    validate_priority,
+    validate_spread,
+)
 
 __all__ = [
     "Keys",
@@ -46,10 +60,14 @@ __all__ = [
     "decode_json",
     "encode_json",
     "iso",
+    "labels_of",
     "parse_iso",
     "props_of",
     "task_info",
+    "task_record",
 ]
+
+log = logging.getLogger(__name__)
 
 ROOT = "metafora"
 
@@ -195,6 +213,38 @@ class StoredProps:
     props: dict[str, Any]
     created_at: datetime | None
     error: str | None = None
+    selector: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    prefer: dict[str, str] = field(default_factory=dict)
+    spread: str | None = None
+
+    def task(self, task_id: str, token: int = 0) -> Task:
+        """The task this record describes, carrying ``token``."""
+        return Task(task_id, self.props, token, selector=self.selector, priority=self.priority,
+                    prefer=self.prefer, spread=self.spread)
+
+
+def task_record(task: Task, created: str) -> bytes:
+    """The value of a new task's props key."""
+    record: dict[str, Any] = {"props": dict(task.props), "created_at": created}
+    if task.selector:
+        record["selector"] = dict(task.selector)
+    if task.priority:
+        record["priority"] = task.priority
+    if task.prefer:
+        record["prefer"] = dict(task.prefer)
+    if task.spread is not None:
+        record["spread"] = task.spread
+    return encode_json(record)
+
+
+def labels_of(data: dict[str, Any], node_id: str) -> dict[str, str]:
+    """The labels a node's registration record publishes (damaged: none, logged)."""
+    try:
+        return validate_labels(data.get("labels") or {}, f"stored labels of node {node_id!r}")
+    except InvalidProps as exc:
+        log.warning("%s", exc)
+        return {}
 
 
 def props_of(kv: KeyValue, task_id: str) -> StoredProps:
@@ -211,9 +261,14 @@ def props_of(kv: KeyValue, task_id: str) -> StoredProps:
         props = data["props"]
         if not isinstance(props, dict):
             raise InvalidProps(f"{what}: must be a JSON object, not {type(props).__name__}")
+        selector = validate_labels(data.get("selector") or {}, f"stored selector of task {task_id!r}")
+        priority = validate_priority(data.get("priority", 0))
+        prefer = validate_labels(data.get("prefer") or {}, f"stored prefer of task {task_id!r}")
+        spread = validate_spread(data.get("spread"))
     except InvalidProps as exc:
         return StoredProps({}, None, str(exc))
-    return StoredProps(props, _time(data.get("created_at")))
+    return StoredProps(props, _time(data.get("created_at")), selector=selector, priority=priority,
+                       prefer=prefer, spread=spread)
 
 
 def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
@@ -273,6 +328,10 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
         created_at=stored.created_at,
         finished_at=finished,
         attempts=attempts,
+        selector=stored.selector,
+        priority=stored.priority,
+        prefer=stored.prefer,
+        spread=stored.spread,
     )
 
 

@@ -20,6 +20,7 @@ from metafora.coordinators.etcd.layout import (
     encode_json,
     gather,
     iso,
+    labels_of,
 )
 from metafora.task import parse_time
 
@@ -28,6 +29,7 @@ __all__ = [
     "fail_unclaimed",
     "launch_and_expiry",
     "live_nodes",
+    "node_labels",
     "node_task_count",
     "read_all_tasks",
     "read_task",
@@ -105,6 +107,15 @@ def active_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
         nodes.add(parsed[1])
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
     return {node: held.get(node, 0) for node in sorted(nodes)}
+def node_labels(driver: EtcdDriver, keys: Keys) -> dict[str, dict[str, str]]:
+    """Live node -> the labels its registration record publishes."""
+    kvs, _ = driver.range(Range(keys.nodes, prefix=True))
+    labels: dict[str, dict[str, str]] = {}
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is not None and parsed[0] == "alive":
+            labels[parsed[1]] = labels_of(decode_json(kv.value) or {}, parsed[1])
+    return labels
 
 
 def expire_task(

@@ -25,7 +25,16 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.statemachine.retry import check_retry_options, plan_retry
-from metafora.task import Task, TaskInfo, TaskState, decode_props, validate_schedule, validate_task_id
+from metafora.task import (
+    Task,
+    TaskInfo,
+    TaskState,
+    decode_labels,
+    decode_placement,
+    decode_props,
+    validate_schedule,
+    validate_task_id,
+)
 
 __all__ = ["SQLClient"]
 
@@ -63,7 +72,35 @@ def _task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
         f"props{suffix}": task.props_json(),
         f"launch_at{suffix}": to_db(task.launch_at),
         f"expires_at{suffix}": to_db(task.expires_at),
+        f"selector{suffix}": task.selector_json(),
+        f"priority{suffix}": task.priority,
+        f"placement{suffix}": task.placement_json(),
     }
+
+
+def _selector(raw: str | None, task_id: str) -> dict[str, str]:
+    try:
+        return decode_labels(raw, f"stored selector of task {task_id!r}")
+    except InvalidProps as exc:  # written around metafora: listed as no node can match it
+        log.warning("%s", exc, extra={"task": task_id})
+        return {"invalid selector": "?"}
+
+
+def _placement(raw: str | None, task_id: str) -> dict[str, Any]:
+    try:
+        prefer, spread = decode_placement(raw, task_id)
+    except InvalidProps as exc:  # written around metafora: listed without it
+        log.warning("%s", exc, extra={"task": task_id})
+        return {}
+    return {"prefer": prefer, "spread": spread}
+
+
+def _labels(raw: str | None, node_id: str) -> dict[str, str]:
+    try:
+        return decode_labels(raw, f"stored labels of node {node_id!r}")
+    except InvalidProps as exc:
+        log.warning("%s", exc, extra={"node": node_id})
+        return {}
 
 
 class _Existing(Exception):
@@ -115,6 +152,9 @@ class SQLClient(Client):
             created_at=conv(row[7]),
             finished_at=conv(row[8]),
             attempts=int(row[9]),
+            selector=_selector(row[10], str(row[0])),
+            priority=int(row[11] or 0),
+            **_placement(row[12], str(row[0])),
         )
 
     def submit_task(self, task: Task) -> None:
@@ -308,7 +348,8 @@ class SQLClient(Client):
         return [
             NodeInfo(id=str(r[0]), tasks=int(r[1]), host=r[2], pid=None if r[3] is None else int(r[3]),
                      started=conv(r[4]), heartbeat=conv(r[5]),
-                     frozen=None if r[6] is None else bool(r[6]))
+                     frozen=None if r[6] is None else bool(r[6]),
+                     labels=_labels(r[7], str(r[0])))
             for r in rows
         ]
 

@@ -38,7 +38,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.task import Task, decode_props, validate_task_id
+from metafora.task import Task, decode_labels, decode_placement, decode_props, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -87,6 +87,7 @@ class SQLCoordinator(Coordinator):
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
             self._db.ensure_schema()
+            self._lease.labels = ctx.labels
             if not self._lease.register(first=True):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
             self._ctx = ctx
@@ -301,19 +302,22 @@ class SQLCoordinator(Coordinator):
         epoch, session = started
         claimed: list[Task] = []
         try:
-            params: dict[str, Any] = {"node": self._node_id, "session": session}
+            params: dict[str, Any] = {"node": self._node_id, "session": session,
+                                      "labels": self._lease.labels_json() or "{}"}
             with self._db.hot() as cur:
                 if len(ids) == 1:
                     row = cur.one("claim", dict(params, id=ids[0]))
-                    rows = [] if row is None else [(ids[0], row[0], row[1], row[2])]
+                    rows = [] if row is None else [(ids[0], *row)]
                 else:
                     params.update(ids=self._db.dialect.ids_param(ids), limit=limit)
                     rows = cur.all("claim_many", params)
                 if rows:
                     cur.token_used(max(int(r[1]) for r in rows))
             place = {task_id: i for i, task_id in enumerate(ids)}
-            for task_id, token, props_text, crashes in sorted(rows, key=lambda r: place[str(r[0])]):
-                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes))
+            for task_id, token, props_text, crashes, *placed in sorted(
+                    rows, key=lambda r: place[str(r[0])]):
+                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
+                                           *placed)
                 if task is not None:
                     claimed.append(task)
         finally:
@@ -325,10 +329,15 @@ class SQLCoordinator(Coordinator):
             return []
         return claimed
 
-    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int) -> Task | None:
+    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
+                       selector: str | None = None, priority: int | None = 0,
+                       placement: str | None = None) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            task = Task(task_id, decode_props(props_text, task_id), token)
+            prefer, spread = decode_placement(placement, task_id)
+            task = Task(task_id, decode_props(props_text, task_id), token,
+                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
+                        priority=int(priority or 0), prefer=prefer, spread=spread)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:
@@ -449,6 +458,19 @@ class SQLCoordinator(Coordinator):
         with self._db.read() as conn:
             rows = self._db.execute(conn, "active_counts", {}).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self._check_open()
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "node_labels", {}).fetchall()
+        labels: dict[str, dict[str, str]] = {}
+        for node_id, raw in rows:
+            try:
+                labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
+            except MetaforaError as exc:  # written around metafora: no labels
+                log.warning("%s", exc, extra=self._extra)
+                labels[str(node_id)] = {}
+        return labels
 
     # -- test hooks -------------------------------------------------------------------------
 

@@ -61,7 +61,8 @@ class Dialect(abc.ABC):
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
         ``in_ids`` / ``id_pos`` (membership in / position in the ``:ids`` list parameter, see
         :meth:`ids_param`), ``next_token_at`` (a distinct next token for each row of a
-        multi-row UPDATE of the listed ids).
+        multi-row UPDATE of the listed ids), ``selector_ok`` (the task's selector is matched
+        by the labels in the ``:labels`` JSON parameter).
         """
 
     @abc.abstractmethod
@@ -128,6 +129,10 @@ class PostgresDialect(Dialect):
             "next_token_at": "nextval('metafora_token_seq')",
             "secs_until_launch": "CAST(EXTRACT(EPOCH FROM (min(launch_at) - now())) AS double precision)",
             "secs_until_lease": "CAST(EXTRACT(EPOCH FROM (min(lease_until) - now())) AS double precision)",
+            "selector_ok": (
+                "(metafora_tasks.selector IS NULL OR CAST(metafora_tasks.selector AS jsonb)"
+                " <@ CAST(:labels AS jsonb))"
+            ),
         }
 
     def ddl_types(self) -> dict[str, str]:
@@ -231,6 +236,11 @@ class SQLiteDialect(Dialect):
             ),
             "secs_until_launch": "((julianday(min(launch_at)) - julianday('now')) * 86400.0)",
             "secs_until_lease": "((julianday(min(lease_until)) - julianday('now')) * 86400.0)",
+            "selector_ok": (
+                "(metafora_tasks.selector IS NULL OR NOT EXISTS (SELECT 1 FROM"
+                " json_each(metafora_tasks.selector) s WHERE NOT EXISTS (SELECT 1 FROM"
+                " json_each(:labels) l WHERE l.key = s.key AND l.value = s.value)))"
+            ),
         }
 
     @property

@@ -23,6 +23,7 @@ old claims (pending again, ready to be claimed, by this node too).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from metafora.coordinators.sql.store import Database
@@ -60,6 +61,7 @@ class Lease:
         self.frozen: bool | None = None  # published with every registration
         # Told the membership fingerprint every read of the lease returns (see statements).
         self.on_members: Callable[[tuple[Any, ...]], None] | None = None
+        self.labels: Mapping[str, str] = {}  # likewise (placement labels)
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -87,6 +89,12 @@ class Lease:
 
     # -- registration -------------------------------------------------------------------
 
+    def labels_json(self) -> str | None:
+        """The node's labels as stored (JSON object text; None when it has none)."""
+        if not self.labels:
+            return None
+        return json.dumps(dict(self.labels), separators=(",", ":"), sort_keys=True)
+
     def register(self, first: bool) -> bool:
         """Take (or take back) this node's registration; False if the id is live elsewhere.
 
@@ -102,6 +110,7 @@ class Lease:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "frozen": self.frozen,
+            "labels": self.labels_json(),
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:

@@ -11,10 +11,13 @@ Tables (all prefixed ``metafora_``):
   times, ``launch_at``/``expires_at`` (copied from the props at submit), error, attempts, and
   ``ready`` (the counter value at which the row last became pending: lets a watcher find what
   is new since its last look), ``crashes`` (v3: the latest claims in a row that ended with their
-  node dead and no outcome). Partial indexes keep pending and claimed rows findable without
+  node dead and no outcome), ``selector`` (v4: JSON object, NULL for none), ``priority``
+  (v4, default 0) and ``placement`` (v4: the soft ``prefer``/``spread`` as a JSON object, NULL
+  for none). Partial indexes keep pending and claimed rows findable without
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
-  registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2).
+  registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
+  ``labels`` (v4: JSON object, NULL for none).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
@@ -112,6 +115,14 @@ def _v3_task_crashes(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0"))
 
 
+def _v4_placement(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN labels TEXT"))
+    conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN selector TEXT"))
+    conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN priority INTEGER NOT NULL DEFAULT 0"))
+    conn.execute(text("ALTER TABLE metafora_tasks ADD COLUMN placement TEXT"))
+    # The full scan walks the pending rows one priority at a time, highest first.
+    conn.execute(text("CREATE INDEX metafora_tasks_priority ON metafora_tasks"
+                      " (namespace, priority, id) WHERE state = 'pending'"))
 def _v6_node_leaving(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN leaving BOOLEAN"))
 
@@ -120,6 +131,8 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
     ("tasks.crashes: claims in a row that ended with their node dead", _v3_task_crashes),
+    ("nodes.labels, tasks.selector, priority and placement: placement and priorities",
+     _v4_placement),
     # v6 in this session's numbering (v4, v5 are other branches'): renumbered at merge.
     ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
 ]

@@ -53,7 +53,7 @@ _INFO_COLUMNS = (
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
     " owner, token, claimed_at, error, created_at,"
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN expires_at ELSE finished_at END"
-    " AS finished_at, attempts"
+    " AS finished_at, attempts, selector, priority, placement"
 )
 
 INFO_COLUMNS = _INFO_COLUMNS
@@ -77,8 +77,8 @@ _SQL: dict[str, str] = {
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id = :id AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE + "{lock})"
-        " RETURNING token, props, crashes"
+        " AND " + _CLAIM_STALE + ")) AND {selector_ok} AND " + _ME_LIVE + "{lock})"
+        " RETURNING token, props, crashes, selector, priority, placement"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
     # :limit, in the order offered, each with its own token; rows another node holds locked
@@ -86,12 +86,12 @@ _SQL: dict[str, str] = {
     "claim_many": (
         "WITH picked AS MATERIALIZED (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id {in_ids} AND ((" + _CLAIMABLE_PENDING + ") OR (state = 'claimed'"
-        " AND " + _CLAIM_STALE + ")) AND " + _ME_LIVE
+        " AND " + _CLAIM_STALE + ")) AND {selector_ok} AND " + _ME_LIVE
         + " ORDER BY {id_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id IN (SELECT id FROM picked)"
-        " RETURNING id, token, props, crashes"
+        " RETURNING id, token, props, crashes, selector, priority, placement"
     ),
     "release": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
@@ -110,12 +110,13 @@ _SQL: dict[str, str] = {
     # Takes over a missing or expired registration only; returns nothing if the id is live.
     "register": (
         "INSERT INTO metafora_nodes (namespace, node_id, session, lease_until, started_at,"
-        " renewed_at, host, pid, task_count, frozen)"
-        " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0, :frozen)"
+        " renewed_at, host, pid, task_count, frozen, labels)"
+        " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0, :frozen,"
+        " :labels)"
         " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
         " lease_until = excluded.lease_until, started_at = excluded.started_at,"
         " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
-        " task_count = 0, frozen = excluded.frozen, leaving = NULL"
+        " task_count = 0, frozen = excluded.frozen, labels = excluded.labels, leaving = NULL"
         " WHERE metafora_nodes.lease_until <= {now}"
         " RETURNING session, {notify_members}"
     ),
@@ -199,34 +200,44 @@ _SQL: dict[str, str] = {
         " (SELECT coalesce(max(ready), 0) FROM metafora_tasks WHERE namespace = :ns"
         " AND state = 'pending')"
     ),
+    # Selects of offered tasks end with (selector, priority, placement): see Watch._offer.
     "scan_pending": (
-        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id > :after"
-        " AND id <= :until AND " + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
+        "SELECT id, props, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND priority = :priority AND id > :after AND id <= :until"
+        " AND " + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
     ),
-    # A random place in the pending rows (through the pending partial index): full scans start
-    # there and wrap around, so nodes racing over one backlog claim in different regions of it.
-    "pending_count": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'",
+    # The priorities of the pending rows, highest first, and how many rows each has: full
+    # scans walk them in that order (through the (namespace, priority, id) pending index).
+    "pending_levels": (
+        "SELECT priority, count(*) FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending' GROUP BY priority ORDER BY priority DESC"
+    ),
+    # A random place in the pending rows of one priority: full scans start there and wrap
+    # around, so nodes racing over one backlog claim in different regions of it.
     "pending_at": (
         "SELECT id FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
-        " ORDER BY id LIMIT 1 OFFSET :skip"
+        " AND priority = :priority ORDER BY id LIMIT 1 OFFSET :skip"
     ),
     "scan_ready": (
-        "SELECT id, props, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        "SELECT id, props, ready, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND state = 'pending'"
         " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING
         + " ORDER BY ready, id LIMIT :limit"
     ),
     "scan_launched": (
-        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
-        " AND launch_at > :since AND launch_at <= :until"
+        "SELECT id, props, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND state = 'pending' AND launch_at > :since AND launch_at <= :until"
         " AND (expires_at IS NULL OR expires_at > {now}) ORDER BY launch_at, id LIMIT :limit"
     ),
     "scan_ids": (
-        "SELECT id, props FROM metafora_tasks WHERE namespace = :ns AND id IN :ids AND "
+        "SELECT id, props, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND id IN :ids AND "
         + _CLAIMABLE_PENDING
     ),
     # Claims whose owner's registration is expired (cheap: through the dead nodes).
     "scan_dead_owners": (
-        "SELECT t.id, t.props, t.token, t.owner FROM metafora_nodes n JOIN metafora_tasks t"
+        "SELECT t.id, t.props, t.token, t.owner, t.selector, t.priority, t.placement"
+        " FROM metafora_nodes n JOIN metafora_tasks t"
         " ON t.namespace = n.namespace AND t.owner = n.node_id AND t.state = 'claimed'"
         " WHERE n.namespace = :ns AND n.lease_until <= {now} AND (t.owner, t.id) > (:owner, :after)"
         " ORDER BY t.owner, t.id LIMIT :limit"
@@ -234,15 +245,16 @@ _SQL: dict[str, str] = {
     # Claims whose owner's registration is expired or missing altogether (full scans; walks
     # the claimed rows only, through the (namespace, owner, id) partial index).
     "scan_orphans": (
-        "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
-        " AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
+        "SELECT id, props, token, owner, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND state = 'claimed' AND (owner, id) > (:owner, :after) AND " + _OWNER_DEAD
         + " ORDER BY owner, id LIMIT :limit"
     ),
     # Claims with no owner at all (written around metafora): the keyset above never
     # reaches them, as (NULL, id) > (...) is never true.
     "scan_unowned": (
-        "SELECT id, props, token, owner FROM metafora_tasks WHERE namespace = :ns"
-        " AND state = 'claimed' AND owner IS NULL AND id > :after ORDER BY id LIMIT :limit"
+        "SELECT id, props, token, owner, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND state = 'claimed' AND owner IS NULL AND id > :after"
+        " ORDER BY id LIMIT :limit"
     ),
     # A task that can never run (props or id not valid, written around metafora): failed,
     # with the reason, instead of pending forever.
@@ -269,9 +281,11 @@ _SQL: dict[str, str] = {
     # -- the client -------------------------------------------------------------------------
     "submit": (
         "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-        " expires_at, attempts, created_at, updated_at)"
+        " expires_at, attempts, created_at, updated_at, selector, priority, placement)"
         " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
-        " {now}, {now}) ON CONFLICT (namespace, id) DO NOTHING RETURNING ready, {notify_task}"
+        " {now}, {now}, :selector, :priority, :placement)"
+        " ON CONFLICT (namespace, id) DO NOTHING"
+        " RETURNING ready, {notify_task}"
     ),
     # One wake-up for a bulk submit (see submit_many), not one per task.
     "notify_batch": "SELECT {notify_batch}",
@@ -324,8 +338,11 @@ _SQL: dict[str, str] = {
     "node_infos": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.host, n.pid, n.started_at,"
-        " n.renewed_at, n.frozen FROM metafora_nodes n"
+        " n.renewed_at, n.frozen, n.labels FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} ORDER BY n.node_id"
+    ),
+    "node_labels": (
+        "SELECT node_id, labels FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
     ),
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
@@ -350,16 +367,18 @@ _SQL: dict[str, str] = {
 
 _EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 
-# Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N and
-# expires_at_N (ROWNUM in the template). On SQLite the rows of a batch share one ready value.
+# Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N,
+# expires_at_N, selector_N, priority_N and placement_N (ROWNUM in the template). On SQLite
+# the rows of a batch share one ready value.
 _SUBMIT_MANY = (
     "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-    " expires_at, attempts, created_at, updated_at) VALUES {rows}"
+    " expires_at, attempts, created_at, updated_at, selector, priority, placement) VALUES {rows}"
     " ON CONFLICT (namespace, id) DO NOTHING RETURNING id, ready"
 )
 _SUBMIT_ROW = (
     "(:ns, :id_ROWNUM, :props_ROWNUM, 'pending', 0, {next_token}, :launch_at_ROWNUM,"
-    " :expires_at_ROWNUM, 0, {now}, {now})"
+    " :expires_at_ROWNUM, 0, {now}, {now}, :selector_ROWNUM, :priority_ROWNUM,"
+    " :placement_ROWNUM)"
 )
 
 

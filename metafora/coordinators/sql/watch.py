@@ -33,7 +33,7 @@ from typing import Any
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
-from metafora.task import Task, decode_props
+from metafora.task import Task, decode_labels, decode_placement, decode_props
 
 __all__ = ["Watch"]
 
@@ -162,12 +162,22 @@ class Watch:
             rows: Sequence[Any] = self._db.execute(conn, name, params).fetchall()
         return rows
 
-    def _offer(self, task_id: str, props: str) -> None:
+    def _offer_rows(self, rows: Sequence[Any]) -> None:
+        """Offer a page of rows (id, props, ..., selector, priority, placement), highest
+        priority first."""
+        for row in sorted(rows, key=lambda r: -int(r[-2] or 0)):
+            self._offer(row)
+
+    def _offer(self, row: Any) -> None:
+        task_id, props = str(row[0]), row[1]
         if task_id in self._this_round:
             return
         self._this_round.add(task_id)
         try:
-            task = Task(task_id, decode_props(props, task_id))
+            prefer, spread = decode_placement(row[-1], task_id)
+            task = Task(task_id, decode_props(props, task_id),
+                        selector=decode_labels(row[-3], f"stored selector of task {task_id!r}"),
+                        priority=int(row[-2] or 0), prefer=prefer, spread=spread)
         except MetaforaError as exc:
             self._fail_invalid(task_id, f"invalid props: {exc}")
             return
@@ -182,10 +192,18 @@ class Watch:
 
     def _scan_all(self, n_dead: int) -> int:
         """Offer every claimable task (and stale claims); returns how many were pending."""
-        pivot, backlog = self._pivot()
-        # Page by page (bounded memory), from just after a random pending id to the end, then
-        # from the start up to it.
-        backlog = self._scan_range(pivot, _AFTER_ALL) + (self._scan_range("", pivot) if pivot else 0)
+        with self._db.read() as conn:
+            levels = self._db.execute(conn, "pending_levels", {}).fetchall()
+        backlog = 0
+        # One priority at a time, highest first; within one, page by page (bounded memory)
+        # from just after a random pending id to the end, then from the start up to it.
+        for priority, count in levels:
+            if self._closed.is_set():
+                break
+            pivot = self._pivot(int(priority), int(count))
+            backlog += self._scan_range(int(priority), pivot, _AFTER_ALL)
+            if pivot:
+                backlog += self._scan_range(int(priority), "", pivot)
         offered: dict[str, int] = {}
         self._scan_claims("scan_orphans", offered)
         self._scan_claims("scan_unowned", offered)
@@ -196,22 +214,23 @@ class Watch:
                 self._db.execute(conn, "clean_commands", {})
         return backlog
 
-    def _pivot(self) -> tuple[str, int]:
-        """A random pending id ("" when none) and how many rows are pending."""
+    def _pivot(self, priority: int, count: int) -> str:
+        """A random pending id of ``priority`` ("" when fewer than two rows have it)."""
+        if count < 2:
+            return ""
         with self._db.read() as conn:
-            count = int(self._db.execute(conn, "pending_count", {}).scalar_one())
-            if count < 2:
-                return "", count
-            row = self._db.execute(conn, "pending_at", {"skip": random.randrange(count)}).first()
-        return ("" if row is None else str(row[0])), count
+            row = self._db.execute(conn, "pending_at", {"skip": random.randrange(count),
+                                                        "priority": priority}).first()
+        return "" if row is None else str(row[0])
 
-    def _scan_range(self, after: str, until: str) -> int:
-        """Offer the claimable pending tasks with ``after < id <= until``; returns how many."""
+    def _scan_range(self, priority: int, after: str, until: str) -> int:
+        """Offer the claimable pending tasks of ``priority`` with ``after < id <= until``;
+        returns how many."""
         seen = 0
         while not self._closed.is_set():
-            rows = self._query("scan_pending", {"after": after, "until": until})
+            rows = self._query("scan_pending", {"priority": priority, "after": after, "until": until})
             for row in rows:
-                self._offer(row[0], row[1])
+                self._offer(row)
             seen += len(rows)
             if len(rows) < BATCH:
                 break
@@ -225,21 +244,19 @@ class Watch:
             rows = self._query(name, {"owner": owner, "after": after})
             for row in rows:
                 offered[row[0]] = int(row[2])
-                self._offer(row[0], row[1])
+                self._offer(row)
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
 
     def _scan_ids(self, ids: list[str]) -> None:
-        for row in self._query("scan_ids", {"ids": ids}):
-            self._offer(row[0], row[1])
+        self._offer_rows(self._query("scan_ids", {"ids": ids}))
 
     def _scan_ready(self) -> None:
         ready, after = self._ready
         while not self._closed.is_set():
             rows = self._query("scan_ready", {"ready": ready, "after": after})
-            for row in rows:
-                self._offer(row[0], row[1])
+            self._offer_rows(rows)
             if rows:
                 ready, after = int(rows[-1][2]), rows[-1][0]
                 self._ready = (ready, after)
@@ -248,8 +265,7 @@ class Watch:
 
     def _scan_launched(self, since: Any, until: Any) -> None:
         rows = self._query("scan_launched", {"since": since, "until": until})
-        for row in rows:
-            self._offer(row[0], row[1])
+        self._offer_rows(rows)
         if len(rows) >= BATCH:
             self.rescan()
 
@@ -261,7 +277,7 @@ class Watch:
                 token = int(row[2])
                 if self._offered_dead.get(row[0]) != token:
                     self._offered_dead[row[0]] = token
-                    self._offer(row[0], row[1])
+                    self._offer(row)
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]

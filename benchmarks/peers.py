@@ -1,0 +1,792 @@
+"""metafora beside the Python PostgreSQL queues users compare it with (issue 17).
+
+``python -m benchmarks peers [--quick] [--rounds 3] [--systems metafora-postgresql,pgqueuer,...]``
+(the peers come with the ``bench`` extra: ``pip install -e '.[dev,bench]'``).
+
+Systems: metafora on PostgreSQL, metafora on SQLite, pgqueuer and procrastinate, each with its
+normal worker in 2 processes and a concurrency of 10 per process (see SETTINGS). They run in
+interleaved rounds of one run (round 1: A B C D, round 2: B C D A, ...: the order rotates so no
+system always follows the same neighbour), each run on a fresh database (a throw-away
+PostgreSQL database, or a fresh SQLite file). Workloads:
+
+- throughput: N no-op tasks submitted in bulk first, then the 2 worker processes start (together,
+  once both have imported their system); tasks/s from the first handler start (reported by
+  the workers, ``time.time()``) to the moment the store says nothing is left unfinished (the
+  parent counts unfinished rows every 10 ms: the store's word, not the workers');
+- idle submit-to-start latency: with both workers idle, one task at a time is submitted and
+  the next only after its handler started; latency = the handler's ``time.time()`` at start
+  minus the parent's ``time.time()`` just before the submit call (same machine, same clock).
+  The first 10 submits warm connections and caches up and are not counted;
+- crash recovery: one task, its handler holds it; the worker running it is SIGKILLed; seconds
+  from the kill until the other worker's handler starts it. Each system with a 3 s failure
+  detection (CRASH_SETTINGS): the defaults (30 s for all three) would measure only the default.
+
+The pure parts (rotation, statistics, the table and ratios) need neither peer installed and
+are unit-tested in tests/unit/test_bench_peers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import sqlite3
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer", "procrastinate")
+BASE_SYSTEMS = ("metafora-postgresql", "metafora-sqlite")
+PROCESSES = 2
+CONCURRENCY = 10
+PGQ_BATCH = 5
+WARMUP = 10
+POLL = 0.01
+
+#: What each system runs with (printed under the table and saved with the results).
+SETTINGS = {
+    "metafora-postgresql": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
+                           " (lease_ttl 30 s, poll_interval 5 s, pool_size 10, DumbBalancer); psycopg 3",
+    "metafora-sqlite": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
+                       " (lease_ttl 30 s, poll_interval 0.25 s, DumbBalancer)",
+    "pgqueuer": f"QueueManager.run(batch_size={PGQ_BATCH}, max_concurrent_tasks={CONCURRENCY}),"
+                " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver, defaults otherwise",
+    "procrastinate": f"run_worker_async(concurrency={CONCURRENCY}), async no-op task, LISTEN/NOTIFY,"
+                     " PsycopgConnector, defaults otherwise (jobs kept, not deleted)",
+}
+#: How each system detects a dead worker in the crash workload.
+CRASH_TTL = 3
+CRASH_SETTINGS = {
+    "metafora-postgresql": f"lease_ttl {CRASH_TTL} s",
+    "metafora-sqlite": f"lease_ttl {CRASH_TTL} s",
+    "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
+                " the default 30 s made recovery take 30 s)",
+    "procrastinate": f"update_heartbeat_interval 1 s, stalled_worker_timeout {CRASH_TTL} s,"
+                     " fetch_job_polling_interval 1 s (a retried job is found by polling), and a loop in"
+                     " each worker that retries get_stalled_jobs(seconds_since_heartbeat="
+                     f"{CRASH_TTL}) every 0.5 s (procrastinate does not retry stalled jobs by itself)",
+}
+_DIST = {"pgqueuer": "pgqueuer", "procrastinate": "procrastinate"}
+SPAWN = multiprocessing.get_context("spawn")
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def rounds_order(systems: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """``(round, system)`` in run order: every round runs every system once, and the order
+    rotates by one each round (A B C D, then B C D A, ...) so position effects even out."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
+    order: list[tuple[int, str]] = []
+    for r in range(rounds):
+        shift = r % len(systems) if systems else 0
+        order += [(r + 1, s) for s in (*systems[shift:], *systems[:shift])]
+    return order
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of one figure over the rounds."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        """The spread of ``values`` (NaN values, failed runs, are left out; all NaN for none)."""
+        good = [v for v in values if v == v]
+        if not good:
+            nan = float("nan")
+            return cls(nan, nan, nan)
+        return cls(statistics.median(good), min(good), max(good))
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """The ``pct`` percentile (0-100) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+FIGURES = ("tasks_per_s", "p50_ms", "p99_ms", "recovery_s")
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Spread]]:
+    """Per system: spreads of ``tasks_per_s``, ``p50_ms``, ``p99_ms``, ``recovery_s`` over its runs
+    (each run is a dict with ``system`` and whichever of those figures it measured)."""
+    by_system: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_system.setdefault(run["system"], []).append(run)
+    return {
+        system: {key: Spread.of([r[key] for r in rs if key in r]) for key in FIGURES}
+        for system, rs in by_system.items()
+    }
+
+
+def ratio(ours: float, theirs: float) -> float:
+    """``ours / theirs``, NaN when either is missing or ``theirs`` is 0."""
+    if ours != ours or theirs != theirs or theirs == 0:
+        return float("nan")
+    return ours / theirs
+
+
+def _num(value: float, unit: str = "") -> str:
+    if value != value:
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}{unit}"
+    return f"{value:.1f}{unit}" if abs(value) >= 10 else f"{value:.2f}{unit}"
+
+
+def _spread(s: Spread) -> str:
+    if s.median != s.median:
+        return "-"
+    return f"{_num(s.median)} ({_num(s.low)} - {_num(s.high)})"
+
+
+def _times(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}x"
+
+
+def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], rounds: int,
+             tasks: int, submits: int) -> str:
+    """The README table: one row per system, then metafora ÷ each peer (the crash column only
+    when a run measured it)."""
+    crash = any(f.get("recovery_s", Spread.of([])).median == f.get("recovery_s", Spread.of([])).median
+                for f in summary.values())
+    out = [
+        f"| system | tasks/s, {tasks:,} tasks (median of {rounds}; range) |"
+        f" submit→start p50 ms, idle ({submits} submits) | p99 ms |"
+        + (f" crash recovery s ({CRASH_TTL} s detection) |" if crash else ""),
+        "|---|---|---|---|" + ("---|" if crash else ""),
+    ]
+    for system, figures in summary.items():
+        out.append(f"| {labels.get(system, system)} | {_spread(figures['tasks_per_s'])} |"
+                   f" {_spread(figures['p50_ms'])} | {_spread(figures['p99_ms'])} |"
+                   + (f" {_spread(figures.get('recovery_s', Spread.of([])))} |" if crash else ""))
+    rows = ratio_rows(summary)
+    if rows:
+        out += ["", "| ratio (medians) | tasks/s (> 1: metafora faster) | p50 (< 1: metafora sooner) |"
+                " p99 |", "|---|---|---|---|"]
+        out += [f"| {a} ÷ {b} | {_times(t)} | {_times(p50)} | {_times(p99)} |" for a, b, t, p50, p99 in rows]
+    return "\n".join(out)
+
+
+def ratio_rows(summary: dict[str, dict[str, Spread]]) -> list[tuple[str, str, float, float, float]]:
+    """``(metafora system, peer, throughput ratio, p50 ratio, p99 ratio)`` for every pair measured."""
+    rows = []
+    for ours in (s for s in summary if s in BASE_SYSTEMS):
+        for theirs in (s for s in summary if s not in BASE_SYSTEMS):
+            a, b = summary[ours], summary[theirs]
+            rows.append((ours, theirs, ratio(a["tasks_per_s"].median, b["tasks_per_s"].median),
+                         ratio(a["p50_ms"].median, b["p50_ms"].median),
+                         ratio(a["p99_ms"].median, b["p99_ms"].median)))
+    return rows
+
+
+def labels_for(systems: Sequence[str], versions: dict[str, str]) -> dict[str, str]:
+    """Row labels with the peers' versions (``pgqueuer 1.6.0``)."""
+    out = {}
+    for system in systems:
+        name = system.replace("metafora-", "metafora, ").replace("postgresql", "PostgreSQL")
+        name = name.replace("sqlite", "SQLite")
+        out[system] = f"{name} {versions[system]}" if system in versions else name
+    return out
+
+
+def parse_systems(text: str | None) -> list[str]:
+    """The ``--systems`` list (comma-separated; all by default), validated."""
+    if not text:
+        return list(SYSTEMS)
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SYSTEMS]
+    if unknown or not chosen:
+        raise SystemExit(f"unknown system(s) {', '.join(unknown) or '(none)'};"
+                         f" choose from {', '.join(SYSTEMS)}")
+    return chosen
+
+
+# --------------------------------------------------------------------------- databases
+
+
+def _pg_base() -> str:
+    base = os.environ.get("METAFORA_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    return base.replace("postgresql+psycopg://", "postgresql://")
+
+
+@contextlib.contextmanager
+def fresh_database(system: str, workdir: Path) -> Iterator[str]:
+    """A throw-away PostgreSQL database (or, for metafora-sqlite, a fresh SQLite file): its URL."""
+    if system == "metafora-sqlite":
+        path = workdir / f"peers-{uuid.uuid4().hex[:8]}.db"
+        try:
+            yield f"sqlite:///{path}"
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    Path(f"{path}{suffix}").unlink()
+        return
+    import psycopg
+
+    base = _pg_base()
+    name = f"metafora_peers_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield base.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --------------------------------------------------------------------------- workers (child processes)
+
+
+class _Reporter:
+    """Tells the parent when a handler starts: every start (latency) or the first only (throughput:
+    a queue message per task would cost more than the no-op task being measured)."""
+
+    def __init__(self, node: str, events: Any, mode: str) -> None:
+        self.node, self.events, self.mode, self.sent = node, events, mode, False
+        self.every = mode != "throughput"
+        self.hold = mode == "crash"
+
+    def __call__(self, key: str) -> None:
+        now = time.time()
+        if self.every or not self.sent:
+            self.sent = True
+            self.events.put(("start", self.node, key, now))
+
+    def ready(self) -> None:
+        self.events.put(("ready", self.node, os.getpid()))
+
+
+def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: Any) -> None:
+    """One worker process of ``system`` until SIGTERM (run in a spawned process); ``mode`` is
+    the workload (``throughput``, ``latency``, ``crash``: handlers hold their task).
+
+    The system's modules are imported first, then the process waits for ``go``: both workers
+    of a throughput run start their worker loops together, not one an import later.
+    """
+    logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
+                        format=f"%(asctime)s {system} {node} %(name)s %(levelname)s %(message)s")
+    report = _Reporter(node, events, mode)
+    if system.startswith("metafora"):
+        import metafora  # noqa: F401
+    elif system == "pgqueuer":
+        import asyncpg  # noqa: F401
+        import pgqueuer  # noqa: F401
+    else:
+        import procrastinate  # noqa: F401
+    events.put(("loaded", node, os.getpid()))
+    if not go.wait(120):
+        raise SystemExit("no go from the benchmark in 120 s")
+    if system.startswith("metafora"):
+        _metafora_worker(url, node, report)
+    elif system == "pgqueuer":
+        asyncio.run(_pgqueuer_worker(url, report))
+    elif system == "procrastinate":
+        asyncio.run(_procrastinate_worker(url, node, report))
+    else:
+        raise SystemExit(f"unknown system {system!r}")
+
+
+def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
+    from metafora import Consumer, Task, open_coordinator, simple_handler
+
+    async def noop(task: Task, stop: asyncio.Event) -> bool:
+        report(task.id)
+        if report.hold:
+            await stop.wait()
+            return False
+        return True
+
+    consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop),
+                        max_tasks=CONCURRENCY, shutdown_timeout=5)
+    signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
+
+    def announce() -> None:
+        deadline = time.monotonic() + 60
+        while consumer.info()["started"] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        report.ready()
+
+    threading.Thread(target=announce, daemon=True).start()
+    consumer.run()
+
+
+async def _pgqueuer_worker(url: str, report: _Reporter) -> None:
+    import asyncpg
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
+    from pgqueuer.models import Job
+
+    conn = await asyncpg.connect(url)
+    qm = QueueManager(Queries(AsyncpgDriver(conn)))
+
+    @qm.entrypoint("noop")
+    async def noop(job: Job) -> None:
+        report((job.payload or b"").decode())
+        if report.hold:
+            await asyncio.Event().wait()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, qm.shutdown.set)
+    report.ready()
+    if not report.hold:
+        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY)
+    else:
+        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY,
+                     heartbeat_timeout=timedelta(seconds=CRASH_TTL), dequeue_timeout=timedelta(seconds=1))
+    await conn.close()
+
+
+def _procrastinate_app(url: str) -> Any:
+    import procrastinate
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
+    return app
+
+
+async def _procrastinate_worker(url: str, node: str, report: _Reporter) -> None:
+    app = _procrastinate_app(url)
+
+    @app.task(name="noop")
+    async def noop(key: str) -> None:
+        report(key)
+        if report.hold:
+            await asyncio.Event().wait()
+
+    async def retry_stalled() -> None:
+        # the recipe of procrastinate's docs ("retry stalled jobs"), run often enough to compare
+        while True:
+            for job in await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=CRASH_TTL):
+                await app.job_manager.retry_job(job)
+            await asyncio.sleep(0.5)
+
+    async with app.open_async():
+        report.ready()
+        if not report.hold:
+            # its own SIGTERM handler stops the worker gracefully
+            await app.run_worker_async(concurrency=CONCURRENCY, name=node)
+            return
+        retrier = asyncio.create_task(retry_stalled())
+        await app.run_worker_async(concurrency=CONCURRENCY, name=node, update_heartbeat_interval=1.0,
+                                   stalled_worker_timeout=float(CRASH_TTL), fetch_job_polling_interval=1.0)
+        retrier.cancel()
+
+
+# --------------------------------------------------------------------------- the parent's side of each system
+
+
+class _System:
+    """Set-up, submission and the store's unfinished count for one system (parent side)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def setup(self) -> None:
+        """Create the schema."""
+
+    def submit_many(self, keys: Sequence[str]) -> None:
+        """Submit tasks in bulk (the system's own batch call)."""
+        raise NotImplementedError
+
+    def submit(self, key: str) -> None:
+        """Submit one task."""
+        raise NotImplementedError
+
+    def unfinished(self) -> int:
+        """Tasks not finished yet, counted in the store."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+class _Metafora(_System):
+    def setup(self) -> None:
+        from metafora import open_client
+
+        self.client = open_client(self.url)
+        self.client.tasks()  # creates the schema
+        plain = self.url.split("?", 1)[0]  # without metafora's options (lease_ttl=...)
+        if plain.startswith("sqlite"):
+            self.reader: Any = sqlite3.connect(plain.removeprefix("sqlite:///"), timeout=30)
+        else:
+            import psycopg
+
+            self.reader = psycopg.connect(plain, autocommit=True)
+
+    def submit_many(self, keys: Sequence[str]) -> None:
+        from metafora import Task
+
+        self.client.submit_tasks([Task(k) for k in keys])
+
+    def submit(self, key: str) -> None:
+        from metafora import Task
+
+        self.client.submit_task(Task(key))
+
+    def unfinished(self) -> int:
+        row = self.reader.execute("SELECT count(*) FROM metafora_tasks WHERE state <> 'done'").fetchone()
+        return int(row[0])
+
+    def close(self) -> None:
+        self.client.close()
+        self.reader.close()
+
+
+class _Async(_System):
+    """A peer whose client is async: one event loop of the parent's, kept for the run."""
+
+    def setup(self) -> None:
+        import psycopg
+
+        self.loop = asyncio.new_event_loop()
+        self.reader = psycopg.connect(self.url, autocommit=True)
+        self.loop.run_until_complete(self._setup())
+
+    async def _setup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self._close())
+        self.loop.close()
+        self.reader.close()
+
+    async def _close(self) -> None:
+        raise NotImplementedError
+
+
+class _Pgqueuer(_Async):
+    async def _setup(self) -> None:
+        import asyncpg
+        from pgqueuer import AsyncpgDriver, Queries
+
+        self.conn = await asyncpg.connect(self.url)
+        self.queries = Queries(AsyncpgDriver(self.conn))
+        await self.queries.install()
+
+    def submit_many(self, keys: Sequence[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            chunk = keys[i:i + 1000]
+            self.loop.run_until_complete(self.queries.enqueue(
+                ["noop"] * len(chunk), [k.encode() for k in chunk], [0] * len(chunk)))
+
+    def submit(self, key: str) -> None:
+        self.loop.run_until_complete(self.queries.enqueue("noop", key.encode()))
+
+    def unfinished(self) -> int:
+        # a finished job leaves the queue table (its outcome goes to pgqueuer_log)
+        return int(self.reader.execute("SELECT count(*) FROM pgqueuer").fetchone()[0])  # type: ignore[index]
+
+    async def _close(self) -> None:
+        await self.conn.close()
+
+
+class _Procrastinate(_Async):
+    async def _setup(self) -> None:
+        self.app = _procrastinate_app(self.url)
+
+        @self.app.task(name="noop")
+        async def noop(key: str) -> None:
+            """Never run here: the parent only defers."""
+
+        self.task = noop
+        await self.app.open_async()
+        await self.app.schema_manager.apply_schema_async()
+
+    def submit_many(self, keys: Sequence[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            self.loop.run_until_complete(self.task.batch_defer_async(*({"key": k} for k in keys[i:i + 1000])))
+
+    def submit(self, key: str) -> None:
+        self.loop.run_until_complete(self.task.defer_async(key=key))
+
+    def unfinished(self) -> int:
+        row = self.reader.execute(
+            "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')").fetchone()
+        return int(row[0])  # type: ignore[index]
+
+    async def _close(self) -> None:
+        await self.app.close_async()
+
+
+def _system(name: str, url: str) -> _System:
+    if name.startswith("metafora"):
+        return _Metafora(url)
+    return {"pgqueuer": _Pgqueuer, "procrastinate": _Procrastinate}[name](url)
+
+
+class _Workers:
+    """``PROCESSES`` spawned worker processes reporting on ``events``; stopped by pid.
+
+    Each process writes to a queue of its own, forwarded here by a thread: a process SIGKILLed
+    while holding a shared queue's write lock would silence the other one (the crash workload).
+    """
+
+    def __init__(self, system: str, url: str, mode: str) -> None:
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.go = SPAWN.Event()
+        self.inboxes = [SPAWN.Queue() for _ in range(PROCESSES)]
+        self.procs = [SPAWN.Process(target=worker_main, args=(system, url, f"w{i}", inbox, mode, self.go),
+                                    name=f"{system}-w{i}", daemon=True)
+                      for i, inbox in enumerate(self.inboxes)]
+
+    def __enter__(self) -> _Workers:
+        for proc, inbox in zip(self.procs, self.inboxes, strict=True):
+            proc.start()
+            threading.Thread(target=self._forward, args=(proc, inbox), daemon=True).start()
+        return self
+
+    def _forward(self, proc: Any, inbox: Any) -> None:
+        while True:
+            try:
+                self.events.put(inbox.get(timeout=0.5))
+            except queue.Empty:
+                if not proc.is_alive():
+                    return
+            except (EOFError, OSError, ValueError):
+                return
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            proc.join(20)
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+
+    def kill(self, node: str) -> float:
+        """SIGKILL the worker ``node`` (by pid); the ``time.time()`` just before."""
+        proc = next(p for p in self.procs if p.name.endswith(f"-{node}"))
+        sent = time.time()
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        return sent
+
+    def next(self, timeout: float) -> tuple[Any, ...]:
+        """The next event (``queue.Empty`` after ``timeout`` s); a dead worker is an error."""
+        try:
+            return tuple(self.events.get(timeout=timeout))
+        except queue.Empty:
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"worker(s) {', '.join(dead)} died") from None
+            raise
+
+    def wait_for(self, kind: str, timeout: float = 120) -> None:
+        """Until every process sent an event of ``kind`` (``loaded``, ``ready``)."""
+        deadline, seen = time.monotonic() + timeout, 0
+        while seen < len(self.procs):
+            if self.next(max(0.1, deadline - time.monotonic()))[0] == kind:
+                seen += 1
+
+    def start_together(self) -> None:
+        """Once every process has imported its system, let them all go."""
+        self.wait_for("loaded")
+        self.go.set()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Let the processes go; return when every one said it is ready (idle, listening)."""
+        self.start_together()
+        self.wait_for("ready", timeout)
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> dict[str, Any]:
+    """Submit ``tasks`` no-op tasks, start the workers; tasks/s from the first start to the
+    moment the store has nothing unfinished."""
+    side = _system(system, url)
+    side.setup()
+    try:
+        side.submit_many([f"t{i:06d}" for i in range(tasks)])
+        with _Workers(system, url, "throughput") as workers:
+            workers.start_together()
+            first: list[float] = []
+            end = time.time() + deadline_s
+            last = float("nan")
+            while time.time() < end:
+                polled = time.time()
+                if side.unfinished() == 0:
+                    last = polled
+                    break
+                with contextlib.suppress(queue.Empty):
+                    while True:  # drain the few first-start events without blocking
+                        event = workers.events.get_nowait()
+                        if event[0] == "start":
+                            first.append(event[3])
+                dead = [p.name for p in workers.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"worker(s) {', '.join(dead)} died")
+                time.sleep(POLL)
+            with contextlib.suppress(queue.Empty):
+                while len(first) < PROCESSES:  # a worker that ran tasks has reported its first
+                    event = workers.next(5)
+                    if event[0] == "start":
+                        first.append(event[3])
+        if last != last or not first:
+            return {"system": system, "tasks": tasks, "tasks_per_s": float("nan"),
+                    "throughput_error": f"not finished in {deadline_s} s"}
+        seconds = last - min(first)
+        return {"system": system, "tasks": tasks, "seconds": seconds, "tasks_per_s": tasks / seconds}
+    finally:
+        side.close()
+
+
+def latency(system: str, url: str, submits: int) -> dict[str, Any]:
+    """Submit one task at a time to 2 idle workers; submit→handler-start p50/p99 in ms."""
+    side = _system(system, url)
+    side.setup()
+    try:
+        with _Workers(system, url, "latency") as workers:
+            workers.wait_ready()
+            samples = []
+            for i in range(submits + WARMUP):
+                key = f"l{i:05d}"
+                before = time.time()
+                side.submit(key)
+                while True:
+                    event = workers.next(60)
+                    if event[0] == "start" and event[2] == key:
+                        break
+                if i >= WARMUP:
+                    samples.append((event[3] - before) * 1000)
+        return {"system": system, "submits": submits, "p50_ms": percentile(samples, 50),
+                "p99_ms": percentile(samples, 99), "max_ms": max(samples)}
+    finally:
+        side.close()
+
+
+def crash(system: str, url: str, deadline_s: float = 120) -> dict[str, Any]:
+    """One held task; SIGKILL its worker; seconds until the other worker's handler starts it."""
+    if system.startswith("metafora"):
+        url += ("&" if "?" in url else "?") + f"lease_ttl={CRASH_TTL}"
+    side = _system(system, url)
+    side.setup()
+    try:
+        with _Workers(system, url, "crash") as workers:
+            workers.wait_ready()
+            side.submit("c0")
+            holder = _expect_start(workers, "c0", None, deadline_s)[1]
+            killed = workers.kill(holder)
+            again = _expect_start(workers, "c0", holder, deadline_s)
+        return {"system": system, "recovery_s": again[3] - killed}
+    finally:
+        side.close()
+
+
+def _expect_start(workers: _Workers, key: str, not_on: str | None, timeout: float) -> tuple[Any, ...]:
+    """The next start of ``key`` on a node other than ``not_on``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            event = tuple(workers.events.get(timeout=1))
+            if event[0] == "start" and event[2] == key and event[1] != not_on:
+                return event
+    raise TimeoutError(f"{key} did not start again within {timeout} s")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def versions(systems: Sequence[str]) -> dict[str, str]:
+    """Installed versions of the peers (and of metafora), or a clear error when a peer is missing."""
+    out = {}
+    for system in systems:
+        dist = _DIST.get(system)
+        if dist is None:
+            continue
+        try:
+            out[system] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            raise SystemExit(f"{dist} is not installed: pip install -e '.[bench]'"
+                             f" (or leave it out with --systems)") from None
+    return out
+
+
+def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool = True,
+              say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every round runs every system (throughput, latency, crash recovery); print and save."""
+    from benchmarks.common import save
+
+    found = versions(systems)
+    tasks, submits = (1000, 50) if quick else (5000, 200)
+    workdir = Path(tempfile.mkdtemp(prefix="metafora-peers-"))
+    runs: list[dict[str, Any]] = []
+    load = os.getloadavg()[0]
+    try:
+        for rnd, system in rounds_order(systems, rounds):
+            result: dict[str, Any] = {"round": rnd, "system": system}
+            workloads: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
+                ("throughput", lambda url, s=system: throughput(s, url, tasks)),
+                ("latency", lambda url, s=system: latency(s, url, submits)),
+            ]
+            if with_crash:
+                workloads.append(("crash", lambda url, s=system: crash(s, url)))
+            for name, workload in workloads:
+                try:
+                    with fresh_database(system, workdir) as url:
+                        result.update(workload(url))
+                except Exception as exc:  # one failure must not lose the other figures
+                    result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            say(f"round {rnd} {system}: " + ", ".join(
+                f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in result.items()
+                if k not in ("round", "system")))
+            runs.append(result)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    summary = summarize(runs)
+    labels = labels_for(systems, found)
+    text = markdown(summary, labels, rounds, tasks, submits)
+    say(text)
+    say("\nSettings: " + "; ".join(f"{labels[s]}: {SETTINGS[s]}" for s in systems))
+    if with_crash:
+        say("Crash workload: " + "; ".join(f"{labels[s]}: {CRASH_SETTINGS[s]}" for s in systems))
+    save("peers", {
+        "quick": quick, "rounds": rounds, "tasks": tasks, "submits": submits, "processes": PROCESSES,
+        "concurrency": CONCURRENCY, "load_average_at_start": load,
+        "load_average_at_end": os.getloadavg()[0], "versions": found,
+        "settings": {s: SETTINGS[s] for s in systems}, "labels": labels, "runs": runs,
+        "crash_settings": {s: CRASH_SETTINGS[s] for s in systems} if with_crash else {},
+        "summary": {s: {k: vars(v) for k, v in f.items()} for s, f in summary.items()},
+    })
+    return {"runs": runs, "summary": summary}
+
+
+def readme_text(data: dict[str, Any]) -> str:
+    """The README's table from a saved ``results/peers.json``."""
+    summary = {s: {k: Spread(**v) for k, v in f.items()} for s, f in data["summary"].items()}
+    settings = "\n".join(f"- {data['labels'][s]}: {text}" for s, text in data["settings"].items())
+    if data.get("crash_settings"):
+        settings += "\n\nCrash recovery (one held task, its worker SIGKILLed; seconds until the other" \
+                    " worker starts it), failure detection per system:\n\n" + "\n".join(
+                        f"- {data['labels'][s]}: {text}" for s, text in data["crash_settings"].items())
+    return (
+        f"Side by side with the Python PostgreSQL queues (`python -m benchmarks peers`; {data['rounds']}"
+        f" interleaved rounds of one run, {data['processes']} worker processes per system, a fresh"
+        " database per run, PostgreSQL on this machine; throughput = tasks submitted first, first"
+        " handler start to the store's last finish):\n\n"
+        + markdown(summary, data["labels"], data["rounds"], data["tasks"], data["submits"])
+        + "\n\nSettings:\n\n" + settings + "\n"
+    )
