@@ -56,6 +56,9 @@ def test_a_burst_of_joins_coalesces_into_one_balance_then_one_settling_balance()
     with LocalCluster() as cluster:
         a = cluster.add(simple_handler(lambda task, stop: idle(stop)), "a", counting,
                         balance_every=3600, balance_jitter=0.0, rebalance_window=10, clock=clock)
+        # a's loop waits on the fake clock once it listens (joins before that are in its
+        # first view of the cluster, not events).
+        assert clock.wait_for_waiters(1, timeout=30)
         for node in ("b", "c", "d"):
             cluster.add(simple_handler(lambda task, stop: idle(stop)), node)
         wait_for(lambda: counting.seen == {"a", "b", "c", "d"}, 30, "a to see the three joins")
