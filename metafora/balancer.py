@@ -34,6 +34,15 @@ class ClusterState(abc.ABC):
     def node_task_count(self) -> dict[str, int]:
         """Live node id -> number of tasks it holds (nodes holding none are included)."""
 
+    def active_task_count(self) -> dict[str, int]:
+        """Like :meth:`node_task_count`, without the nodes that announced they are leaving.
+
+        A node shutting down (see ``Coordinator.announce_leaving``) still holds its last
+        tasks while their handlers stop, but it will take none: balancers must not average
+        over it (Metafora's issue #92). Stores that keep the flag override this; the default
+        counts every live node.
+        """
+        return self.node_task_count()
     def node_labels(self) -> dict[str, dict[str, str]]:
         """Live node id -> its placement labels (one store read).
 
@@ -77,3 +86,12 @@ class Balancer(abc.ABC):
     @abc.abstractmethod
     def balance(self) -> list[str]:
         """Ids of running tasks this node should release now (may be empty)."""
+
+    def nodes_changed(self, left: bool) -> None:
+        """The cluster's membership changed; ``left``: a node left or announced it is leaving.
+
+        Called by the consumer (on its loop, before the dampened balance it schedules). Tasks
+        of a node that left are orphans, not a rebalance: a balancer that refuses claims
+        after its own releases should stop refusing when ``left``. Optional.
+        """
+        return

@@ -11,6 +11,7 @@ of the store is gone).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 # slots): offers another node took meanwhile are skipped inside the statement instead of
 # costing a round trip each.
 _OVERFETCH = 4
+_LET_GO_EVERY = 0.1  # seconds between batched releases while handlers stop on shutdown
+_LET_GO_BATCH = 100  # releases per batch (close() frees the rest in one request)
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
 
 _COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
@@ -188,11 +191,22 @@ class Consumer:
 
     - ``balance_every``: seconds (or timedelta) between balancer runs, jittered by
       ``balance_jitter`` (a fraction) so nodes do not balance in lockstep.
+    - ``rebalance_window``: when the store reports that a node joined, left or announced
+      leaving (``Coordinator.listen_membership``), balance after a random delay between half
+      this window and all of it (default 3 s), not only every ``balance_every``; every event
+      of a burst falls into the same window, so repeated joins coalesce into one balance.
+      One more balance follows a few seconds later (twice the window, at least 2 s), once
+      the released tasks found their new owners. 0 balances at once on each change.
     - ``max_tasks``: at most this many tasks run at once on this node.
     - ``max_crashes``: a task whose last claims ended this many times in a row with their node
       dead (a handler that kills its process) is failed instead of run again (default 5;
       None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
+    - ``handoff_timeout``: how long a handler asked to give its task up by the balancer or
+      ``metafora stop`` may take to return (a stateful handler's final checkpoint, see
+      :meth:`metafora.statemachine.handler.Commands.handoff`); past it the handler is
+      abandoned (an async one cancelled) and the claim released, so the task moves anyway
+      (its writes are fenced: a late one is refused). Default 30 s.
     - ``release_backoff`` / ``release_backoff_max``: after this node releases a task it
       ignores it for a back-off that doubles per release, so it is not re-claimed in a hot
       loop and other nodes get it first.
@@ -220,9 +234,11 @@ class Consumer:
         *,
         balance_every: float | timedelta = 60.0,
         balance_jitter: float = 0.1,
+        rebalance_window: float | timedelta = 3.0,
         max_tasks: int | None = None,
         max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
+        handoff_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
         refuse_retry: float | timedelta = 1.0,
@@ -258,9 +274,11 @@ class Consumer:
         self._balancer = balancer if balancer is not None else DumbBalancer()
         self._balance_every = _seconds(balance_every, "balance_every")
         self._balance_jitter = balance_jitter
+        self._rebalance_window = _seconds(rebalance_window, "rebalance_window", allow_zero=True)
         self._max_tasks = max_tasks
         self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
+        self._handoff_timeout = _seconds(handoff_timeout, "handoff_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
         self._refuse_retry = _seconds(refuse_retry, "refuse_retry")
@@ -302,6 +320,11 @@ class Consumer:
                                        on_retry=self._outcome_retry)
         # Offers approved by the balancer are claimed this many per claim_many call.
         self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", 32)))
+        self._members: set[str] | None = None  # active nodes at the last membership event
+        self._leaving_announced = False
+        self._follow_up = False  # a membership balance is followed by one settling balance
+        self._handoffs: dict[str, tuple[float, _Running]] = {}  # releases asked, by deadline
+        self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
 
     # -- public surface -------------------------------------------------------------
 
@@ -394,9 +417,15 @@ class Consumer:
             )
             self._start_side_thread("outcomes", self._outcomes.run)
             self._start_side_thread("watch", self._watch)
+            pushed = self._listen_membership()
             self._start_side_thread("commands", self._command_feed)
             self._start_side_thread("schedules", self._scheduler.run)
             self._next_balance = self._clock.monotonic() + self._balance_interval()
+            if pushed:
+                # Joining is a membership change too: the tasks the others release race to
+                # their new owners, and this node may take more than its share of them.
+                self._next_balance = min(self._next_balance,
+                                         self._clock.monotonic() + self._settle_after())
             self._loop()
         except BaseException as exc:
             if self._fatal is None:
@@ -510,13 +539,21 @@ class Consumer:
                 break
             now = self._clock.monotonic()
             self._expire_ignores(now)
+            self._expire_handoffs(now)
             if now >= self._next_balance:
                 self._balance()
                 self._next_balance = now + self._balance_interval()
+                if self._follow_up:
+                    # Released tasks race to new owners; a node at its share may take one
+                    # too many. One more look once they settled, not a whole period later.
+                    self._follow_up = False
+                    self._next_balance = min(self._next_balance, now + self._settle_after())
             deadline = self._next_balance
             with self._lock:
                 if self._ignores:
                     deadline = min(deadline, *(d for d, _ in self._ignores.values()))
+                if self._handoffs:
+                    deadline = min(deadline, *(d for d, _ in self._handoffs.values()))
             if self._events.empty():
                 self._clock.wait(self._wake, max(0.0, deadline - self._clock.monotonic()))
 
@@ -544,9 +581,68 @@ class Consumer:
                 self._command(payload)
             elif kind in ("finished", "room"):
                 room = True  # once per drain, not once per finished task
+            elif kind == "members":
+                self._members_changed()
         if room:
             self._retry_deferred()
         self._offer(*offers)
+
+    # -- membership events -------------------------------------------------------------
+
+    def _listen_membership(self) -> bool:
+        try:
+            self._members = set(self._coord.active_task_count())
+        except MetaforaError as exc:  # only the first diff is less precise
+            self._log.warning("could not read the cluster's nodes: %s", exc,
+                              extra={"action": "members"})
+        if not self._coord.listen_membership(lambda: self._post("members", None)):
+            self._log.debug("store %s reports no membership changes: balancing every %.0fs only",
+                            mask_url(self._coord.name, brief=True), self._balance_every,
+                            extra={"action": "members"})
+            return False
+        return True
+
+    def _members_changed(self) -> None:
+        """A node may have joined, left or announced leaving: see who, then act on it.
+
+        A leave frees orphans, which are claimed at once (the balancer stops refusing after
+        its own releases, and offers it refused are tried again); any change schedules a
+        balance within the dampening window, unless one is due sooner already.
+        """
+        try:
+            now_members = set(self._coord.active_task_count())
+        except MetaforaError as exc:
+            self._log.warning("could not read the cluster's nodes: %s", exc,
+                              extra={"action": "members"})
+            return
+        before = self._members
+        self._members = now_members
+        if before is not None and before == now_members:
+            return  # spurious, or already handled
+        joined = sorted(now_members - before) if before is not None else []
+        left = sorted(before - now_members) if before is not None else []
+        self._log.info("cluster membership changed: joined %s, left %s", joined or "-",
+                       left or "-", extra={"action": "members"})
+        try:
+            self._balancer.nodes_changed(bool(left))
+        except Exception as exc:
+            self._log.exception("balancer failed on nodes_changed: %s", exc,
+                                extra={"action": "members"})
+        now = self._clock.monotonic()
+        if left:
+            with self._lock:
+                # Offers the balancer refused may be the leaver's orphans: try them now. Our
+                # own release back-offs stay (they stop a released task from coming back).
+                for task_id, (due, task) in list(self._ignores.items()):
+                    if task_id not in self._releases and due > now:
+                        self._ignores[task_id] = (now, task)
+        delay = self._rebalance_window * self._rng.uniform(0.5, 1.0)
+        self._next_balance = min(self._next_balance, now + delay)
+        self._follow_up = True
+        self._wake.set()
+
+    def _settle_after(self) -> float:
+        return max(2 * self._rebalance_window, 2.0) * self._rng.uniform(1.0, 1.5)
 
     def _balance_interval(self) -> float:
         spread = self._balance_jitter * self._balance_every
@@ -797,8 +893,35 @@ class Consumer:
             if entry is None or entry.stopped is not None:
                 return entry is not None
             entry.stopped = self._clock.now()
+            due = self._clock.monotonic() + self._handoff_timeout
+            self._handoffs[task_id] = (due, entry)
         self._stop_handler(entry)
         return True
+
+    def _expire_handoffs(self, now: float) -> None:
+        """Handlers asked to give their task up that did not return within the handoff
+        timeout: abandon them and release the claim, so the task moves anyway."""
+        with self._lock:
+            due = [e for d, e in self._handoffs.values() if d <= now]
+            late = []
+            for entry in due:
+                del self._handoffs[entry.task.id]
+                if entry.returned.is_set() or entry.lost:
+                    continue
+                entry.abandoned = True  # read under the lock by _finish: it writes nothing
+                if self._running.get(entry.task.id) is entry:
+                    del self._running[entry.task.id]
+                self._back_off(entry.task)
+                late.append(entry)
+        for entry in late:
+            extra = {"task": entry.task.id, "token": entry.task.token, "action": "abandon"}
+            self._log.error("handler of task %s did not return within the handoff timeout "
+                            "(%.1fs); abandoning it and releasing the task", entry.task.id,
+                            self._handoff_timeout, extra=extra)
+            if entry.run is not None:
+                self._runner.cancel([entry.run])
+            self._write(Finish(entry.task, Outcome.RELEASE),
+                        functools.partial(self._recorded, Outcome.RELEASE, entry.task))
 
     def _stop_handler(self, entry: _Running, *, cancel: bool = False) -> None:
         """Deliver stop() (and, for an async handler of a lost claim, cancellation)."""
@@ -870,11 +993,14 @@ class Consumer:
             # The slot is free now, not when the outcome is written: claims for it overlap
             # the group commit instead of waiting for it.
             self._post("room", None)
-        # Shutting down: close() releases every claim left in one store request, so
-        # thousands of handlers stopping at once do not each wait for a release write.
+        # Shutting down: the shutdown sequence releases the claims of returned handlers in
+        # batches (finish_many), so thousands of handlers stopping at once do not each wait
+        # for a release write, and a handler still blocked does not hold the others' back.
         if skip or (stopping and outcome is Outcome.RELEASE):
             if not skip:
                 self.stats.incr(_COUNTER[outcome])
+                with self._lock:
+                    self._let_go.append(entry.task)
             self._ended(entry, outcome)
             return None
         return lambda: self._queue_outcome(entry, outcome, error)
@@ -966,8 +1092,35 @@ class Consumer:
 
     # -- shutdown -------------------------------------------------------------------
 
+    def _release_let_go(self) -> None:
+        """Write the releases of handlers that returned during shutdown, in one batch."""
+        with self._lock:
+            tasks, self._let_go = self._let_go[:_LET_GO_BATCH], self._let_go[_LET_GO_BATCH:]
+        if not tasks:
+            return
+        try:
+            results = self._coord.finish_many([Finish(t, Outcome.RELEASE) for t in tasks])
+        except MetaforaError as exc:  # close() frees them anyway (or their lease expires)
+            self._log.warning("could not release %d task(s) while shutting down: %s",
+                              len(tasks), exc, extra={"action": "release"})
+            return
+        released = sum(r is None for r in results)
+        self._log.info("released %d task(s) while shutting down", released,
+                       extra={"action": "release", "released": released})
+
+    def _announce_leaving(self) -> None:
+        """Tell the cluster this node is going, before its handlers stop (issue #92)."""
+        if self._leaving_announced:
+            return
+        self._leaving_announced = True
+        try:
+            self._coord.announce_leaving()
+        except MetaforaError as exc:
+            self._log.warning("could not announce leaving: %s", exc, extra={"action": "shutdown"})
+
     def _shutdown_sequence(self) -> None:
         self._stopping.set()
+        self._announce_leaving()
         self._scheduler.stop()
         timeout = self._timeout_override
         if timeout is None:
@@ -979,8 +1132,16 @@ class Consumer:
                     entry.stopped = self._clock.now()
         self._runner.stop(e.run for e in entries if e.run is not None)
         deadline = SYSTEM_CLOCK.monotonic() + timeout  # one deadline shared by every handler
-        for entry in entries:
-            entry.returned.wait(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
+        waiting = entries
+        while True:
+            waiting = [e for e in waiting if not e.returned.is_set()]
+            left = deadline - SYSTEM_CLOCK.monotonic()
+            if not waiting or left <= 0:
+                break  # close() releases what is left in one request
+            # Orphans move at once: while some handler still runs (maybe a stubborn one),
+            # what returned is released now, a bounded batch per pass.
+            self._release_let_go()
+            waiting[0].returned.wait(min(left, _LET_GO_EVERY))
         self._abandon([e for e in entries if not e.returned.is_set()], timeout)
         with self._lock:
             finishing = list(self._finishing)

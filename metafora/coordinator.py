@@ -318,6 +318,25 @@ class Coordinator(ClusterState, abc.ABC):
         """Publish whether this node is frozen, for operators' views (best effort)."""
         return  # optional: stores that keep node details override it
 
+    def announce_leaving(self) -> None:
+        """Publish that this node is shutting down: it claims nothing more and balancers of
+        other nodes stop counting it (:meth:`~metafora.balancer.ClusterState.active_task_count`).
+
+        Best effort (errors are logged, not raised); the node stays registered, holding its
+        claims, until :meth:`close`. Other nodes hear it as a membership change.
+        """
+        return  # optional: stores that publish node details override it
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` (no I/O, must not block) when nodes may have joined, left or
+        announced leaving; it may be called spuriously, and only once for a burst.
+
+        Returns False when the store cannot tell (the consumer then balances on its timer
+        only). Pushed where the store can (PostgreSQL NOTIFY, an etcd watch, memory),
+        otherwise noticed by the lease renewal's existing read (SQLite).
+        """
+        return False
+
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
         """Feed ``listener`` from this node's push channel (LISTEN/NOTIFY, etcd watch...).
 

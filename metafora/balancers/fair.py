@@ -27,8 +27,10 @@ _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
 class FairBalancer(ContextBalancer):
     """Releases random tasks while this node holds over ``threshold`` times the cluster average.
 
-    The cluster's counts come from ``ctx.cluster_state.node_task_count()``; this node's own
-    entry is always its local count (``ctx.task_count()``), which the store's view may lag.
+    The cluster's counts come from ``ctx.cluster_state.active_task_count()`` (live nodes that
+    did not announce they are leaving: a node shutting down still holds its last tasks but
+    takes none, so it is not averaged over); this node's own entry is always its local count
+    (``ctx.task_count()``), which the store's view may lag.
 
     **Releasing** (:meth:`balance`): when this node holds more than ``threshold`` times the average,
     it releases just enough randomly chosen tasks (``rng``) to come down to
@@ -207,6 +209,21 @@ class FairBalancer(ContextBalancer):
         )
         return chosen
 
+    def nodes_changed(self, left: bool) -> None:
+        """Forget cached counts; when a node left, stop refusing claims after a release.
+
+        The refusal after a release protects a balance decision taken over the old
+        membership; once a node has gone, its tasks are orphans that must find owners now,
+        and the next balance re-reads the counts anyway.
+        """
+        with self._lock:
+            self._cache = None
+            if left:
+                if self._refuse_until is not None:
+                    logger.debug("a node left: no longer refusing claims after the last release")
+                self._refuse_until = None
+                self._refused.clear()
+
     # -- internals ---------------------------------------------------------------------
 
     def _counts(self, ctx: BalancerContext, clock: Clock, *, fresh: bool) -> dict[str, int]:
@@ -214,7 +231,7 @@ class FairBalancer(ContextBalancer):
         with self._lock:
             cached = self._cache
         if fresh or cached is None or mono - cached[0] >= self._counts_ttl:
-            others = dict(ctx.cluster_state.node_task_count())
+            others = dict(ctx.cluster_state.active_task_count())
             with self._lock:
                 self._cache = (mono, others)
         else:

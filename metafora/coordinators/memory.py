@@ -116,6 +116,7 @@ class _Node:
     started: datetime
     commands: deque[str] = field(default_factory=deque)
     frozen: bool = False
+    leaving: bool = False
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -133,6 +134,7 @@ class MemoryStore:
         self.schedules: dict[str, Schedule] = {}
         self.schedule_seq = 0  # the schedules' compare-and-set versions
         self.schedule_listeners: list[Callable[[], None]] = []
+        self.member_listeners: list[Callable[[], None]] = []
 
     def schedule_changed(self, schedule: Schedule | None, name: str) -> None:
         """Store ``schedule`` (None: delete ``name``) with a fresh version; tell the listeners."""
@@ -143,6 +145,14 @@ class MemoryStore:
             self.schedules[name] = dataclasses.replace(schedule, version=self.schedule_seq)
         for wake in self.schedule_listeners:
             wake()
+
+    def members_changed(self) -> None:
+        """A node joined, left or announced leaving: tell every listening coordinator."""
+        for listener in list(self.member_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a membership listener of %s raised", self.name)
 
     def bump(self) -> int:
         """Note a change that may make tasks claimable; wake watchers."""
@@ -194,8 +204,9 @@ class MemoryStore:
                 row.ready = version
         return freed
 
-    def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(self.nodes, 0)
+    def counts(self, *, active: bool = False) -> dict[str, int]:
+        counts = dict.fromkeys((n for n, node in self.nodes.items()
+                                if not (active and node.leaving)), 0)
         for row in self.tasks.values():
             if row.state is TaskState.CLAIMED and row.owner in counts:
                 counts[row.owner] += 1
@@ -247,6 +258,7 @@ class MemoryCoordinator(Coordinator):
         self._ctx: CoordinatorContext | None = None
         self._closed = False
         self._schedule_wakes: list[Callable[[], None]] = []
+        self._listening: list[Callable[[], None]] = []
 
     @property
     def name(self) -> str:
@@ -265,6 +277,7 @@ class MemoryCoordinator(Coordinator):
             s.nodes[self._node_id] = _Node(self._node_id, ctx, s.clock.now(), labels=dict(ctx.labels))
             self._ctx = ctx
             s.bump()
+            s.members_changed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -278,6 +291,7 @@ class MemoryCoordinator(Coordinator):
             # The lease was lost (expire_lease): come back as a fresh registration.
             self._store.nodes[self._node_id] = _Node(self._node_id, self._ctx, self._store.clock.now(),
                                                      labels=dict(self._ctx.labels))
+            self._store.members_changed()
 
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
         sink = as_sink(out)
@@ -402,6 +416,26 @@ class MemoryCoordinator(Coordinator):
         with self._store.cond:
             return self._store.counts()
 
+    def active_task_count(self) -> dict[str, int]:
+        with self._store.cond:
+            return self._store.counts(active=True)
+
+    def announce_leaving(self) -> None:
+        """Mark this node leaving (balancers stop counting it) and tell the listeners."""
+        with self._store.cond:
+            node = self._store.nodes.get(self._node_id)
+            if node is None or node.leaving or self._closed:
+                return
+            node.leaving = True
+            self._store.members_changed()
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` whenever a node of this store joins, leaves or announces leaving."""
+        with self._store.cond:
+            self._check_open()
+            self._store.member_listeners.append(listener)
+            self._listening.append(listener)
+        return True
     def node_labels(self) -> dict[str, dict[str, str]]:
         with self._store.cond:
             return {n.node_id: dict(n.labels) for n in self._store.nodes.values()}
@@ -414,9 +448,13 @@ class MemoryCoordinator(Coordinator):
             self._closed = True
             for wake in self._schedule_wakes:
                 s.schedule_listeners.remove(wake)
+            for listener in self._listening:
+                s.member_listeners.remove(listener)
+            self._listening.clear()
             if self._ctx is not None and self._node_id in s.nodes:
                 s.free_claims(self._node_id)
                 del s.nodes[self._node_id]
+                s.members_changed()
             s.bump()
 
     def report_frozen(self, frozen: bool) -> None:
@@ -433,7 +471,8 @@ class MemoryCoordinator(Coordinator):
         s = self._store
         with s.cond:
             freed = s.free_claims(self._node_id, crashed=True)
-            s.nodes.pop(self._node_id, None)
+            if s.nodes.pop(self._node_id, None) is not None:
+                s.members_changed()
             ctx = self._ctx
         if ctx is not None:
             for task in freed:

@@ -99,6 +99,21 @@ class Commands(_MachineView):
             if message is not None:
                 return message
 
+    def handoff(self, cursor: str | None = None) -> Message:
+        """Answer a release with a final checkpoint: save ``cursor``, return ``release``.
+
+        When ``poll()`` or ``get()`` answers ``Message.release()`` (the balancer, ``metafora
+        stop`` or a shutdown asked for the task), ``return cmds.handoff(cursor)`` saves the
+        exact position reached (a fenced state write) before the claim moves, so the next
+        owner's ``cmds.cursor`` resumes right there. The consumer's ``handoff_timeout``
+        bounds how long this may take. If the write is refused (the claim was lost) or the
+        store stays unreachable, the error propagates and the task is still released: the
+        next owner resumes from the previous checkpoint. Unlike other store calls after
+        ``stop()``, this write is retried (``store_attempts``): stopping is why it is made.
+        """
+        self._machine.checkpoint(cursor, handoff=True)
+        return Message.release()
+
     def checkpoint(self, cursor: str | None = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write).
 
@@ -346,8 +361,11 @@ class StatefulTaskHandler(Handler):
             self._stop.wait(self.poll_interval if timeout is None else min(timeout, self.poll_interval))
         return None
 
-    def checkpoint(self, cursor: str | None) -> None:
-        """Persist the current state with ``cursor`` (see :meth:`Commands.checkpoint`)."""
+    def checkpoint(self, cursor: str | None, *, handoff: bool = False) -> None:
+        """Persist the current state with ``cursor`` (see :meth:`Commands.checkpoint`).
+
+        ``handoff``: the final checkpoint of a release, retried even though ``stop()`` was
+        called (the consumer's ``handoff_timeout`` bounds it)."""
         if self._lost:
             raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
         state = self._state
@@ -356,7 +374,8 @@ class StatefulTaskHandler(Handler):
         if new is None:  # only while runnable; kept general for the table's sake
             raise ClaimLost(f"task {self.task.id!r} cannot checkpoint in state {state.code.value}")
         try:
-            self._retry("checkpoint", lambda: self._states.store(self.task, new))
+            self._retry("checkpoint", lambda: self._states.store(self.task, new),
+                        cancel=threading.Event() if handoff else None)
         except ClaimLost as exc:
             self._lose(exc)
             raise
@@ -389,7 +408,11 @@ class StatefulTaskHandler(Handler):
                       state.code.value, exc.__cause__, extra={**self._extra, "action": "release"})
         return False
 
-    def _retry(self, what: str, call: Callable[[], T]) -> T:
+    def _retry(self, what: str, call: Callable[[], T],
+               cancel: threading.Event | None = None) -> T:
+        """``call()``, retried on retryable errors; a set ``cancel`` (default: stop()) ends
+        the retries early."""
+        cancel = self._stop if cancel is None else cancel
         delay = self._retry_delay
         for attempt in range(1, self._attempts + 1):
             try:
@@ -400,7 +423,7 @@ class StatefulTaskHandler(Handler):
                 log.warning("task %s: %s failed (attempt %d of %d), retrying: %s", self.task.id,
                             what, attempt, self._attempts, exc,
                             extra={**self._extra, "action": "retry"})
-                if self.clock.wait(self._stop, delay):
+                if self.clock.wait(cancel, delay):
                     raise _GiveUp(what) from exc
                 delay = min(delay * 2, _RETRY_MAX)
         raise AssertionError("unreachable")

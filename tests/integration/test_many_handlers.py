@@ -44,8 +44,11 @@ def test_shutdown_of_many_handlers_shares_one_deadline(
             took = time.monotonic() - began
         messages = [r.getMessage() for r in caplog.records]
         assert not [m for m in messages if "ignored stop()" in m]
-        # Released by the coordinator's close() in one request, not one write per handler.
-        assert not [r for r in caplog.records if getattr(r, "action", None) == "release"]
+        # Released in batches (finish_many, at most 100 per pass while handlers still stop)
+        # and by the coordinator's close() in one request, never one write per handler.
+        releases = [r for r in caplog.records if getattr(r, "action", None) == "release"]
+        assert not [r for r in releases if r.getMessage().startswith("task ")]
+        assert len(releases) < N // 10  # batches, however slowly the handlers return
         assert took < 60
         assert {t.state for t in cluster.client.tasks()} == {TaskState.PENDING}
         assert len(cluster.client.tasks()) == N

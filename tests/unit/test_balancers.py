@@ -675,6 +675,48 @@ def test_resource_balancer_with_real_reporters() -> None:
         assert balancer.balance() == []  # usage is never above 100
 
 
+# -- membership: leaving nodes and orphans (issue 15 item 4) --------------------------------
+
+
+class LeavingCluster(FakeCluster):
+    """A FakeCluster where some nodes announced they are leaving."""
+
+    def __init__(self, counts: dict[str, int], leaving: set[str]) -> None:
+        super().__init__(counts)
+        self.leaving = leaving
+
+    def active_task_count(self) -> dict[str, int]:
+        return {n: c for n, c in self.node_task_count().items() if n not in self.leaving}
+
+
+def test_fair_does_not_average_over_a_leaving_node_issue_92() -> None:
+    node = Node({}, running(5))
+    node.cluster = LeavingCluster({ME: 5, "node2": 1}, {"node2"})
+    node.ctx.cluster_state = node.cluster
+    balancer = node.init(FairBalancer(1.2, counts_ttl=0))
+    assert balancer.balance() == []  # alone among the active nodes: keeps its 5
+    node.cluster.leaving.clear()  # before: avg 3, 5 > 3.6, one released
+    assert len(balancer.balance()) == 1
+
+
+def test_fair_default_active_counts_are_the_node_counts() -> None:
+    cluster = FakeCluster({"a": 2})
+    assert cluster.active_task_count() == {"a": 2}
+
+
+def test_fair_a_node_leaving_ends_the_refusal_after_a_release() -> None:
+    node = Node({"a": 0}, running(10))
+    balancer = node.init(FairBalancer(1.2, claim_delay=600, counts_ttl=0, rng=random.Random(5)))
+    released = balancer.balance()
+    node.tasks = [rt for rt in node.tasks if rt.id not in released]
+    node.cluster.counts.update({ME: 6, "a": 4})
+    assert balancer.can_claim(task())[0] is False  # refusing for claim_delay
+    balancer.nodes_changed(left=False)  # a join changes nothing here
+    assert balancer.can_claim(task())[0] is False
+    del node.cluster.counts["a"]  # a left: its tasks are orphans
+    balancer.nodes_changed(left=True)
+    assert balancer.refusing_until is None
+    assert balancer.can_claim(task("orphan")) == (True, None)
 # -- placement: FairBalancer weighs a task against the nodes that could run it -------------
 
 

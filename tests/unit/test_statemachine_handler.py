@@ -663,3 +663,45 @@ def test_handler_func_validates_its_options(env: Env) -> None:
     with pytest.raises(ConfigError, match="no state store"):
         handler_func(returns(Message.complete()), object())  # type: ignore[arg-type]
 
+
+
+# -- graceful handoff (issue 15 item 5) ---------------------------------------------------
+
+
+def test_handoff_saves_the_cursor_and_releases(env: Env) -> None:
+    started = threading.Event()
+
+    def handler(task: Task, cmds: Commands) -> Message:
+        started.set()
+        message = cmds.get()  # waits until stop()
+        assert message == Message.release()
+        return cmds.handoff("42")
+
+    task = env.claim()
+    running = Running(env.machine(handler, task))
+    started.wait(5)
+    running.handler.stop()
+    assert running.result() is False  # released
+    state = env.states.get("t1")
+    assert state is not None and state.cursor == "42" and state.code is StateCode.RUNNABLE
+
+
+def test_the_handoff_checkpoint_is_retried_although_stopping(env: Env) -> None:
+    """Other store calls give up once stop() was called; the handoff is why it stops."""
+    flaky = FlakyStore(env.states, "store", 1)  # the handoff's first write fails
+    started = threading.Event()
+
+    def handler(task: Task, cmds: Commands) -> Message:
+        started.set()
+        cmds.get()
+        return cmds.handoff("7")
+
+    task = env.claim()
+    env.states.store(task, State(cursor="0"))  # not fresh: the first store call is the handoff
+    running = Running(env.machine(handler, task, state_store=flaky, clock=None, store_attempts=3))
+    started.wait(5)
+    running.handler.stop()
+    assert running.result() is False
+    assert flaky.calls == 2
+    state = env.states.get("t1")
+    assert state is not None and state.cursor == "7"

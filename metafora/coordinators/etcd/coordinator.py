@@ -87,6 +87,7 @@ from metafora.coordinators.etcd.layout import (
 )
 from metafora.coordinators.etcd.outcomes import ITEMS_PER_TXN, GroupCommit, OutcomeWriter
 from metafora.coordinators.etcd.queries import (
+    active_task_count,
     expire_task,
     fail_unclaimed,
     launch_and_expiry,
@@ -264,6 +265,8 @@ class EtcdCoordinator(Coordinator):
         self._alive_rev = 0  # create revision of our registration key
         self._started_at = clock.now()
         self._frozen = False
+        self._leaving = False
+        self._member_listeners: list[Callable[[], None]] = []
         self._labels: dict[str, str] = {}  # placement labels, from init(ctx)
         # claims this node holds
         self._held: dict[str, _Held] = {}
@@ -459,6 +462,7 @@ class EtcdCoordinator(Coordinator):
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "frozen": self._frozen,
+                "leaving": self._leaving,
                 **({"labels": self._labels} if self._labels else {}),
             }
         )
@@ -467,6 +471,17 @@ class EtcdCoordinator(Coordinator):
         """Publish the frozen flag in the node's registration (best effort)."""
         with self._lock:
             self._frozen = frozen
+        self._republish(f"frozen={frozen}", logging.DEBUG)
+
+    def announce_leaving(self) -> None:
+        """Publish ``leaving`` in the node's registration (best effort): the other nodes'
+        watches see it at once and their balancers stop counting this node."""
+        with self._lock:
+            self._leaving = True
+        self._republish("leaving", logging.WARNING)
+
+    def _republish(self, what: str, level: int) -> None:
+        with self._lock:
             lease, alive_rev = self._lease_id, self._alive_rev
         if lease is None or self._closed:
             return
@@ -474,8 +489,22 @@ class EtcdCoordinator(Coordinator):
         try:
             self._driver.txn([created_at(alive, alive_rev)], [Put(alive, self._alive_record(), lease)])
         except MetaforaError as exc:
-            log.debug("node %s: could not publish frozen=%s: %s", self._node_id, frozen, exc,
-                      extra=self._extra)
+            log.log(level, "node %s: could not publish %s: %s", self._node_id, what, exc,
+                    extra=self._extra)
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` when the namespace watch sees a registration key change (a
+        join, a leave or lease expiry, a ``leaving`` flag) and whenever it re-lists."""
+        with self._lock:
+            self._member_listeners.append(listener)
+        self._ensure_watcher()
+        return True
+
+    def _members_changed(self) -> None:
+        with self._lock:
+            listeners = list(self._member_listeners)
+        for listener in listeners:
+            listener()
 
     def _revoke_quietly(self, lease: int) -> None:
         try:
@@ -949,6 +978,9 @@ class EtcdCoordinator(Coordinator):
         self._check_open()
         return node_task_count(self._driver, self._keys)
 
+    def active_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return active_task_count(self._driver, self._keys)
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         return node_labels(self._driver, self._keys)
@@ -1223,6 +1255,7 @@ class EtcdCoordinator(Coordinator):
         self._notify_lost(lost)
         for listener in listeners:
             listener.recheck()  # the watch restarts: a put meanwhile may be unseen
+        self._members_changed()  # likewise for a node that came or went meanwhile
         return revision
 
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
@@ -1259,6 +1292,7 @@ class EtcdCoordinator(Coordinator):
         lost: list[Task] = []
         commands = False
         schedules_changed = False
+        members = False
         task_commands: list[str] = []
         with self._lock:
             if gen != self._watch_gen:
@@ -1271,6 +1305,9 @@ class EtcdCoordinator(Coordinator):
                 put = event.kind == "put"
                 if kind == "command":
                     commands = commands or (put and name == self._node_id)
+                    continue
+                if kind == "alive":
+                    members = members or name != self._node_id
                     continue
                 if kind == "taskcmd":
                     if put:
@@ -1325,6 +1362,8 @@ class EtcdCoordinator(Coordinator):
         for wake in wakes:
             wake()
         self._notify_lost(lost)
+        if members:
+            self._members_changed()
         for listener in listeners:
             for task_id in task_commands:
                 listener.ring(task_id)

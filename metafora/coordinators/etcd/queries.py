@@ -91,6 +91,22 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     return {node: held.get(node, 0) for node in sorted(nodes)}
 
 
+def active_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
+    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``."""
+    result = driver.txn(
+        [], [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
+    )
+    nodes = set()
+    for kv in result.ranges[0]:
+        parsed = keys.parse(kv.key)
+        if parsed is None or parsed[0] != "alive":
+            continue
+        data = decode_json(kv.value)
+        if isinstance(data, dict) and data.get("leaving"):
+            continue
+        nodes.add(parsed[1])
+    held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
+    return {node: held.get(node, 0) for node in sorted(nodes)}
 def node_labels(driver: EtcdDriver, keys: Keys) -> dict[str, dict[str, str]]:
     """Live node -> the labels its registration record publishes."""
     kvs, _ = driver.range(Range(keys.nodes, prefix=True))

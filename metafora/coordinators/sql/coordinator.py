@@ -80,6 +80,9 @@ class SQLCoordinator(Coordinator):
         self._schedule_listeners: list[Callable[[], None]] = []
         self._watches: list[Watch] = []
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
+        self._member_listeners: list[Callable[[], None]] = []
+        self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._lease.on_members = self._members_seen
 
     @property
     def name(self) -> str:
@@ -133,7 +136,7 @@ class SQLCoordinator(Coordinator):
                 if freed:
                     db.next_token_used(conn, max(int(row[0]) for row in freed))
                 db.execute(conn, "close_commands", dict(params))
-                db.execute(conn, "close_node", dict(params))
+                db.execute(conn, "close_node", dict(params)).fetchall()
         except MetaforaError as exc:
             log.warning("could not deregister node %s from %s (its lease will expire): %s",
                         self._node_id, self.name, exc, extra=self._extra)
@@ -194,6 +197,8 @@ class SQLCoordinator(Coordinator):
                 listener.ring(name)
         elif kind == "s":
             self._wake_schedulers()
+        elif kind == "j" and name != self._node_id:
+            self._members_changed()
         elif kind == "":  # SQLite: something was committed; look
             with self._lock:
                 watches = list(self._watches)
@@ -214,6 +219,40 @@ class SQLCoordinator(Coordinator):
         self._wake_schedulers()
         if self._ctx is not None:
             self._lease.request_check()
+
+    def _members_seen(self, fingerprint: tuple[Any, ...]) -> None:
+        """The lease read the membership fingerprint: tell the listeners if it changed."""
+        with self._lock:
+            before, self._member_print = self._member_print, fingerprint
+        if before != fingerprint:  # the first reading too: a change before it went unseen
+            self._members_changed()
+
+    def _members_changed(self) -> None:
+        with self._lock:
+            listeners = list(self._member_listeners)
+        for listener in listeners:
+            listener()
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """PostgreSQL: NOTIFY on every register, leaving and deregister; both dialects: the
+        lease's renewal (and SQLite's held-claims check) compare a membership fingerprint,
+        which also catches a node whose lease expired."""
+        with self._lock:
+            self._member_listeners.append(listener)
+        return True
+
+    def announce_leaving(self) -> None:
+        """Set this node's ``leaving`` flag (best effort; NOTIFY on PostgreSQL)."""
+        session = self._lease.session()
+        if session is None or self._closed.is_set():
+            return
+        try:
+            with self._db.write() as conn:
+                self._db.execute(conn, "node_leaving",
+                                 {"node": self._node_id, "session": session}).fetchall()
+        except MetaforaError as exc:
+            log.warning("could not publish that node %s is leaving: %s", self._node_id, exc,
+                        extra=self._extra)
 
     def _listeners(self) -> list[TaskCommandListener]:
         with self._lock:
@@ -511,6 +550,12 @@ class SQLCoordinator(Coordinator):
             rows = self._db.execute(conn, "node_counts", {}).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
+    def active_task_count(self) -> dict[str, int]:
+        self._check_open()
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "active_counts", {}).fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         self._db.ensure_schema()

@@ -55,7 +55,7 @@ class Dialect(abc.ABC):
         ``now`` (the database clock), ``ts_plus_secs`` (``now`` plus the ``:secs`` parameter),
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
-        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner`` (RETURNING items that send a
+        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner``, ``notify_members`` (RETURNING items that send a
         notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
         on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
@@ -127,6 +127,7 @@ class PostgresDialect(Dialect):
             "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
             "notify_batch": f"pg_notify('{chan}', 'b' || CAST(:ready AS text))",
+            "notify_members": f"pg_notify('{chan}', 'j' || node_id)",
             "in_ids": "= ANY(CAST(:ids AS text[]))",
             "offered_tasks": (
                 "metafora_tasks WHERE namespace = :ns AND id = ANY(CAST(:ids AS text[]))"
@@ -244,6 +245,7 @@ class SQLiteDialect(Dialect):
             "notify_task_cmd": "NULL",
             "notify_owner": "NULL",
             "notify_batch": "NULL",
+            "notify_members": "NULL",
             "in_ids": "IN (SELECT value FROM json_each(:ids))",
             # The offered ids drive the loop (CROSS JOIN fixes the order): one primary-key
             # probe each, and their places without re-reading the JSON per row.

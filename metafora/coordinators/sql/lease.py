@@ -59,6 +59,8 @@ class Lease:
         self._on_lost = on_lost
         self._on_renewed = on_renewed
         self.frozen: bool | None = None  # published with every registration
+        # Told the membership fingerprint every read of the lease returns (see statements).
+        self.on_members: Callable[[tuple[Any, ...]], None] | None = None
         self.labels: Mapping[str, str] = {}  # likewise (placement labels)
         cfg = db.config
         self._renew_every = cfg.renew_interval
@@ -347,6 +349,7 @@ class Lease:
         before = self._snapshot()
         with self._db.read() as conn:
             row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
+        self._members(tuple(row[2:]))
         self._compare(before, (int(row[0]), int(row[1])))
 
     def _renew(self) -> float:
@@ -379,8 +382,16 @@ class Lease:
                 self._on_renewed(elapsed)
             except Exception:
                 log.exception("the renewal hook raised", extra=self._extra)
+        self._members(tuple(row[2:]))
         self._compare(before, (int(row[0]), int(row[1])))
         return started
+
+    def _members(self, fingerprint: tuple[Any, ...]) -> None:
+        if self.on_members is not None:
+            try:
+                self.on_members(fingerprint)
+            except Exception:
+                log.exception("the membership hook raised", extra=self._extra)
 
     def _compare(self, before: tuple[int, tuple[int, int], bool], store: tuple[int, int]) -> None:
         """Reconcile if the store's (count, token sum) of our claims differs from ours.

@@ -17,7 +17,8 @@ Tables (all prefixed ``metafora_``):
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
-  ``labels`` (v4: JSON object, NULL for none).
+  ``labels`` (v4: JSON object, NULL for none), ``leaving`` (v6: the node announced it is
+  shutting down; balancers no longer count it).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
 - ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
@@ -146,6 +147,10 @@ def _v5_schedules(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text(_V5_SCHEDULES.format(**dialect.ddl_types())))
 
 
+def _v6_node_leaving(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN leaving BOOLEAN"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
@@ -153,6 +158,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("nodes.labels, tasks.selector, priority and placement: placement and priorities",
      _v4_placement),
     ("schedules: masterless periodic tasks", _v5_schedules),
+    ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

@@ -52,6 +52,15 @@ _FENCED_MANY = (
     "namespace = :ns AND id {in_finished} AND (id, token) IN (SELECT fid, ftoken FROM v)"
     " AND owner = :node AND state = 'claimed'"
 )
+# What the lease's existing reads (renewal; SQLite's held-claims check) also return: a
+# fingerprint of the membership (active nodes, newest start), so a change is noticed with no
+# query of its own; PostgreSQL is told at once by NOTIFY as well.
+_MEMBERS = (
+    " (SELECT count(*) FROM metafora_nodes m WHERE m.namespace = :ns"
+    " AND m.lease_until > {now} AND m.leaving IS NOT TRUE),"
+    " (SELECT max(m.started_at) FROM metafora_nodes m WHERE m.namespace = :ns"
+    " AND m.lease_until > {now})"
+)
 _INFO_COLUMNS = (
     "id, props,"
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
@@ -141,9 +150,13 @@ _SQL: dict[str, str] = {
         " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
         " lease_until = excluded.lease_until, started_at = excluded.started_at,"
         " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
-        " task_count = 0, frozen = excluded.frozen, labels = excluded.labels"
+        " task_count = 0, frozen = excluded.frozen, labels = excluded.labels, leaving = NULL"
         " WHERE metafora_nodes.lease_until <= {now}"
-        " RETURNING session"
+        " RETURNING session, {notify_members}"
+    ),
+    "node_leaving": (
+        "UPDATE metafora_nodes SET leaving = TRUE WHERE namespace = :ns AND node_id = :node"
+        " AND session = :session RETURNING {notify_members}"
     ),
     "node_frozen": (
         "UPDATE metafora_nodes SET frozen = :frozen WHERE namespace = :ns AND node_id = :node"
@@ -167,10 +180,11 @@ _SQL: dict[str, str] = {
         " (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns AND t.owner = :node"
         " AND t.state = 'claimed'),"
         " (SELECT coalesce(sum(t.token), 0) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = :node AND t.state = 'claimed')"
+        " AND t.owner = :node AND t.state = 'claimed'),"
+        + _MEMBERS
     ),
     "held_summary": (
-        "SELECT count(*), coalesce(sum(token), 0) FROM metafora_tasks"
+        "SELECT count(*), coalesce(sum(token), 0)," + _MEMBERS + " FROM metafora_tasks"
         " WHERE namespace = :ns AND owner = :node AND state = 'claimed'"
     ),
     "held_list": (
@@ -189,6 +203,7 @@ _SQL: dict[str, str] = {
     ),
     "close_node": (
         "DELETE FROM metafora_nodes WHERE namespace = :ns AND node_id = :node AND session = :session"
+        " RETURNING {notify_members}"
     ),
     # -- commands ---------------------------------------------------------------------------
     "command_peek": (
@@ -372,6 +387,11 @@ _SQL: dict[str, str] = {
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now}"
+    ),
+    "active_counts": (
+        "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
+        " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
     ),
     "purge_state": (
         "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"

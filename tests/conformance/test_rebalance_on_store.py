@@ -1,0 +1,197 @@
+"""Issue 15 items 4-5 on every store: membership events, leaving nodes, orphans.
+
+- a node that announces it is leaving is not counted by balancers (Metafora's issue #92);
+- the store tells listeners when a node joins, leaves or announces leaving;
+- a join makes the others balance within the dampening window, not after ``balance_every``;
+- tasks freed by a leaving node are orphans: survivors take them despite ``claim_delay``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from metafora import Consumer, Task, TaskState, commands, open_coordinator, simple_handler
+from metafora.balancers.fair import FairBalancer
+from metafora.statemachine.handler import Commands, handler_func
+from metafora.statemachine.machine import Message, MessageKind
+from metafora.testing import LocalCluster, RecordingContext, wait_for
+
+
+class Running:
+    """Handlers that block until stopped; ``stubborn`` ids ignore stop() until ``unblock``."""
+
+    def __init__(self, stubborn: tuple[str, ...] = ()) -> None:
+        self.lock = threading.Lock()
+        self.where: dict[str, str] = {}
+        self.stubborn = stubborn
+        self.unblock = threading.Event()
+
+    def handler(self, node: str) -> object:
+        def work(task: Task, stop: threading.Event) -> bool:
+            with self.lock:
+                self.where[task.id] = node
+            try:
+                if task.id in self.stubborn and not self.unblock.is_set():
+                    self.unblock.wait(120)  # ignores stop() until the test lets it go
+                else:
+                    stop.wait(120)
+                return False
+            finally:
+                with self.lock:
+                    if self.where.get(task.id) == node:
+                        del self.where[task.id]
+
+        return simple_handler(work)
+
+    def on(self, node: str) -> list[str]:
+        with self.lock:
+            return sorted(t for t, n in self.where.items() if n == node)
+
+
+def test_leaving_nodes_are_not_counted_and_membership_is_pushed(store_url: str) -> None:
+    a = open_coordinator(store_url, node_id="a")
+    b = open_coordinator(store_url, node_id="b")
+    c = open_coordinator(store_url, node_id="c")
+    heard = threading.Event()
+    try:
+        a.init(RecordingContext())
+        assert a.listen_membership(heard.set)
+        b.init(RecordingContext())
+        wait_for(heard.is_set, 30, "a hears b join")
+        assert set(a.active_task_count()) == {"a", "b"}
+        heard.clear()
+        b.announce_leaving()
+        wait_for(heard.is_set, 30, "a hears b announce leaving")
+        assert set(a.active_task_count()) == {"a"}
+        assert set(a.node_task_count()) == {"a", "b"}  # still live, still holding its claims
+        heard.clear()
+        b.close()
+        wait_for(heard.is_set, 30, "a hears b leave")
+        assert set(a.node_task_count()) == {"a"}
+        heard.clear()
+        c.init(RecordingContext())  # a new node is counted, and heard
+        wait_for(heard.is_set, 30, "a hears c join")
+        assert set(a.active_task_count()) == {"a", "c"}
+    finally:
+        for coord in (a, b, c):
+            coord.close()
+
+
+def test_issue_92_a_shutting_down_node_is_not_averaged_over(store_url: str) -> None:
+    """6 tasks split 4|2; node2 shuts down with one handler still blocked; node1 then holds 5
+    and a balance on node1 keeps its 5 (it used to release one, averaging over node2's 1)."""
+    running = Running(stubborn=("t4",))
+    fair = FairBalancer(claim_delay=600)
+    with LocalCluster(store_url, shutdown_timeout=60) as cluster:
+        node1 = cluster.add(running.handler("node1"), "node1", fair,
+                            balance_every=3600, rebalance_window=3600)
+        for i in range(4):
+            cluster.client.submit_task(Task(f"t{i}"))
+        wait_for(lambda: len(running.on("node1")) == 4, 60, "node1 runs 4")
+        cluster.client.submit_command("node1", commands.freeze())
+        wait_for(lambda: node1.frozen, 30, "node1 frozen")
+        node2 = cluster.add(running.handler("node2"), "node2")
+        for i in (4, 5):
+            cluster.client.submit_task(Task(f"t{i}"))
+        wait_for(lambda: running.on("node2") == ["t4", "t5"], 60, "node2 runs t4, t5")
+        cluster.client.submit_command("node1", commands.unfreeze())
+        wait_for(lambda: not node1.frozen, 30, "node1 unfrozen")
+        stopper = threading.Thread(target=cluster.stop, args=(node2, 60.0), daemon=True)
+        stopper.start()
+        try:
+            wait_for(lambda: len(running.on("node1")) == 5, 60, "node1 takes t5")
+            assert running.on("node2") == ["t4"]  # still blocked on node2
+            assert "node2" in cluster.client.nodes()
+            assert fair.balance() == []  # node1 keeps its 5
+        finally:
+            running.unblock.set()
+            stopper.join(90)
+        wait_for(lambda: len(running.on("node1")) == 6, 60, "node1 takes t4 once node2 left")
+        assert not cluster.errors
+
+
+def test_a_join_balances_at_once_and_orphans_skip_claim_delay(store_url: str) -> None:
+    running = Running()
+    fair = FairBalancer(claim_delay=600)
+    with LocalCluster(store_url, shutdown_timeout=30) as cluster:
+        # balance_every is an hour: only the join's membership event can make a balance.
+        cluster.add(running.handler("a"), "a", fair, balance_every=3600, rebalance_window=0.5)
+        for i in range(6):
+            cluster.client.submit_task(Task(f"t{i}"))
+        wait_for(lambda: len(running.on("a")) == 6, 60, "a runs 6")
+        b = cluster.add(running.handler("b"), "b")
+        wait_for(lambda: len(running.on("b")) == 2 and len(running.on("a")) == 4, 60,
+                 "a releases 2 to b after b joined")
+        assert fair.refusing_until is not None  # a refuses claims for 10 minutes...
+        cluster.stop(b)
+        # ... but b's tasks are orphans, not a rebalance: a takes them well before that.
+        wait_for(lambda: len(running.on("a")) == 6, 60, "a takes b's orphans")
+        assert not cluster.errors
+
+
+class Items:
+    """A stateful handler working through items 0..N-1, one per ~20 ms; its cursor is the
+    next item. Asked to release, it hands off with the exact position (a final checkpoint)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.lock = threading.Lock()
+        self.done: list[tuple[int, str]] = []
+
+    def on(self, node: str) -> list[int]:
+        with self.lock:
+            return [i for i, n in self.done if n == node]
+
+    def handler(self, node: str) -> Callable[[Task, Commands], Message]:
+        def step(task: Task, cmds: Commands) -> Message:
+            i = int(cmds.cursor or 0)
+            while i < self.total:
+                with self.lock:
+                    self.done.append((i, node))
+                i += 1
+                msg = cmds.get(timeout=0.02)  # paces the work; answers release when asked
+                if msg is not None and msg.kind is MessageKind.RELEASE:
+                    return cmds.handoff(str(i))
+                if msg is not None:
+                    return msg
+            return Message.complete()
+
+        return step
+
+
+def test_a_stateful_task_handed_off_resumes_exactly_where_it_stopped(store_url: str) -> None:
+    items = Items(total=150)
+    with LocalCluster(store_url, shutdown_timeout=30) as cluster:
+        a_coord = open_coordinator(store_url, node_id="a")
+        cluster.start(Consumer(a_coord, handler_func(items.handler("a"), a_coord, poll_interval=0.02),
+                               release_backoff=600))
+        cluster.client.submit_task(Task("job"))
+        wait_for(lambda: len(items.on("a")) >= 10, 60, "a works on job")
+        b_coord = open_coordinator(store_url, node_id="b")
+        cluster.start(Consumer(b_coord, handler_func(items.handler("b"), b_coord, poll_interval=0.02)))
+        cluster.client.submit_command("a", commands.stop_task("job"))  # as `metafora stop` does
+        wait_for(lambda: len(items.on("b")) >= 1, 60, "b resumes job")
+        cluster.wait_for_state("job", TaskState.DONE, 60)
+        with items.lock:
+            order = [i for i, _ in items.done]
+        assert order == list(range(150))  # no item twice, none skipped
+        assert items.on("a") and items.on("b")
+        assert not cluster.errors
+
+
+def test_a_handler_that_ignores_a_release_is_abandoned_after_the_handoff_timeout(
+    store_url: str,
+) -> None:
+    running = Running(stubborn=("stuck",))
+    with LocalCluster(store_url, shutdown_timeout=5) as cluster:
+        a = cluster.add(running.handler("a"), "a", handoff_timeout=0.5, release_backoff=600)
+        cluster.client.submit_task(Task("stuck"))
+        wait_for(lambda: running.on("a") == ["stuck"], 60, "a runs stuck")
+        cluster.add(running.handler("b"), "b")
+        cluster.client.submit_command("a", commands.stop_task("stuck"))
+        # a's handler never returns, yet the claim moves to b once the handoff timeout passed.
+        wait_for(lambda: cluster.client.get_task("stuck").owner == "b", 60, "b takes stuck")
+        assert [t.id for t in a.tasks()] == []
+        running.unblock.set()
+        assert not cluster.errors
