@@ -41,3 +41,28 @@ def test_pages_filters_and_counts(store_url: str) -> None:
             assert counts[TaskState.DONE] == counts[TaskState.FAILED] == counts[TaskState.EXPIRED] == 0
             with pytest.raises(ValueError, match="limit"):
                 client.task_page(limit=0)
+
+
+def test_paging_visits_every_task_once_whatever_the_ids(store_url: str) -> None:
+    # Ids that are prefixes of one another, with characters sorting below and above "/" and
+    # ones a store must escape: keyset paging must neither skip nor repeat any of them.
+    ids = ["a", "a-1", "a.b", "a/b", "a%", "a b", "ab", "a~", "é", "b"]
+    ids += [f"n{i:03d}" for i in range(120)]
+    with open_client(store_url) as client:
+        client.submit_tasks(Task(i) for i in ids)
+        seen: list[str] = []
+        after = None
+        while True:
+            page = client.task_page(limit=7, after=after)
+            if not page:
+                break
+            seen += [t.id for t in page]
+            after = page[-1].id
+        assert sorted(seen) == sorted(ids)
+        assert len(seen) == len(ids)
+        pending = []
+        after = None
+        while page := client.task_page(state="pending", prefix="n0", limit=9, after=after):
+            pending += [t.id for t in page]
+            after = page[-1].id
+        assert sorted(pending) == [f"n{i:03d}" for i in range(100)]

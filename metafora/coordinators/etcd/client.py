@@ -29,11 +29,13 @@ from metafora.coordinators.etcd.driver import (
     created_at,
     exists,
     modified_at,
+    prefix_end,
 )
 from metafora.coordinators.etcd.layout import (
     Keys,
     TaskRecord,
     decode_json,
+    escape,
     iso,
     labels_of,
     parse_iso,
@@ -47,6 +49,7 @@ from metafora.coordinators.etcd.queries import (
     node_task_count,
     read_all_tasks,
     read_task,
+    read_task_page,
 )
 from metafora.errors import (
     CoordinatorClosed,
@@ -68,6 +71,10 @@ log = logging.getLogger(__name__)
 _FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
 _RETRIES = 5
 _TXN_OPS = 128  # etcd's default --max-txn-ops: operations per branch of one txn
+
+
+_PAGE_KEYS_MAX = 20_000
+"""The most task keys :meth:`EtcdClient.task_page` reads in one request."""
 
 
 class EtcdClient(Client):
@@ -234,6 +241,46 @@ class EtcdClient(Client):
             if info is not None and (wanted is None or info.state is wanted):
                 out.append(info)
         return out
+
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """Like :meth:`Client.task_page`, reading the store a page of keys at a time (never the
+        whole namespace at once). etcd orders tasks by key: the percent-encoded id followed by
+        ``/``, which is id order except that an id sorts after its extensions that continue
+        with a character below ``/`` (``a-1`` before ``a``); ``after`` pages in that same order,
+        so paging never skips or repeats a task."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self._check_open()
+        wanted = None if state is None else TaskState(state)
+        base = self._keys.tasks + escape(prefix).encode()
+        end = prefix_end(base)
+        start: bytes | None = base
+        if after is not None:
+            start = max(base, prefix_end(self._keys.task(after).prefix))
+        page: list[TaskInfo] = []
+        max_keys = 4 * limit + 16  # about a page of tasks (up to 4 keys each)
+        while start is not None and start < end and len(page) < limit:
+            records, start = read_task_page(self._driver, self._keys, start, end, max_keys)
+            # A filter that few tasks pass: read more per round trip, still bounded.
+            max_keys = min(2 * max_keys, _PAGE_KEYS_MAX)
+            for task_id, rec in records:
+                info = self._sweep(task_id, rec)
+                if info is None or (wanted is not None and info.state is not wanted):
+                    continue
+                if owner is not None and info.owner != owner:
+                    continue
+                page.append(info)
+                if len(page) >= limit:
+                    break
+        return page
 
     def purge(self, older_than: timedelta | None = None) -> int:
         self._check_open()

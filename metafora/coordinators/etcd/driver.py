@@ -186,13 +186,15 @@ class Delete(NamedTuple):
 
 
 class Range(NamedTuple):
-    """Read ``key`` (or every key under it when ``prefix``)."""
+    """Read ``key`` (or every key under it when ``prefix``, or every key from it up to
+    ``end`` excluded)."""
 
     key: bytes
     prefix: bool = False
     keys_only: bool = False
     limit: int = 0
     by_create: bool = False  # ascending create revision instead of key order
+    end: bytes | None = None
 
 
 Op = Put | Delete | Range
@@ -780,7 +782,9 @@ def _txn_result(response: Any, retried: bool) -> TxnResult:
 
 def _range_request(rpc: Any, r: Range, revision: int) -> Any:
     request = rpc.RangeRequest(key=r.key, keys_only=r.keys_only, limit=r.limit, revision=revision)
-    if r.prefix:
+    if r.end is not None:
+        request.range_end = r.end
+    elif r.prefix:
         request.range_end = prefix_end(r.key)
     if r.by_create:
         request.sort_target = rpc.RangeRequest.CREATE

@@ -33,6 +33,7 @@ __all__ = [
     "node_task_count",
     "read_all_tasks",
     "read_task",
+    "read_task_page",
 ]
 
 
@@ -62,6 +63,33 @@ def read_all_tasks(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, TaskRecord
         [], [Range(keys.tasks, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
     )
     return gather(keys, result.ranges[0] + result.ranges[1]), result.revision
+
+
+def read_task_page(driver: EtcdDriver, keys: Keys, start: bytes, end: bytes,
+                   max_keys: int) -> tuple[list[tuple[str, TaskRecord]], bytes | None]:
+    """The tasks whose keys lie in ``[start, end)``, in key order, reading at most about
+    ``max_keys`` task keys (and their owner keys, at the same revision); and where the next
+    page starts, or None at the end. A task is never split between two pages."""
+    kvs, revision = driver.range(Range(start, end=end, limit=max_keys))
+    order: list[str] = []
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is not None and parsed[0] == "task" and (not order or order[-1] != parsed[1]):
+            order.append(parsed[1])
+    following: bytes | None = None
+    if len(kvs) >= max_keys and order:
+        # The last task's keys may go on past the limit: it starts the next page instead.
+        last = order.pop()
+        following = keys.task(last).prefix
+        kvs = [kv for kv in kvs if not kv.key.startswith(following)]
+        if not order:  # cannot happen with max_keys above a task's key count
+            raise ValueError("max_keys is too small for one task's keys")
+    if not order:
+        return [], following
+    owned = sorted(keys.task(task_id).owner for task_id in order)
+    owners, _ = driver.range(Range(owned[0], end=owned[-1] + b"\0"), revision=revision)
+    records = gather(keys, kvs + owners)
+    return [(task_id, records[task_id]) for task_id in order if task_id in records], following
 
 
 def live_nodes(driver: EtcdDriver, keys: Keys) -> list[str]:
