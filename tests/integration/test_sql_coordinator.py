@@ -245,6 +245,40 @@ def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
     assert next_offer(offers, "pushed", 10).id == "pushed"
 
 
+def test_a_stream_of_notifications_does_not_starve_the_ready_scan(postgres_url: str) -> None:
+    # A notified round offers the notified tasks and puts the rest of its quick check off a
+    # little (so it does not slow the claim down): under a steady stream of notifications
+    # that check must still run, or a pending row nobody notified would wait for the full
+    # scan (poll_interval 60 here: a minute).
+    with ExitStack() as stack:
+        nodes = Nodes(postgres_url)
+        stack.enter_context(nodes.stack)
+        a = nodes.node("a", poll_interval=60)
+        offers = nodes.watch(a)
+        nodes.client.submit_task(Task("warm-up"))
+        next_offer(offers, "warm-up", 10)
+        stop = threading.Event()
+
+        def stream() -> None:
+            for i in range(20_000):
+                if stop.is_set():
+                    return
+                nodes.client.submit_task(Task(f"noise-{i}"))
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        stack.callback(streamer.join, 30)
+        stack.callback(stop.set)
+        wait_for(lambda: offers.qsize() > 5, 10, "notified offers to flow")
+        ns = parse_store_url(postgres_url).query.get("namespace", "metafora")
+        nodes.raw(  # pending, with a fresh ready value, and no NOTIFY
+            "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
+            " updated_at) VALUES (:ns, 'silent', '{}', 'pending', 0,"
+            " nextval('metafora_token_seq'), now(), now())", ns=ns)
+        assert next_offer(offers, "silent", 20).id == "silent"
+        assert streamer.is_alive(), "the stream ended before the silent row was offered"
+
+
 def test_watch_offers_in_bounded_batches_and_returns_on_close(nodes: Nodes) -> None:
     a = nodes.node("a")
     ids = [f"b{i:04d}" for i in range(1100)]  # more than two batches
