@@ -74,7 +74,8 @@ def claim_plan(url: str) -> str:
         with db.transaction() as conn:
             conn.exec_driver_sql("SET LOCAL enable_seqscan = on")
             compiled = stmt.compile(dialect=db.engine.dialect)
-            params = {"ns": db.config.namespace, "id": "t-0000001", "node": "n", "session": "s"}
+            params = {"ns": db.config.namespace, "id": "t-0000001", "node": "n", "session": "s",
+                      "labels": "{}"}
             sql = "EXPLAIN (FORMAT JSON) " + str(compiled)
             plan = conn.exec_driver_sql(sql, {k: params[k] for k in compiled.params}).scalar()
             conn.rollback()

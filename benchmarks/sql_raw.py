@@ -80,8 +80,8 @@ def _raw_claimer(coord: SQLCoordinator) -> Any:
         conn = psycopg.connect(**db.dialect.connect_kwargs(), autocommit=True)  # type: ignore[attr-defined]
 
         def claim_pg(task_id: str) -> bool:
-            row = conn.execute(sql, {"ns": ns, "id": task_id, "node": node, "session": session},
-                               prepare=True).fetchone()
+            row = conn.execute(sql, {"ns": ns, "id": task_id, "node": node, "session": session,
+                                     "labels": "{}"}, prepare=True).fetchone()
             return row is not None
 
         return claim_pg
@@ -92,7 +92,7 @@ def _raw_claimer(coord: SQLCoordinator) -> Any:
     bump = "UPDATE metafora_counter SET value = ? WHERE name = 'token' AND value < ?"
 
     def claim_lite(task_id: str) -> bool:
-        values = {"ns": ns, "id": task_id, "node": node, "session": session}
+        values = {"ns": ns, "id": task_id, "node": node, "session": session, "labels": "{}"}
         lite.execute("BEGIN IMMEDIATE")
         try:
             row = lite.execute(sql, [values[k] for k in order]).fetchone()
