@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from metafora.connect import open_coordinator
@@ -67,3 +71,17 @@ def state_code(cluster: LocalCluster, task_id: str = "t1") -> StateCode | None:
 
     state = get_state(cluster.client, task_id)
     return None if state is None else state.code
+
+
+def stop_processes(procs: Iterable[BaseProcess], timeout: float = 30.0) -> None:
+    """Stop worker processes by pid: SIGTERM to all, join each (``timeout``), then SIGKILL."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)

@@ -6,7 +6,6 @@ Each worker appends ``start``/``end`` lines to its own ledger (one ``write(2)`` 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
@@ -19,6 +18,7 @@ import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator, simple_handler
 from metafora.testing import wait_for
+from tests.helpers import stop_processes
 
 LABELS = {"w-gpu": {"gpu": "1", "zone": "eu"}, "w-cpu": {"gpu": "0", "zone": "eu"}, "w-bare": {}}
 
@@ -60,15 +60,7 @@ def workers(url: str, tmp_path: Path) -> Iterator[dict[str, BaseProcess]]:
     try:
         yield procs
     finally:
-        for proc in procs.values():
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+        stop_processes(procs.values(), 60)
 
 
 def test_three_processes_one_matches(url: str, workers: dict[str, BaseProcess], tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ once although they released tasks moments ago (``claim_delay`` of ten minutes).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ import pytest
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
 from metafora.balancers import FairBalancer
 from metafora.testing import wait_for
+from tests.helpers import stop_processes
 
 TASKS = 30
 THRESHOLD = 1.2
@@ -65,15 +65,7 @@ class Procs:
         proc.join(60)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+        stop_processes(self.procs.values(), 30)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ SIGKILLed midway, and every tick becomes exactly one task (no gap, no double) ov
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
@@ -18,6 +17,7 @@ from metafora import Consumer, Task, open_client, open_coordinator, simple_handl
 from metafora.schedule import tick_id
 from metafora.task import parse_time
 from metafora.testing import wait_for
+from tests.helpers import stop_processes
 
 WORKERS = 3
 TICKS = 30
@@ -55,15 +55,7 @@ def procs(url: str) -> Iterator[dict[str, BaseProcess]]:
             running[f"w{i}"] = proc
         yield running
     finally:
-        for proc in running.values():
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
-        for proc in running.values():
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+        stop_processes(running.values(), 30)
 
 
 @pytest.mark.slow

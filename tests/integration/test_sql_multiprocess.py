@@ -8,7 +8,6 @@ all processes of this machine, so runs in different processes can be compared.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -24,6 +23,7 @@ import pytest
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
 from metafora.testing import wait_for
+from tests.helpers import stop_processes
 
 LEASE_TTL = 2.0
 WORKERS = 3
@@ -113,15 +113,7 @@ class Workers:
             self.procs[node] = proc
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+        stop_processes(self.procs.values(), 30)
 
 
 @pytest.fixture
