@@ -11,6 +11,7 @@ of the store is gone).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -652,6 +653,8 @@ class Consumer:
         """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
         approved: list[Task] = []
         approved_ids: set[str] = set()
+        # Running tasks per spread group, counted once per claim burst (not once per offer).
+        spreads: dict[str | None, int] | None = None
         for task in tasks:
             if self._stopping.is_set():
                 return
@@ -668,7 +671,10 @@ class Consumer:
                 if self._frozen or (slots is not None and slots <= 0):
                     self._deferred.put(task)
                     continue
-            wait = self._hold_back(task, approved)
+            if task.spread is not None and spreads is None:
+                with self._lock:
+                    spreads = collections.Counter(e.task.spread for e in self._running.values())
+            wait = self._hold_back(task, approved, spreads)
             if wait is not None:
                 self._ignore(task, wait)
                 continue
@@ -689,6 +695,7 @@ class Consumer:
                 self._claim(approved, len(approved) if slots is None else slots)
                 approved = []
                 approved_ids.clear()
+                spreads = None  # the burst started handlers: count again when next needed
         if approved:
             with self._lock:
                 slots = self._free_slots()
@@ -700,10 +707,12 @@ class Consumer:
             return None
         return self._max_tasks - len(self._running)
 
-    def _hold_back(self, task: Task, approved: list[Task]) -> float | None:
+    def _hold_back(self, task: Task, approved: list[Task],
+                   spreads: Mapping[str | None, int] | None) -> float | None:
         """Seconds to hold ``task`` back for its soft placement, or None to go on claiming.
 
-        ``spread``: a node running ``n`` tasks of the group waits ``n * placement_wait``, so
+        ``spread``: a node running ``n`` tasks of the group (``spreads``: running tasks per
+        group, counted by the caller) waits ``n * placement_wait``, so
         nodes running fewer take it first; a task of a group another task of this offer wave
         was approved from waits only ``refuse_retry`` (that claim may be lost). ``prefer``: a
         node without the labels waits ``placement_wait`` while a live node has them. Offered
@@ -713,10 +722,7 @@ class Consumer:
         if (not task.prefer and task.spread is None) or not self._placement_wait:
             return None
         in_wave = task.spread is not None and any(t.spread == task.spread for t in approved)
-        running = 0
-        if task.spread is not None:
-            with self._lock:
-                running = sum(1 for e in self._running.values() if e.task.spread == task.spread)
+        running = spreads.get(task.spread, 0) if task.spread is not None and spreads else 0
         now = self._clock.monotonic()
         misplaced = (bool(task.prefer) and not matches(task.prefer, self._labels)
                      and self._preferred_node_live(task.prefer, now))
