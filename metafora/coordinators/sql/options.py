@@ -82,7 +82,10 @@ def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
     reader = OptionReader(url, options)
     namespace = reader.namespace()
     lease_ttl = reader.number("lease_ttl", 30.0, minimum=1.0, maximum=86400.0)
-    poll_default = 5.0 if kind == "postgresql" else 0.25
+    # PostgreSQL pushes every change (NOTIFY); its poll is only the safety net for rows
+    # written without one (another program), so it can be rare: 15 s keeps an idle node
+    # well under one request per second.
+    poll_default = 15.0 if kind == "postgresql" else 0.25
     poll_interval = reader.number("poll_interval", poll_default, minimum=0.01, maximum=3600.0)
     pool_size = reader.integer("pool_size", 10, minimum=1, maximum=100)
     connect_timeout = 5.0
