@@ -141,7 +141,8 @@ def many_partitions(url: str, count: int, batch_size: int, processes: int = 3,
 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """Measure every SQL store in ``stores``; print and save the table."""
-    count = 5_000 if quick else 20_000
+    # METAFORA_GATES_ITEMS: more items for a steadier figure (an A/B of two checkouts).
+    count = int(os.environ.get("METAFORA_GATES_ITEMS") or (5_000 if quick else 20_000))
     rows, data = [], {}
     for kind in stores.kinds:
         if kind not in SQL_STORES:

@@ -44,6 +44,7 @@ from metafora.errors import (
     CoordinatorUnavailable,
     InvalidProps,
     MetaforaError,
+    NodeExists,
 )
 from metafora.handler import AsyncHandler, Handler, HandlerFunc
 from metafora.http import InfoServer, parse_addr, render_metrics
@@ -203,6 +204,10 @@ class Consumer:
       dead (a handler that kills its process) is failed instead of run again (default 5;
       None or 0 turns it off).
     - ``shutdown_timeout``: how long ``shutdown()`` waits for handlers by default.
+    - ``start_timeout``: how long ``run()`` waits for a store that cannot be reached when it
+      starts (``CoordinatorUnavailable``), retrying with back-off, before it raises that error
+      (default 30 s; 0 raises at once). Other errors (bad configuration, a live node with the
+      same id) are raised at once.
     - ``handoff_timeout``: how long a handler asked to give its task up by the balancer or
       ``metafora stop`` may take to return (a stateful handler's final checkpoint, see
       :meth:`metafora.statemachine.handler.Commands.handoff`); past it the handler is
@@ -239,6 +244,7 @@ class Consumer:
         max_tasks: int | None = None,
         max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = 30.0,
+        start_timeout: float | timedelta = 30.0,
         handoff_timeout: float | timedelta = 30.0,
         release_backoff: float | timedelta = 1.0,
         release_backoff_max: float | timedelta = 60.0,
@@ -279,6 +285,7 @@ class Consumer:
         self._max_tasks = max_tasks
         self._max_crashes = max_crashes or None
         self._shutdown_timeout = _seconds(shutdown_timeout, "shutdown_timeout", allow_zero=True)
+        self._start_timeout = _seconds(start_timeout, "start_timeout", allow_zero=True)
         self._handoff_timeout = _seconds(handoff_timeout, "handoff_timeout", allow_zero=True)
         self._release_backoff = _seconds(release_backoff, "release_backoff", allow_zero=True)
         self._release_backoff_max = _seconds(release_backoff_max, "release_backoff_max", allow_zero=True)
@@ -403,11 +410,15 @@ class Consumer:
             self._started = True
             self._run_thread = threading.current_thread()
         try:
-            self._coord.init(_Context(self))
+            registered = self._register()
         except BaseException:
             self._coord.close()
             self._done.set()
             raise
+        if not registered:  # shutdown() while the store was unreachable
+            self._coord.close()
+            self._done.set()
+            return
         self._started_at = self._clock.now()
         self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
                        extra={"action": "start"})
@@ -436,6 +447,38 @@ class Consumer:
             self._shutdown_sequence()
         if self._fatal is not None:
             raise self._fatal
+
+    def _register(self) -> bool:
+        """``Coordinator.init``, waiting up to ``start_timeout`` for an unreachable store.
+
+        Returns False when ``shutdown()`` came first. A node starting beside a store that is
+        restarting, or overloaded, waits for it instead of exiting. A retried attempt that
+        meets ``NodeExists`` goes on retrying too: the attempt that seemed to fail may have
+        registered this node, and that registration expires with its lease.
+        """
+        deadline = self._clock.monotonic() + self._start_timeout
+        pause = 0.1
+        retried = False
+        while True:
+            try:
+                self._coord.init(_Context(self))
+                return True
+            except CoordinatorUnavailable as exc:
+                error: MetaforaError = exc
+            except NodeExists as exc:
+                if not retried:
+                    raise
+                error = exc
+            left = deadline - self._clock.monotonic()
+            if left <= 0:
+                raise error
+            self._log.warning("cannot register on %s yet (%s); retrying for up to %.0fs",
+                              mask_url(self._coord.name, brief=True), error, left,
+                              extra={"action": "start"})
+            if self._clock.wait(self._stopping, min(pause * self._rng.uniform(0.8, 1.2), left)):
+                return False
+            pause = min(pause * 2, 5.0)
+            retried = True
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.

@@ -22,6 +22,7 @@ from metafora.clock import Clock
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import DEFAULT_MAX_CRASHES, Client, CoordinatorContext
+from metafora.errors import CoordinatorUnavailable
 from metafora.handler import HandlerFunc
 from metafora.task import Task, TaskState, validate_labels
 
@@ -123,15 +124,27 @@ class RecordingContext(CoordinatorContext):
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
-    """Poll ``predicate`` (every 10 ms of real time) until truthy; AssertionError after ``timeout``."""
+    """Poll ``predicate`` (every 10 ms of real time) until truthy; AssertionError after ``timeout``.
+
+    A predicate that raises :class:`~metafora.errors.CoordinatorUnavailable` (a store briefly
+    out of reach, as on a loaded CI machine) counts as not yet true; the timeout's message
+    names the last such error.
+    """
     deadline = time.monotonic() + timeout
     pause = threading.Event()
+    away: CoordinatorUnavailable | None = None
     while True:
-        value = predicate()
-        if value:
-            return value
+        try:
+            value = predicate()
+        except CoordinatorUnavailable as exc:
+            away = exc
+        else:
+            away = None
+            if value:
+                return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            note = f" (the store was unreachable: {away})" if away is not None else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{note}") from away
         pause.wait(0.01)
 
 

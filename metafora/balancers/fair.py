@@ -89,6 +89,7 @@ class FairBalancer(ContextBalancer):
         self._rng = rng if rng is not None else random.Random()
         self._lock = threading.Lock()
         self._refuse_until: datetime | None = None
+        self._joined = False  # a node joined since the last balance: it may release again
         self._refused: dict[str, datetime] = {}
         self._cache: tuple[float, dict[str, int]] | None = None
         self._labels_cache: tuple[float, dict[str, dict[str, str]]] | None = None
@@ -109,6 +110,7 @@ class FairBalancer(ContextBalancer):
         super().init(ctx)
         with self._lock:
             self._refuse_until = None
+            self._joined = False
             self._refused.clear()
             self._cache = None
             self._labels_cache = None
@@ -175,7 +177,8 @@ class FairBalancer(ContextBalancer):
         ctx, clock = self._context("balance")
         now = clock.now()
         with self._lock:
-            if self._refuse_until is not None and now < self._refuse_until:
+            joined, self._joined = self._joined, False
+            if self._refuse_until is not None and now < self._refuse_until and not joined:
                 return []  # released tasks are still finding new owners; counts are in flux
         counts = self._counts(ctx, clock, fresh=True)
         releasable = [rt for rt in ctx.tasks() if rt.stopped is None]
@@ -214,10 +217,14 @@ class FairBalancer(ContextBalancer):
 
         The refusal after a release protects a balance decision taken over the old
         membership; once a node has gone, its tasks are orphans that must find owners now,
-        and the next balance re-reads the counts anyway.
+        and the next balance re-reads the counts anyway. When a node joined, the next
+        balance may release again even within ``claim_delay`` (the newcomer moved the
+        average): otherwise a node that released just before a join would leave the
+        newcomer idle until a periodic balance after the delay.
         """
         with self._lock:
             self._cache = None
+            self._joined = self._joined or not left
             if left:
                 if self._refuse_until is not None:
                     logger.debug("a node left: no longer refusing claims after the last release")

@@ -36,7 +36,10 @@ def _worker(url: str, node_id: str) -> None:
         stop.wait(600)
         return False
 
-    coord = open_coordinator(url, node_id=node_id, lease_ttl=3.0, poll_interval=0.2)
+    # The default lease_ttl (30 s): nothing here waits for a lease to expire (the leave is
+    # graceful), and a 3 s lease lapsed again and again on a saturated machine (load 60 on 2
+    # cores), so the tasks kept moving and the cluster never settled within the deadline.
+    coord = open_coordinator(url, node_id=node_id, poll_interval=0.2)
     consumer = Consumer(coord, simple_handler(hold), FairBalancer(THRESHOLD, claim_delay=600),
                         balance_every=3600, rebalance_window=1.0)
     runner = threading.Thread(target=consumer.run, name="consumer")

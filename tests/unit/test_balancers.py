@@ -717,6 +717,24 @@ def test_fair_a_node_leaving_ends_the_refusal_after_a_release() -> None:
     balancer.nodes_changed(left=True)
     assert balancer.refusing_until is None
     assert balancer.can_claim(task("orphan")) == (True, None)
+
+
+def test_fair_a_node_joining_lets_the_next_balance_release_within_claim_delay() -> None:
+    node = Node({"a": 0}, running(10))
+    balancer = node.init(FairBalancer(1.2, claim_delay=600, counts_ttl=0, rng=random.Random(5)))
+    released = balancer.balance()  # 10 vs 0: down to 6
+    assert len(released) == 4
+    node.tasks = [rt for rt in node.tasks if rt.id not in released]
+    node.cluster.counts.update({ME: 6, "a": 4, "b": 0})  # b joined: average 3.33, target 4
+    assert balancer.balance() == []  # within claim_delay: no second release...
+    balancer.nodes_changed(left=False)
+    second = balancer.balance()  # ...unless a node joined since
+    assert len(second) == 2
+    assert balancer.can_claim(task())[0] is False  # and it refuses claims again
+    node.tasks = [rt for rt in node.tasks if rt.id not in second]
+    assert balancer.balance() == []  # the join is used once
+
+
 # -- placement: FairBalancer weighs a task against the nodes that could run it -------------
 
 

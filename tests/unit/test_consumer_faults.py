@@ -13,6 +13,7 @@ import pytest
 
 from metafora import Balancer, BalancerContext, Consumer, Task, TaskState, commands
 from metafora.commands import Command
+from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import CoordinatorUnavailable, StoreError
 from tests.helpers import Harness, wait_until
@@ -47,6 +48,10 @@ class FlakyCoordinator(MemoryCoordinator):
         self._maybe_fail("command")
         return super().command(timeout)
 
+    def init(self, ctx: CoordinatorContext) -> None:
+        self._maybe_fail("init")
+        super().init(ctx)
+
 
 
 def test_claim_and_done_are_retried_while_the_store_is_away(harness: Harness) -> None:
@@ -60,6 +65,42 @@ def test_claim_and_done_are_retried_while_the_store_is_away(harness: Harness) ->
     assert ledger.ids() == ["patient"]
     harness.client.submit_command("a", commands.freeze())
     wait_until(lambda: harness.consumers[0].frozen, message="commands flow after errors")
+
+
+def test_a_store_unreachable_at_start_is_waited_for(harness: Harness) -> None:
+    ledger = Ledger()
+    coord = FlakyCoordinator(harness.coordinator("a"), {"init": 3})
+    harness.start(Consumer(coord, ledger_handler(ledger, "a"), start_timeout=60))
+    harness.client.submit_task(Task("late"))
+    wait_until(lambda: harness.client.get_task("late").state is TaskState.DONE,
+               message="the node registered once the store answered")
+    assert coord.calls["init"] == 4
+
+
+def test_a_store_unreachable_past_start_timeout_is_raised(harness: Harness) -> None:
+    coord = FlakyCoordinator(harness.coordinator("a"), {"init": 1000})
+    consumer = Consumer(coord, ledger_handler(Ledger(), "a"), start_timeout=0.3)
+    with pytest.raises(CoordinatorUnavailable, match="store away during init"):
+        consumer.run()
+    assert coord.calls["init"] >= 2
+
+
+def test_shutdown_ends_the_wait_for_an_unreachable_store(harness: Harness) -> None:
+    coord = FlakyCoordinator(harness.coordinator("a"), {"init": 1000})
+    consumer = Consumer(coord, ledger_handler(Ledger(), "a"), start_timeout=600)
+    runner = threading.Thread(target=consumer.run)
+    runner.start()
+    wait_until(lambda: coord.calls.get("init", 0) >= 2, message="retrying")
+    consumer.shutdown()
+    runner.join(10)
+    assert not runner.is_alive()
+
+
+def test_start_timeout_zero_raises_at_once(harness: Harness) -> None:
+    coord = FlakyCoordinator(harness.coordinator("a"), {"init": 1})
+    with pytest.raises(CoordinatorUnavailable):
+        Consumer(coord, ledger_handler(Ledger(), "a"), start_timeout=0).run()
+    assert coord.calls["init"] == 1
 
 
 class BrokenBalancer(Balancer):
