@@ -95,17 +95,20 @@ class ShellHandler(Handler):
               help="Seconds between SIGTERM and SIGKILL when a task is stopped.")
 @click.option("--lease-ttl", type=click.FloatRange(min=1), default=None, help="Lease TTL (s).")
 @click.option("--http", "http_addr", default=None, help="Serve /info, /metrics on HOST:PORT.")
+@click.option("--start-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds to wait for a store that cannot be reached at start.")
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", show_default=True)
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
 def main(url: str, node: str | None, max_tasks: int | None, grace: float, lease_ttl: float | None,
-         http_addr: str | None, log_level: str, log_json: bool) -> None:
+         http_addr: str | None, start_timeout: float, log_level: str, log_json: bool) -> None:
     """Run shell-command tasks from the store until SIGTERM or Ctrl-C."""
     configure(log_level, json_lines=log_json)
     options: dict[str, Any] = {} if lease_ttl is None else {"lease_ttl": lease_ttl}
     coord = open_coordinator(url, node_id=node, **options)
     try:
         consumer = Consumer(coord, lambda task: ShellHandler(task, grace), max_tasks=max_tasks,
-                            http_addr=http_addr, shutdown_timeout=grace + 5)
+                            http_addr=http_addr, shutdown_timeout=grace + 5,
+                            start_timeout=start_timeout)
     except BaseException:
         coord.close()  # a bad --http or option: leave nothing registered behind
         raise

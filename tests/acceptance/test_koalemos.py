@@ -139,8 +139,9 @@ def test_koalemosctl_refuses_a_taken_id(tmp_path: Path) -> None:
         (("--node", "bad node "), 2, "Error: node id 'bad node ' must not start or end with whitespace"),
         (("--url", "nosuch://h/x"), 2, "Error: unknown store scheme 'nosuch'"),
         (("--url", ""), 2, "Error: Invalid value for '--url': must not be empty"),
-        (("--url", "postgresql://postgres:Pw123@127.0.0.1:1/postgres"), 3,
+        (("--url", "postgresql://postgres:Pw123@127.0.0.1:1/postgres", "--start-timeout", "1"), 3,
          "Error: cannot reach the store postgresql://postgres:***@127.0.0.1:1/postgres"),
+        (("--start-timeout", "-1"), 2, "Error: Invalid value for '--start-timeout'"),
     ],
 )
 def test_koalemosd_user_errors(tmp_path: Path, args: tuple[str, ...], code: int, message: str) -> None:
