@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
 from metafora import Task, open_client
+from metafora.errors import MetaforaError
 
 BALANCE_EVERY = 5.0
 BALANCER = os.environ.get("METAFORA_STORM_BALANCER", "fair")  # or "dumb"
@@ -95,7 +96,12 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
                                        balance_every=BALANCE_EVERY))
             polls, held = 0, 0
             while time.monotonic() - began < timeout:
-                held = _held(kind, client)
+                try:
+                    held = _held(kind, client)
+                except MetaforaError as exc:  # an overloaded store: report it, poll again
+                    print(f"progress poll failed: {exc}")
+                    _pause(0.5)
+                    continue
                 polls += 1
                 if held >= n:
                     break
