@@ -155,8 +155,13 @@ class EtcdCoordinator(LeaseMixin, WatchMixin, ClaimsMixin, CommandsMixin, Coordi
         return node_task_count(self._driver, self._keys)
 
     def active_task_count(self) -> dict[str, int]:
+        """Live, not leaving, node -> tasks it holds: from the watch cache while a watch
+        follows the store (the balancers ask every second; reading every owner key each time
+        grew with the tasks held), else read from etcd."""
         self._check_open()
-        return active_task_count(self._driver, self._keys)
+        counts = self.cached_task_count(active=True)
+        return counts if counts is not None else active_task_count(self._driver, self._keys)
+
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         return node_labels(self._driver, self._keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,11 @@ class NodeBase:
         self._unusable: dict[str, int] = {}  # stored ids no Task may have -> props revision logged
         self._watch_queue: queue.Queue[object] | None = None
         self._watch_gen = 0  # which watch stream may fold events into the cache
+        # Who holds what, as the cache saw it: the balancers' counts without reading every
+        # owner key (a read that grows with the tasks held, made every second by every node).
+        self._live_nodes: dict[str, bool] = {}  # live node -> its registration says leaving
+        self._held_by: Counter[str] = Counter()  # node -> owner keys naming it
+        self._watch_live = False  # a watch stream is confirmed: the cache follows the store
         # commands
         self._cmd_cond = threading.Condition(self._lock)
         self._cmd_seq = 0

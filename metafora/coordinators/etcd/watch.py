@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
@@ -14,7 +15,7 @@ from metafora.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
 from metafora.coordinators.etcd.cache import Entry, Subscriber, offer_for
 from metafora.coordinators.etcd.driver import WatchBatch, WatchCompacted, WatchFailure, WatchHandle
 from metafora.coordinators.etcd.node import _BACKOFF_MAX, _BACKOFF_START, _STOP, NodeBase
-from metafora.coordinators.etcd.queries import read_all_tasks
+from metafora.coordinators.etcd.queries import is_leaving, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
 from metafora.task import Task, validate_task_id
 
@@ -23,6 +24,7 @@ __all__ = ["WatchMixin"]
 log = logging.getLogger(__name__)
 
 _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps)
+_RELIST_TASKS_PER_S = 1000.0  # a safety-net re-list comes no more often than tasks / this many s
 
 
 class WatchMixin(NodeBase):
@@ -152,6 +154,7 @@ class WatchMixin(NodeBase):
                 handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver)
                 # Schedule changes while no watch ran were not pushed: the schedulers look once.
                 with self._lock:
+                    self._watch_live = True
                     wakes = list(self._schedule_listeners)
                 for wake in wakes:
                     wake()
@@ -159,7 +162,7 @@ class WatchMixin(NodeBase):
                     log.info("node %s: watch recovered", self._node_id, extra=self._extra)
                 failing = False
                 backoff = _BACKOFF_START
-                relist_at = self._clock.monotonic() + self._cfg.poll_interval
+                relist_at = self._clock.monotonic() + self._relist_every()
                 while True:
                     left = relist_at - self._clock.monotonic()
                     if left <= 0:
@@ -190,16 +193,32 @@ class WatchMixin(NodeBase):
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
             finally:
+                with self._lock:
+                    self._watch_live = False
                 if handle is not None:
                     handle.cancel()
 
+    def _relist_every(self) -> float:
+        """Seconds to the safety-net re-list: ``poll_interval``, spaced by the cache's size.
+
+        A re-list reads and decodes every task and re-offers the whole backlog; with every
+        node doing it each ``poll_interval``, a large backlog kept etcd and the nodes busy
+        with it instead of claiming (the SQL watch spaces its full scan the same way).
+        """
+        with self._lock:
+            tasks = len(self._cache)
+        return max(self._cfg.poll_interval, tasks / _RELIST_TASKS_PER_S)
+
     def _relist(self) -> int:
         """Rebuild the cache from one consistent read; returns its revision."""
-        records, revision = read_all_tasks(self._driver, self._keys)
+        records, members, revision = read_snapshot(self._driver, self._keys)
         cache = {task_id: Entry.from_record(task_id, rec) for task_id, rec in records.items()}
+        owned = Counter(entry.owner for entry in cache.values() if entry.owner is not None)
         lost: list[Task] = []
         with self._lock:
             self._cache = cache
+            self._live_nodes = members
+            self._held_by = owned
             self._cache_rev = revision
             self._cache_ready = True
             for task_id, held in list(self._held.items()):
@@ -220,6 +239,28 @@ class WatchMixin(NodeBase):
             listener.recheck()  # the watch restarts: a put meanwhile may be unseen
         self._members_changed()  # likewise for a node that came or went meanwhile
         return revision
+
+    def _disown(self, entry: Entry) -> None:
+        """Take ``entry``'s owner out of the counts (called holding the lock)."""
+        if entry.owner is not None:
+            left = self._held_by[entry.owner] - 1
+            if left > 0:
+                self._held_by[entry.owner] = left
+            else:
+                del self._held_by[entry.owner]
+
+    def cached_task_count(self, active: bool) -> dict[str, int] | None:
+        """Live node -> tasks it holds, from the watch cache (without ``leaving`` nodes when
+        ``active``); None while no watch stream follows the store (then read it instead).
+
+        As of the cache's revision: it lags the store by the watch's delivery, as every
+        balancer's view of the others does anyway.
+        """
+        with self._lock:
+            if not (self._watch_live and self._cache_ready):
+                return None
+            return {node: self._held_by.get(node, 0)
+                    for node, leaving in sorted(self._live_nodes.items()) if not (active and leaving)}
 
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
         """Ring ``listener`` for every task command the namespace watch sees queued, and
@@ -262,6 +303,10 @@ class WatchMixin(NodeBase):
                     continue
                 if kind == "alive":
                     members = members or name != self._node_id
+                    if put:
+                        self._live_nodes[name] = is_leaving(event.kv.value)
+                    else:
+                        self._live_nodes.pop(name, None)
                     continue
                 if kind == "taskcmd":
                     if put:
@@ -275,8 +320,10 @@ class WatchMixin(NodeBase):
                 entry = self._cache.setdefault(name, Entry())
                 if kind == "owner":
                     held = self._held.get(name)
+                    self._disown(entry)
                     if put:
                         entry.owner = event.kv.value.decode(errors="replace")
+                        self._held_by[entry.owner] += 1
                         entry.owner_rev = event.kv.create_revision
                         if held is not None and event.kv.create_revision > held.task.token:
                             del self._held[name]  # someone else holds it now
