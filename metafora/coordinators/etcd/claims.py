@@ -36,8 +36,18 @@ _BATCH = 32
 """Tasks per claim txn: 4 compares, 3 puts and 4 failure reads each, within etcd's default
 limit of 128 operations per txn branch."""
 
+
 class ClaimsMixin(NodeBase):
     """Claiming tasks and writing their outcomes, fenced by owner key and token."""
+
+    claim_burst = 8 * _BATCH
+    """Offers the consumer hands to one :meth:`claim_many` (at most 8 txns, in flight together).
+
+    In a start-up storm every node is offered the whole backlog and most offers are stale by
+    the time they are claimed (another node won them); the watch cache drops those without a
+    round trip, so a burst of 32 offers left a few tasks per txn and one round trip per few
+    tasks. 256 keeps the txns full.
+    """
 
     def seen_taken(self, task: Task) -> bool:
         # The watch cache saw an owner or a finish. If that view is stale, the release or

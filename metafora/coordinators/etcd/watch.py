@@ -178,9 +178,11 @@ class WatchMixin(NodeBase):
                             raise WatchCompacted(revision + 1)
                         raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
             except WatchCompacted:
+                self._watch_ended()
                 log.info("node %s: watch history compacted; re-listing", self._node_id,
                          extra=self._extra)
             except Exception as exc:
+                self._watch_ended()
                 if self._stop.is_set():
                     return
                 level = logging.DEBUG if failing else logging.WARNING
@@ -193,10 +195,17 @@ class WatchMixin(NodeBase):
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
             finally:
-                with self._lock:
-                    self._watch_live = False
                 if handle is not None:
                     handle.cancel()
+
+    def _watch_ended(self) -> None:
+        """The stream failed: until a new one is confirmed, counts are read from etcd.
+
+        (A safety-net re-list keeps serving them from the cache: it replaces the cache in one
+        step, and reading every owner key meanwhile is what the cache is there to avoid.)
+        """
+        with self._lock:
+            self._watch_live = False
 
     def _relist_every(self) -> float:
         """Seconds to the safety-net re-list: ``poll_interval``, spaced by the cache's size.
