@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--systems", default=None,
                         help="peers: comma-separated subset of metafora-postgresql,metafora-sqlite,"
                              "pgqueuer,procrastinate")
+    parser.add_argument("--etcd-members", type=int, default=None,
+                        help="etcd members started on loopback (default 1, or $METAFORA_BENCH_ETCD_MEMBERS)")
     args = parser.parse_args()
     if args.which == "peers":  # makes its own databases: no shared stores to provision
         from benchmarks import peers
@@ -36,7 +38,10 @@ def main() -> None:
         return
     kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
     names = BENCHMARKS if args.which == "all" else (args.which,)
-    with Stores(kinds) as stores:
+    if args.etcd_members is not None and args.etcd_members < 1:
+        parser.error("--etcd-members must be at least 1")
+    members = {} if args.etcd_members is None else {"etcd_members": args.etcd_members}
+    with Stores(kinds, **members) as stores:
         for name in names:
             try:
                 module = importlib.import_module(f"benchmarks.{name}")

@@ -23,6 +23,7 @@ from rich.table import Table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STORES = ("sqlite", "postgresql", "etcd")
+ETCD_MEMBERS_ENV = "METAFORA_BENCH_ETCD_MEMBERS"
 console = Console(width=140)
 
 
@@ -85,6 +86,8 @@ class Stores:
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _bases: dict[str, str] = field(default_factory=dict)
     etcd_servers: list[Any] = field(default_factory=list)
+    etcd_members: int = field(default_factory=lambda: int(os.environ.get(ETCD_MEMBERS_ENV, "1")))
+    """etcd members on loopback (``--etcd-members`` or ``METAFORA_BENCH_ETCD_MEMBERS``; default 1)."""
 
     def __enter__(self) -> Stores:
         for kind in self.kinds:
@@ -105,6 +108,13 @@ class Stores:
             binary = find_etcd()
             if binary is None:
                 raise SystemExit("no etcd binary: apt-get install etcd-server")
+            if self.etcd_members > 1:
+                from metafora.testservers import start_etcd_cluster
+
+                cluster = start_etcd_cluster(binary, self.workdir / "etcd-cluster", self.etcd_members)
+                self.etcd_servers.extend(cluster.members)
+                self._stack.callback(cluster.stop_all)
+                return f"etcd://{cluster.endpoints}"
             server = start_server(binary, self.workdir)
             self.etcd_servers.append(server)
             self._stack.callback(server.stop)

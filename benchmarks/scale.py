@@ -121,13 +121,14 @@ def _pg_xacts(url: str) -> int:
 
 
 def _etcd_calls(stores: Stores) -> int:
-    server = stores.etcd_servers[0]
-    with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    """gRPC calls etcd has handled, summed over the members (clients talk to any of them)."""
     total = 0
-    for line in text.splitlines():
-        if line.startswith("grpc_server_handled_total{"):
-            total += int(float(line.rsplit(" ", 1)[1]))
+    for server in stores.etcd_servers:
+        with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("grpc_server_handled_total{"):
+                total += int(float(line.rsplit(" ", 1)[1]))
     return total
 
 

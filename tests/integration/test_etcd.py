@@ -591,3 +591,58 @@ def test_rewatching_does_not_leak_threads(nodes: Nodes) -> None:
     baseline = threading.active_count()
     wait_until(lambda: len(offers) >= 30, timeout=20, message="30 re-lists")  # each re-offers
     assert threading.active_count() <= baseline + 3
+
+
+def test_active_counts_come_from_the_watch_cache(nodes: Nodes) -> None:
+    """The balancers' counts come from the node's watch cache once its watch is live: they
+    follow claims, outcomes, leaving flags and departures, and match the store's own count."""
+    a, b = nodes.node("a"), nodes.node("b")
+    for i in range(5):
+        nodes.client.submit_task(Task(f"t{i}"))
+    assert a.claim(Task("t0")) and a.claim(Task("t1")) and b.claim(Task("t2"))
+    wait_until(lambda: a.cached_task_count(active=True) == {"a": 2, "b": 1}, 30)
+    assert a.active_task_count() == nodes.client.node_task_count() == {"a": 2, "b": 1}
+    got = b.claim(Task("t3"))
+    assert got is not None
+    b.done(got)
+    wait_until(lambda: a.active_task_count() == {"a": 2, "b": 1}, 30)
+    b.announce_leaving()
+    wait_until(lambda: a.active_task_count() == {"a": 2}, 30)
+    assert a.cached_task_count(active=False) == {"a": 2, "b": 1}  # leaving, still holding
+    b.close()
+    wait_until(lambda: a.cached_task_count(active=False) == {"a": 2}, 30)
+    assert a.node_task_count() == {"a": 2}
+
+
+def test_the_cache_snapshot_reads_in_pages_at_one_revision(nodes: Nodes) -> None:
+    """A re-list reads page by page, pinned to the first page's revision: a write between two
+    pages is not in the snapshot, and small pages give what one large read gives."""
+    from metafora.coordinators.etcd.queries import read_snapshot
+
+    a = nodes.node("a")
+    for i in range(7):
+        nodes.client.submit_task(Task(f"t{i}"))
+    assert a.claim(Task("t1"))
+    driver, keys = nodes.client._driver, nodes.client._keys
+    whole, live, revision = read_snapshot(driver, keys)
+    paged, live_paged, revision_paged = read_snapshot(driver, keys, page=2)
+    assert sorted(paged) == sorted(whole) == [f"t{i}" for i in range(7)]
+    assert paged["t1"].owner is not None and paged["t1"].owner.value == b"a"
+    assert live == live_paged == {"a": False}
+    assert revision_paged >= revision
+    seen: list[int] = []
+    real_range = driver.range
+
+    def range_then_write(request: Range, **kw: Any) -> Any:
+        got = real_range(request, **kw)
+        if not seen:  # after the first page, a new task: not in the snapshot
+            nodes.client.submit_task(Task("u-late"))  # sorts after every page read so far
+        seen.append(1)
+        return got
+
+    driver.range = range_then_write  # type: ignore[method-assign]
+    try:
+        pinned, _, _ = read_snapshot(driver, keys, page=2)
+    finally:
+        del driver.range
+    assert "u-late" not in pinned and sorted(pinned) == sorted(whole)

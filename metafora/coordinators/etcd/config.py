@@ -23,7 +23,8 @@ class EtcdConfig:
     - ``namespace``: the URL path (``etcd://host/NAMESPACE``) or the ``namespace`` option
       (the path wins), default ``metafora``. Keys live under ``/metafora/<namespace>/``.
     - ``lease_ttl``: whole seconds, >= 2 (default 30). One lease per node.
-    - ``poll_interval``: seconds between safety-net re-lists of the watch (default 30).
+    - ``poll_interval``: seconds between safety-net re-lists of the watch (default 30; at
+      least one second per 1,000 tasks in the namespace).
     - ``timeout``: seconds for one etcd request (default 5).
     - ``ca_cert``, ``cert_key``, ``cert_cert``: PEM files for ``etcds://``.
     - ``user:password@`` in the URL: etcd authentication.

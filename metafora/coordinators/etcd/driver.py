@@ -548,6 +548,19 @@ class EtcdDriver:
         response, _ = self._call("range", invoke, repeatable=True)
         return [_kv(kv) for kv in response.kvs], int(response.header.revision)
 
+    def count(self, request: Range, *, timeout: float | None = None) -> int:
+        """How many keys ``request`` would read (etcd counts them; no key is sent back)."""
+        limit = self._limit(timeout)
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            message = _range_request(rpc, request, 0)
+            message.count_only = True
+            return rpc.KVStub(channel).Range(message, limit(), metadata=md)
+
+        response, _ = self._call("range", invoke, repeatable=True)
+        return int(response.count)
+
     def txn(
         self,
         compares: Sequence[Compare],

@@ -8,10 +8,12 @@ from typing import Any
 
 from metafora.coordinators.etcd.driver import (
     EtcdDriver,
+    KeyValue,
     Put,
     Range,
     absent,
     modified_at,
+    prefix_end,
 )
 from metafora.coordinators.etcd.layout import (
     Keys,
@@ -27,11 +29,14 @@ from metafora.task import parse_time
 __all__ = [
     "expire_task",
     "fail_unclaimed",
+    "is_leaving",
     "launch_and_expiry",
     "live_nodes",
+    "members",
     "node_labels",
     "node_task_count",
     "read_all_tasks",
+    "read_snapshot",
     "read_task",
     "read_task_page",
 ]
@@ -124,17 +129,64 @@ def active_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     result = driver.txn(
         [], [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
     )
-    nodes = set()
-    for kv in result.ranges[0]:
-        parsed = keys.parse(kv.key)
-        if parsed is None or parsed[0] != "alive":
-            continue
-        data = decode_json(kv.value)
-        if isinstance(data, dict) and data.get("leaving"):
-            continue
-        nodes.add(parsed[1])
+    nodes = {node for node, leaving in members(keys, result.ranges[0]).items() if not leaving}
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
     return {node: held.get(node, 0) for node in sorted(nodes)}
+
+
+def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, bool]:
+    """Live node -> whether its registration says ``leaving``, from keys under ``nodes/``."""
+    found: dict[str, bool] = {}
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is not None and parsed[0] == "alive":
+            found[parsed[1]] = is_leaving(kv.value)
+    return found
+
+
+def is_leaving(value: bytes) -> bool:
+    """Whether a registration record says ``leaving``."""
+    data = decode_json(value)
+    return isinstance(data, dict) and bool(data.get("leaving"))
+
+
+SNAPSHOT_PAGE = 20_000
+"""Keys per range read of :func:`read_snapshot` (about 3 MB of task keys)."""
+
+
+def read_snapshot(driver: EtcdDriver, keys: Keys, page: int = SNAPSHOT_PAGE
+                  ) -> tuple[dict[str, TaskRecord], dict[str, bool], int]:
+    """What a watch cache starts from, read at one revision (returned too): every task and
+    owner key, and the live nodes with their ``leaving`` flag.
+
+    Read in pages of ``page`` keys pinned to the first page's revision: one read of a large
+    backlog held etcd for seconds, met the request deadline while many nodes started at
+    once, and every retry read it all again.
+    """
+    revision = 0
+    found: list[list[KeyValue]] = []
+    for prefix in (keys.tasks, keys.owners, keys.nodes):
+        kvs, revision = _read_pages(driver, prefix, revision, page)
+        found.append(kvs)
+    records = gather(keys, found[0] + found[1])
+    return records, members(keys, found[2]), revision
+
+
+def _read_pages(driver: EtcdDriver, prefix: bytes, revision: int,
+                page: int) -> tuple[list[KeyValue], int]:
+    """Every key under ``prefix`` at ``revision`` (0: now), page by page; and the revision."""
+    out: list[KeyValue] = []
+    start, end = prefix, prefix_end(prefix)
+    while True:
+        # One key more than the page says whether another page follows (no empty last read).
+        kvs, current = driver.range(Range(start, end=end, limit=page + 1), revision=revision)
+        if revision == 0:
+            revision = current  # the first read was at the store's revision: pin the rest
+        if len(kvs) <= page:
+            return out + kvs, revision
+        out += kvs[:page]
+        start = kvs[page].key
+
 def node_labels(driver: EtcdDriver, keys: Keys) -> dict[str, dict[str, str]]:
     """Live node -> the labels its registration record publishes."""
     kvs, _ = driver.range(Range(keys.nodes, prefix=True))

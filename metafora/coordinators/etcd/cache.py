@@ -1,0 +1,133 @@
+"""The watch cache's view of tasks, and what a claim is judged and fenced on.
+
+Every node keeps one :class:`Entry` per task of its namespace, built by a re-list and kept
+current by the watch (:mod:`metafora.coordinators.etcd.watch`); a claim copies it into an
+immutable :class:`Known` so the claim txn compares against the revisions the offer was judged on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from metafora.coordinators.etcd.driver import KeyValue
+from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
+from metafora.coordinators.etcd.queries import launch_and_expiry
+from metafora.errors import InvalidProps
+from metafora.task import Task
+
+__all__ = ["Entry", "Known", "Subscriber", "offer_for"]
+
+
+@dataclass(frozen=True)
+class Known:
+    """A task as a claim sees it: its props and the revisions the claim is fenced on."""
+
+    props: dict[str, Any]
+    damage: str | None
+    props_mod: int
+    running_mod: int
+    crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
+    stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
+    valid: bool = False  # the props made a Task already (no need to check them again)
+
+    @property
+    def selector(self) -> Mapping[str, str]:
+        """The task's selector ({} when unknown)."""
+        return self.stored.selector if self.stored is not None else {}
+
+    def task(self, task_id: str, token: int = 0) -> Task:
+        """The task these props describe, carrying ``token``."""
+        if self.stored is None:
+            return Task(task_id, self.props, token)
+        return self.stored.task(task_id, token)
+
+    def crashes(self) -> int:
+        """This claim's count of crashes in a row (the previous claim died if it left its key)."""
+        return 0 if self.crashes_before is None else self.crashes_before + 1
+
+
+@dataclass
+class Entry:
+    """The watch cache's view of one task."""
+
+    props: dict[str, Any] | None = None
+    props_error: str | None = None  # the damage of a props value written around metafora
+    props_valid: bool = False  # these props made a Task when offered
+    props_mod: int = 0
+    launch_at: datetime | None = None
+    expires_at: datetime | None = None
+    finished: bool = False
+    owner: str | None = None
+    owner_rev: int = 0
+    stored: StoredProps | None = None
+
+    running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
+    running_crashes: int | None = None
+
+    def known(self) -> Known:
+        """What a claim is judged and fenced on."""
+        assert self.props is not None
+        return Known(self.props, self.props_error, self.props_mod, self.running_mod,
+                      self.running_crashes, self.stored, self.props_valid)
+
+    def set_running(self, kv: KeyValue | None) -> None:
+        """Take the running key (None: deleted, the last claim had an outcome)."""
+        self.running_mod = 0 if kv is None else kv.mod_revision
+        self.running_crashes = crashes_of(kv)
+
+    def set_props(self, kv: KeyValue, task_id: str) -> None:
+        """Take a put of the props key (decoded once here, not at every offer)."""
+        stored = props_of(kv, task_id)
+        self.props, self.props_error = stored.props, stored.error
+        self.stored = stored
+        self.props_valid = False
+        self.props_mod = kv.mod_revision
+        self.launch_at, self.expires_at = launch_and_expiry(self.props)
+
+    @classmethod
+    def from_record(cls, task_id: str, rec: TaskRecord) -> Entry:
+        """The entry of a task as a range read it."""
+        entry = cls()
+        if rec.props is not None:
+            entry.set_props(rec.props, task_id)
+        entry.finished = rec.state is not None
+        entry.set_running(rec.running)
+        if rec.owner is not None:
+            entry.owner = rec.owner.value.decode(errors="replace")
+            entry.owner_rev = rec.owner.create_revision
+        return entry
+
+
+@dataclass
+class Subscriber:
+    """One running ``watch(out)``: which task ids to re-evaluate."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    ids: set[str] = field(default_factory=set)
+    everything: bool = True
+
+    def mark(self, ids: set[str] | None) -> None:
+        """Ask for ``ids`` (None: every task) to be evaluated again, and wake the watch."""
+        if ids is None:
+            self.everything = True
+        elif ids:
+            self.ids |= ids
+        else:
+            return
+        self.event.set()
+
+
+def offer_for(task_id: str, entry: Entry) -> tuple[Task, bool]:
+    """The task to offer, and whether its props are valid; without them if they are not
+    (the claim then fails it)."""
+    try:
+        task = entry.stored.task(task_id) if entry.stored is not None else Task(task_id)
+        return task, entry.stored is not None
+    except InvalidProps:
+        return Task(task_id), False
+
+
