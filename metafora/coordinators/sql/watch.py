@@ -43,7 +43,7 @@ from metafora.task import (
     validate_task_id,
 )
 
-__all__ = ["Watch"]
+__all__ = ["OfferShapes", "Watch"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,7 @@ class Watch:
         self._this_round: set[str] = set()  # offered in this round (no duplicates per round)
         # When the rest of a notified round is due (None: no notified round is waiting for it).
         self._quick_due: float | None = None
-        # (props, selector, priority, placement) as stored -> a Task validated with them: rows
-        # of one shape (a backlog of tasks submitted alike) are offered without validating
-        # the same texts again for every row (it was most of a start-up storm's offer cost).
-        self._shapes: dict[tuple[Any, ...], Task] = {}
+        self._shapes = OfferShapes()
 
     # -- called by the notification listener ---------------------------------------------------
 
@@ -213,44 +210,11 @@ class Watch:
             return
         self._this_round.add(task_id)
         try:
-            task = self._task(task_id, props, row[-3], row[-2], row[-1])
+            task = self._shapes.task(task_id, props, row[-3], row[-2], row[-1])
         except MetaforaError as exc:
             self._fail_invalid(task_id, f"invalid props: {exc}")
             return
         self._sink(task)
-
-    def _task(self, task_id: str, props: Any, selector: Any, priority: Any, placement: Any) -> Task:
-        """The offered task of one row (raises MetaforaError when a text is invalid).
-
-        A row shaped like one validated before (the same props, selector, priority and
-        placement texts) becomes a copy of that task with its own id and its own props
-        (decoded again from the same text): equal to what the constructor would build,
-        without validating the same texts once more. The id is always validated.
-        """
-        key = (props, selector, priority, placement)
-        shape = self._shapes.get(key)
-        if shape is None:
-            prefer, spread = decode_placement(placement, task_id)
-            task = Task(task_id, decode_props(props, task_id),
-                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread)
-            if all(v is None or len(v) <= _SHAPE_TEXT for v in (props, selector, placement)
-                   if not isinstance(v, int)):
-                if len(self._shapes) >= _SHAPES:
-                    self._shapes.clear()
-                self._shapes[key] = task
-            return task
-        if not (task_id.isascii() and task_id.isprintable() and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
-                and task_id[0] != " " and task_id[-1] != " "):
-            validate_task_id(task_id)  # printable ASCII without edge spaces is valid: the rest
-        task = object.__new__(Task)
-        fields = task.__dict__
-        fields.update(shape.__dict__)
-        fields["id"] = task_id
-        fields["props"] = {} if props == "{}" else json.loads(props)
-        fields["selector"] = dict(shape.selector)
-        fields["prefer"] = dict(shape.prefer)
-        return task
 
     def _fail_invalid(self, task_id: str, error: str) -> None:
         """A row written around metafora that can never run: failed, not pending forever."""
@@ -357,3 +321,47 @@ class Watch:
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
+
+
+class OfferShapes:
+    """Builds offered tasks from rows, validating each shape of row once.
+
+    (props, selector, priority, placement) as stored -> a task validated with them: rows of
+    one shape (a backlog of tasks submitted alike) are offered without validating the same
+    texts again for every row (that was most of a start-up storm's offer cost).
+    """
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[Any, ...], Task] = {}
+
+    def task(self, task_id: str, props: Any, selector: Any, priority: Any, placement: Any) -> Task:
+        """The offered task of one row (raises MetaforaError when a text is invalid).
+
+        A row shaped like one validated before (the same props, selector, priority and
+        placement texts) becomes a copy of that task with its own id and its own props
+        (decoded again from the same text): equal to what the constructor would build,
+        without validating the same texts once more. The id is always validated.
+        """
+        key = (props, selector, priority, placement)
+        shape = self._shapes.get(key)
+        if shape is None:
+            prefer, spread = decode_placement(placement, task_id)
+            task = Task(task_id, decode_props(props, task_id),
+                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
+                        priority=int(priority or 0), prefer=prefer, spread=spread)
+            if all(v is None or len(v) <= _SHAPE_TEXT for v in (props, selector, placement)):
+                if len(self._shapes) >= _SHAPES:
+                    self._shapes.clear()
+                self._shapes[key] = task
+            return task
+        if not (task_id.isascii() and task_id.isprintable() and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+                and task_id[0] != " " and task_id[-1] != " "):
+            validate_task_id(task_id)  # printable ASCII without edge spaces is valid: the rest
+        task = object.__new__(Task)
+        fields = task.__dict__
+        fields.update(shape.__dict__)
+        fields["id"] = task_id
+        fields["props"] = {} if props == "{}" else json.loads(props)
+        fields["selector"] = dict(shape.selector)
+        fields["prefer"] = dict(shape.prefer)
+        return task
