@@ -6,18 +6,21 @@ races per claim won (the consumers' ``races_lost`` / ``claims`` counters), and s
 per task until all were held (PostgreSQL: transactions from pg_stat_database; etcd: gRPC calls
 from its /metrics; SQLite has no such counter). Handlers park until stopped: async ones by
 default (``METAFORA_STORM_MODE=park`` for threads: 100,000 of them exceed this machine's pid_max).
+Each run replaces the saved rows of the stores and size it measured and keeps the others.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import math
 import os
 import queue
 import threading
 import time
 from typing import Any
 
-from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
+from benchmarks.common import RESULTS, Fleet, Stores, WorkerSpec, save, table
 from metafora import Task, open_client
 from metafora.errors import MetaforaError
 
@@ -78,7 +81,9 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
     url = stores.url(kind)
     submit_rate = fill(url, n)
     fleet = Fleet()
-    result: dict[str, Any] = {"store": kind, "tasks": n, "processes": procs, "submit_per_s": submit_rate}
+    result: dict[str, Any] = {"store": kind, "tasks": n, "processes": procs, "submit_per_s": submit_rate,
+                              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "load_before": os.getloadavg()[0]}
     if kind == "etcd":
         result["etcd_members"] = stores.etcd_members
     with open_client(url) as client:
@@ -113,6 +118,7 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
             result["requests_per_task"] = (
                 (after - before - polls * poll_cost) / n if kind != "sqlite" else float("nan")
             )
+            result["load_at_all_held"] = os.getloadavg()[0]
             result["spread_at_all_held"] = _spread(counts)
             _pause(2 * BALANCE_EVERY + 1)
             result["spread_after_2_periods"] = _spread(client.node_task_count())
@@ -140,5 +146,21 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
            "requests/task", "submit/s"),
           [(r["store"], r["seconds_to_all_held"], r["spread_at_all_held"], r["spread_after_2_periods"],
             r["races_lost_per_claim"], r["requests_per_task"], r["submit_per_s"]) for r in results])
-    save("storm", {"quick": quick, "results": results})
+    save("storm", {"results": merged(results)})
     return {"results": results}
+
+
+def merged(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` with the saved rows of the other stores and sizes kept (one run re-measures
+    only what it ran), ordered by size, then store."""
+    path = RESULTS / "storm.json"
+    kept: list[dict[str, Any]] = []
+    try:
+        kept = json.loads(path.read_text(), parse_constant=lambda _: math.nan).get("results", [])
+    except (OSError, ValueError):
+        pass
+    key = ("store", "tasks", "processes")
+    fresh = {tuple(r[k] for k in key) for r in results}
+    rows = [r for r in kept if tuple(r.get(k) for k in key) not in fresh] + results
+    order = {"sqlite": 0, "postgresql": 1, "etcd": 2}
+    return sorted(rows, key=lambda r: (r.get("tasks", 0), order.get(r.get("store"), 9)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import itertools
 import logging
 import math
@@ -51,6 +52,7 @@ from metafora.http import InfoServer, parse_addr, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.outcomes import OutcomeWriter, Pending
+from metafora.preference import Preference
 from metafora.runner import HandlerRunner, Run
 from metafora.schedule import Scheduler
 from metafora.task import Task, matches, validate_labels
@@ -66,6 +68,8 @@ _OVERFETCH = 4
 _LET_GO_EVERY = 0.1  # seconds between batched releases while handlers stop on shutdown
 _LET_GO_BATCH = 100  # releases per batch (close() frees the rest in one request)
 _FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
+_WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvous preference)
+_MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
 
 _COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
 # How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
@@ -155,6 +159,63 @@ class _Deferred:
         return taken
 
 
+class _Ignores:
+    """Offers ignored until a deadline (refused by the balancer, released, held back for
+    placement): the earliest deadline and the expired ones without a walk of them all (a
+    node refusing a storm's offers ignores tens of thousands).
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[str, tuple[float, Task]] = {}
+        self._heap: list[tuple[float, str]] = []  # may hold stale entries: checked on pop
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def __contains__(self, task_id: str) -> bool:
+        return task_id in self._due
+
+    def get(self, task_id: str) -> tuple[float, Task] | None:
+        return self._due.get(task_id)
+
+    def items(self) -> list[tuple[str, tuple[float, Task]]]:
+        return list(self._due.items())
+
+    def put(self, task: Task, due: float) -> None:
+        """Ignore ``task`` until ``due`` (a newer deadline replaces an older one)."""
+        old = self._due.get(task.id)
+        self._due[task.id] = (due, task)
+        if old is None or old[0] != due:
+            heapq.heappush(self._heap, (due, task.id))
+        if len(self._heap) > 2 * len(self._due) + 1024:  # too many stale entries: rebuild
+            self._heap = [(d, i) for i, (d, _) in self._due.items()]
+            heapq.heapify(self._heap)
+
+    def keep_offer(self, task: Task) -> None:
+        """Keep the newest offer of an ignored task (same deadline)."""
+        self._due[task.id] = (self._due[task.id][0], task)
+
+    def next_due(self) -> float | None:
+        while self._heap:
+            due, task_id = self._heap[0]
+            entry = self._due.get(task_id)
+            if entry is not None and entry[0] == due:
+                return due
+            heapq.heappop(self._heap)  # stale
+        return None
+
+    def pop_due(self, now: float) -> list[Task]:
+        """Remove and return the tasks whose deadline has passed."""
+        out: list[Task] = []
+        while self._heap and self._heap[0][0] <= now:
+            due, task_id = heapq.heappop(self._heap)
+            entry = self._due.get(task_id)
+            if entry is not None and entry[0] == due:
+                del self._due[task_id]
+                out.append(entry[1])
+        return out
+
+
 def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
@@ -223,6 +284,12 @@ class Consumer:
     - ``labels``: this node's placement labels (``{"zone": "eu", "gpu": "1"}``), published
       with its registration: it claims only tasks whose selector they match (see
       docs/placement.md). Offers are tried highest ``Task.priority`` first.
+    - ``rendezvous_wait``: in a wave of offers (a backlog at start-up, a bulk submit), each
+      task is tried first by the node that rendezvous hashing ranks first for it among the
+      live nodes; the others leave it to that node and try it once this many seconds passed
+      with no new wave (at most ten times as long after they held it back), so a task is
+      never left waiting for a node that is gone, full or frozen (see
+      :mod:`metafora.preference`; 0 races for every offer).
     - ``placement_wait``: seconds this node holds back, once, before it takes a task whose
       soft placement it does not fit (``Task.prefer`` names labels it lacks while a live
       node has them, or it already runs a task of the task's ``spread`` group), so a better
@@ -253,6 +320,7 @@ class Consumer:
         http_addr: str | None = None,
         labels: Mapping[str, str] | None = None,
         placement_wait: float | timedelta = 2.0,
+        rendezvous_wait: float | timedelta = 1.0,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -273,6 +341,9 @@ class Consumer:
         except InvalidProps as exc:
             raise ConfigError(str(exc)) from None
         self._placement_wait = _seconds(placement_wait, "placement_wait", allow_zero=True)
+        hold = _seconds(rendezvous_wait, "rendezvous_wait", allow_zero=True)
+        self._preference = Preference(coordinator.node_id, hold=hold, max_hold=_MAX_HOLD * hold,
+                                      wave=_WAVE)
         # task id -> (until when soft placement holds it back, group tasks running then)
         self._held_back: dict[str, tuple[float, int]] = {}
         self._node_labels: tuple[float, list[dict[str, str]]] | None = None
@@ -308,7 +379,7 @@ class Consumer:
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._running: dict[str, _Running] = {}
-        self._ignores: dict[str, tuple[float, Task]] = {}
+        self._ignores = _Ignores()
         self._deferred = _Deferred()
         self._releases: dict[str, int] = {}
         self._lost_early: dict[str, int] = {}
@@ -364,7 +435,7 @@ class Consumer:
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
         with self._lock:
-            return sorted(self._ignores, key=lambda k: self._ignores[k][0])
+            return [k for k, _ in sorted(self._ignores.items(), key=lambda item: item[1][0])]
 
     @property
     def http_address(self) -> str | None:
@@ -385,7 +456,7 @@ class Consumer:
                 }
                 for e in entries
             ]
-            ignores = sorted(self._ignores)
+            ignores = sorted(k for k, _ in self._ignores.items())
         return {
             "node": self.node_id,
             "store": mask_url(self._coord.name, brief=True),
@@ -571,7 +642,8 @@ class Consumer:
 
     def _post(self, kind: str, payload: Any) -> None:
         self._events.put((kind, payload))
-        self._wake.set()
+        if not self._wake.is_set():  # set() takes a lock: 100,000 offers paid it each
+            self._wake.set()
 
     # -- the loop -------------------------------------------------------------------
 
@@ -583,6 +655,7 @@ class Consumer:
                 break
             now = self._clock.monotonic()
             self._expire_ignores(now)
+            self._release_held(now)
             self._expire_handoffs(now)
             if now >= self._next_balance:
                 self._balance()
@@ -593,9 +666,13 @@ class Consumer:
                     self._follow_up = False
                     self._next_balance = min(self._next_balance, now + self._settle_after())
             deadline = self._next_balance
+            held_due = self._preference.next_due()
+            if held_due is not None:
+                deadline = min(deadline, held_due)
             with self._lock:
-                if self._ignores:
-                    deadline = min(deadline, *(d for d, _ in self._ignores.values()))
+                ignore_due = self._ignores.next_due()
+                if ignore_due is not None:
+                    deadline = min(deadline, ignore_due)
                 if self._handoffs:
                     deadline = min(deadline, *(d for d, _ in self._handoffs.values()))
             if self._events.empty():
@@ -629,13 +706,34 @@ class Consumer:
                 self._members_changed()
         if room:
             self._retry_deferred()
-        self._offer(*offers)
+        # A wave: this node tries its own share first and holds the others' share back.
+        self._offer(*self._preference.split(offers, self._clock.monotonic()))
+
+    def _release_held(self, now: float) -> None:
+        """Offers held back for their preferred node that are due: try those still claimable.
+
+        Most were taken meanwhile: a coordinator that can tell which are left in one read
+        (``claimable``, SQL) saves a claim attempt on each of the others.
+        """
+        due = self._preference.due(now, 1000)  # bounded per pass, as a drain is
+        claimable = getattr(self._coord, "claimable", None)
+        if due and claimable is not None:
+            try:
+                due = claimable(due)
+            except CoordinatorClosed:
+                raise
+            except MetaforaError as exc:  # then try them all: a claim skips the taken ones
+                self._log.warning("could not check %d held-back offers: %s", len(due), exc,
+                                  extra={"action": "claim"})
+        if due:
+            self._offer(*due)
 
     # -- membership events -------------------------------------------------------------
 
     def _listen_membership(self) -> bool:
         try:
             self._members = set(self._coord.active_task_count())
+            self._preference.members(self._members)
         except MetaforaError as exc:  # only the first diff is less precise
             self._log.warning("could not read the cluster's nodes: %s", exc,
                               extra={"action": "members"})
@@ -661,6 +759,7 @@ class Consumer:
             return
         before = self._members
         self._members = now_members
+        self._preference.members(now_members)
         if before is not None and before == now_members:
             return  # spurious, or already handled
         joined = sorted(now_members - before) if before is not None else []
@@ -677,9 +776,9 @@ class Consumer:
             with self._lock:
                 # Offers the balancer refused may be the leaver's orphans: try them now. Our
                 # own release back-offs stay (they stop a released task from coming back).
-                for task_id, (due, task) in list(self._ignores.items()):
+                for task_id, (due, task) in self._ignores.items():
                     if task_id not in self._releases and due > now:
-                        self._ignores[task_id] = (now, task)
+                        self._ignores.put(task, now)
         delay = self._rebalance_window * self._rng.uniform(0.5, 1.0)
         self._next_balance = min(self._next_balance, now + delay)
         self._follow_up = True
@@ -706,9 +805,8 @@ class Consumer:
             with self._lock:
                 if task.id in self._running or task.id in approved_ids:
                     continue
-                ignored = self._ignores.get(task.id)
-                if ignored is not None:
-                    self._ignores[task.id] = (ignored[0], task)
+                if task.id in self._ignores:
+                    self._ignores.keep_offer(task)
                     continue
                 slots = self._free_slots()
                 if self._frozen or (slots is not None and slots <= 0):
@@ -801,14 +899,12 @@ class Consumer:
         else:
             delay = until
         with self._lock:
-            self._ignores[task.id] = (self._clock.monotonic() + max(0.0, delay), task)
+            self._ignores.put(task, self._clock.monotonic() + max(0.0, delay))
         self._wake.set()
 
     def _expire_ignores(self, now: float) -> None:
         with self._lock:
-            due = [t for d, t in self._ignores.values() if d <= now]
-            for task in due:
-                del self._ignores[task.id]
+            due = self._ignores.pop_due(now)
         due.sort(key=_by_priority)
         self._offer(*due)
 

@@ -91,6 +91,7 @@ class FairBalancer(ContextBalancer):
         self._refuse_until: datetime | None = None
         self._joined = False  # a node joined since the last balance: it may release again
         self._refused: dict[str, datetime] = {}
+        self._prune_at = _REFUSED_PRUNE_AT
         self._cache: tuple[float, dict[str, int]] | None = None
         self._labels_cache: tuple[float, dict[str, dict[str, str]]] | None = None
 
@@ -112,6 +113,7 @@ class FairBalancer(ContextBalancer):
             self._refuse_until = None
             self._joined = False
             self._refused.clear()
+            self._prune_at = _REFUSED_PRUNE_AT
             self._cache = None
             self._labels_cache = None
 
@@ -230,6 +232,7 @@ class FairBalancer(ContextBalancer):
                     logger.debug("a node left: no longer refusing claims after the last release")
                 self._refuse_until = None
                 self._refused.clear()
+                self._prune_at = _REFUSED_PRUNE_AT
 
     # -- internals ---------------------------------------------------------------------
 
@@ -266,12 +269,18 @@ class FairBalancer(ContextBalancer):
                 if node == ctx.node_id or node not in labels or matches(selector, labels[node])}
 
     def _prune(self, now: datetime) -> None:
-        """Forget old first refusals (caller holds the lock)."""
-        if len(self._refused) < _REFUSED_PRUNE_AT:
+        """Forget old first refusals (caller holds the lock).
+
+        Once the map has grown to twice its size after the last pruning, not on every
+        refusal past a fixed size: a storm refuses tens of thousands of offers within the
+        horizon, and walking them all per refusal made ``can_claim`` quadratic.
+        """
+        if len(self._refused) < self._prune_at:
             return
         horizon = now - max(_REFUSED_KEEP, 10 * self._refuse_for)
         for task_id in [tid for tid, until in self._refused.items() if until < horizon]:
             del self._refused[task_id]
+        self._prune_at = max(_REFUSED_PRUNE_AT, 2 * len(self._refused))
 
     def __repr__(self) -> str:
         return (

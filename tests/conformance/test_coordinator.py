@@ -318,3 +318,28 @@ def test_claim_many_takes_what_is_still_claimable(cluster: Cluster) -> None:
     assert counts == {"a": 3, "b": 3}
     for task in second:
         b.done(task)
+
+
+def test_sql_claimable_and_contended_claims(cluster: Cluster) -> None:
+    """SQL: ``claimable`` names the offers still claimable; after a claim that lost most of
+    its offers, the next (SQLite: read first, then claim only those) still claims right."""
+    if not cluster.url.startswith(("sqlite", "postgresql")):
+        pytest.skip("SQL stores only")
+    a, b = cluster.node("a"), cluster.node("b")
+    cluster.client.submit_tasks(Task(f"c{i:03d}") for i in range(300))
+    offered = [Task(f"c{i:03d}") for i in range(300)]
+    won = a.claim_many(offered[:250], 250)
+    assert len(won) == 250
+    left = b.claimable([*offered, Task("absent")])  # type: ignore[attr-defined]
+    assert [t.id for t in left] == [t.id for t in offered[250:]]
+    assert a.claimable(offered[:250]) == []  # type: ignore[attr-defined]
+    # b loses 250 of 300 offers: contended. Its next claims still take exactly the rest.
+    first = b.claim_many(offered, 300)
+    assert [t.id for t in first] == [t.id for t in offered[250:]]
+    assert b.claim_many(offered, 300) == []
+    for task in first[:10]:
+        b.release(task)
+    again = b.claim_many(offered, 5)
+    assert [t.id for t in again] == [t.id for t in first[:5]]
+    assert all(t.token > f.token for t, f in zip(again, first, strict=False))
+    assert cluster.client.node_task_count() == {"a": 250, "b": 45}

@@ -34,6 +34,7 @@ from metafora.coordinator import (
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
+from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
@@ -51,6 +52,9 @@ __all__ = ["SQLCoordinator"]
 log = logging.getLogger(__name__)
 
 _CLAIM_MANY_MAX = 100  # ids per claim_many statement
+# SQLite: after a claim_many that lost more than this share of its offers, the next one first
+# reads which offers are still claimable (no write lock), and takes the lock only for those.
+_CONTENDED = 0.5
 _FINISH_MANY_MAX = 500  # outcomes per finish_many statement
 # Statement order of a group commit: a claim finished twice in one batch keeps its first kind.
 _FINISH_STATEMENTS = ((Outcome.DONE, "done_many"), (Outcome.FAIL, "fail_many"),
@@ -83,6 +87,7 @@ class SQLCoordinator(Coordinator):
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
         self._lease.on_members = self._members_seen
+        self._contended = False  # the last claim_many lost most of its offers (SQLite)
 
     @property
     def name(self) -> str:
@@ -323,26 +328,53 @@ class SQLCoordinator(Coordinator):
         return got[0] if got else None
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim up to ``limit`` of ``tasks`` in one statement per 100, in the order offered.
+        """Claim up to ``limit`` of ``tasks`` in one transaction (one statement per 100), in
+        the order offered.
 
-        Offers of tasks this node already holds are skipped without a round trip.
+        Offers of tasks this node already holds are skipped without a round trip. SQLite,
+        after a claim that lost most of its offers to other nodes: first one read (no write
+        lock, which every node's claims queue for) of which offers are still claimable; the
+        claim then names only those, and is not made at all when none are.
         """
         ids = list(dict.fromkeys(t.id for t in tasks if not self.seen_taken(t)))
         if limit <= 0 or not ids:
             self._require_init()
             return []
-        claimed: list[Task] = []
-        for start in range(0, len(ids), _CLAIM_MANY_MAX):
-            if len(claimed) >= limit:
-                break
-            claimed += self._claim(ids[start:start + _CLAIM_MANY_MAX], limit - len(claimed))
+        offered = len(ids)
+        if self._contended and len(ids) > 1 and self._db.config.kind == "sqlite":
+            ids = self._still_claimable(ids)
+            if not ids:
+                return []
+        claimed = self._claim(ids, limit)
+        self._contended = len(claimed) < min(limit, offered) * (1 - _CONTENDED)
         return claimed
+
+    def claimable(self, tasks: Sequence[Task]) -> list[Task]:
+        """Those of ``tasks`` that are still claimable by this node, in order: one read per
+        500 (no write lock). The consumer asks before it tries offers it held back for their
+        preferred node (see :mod:`metafora.preference`): most were taken meanwhile.
+        """
+        by_id = {t.id: t for t in tasks if not self.seen_taken(t)}
+        ids = list(by_id)
+        still: list[str] = []
+        for start in range(0, len(ids), BATCH):
+            still += self._still_claimable(ids[start:start + BATCH])
+        return [by_id[task_id] for task_id in still]
+
+    def _still_claimable(self, ids: list[str]) -> list[str]:
+        self._require_init()
+        params = {"ids": self._db.dialect.ids_param(ids),
+                  "labels": self._lease.labels_json() or "{}"}
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "claimable_ids", params).fetchall()
+        return [str(r[0]) for r in rows]
 
     def seen_taken(self, task: Task) -> bool:
         return self._lease.holds(task.id)
 
     def _claim(self, ids: list[str], limit: int) -> list[Task]:
-        """Claim ``ids`` (one: the single-row statement; more: ``claim_many``)."""
+        """Claim up to ``limit`` of ``ids`` in one transaction (one: the single-row
+        statement; more: ``claim_many``, 100 ids per statement)."""
         self._require_init()
         started = self._lease.begin_claim(ids)
         if started is None:
@@ -354,15 +386,23 @@ class SQLCoordinator(Coordinator):
         try:
             params: dict[str, Any] = {"node": self._node_id, "session": session,
                                       "labels": self._lease.labels_json() or "{}"}
+            rows: list[tuple[Any, ...]] = []
             with self._db.hot() as cur:
                 if len(ids) == 1:
                     row = cur.one("claim", dict(params, id=ids[0]))
                     rows = [] if row is None else [(ids[0], *row)]
-                else:
-                    params.update(ids=self._db.dialect.ids_param(ids), limit=limit)
-                    rows = cur.all("claim_many", params)
-                if rows:
-                    cur.token_used(max(int(r[1]) for r in rows))
+                    if rows:
+                        cur.token_used(int(rows[0][1]))
+                for start in range(0, len(ids) if len(ids) > 1 else 0, _CLAIM_MANY_MAX):
+                    if len(rows) >= limit:
+                        break
+                    chunk = ids[start:start + _CLAIM_MANY_MAX]
+                    got = cur.all("claim_many", dict(params, ids=self._db.dialect.ids_param(chunk),
+                                                     limit=limit - len(rows)))
+                    if got:
+                        # SQLite: the next chunk's tokens are counted from the counter row.
+                        cur.token_used(max(int(r[1]) for r in got))
+                    rows += got
             place = {task_id: i for i, task_id in enumerate(ids)}
             for task_id, token, props_text, crashes, *placed in sorted(
                     rows, key=lambda r: place[str(r[0])]):

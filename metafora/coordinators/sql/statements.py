@@ -107,6 +107,12 @@ _SQL: dict[str, str] = {
         + " WHERE namespace = :ns AND id {in_picked}"
         " RETURNING id, token, props, crashes, selector, priority, placement"
     ),
+    # Which offered ids are still claimable, in the order offered: SQLite reads it without
+    # the write lock before a claim likely to lose most of its offers (see claim_many).
+    "claimable_ids": (
+        "SELECT metafora_tasks.id FROM {offered_tasks} AND " + _CLAIMABLE
+        + " AND {selector_ok} ORDER BY {offered_pos}"
+    ),
     "release": (
         "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
         " crashes = 0, ready = {next_token}, updated_at = {now} WHERE " + _FENCED

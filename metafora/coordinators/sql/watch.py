@@ -23,6 +23,7 @@ Store errors never end the watch: it logs, backs off and rescans when the store 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import random
 import threading
@@ -33,9 +34,16 @@ from typing import Any
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
-from metafora.task import Task, decode_labels, decode_placement, decode_props
+from metafora.task import (
+    MAX_TASK_ID_LENGTH,
+    Task,
+    decode_labels,
+    decode_placement,
+    decode_props,
+    validate_task_id,
+)
 
-__all__ = ["Watch"]
+__all__ = ["OfferShapes", "Watch"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,8 @@ _RESCAN_ROWS_PER_S = 5000  # a full scan comes no more often than backlog / this
 # so it does not compete with the claim the offer is about to cause (on a 2-core machine it
 # added ~1 ms to submit->start), and a wave of notifications pays for it once, not per wake-up.
 _COALESCE = 0.02
+_SHAPES = 64  # validated offer shapes kept (see Watch._task)
+_SHAPE_TEXT = 512  # props / selector / placement texts longer than this are not kept
 
 
 class Watch:
@@ -75,6 +85,7 @@ class Watch:
         self._this_round: set[str] = set()  # offered in this round (no duplicates per round)
         # When the rest of a notified round is due (None: no notified round is waiting for it).
         self._quick_due: float | None = None
+        self._shapes = OfferShapes()
 
     # -- called by the notification listener ---------------------------------------------------
 
@@ -199,10 +210,7 @@ class Watch:
             return
         self._this_round.add(task_id)
         try:
-            prefer, spread = decode_placement(row[-1], task_id)
-            task = Task(task_id, decode_props(props, task_id),
-                        selector=decode_labels(row[-3], f"stored selector of task {task_id!r}"),
-                        priority=int(row[-2] or 0), prefer=prefer, spread=spread)
+            task = self._shapes.task(task_id, props, row[-3], row[-2], row[-1])
         except MetaforaError as exc:
             self._fail_invalid(task_id, f"invalid props: {exc}")
             return
@@ -313,3 +321,47 @@ class Watch:
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
+
+
+class OfferShapes:
+    """Builds offered tasks from rows, validating each shape of row once.
+
+    (props, selector, priority, placement) as stored -> a task validated with them: rows of
+    one shape (a backlog of tasks submitted alike) are offered without validating the same
+    texts again for every row (that was most of a start-up storm's offer cost).
+    """
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[Any, ...], Task] = {}
+
+    def task(self, task_id: str, props: Any, selector: Any, priority: Any, placement: Any) -> Task:
+        """The offered task of one row (raises MetaforaError when a text is invalid).
+
+        A row shaped like one validated before (the same props, selector, priority and
+        placement texts) becomes a copy of that task with its own id and its own props
+        (decoded again from the same text): equal to what the constructor would build,
+        without validating the same texts once more. The id is always validated.
+        """
+        key = (props, selector, priority, placement)
+        shape = self._shapes.get(key)
+        if shape is None:
+            prefer, spread = decode_placement(placement, task_id)
+            task = Task(task_id, decode_props(props, task_id),
+                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
+                        priority=int(priority or 0), prefer=prefer, spread=spread)
+            if all(v is None or len(v) <= _SHAPE_TEXT for v in (props, selector, placement)):
+                if len(self._shapes) >= _SHAPES:
+                    self._shapes.clear()
+                self._shapes[key] = task
+            return task
+        if not (task_id.isascii() and task_id.isprintable() and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+                and task_id[0] != " " and task_id[-1] != " "):
+            validate_task_id(task_id)  # printable ASCII without edge spaces is valid: the rest
+        task = object.__new__(Task)
+        fields = task.__dict__
+        fields.update(shape.__dict__)
+        fields["id"] = task_id
+        fields["props"] = {} if props == "{}" else json.loads(props)
+        fields["selector"] = dict(shape.selector)
+        fields["prefer"] = dict(shape.prefer)
+        return task
