@@ -320,11 +320,17 @@ def test_claim_many_takes_what_is_still_claimable(cluster: Cluster) -> None:
         b.done(task)
 
 
-def test_sql_claimable_and_contended_claims(cluster: Cluster) -> None:
+@pytest.fixture
+def sql_cluster(sql_url: str) -> Iterator[Cluster]:
+    c = Cluster(sql_url)
+    with c.stack:
+        yield c
+
+
+def test_sql_claimable_and_contended_claims(sql_cluster: Cluster) -> None:
     """SQL: ``claimable`` names the offers still claimable; after a claim that lost most of
     its offers, the next (SQLite: read first, then claim only those) still claims right."""
-    if not cluster.url.startswith(("sqlite", "postgresql")):
-        pytest.skip("SQL stores only")
+    cluster = sql_cluster
     a, b = cluster.node("a"), cluster.node("b")
     cluster.client.submit_tasks(Task(f"c{i:03d}") for i in range(300))
     offered = [Task(f"c{i:03d}") for i in range(300)]
