@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 
+from metafora import Consumer, TaskState, commands, simple_handler
 from metafora.preference import Preference, preferred_node, weight
 from metafora.task import Task
+from tests.helpers import Harness, RanIds, wait_until
 
 NODES = [f"n{i}" for i in range(5)]
 
@@ -129,3 +131,18 @@ def test_a_re_offered_held_task_goes_once() -> None:
     assert len(p) == 2 * len(offers)
     due = p.due(1.6, 1000)
     assert sorted(t.id for t in due) == sorted(t.id for t in offers)
+
+
+def test_consumers_with_rendezvous_preference_run_a_wave_once_each(harness: Harness) -> None:
+    """Three consumers with ``rendezvous_wait`` on: a bulk wave of 300 tasks runs, each once,
+    including the shares held back for a node that is frozen (it never claims)."""
+
+    ran = RanIds()
+    nodes = [harness.start(Consumer(harness.coordinator(n), simple_handler(ran),
+                                    rendezvous_wait=0.2)) for n in ("a", "b", "c")]
+    harness.client.submit_command("c", commands.freeze())
+    wait_until(lambda: nodes[2].frozen, message="c frozen")
+    harness.client.submit_tasks(Task(f"w{i:03d}") for i in range(300))
+    wait_until(lambda: len(harness.client.tasks("done")) == 300, 60, "every task done")
+    assert sorted(ran.ids) == [f"w{i:03d}" for i in range(300)]
+    assert all(i.state is TaskState.DONE for i in harness.client.tasks())
