@@ -44,11 +44,15 @@ class Cluster:
         return coord
 
 
-@pytest.fixture
-def cluster(store_url: str) -> Iterator[Cluster]:
-    c = Cluster(store_url)
+def _opened(url: str) -> Iterator[Cluster]:
+    c = Cluster(url)
     with c.stack:
         yield c
+
+
+@pytest.fixture
+def cluster(store_url: str) -> Iterator[Cluster]:
+    yield from _opened(store_url)
 
 
 def test_submit_and_list(cluster: Cluster) -> None:
@@ -322,9 +326,7 @@ def test_claim_many_takes_what_is_still_claimable(cluster: Cluster) -> None:
 
 @pytest.fixture
 def sql_cluster(sql_url: str) -> Iterator[Cluster]:
-    c = Cluster(sql_url)
-    with c.stack:
-        yield c
+    yield from _opened(sql_url)
 
 
 def test_sql_claimable_and_contended_claims(sql_cluster: Cluster) -> None:
