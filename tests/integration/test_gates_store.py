@@ -202,6 +202,8 @@ def test_a_stale_token_is_shut_out_by_a_newer_claim(items: ItemStore) -> None:
         zombie.finish(0, [_done(i.id, 0, b"zombie") for i in taken])
     with pytest.raises(ClaimLost):
         zombie.take(0, 10)
+    with pytest.raises(ClaimLost):  # its fence comes last: the results before it roll back
+        zombie.take(0, 10, [_done(i.id, 0, b"zombie") for i in taken])
     with pytest.raises(ClaimLost):
         zombie.advance(0, move=True, close=True)
     with pytest.raises(ClaimLost):

@@ -19,7 +19,9 @@ coordinator's tables -- ``metafora_tasks`` row claimed under this token by this 
 lease is live by the database clock -- so a zombie is refused even before anyone re-claims.
 Multi-statement writes (a batch of results, a gate move) first lock the partition row
 through a fenced ``UPDATE`` in the same transaction, which also serialises them with
-:meth:`ItemStore.add` (an item can never slip in below a gate that is moving).
+:meth:`ItemStore.add` (an item can never slip in below a gate that is moving). The
+transaction that writes results and takes the next batch puts that ``UPDATE`` last instead,
+where it also records the batch: nothing in it commits unless the fence holds at the end.
 
 Crashes: the transaction that takes a batch also records it on the partition row
 (``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops the
@@ -142,15 +144,18 @@ _OWNER_SQL: dict[str, str] = {
         "UPDATE metafora_partitions SET updated_at = {now} WHERE " + _WHERE_P
         + " AND token = :token AND status = 'open'{claim} RETURNING gate"
     ),
+    # Unfenced: it runs inside a transaction whose guard (last) proves the fence.
     "take": (
         "SELECT " + _COLS + " FROM metafora_items WHERE " + _WHERE_P + " AND gate = :gate"
-        " AND status = 'available' AND taken = 0 AND {fence} ORDER BY id LIMIT :limit"
+        " AND status = 'available' AND taken = 0 ORDER BY id LIMIT :limit"
     ),
-    # The batch taken (ids first..last at gate): its items' attempt, recorded on the
-    # partition row (locked by the guard) in the transaction that takes them.
-    "record": (
-        "UPDATE metafora_partitions SET batch_token = :token, batch_gate = :gate,"
-        " batch_first = :first, batch_last = :last WHERE " + _WHERE_P + " AND token = :token"
+    # The guard of a transaction that took a batch (ids first..last at gate), last in it:
+    # it locks the partition row, proves the fence and records the batch, whose items'
+    # attempt the next claim counts if this one dies (one statement for the three).
+    "guard_record": (
+        "UPDATE metafora_partitions SET updated_at = {now}, batch_token = :token,"
+        " batch_gate = :gate, batch_first = :first, batch_last = :last WHERE " + _WHERE_P
+        + " AND token = :token AND status = 'open'{claim} RETURNING gate"
     ),
     "unrecord": (
         "UPDATE metafora_partitions SET batch_token = 0 WHERE " + _WHERE_P + " AND token = :token"
@@ -854,13 +859,18 @@ class PartitionLease:
         this one. ClaimLost (nothing written) if the claim is gone.
         """
         with self._transaction("item results and take") as tx:
-            self._guard(tx)
+            # The guard comes last when a batch is taken: it is also the batch's record, and
+            # nothing of this transaction commits unless it holds (a newer claim's open
+            # waits for the row lock it takes, or this one sees the new token and rolls back).
             self._write(tx, gate, results)
             rows = tx.execute(self._sql["take"], self._params(gate=gate, limit=limit)).fetchall()
             if rows:
-                tx.execute(self._sql["record"], self._params(
-                    gate=gate, first=int(rows[0][0]), last=int(rows[-1][0])))
+                recorded = tx.execute(self._sql["guard_record"], self._params(
+                    gate=gate, first=int(rows[0][0]), last=int(rows[-1][0]))).first()
+                if recorded is None:
+                    raise self._lost()
                 return [self.store.item_from_row(self.partition, row) for row in rows]
+            self._guard(tx)
             rows = self._take_orphan(tx, gate, max_deaths)
         return [self._alone(self.store.item_from_row(self.partition, row)) for row in rows]
 
