@@ -21,7 +21,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# METAFORA_BENCH_RESULTS: elsewhere (an A/B run keeps the committed results as they are).
+RESULTS = Path(os.environ.get("METAFORA_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 STORES = ("sqlite", "postgresql", "etcd")
 ETCD_MEMBERS_ENV = "METAFORA_BENCH_ETCD_MEMBERS"
 console = Console(width=140)

@@ -10,6 +10,7 @@ import pytest
 from metafora.errors import ClaimLost
 from metafora.statemachine.gates import ItemStatus, Outcome
 from metafora.statemachine.gates.flush import ResultFlusher
+from tests.helpers import wait_until
 
 
 def _done(item_id: int) -> Outcome:
@@ -71,5 +72,26 @@ def test_a_failed_background_write_stops_the_owner_and_is_raised_by_its_next_com
         with pytest.raises(ClaimLost):
             flusher.commit(lambda gate, results: list(results))
         assert isinstance(flusher.error, ClaimLost)
+    finally:
+        flusher.close()
+
+
+def test_a_result_after_a_stream_or_after_idling_is_still_written_within_the_interval() -> None:
+    """While results keep coming the thread ticks at the interval instead of being woken per
+    result; once idle it waits untimed and the next result wakes it: both are written."""
+    writes = Writes()
+    flusher = ResultFlusher(writes, 0.01, "test-flush", writes.stopped.set)
+    try:
+        for n in range(50):  # a fast processor: the owner's commits take every result
+            flusher.add(0, _done(n))
+            flusher.commit(lambda gate, results: None)
+        flusher.add(0, _done(100))  # then the owner stops committing
+        assert writes.wrote.wait(30), "no background write after a stream"
+        assert writes.batches == [(0, [100])]
+        wait_until(lambda: flusher._untimed, 30, "the flusher to idle")
+        writes.wrote.clear()
+        flusher.add(0, _done(101))
+        assert writes.wrote.wait(30), "no background write after idling"
+        assert writes.batches == [(0, [100]), (0, [101])]
     finally:
         flusher.close()

@@ -60,6 +60,11 @@ class ResultFlusher:
         self._oldest = 0.0
         self._thread: threading.Thread | None = None
         self._closed = False
+        # The background thread is woken by add() only from an untimed wait: while results
+        # keep coming it ticks at the interval instead (a fast processor would otherwise
+        # wake it once per batch for nothing).
+        self._untimed = False
+        self._recent = False
         self.error: BaseException | None = None
         """The failure of a background write (None while all went well)."""
 
@@ -74,7 +79,9 @@ class ResultFlusher:
         with self._cond:
             if not self._pending:
                 self._oldest = SYSTEM_CLOCK.monotonic()
-                self._cond.notify()
+                if self._untimed:
+                    self._cond.notify()
+            self._recent = True
             self._gate = gate
             self._pending.append(outcome)
             if self._thread is None and not self._closed:
@@ -120,8 +127,13 @@ class ResultFlusher:
                     if left <= 0:
                         return True
                     self._cond.wait(left)
+                elif self._recent:  # any result within one interval ago lands in a tick
+                    self._recent = False
+                    self._cond.wait(self._interval)
                 else:
+                    self._untimed = True
                     self._cond.wait()
+                    self._untimed = False
             return False
 
     def _loop(self) -> None:
