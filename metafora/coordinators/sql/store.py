@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import Connection, Engine, PoolProxiedConnection, text
+from sqlalchemy import Connection, Engine, PoolProxiedConnection
 from sqlalchemy import exc as sa_exc
 
 from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect
@@ -126,8 +126,18 @@ class HotCursor:
 _BUMP = "UPDATE metafora_counter SET value = ? WHERE name = 'token' AND value < ?"
 
 
-_STATEMENT_TIMEOUT = text("SELECT set_config('statement_timeout', :ms, true)")
+# One simple-protocol query on an autocommit connection: the transaction and its bound in
+# one round trip (the driver's implicit BEGIN would be a round trip of its own).
+_BEGIN_BOUNDED = "BEGIN; SET LOCAL statement_timeout = {ms:d}"
 _RLOCK = type(threading.RLock())
+
+
+def _rollback(conn: Connection) -> None:
+    """End a transaction begun by hand after an error; a connection that cannot is dropped."""
+    try:
+        conn.exec_driver_sql("ROLLBACK")
+    except _DB_ERRORS:
+        conn.invalidate()
 
 
 def _millis(seconds: float) -> int:
@@ -223,9 +233,14 @@ class Database:
             with self.transaction() as conn:
                 yield conn
         elif self.config.kind == "postgresql":
-            with self._translated(), self.engine.begin() as conn:
-                conn.execute(_STATEMENT_TIMEOUT, {"ms": str(_millis(timeout))})
-                yield conn
+            with self._translated(), self._write_engine.connect() as conn:
+                conn.exec_driver_sql(_BEGIN_BOUNDED.format(ms=_millis(timeout)))
+                try:
+                    yield conn
+                except BaseException:
+                    _rollback(conn)
+                    raise
+                conn.exec_driver_sql("COMMIT")
         else:
             with self._sqlite_bounded(timeout) as conn:
                 yield conn
