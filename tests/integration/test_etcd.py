@@ -646,3 +646,15 @@ def test_the_cache_snapshot_reads_in_pages_at_one_revision(nodes: Nodes) -> None
     finally:
         del driver.range
     assert "u-late" not in pinned and sorted(pinned) == sorted(whole)
+    ranges: list[Range] = []
+
+    def counted(request: Range, **kw: Any) -> Any:
+        ranges.append(request)
+        return real_range(request, **kw)
+
+    driver.range = counted  # type: ignore[method-assign]
+    try:
+        read_snapshot(driver, keys)
+    finally:
+        del driver.range
+    assert len(ranges) == 2  # tasks; nodes and owners (neighbours in key order) in one

@@ -163,20 +163,20 @@ def read_snapshot(driver: EtcdDriver, keys: Keys, page: int = SNAPSHOT_PAGE
     backlog held etcd for seconds, met the request deadline while many nodes started at
     once, and every retry read it all again.
     """
-    revision = 0
-    found: list[list[KeyValue]] = []
-    for prefix in (keys.tasks, keys.owners, keys.nodes):
-        kvs, revision = _read_pages(driver, prefix, revision, page)
-        found.append(kvs)
-    records = gather(keys, found[0] + found[1])
-    return records, members(keys, found[2]), revision
+    tasks, revision = _read_pages(driver, keys.tasks, prefix_end(keys.tasks), 0, page)
+    # nodes/ and owners/ are neighbours in key order (nothing sorts between them): one range
+    # for both, so an idle node's safety-net re-list is two requests, not three.
+    both, revision = _read_pages(driver, keys.nodes, prefix_end(keys.owners), revision, page)
+    owners = [kv for kv in both if kv.key.startswith(keys.owners)]
+    nodes = [kv for kv in both if kv.key.startswith(keys.nodes)]
+    return gather(keys, tasks + owners), members(keys, nodes), revision
 
 
-def _read_pages(driver: EtcdDriver, prefix: bytes, revision: int,
+def _read_pages(driver: EtcdDriver, start: bytes, end: bytes, revision: int,
                 page: int) -> tuple[list[KeyValue], int]:
-    """Every key under ``prefix`` at ``revision`` (0: now), page by page; and the revision."""
+    """Every key in [``start``, ``end``) at ``revision`` (0: now), page by page; and the
+    revision."""
     out: list[KeyValue] = []
-    start, end = prefix, prefix_end(prefix)
     while True:
         # One key more than the page says whether another page follows (no empty last read).
         kvs, current = driver.range(Range(start, end=end, limit=page + 1), revision=revision)
