@@ -20,6 +20,7 @@ from metafora.errors import ClaimLost, ConfigError, StoreError
 from metafora.statemachine import gates
 from metafora.statemachine.gates import (
     GateMoveRefused,
+    Item,
     ItemBelowGate,
     ItemStatus,
     ItemStore,
@@ -429,3 +430,50 @@ def test_additions_wake_a_waiting_owner(sql_url: str, items: ItemStore) -> None:
     finally:
         unsubscribe()
         other.close()
+
+
+def _lock_waits(url: str) -> int:
+    """Backends of the test database waiting for a row lock."""
+    engine = create_engine(_sa_url(url))
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_deleting_a_partition_while_its_owner_writes_results_cannot_deadlock(postgres_url: str) -> None:
+    """One lock order (items, then the partition row) for the owner and for delete: a delete
+    that meets an owner half-way through writing results waits for it, and both finish."""
+    with ItemStore(postgres_url) as store:
+        ids = store.add("p", [NewItem(0, f"i{n}") for n in range(6)])
+        lease = store.lease(Task("p", token=1))
+        lease.open()
+        first = lease.take(0, 3)
+        wrote, go_on = threading.Event(), threading.Event()
+        real_write = lease._write
+
+        def write_then_pause(tx: object, gate: int, outcomes: object) -> int:
+            written = real_write(tx, gate, outcomes)  # type: ignore[arg-type]
+            wrote.set()  # its item rows are locked now; the partition row comes last
+            assert go_on.wait(30)
+            return written
+
+        lease._write = write_then_pause  # type: ignore[method-assign]
+        taken: list[list[Item]] = []
+        owner = threading.Thread(target=lambda: taken.append(
+            lease.take(0, 3, [_done(i.id, 0) for i in first])), daemon=True)
+        owner.start()
+        assert wrote.wait(30)
+        deleted: list[int] = []
+        deleter = threading.Thread(target=lambda: deleted.append(store.delete("p")), daemon=True)
+        deleter.start()
+        wait_until(lambda: _lock_waits(postgres_url) >= 1, 30, "the delete to wait for the owner")
+        go_on.set()
+        owner.join(30)
+        deleter.join(30)
+        assert not owner.is_alive() and not deleter.is_alive()
+        assert [i.id for i in taken[0]] == ids[3:]  # the owner committed first ...
+        assert deleted == [6] and store.list("p") == []  # ... then every item went

@@ -17,11 +17,14 @@ write, which shuts every older token out. When the items live in the coordinator
 database (same URL and namespace), ``<the claim is held>`` is also checked against the
 coordinator's tables -- ``metafora_tasks`` row claimed under this token by this node, whose
 lease is live by the database clock -- so a zombie is refused even before anyone re-claims.
-Multi-statement writes (a batch of results, a gate move) first lock the partition row
-through a fenced ``UPDATE`` in the same transaction, which also serialises them with
-:meth:`ItemStore.add` (an item can never slip in below a gate that is moving). The
-transaction that writes results and takes the next batch puts that ``UPDATE`` last instead,
-where it also records the batch: nothing in it commits unless the fence holds at the end.
+Multi-statement writes end with a fenced ``UPDATE`` of the partition row (the **guard**):
+nothing in the transaction commits unless the fence holds at its end, and a newer claim's
+:meth:`PartitionLease.open` either waits for that row lock or makes the guard fail. Lock
+order, everywhere: item rows first, then the partition row (results and reopened items
+before the guard; a new claim's orphans before its open; :meth:`ItemStore.delete` items
+before the row), so no two of them can deadlock. A gate move locks only the partition row
+(first, as :meth:`ItemStore.add` does) and reads the items, so an item can never slip in
+below a gate that is moving.
 
 Crashes: the transaction that takes a batch also records it on the partition row
 (``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops the
@@ -115,6 +118,8 @@ _FENCE = (
     " AND fp.partition_id = :p AND fp.token = :token AND fp.status = 'open'{claim})"
 )
 
+_GUARD_WHERE = " WHERE " + _WHERE_P + " AND token = :token AND status = 'open'{claim} RETURNING gate"
+
 # The owner's statements ({claim} / {fence} differ with the fencing mode).
 _OWNER_SQL: dict[str, str] = {
     "ensure": (
@@ -140,10 +145,7 @@ _OWNER_SQL: dict[str, str] = {
         " FROM metafora_partitions WHERE " + _WHERE_P
     ),
     # Locks the partition row for the rest of the transaction (and proves the fence).
-    "guard": (
-        "UPDATE metafora_partitions SET updated_at = {now} WHERE " + _WHERE_P
-        + " AND token = :token AND status = 'open'{claim} RETURNING gate"
-    ),
+    "guard": "UPDATE metafora_partitions SET updated_at = {now}" + _GUARD_WHERE,
     # Unfenced: it runs inside a transaction whose guard (last) proves the fence.
     "take": (
         "SELECT " + _COLS + " FROM metafora_items WHERE " + _WHERE_P + " AND gate = :gate"
@@ -154,12 +156,9 @@ _OWNER_SQL: dict[str, str] = {
     # attempt the next claim counts if this one dies (one statement for the three).
     "guard_record": (
         "UPDATE metafora_partitions SET updated_at = {now}, batch_token = :token,"
-        " batch_gate = :gate, batch_first = :first, batch_last = :last WHERE " + _WHERE_P
-        + " AND token = :token AND status = 'open'{claim} RETURNING gate"
+        " batch_gate = :gate, batch_first = :first, batch_last = :last" + _GUARD_WHERE
     ),
-    "unrecord": (
-        "UPDATE metafora_partitions SET batch_token = 0 WHERE " + _WHERE_P + " AND token = :token"
-    ),
+    "guard_unrecord": "UPDATE metafora_partitions SET updated_at = {now}, batch_token = 0" + _GUARD_WHERE,
     # An orphan this claim took on its own and never started (a clean stop came first):
     # an orphan again, its attempt and death under this claim not counted.
     "give_back": (
@@ -722,8 +721,11 @@ class ItemStore:
         validate_task_id(partition)
         self.ensure_schema()
         with self._db.transaction() as tx:
-            self._run(tx, "lock", {"p": partition}).first()  # the owner's lock order: partition, items
+            # The owners' lock order, items then the partition row; the second delete takes
+            # the items an add committed while the first ran (add locks the row first).
             count = int(self._run(tx, "delete_items", {"p": partition}).rowcount)
+            self._run(tx, "lock", {"p": partition}).first()
+            count += int(self._run(tx, "delete_items", {"p": partition}).rowcount)
             self._run(tx, "delete_partition", {"p": partition})
         return count
 
@@ -859,16 +861,11 @@ class PartitionLease:
         this one. ClaimLost (nothing written) if the claim is gone.
         """
         with self._transaction("item results and take") as tx:
-            # The guard comes last when a batch is taken: it is also the batch's record, and
-            # nothing of this transaction commits unless it holds (a newer claim's open
-            # waits for the row lock it takes, or this one sees the new token and rolls back).
+            # The guard (last, as in every owner write) is also the batch's record.
             self._write(tx, gate, results)
             rows = tx.execute(self._sql["take"], self._params(gate=gate, limit=limit)).fetchall()
             if rows:
-                recorded = tx.execute(self._sql["guard_record"], self._params(
-                    gate=gate, first=int(rows[0][0]), last=int(rows[-1][0]))).first()
-                if recorded is None:
-                    raise self._lost()
+                self._guard(tx, "guard_record", gate=gate, first=int(rows[0][0]), last=int(rows[-1][0]))
                 return [self.store.item_from_row(self.partition, row) for row in rows]
             self._guard(tx)
             rows = self._take_orphan(tx, gate, max_deaths)
@@ -891,8 +888,10 @@ class PartitionLease:
             return list(rows)
         return list(tx.execute(self._sql["orphan"], self._params(gate=gate)).fetchall())
 
-    def _guard(self, tx: Connection) -> int:
-        row = tx.execute(self._sql["guard"], self._params()).first()
+    def _guard(self, tx: Connection, statement: str = "guard", **params: Any) -> int:
+        """Lock the partition row, proving the fence (last in a write, see the module
+        docstring); its gate. ClaimLost if the claim is gone."""
+        row = tx.execute(self._sql[statement], self._params(**params)).first()
         if row is None:
             raise self._lost()
         return int(row[0])
@@ -911,11 +910,10 @@ class PartitionLease:
         if not outcomes and not release:
             return 0
         with self._transaction("item results") as tx:
-            self._guard(tx)
             written = self._write(tx, gate, outcomes)
             if release:
-                tx.execute(self._sql["unrecord"], self._params())
                 tx.execute(self._sql["give_back"], self._params())
+            self._guard(tx, "guard_unrecord" if release else "guard")
         return written
 
     def _write(self, tx: Connection, gate: int, outcomes: Sequence[Outcome]) -> int:
@@ -950,8 +948,9 @@ class PartitionLease:
     def reopen_failed(self, gate: int) -> int:
         """Make the retryable failed items of ``gate`` available again (a partition retry)."""
         with self._transaction("reopen failed items") as tx:
+            reopened = int(tx.execute(self._sql["reopen"], self._params(gate=gate)).rowcount)
             self._guard(tx)
-            return int(tx.execute(self._sql["reopen"], self._params(gate=gate)).rowcount)
+            return reopened
 
     def failed_items(self, gate: int, limit: int = 5) -> list[Item]:
         """A few failed items of ``gate`` (for error messages)."""
