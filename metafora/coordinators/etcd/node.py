@@ -112,10 +112,12 @@ class NodeBase:
 
     @property
     def name(self) -> str:
+        """The store URL without its password."""
         return self._cfg.name
 
     @property
     def node_id(self) -> str:
+        """This node's id."""
         return self._node_id
 
     @property
@@ -143,7 +145,6 @@ class NodeBase:
         )
         self._threads.append(thread)
         thread.start()
-
 
     def _check_open(self) -> None:
         if self._closed:

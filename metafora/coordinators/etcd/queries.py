@@ -164,8 +164,9 @@ def read_snapshot(driver: EtcdDriver, keys: Keys, page: int = SNAPSHOT_PAGE
     once, and every retry read it all again.
     """
     tasks, revision = _read_pages(driver, keys.tasks, prefix_end(keys.tasks), 0, page)
-    # nodes/ and owners/ are neighbours in key order (nothing sorts between them): one range
-    # for both, so an idle node's safety-net re-list is two requests, not three.
+    # nodes/ and owners/ are neighbours in key order: one range for both, so an idle node's
+    # safety-net re-list is two requests, not three (a key that sorted between them would
+    # only be read and dropped by the prefix filters below).
     both, revision = _read_pages(driver, keys.nodes, prefix_end(keys.owners), revision, page)
     owners = [kv for kv in both if kv.key.startswith(keys.owners)]
     nodes = [kv for kv in both if kv.key.startswith(keys.nodes)]
