@@ -167,7 +167,7 @@ def _times(value: float) -> str:
 
 def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], rounds: int,
              tasks: int, submits: int) -> str:
-    """The docs table (docs/benchmarks.md): one row per system, then metafora ÷ each peer (the crash column only
+    """The docs table: one row per system, then metafora ÷ each peer (the crash column only
     when a run measured it)."""
     crash = any(f.get("recovery_s", Spread.of([])).median == f.get("recovery_s", Spread.of([])).median
                 for f in summary.values())
