@@ -53,15 +53,18 @@ class Lease:
         node_id: str,
         on_lost: Callable[[Task], None],
         on_renewed: Callable[[float], None] | None = None,
+        on_members: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
+        """``on_lost`` is told each claim lost, ``on_renewed`` each renewal's seconds and
+        ``on_members`` the membership fingerprint every read of the lease returns (see
+        :mod:`~metafora.coordinators.sql.statements`)."""
         self._db = db
         self._node_id = node_id
         self._on_lost = on_lost
         self._on_renewed = on_renewed
-        self.frozen: bool | None = None  # published with every registration
-        # Told the membership fingerprint every read of the lease returns (see statements).
-        self.on_members: Callable[[tuple[Any, ...]], None] | None = None
-        self.labels: Mapping[str, str] = {}  # likewise (placement labels)
+        self._on_members = on_members
+        self._frozen: bool | None = None  # published with every registration
+        self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -91,16 +94,23 @@ class Lease:
 
     def labels_json(self) -> str | None:
         """The node's labels as stored (JSON object text; None when it has none)."""
-        if not self.labels:
+        if not self._labels:
             return None
-        return json.dumps(dict(self.labels), separators=(",", ":"), sort_keys=True)
+        return json.dumps(dict(self._labels), separators=(",", ":"), sort_keys=True)
 
-    def register(self, first: bool) -> bool:
+    def set_frozen(self, frozen: bool) -> None:
+        """Whether the node is frozen, as every later registration publishes it."""
+        self._frozen = frozen
+
+    def register(self, first: bool, labels: Mapping[str, str] | None = None) -> bool:
         """Take (or take back) this node's registration; False if the id is live elsewhere.
 
         Frees the claims of any earlier registration of this id; ``first`` (init) also drops
-        commands queued for a dead earlier process with this id.
+        commands queued for a dead earlier process with this id. ``labels`` (init's: the
+        node's placement labels) are kept for the re-registrations.
         """
+        if labels is not None:
+            self._labels = labels
         session = uuid.uuid4().hex
         started = time.monotonic()
         params: dict[str, Any] = {
@@ -109,7 +119,7 @@ class Lease:
             "ttl": self._db.config.lease_ttl,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "frozen": self.frozen,
+            "frozen": self._frozen,
             "labels": self.labels_json(),
         }
         with self._db.transaction() as conn:
@@ -387,9 +397,9 @@ class Lease:
         return started
 
     def _members(self, fingerprint: tuple[Any, ...]) -> None:
-        if self.on_members is not None:
+        if self._on_members is not None:
             try:
-                self.on_members(fingerprint)
+                self._on_members(fingerprint)
             except Exception:
                 log.exception("the membership hook raised", extra=self._extra)
 
