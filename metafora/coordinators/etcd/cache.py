@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from metafora.coordinators.etcd.driver import KeyValue
 from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
+from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import launch_and_expiry
 from metafora.errors import InvalidProps
 from metafora.task import Task

@@ -20,7 +20,7 @@ from metafora.coordinator import (
     crash_limit_error,
     error_text,
 )
-from metafora.coordinators.sql.lease import Lease
+from metafora.coordinators.sql.lease import Lease, release_untracked
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import ClaimLost, MetaforaError
@@ -150,7 +150,7 @@ class Claims:
         if claimed and not kept:
             # The lease was lost (or the node closed) while the claim was in flight.
             for task in claimed:
-                self._lease.release_untracked(task.id, task.token)
+                release_untracked(self._db, self._node_id, task.id, task.token)
             return []
         return claimed
 

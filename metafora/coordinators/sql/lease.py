@@ -39,7 +39,7 @@ from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import Task
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "reconcile", "release_untracked"]
 
 log = logging.getLogger(__name__)
 
@@ -434,40 +434,55 @@ class Lease:
         with self._lock:
             if epoch != self._epoch:
                 return
-            busy = busy_before | set(self._busy)
-            lost = [
-                task for tid, task in self._held.items()
-                if before.get(tid) == task.token and tid not in busy and store.get(tid) != task.token
-            ]
+            lost, orphans = reconcile(before, self._held, busy_before | set(self._busy), store)
             for task in lost:
                 del self._held[task.id]
-            orphans = [
-                (tid, token) for tid, token in store.items()
-                if tid not in busy and (tid not in self._held or self._held[tid].token != token)
-            ]
         for task in lost:
             log.warning("claim of node %s on task %s (token %d) is gone from the store",
                         self._node_id, task.id, task.token,
                         extra={"node": self._node_id, "task": task.id})
         self._report_lost(lost)
         for tid, token in orphans:
-            self.release_untracked(tid, token)
+            release_untracked(self._db, self._node_id, tid, token)
 
-    def release_untracked(self, task_id: str, token: int) -> None:
-        """Release a claim this node holds in the store but does not track (best effort)."""
-        extra = {"node": self._node_id, "task": task_id}
-        try:
-            with self._db.hot() as cur:
-                row = cur.one("release", {"id": task_id, "node": self._node_id, "token": token})
-                if row is not None:
-                    cur.token_used(int(row[0]))
-        except MetaforaError as exc:
-            log.warning("could not release untracked claim on task %s: %s", task_id, exc,
-                        extra=extra)
-            return
-        if row is not None:
-            log.warning("released claim on task %s (token %d) that node %s no longer tracked",
-                        task_id, token, self._node_id, extra=extra)
+
+def reconcile(before: Mapping[str, int], held: Mapping[str, Task], busy: set[str],
+              store: Mapping[str, int]) -> tuple[list[Task], list[tuple[str, int]]]:
+    """Which claims vanished from the store and which it has that nobody here tracks.
+
+    ``before``: task id -> token held when the store was read; ``held``: the claims held
+    now; ``busy``: ids with a claim or outcome in flight during the read (judged next time);
+    ``store``: task id -> token the store says this node holds. Returns (the held claims
+    to report lost: held since before the read, not busy, not in the store with their
+    token; the (id, token) claims to release: in the store, not busy, not held as such).
+    """
+    lost = [
+        task for tid, task in held.items()
+        if before.get(tid) == task.token and tid not in busy and store.get(tid) != task.token
+    ]
+    gone = {task.id for task in lost}
+    orphans = [
+        (tid, token) for tid, token in store.items()
+        if tid not in busy and (tid not in held or tid in gone or held[tid].token != token)
+    ]
+    return lost, orphans
+
+
+def release_untracked(db: Database, node_id: str, task_id: str, token: int) -> None:
+    """Release a claim ``node_id`` holds in the store but does not track (best effort)."""
+    extra = {"node": node_id, "task": task_id}
+    try:
+        with db.hot() as cur:
+            row = cur.one("release", {"id": task_id, "node": node_id, "token": token})
+            if row is not None:
+                cur.token_used(int(row[0]))
+    except MetaforaError as exc:
+        log.warning("could not release untracked claim on task %s: %s", task_id, exc,
+                    extra=extra)
+        return
+    if row is not None:
+        log.warning("released claim on task %s (token %d) that node %s no longer tracked",
+                    task_id, token, node_id, extra=extra)
 
 
 class _NotYet(Exception):
