@@ -233,7 +233,8 @@ def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etc
         finally:
             os.kill(server.pid, signal.SIGCONT)
         took = returned[0] - fenced
-        print(f"etcd machine: returned {took:.2f}s after the fence (stop margin {ETCD_FENCING.margin(ttl):.2f}s)")
-        assert took <= ETCD_FENCING.margin(ttl) + SLACK
+        margin = ETCD_FENCING.margin(ttl)
+        print(f"etcd machine: returned {took:.2f}s after the fence (stop margin {margin:.2f}s)")
+        assert took <= margin + SLACK
     finally:
         coord.close()
