@@ -5,9 +5,10 @@ token from the store-wide counter and is valid while this node's lease is (see
 :mod:`~metafora.coordinators.sql.lease`). Every write about a claim is fenced by owner and
 token (:mod:`~metafora.coordinators.sql.claims`). The coordinator is composed of those
 parts, each given what it needs at construction: the lease (with its hooks), the claims and
-outcomes (with the lease), a watch per ``watch(out)`` and the change feed. Wake-ups (:mod:`~metafora.coordinators.sql.listen`) are pushed by PostgreSQL
-LISTEN/NOTIFY; on SQLite a thread watches ``PRAGMA data_version`` (any commit by another
-connection) every 10 ms. ``poll_interval`` is the safety-net poll behind both.
+outcomes (with the lease), a watch per ``watch(out)`` and the change feed. Wake-ups
+(:mod:`~metafora.coordinators.sql.listen`) are pushed by PostgreSQL LISTEN/NOTIFY; on
+SQLite a thread watches ``PRAGMA data_version`` (any commit by another connection) every
+10 ms. ``poll_interval`` is the safety-net poll behind both.
 """
 
 from __future__ import annotations
