@@ -15,17 +15,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
+from metafora.schedule_model import Schedule, new_schedule
 from metafora.task import Task, TaskInfo, TaskState
-
-if TYPE_CHECKING:
-    from metafora.schedule import Schedule
 
 __all__ = [
     "DEFAULT_MAX_CRASHES",
@@ -344,7 +342,7 @@ class Coordinator(ClusterState, abc.ABC):
         """
         return False
 
-    # -- periodic schedules (see metafora.schedule) ------------------------------------
+    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
 
     def schedules(self) -> list[Schedule]:
         """Every schedule of the namespace, by name (a store without schedules: none)."""
@@ -506,7 +504,7 @@ class Client(ClusterState, abc.ABC):
         Returns how many were deleted.
         """
 
-    # -- periodic schedules (see metafora.schedule) ------------------------------------
+    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
 
     def add_schedule(
         self,
@@ -525,8 +523,6 @@ class Client(ClusterState, abc.ABC):
         tick is the first one after now. Raises ConfigError, InvalidTaskId, InvalidProps or
         ScheduleExists.
         """
-        from metafora.schedule import new_schedule
-
         schedule = new_schedule(name, every=every, cron=cron, props=props, missed=missed,
                                 now=self._now())
         self._schedule_insert(schedule)
