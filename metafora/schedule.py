@@ -10,19 +10,8 @@ made again. No leader is needed, and no tick is lost while at least one node is 
 
 The values (:class:`Schedule`, tick computation, the missed-tick policy) live in
 :mod:`metafora.schedule_model`, below the coordinator interface that names them; they are
-re-exported here. This module adds the loop, which drives a coordinator.
-
-Tick times:
-
-- ``every``: the multiples of the period since the Unix epoch (``5m`` ticks at :00, :05...).
-- ``cron``: the times the expression names, in UTC (parsed by ``croniter``).
-
-A tick is *on time* while it is at most :data:`LATE_AFTER` old: such ticks are always
-materialised, one task each, whatever the policy (a node that woke a little late loses
-nothing). Older ticks were *missed* (the whole cluster was down) and follow the schedule's
-``missed`` policy: ``skip`` (none of them), ``once`` (one task, for the latest missed tick) or
-``all`` (one task each, the latest :data:`MAX_CATCH_UP` of them; older ones are dropped with
-a warning).
+re-exported here (tick times and the missed policy are described there). This module adds
+the loop, which drives a coordinator.
 """
 
 from __future__ import annotations
