@@ -167,7 +167,7 @@ class TaskCommands(abc.ABC):
         """
         bell = self.bell()
         if bell is not None:
-            return bell.open(task_id, token)
+            return bell.new_mailbox(task_id, token)
         return Mailbox(task_id, token, self._take_now, poll_every=_FALLBACK_POLL)
 
     def receive_from(self, mailbox: Mailbox, timeout: float | None = 0.0,
