@@ -21,9 +21,13 @@ that still has work (a fenced checkpoint); when no work is left the partition co
 Modules: :mod:`~metafora.statemachine.gates.model` (values and errors),
 :mod:`~metafora.statemachine.gates.store` (:class:`ItemStore`),
 :mod:`~metafora.statemachine.gates.lease` (the fenced :class:`PartitionLease`),
-:mod:`~metafora.statemachine.gates.statements` (their SQL), :mod:`~metafora.statemachine.gates.processor`,
+:mod:`~metafora.statemachine.gates.statements` (their SQL),
+:mod:`~metafora.statemachine.gates.wakeups` (news of partitions),
+:mod:`~metafora.statemachine.gates.processor`,
+:mod:`~metafora.statemachine.gates.run` (one claim's step loop),
 :mod:`~metafora.statemachine.gates.handler` (:func:`handler_func`),
-:mod:`~metafora.statemachine.gates.schema` (the tables).
+:mod:`~metafora.statemachine.gates.schema` (the tables). The SQL coordinator is reached only
+through its seam, :mod:`metafora.coordinators.sql.shared`.
 """
 
 from __future__ import annotations
