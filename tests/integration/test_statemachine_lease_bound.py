@@ -175,9 +175,9 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
         coord, task, _ctx = _claimed(url)
         try:
             lease = items.lease(task, "a", claim_fence=True, bound=lease_bound_of(coord))
-            lease.open()
+            lease.take_over()
             [item] = lease.take(0, 10)
-            done = [gates.Outcome(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
+            done = [gates.ItemResult(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
             with _pg_locked(coord, "metafora_partitions", "partition_id = 't1'"):
                 left = coord.claim_time_left(task)
                 assert left is not None and left > 0
