@@ -1,24 +1,20 @@
-"""Helpers for users' own tests: a fake clock and an in-memory cluster.
+"""Consumers on one store in threads of the test's process, and the waits tests need.
 
->>> clock = FakeClock()
->>> coord = open_coordinator("memory://t1", node_id="a")   # in-process store
+:class:`LocalCluster` starts consumers in threads and shuts them down; :func:`wait_for` polls a
+condition against a real-time deadline; :class:`RecordingContext` drives a coordinator by
+hand and records the tasks it loses.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from metafora.balancer import Balancer
-from metafora.clock import Clock
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import DEFAULT_MAX_CRASHES, Client, CoordinatorContext
@@ -26,76 +22,9 @@ from metafora.errors import CoordinatorUnavailable
 from metafora.handler import HandlerFunc
 from metafora.task import Task, TaskState, validate_labels
 
-__all__ = ["FakeClock", "FileLedger", "LedgerRun", "LocalCluster", "RecordingContext", "wait_for"]
+__all__ = ["LocalCluster", "RecordingContext", "wait_for"]
 
 T = TypeVar("T")
-
-_REAL_SLICE = 0.005  # real seconds a fake wait blocks before re-checking fake time
-
-
-class FakeClock(Clock):
-    """A clock that only moves when told to (:meth:`advance`).
-
-    ``wait`` returns as soon as the event is set or fake time reaches the deadline, so
-    code under test that waits on this clock runs as fast as the test advances it.
-    """
-
-    def __init__(self, start: datetime | None = None) -> None:
-        self._now = start or datetime(2030, 1, 1, tzinfo=UTC)
-        self._mono = 1000.0
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[float, threading.Event]] = []
-
-    def now(self) -> datetime:
-        with self._cond:
-            return self._now
-
-    def monotonic(self) -> float:
-        with self._cond:
-            return self._mono
-
-    def advance(self, seconds: float | timedelta) -> None:
-        """Move time forward and wake every waiter whose deadline has come."""
-        delta = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
-        if delta < 0:
-            raise ValueError("a clock does not go back")
-        with self._cond:
-            self._now += timedelta(seconds=delta)
-            self._mono += delta
-            self._cond.notify_all()
-
-    def waiters(self) -> int:
-        """How many threads wait on this clock now (lets a test know a loop is idle)."""
-        with self._cond:
-            return len(self._waiters)
-
-    def wait_for_waiters(self, count: int = 1, timeout: float = 5.0) -> bool:
-        """Block (in real time, up to ``timeout``) until ``count`` threads wait on the clock."""
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self._waiters) >= count, timeout)
-
-    def wait(self, event: threading.Event, timeout: float | None) -> bool:
-        if event.is_set():
-            return True
-        with self._cond:
-            deadline = float("inf") if timeout is None else self._mono + max(0.0, timeout)
-            if deadline <= self._mono:
-                return event.is_set()
-            entry = (deadline, event)
-            self._waiters.append(entry)
-            self._cond.notify_all()
-        try:
-            # The caller's event is never set by the clock: it may mean "stop" to the caller.
-            while not event.is_set():
-                with self._cond:
-                    if self._mono >= deadline:
-                        return False
-                event.wait(_REAL_SLICE)
-            return True
-        finally:
-            with self._cond:
-                self._waiters.remove(entry)
-                self._cond.notify_all()
 
 
 class RecordingContext(CoordinatorContext):
@@ -238,92 +167,3 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class LedgerRun:
-    """One handler run recorded in a :class:`FileLedger` (``end`` None: never finished)."""
-
-    task: str
-    node: str
-    token: int
-    start: float
-    end: float | None
-    outcome: str | None
-
-
-class FileLedger:
-    """An append-only file, outside the store, where handlers record every start and end.
-
-    Processes on one machine append JSON lines (``O_APPEND`` makes each small write atomic),
-    so tests and benchmarks can prove exactly-once runs and no overlap, even across SIGKILL.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-
-    def _append(self, record: Mapping[str, object]) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-
-    def start(self, task: Task, node: str) -> None:
-        """Record that ``node`` started ``task`` under ``task.token``."""
-        self._append({"e": "start", "task": task.id, "node": node, "token": task.token,
-                      "t": time.time()})
-
-    def end(self, task: Task, node: str, outcome: str) -> None:
-        """Record that the run ended (``done``, ``release``, ``fail``...)."""
-        self._append({"e": "end", "task": task.id, "node": node, "token": task.token,
-                      "t": time.time(), "outcome": outcome})
-
-    def runs(self) -> list[LedgerRun]:
-        """Every run, in start order."""
-        if not os.path.exists(self.path):
-            return []
-        starts: dict[tuple[str, str, int], dict[str, object]] = {}
-        ends: dict[tuple[str, str, int], dict[str, object]] = {}
-        with open(self.path, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.endswith("\n"):
-                    continue  # a write cut by SIGKILL
-                rec = json.loads(line)
-                key = (rec["task"], rec["node"], rec["token"])
-                (starts if rec["e"] == "start" else ends)[key] = rec
-        out = []
-        for key, rec in starts.items():
-            end = ends.get(key)
-            out.append(LedgerRun(key[0], key[1], key[2], float(rec["t"]),  # type: ignore[arg-type]
-                                 None if end is None else float(end["t"]),  # type: ignore[arg-type]
-                                 None if end is None else str(end["outcome"])))
-        return sorted(out, key=lambda r: r.start)
-
-    def overlaps(self, died: Mapping[str, float] | None = None) -> list[tuple[LedgerRun, LedgerRun]]:
-        """Pairs of runs of one task that overlapped in time.
-
-        A run with no end counts as running until its node died (``died[node]``, a
-        ``time.time()``) or forever.
-        """
-        died = died or {}
-        by_task: dict[str, list[LedgerRun]] = {}
-        for run in self.runs():
-            by_task.setdefault(run.task, []).append(run)
-        bad = []
-        for runs in by_task.values():
-            for i, a in enumerate(runs):
-                a_end = a.end if a.end is not None else died.get(a.node, float("inf"))
-                for b in runs[i + 1:]:
-                    if b.start < a_end:
-                        bad.append((a, b))
-        return bad
-
-    def completed(self, outcome: str = "done") -> dict[str, int]:
-        """Task id -> how many runs ended with ``outcome``."""
-        counts: dict[str, int] = {}
-        for run in self.runs():
-            if run.outcome == outcome:
-                counts[run.task] = counts.get(run.task, 0) + 1
-        return counts

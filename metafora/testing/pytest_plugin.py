@@ -13,7 +13,7 @@ Installed with metafora, it gives every test suite these fixtures:
 
 Where the stores come from: ``memory`` is in-process; ``sqlite`` is a file in the test's
 temporary directory; ``postgresql`` and ``etcd`` are real servers from
-:mod:`metafora.testservers` (``$METAFORA_TEST_POSTGRES_URL`` / ``$METAFORA_TEST_ETCD_URL``, else a
+:mod:`metafora.testing.servers` (``$METAFORA_TEST_POSTGRES_URL`` / ``$METAFORA_TEST_ETCD_URL``, else a
 container when a Docker engine answers, else a server already on 127.0.0.1:5432 for
 PostgreSQL, else local binaries — ``initdb``/``pg_ctl``, ``etcd`` — started on free loopback
 ports for the session and stopped by pid). With none, the test is skipped with the reason
@@ -114,8 +114,8 @@ def _unavailable(kind: str, reason: str) -> None:
 
 
 def _serve(kind: str, server: contextlib.AbstractContextManager[str]) -> Iterator[str]:
-    """Enter ``server`` (from metafora.testservers), or skip/fail saying why there is none."""
-    from metafora.testservers import ServerUnavailable
+    """Enter ``server`` (from metafora.testing.servers), or skip/fail saying why there is none."""
+    from metafora.testing.servers import ServerUnavailable
 
     with contextlib.ExitStack() as stack:
         try:
@@ -128,7 +128,7 @@ def _serve(kind: str, server: contextlib.AbstractContextManager[str]) -> Iterato
 @pytest.fixture(scope="session")
 def metafora_postgres_server() -> Iterator[str]:
     """A PostgreSQL server's maintenance-database URL for the session (found or started)."""
-    from metafora.testservers import postgres_server
+    from metafora.testing.servers import postgres_server
 
     yield from _serve("postgresql", postgres_server())
 
@@ -136,7 +136,7 @@ def metafora_postgres_server() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def metafora_postgres_database(metafora_postgres_server: str) -> Iterator[str]:
     """A throw-away PostgreSQL database for the session, dropped at its end."""
-    from metafora.testservers import postgres_database
+    from metafora.testing.servers import postgres_database
 
     with postgres_database(metafora_postgres_server) as url:
         yield url
@@ -145,7 +145,7 @@ def metafora_postgres_database(metafora_postgres_server: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def metafora_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An etcd's base URL (``etcd://host:port``) for the session (found or started)."""
-    from metafora.testservers import etcd_server
+    from metafora.testing.servers import etcd_server
 
     yield from _serve("etcd", etcd_server(tmp_path_factory.mktemp("metafora-etcd")))
 
@@ -183,7 +183,7 @@ def metafora_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterat
     for name in dropped:
         drop_store(f"{name}/metafora")
     if etcd_urls:
-        from metafora.testservers import drop_etcd_namespace
+        from metafora.testing.servers import drop_etcd_namespace
 
         for url in etcd_urls:
             with contextlib.suppress(Exception):  # best effort: the server may be gone
