@@ -8,34 +8,13 @@ on working: pytest finds the same hooks and fixtures here. The ``pytest11`` entr
 
 from __future__ import annotations
 
-from metafora.testing.pytest_plugin import (
-    ENV_STORES,
-    STORE_KINDS,
-    metafora_client,
-    metafora_cluster,
-    metafora_etcd_server,
-    metafora_postgres_database,
-    metafora_postgres_server,
-    metafora_store_url,
-    metafora_url,
+from metafora.testing import pytest_plugin as _plugin
+from metafora.testing.pytest_plugin import *  # noqa: F403  (the fixtures and constants)
+from metafora.testing.pytest_plugin import (  # noqa: F401  (pytest looks hooks up by name)
     parse_kinds,
     pytest_addoption,
     pytest_configure,
     pytest_generate_tests,
 )
 
-__all__ = [
-    "ENV_STORES",
-    "STORE_KINDS",
-    "metafora_client",
-    "metafora_cluster",
-    "metafora_etcd_server",
-    "metafora_postgres_database",
-    "metafora_postgres_server",
-    "metafora_store_url",
-    "metafora_url",
-    "parse_kinds",
-    "pytest_addoption",
-    "pytest_configure",
-    "pytest_generate_tests",
-]
+__all__ = list(_plugin.__all__)
