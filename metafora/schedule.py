@@ -82,7 +82,9 @@ class Scheduler:
         self._broken: set[str] = set()  # schedules whose ticks cannot be computed
         self._known: list[str] = []
         self.made = 0
-        """Ticks this node made into tasks (won the compare-and-set for)."""
+        """Ticks this node made into tasks (won the compare-and-set for). Counted once the
+        store's step has returned, so a reader may see the ticks' tasks a moment before this
+        count; it is final once :meth:`run` has returned."""
 
     @property
     def known(self) -> list[str]:
