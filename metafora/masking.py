@@ -228,8 +228,17 @@ def scrub(text: str, url: str | None = None) -> str:
 
 def _mask_match(match: re.Match[str]) -> str:
     start = match.start(1) - match.start()
-    whole = match.group(0)
-    return whole[:start] + mask_url(match.group(1))
+    whole, url = match.group(0), match.group(1)
+    if "@" in url or "?" in url:
+        return whole[:start] + mask_url(url)
+    # No credentials and no query: only a port that is not a number can be masked (the
+    # common case in a driver's message, kept cheap for text full of URLs).
+    cut = url.index("://") + 3
+    end = url.find("/", cut)
+    authority = url[cut:] if end < 0 else url[cut:end]
+    if ":" not in authority:
+        return whole
+    return whole[:start] + url[:cut] + mask_hosts(authority) + url[cut + len(authority):]
 
 
 def escape_controls(text: str) -> str:

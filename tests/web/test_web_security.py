@@ -261,11 +261,16 @@ def test_an_idle_connection_is_closed(sqlite_url: str) -> None:
     from metafora.web.server import WebServer
 
     app = create_app(sqlite_url)
-    with WebServer(app, "127.0.0.1", 0, idle_timeout=0.5) as server:
+    server = WebServer(app, "127.0.0.1", 0, idle_timeout=0.5).start()
+    try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as idle:
             idle.sendall(b"GET /nodes HTTP/1.1\r\n")  # a head never finished
             assert idle.recv(1024) == b""  # closed by the server, long before the 30 s timeout
-    app.state.dashboard.close()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as silent:
+            assert silent.recv(1024) == b""  # nothing sent at all
+    finally:
+        server.stop()
+        app.state.dashboard.close()
 
 
 # -- 8: headers, and nothing inline for the CSP to forbid -----------------------------------------
