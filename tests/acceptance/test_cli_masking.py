@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import pty
-import select
 import sqlite3
 import struct
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 from metafora import Task, open_client, open_coordinator
 from metafora.logs import LEVELS
 from metafora.testing import RecordingContext
+from tests.acceptance.test_cli_newcomer import _read_until
 from tests.acceptance.test_cli_subprocess import metafora
 
 CASES = [
@@ -69,28 +69,13 @@ def in_pty(*args: str, cwd: Path, timeout: float = 60) -> str:
     proc = subprocess.Popen([sys.executable, "-m", "metafora", *args], cwd=cwd, env=env,
                             stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
+        return _read_until(master, time.monotonic() + timeout, None).decode("utf-8", "replace")
     finally:
         os.close(master)
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
-    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def fail_task(url: str, task_id: str, error: str) -> None:

@@ -9,7 +9,6 @@ carries the security headers and the pages hold no inline script or style (8). U
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import signal
@@ -42,6 +41,7 @@ from metafora.web.security import (
     host_name,
     status_for,
 )
+from tests.web.conftest import http_call
 
 TOKEN = "a-long-enough-token-for-tests"
 
@@ -93,26 +93,12 @@ class Web:
     def request(self, method: str, path: str, data: dict[str, str] | None = None,
                 headers: dict[str, str] | None = None, jar: dict[str, str] | None = None,
                 timeout: float = 30) -> Reply:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        sent = dict(headers or {})
         cookies = self.cookies if jar is None else jar
-        if cookies:
-            sent["Cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
-        body = None
-        if data is not None:
-            body = urlencode(data)
-            sent["Content-Type"] = "application/x-www-form-urlencoded"
-        try:
-            conn.request(method, path, body=body, headers=sent)
-            raw = conn.getresponse()
-            got = {k.lower(): v for k, v in raw.getheaders()}
-            text = raw.read().decode()
-        finally:
-            conn.close()
+        status, text, got = http_call(self.port, method, path, data, headers, cookies, timeout)
         if "set-cookie" in got and jar is None:
             name, _, rest = got["set-cookie"].partition("=")
             self.cookies[name] = rest.split(";", 1)[0]
-        return Reply(raw.status, text, got)
+        return Reply(status, text, got)
 
     def login(self) -> str:
         """Log in with the token; the CSRF value of the new session."""
