@@ -85,6 +85,10 @@ class Ident(str):
     __slots__ = ()
 
 
+def _client(request: Request) -> str:
+    return request.client.host if request.client is not None else "?"
+
+
 class Dashboard:
     """The dashboard's state: one operator client, the token's derived secrets, templates."""
 
@@ -135,8 +139,29 @@ class Dashboard:
             return False
         sent = self._header_token(request)
         if sent is not None:
-            return hmac.compare_digest(sent.encode(), self.token.encode())
+            return self.try_token(request, sent)
         return self.session(request) is not None
+
+    def try_token(self, request: Request, sent: str) -> bool:
+        """Whether ``sent`` is the token. Every way of sending one (login form, header) counts
+        toward the client's throttle, and nothing is compared while the client must wait."""
+        client = _client(request)
+        if self.token is None or self.throttle.wait(client) > 0:
+            return False
+        if hmac.compare_digest(sent.encode(), self.token.encode()):
+            self.throttle.succeeded(client)
+            return True
+        self.throttle.failed(client)
+        return False
+
+    def slow_down(self, request: Request) -> HTMLResponse | None:
+        """A 429 page with Retry-After when the client must wait after failed tokens, else None."""
+        wait = self.throttle.wait(_client(request))
+        if wait <= 0:
+            return None
+        page = self.error(request, 429, f"too many wrong tokens: try again in {wait:.0f}s")
+        page.headers["Retry-After"] = str(max(1, round(wait + 0.5)))
+        return page
 
     def may_act(self, request: Request, form: dict[str, str]) -> str | None:
         """None if the action may go ahead, else why not (for a 403 page)."""
@@ -144,8 +169,7 @@ class Dashboard:
             return "this dashboard is read-only: start it with --token (or METAFORA_WEB_TOKEN) to act"
         sent = self._header_token(request)
         if sent is not None:  # a custom header: browsers send none cross-site, so no CSRF risk
-            ok = hmac.compare_digest(sent.encode(), self.token.encode())
-            return None if ok else "wrong token"
+            return None if self.try_token(request, sent) else "wrong token"
         session = self.session(request)
         if session is None:
             return "log in with the dashboard's token first"
@@ -305,6 +329,9 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
 
     async def act(request: Request) -> Response:
         form = await _form(request)
+        slow = dash.slow_down(request) if dash._header_token(request) is not None else None
+        if slow is not None:
+            return slow
         refused = dash.may_act(request, form)
         if refused is not None:
             return dash.error(request, 403, refused)
@@ -358,10 +385,6 @@ class _App(Starlette):
         return HostCheck(super().build_middleware_stack(), self._hosts)
 
 
-def _client(request: Request) -> str:
-    return request.client.host if request.client is not None else "?"
-
-
 def _auth_routes(dash: Dashboard) -> list[Route]:
     """``/login`` (a form, throttled per client address) and ``/logout`` (ends the session)."""
 
@@ -372,15 +395,11 @@ def _auth_routes(dash: Dashboard) -> list[Route]:
         form = await _form(request)
         if dash.token is None:
             return dash.error(request, 403, "this dashboard is read-only: there is no token to log in with")
-        wait = dash.throttle.wait(_client(request))
-        if wait > 0:
-            slow = dash.error(request, 429, f"too many failed logins: try again in {wait:.0f}s")
-            slow.headers["Retry-After"] = str(max(1, round(wait + 0.5)))
+        slow = dash.slow_down(request)
+        if slow is not None:
             return slow
-        if not hmac.compare_digest(form.get("token", "").encode(), dash.token.encode()):
-            dash.throttle.failed(_client(request))
+        if not dash.try_token(request, form.get("token", "")):
             return dash.render(request, "login.html", status=403, title="Log in", failed=True)
-        dash.throttle.succeeded(_client(request))
         sid, _ = dash.sessions.start()
         response = _back(form, "/nodes", "logged in")
         response.set_cookie(_SESSION_COOKIE, sid, httponly=True, samesite="strict",

@@ -180,12 +180,17 @@ def test_the_page_of_a_task_acts_on_that_task(sqlite_url: str, web: Any) -> None
 
 def test_login_is_throttled_per_client(web: Any) -> None:
     server = web()
-    statuses = [server.request("POST", "/login", {"token": f"wrong-{i}"}).status for i in range(5)]
+    act = {"target": "task", "verb": "retry", "id": "nope"}
+    statuses = [server.request("POST", "/login", {"token": f"wrong-{i}"}).status for i in range(3)]
+    # a wrong header token (a script's way in) counts the same
+    statuses += [server.request("POST", "/act", act, headers={"Authorization": f"Bearer wrong-{i}"}).status
+                 for i in range(2)]
     assert statuses == [403] * 5
     slowed = server.request("POST", "/login", {"token": "wrong-again"})
     assert slowed.status == 429 and int(slowed.headers["retry-after"]) >= 1
-    # while the client waits, even the right token is not tried
+    # while the client waits, even the right token is not tried, by either way
     assert server.request("POST", "/login", {"token": TOKEN}).status == 429
+    assert server.request("POST", "/act", act, headers={"X-Metafora-Token": TOKEN}).status == 429
 
 
 def test_the_token_file_keeps_the_token_out_of_ps(web: Any) -> None:
