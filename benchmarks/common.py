@@ -157,7 +157,7 @@ class WorkerSpec:
     url: str
     node: str
     mode: str = "instant"  # instant | hold
-    balancer: str = "dumb"  # dumb | fair
+    balancer: str = "dumb"  # dumb | fair | default (the Consumer's own default)
     balance_every: float = 60.0
     max_tasks: int | None = None
     options: dict[str, Any] = field(default_factory=dict)

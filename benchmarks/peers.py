@@ -167,7 +167,7 @@ def _times(value: float) -> str:
 
 def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], rounds: int,
              tasks: int, submits: int) -> str:
-    """The README table: one row per system, then metafora ÷ each peer (the crash column only
+    """The docs table: one row per system, then metafora ÷ each peer (the crash column only
     when a run measured it)."""
     crash = any(f.get("recovery_s", Spread.of([])).median == f.get("recovery_s", Spread.of([])).median
                 for f in summary.values())
@@ -775,7 +775,7 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool
 
 
 def readme_text(data: dict[str, Any]) -> str:
-    """The README's table from a saved ``results/peers.json``."""
+    """The docs table from a saved ``results/peers.json``."""
     summary = {s: {k: Spread(**v) for k, v in f.items()} for s, f in data["summary"].items()}
     settings = "\n".join(f"- {data['labels'][s]}: {text}" for s, text in data["settings"].items())
     if data.get("crash_settings"):

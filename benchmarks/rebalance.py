@@ -129,7 +129,7 @@ def _grew(items: list[Any], beyond: int) -> bool:
 def measure_handoff(url: str, handoffs: int) -> dict[str, float]:
     """Pauses of a stateful task moved ``handoffs`` times between two in-process nodes."""
     from metafora import Consumer, commands, open_coordinator
-    from metafora.statemachine.handler import Commands, handler_func
+    from metafora.statemachine import Commands, handler_func
     from metafora.statemachine.machine import Message, MessageKind
     from metafora.testing import LocalCluster, wait_for
 

@@ -1,4 +1,4 @@
-"""Print the saved results (benchmarks/results/*.json) as the README's markdown tables."""
+"""Print the saved results (benchmarks/results/*.json) as the markdown tables of docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -57,10 +57,9 @@ def main(spec: Any, events: Any) -> None:
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
                         format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
     coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
-    balancer: Balancer = DumbBalancer()
-    if spec.balancer == "fair":
-        balancer = FairBalancer()
-    consumer = Consumer(coord, _handler_func(spec, events), balancer,
+    balancers: dict[str, Balancer] = {"dumb": DumbBalancer(), "fair": FairBalancer()}
+    chosen: dict[str, Any] = {} if spec.balancer == "default" else {"balancer": balancers[spec.balancer]}
+    consumer = Consumer(coord, _handler_func(spec, events), **chosen,
                         balance_every=spec.balance_every, max_tasks=spec.max_tasks,
                         shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())

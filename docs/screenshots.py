@@ -1,4 +1,4 @@
-"""Make the dashboard screenshots of the README (docs/web-*.png, 1280x800).
+"""Make the dashboard screenshots of the docs (docs/web-*.png, 1280x800).
 
 Run: ``.venv/bin/python docs/screenshots.py`` (needs metafora-cluster[web,browser] and a system
 Chromium). It builds a small SQLite cluster in a temporary directory, serves the dashboard

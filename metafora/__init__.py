@@ -16,7 +16,9 @@ from metafora.coordinator import Client, Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
 from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
 from metafora.schedule import Schedule
+from metafora.statemachine.retry import reset_and_retry
 from metafora.task import Task, TaskInfo, TaskState
+from metafora.task_retry import install_state_reset
 
 __all__ = [
     "AsyncHandler",
@@ -45,3 +47,7 @@ __all__ = [
 ]
 
 __version__ = "0.2.0"
+
+# Client.retry_task(reset_state=True) resets a stateful task's state: the rules are the state
+# machine's, which sits above the coordinators, so the package wires them together here.
+install_state_reset(reset_and_retry)

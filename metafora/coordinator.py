@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -23,10 +23,9 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.masking import scrub
+from metafora.schedule_model import Schedule, new_schedule
 from metafora.task import Task, TaskInfo, TaskState
-
-if TYPE_CHECKING:
-    from metafora.schedule import Schedule
+from metafora.task_retry import StateRewrite, check_retry_options, state_reset
 
 __all__ = [
     "DEFAULT_MAX_CRASHES",
@@ -349,7 +348,7 @@ class Coordinator(ClusterState, abc.ABC):
         """
         return False
 
-    # -- periodic schedules (see metafora.schedule) ------------------------------------
+    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
 
     def schedules(self) -> list[Schedule]:
         """Every schedule of the namespace, by name (a store without schedules: none)."""
@@ -431,7 +430,6 @@ class Client(ClusterState, abc.ABC):
     def delete_task(self, task_id: str) -> None:
         """Remove a task in any state; a running one is stopped on its node. TaskNotFound."""
 
-    @abc.abstractmethod
     def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
         """Make a failed or expired task pending again. TaskNotFound, InvalidTaskState.
 
@@ -439,7 +437,19 @@ class Client(ClusterState, abc.ABC):
         is ``done`` in the coordinator): its stored state becomes ``runnable`` again, with no
         errors, and the cursor of its last checkpoint only with ``keep_cursor``. Atomic:
         the task and its state change together or not at all. The rules are
-        :func:`metafora.statemachine.retry.plan_retry`'s.
+        :func:`metafora.statemachine.retry.plan_retry`'s (see :mod:`metafora.task_retry`).
+        """
+        check_retry_options(reset_state, keep_cursor)
+        if reset_state:
+            state_reset()(self, task_id, keep_cursor)
+        else:
+            self.retry_with_state(task_id, None)
+
+    @abc.abstractmethod
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
+        """Make a finished task pending again in one atomic step with ``rewrite`` of its
+        stored state (see :mod:`metafora.task_retry`); without ``rewrite``, a plain retry
+        (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
         """
 
     @abc.abstractmethod
@@ -511,7 +521,7 @@ class Client(ClusterState, abc.ABC):
         Returns how many were deleted.
         """
 
-    # -- periodic schedules (see metafora.schedule) ------------------------------------
+    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
 
     def add_schedule(
         self,
@@ -530,8 +540,6 @@ class Client(ClusterState, abc.ABC):
         tick is the first one after now. Raises ConfigError, InvalidTaskId, InvalidProps or
         ScheduleExists.
         """
-        from metafora.schedule import new_schedule
-
         schedule = new_schedule(name, every=every, cron=cron, props=props, missed=missed,
                                 now=self._now())
         self._schedule_insert(schedule)

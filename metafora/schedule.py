@@ -8,35 +8,33 @@ with a compare-and-set on its ``version`` and creates the tick's task if absent,
 transaction: two nodes racing make one task, and a tick whose task was since purged is never
 made again. No leader is needed, and no tick is lost while at least one node is up.
 
-Everything here but that atomic step is shared by the stores: validation, tick computation,
-the missed-tick policy and the loop.
-
-Tick times:
-
-- ``every``: the multiples of the period since the Unix epoch (``5m`` ticks at :00, :05...).
-- ``cron``: the times the expression names, in UTC (parsed by ``croniter``).
-
-A tick is *on time* while it is at most :data:`LATE_AFTER` old: such ticks are always
-materialised, one task each, whatever the policy (a node that woke a little late loses
-nothing). Older ticks were *missed* (the whole cluster was down) and follow the schedule's
-``missed`` policy: ``skip`` (none of them), ``once`` (one task, for the latest missed tick) or
-``all`` (one task each, the latest :data:`MAX_CATCH_UP` of them; older ones are dropped with
-a warning).
+The values (:class:`Schedule`, tick computation, the missed-tick policy) live in
+:mod:`metafora.schedule_model`, below the coordinator interface that names them; they are
+re-exported here (tick times and the missed policy are described there). This module adds
+the loop, which drives a coordinator.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from metafora.clock import Clock
-from metafora.errors import ConfigError, CoordinatorClosed, InvalidProps, InvalidTaskId, MetaforaError
-from metafora.task import MAX_TASK_ID_LENGTH, Task, validate_task_id
+from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.schedule_model import (
+    LATE_AFTER,
+    MAX_CATCH_UP,
+    MAX_TICKS_PER_STEP,
+    MISSED_POLICIES,
+    Due,
+    Schedule,
+    due,
+    format_duration,
+    new_schedule,
+    parse_duration,
+    tick_id,
+)
 
 if TYPE_CHECKING:
     from metafora.coordinator import Coordinator
@@ -57,260 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MISSED_POLICIES = ("skip", "once", "all")
-"""What to do with ticks missed while the whole cluster was down."""
-
-MAX_CATCH_UP = 100
-"""``missed="all"`` makes at most this many tasks for missed ticks at once (the latest ones)."""
-
-MAX_TICKS_PER_STEP = 25
-"""Ticks settled by one atomic step (an etcd txn holds at most 128 operations, 4 a task);
-more are settled in several steps, oldest first."""
-
-LATE_AFTER = timedelta(seconds=30)
-"""A tick older than this when a node gets to it was missed; younger ones are on time."""
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_TICK_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
-_TICK_SUFFIX = len("@2026-11-23T14:05:00Z")
-MAX_NAME_LENGTH = MAX_TASK_ID_LENGTH - _TICK_SUFFIX
-"""The longest schedule name: its tasks' ids add ``@`` and the tick time."""
-
-_TIME_PROPS = ("launch_at", "expires_at")
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: object) -> int:
-    """Seconds in a schedule period: ``"30s"``, ``"5m"``, ``"1h"``, ``"1d"``, a whole number
-    of seconds, or a :class:`~datetime.timedelta` of whole seconds; at least 1 s."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-        if seconds != int(seconds):
-            raise ConfigError(f"a schedule period must be whole seconds, got {value}")
-        total = int(seconds)
-    elif isinstance(value, bool):
-        raise ConfigError(f"a schedule period must be a duration like 30s, 5m, 1h, 1d, got {value!r}")
-    elif isinstance(value, int):
-        total = value
-    elif isinstance(value, str):
-        match = _DURATION.match(value)
-        if match is None:
-            raise ConfigError(
-                f"bad duration {value!r}: use a number and a unit, like 30s, 5m, 1h or 1d"
-            )
-        total = int(match.group(1)) * _UNITS[match.group(2)]
-    else:
-        raise ConfigError(f"a schedule period must be a duration like 30s, 5m, 1h, 1d, got {value!r}")
-    if total < 1:
-        raise ConfigError(f"a schedule period must be at least 1s, got {value!r}")
-    return total
-
-
-def format_duration(seconds: int) -> str:
-    """The shortest ``30s``/``5m``/``1h``/``1d`` text for ``seconds`` (``90s`` stays seconds)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
-def _croniter(expr: str, start: datetime) -> Any:
-    from croniter import croniter
-
-    return croniter(expr, start)
-
-
-def check_cron(expr: object) -> str:
-    """``expr`` if croniter understands it, else a ConfigError naming the expression."""
-    if not isinstance(expr, str) or not expr.strip():
-        raise ConfigError(f"a cron expression must be a non-empty string, got {expr!r}")
-    from croniter import CroniterBadDateError, CroniterError
-
-    try:
-        _croniter(expr, _EPOCH).get_next(datetime)
-    except CroniterBadDateError:
-        raise ConfigError(f"cron expression {expr!r} never matches a date") from None
-    except (CroniterError, ValueError, KeyError) as exc:
-        raise ConfigError(f"unknown cron syntax {expr!r}: {exc}") from None
-    return expr.strip()
-
-
-def check_name(name: object) -> str:
-    """A schedule name: a valid task id prefix, short enough for its ticks' ids."""
-    try:
-        validate_task_id(name)
-    except InvalidTaskId as exc:
-        raise InvalidTaskId(f"bad schedule name: {exc}") from None
-    assert isinstance(name, str)
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidTaskId(
-            f"schedule name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH} "
-            f"(its tasks' ids add the tick time)"
-        )
-    return name
-
-
-def tick_id(name: str, tick: datetime) -> str:
-    """The id of the task made for ``tick`` of schedule ``name`` (``NAME@2026-11-23T14:05:00Z``)."""
-    return f"{name}@{tick.astimezone(UTC).strftime(_TICK_FORMAT)}"
-
-
-def _whole_second(moment: datetime) -> datetime:
-    return moment.astimezone(UTC).replace(microsecond=0)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A periodic task as stored: when it ticks, what its tasks carry, and how far it got.
-
-    Exactly one of ``every`` (seconds) and ``cron`` is set. ``cursor``: every tick at or
-    before it is settled (made into a task, skipped as missed, or passed while paused).
-    ``version``: the store's compare-and-set token of the row (its meaning is the store's).
-    """
-
-    name: str
-    every: int | None
-    cron: str | None
-    props: Mapping[str, Any] = field(default_factory=dict)
-    missed: str = "skip"
-    paused: bool = False
-    cursor: datetime = _EPOCH
-    created_at: datetime | None = None
-    version: int = 0
-
-    @property
-    def spec(self) -> str:
-        """``every 5m`` or ``cron */5 * * * *``, for listings."""
-        if self.every is not None:
-            return f"every {format_duration(self.every)}"
-        return f"cron {self.cron}"
-
-    def next_tick(self, after: datetime) -> datetime:
-        """The first tick strictly after ``after``."""
-        if self.every is not None:
-            step = timedelta(seconds=self.every)
-            count = (after.astimezone(UTC) - _EPOCH) // step
-            return _EPOCH + (count + 1) * step
-        assert self.cron is not None
-        result: datetime = _croniter(self.cron, after.astimezone(UTC)).get_next(datetime)
-        return result.astimezone(UTC)
-
-    def last_tick(self, at: datetime) -> datetime:
-        """The latest tick at or before ``at``."""
-        if self.every is not None:
-            step = timedelta(seconds=self.every)
-            return _EPOCH + ((at.astimezone(UTC) - _EPOCH) // step) * step
-        assert self.cron is not None
-        # croniter works in whole seconds: look back from the next second, then check.
-        probe = _whole_second(at) + timedelta(seconds=1)
-        result: datetime = _croniter(self.cron, probe).get_prev(datetime)
-        result = result.astimezone(UTC)
-        return result if result <= at else self._prev_tick(result)
-
-    def _prev_tick(self, before: datetime) -> datetime:
-        if self.every is not None:
-            return before - timedelta(seconds=self.every)
-        assert self.cron is not None
-        result: datetime = _croniter(self.cron, before).get_prev(datetime)
-        return result.astimezone(UTC)
-
-    def task(self, tick: datetime) -> Task:
-        """The task made for ``tick``."""
-        return Task(tick_id(self.name, tick), dict(self.props))
-
-
-def new_schedule(
-    name: str,
-    *,
-    every: object = None,
-    cron: object = None,
-    props: Mapping[str, Any] | None = None,
-    missed: str = "skip",
-    now: datetime,
-) -> Schedule:
-    """A validated new schedule whose first tick is the first one after ``now``."""
-    check_name(name)
-    if (every is None) == (cron is None):
-        raise ConfigError("give exactly one of every (a duration like 5m) and cron (an expression)")
-    period = None if every is None else parse_duration(every)
-    expr = None if cron is None else check_cron(cron)
-    if missed not in MISSED_POLICIES:
-        raise ConfigError(f"missed must be one of {', '.join(MISSED_POLICIES)}, got {missed!r}")
-    if props is not None and not isinstance(props, Mapping):
-        raise InvalidProps(f"schedule props must be a JSON object, not {type(props).__name__}")
-    props = dict(props or {})
-    fixed = sorted(k for k in _TIME_PROPS if k in props)
-    if fixed:
-        # Every tick's task would carry the same absolute time: one past it, all are wrong.
-        raise InvalidProps(f"schedule props must not set {', '.join(fixed)} (every tick's task "
-                           "would share that one time)")
-    Task(tick_id(name, now), props).props_json()  # the size and shape rules of task props
-    return Schedule(name, period, expr, props, missed, False, now.astimezone(UTC), now, 0)
-
-
-@dataclass(frozen=True)
-class Due:
-    """What one look at a schedule found to do: the ticks to make tasks of (oldest first),
-    the new cursor, and how many missed ticks were dropped (``skip``, ``once``, the bound)."""
-
-    ticks: list[datetime]
-    cursor: datetime
-    dropped: int
-
-
-def due(schedule: Schedule, now: datetime) -> Due | None:
-    """The ticks of ``schedule`` due at ``now`` under its missed policy, or None."""
-    if schedule.paused:
-        return None
-    cursor = schedule.cursor
-    if schedule.next_tick(cursor) > now:
-        return None
-    late_edge = now - LATE_AFTER
-    ticks: list[datetime] = []
-    # On-time ticks: at most LATE_AFTER / 1 s of them, walked forward.
-    tick = schedule.next_tick(max(cursor, late_edge))
-    while tick <= now:
-        ticks.append(tick)
-        tick = schedule.next_tick(tick)
-    missed: list[datetime] = []
-    dropped = 0
-    if cursor < late_edge:
-        latest_missed = schedule.last_tick(late_edge)
-        if latest_missed > cursor:
-            total = _count_missed(schedule, cursor, latest_missed)
-            if schedule.missed == "once":
-                missed = [latest_missed]
-            elif schedule.missed == "all":
-                walk = latest_missed
-                while walk > cursor and len(missed) < MAX_CATCH_UP:
-                    missed.append(walk)
-                    walk = schedule._prev_tick(walk)
-                missed.reverse()
-                if walk > cursor and total is None:
-                    total = MAX_CATCH_UP + 1  # at least; cron gaps are not counted
-            dropped = (total or len(missed)) - len(missed)
-    if not ticks and not missed and dropped == 0:
-        return None
-    new_cursor = ticks[-1] if ticks else schedule.last_tick(now)
-    return Due(missed + ticks, max(new_cursor, cursor), dropped)
-
-
-def _count_missed(schedule: Schedule, cursor: datetime, latest: datetime) -> int | None:
-    """How many ticks lie in (cursor, latest]; None when counting would mean walking (cron)."""
-    if schedule.every is not None:
-        step = timedelta(seconds=schedule.every)
-        first = schedule.next_tick(cursor)
-        return max(0, (latest - first) // step + 1)
-    count = 0
-    walk = latest
-    while walk > cursor:
-        count += 1
-        if count > MAX_CATCH_UP:
-            return None
-        walk = schedule._prev_tick(walk)
-    return count
 
 
 class Scheduler:
@@ -338,7 +82,9 @@ class Scheduler:
         self._broken: set[str] = set()  # schedules whose ticks cannot be computed
         self._known: list[str] = []
         self.made = 0
-        """Ticks this node made into tasks (won the compare-and-set for)."""
+        """Ticks this node made into tasks (won the compare-and-set for). Counted once the
+        store's step has returned, so a reader may see the ticks' tasks a moment before this
+        count; it is final once :meth:`run` has returned."""
 
     @property
     def known(self) -> list[str]:

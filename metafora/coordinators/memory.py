@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from metafora.task import (
     validate_schedule,
     validate_task_id,
 )
+from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 __all__ = ["MemoryClient", "MemoryCoordinator", "MemoryStore", "drop_store", "get_store"]
 
@@ -135,6 +137,27 @@ class MemoryStore:
         self.schedule_seq = 0  # the schedules' compare-and-set versions
         self.schedule_listeners: list[Callable[[], None]] = []
         self.member_listeners: list[Callable[[], None]] = []
+        # Each task's state-machine state: (claim token, body, the row it belongs to). The
+        # coordinator keeps where it lives, as SQL's metafora_state and etcd's state/<id>
+        # do; what it means is the state machine's (metafora.statemachine.stores.memory).
+        self.task_states: dict[str, tuple[int, str, weakref.ref[_Row]]] = {}
+
+    def task_state(self, task_id: str) -> tuple[int, str] | None:
+        """(token, body) of the task's stored state-machine state, or None (the caller
+        holds ``cond``). An entry left by a deleted task (perhaps submitted again under
+        the same id: a new row) is dropped."""
+        held = self.task_states.get(task_id)
+        if held is None:
+            return None
+        if held[2]() is not self.tasks.get(task_id):
+            del self.task_states[task_id]
+            return None
+        return held[0], held[1]
+
+    def put_task_state(self, task_id: str, token: int, body: str) -> None:
+        """Store the state-machine state of an existing task, written under claim ``token``
+        (the caller holds ``cond``)."""
+        self.task_states[task_id] = (token, body, weakref.ref(self.tasks[task_id]))
 
     def schedule_changed(self, schedule: Schedule | None, name: str) -> None:
         """Store ``schedule`` (None: delete ``name``) with a fresh version; tell the listeners."""
@@ -583,23 +606,20 @@ class MemoryClient(Client):
         if owner is not None:
             owner.ctx.lost(row.task())
 
-    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
-        # Imported here: the state tables live in the state machine's memory store, which
-        # imports this module.
-        from metafora.statemachine.retry import check_retry_options, plan_retry
-        from metafora.statemachine.stores.memory import replace_state, stored_state
-
-        check_retry_options(reset_state, keep_cursor)
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
         s = self._store
         with s.cond:
             self._check_open()
             s.sweep(s.clock.now())
             row = self._row(task_id)
-            stored = stored_state(s, task_id) if reset_state else None
-            new = plan_retry(task_id, row.state, stored, reset_state=reset_state,
-                             keep_cursor=keep_cursor)
-            if new is not None:
-                replace_state(s, task_id, new)
+            if rewrite is None:
+                check_retryable(task_id, row.state)
+            else:
+                held = s.task_state(task_id)
+                body = rewrite(RetrySnapshot(task_id, row.state, row.token,
+                                             None if held is None else held[1]))
+                if body is not None and held is not None:  # the state's token is kept
+                    s.put_task_state(task_id, held[0], body if isinstance(body, str) else body.decode())
             row.state = TaskState.PENDING
             row.error = None
             row.finished_at = None

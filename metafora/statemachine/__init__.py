@@ -26,13 +26,8 @@ from metafora.statemachine.errors import (
     ExceededErrorRate,
     default_error_handler,
 )
-from metafora.statemachine.handler import (
-    Commands,
-    StatefulHandler,
-    StatefulHandlerFunc,
-    StatefulTaskHandler,
-    handler_func,
-)
+from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
+from metafora.statemachine.handler import Commands, StatefulHandler, StatefulTaskHandler
 from metafora.statemachine.machine import (
     COMMAND_KINDS,
     IGNORE,

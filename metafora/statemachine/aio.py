@@ -9,7 +9,8 @@ hook, and the store is read only when a command may have arrived. The machine's 
 (load, persist, take a command, checkpoint) are short blocking calls and run on worker
 threads (``asyncio.to_thread``), so they never hold the loop.
 
-:func:`~metafora.statemachine.handler_func` picks this runner when given an ``async def``.
+:func:`~metafora.statemachine.handler_func` (:mod:`metafora.statemachine.factory`) picks
+this runner when given an ``async def``.
 """
 
 from __future__ import annotations
@@ -17,49 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from metafora.handler import AsyncHandler
+from metafora.statemachine.handler import MachineView, StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.mailbox import Mailbox
 from metafora.task import Task
 
 __all__ = ["AsyncCommands", "AsyncStatefulHandler", "AsyncStatefulTaskHandler"]
 
-if TYPE_CHECKING:
-    from metafora.statemachine.handler import StatefulTaskHandler
 
-
-class _MachineView:
-    """The task, state and cursor of a running machine, as its handler sees them."""
-
-    def __init__(self, machine: StatefulTaskHandler) -> None:
-        self._machine = machine
-
-    @property
-    def task(self) -> Task:
-        """The claimed task (with its fencing token)."""
-        return self._machine.task
-
-    @property
-    def state(self) -> State:
-        """The task's current state (runnable while the handler runs)."""
-        state = self._machine.state
-        assert state is not None
-        return state
-
-    @property
-    def cursor(self) -> str | None:
-        """The cursor of the last checkpoint (from any earlier owner too), or None."""
-        return self.state.cursor
-
-    @property
-    def stopping(self) -> bool:
-        """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
-        return self._machine.stopping
-
-
-class AsyncCommands(_MachineView):
+class AsyncCommands(MachineView):
     """What an :data:`AsyncStatefulHandler` gets besides its task: commands, cursor, checkpoints.
 
     The async twin of :class:`~metafora.statemachine.handler.Commands`; use it only from the

@@ -212,8 +212,10 @@ class CommandBell:
         self._thread: threading.Thread | None = None
         self.checks = 0  # safety-net store requests made (for tests and benchmarks)
 
-    def open(self, task_id: str, token: int | None) -> Mailbox:
-        """A ready mailbox for the claim; close it when the claim's handler ends."""
+    def new_mailbox(self, task_id: str, token: int | None) -> Mailbox:
+        """A ready mailbox for the claim, rung by this bell; close it when the claim's
+        handler ends (its channel's :meth:`~metafora.statemachine.store.TaskCommands.open`
+        hands it out)."""
         box = Mailbox(task_id, token, self.take, on_close=self.forget)
         with self._lock:
             self._boxes.setdefault(task_id, set()).add(box)

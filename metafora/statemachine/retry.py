@@ -1,10 +1,13 @@
 """Re-running a finished stateful task: what ``Client.retry_task`` does with its state.
 
-Every store's ``retry_task(id, reset_state=False, keep_cursor=False)`` reads the task's
-coordinator state and its stored state-machine state, asks :func:`plan_retry` what to do,
-and then -- in one transaction (SQL), one etcd txn, or under the memory store's lock --
-makes the task pending and writes the state :func:`plan_retry` returned. The rules live
-here once, so the stores cannot drift apart:
+:func:`retry_task` takes a client and the state store beside it: in the client's one atomic
+step (``Client.retry_with_state``: one transaction on SQL, one etcd txn, or under the memory
+store's lock) it reads the task's coordinator state and its stored state-machine state, asks
+:func:`plan_retry` what to do, and makes the task pending with the state :func:`plan_retry`
+returned. ``Client.retry_task(id, reset_state=True, keep_cursor=...)`` calls it through
+:func:`reset_and_retry`, the hook ``metafora/__init__`` installs
+(:mod:`metafora.task_retry`): the coordinators never import the state machine. The rules
+live here once, so the stores cannot drift apart:
 
 - without ``reset_state`` (the historical behaviour): a *failed* or *expired* task becomes
   pending; its stored state, if any, is kept as it is (a gated partition revives itself;
@@ -22,17 +25,24 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from metafora.coordinator import Client
-from metafora.errors import ConfigError, InvalidTaskState
+from metafora.errors import InvalidTaskState
 from metafora.statemachine.machine import InvalidState, State, StateCode
-from metafora.statemachine.store import state_store_for
+from metafora.statemachine.store import StateStore, state_store_for
 from metafora.task import TaskState, validate_task_id
+from metafora.task_retry import RETRYABLE, RetrySnapshot, check_retry_options, check_retryable
 
-__all__ = ["RERUNNABLE", "check_retry_options", "plan_retry", "retry_advice", "would_end_at_once"]
+__all__ = [
+    "RERUNNABLE",
+    "check_retry_options",
+    "plan_retry",
+    "reset_and_retry",
+    "retry_advice",
+    "retry_task",
+    "would_end_at_once",
+]
 
 RERUNNABLE: Final = frozenset({StateCode.FAILED, StateCode.KILLED})
 """Terminal states a ``done`` task may be re-run from with ``reset_state``."""
-
-_RETRYABLE: Final = frozenset({TaskState.FAILED, TaskState.EXPIRED})
 
 Stored = str | bytes | Mapping[str, Any] | State | None
 """A stored state as a store has it: wire text, a parsed mapping, a State, or None (none)."""
@@ -45,12 +55,6 @@ def _parse(task_id: str, stored: Stored) -> State | None:
         return State.from_json(stored)
     except InvalidState as exc:
         raise InvalidState(f"task {task_id!r} has a damaged stored state: {exc}") from None
-
-
-def check_retry_options(reset_state: bool, keep_cursor: bool) -> None:
-    """ConfigError for ``keep_cursor`` without ``reset_state`` (checked before any I/O)."""
-    if keep_cursor and not reset_state:
-        raise ConfigError("keep_cursor only applies with reset_state (the cursor of a reset state)")
 
 
 def plan_retry(
@@ -71,13 +75,9 @@ def plan_retry(
     """
     check_retry_options(reset_state, keep_cursor)
     if not reset_state:
-        if task_state not in _RETRYABLE:
-            raise InvalidTaskState(
-                f"task {task_id!r} is {task_state.value}; only failed or expired tasks can be "
-                "retried (stateful tasks that ended failed or killed: with reset_state)"
-            )
+        check_retryable(task_id, task_state)
         return None
-    if task_state in _RETRYABLE:
+    if task_state in RETRYABLE:
         if stored is None:
             return None
         return _fresh(task_id, stored, keep_cursor)
@@ -105,6 +105,37 @@ def _fresh(task_id: str, stored: Stored, keep_cursor: bool) -> State:
     return State(cursor=None if state is None else state.cursor)
 
 
+def retry_task(client: Client, states: StateStore, task_id: str, *,
+               reset_state: bool = False, keep_cursor: bool = False) -> None:
+    """``Client.retry_task`` with the task's state kept in ``states`` (the state store beside
+    ``client``): the task is made pending and its state reset (or kept) atomically, by the
+    rules of :func:`plan_retry`. TaskNotFound, InvalidTaskState, ConfigError, InvalidState.
+    """
+    check_retry_options(reset_state, keep_cursor)
+    if not reset_state:
+        client.retry_with_state(task_id, None)
+        return
+
+    def rewrite(found: RetrySnapshot) -> str | bytes | None:
+        token, stored = found.token, None
+        if found.body is not None:
+            token, stored = states.decode_stored(task_id, found.body, token)
+        new = plan_retry(task_id, found.state, stored, reset_state=True, keep_cursor=keep_cursor)
+        return None if new is None else states.encode_stored(token, new)
+
+    client.retry_with_state(task_id, rewrite)
+
+
+def reset_and_retry(client: Client, task_id: str, keep_cursor: bool) -> None:
+    """``client.retry_task(task_id, reset_state=True, keep_cursor=...)``: :func:`retry_task`
+    on the state store beside the client (the hook of :mod:`metafora.task_retry`)."""
+    states = state_store_for(client)
+    try:
+        retry_task(client, states, task_id, reset_state=True, keep_cursor=keep_cursor)
+    finally:
+        states.close()
+
+
 def would_end_at_once(state: State | None) -> bool:
     """Whether a task pending again with this stored state would end as soon as it runs."""
     return state is not None and state.code.terminal
@@ -119,7 +150,7 @@ def retry_advice(client: Client, task_id: str) -> str | None:
     """
     validate_task_id(task_id)
     task_state = client.get_task(task_id).state
-    if task_state not in _RETRYABLE and task_state is not TaskState.DONE:
+    if task_state not in RETRYABLE and task_state is not TaskState.DONE:
         return None  # not finished: retry_task itself says why it cannot be retried
     store = state_store_for(client)
     try:

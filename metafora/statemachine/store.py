@@ -123,6 +123,18 @@ class StateStore(abc.ABC):
     def get(self, task_id: str) -> State | None:
         """The stored state for operators (unfenced); None if the task has none yet."""
 
+    def decode_stored(self, task_id: str, body: str | bytes, token: int) -> tuple[int, State | str | bytes]:
+        """(token, state) of a stored body as a retry reads it (``Client.retry_with_state``):
+        ``token`` is the task's last claim token, to use when the body carries none. A
+        damaged body is passed on as it is (the retry's rules replace it, or name the damage
+        when its cursor was to be kept). Here: the body is the state's JSON text."""
+        return token, body
+
+    def encode_stored(self, token: int, state: State) -> str | bytes:
+        """The body that stores ``state`` as written under claim ``token`` (for a retry's
+        reset; the inverse of :meth:`decode_stored`). Here: the state's JSON text."""
+        return state.to_json()
+
     def close(self) -> None:
         """Release what the store holds (connections it opened itself). Idempotent."""
         return
@@ -167,7 +179,7 @@ class TaskCommands(abc.ABC):
         """
         bell = self.bell()
         if bell is not None:
-            return bell.open(task_id, token)
+            return bell.new_mailbox(task_id, token)
         return Mailbox(task_id, token, self._take_now, poll_every=_FALLBACK_POLL)
 
     def receive_from(self, mailbox: Mailbox, timeout: float | None = 0.0,

@@ -219,9 +219,9 @@ def test_claim_many_with_stale_views_and_rivals(cluster: Cluster) -> None:
     wait_until(lambda: all(node.seen_taken(t) for t in taken), 30, "a's cache sees b's claims")
     # Make a's view of two tasks stale (as if a change had not reached its watch yet): their
     # compares fail, the failure branch re-reads them and the next round claims them.
-    with node._lock:
+    with node._state.lock:
         for i in (3, 60):
-            node._cache[tasks[i].id].props_mod -= 1
+            node._cache.entries[tasks[i].id].props_mod -= 1
     free = tasks[:10] + tasks[20:]
     got = node.claim_many(free, len(free))
     assert sorted(t.id for t in got) == sorted(t.id for t in free)
@@ -229,7 +229,7 @@ def test_claim_many_with_stale_views_and_rivals(cluster: Cluster) -> None:
     # a lost claim answer: the retried txn fails (owner key exists) and adopts it as ours
     more = cluster.submit("u", 3)
     wait_until(lambda: all(not node.seen_taken(t) for t in more) and all(
-        node._cache.get(t.id) is not None for t in more), 30)
+        node._cache.entries.get(t.id) is not None for t in more), 30)
     answer_lost(node.driver)
     adopted = node.claim_many(more, 3)
     assert sorted(t.id for t in adopted) == [t.id for t in more]
@@ -250,6 +250,6 @@ def test_one_task_twice_in_a_batch(cluster: Cluster) -> None:
     assert sorted(r is None for r in (results[0], results[2])) == [False, True]
     assert all(cluster.state(t.id) is TaskState.DONE for t in tasks)
     more = cluster.submit("u", 2)
-    wait_until(lambda: all(node._cache.get(t.id) is not None for t in more), 30)
+    wait_until(lambda: all(node._cache.entries.get(t.id) is not None for t in more), 30)
     got = node.claim_many([more[0], more[1], more[0]], 3)
     assert sorted(t.id for t in got) == [t.id for t in more]

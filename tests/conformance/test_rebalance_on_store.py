@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from metafora import Consumer, Task, TaskState, commands, open_coordinator, simple_handler
 from metafora.balancers.fair import FairBalancer
-from metafora.statemachine.handler import Commands, handler_func
+from metafora.statemachine import Commands, handler_func
 from metafora.statemachine.machine import Message, MessageKind
 from metafora.testing import LocalCluster, RecordingContext, wait_for
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
 
-from metafora import open_client, open_coordinator
+from metafora import Coordinator, Task, open_client, open_coordinator
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId, ScheduleExists, ScheduleNotFound
-from metafora.schedule import Scheduler, due, tick_id
+from metafora.schedule import Schedule, Scheduler, due, tick_id
 from metafora.task import TaskState
 from metafora.testing import FakeClock, RecordingContext, wait_for
 
@@ -112,10 +113,12 @@ def test_two_racers_make_one_task_and_a_purged_tick_is_never_made_again(store_ur
 
 
 def test_schedulers_on_two_nodes_make_every_tick_once_with_a_fake_clock(store_url: str) -> None:
-    clock = FakeClock(datetime.now(UTC))
     with open_client(store_url) as client:
         client.add_schedule("beat", every="1s")
         created = client.schedules()[0].cursor
+        # Fake time starts at the cursor: started before it (the store stamps the cursor with
+        # the real time), a second boundary in between left 9 ticks due by the 10th advance.
+        clock = FakeClock(created)
         coords = [open_coordinator(store_url, f"n{i}") for i in range(2)]
         schedulers = [Scheduler(c, clock, refresh_every=3600.0) for c in coords]
         threads = [threading.Thread(target=s.run, daemon=True) for s in schedulers]
@@ -129,6 +132,10 @@ def test_schedulers_on_two_nodes_make_every_tick_once_with_a_fake_clock(store_ur
             expected = [tick_id("beat", created.replace(microsecond=0) + timedelta(seconds=k))
                         for k in range(1, 11)]
             wait_for(lambda: len(client.tasks()) >= 10, timeout=60, what="10 tick tasks")
+            # A scheduler counts its ticks after the store committed them, so the tasks can be
+            # seen before the count (test_a_tick_is_in_the_store_before_its_scheduler_counts_it):
+            # read the counters once the schedulers have stopped and been joined.
+            _stop_and_join(schedulers, threads)
             ids = [i.id for i in client.tasks()]
             assert ids[:10] == expected[: len(ids[:10])] or ids == expected
             assert all(i.state is TaskState.PENDING for i in client.tasks())
@@ -141,6 +148,68 @@ def test_schedulers_on_two_nodes_make_every_tick_once_with_a_fake_clock(store_ur
                 t.join(30)
             for c in coords:
                 c.close()
+
+
+def _stop_and_join(schedulers: list[Scheduler], threads: list[threading.Thread]) -> None:
+    for s in schedulers:
+        s.stop()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a scheduler did not stop"
+
+
+class _HeldAfterCommit:
+    """A real store's coordinator whose ``materialise``, once the store has committed, waits for
+    the test: it holds open the moment between the commit and the scheduler counting it."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self._coord = coord
+        self.committed = threading.Event()
+        self.go_on = threading.Event()
+
+    def listen_schedules(self, wake: Callable[[], None]) -> bool:
+        return self._coord.listen_schedules(wake)
+
+    def schedules(self) -> list[Schedule]:
+        return self._coord.schedules()
+
+    def materialise(self, schedule: Schedule, tasks: Sequence[Task], cursor: datetime) -> bool:
+        won = self._coord.materialise(schedule, tasks, cursor)
+        if won:
+            self.committed.set()
+            self.go_on.wait(60)
+        return won
+
+
+def test_a_tick_is_in_the_store_before_its_scheduler_counts_it(store_url: str) -> None:
+    # Issue 24's flake (sum(s.made) == 0 with the 10 tick tasks there): the counting is right,
+    # the test read too early. Held between the commit and the count, a reader sees the task
+    # and made == 0; once the scheduler is joined, made counts it.
+    with open_client(store_url) as client:
+        client.add_schedule("beat", every="1s")
+        created = client.schedules()[0].cursor
+        clock = FakeClock(created)  # one advance of 1 s makes exactly one tick due
+        coord = open_coordinator(store_url, "n1")
+        held = _HeldAfterCommit(coord)
+        scheduler = Scheduler(cast(Coordinator, held), clock, refresh_every=3600.0)
+        thread = threading.Thread(target=scheduler.run, daemon=True)
+        try:
+            thread.start()
+            assert clock.wait_for_waiters(1, timeout=60)
+            clock.advance(1.0)
+            assert held.committed.wait(60)
+            assert [i.id for i in client.tasks()] == [tick_id("beat", created.replace(microsecond=0)
+                                                              + timedelta(seconds=1))]
+            assert scheduler.made == 0  # what the flaky test read
+            held.go_on.set()
+            _stop_and_join([scheduler], [thread])
+            assert scheduler.made == 1
+            assert len(client.tasks()) == 1
+        finally:
+            held.go_on.set()
+            scheduler.stop()
+            thread.join(30)
+            coord.close()
 
 
 @pytest.mark.parametrize("kind", ["memory", "postgresql", "etcd"])  # SQLite re-reads every 5 s

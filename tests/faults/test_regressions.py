@@ -178,7 +178,7 @@ def test_etcd_fenced_handlers_get_the_margin_before_their_tasks_can_be_claimed(
     """
     from metafora import open_coordinator
     from metafora.coordinators.etcd import EtcdCoordinator
-    from metafora.coordinators.etcd.coordinator import fence_margin
+    from metafora.coordinators.fencing import ETCD_FENCING
     from metafora.testing import RecordingContext
 
     ttl = 2
@@ -199,7 +199,7 @@ def test_etcd_fenced_handlers_get_the_margin_before_their_tasks_can_be_claimed(
             claimed = wait_for(lambda: b.claim(Task("t")), 10, "b to claim the task")
             waited = time.monotonic() - lost_at
             assert claimed is not None
-            assert waited >= 0.8 * fence_margin(ttl), f"claimable {waited:.2f}s after the fence"
+            assert waited >= 0.8 * ETCD_FENCING.margin(ttl), f"claimable {waited:.2f}s after the fence"
         finally:
             a.close()
             b.close()

@@ -22,10 +22,10 @@ from metafora.statemachine.gates import (
     GateMoveRefused,
     Item,
     ItemBelowGate,
+    ItemResult,
     ItemStatus,
     ItemStore,
     NewItem,
-    Outcome,
     PartitionClosed,
     PartitionStatus,
 )
@@ -71,8 +71,8 @@ def _sa_url(url: str) -> str:
     return base
 
 
-def _done(item_id: int, gate: int, data: bytes | None = None) -> Outcome:
-    return Outcome(item_id, ItemStatus.COMPLETE, gate, 1, data=data)
+def _done(item_id: int, gate: int, data: bytes | None = None) -> ItemResult:
+    return ItemResult(item_id, ItemStatus.COMPLETE, gate, 1, data=data)
 
 
 # -- adding and reading ------------------------------------------------------------------
@@ -153,13 +153,13 @@ def test_a_newer_schema_is_refused(items: ItemStore, sql_url: str) -> None:
 def test_gate_jumps_to_the_lowest_gate_with_work_and_completes(items: ItemStore) -> None:
     items.add("p", [NewItem(0, b"a"), NewItem(5, b"b"), NewItem(9, b"c")])
     lease = items.lease(Task("p", token=7))
-    assert lease.open() == (0, PartitionStatus.OPEN)
+    assert lease.take_over() == (0, PartitionStatus.OPEN)
     batch = lease.take(0, 10)
     assert [i.data for i in batch] == [b"a"]
     assert lease.finish(0, [_done(batch[0].id, 0, b"A")]) == 1
     assert lease.advance(0, move=True, close=True) == gates.Advance("moved", 5)  # not 1, 2, 3, 4
     (b,) = lease.take(5, 10)
-    lease.finish(5, [Outcome(b.id, ItemStatus.AVAILABLE, 9, 1, data=b"B",
+    lease.finish(5, [ItemResult(b.id, ItemStatus.AVAILABLE, 9, 1, data=b"B",
                              spawn=(NewItem(7, b"spawned"),))])
     assert lease.advance(5, move=True, close=True) == gates.Advance("moved", 7)
     assert lease.advance(7, move=False, close=True) == gates.Advance("work", 7)
@@ -183,8 +183,8 @@ def test_finishing_twice_writes_nothing_twice(items: ItemStore) -> None:
     """A retry of ``finish`` after a commit whose answer was lost must not spawn again."""
     (parent,) = items.add("p", [NewItem(0, b"parent")])
     lease = items.lease(Task("p", token=1))
-    lease.open()
-    result = [Outcome(parent, ItemStatus.COMPLETE, 0, 1, spawn=(NewItem(1, b"a"), NewItem(2, b"b")))]
+    lease.take_over()
+    result = [ItemResult(parent, ItemStatus.COMPLETE, 0, 1, spawn=(NewItem(1, b"a"), NewItem(2, b"b")))]
     assert lease.finish(0, result) == 1
     assert lease.finish(0, result) == 0
     assert sorted(i.data for i in items.list("p")) == [b"a", b"b", b"parent"]
@@ -195,10 +195,10 @@ def test_a_stale_token_is_shut_out_by_a_newer_claim(items: ItemStore) -> None:
     the highest token that opened it; every write of an older one is refused."""
     ids = items.add("p", [NewItem(0, f"i{n}") for n in range(4)])
     zombie = items.lease(Task("p", token=3))
-    zombie.open()
+    zombie.take_over()
     taken = zombie.take(0, 2)
     owner = items.lease(Task("p", token=4))
-    owner.open()
+    owner.take_over()
     with pytest.raises(ClaimLost):
         zombie.finish(0, [_done(i.id, 0, b"zombie") for i in taken])
     with pytest.raises(ClaimLost):
@@ -210,7 +210,7 @@ def test_a_stale_token_is_shut_out_by_a_newer_claim(items: ItemStore) -> None:
     with pytest.raises(ClaimLost):
         zombie.reopen_failed(0)
     with pytest.raises(ClaimLost):
-        zombie.open()  # an older token can never take the partition back
+        zombie.take_over()  # an older token can never take the partition back
     assert all(i.status is ItemStatus.AVAILABLE and i.data.startswith(b"i") for i in items.list("p"))
     assert owner.finish(0, [_done(ids[0], 0)]) == 1
     assert items.get("p", ids[0]).token == 4
@@ -226,7 +226,7 @@ def test_a_zombie_owner_cannot_write_items_after_its_claim_moved(
     old = a.claim(Task("p"))
     assert old is not None
     zombie = items.lease(old, "a", claim_fence=True)
-    zombie.open()
+    zombie.take_over()
     first = zombie.take(0, 10)
     a.release(old)  # ... or its lease expired: the claim moves on
     new = b.claim(Task("p"))
@@ -239,7 +239,7 @@ def test_a_zombie_owner_cannot_write_items_after_its_claim_moved(
     with pytest.raises(ClaimLost):
         zombie.state()
     owner = items.lease(new, "b", claim_fence=True)
-    assert owner.open() == (0, PartitionStatus.OPEN)
+    assert owner.take_over() == (0, PartitionStatus.OPEN)
     # The zombie took the items and wrote nothing: they are orphans, taken one at a time.
     for _ in range(3):
         (orphan,) = owner.take(0, 10)
@@ -259,7 +259,7 @@ def test_a_claim_whose_lease_expired_is_refused_before_anyone_reclaims(
     claimed = a.claim(Task("p"))
     assert claimed is not None
     lease = items.lease(claimed, "a", claim_fence=True)
-    lease.open()
+    lease.take_over()
     (item,) = lease.take(0, 1)
     a._pause_heartbeat()  # type: ignore[attr-defined]  # a stalled node: its lease runs out
 
@@ -291,7 +291,7 @@ def test_a_batch_is_recorded_when_taken_and_a_dead_claims_items_count_an_attempt
         items: ItemStore) -> None:
     ids = items.add("p", [NewItem(0, f"i{n}") for n in range(5)])
     lease = items.lease(Task("p", token=1))
-    lease.open()
+    lease.take_over()
     assert [i.id for i in lease.take(0, 3)] == ids[:3]
     # The next take writes the results of the last batch in the same transaction.
     assert [i.id for i in lease.take(0, 3, [_done(i, 0) for i in ids[:3]])] == ids[3:]
@@ -299,7 +299,7 @@ def test_a_batch_is_recorded_when_taken_and_a_dead_claims_items_count_an_attempt
     assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 0, 0]
     # ... and the claim dies with ids[3] and ids[4] taken: the next claim counts their attempt.
     owner = items.lease(Task("p", token=2))
-    owner.open()
+    owner.take_over()
     assert [items.get("p", i).attempts for i in ids] == [1, 1, 1, 1, 1]
     assert [_taken(items, "p")[i] for i in ids] == [(0, 0)] * 3 + [(1, 0)] * 2
     (orphan,) = owner.take(0, 10)  # orphans: one at a time
@@ -310,16 +310,16 @@ def test_a_batch_is_recorded_when_taken_and_a_dead_claims_items_count_an_attempt
 def test_a_clean_release_leaves_no_orphans(items: ItemStore) -> None:
     ids = items.add("p", [NewItem(0, f"i{n}") for n in range(4)])
     lease = items.lease(Task("p", token=1))
-    lease.open()
+    lease.take_over()
     assert len(lease.take(0, 4)) == 4
     assert lease.finish(0, [_done(ids[0], 0)], release=True) == 1  # stopped after one item
     owner = items.lease(Task("p", token=2))
-    owner.open()
+    owner.take_over()
     assert [i.id for i in owner.take(0, 10)] == ids[1:]  # one batch: not orphans
     assert [items.get("p", i).attempts for i in ids] == [1, 0, 0, 0]
     # ... this owner dies; the next takes an orphan on its own, and stops before starting it.
     third = items.lease(Task("p", token=3))
-    third.open()
+    third.take_over()
     (orphan,) = third.take(0, 10)
     assert _taken(items, "p")[orphan.id] == (2, 1)
     assert third.finish(0, [], release=True) == 0
@@ -331,14 +331,14 @@ def test_a_dead_claims_items_are_taken_one_at_a_time_and_a_poison_item_fails(ite
     ids = items.add("p", [NewItem(0, f"i{n}") for n in range(3)])
     poison = ids[1]
     dead = items.lease(Task("p", token=1))
-    dead.open()
+    dead.take_over()
     assert len(dead.take(0, 10)) == 3  # ... and the process dies while processing ids[1]
     token = 1
     for claim in range(2, 5):  # each claim: the orphans, one at a time, until the poison kills it
         token = claim
         owner = items.lease(Task("p", token=token))
-        owner.open()
-        results: list[Outcome] = []
+        owner.take_over()
+        results: list[ItemResult] = []
         while True:
             taken = owner.take(0, 10, results, max_deaths=3)
             if [i.status for i in taken] == [ItemStatus.FAILED]:
@@ -378,9 +378,9 @@ def test_set_gate_refuses_to_strand_items_unless_forced(items: ItemStore) -> Non
 def test_retry_makes_failed_items_available_again(items: ItemStore) -> None:
     ids = items.add("p", [NewItem(0, b"a"), NewItem(0, b"b")])
     lease = items.lease(Task("p", token=1))
-    lease.open()
-    lease.finish(0, [Outcome(ids[0], ItemStatus.FAILED, 0, 3, error="boom", permanent=True),
-                     Outcome(ids[1], ItemStatus.FAILED, 0, 3, error="flaky")])
+    lease.take_over()
+    lease.finish(0, [ItemResult(ids[0], ItemStatus.FAILED, 0, 3, error="boom", permanent=True),
+                     ItemResult(ids[1], ItemStatus.FAILED, 0, 3, error="flaky")])
     assert items.failures("p") == (2, 1)
     assert lease.reopen_failed(0) == 1  # the owner's retry: retryable ones only
     assert items.get("p", ids[1]).status is ItemStatus.AVAILABLE
@@ -450,7 +450,7 @@ def test_deleting_a_partition_while_its_owner_writes_results_cannot_deadlock(pos
     with ItemStore(postgres_url) as store:
         ids = store.add("p", [NewItem(0, f"i{n}") for n in range(6)])
         lease = store.lease(Task("p", token=1))
-        lease.open()
+        lease.take_over()
         first = lease.take(0, 3)
         wrote, go_on = threading.Event(), threading.Event()
         real_write = lease._write

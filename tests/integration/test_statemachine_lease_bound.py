@@ -175,9 +175,9 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
         coord, task, _ctx = _claimed(url)
         try:
             lease = items.lease(task, "a", claim_fence=True, bound=lease_bound_of(coord))
-            lease.open()
+            lease.take_over()
             [item] = lease.take(0, 10)
-            done = [gates.Outcome(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
+            done = [gates.ItemResult(item.id, gates.ItemStatus.COMPLETE, 0, 1, data=b"y")]
             with _pg_locked(coord, "metafora_partitions", "partition_id = 't1'"):
                 left = coord.claim_time_left(task)
                 assert left is not None and left > 0
@@ -194,7 +194,7 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
 
 def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etcd_factory: Any) -> None:
     """The symptom of issue 13: after a lost lease the handler stayed in a state write."""
-    from metafora.coordinators.etcd.coordinator import fence_margin
+    from metafora.coordinators.fencing import ETCD_FENCING
     from metafora.statemachine import Commands, Message, handler_func
 
     ttl = 4
@@ -233,7 +233,8 @@ def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etc
         finally:
             os.kill(server.pid, signal.SIGCONT)
         took = returned[0] - fenced
-        print(f"etcd machine: returned {took:.2f}s after the fence (stop margin {fence_margin(ttl):.2f}s)")
-        assert took <= fence_margin(ttl) + SLACK
+        margin = ETCD_FENCING.margin(ttl)
+        print(f"etcd machine: returned {took:.2f}s after the fence (stop margin {margin:.2f}s)")
+        assert took <= margin + SLACK
     finally:
         coord.close()

@@ -14,7 +14,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from rich.console import Console
 
-from metafora.demo import Demo, DemoConfig, _work, demo_url, run_demo, runs_by_task, verify
+from metafora.demo import Demo, DemoConfig, demo_url, run_demo, runs_by_task, verify
+from metafora.demo.worker import _work
 from metafora.errors import ConfigError
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.testing import FileLedger, LedgerRun
@@ -166,7 +167,7 @@ def demo(tmp_path: Path) -> Iterator[Demo]:
     import subprocess
     import sys
 
-    from metafora.demo import _Node
+    from metafora.demo.run import _Node
 
     out = Console(file=io.StringIO(), width=200, force_terminal=False, soft_wrap=False)
     shown = Demo(DemoConfig(nodes=2, tasks=30), out, tmp_path)
@@ -193,7 +194,7 @@ def test_live_table_fits_80_columns(demo: Demo) -> None:
     """Issue 18: the live table's minimum width was 81 columns, so rich cropped its right edge."""
     from collections import Counter
 
-    from metafora.demo import _View
+    from metafora.demo.run import _View
 
     infos = [TaskInfo(t, {}, TaskState.CLAIMED, owner="node1" if i % 2 else "node2")
              for i, t in enumerate(demo.task_ids)]

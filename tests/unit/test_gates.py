@@ -16,10 +16,10 @@ from metafora.statemachine import ErrorRecord, Message, MessageKind, State, Stat
 from metafora.statemachine.gates import (
     GateError,
     Item,
+    ItemResult,
     ItemStatus,
     ItemStore,
     NewItem,
-    Outcome,
     PartitionInfo,
     PermanentError,
     Response,
@@ -133,14 +133,14 @@ def test_claim_fencing_is_used_only_on_the_coordinators_own_database(
 def test_the_error_handler_fails_at_once_when_only_permanent_failures_remain(items: ItemStore) -> None:
     ids = items.add("p", [NewItem(0, b"a"), NewItem(0, b"b")])
     lease = items.lease(Task("p", token=1))
-    lease.open()
+    lease.take_over()
     fault = State(StateCode.FAULT, errors=(ErrorRecord(NOW, "ItemsFailed: ..."),))
     handler = gates.gate_error_handler(items, lambda t, s, n: Message.sleep(NOW))
     assert handler(Task("p"), fault, NOW).kind is MessageKind.SLEEP  # nothing failed: the base policy
-    lease.finish(0, [Outcome(ids[0], ItemStatus.FAILED, 0, 3, error="flaky")])
+    lease.finish(0, [ItemResult(ids[0], ItemStatus.FAILED, 0, 3, error="flaky")])
     assert handler(Task("p"), fault, NOW).kind is MessageKind.SLEEP  # retryable: back off, retry
     lease.reopen_failed(0)
-    lease.finish(0, [Outcome(ids[0], ItemStatus.FAILED, 0, 1, error="HTTP 404", permanent=True)])
+    lease.finish(0, [ItemResult(ids[0], ItemStatus.FAILED, 0, 1, error="HTTP 404", permanent=True)])
     message = handler(Task("p"), fault, NOW)
     assert message.kind is MessageKind.ERROR and "failed permanently" in (message.reason or "")
     assert "HTTP 404" in (message.reason or "") and "metafora items retry p" in (message.reason or "")

@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, cli
 from metafora.statemachine import State, StateCode, get_state, state_store_for
-from metafora.statemachine.gates import ItemStatus, ItemStore, NewItem, Outcome
+from metafora.statemachine.gates import ItemResult, ItemStatus, ItemStore, NewItem
 from metafora.testing import RecordingContext
 
 
@@ -108,8 +108,8 @@ def test_items_retry_reopens_failed_items_and_revives_a_failed_partition(url: st
             claimed = coord.claim(Task("p"))
             assert claimed is not None
             lease = items.lease(claimed, "n1", claim_fence=True)
-            lease.open()
-            lease.finish(0, [Outcome(ids[0], ItemStatus.FAILED, 0, 1, error="HTTP 422", permanent=True)])
+            lease.take_over()
+            lease.finish(0, [ItemResult(ids[0], ItemStatus.FAILED, 0, 1, error="HTTP 422", permanent=True)])
             state_store_for(coord).store(claimed, State(StateCode.FAILED, cursor="0"))
             coord.fail(claimed, "PartitionFailed: item 1 failed")
 

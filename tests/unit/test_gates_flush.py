@@ -8,13 +8,13 @@ from collections.abc import Sequence
 import pytest
 
 from metafora.errors import ClaimLost
-from metafora.statemachine.gates import ItemStatus, Outcome
+from metafora.statemachine.gates import ItemResult, ItemStatus
 from metafora.statemachine.gates.flush import ResultFlusher
 from tests.helpers import wait_until
 
 
-def _done(item_id: int) -> Outcome:
-    return Outcome(item_id, ItemStatus.COMPLETE, 0, 1)
+def _done(item_id: int) -> ItemResult:
+    return ItemResult(item_id, ItemStatus.COMPLETE, 0, 1)
 
 
 class Writes:
@@ -26,7 +26,7 @@ class Writes:
         self.fail: Exception | None = None
         self.stopped = threading.Event()
 
-    def __call__(self, gate: int, results: Sequence[Outcome]) -> None:
+    def __call__(self, gate: int, results: Sequence[ItemResult]) -> None:
         if self.fail is not None:
             raise self.fail
         self.batches.append((gate, [o.item_id for o in results]))

@@ -42,7 +42,7 @@ def test_a_mailbox_looks_once_on_opening_then_only_when_rung() -> None:
     store = Store()
     store.put("t1", "queued-before-the-claim")
     bell = _bell(store)
-    box = bell.open("t1", 7)
+    box = bell.new_mailbox("t1", 7)
     assert box.receive(0) == "queued-before-the-claim"
     assert box.receive(0) is None
     takes = store.takes["t1"]
@@ -59,7 +59,7 @@ def test_a_mailbox_looks_once_on_opening_then_only_when_rung() -> None:
 def test_a_ring_wakes_a_blocked_receive() -> None:
     store = Store()
     bell = _bell(store)
-    box = bell.open("t1", 1)
+    box = bell.new_mailbox("t1", 1)
     assert box.receive(0) is None
     got: list[str | None] = []
     waiter = threading.Thread(target=lambda: got.append(box.receive(None)), daemon=True)
@@ -73,7 +73,7 @@ def test_a_ring_wakes_a_blocked_receive() -> None:
 
 def test_interrupt_and_close_end_a_blocked_receive_without_a_command() -> None:
     bell = _bell(Store())
-    box = bell.open("t1", 1)
+    box = bell.new_mailbox("t1", 1)
     assert box.receive(0) is None
     got: list[str | None] = []
     waiter = threading.Thread(target=lambda: got.append(box.receive(None)), daemon=True)
@@ -90,7 +90,7 @@ def test_interrupt_and_close_end_a_blocked_receive_without_a_command() -> None:
 
 def test_listeners_hear_rings_and_interrupts() -> None:
     bell = _bell(Store())
-    box = bell.open("t1", 1)
+    box = bell.new_mailbox("t1", 1)
     heard: list[str] = []
     box.add_listener(lambda: heard.append("x"))
     bell.ring("t1")
@@ -103,7 +103,7 @@ def test_listeners_hear_rings_and_interrupts() -> None:
 def test_the_safety_net_is_one_look_per_node_not_one_per_task() -> None:
     store = Store()
     bell = _bell(store, safety=0.05)
-    boxes = [bell.open(f"t{i}", 1) for i in range(200)]
+    boxes = [bell.new_mailbox(f"t{i}", 1) for i in range(200)]
     for box in boxes:
         assert box.receive(0) is None  # the one look on opening
     store.put("t3", "pause")  # queued without a notification (a lost NOTIFY)
@@ -121,7 +121,7 @@ def test_the_safety_net_is_one_look_per_node_not_one_per_task() -> None:
 def test_a_recheck_looks_at_once() -> None:
     store = Store()
     bell = _bell(store)  # the periodic net is an hour away
-    box = bell.open("t1", 1)
+    box = bell.new_mailbox("t1", 1)
     assert box.receive(0) is None
     store.put("t1", "run")
     bell.recheck()

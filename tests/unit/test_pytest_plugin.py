@@ -127,11 +127,12 @@ def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
 
 
 def test_server_unavailable_says_what_was_tried(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metafora import testservers
+    from metafora import testservers  # the former name still imports
+    from metafora.testing.servers import etcd
 
     monkeypatch.delenv("METAFORA_TEST_ETCD_URL", raising=False)
     monkeypatch.setenv("METAFORA_TEST_ETCD", "/nonexistent/etcd")
-    monkeypatch.setattr(testservers, "docker_answers", lambda: False)
+    monkeypatch.setattr(etcd, "docker_answers", lambda: False)  # where etcd_server looks it up
     with pytest.raises(testservers.ServerUnavailable, match="no etcd binary"), \
             testservers.etcd_server():
         pass

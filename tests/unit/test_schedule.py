@@ -130,6 +130,18 @@ def test_missed_all_with_cron_is_bounded_too() -> None:
     assert found.dropped >= 1
 
 
+def test_ten_seconds_from_a_clock_started_before_the_cursor_can_hold_nine_ticks() -> None:
+    # Issue 24's conformance flake had a second cause: its fake clock started a moment before
+    # the store stamped the schedule's cursor; with a second boundary in between, ten
+    # advances of 1 s reached nine ticks, not ten. Starting fake time at the cursor gives ten.
+    cursor = T0 + timedelta(seconds=0.2)
+    started_before = T0 - timedelta(seconds=0.3)
+    found = due(every(1, cursor=cursor), started_before + timedelta(seconds=10))
+    assert found is not None and len(found.ticks) == 9
+    found = due(every(1, cursor=cursor), cursor + timedelta(seconds=10))
+    assert found is not None and found.ticks == [T0 + timedelta(seconds=k) for k in range(1, 11)]
+
+
 def test_new_schedule_validates() -> None:
     s = new_schedule("job", every="5m", props={"a": 1}, now=T0)
     assert (s.every, s.cron, s.cursor, s.paused) == (300, None, T0, False)

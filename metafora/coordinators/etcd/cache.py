@@ -8,18 +8,19 @@ immutable :class:`Known` so the claim txn compares against the revisions the off
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from metafora.coordinators.etcd.driver import KeyValue
 from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
+from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import launch_and_expiry
 from metafora.errors import InvalidProps
 from metafora.task import Task
 
-__all__ = ["Entry", "Known", "Subscriber", "offer_for"]
+__all__ = ["Entry", "Known", "Subscriber", "TaskCache", "offer_for"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,68 @@ class Entry:
             entry.owner = rec.owner.value.decode(errors="replace")
             entry.owner_rev = rec.owner.create_revision
         return entry
+
+
+class TaskCache:
+    """What the watch knows of the namespace: one :class:`Entry` per task, the live nodes,
+    and who holds what. Guarded by the node's lock (:class:`~.node.NodeState`); written by
+    the watch, read by the claims and the balancers' counts.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self.ready = False  # a first re-list has filled it
+        self.revision = 0  # the store revision it reflects
+        self.live = False  # a watch stream is confirmed: the cache follows the store
+        # Who holds what, as the cache saw it: the balancers' counts without reading every
+        # owner key (a read that grows with the tasks held, made every second by every node).
+        self._live_nodes: dict[str, bool] = {}  # live node -> its registration says leaving
+        self._held_by: Counter[str] = Counter()  # node -> owner keys naming it
+
+    def replace(self, entries: dict[str, Entry], members: dict[str, bool], revision: int) -> None:
+        """Take a re-list's view (``members``: live node -> leaving)."""
+        self.entries = entries
+        self._live_nodes = members
+        self._held_by = Counter(e.owner for e in entries.values() if e.owner is not None)
+        self.revision = revision
+        self.ready = True
+
+    def seen_taken(self, task_id: str) -> bool:
+        """Whether the cache saw an owner or a finish of ``task_id``."""
+        entry = self.entries.get(task_id)
+        return entry is not None and (entry.owner is not None or entry.finished)
+
+    def member_put(self, node_id: str, leaving: bool) -> None:
+        """A node's registration key was put (``leaving``: its record says so)."""
+        self._live_nodes[node_id] = leaving
+
+    def member_gone(self, node_id: str) -> None:
+        """A node's registration key was deleted (left, or its lease expired)."""
+        self._live_nodes.pop(node_id, None)
+
+    def set_owner(self, entry: Entry, kv: KeyValue | None) -> None:
+        """The owner key of ``entry`` was put (``kv``) or deleted (None)."""
+        if entry.owner is not None:
+            left = self._held_by[entry.owner] - 1
+            if left > 0:
+                self._held_by[entry.owner] = left
+            else:
+                del self._held_by[entry.owner]
+        if kv is None:
+            entry.owner = None
+            entry.owner_rev = 0
+            return
+        entry.owner = kv.value.decode(errors="replace")
+        self._held_by[entry.owner] += 1
+        entry.owner_rev = kv.create_revision
+
+    def counts(self, active: bool) -> dict[str, int] | None:
+        """Live node -> tasks it holds (without ``leaving`` nodes when ``active``); None
+        while no watch stream follows the store."""
+        if not (self.live and self.ready):
+            return None
+        return {node: self._held_by.get(node, 0)
+                for node, leaving in sorted(self._live_nodes.items()) if not (active and leaving)}
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""Claims: judging offers against the watch cache, multi-op claim txns, outcomes.
+"""Claims: judging offers against the watch cache, multi-op claim txns.
 
-One claim batch is one round trip: up to :data:`_BATCH` tasks per txn, all txns in flight
-together; a refused txn's failure branch reads its tasks back to re-judge them.
+One claim batch is one round trip: up to :data:`CLAIM_TXN_TASKS` tasks per txn, all txns in
+flight together; a refused txn's failure branch reads its tasks back to re-judge them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ import functools
 import logging
 from collections.abc import Sequence
 
-from metafora.coordinator import Finish, Outcome, crash_limit_error, error_text
-from metafora.coordinators.etcd.cache import Entry, Known
-from metafora.coordinators.etcd.driver import (
+from metafora.clock import Clock
+from metafora.coordinator import crash_limit_error
+from metafora.coordinators.etcd.cache import Entry, Known, TaskCache
+from metafora.coordinators.etcd.driver import EtcdDriver
+from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso, props_of
+from metafora.coordinators.etcd.lease import NodeLease
+from metafora.coordinators.etcd.node import Held, NodeState
+from metafora.coordinators.etcd.ops import (
     Compare,
     LeaseNotFound,
     Op,
@@ -22,44 +27,46 @@ from metafora.coordinators.etcd.driver import (
     absent,
     modified_at,
 )
-from metafora.coordinators.etcd.layout import TaskRecord, encode_json, gather, iso, props_of
-from metafora.coordinators.etcd.node import Held, NodeBase
 from metafora.coordinators.etcd.queries import expire_task, fail_unclaimed, launch_and_expiry
-from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, InvalidProps, MetaforaError
+from metafora.errors import InvalidProps, MetaforaError
 from metafora.task import Task, matches
 
-__all__ = ["ClaimsMixin"]
+__all__ = ["CLAIM_TXN_TASKS", "Claims"]
 
 log = logging.getLogger(__name__)
 
-_BATCH = 32
+CLAIM_TXN_TASKS = 32
 """Tasks per claim txn: 4 compares, 3 puts and 4 failure reads each, within etcd's default
 limit of 128 operations per txn branch."""
 
 
-class ClaimsMixin(NodeBase):
-    """Claiming tasks and writing their outcomes, fenced by owner key and token."""
+class Claims:
+    """Claiming tasks for this node, fenced by owner key and token, and what it holds.
 
-    claim_burst = _BATCH
-    """Offers the consumer hands to one :meth:`claim_many` (one txn).
-
-    256 (8 txns in flight) kept the txns fuller when most offers of a storm were stale, but
-    did not pay: the 10,000-task / 4-node storm took 32.5 s against 5.1 s with 32, and the
-    100,000 / 10 one on 3 members 120.5 s against 113.4 s.
+    Judges offers on the watch's ``cache``; a claim is made under the node's current lease
+    (``lease`` fences the node when etcd no longer knows it).
     """
 
+    def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState,
+                 cache: TaskCache, lease: NodeLease) -> None:
+        self._driver = driver
+        self._keys = keys
+        self._clock = clock
+        self._state = state
+        self._cache = cache
+        self._lease = lease
+
     def seen_taken(self, task: Task) -> bool:
-        # The watch cache saw an owner or a finish. If that view is stale, the release or
-        # resubmission that follows reaches the cache and re-offers the task.
-        with self._lock:
-            entry = self._cache.get(task.id)
-            return entry is not None and (entry.owner is not None or entry.finished)
+        """Whether the watch cache saw an owner or a finish of ``task``. If that view is
+        stale, the release or resubmission that follows reaches the cache and re-offers it."""
+        with self._state.lock:
+            return self._cache.seen_taken(task.id)
 
     def claim(self, task: Task) -> Task | None:
-        self._require_init()
-        with self._lock:
-            lease = self._lease_id
-            entry = self._cache.get(task.id)
+        self._state.require_init()
+        with self._state.lock:
+            lease = self._state.lease_id
+            entry = self._cache.entries.get(task.id)
             known = entry.known() if entry is not None and entry.props is not None else None
         if lease is None:
             return None  # the lease is lost; the lease thread is re-registering
@@ -80,12 +87,12 @@ class ClaimsMixin(NodeBase):
         return Entry.from_record(task_id, rec).known()
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
-        """Claim offers in multi-op txns (up to :data:`_BATCH` tasks each, all in flight at
+        """Claim offers in multi-op txns (up to :data:`CLAIM_TXN_TASKS` tasks each, all in flight at
         once); a txn refused because one of its tasks was taken meanwhile tells, in the same
         round trip, which ones to try again."""
-        self._require_init()
-        with self._lock:
-            lease = self._lease_id
+        self._state.require_init()
+        with self._state.lock:
+            lease = self._state.lease_id
             batch: list[tuple[Task, Known]] = []
             single: list[Task] = []
             seen: set[str] = set()
@@ -93,7 +100,7 @@ class ClaimsMixin(NodeBase):
                 if task.id in seen:
                     continue  # one claim txn may not write a key twice
                 seen.add(task.id)
-                entry = self._cache.get(task.id)
+                entry = self._cache.entries.get(task.id)
                 if entry is not None and (entry.owner is not None or entry.finished):
                     continue  # seen taken: no round trip for a stale offer
                 if entry is None or entry.props is None:
@@ -113,7 +120,7 @@ class ClaimsMixin(NodeBase):
         return claimed
 
     def _claim_known(self, items: list[tuple[Task, Known]], lease: int) -> list[Task]:
-        """Claim ``items`` as judged by their ``Known``: one txn per :data:`_BATCH` of them,
+        """Claim ``items`` as judged by their ``Known``: one txn per :data:`CLAIM_TXN_TASKS` of them,
         in flight together; what a refused txn's failure branch read re-judges its tasks for
         the next round (at most three rounds, as a lone claim always had)."""
         claimed: list[Task] = []
@@ -122,13 +129,13 @@ class ClaimsMixin(NodeBase):
             items = [(t, k) for t, k in items if self._claimable(t.id, k)]
             if not items:
                 break
-            chunks = [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
+            chunks = [items[i:i + CLAIM_TXN_TASKS] for i in range(0, len(items), CLAIM_TXN_TASKS)]
             requests = [self._claim_request(chunk, lease) for chunk in chunks]
             answers = self._driver.txns(requests, repeatable=True)
             items = []
             for chunk, answer in zip(chunks, answers, strict=True):
                 if isinstance(answer, LeaseNotFound):
-                    self._fence("etcd refused a claim: lease not found")
+                    self._lease.fence("etcd refused a claim: lease not found")
                     return claimed
                 if isinstance(answer, MetaforaError):
                     error = answer
@@ -145,10 +152,10 @@ class ClaimsMixin(NodeBase):
                         owner = owner_kvs[0]
                         if (
                             answer.retried
-                            and owner.value == self._node_bytes
+                            and owner.value == self._state.node_bytes
                             and owner.lease == lease
                             and props_kvs
-                            and not self.holds_claim(task.id)
+                            and not self._state.holds_claim(task.id)
                         ):
                             # Ours but not known: the lost first attempt of this txn was
                             # applied. The owner key is on this node's lease, so no one else
@@ -168,7 +175,7 @@ class ClaimsMixin(NodeBase):
             if not claimed:
                 raise error
             log.warning("node %s: some claims failed (%s); their tasks are offered again at the "
-                        "next re-list", self._node_id, error, extra=self._extra)
+                        "next re-list", self._state.node_id, error, extra=self._state.extra)
         return claimed
 
     def _claim_request(self, chunk: list[tuple[Task, Known]], lease: int) -> TxnRequest:
@@ -187,7 +194,7 @@ class ClaimsMixin(NodeBase):
 
     def _claim_record(self) -> bytes:
         """The claim key's value for claims made now."""
-        return encode_json({"node": self._node_id, "claimed_at": iso(self._clock.now())})
+        return encode_json({"node": self._state.node_id, "claimed_at": iso(self._clock.now())})
 
     def _claim_ops(self, task_id: str, known: Known, lease: int,
                    record: bytes) -> tuple[list[Compare], list[Put]]:
@@ -200,7 +207,7 @@ class ClaimsMixin(NodeBase):
             modified_at(tk.running, known.running_mod),
         ]
         puts = [
-            Put(tk.owner, self._node_bytes, lease),
+            Put(tk.owner, self._state.node_bytes, lease),
             Put(tk.claim, record),
             Put(tk.running, _running_record(known.crashes())),
         ]
@@ -217,9 +224,9 @@ class ClaimsMixin(NodeBase):
             # Written by hand or by something else than metafora: it can never run.
             self._fail_unclaimed(task_id, known.props_mod, f"invalid props: {exc}")
             return False
-        if not matches(known.selector, self._labels):
+        if not matches(known.selector, self._state.labels):
             return False  # placement: this node's labels do not match the task's selector
-        limit = self._ctx.max_crashes if self._ctx is not None else None
+        limit = self._state.ctx.max_crashes if self._state.ctx is not None else None
         verdict = crash_limit_error(known.crashes(), limit)
         if verdict is not None:
             self._fail_unclaimed(task_id, known.props_mod, verdict)
@@ -227,122 +234,65 @@ class ClaimsMixin(NodeBase):
         now = self._clock.now()
         launch, expires = launch_and_expiry(known.props)
         if expires is not None and expires <= now:
-            self._expire(task_id, known.props_mod)
+            self.expire(task_id, known.props_mod)
             return False
         return launch is None or launch <= now
 
     def _took(self, claimed: Task, lease: int) -> Task | None:
         """Record a successful claim, unless it is already gone."""
-        with self._lock:
-            entry = self._cache.get(claimed.id)
-            gone = self._cache_rev >= claimed.token and (
+        with self._state.lock:
+            entry = self._cache.entries.get(claimed.id)
+            gone = self._cache.revision >= claimed.token and (
                 entry is None or entry.owner_rev != claimed.token
             )
-            if self._lease_id != lease or self._closed or gone:
+            if self._state.lease_id != lease or self._state.closed or gone:
                 # Fenced or closed meanwhile, or the watch has already seen the owner key go
                 # (deleted right after the claim): the claim is not ours to run.
                 return None
-            self._held[claimed.id] = Held(claimed)
-        log.debug("node %s claimed %s (token %d)", self._node_id, claimed.id, claimed.token,
-                  extra={"node": self._node_id, "task": claimed.id})
+            self._state.held[claimed.id] = Held(claimed)
+        log.debug("node %s claimed %s (token %d)", self._state.node_id, claimed.id, claimed.token,
+                  extra={"node": self._state.node_id, "task": claimed.id})
         return claimed
 
     def _fail_unclaimed(self, task_id: str, props_mod: int, error: str) -> None:
-        extra = {"node": self._node_id, "task": task_id}
+        extra = {"node": self._state.node_id, "task": task_id}
         try:
             if fail_unclaimed(self._driver, self._keys, task_id, props_mod, self._clock.now(), error):
                 log.error("task %s cannot run; marked it failed: %s", task_id, error, extra=extra)
         except MetaforaError as err:
             log.warning("could not mark task %s failed (%s): %s", task_id, error, err, extra=extra)
 
-    def _expire(self, task_id: str, props_mod: int) -> None:
+    def expire(self, task_id: str, props_mod: int) -> None:
+        """Move a pending task past its ``expires_at`` (at props revision ``props_mod``) to
+        expired; best effort (a change meanwhile wins)."""
         try:
             if expire_task(self._driver, self._keys, task_id, props_mod, self._clock.now()):
-                log.info("task %s expired", task_id, extra={"node": self._node_id, "task": task_id})
+                log.info("task %s expired", task_id, extra={"node": self._state.node_id, "task": task_id})
         except MetaforaError as exc:
             log.debug("could not expire task %s: %s", task_id, exc,
-                      extra={"node": self._node_id, "task": task_id})
-
-    def release(self, task: Task) -> None:
-        self._finish_one(Finish(task, Outcome.RELEASE))
-
-    def done(self, task: Task) -> None:
-        self._finish_one(Finish(task, Outcome.DONE))
-
-    def fail(self, task: Task, error: BaseException | str) -> None:
-        self._finish_one(Finish(task, Outcome.FAIL, error_text(error)))
-
-    def _finish_one(self, finish: Finish) -> None:
-        """One fenced outcome, group-committed with those other threads write meanwhile."""
-        self._check_open()
-        self._finishing([finish])
-        error = self._commit.submit(finish)
-        self._finished([finish], [error])
-        if error is not None:
-            raise error
-
-    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
-        """Record many outcomes in multi-op txns (up to 42 outcomes each, several in flight),
-        each fenced by its own claim's owner key and token exactly as a single write is."""
-        self._check_open()
-        finishes = list(finishes)
-        if not finishes:
-            return []
-        self._finishing(finishes)
-        results = self._outcomes.write(finishes)
-        self._finished(finishes, results)
-        if all(isinstance(r, CoordinatorUnavailable | CoordinatorClosed) for r in results):
-            # Nothing written: the caller retries the batch (an outcome whose lost first
-            # answer was applied is then refused as ClaimLost, as a single write is).
-            error = results[0]
-            assert error is not None
-            raise error
-        return results
-
-    def _finishing(self, finishes: list[Finish]) -> None:
-        """Mark the claims whose outcome is being written (their owner key's delete is not a
-        lost claim)."""
-        with self._lock:
-            for finish in finishes:
-                held = self._held.get(finish.task.id)
-                if held is not None and held.task.token == finish.task.token:
-                    held.finishing = True
-
-    def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
-        """Forget the claims whose outcome was written, or refused (kept while etcd could not
-        be reached: the caller retries)."""
-        with self._lock:
-            for finish, error in zip(finishes, results, strict=True):
-                if isinstance(error, CoordinatorUnavailable | CoordinatorClosed):
-                    continue
-                held = self._held.get(finish.task.id)
-                if held is not None and held.task.token == finish.task.token:
-                    del self._held[finish.task.id]
-        for finish, error in zip(finishes, results, strict=True):
-            if error is None:
-                task = finish.task
-                log.debug("node %s: %s %s (token %d)", self._node_id, finish.outcome.value,
-                          task.id, task.token, extra={"node": self._node_id, "task": task.id})
+                      extra={"node": self._state.node_id, "task": task_id})
 
     def holds(self, task: Task) -> bool:
-        with self._lock:
-            mine = self._held.get(task.id)
-            live = self._lease_id is not None and (
-                self._clock.monotonic() < self._renewed_at + self._fence_after
+        """Whether this node holds ``task``'s claim and its lease is short of the fence."""
+        with self._state.lock:
+            mine = self._state.held.get(task.id)
+            live = self._state.lease_id is not None and (
+                self._clock.monotonic() < self._state.renewed_at + self._lease.fence_after
             )
         return live and mine is not None and mine.task.token == task.token
 
     def claim_time_left(self, task: Task) -> float | None:
-        with self._lock:
-            mine = self._held.get(task.id)
-            if self._lease_id is None or mine is None or mine.task.token != task.token:
+        """Seconds to the fencing deadline while this node holds ``task`` (else 0)."""
+        with self._state.lock:
+            mine = self._state.held.get(task.id)
+            if self._state.lease_id is None or mine is None or mine.task.token != task.token:
                 return 0.0
-            return max(0.0, self._renewed_at + self._fence_after - self._clock.monotonic())
+            return max(0.0, self._state.renewed_at + self._lease.fence_after - self._clock.monotonic())
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
-        with self._lock:
-            return [h.task for h in self._held.values()]
+        with self._state.lock:
+            return [h.task for h in self._state.held.values()]
 
 
 @functools.lru_cache(maxsize=64)

@@ -59,10 +59,8 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.schedule import Schedule
-from metafora.statemachine.machine import InvalidState, State
-from metafora.statemachine.retry import check_retry_options, plan_retry
-from metafora.statemachine.stores.etcd import decode_state, encode_state
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
+from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 __all__ = ["EtcdClient"]
 
@@ -161,26 +159,28 @@ class EtcdClient(Client):
             raise TaskNotFound(f"no task {task_id!r}")
         log.debug("deleted task %s", task_id, extra={"task": task_id})
 
-    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
         self._check_open()
         task_id = validate_task_id(task_id)
-        check_retry_options(reset_state, keep_cursor)
         tk = self._keys.task(task_id)
         for _ in range(_RETRIES):
             info, rec = self._load(task_id)
-            machine = self._machine_key(tk.machine) if reset_state else None
-            token, stored = self._stored_state(task_id, machine, info.token)
-            new = plan_retry(task_id, info.state, stored, reset_state=reset_state,
-                             keep_cursor=keep_cursor)
+            machine = self._machine_key(tk.machine) if rewrite is not None else None
+            body: str | bytes | None = None
+            if rewrite is None:
+                check_retryable(task_id, info.state)
+            else:
+                body = rewrite(RetrySnapshot(task_id, info.state, info.token,
+                                             None if machine is None else machine.value))
             if rec.state is None:
                 continue  # expired by this very read; read again
             compares = [modified_at(tk.state, rec.state.mod_revision)]
             # A retried task starts with no crash count (max_crashes counts afresh).
             ops: list[Put | Delete] = [Delete(tk.state), Delete(tk.running)]
-            if new is not None and machine is not None:
-                # One txn: the task is pending again only with its state reset.
+            if body is not None and machine is not None:
+                # One txn: the task is pending again only with its state rewritten.
                 compares.append(modified_at(tk.machine, machine.mod_revision))
-                ops.append(Put(tk.machine, encode_state(token, new)))
+                ops.append(Put(tk.machine, body.encode() if isinstance(body, str) else body))
             if self._driver.txn(compares, ops).succeeded:
                 return
         raise StoreError(f"task {task_id!r} kept changing; retry it again")
@@ -188,17 +188,6 @@ class EtcdClient(Client):
     def _machine_key(self, key: bytes) -> KeyValue | None:
         kvs, _ = self._driver.range(Range(key))
         return kvs[0] if kvs else None
-
-    @staticmethod
-    def _stored_state(task_id: str, kv: KeyValue | None, last_token: int) -> tuple[int, State | bytes | None]:
-        """(token, state) of a state-machine key; a damaged one is passed on raw (plan_retry
-        replaces it, or names the damage when its cursor was to be kept)."""
-        if kv is None:
-            return last_token, None
-        try:
-            return decode_state(task_id, kv.value)
-        except InvalidState:
-            return last_token, kv.value
 
     def get_task(self, task_id: str) -> TaskInfo:
         self._check_open()

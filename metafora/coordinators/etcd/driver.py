@@ -1,8 +1,10 @@
-"""The one module that talks to etcd: gRPC calls, typed results, translated errors.
+"""The one module that talks to etcd: the gRPC connection, failover and retry, translated errors.
 
-Everything above this module sees plain dataclasses (:class:`KeyValue`, :class:`TxnResult`,
-:class:`WatchBatch`) and metafora exceptions; no other module imports grpc or the etcd
-client library.
+Everything above this module sees the plain values of :mod:`metafora.coordinators.etcd.ops`
+(:class:`KeyValue`, :class:`TxnResult`, :class:`WatchBatch`; re-exported here) and metafora
+exceptions; no other module imports grpc or the etcd client library
+(:mod:`~metafora.coordinators.etcd.messages` builds the protobuf messages from the
+library's generated module, which this one hands it).
 
 The client library is ``etcd-sdk-python`` (import name ``pyetcd``), a maintained fork of
 python-etcd3 whose generated protobuf code works with protobuf >= 5.27.2; ``etcd3`` is
@@ -28,13 +30,42 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import grpc
 
+from metafora.coordinators.etcd.messages import (
+    kv_from,
+    range_request,
+    txn_request,
+    txn_result,
+)
+from metafora.coordinators.etcd.ops import (
+    Compare,
+    Delete,
+    KeyValue,
+    LeaseNotFound,
+    Op,
+    Put,
+    Range,
+    TxnRequest,
+    TxnResult,
+    WatchBatch,
+    WatchCallback,
+    WatchCompacted,
+    WatchEvent,
+    WatchFailure,
+    absent,
+    created_at,
+    exists,
+    modified_at,
+    prefix_end,
+    value_is,
+)
+from metafora.coordinators.etcd.stream import WatchHandle
 from metafora.errors import (
     ConfigError,
     CoordinatorUnavailable,
@@ -43,17 +74,23 @@ from metafora.errors import (
     StoreError,
 )
 
+# The value types are re-exported: ``from metafora.coordinators.etcd.driver import Put``
+# keeps working for the modules, tests and benchmarks that import them from here.
 __all__ = [
     "Compare",
+    "ConnectionSettings",
     "Delete",
     "EtcdDriver",
     "KeyValue",
     "LeaseNotFound",
+    "Op",
     "Put",
     "Range",
     "TxnRequest",
     "TxnResult",
     "WatchBatch",
+    "WatchCallback",
+    "WatchCompacted",
     "WatchEvent",
     "WatchFailure",
     "WatchHandle",
@@ -103,10 +140,6 @@ def _too_large(code: object, details: str) -> bool:
     )
 
 
-class LeaseNotFound(StoreError):
-    """etcd does not know the lease (it expired or was revoked)."""
-
-
 def load_library() -> ModuleType:
     """The installed etcd client library: ``pyetcd`` (preferred) or ``etcd3``."""
     errors = []
@@ -122,136 +155,6 @@ def load_library() -> ModuleType:
     )
 
 
-# --------------------------------------------------------------------------- data
-
-
-class KeyValue(NamedTuple):
-    """One stored key with its revisions and lease."""
-
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-
-class Compare(NamedTuple):
-    """A txn condition: ``target(key) op value``."""
-
-    key: bytes
-    target: Literal["create", "mod", "version", "value"]
-    op: Literal["==", "!=", "<", ">"]
-    value: int | bytes
-
-
-def absent(key: bytes) -> Compare:
-    """The key does not exist."""
-    return Compare(key, "create", "==", 0)
-
-
-def exists(key: bytes) -> Compare:
-    """The key exists."""
-    return Compare(key, "create", ">", 0)
-
-
-def created_at(key: bytes, revision: int) -> Compare:
-    """The key exists and was created at ``revision`` (this incarnation of it)."""
-    return Compare(key, "create", "==", revision)
-
-
-def modified_at(key: bytes, revision: int) -> Compare:
-    """The key was last written at ``revision``."""
-    return Compare(key, "mod", "==", revision)
-
-
-def value_is(key: bytes, value: bytes) -> Compare:
-    """The key holds ``value``."""
-    return Compare(key, "value", "==", value)
-
-
-class Put(NamedTuple):
-    """Write ``value`` at ``key``, attached to ``lease`` (0: none)."""
-
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-
-class Delete(NamedTuple):
-    """Delete ``key`` (or every key under it when ``prefix``)."""
-
-    key: bytes
-    prefix: bool = False
-
-
-class Range(NamedTuple):
-    """Read ``key`` (or every key under it when ``prefix``, or every key from it up to
-    ``end`` excluded)."""
-
-    key: bytes
-    prefix: bool = False
-    keys_only: bool = False
-    limit: int = 0
-    by_create: bool = False  # ascending create revision instead of key order
-    end: bytes | None = None
-
-
-Op = Put | Delete | Range
-
-TxnRequest = tuple[Sequence[Compare], Sequence[Op], Sequence[Op]]
-"""A txn for :meth:`EtcdDriver.txns`: (compares, success ops, failure ops)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TxnResult:
-    """What a txn did: which branch ran, at which revision, and what its ranges read."""
-
-    succeeded: bool
-    revision: int
-    ranges: list[list[KeyValue]]
-    retried: bool = False  # an earlier attempt may have been applied (connection lost)
-
-
-class WatchEvent(NamedTuple):
-    """A put or a delete seen by a watch. For deletes only ``key`` and ``mod_revision`` count."""
-
-    kind: Literal["put", "delete"]
-    kv: KeyValue
-
-
-@dataclass(frozen=True, slots=True)
-class WatchBatch:
-    """Events of one watch response (all at revisions <= ``revision``)."""
-
-    revision: int
-    events: list[WatchEvent]
-
-
-@dataclass(frozen=True, slots=True)
-class WatchFailure:
-    """The watch ended: the stream broke, the server closed it, or history was compacted."""
-
-    error: BaseException | None
-    compacted: bool = False
-
-
-WatchCallback = Callable[[WatchBatch | WatchFailure], None]
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """The range end covering every key that starts with ``prefix``."""
-    data = bytearray(prefix)
-    for i in reversed(range(len(data))):
-        if data[i] < 0xFF:
-            data[i] += 1
-            return bytes(data[: i + 1])
-    return b"\0"
-
-
-# --------------------------------------------------------------------------- the driver
-
-
 @dataclass(frozen=True)
 class ConnectionSettings:
     """How to reach etcd (parsed from the store URL)."""
@@ -265,80 +168,6 @@ class ConnectionSettings:
     password: str | None = dataclasses.field(default=None, repr=False)
     timeout: float = 5.0
     display: str = ""  # the endpoints as shown in errors (never a password)
-
-
-class WatchHandle:
-    """One watch: its own gRPC stream and reader thread. :meth:`cancel` ends both.
-
-    (The library's ``Watcher`` only half-closes its stream on ``close()``; etcd keeps such a
-    stream open, so every re-watch would leak a thread. Cancelling the call does not.)
-    """
-
-    def __init__(self, call: Any, requests: queue.SimpleQueue[Any], callback: WatchCallback,
-                 name: str) -> None:
-        self._call = call
-        self._requests = requests
-        self._callback = callback
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._finished = False
-        self._created = threading.Event()
-        self.failure: WatchFailure | None = None  # why the stream ended, if it did
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        """Start reading the stream."""
-        self._thread.start()
-
-    def wait_created(self, timeout: float) -> bool:
-        """Wait until etcd confirms the watch (False on timeout or if the stream ended)."""
-        return self._created.wait(timeout) and self.failure is None
-
-    def _run(self) -> None:
-        try:
-            for response in self._call:
-                if response.compact_revision:
-                    self._finish(WatchFailure(None, compacted=True))
-                    return
-                if response.canceled:
-                    reason = getattr(response, "cancel_reason", "") or "cancelled by etcd"
-                    self._finish(WatchFailure(StoreError(f"etcd cancelled the watch: {reason}")))
-                    return
-                if response.created:
-                    self._created.set()
-                if response.events and not self._cancelled:
-                    self._callback(WatchBatch(int(response.header.revision),
-                                              _events(response.events)))
-        except grpc.RpcError as exc:
-            self._finish(WatchFailure(exc))
-        except Exception as exc:  # a callback bug must not kill the stream silently
-            log.exception("etcd watch reader failed")
-            self._finish(WatchFailure(exc))
-        else:
-            self._finish(WatchFailure(None))  # the server ended the stream
-
-    def _finish(self, failure: WatchFailure) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            cancelled = self._cancelled
-            self.failure = failure
-        self._created.set()
-        if not cancelled:
-            self._callback(failure)
-
-    def cancel(self) -> None:
-        """Stop delivering events and end the stream (idempotent, never raises)."""
-        with self._lock:
-            if self._cancelled:
-                return
-            self._cancelled = True
-        self._requests.put(None)
-        try:
-            self._call.cancel()
-        except Exception:  # pragma: no cover - already finished
-            log.debug("ignoring error while cancelling a watch", exc_info=True)
 
 
 class EtcdDriver:
@@ -542,11 +371,11 @@ class EtcdDriver:
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
             return rpc.KVStub(channel).Range(
-                _range_request(rpc, request, revision), limit(), metadata=md
+                range_request(rpc, request, revision), limit(), metadata=md
             )
 
         response, _ = self._call("range", invoke, repeatable=True)
-        return [_kv(kv) for kv in response.kvs], int(response.header.revision)
+        return [kv_from(kv) for kv in response.kvs], int(response.header.revision)
 
     def count(self, request: Range, *, timeout: float | None = None) -> int:
         """How many keys ``request`` would read (etcd counts them; no key is sent back)."""
@@ -554,7 +383,7 @@ class EtcdDriver:
 
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
-            message = _range_request(rpc, request, 0)
+            message = range_request(rpc, request, 0)
             message.count_only = True
             return rpc.KVStub(channel).Range(message, limit(), metadata=md)
 
@@ -578,11 +407,11 @@ class EtcdDriver:
 
         def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
             rpc = lib.etcdrpc
-            request = _txn_request(rpc, compares, success, failure)
+            request = txn_request(rpc, compares, success, failure)
             return rpc.KVStub(channel).Txn(request, limit(), metadata=md)
 
         response, retried = self._call("txn", invoke, repeatable=repeatable)
-        return _txn_result(response, retried)
+        return txn_result(response, retried)
 
     def txns(
         self,
@@ -610,14 +439,14 @@ class EtcdDriver:
             rpc = lib.etcdrpc
             stub = rpc.KVStub(channel)
             futures = [
-                stub.Txn.future(_txn_request(rpc, *request), limit(), metadata=self._metadata)
+                stub.Txn.future(txn_request(rpc, *request), limit(), metadata=self._metadata)
                 for request in requests
             ]
         except MetaforaError as exc:
             return [exc for _ in requests]
         for request, future in zip(requests, futures, strict=True):
             try:
-                results.append(_txn_result(future.result(), retried=False))
+                results.append(txn_result(future.result(), retried=False))
                 continue
             except grpc.RpcError as exc:
                 err = self._translate(exc, "txn")
@@ -734,14 +563,6 @@ class EtcdDriver:
         )
 
 
-class WatchCompacted(StoreError):
-    """The requested start revision of a watch has been compacted away."""
-
-    def __init__(self, revision: int) -> None:
-        super().__init__(f"etcd history before revision {revision} is compacted")
-        self.revision = revision
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -753,83 +574,3 @@ def _read(path: str | None) -> bytes | None:
             return fh.read()
     except OSError as exc:
         raise ConfigError(f"cannot read TLS file {path!r}: {exc.strerror}") from exc
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        bytes(kv.key),
-        bytes(kv.value),
-        int(kv.create_revision),
-        int(kv.mod_revision),
-        int(kv.version),
-        int(kv.lease),
-    )
-
-
-def _events(events: Iterator[Any]) -> list[WatchEvent]:
-    out = []
-    for ev in events:
-        raw = getattr(ev, "_event", ev)  # the library wraps raw events
-        kind: Literal["put", "delete"] = "delete" if int(raw.type) == 1 else "put"
-        out.append(WatchEvent(kind, _kv(raw.kv)))
-    return out
-
-
-def _txn_request(rpc: Any, compares: Sequence[Compare], success: Sequence[Op],
-                 failure: Sequence[Op] = ()) -> Any:
-    return rpc.TxnRequest(
-        compare=[_compare(rpc, c) for c in compares],
-        success=[_op(rpc, op) for op in success],
-        failure=[_op(rpc, op) for op in failure],
-    )
-
-
-def _txn_result(response: Any, retried: bool) -> TxnResult:
-    ranges = [
-        [_kv(kv) for kv in r.response_range.kvs]
-        for r in response.responses
-        if r.WhichOneof("response") == "response_range"
-    ]
-    return TxnResult(bool(response.succeeded), int(response.header.revision), ranges, retried)
-
-
-def _range_request(rpc: Any, r: Range, revision: int) -> Any:
-    request = rpc.RangeRequest(key=r.key, keys_only=r.keys_only, limit=r.limit, revision=revision)
-    if r.end is not None:
-        request.range_end = r.end
-    elif r.prefix:
-        request.range_end = prefix_end(r.key)
-    if r.by_create:
-        request.sort_target = rpc.RangeRequest.CREATE
-        request.sort_order = rpc.RangeRequest.ASCEND
-    return request
-
-
-_TARGETS = {"create": "CREATE", "mod": "MOD", "version": "VERSION", "value": "VALUE"}
-_OPS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
-
-
-def _compare(rpc: Any, c: Compare) -> Any:
-    cls = rpc.Compare
-    msg = cls(key=c.key, target=getattr(cls, _TARGETS[c.target]), result=getattr(cls, _OPS[c.op]))
-    if c.target == "value":
-        assert isinstance(c.value, bytes)
-        msg.value = c.value
-    elif c.target == "create":
-        msg.create_revision = int(c.value)
-    elif c.target == "mod":
-        msg.mod_revision = int(c.value)
-    else:
-        msg.version = int(c.value)
-    return msg
-
-
-def _op(rpc: Any, op: Op) -> Any:
-    if isinstance(op, Put):
-        return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
-    if isinstance(op, Delete):
-        request = rpc.DeleteRangeRequest(key=op.key)
-        if op.prefix:
-            request.range_end = prefix_end(op.key)
-        return rpc.RequestOp(request_delete_range=request)
-    return rpc.RequestOp(request_range=_range_request(rpc, op, 0))

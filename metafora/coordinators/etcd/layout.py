@@ -39,7 +39,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote, unquote
 
-from metafora.coordinators.etcd.driver import KeyValue
+from metafora.coordinators.etcd.ops import KeyValue
 from metafora.errors import InvalidProps, StoreError
 from metafora.jsontext import load_object
 from metafora.task import (

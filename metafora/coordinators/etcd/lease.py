@@ -1,6 +1,7 @@
 """A node's lease: registration, renewal, self-fencing and re-registration.
 
-See :mod:`metafora.coordinators.etcd.coordinator` for the lease thread's contract.
+See :mod:`metafora.coordinators.etcd.coordinator` for the lease thread's contract, and
+:mod:`metafora.coordinators.fencing` for when the node fences.
 """
 
 from __future__ import annotations
@@ -8,24 +9,53 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 
-from metafora.coordinators.etcd.driver import Put, Range, absent, created_at
-from metafora.coordinators.etcd.layout import encode_json, iso
-from metafora.coordinators.etcd.node import _BACKOFF_MAX, _BACKOFF_START, NodeBase, fence_margin
+from metafora.clock import Clock
+from metafora.coordinators.etcd.config import EtcdConfig
+from metafora.coordinators.etcd.driver import EtcdDriver
+from metafora.coordinators.etcd.layout import Keys, encode_json, iso
+from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
+from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
+from metafora.coordinators.fencing import ETCD_FENCING
 from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
 
-__all__ = ["LeaseMixin", "fence_margin"]
+__all__ = ["NodeLease"]
 
 log = logging.getLogger(__name__)
 
 
-class LeaseMixin(NodeBase):
-    """The lease thread and the node's registration key."""
+class NodeLease:
+    """The lease thread and the node's registration key.
 
-    def _register(self) -> None:
+    The current lease and its last renewal are in the shared :class:`~.node.NodeState`
+    (claims are fenced on them); the rest is this object's, guarded by the same lock.
+    ``on_registered_again`` runs after a re-registration (the watch re-offers every task).
+    """
+
+    def __init__(self, driver: EtcdDriver, keys: Keys, config: EtcdConfig, clock: Clock,
+                 state: NodeState, on_registered_again: Callable[[], None]) -> None:
+        self._driver = driver
+        self._keys = keys
+        self._cfg = config
+        self._clock = clock
+        self._state = state
+        self._on_registered_again = on_registered_again
+        self.fence_after = ETCD_FENCING.fence_after(config.lease_ttl)
+        """Seconds after the start of the last good renewal at which the node self-fences."""
+        self._old_lease: int | None = None  # dropped after a fence, revoked on re-register
+        self._old_lease_until = 0.0  # monotonic: when the dropped lease expires by itself
+        self._beat_wake = threading.Event()
+        self._paused = False
+        self._alive_rev = 0  # create revision of our registration key
+        self._started_at = clock.now()
+        self._frozen = False
+        self._leaving = False
+
+    def register(self) -> None:
         """Grant a lease and create the node's registration key if absent."""
-        alive = self._keys.node_alive(self._node_id)
+        alive = self._keys.node_alive(self._state.node_id)
         started = self._clock.monotonic()
         lease, _granted = self._driver.grant(self._cfg.lease_ttl)
         value = self._alive_record()
@@ -36,18 +66,18 @@ class LeaseMixin(NodeBase):
             raise
         if not result.succeeded:
             self._revoke_quietly(lease)
-            raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
-        with self._lock:
-            if self._closed:
+            raise NodeExists(f"node {self._state.node_id!r} is already live on {self._state.name}")
+        with self._state.lock:
+            if self._state.closed:
                 closed = True
             else:
                 closed = False
-                self._lease_id = lease
-                self._renewed_at = started
+                self._state.lease_id = lease
+                self._state.renewed_at = started
                 self._alive_rev = result.revision
         if closed:
             self._revoke_quietly(lease)
-            raise CoordinatorClosed(f"coordinator {self._node_id!r} closed while registering")
+            raise CoordinatorClosed(f"coordinator {self._state.node_id!r} closed while registering")
 
     def _alive_record(self) -> bytes:
         return encode_json(
@@ -57,65 +87,57 @@ class LeaseMixin(NodeBase):
                 "pid": os.getpid(),
                 "frozen": self._frozen,
                 "leaving": self._leaving,
-                **({"labels": self._labels} if self._labels else {}),
+                **({"labels": self._state.labels} if self._state.labels else {}),
             }
         )
 
     def report_frozen(self, frozen: bool) -> None:
         """Publish the frozen flag in the node's registration (best effort)."""
-        with self._lock:
+        with self._state.lock:
             self._frozen = frozen
         self._republish(f"frozen={frozen}", logging.DEBUG)
 
     def announce_leaving(self) -> None:
         """Publish ``leaving`` in the node's registration (best effort): the other nodes'
         watches see it at once and their balancers stop counting this node."""
-        with self._lock:
+        with self._state.lock:
             self._leaving = True
         self._republish("leaving", logging.WARNING)
 
     def _republish(self, what: str, level: int) -> None:
-        with self._lock:
-            lease, alive_rev = self._lease_id, self._alive_rev
-        if lease is None or self._closed:
+        with self._state.lock:
+            lease, alive_rev = self._state.lease_id, self._alive_rev
+        if lease is None or self._state.closed:
             return
-        alive = self._keys.node_alive(self._node_id)
+        alive = self._keys.node_alive(self._state.node_id)
         try:
             self._driver.txn([created_at(alive, alive_rev)], [Put(alive, self._alive_record(), lease)])
         except MetaforaError as exc:
-            log.log(level, "node %s: could not publish %s: %s", self._node_id, what, exc,
-                    extra=self._extra)
-
-    def listen_membership(self, listener: Callable[[], None]) -> bool:
-        """Call ``listener`` when the namespace watch sees a registration key change (a
-        join, a leave or lease expiry, a ``leaving`` flag) and whenever it re-lists."""
-        with self._lock:
-            self._member_listeners.append(listener)
-        self._ensure_watcher()
-        return True
+            log.log(level, "node %s: could not publish %s: %s", self._state.node_id, what, exc,
+                    extra=self._state.extra)
 
     def _revoke_quietly(self, lease: int) -> None:
         try:
             self._driver.revoke(lease, timeout=1.0)
         except MetaforaError:
-            log.debug("could not revoke lease %x", lease, exc_info=True, extra=self._extra)
+            log.debug("could not revoke lease %x", lease, exc_info=True, extra=self._state.extra)
 
-    def _lease_loop(self) -> None:
+    def run(self) -> None:
         interval = self._cfg.lease_ttl / 3
         next_beat = self._clock.monotonic() + interval
-        backoff = _BACKOFF_START
+        backoff = BACKOFF_START
         failing = False
-        while not self._stop.is_set():
+        while not self._state.stop.is_set():
             try:
-                with self._lock:
-                    lease, renewed, paused = self._lease_id, self._renewed_at, self._keepalive_paused
+                with self._state.lock:
+                    lease, renewed, paused = self._state.lease_id, self._state.renewed_at, self._paused
                 now = self._clock.monotonic()
                 if lease is None:
                     if paused:
                         self._beat_wake.wait(0.05)
                         self._beat_wake.clear()
                         continue
-                    with self._lock:
+                    with self._state.lock:
                         grace = self._old_lease_until - now if self._old_lease is not None else 0.0
                     if grace > 0:
                         # The fenced handlers get the margin to stop: revoking the old lease
@@ -125,14 +147,14 @@ class LeaseMixin(NodeBase):
                         continue
                     if self._reregister():
                         next_beat = self._clock.monotonic() + interval
-                        backoff = _BACKOFF_START
+                        backoff = BACKOFF_START
                     else:
-                        self._stop.wait(backoff)
-                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                        self._state.stop.wait(backoff)
+                        backoff = min(backoff * 2, BACKOFF_MAX)
                     continue
-                fence_at = renewed + self._fence_after
+                fence_at = renewed + self.fence_after
                 if now >= fence_at:
-                    self._fence(f"no successful lease renewal for {now - renewed:.2f}s")
+                    self.fence(f"no successful lease renewal for {now - renewed:.2f}s")
                     continue
                 wake_at = min(next_beat, fence_at)
                 if wake_at > now:
@@ -147,33 +169,33 @@ class LeaseMixin(NodeBase):
                     ttl = self._driver.keepalive(lease, timeout=fence_at - started)
                 except MetaforaError as exc:
                     level = logging.DEBUG if failing else logging.WARNING
-                    log.log(level, "node %s: lease renewal failed: %s", self._node_id, exc,
-                            extra=self._extra)
+                    log.log(level, "node %s: lease renewal failed: %s", self._state.node_id, exc,
+                            extra=self._state.extra)
                     failing = True
                     next_beat = self._clock.monotonic() + min(interval, 0.25)
                     continue
                 if ttl <= 0:
-                    self._fence("etcd no longer knows the lease")
+                    self.fence("etcd no longer knows the lease")
                     continue
                 took = self._clock.monotonic() - started
-                with self._lock:
-                    if self._lease_id == lease:
-                        self._renewed_at = started
-                    ctx = self._ctx
+                with self._state.lock:
+                    if self._state.lease_id == lease:
+                        self._state.renewed_at = started
+                    ctx = self._state.ctx
                 if ctx is not None:
                     ctx.renewed(took)
                 if failing:
-                    log.info("node %s: lease renewal recovered", self._node_id, extra=self._extra)
+                    log.info("node %s: lease renewal recovered", self._state.node_id, extra=self._state.extra)
                     failing = False
                 if took > interval:
                     log.warning("node %s: lease renewal took %.2fs (interval %.2fs)",
-                                self._node_id, took, interval, extra=self._extra)
+                                self._state.node_id, took, interval, extra=self._state.extra)
                 next_beat = started + interval
             except Exception:  # never let the heartbeat die: a dead heartbeat is a zombie
-                log.exception("node %s: unexpected error in the lease loop", self._node_id,
-                              extra=self._extra)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+                log.exception("node %s: unexpected error in the lease loop", self._state.node_id,
+                              extra=self._state.extra)
+                self._state.stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
 
     def _reregister(self) -> bool:
         """After a fence: revoke the old lease, register again. True on success."""
@@ -181,43 +203,40 @@ class LeaseMixin(NodeBase):
         try:
             if old is not None:
                 self._driver.revoke(old)
-                with self._lock:
+                with self._state.lock:
                     if self._old_lease == old:
                         self._old_lease = None
-            self._register()
+            self.register()
         except NodeExists:
             log.error("node %s: cannot re-register, another live node uses this id",
-                      self._node_id, extra=self._extra)
+                      self._state.node_id, extra=self._state.extra)
             return False
         except CoordinatorClosed:
             return False
         except MetaforaError as exc:
-            log.warning("node %s: re-registration failed: %s", self._node_id, exc,
-                        extra=self._extra)
+            log.warning("node %s: re-registration failed: %s", self._state.node_id, exc,
+                        extra=self._state.extra)
             return False
-        log.warning("node %s: re-registered with a new lease", self._node_id, extra=self._extra)
+        log.warning("node %s: re-registered with a new lease", self._state.node_id, extra=self._state.extra)
         # Offers made while the node had no lease were refused (claim() returned None) and the
         # consumer dropped them; nothing changes in etcd to offer them again, so re-offer
         # every claimable task now rather than at the next safety-net re-list.
-        with self._lock:
-            for sub in self._subs:
-                sub.mark(None)
+        self._on_registered_again()
         return True
 
-    def _fence(self, reason: str) -> None:
+    def fence(self, reason: str) -> None:
         """Drop the lease and tell the node every claim is lost (self-fencing)."""
-        with self._lock:
-            lease = self._lease_id
+        with self._state.lock:
+            lease = self._state.lease_id
             if lease is None:
                 return
-            self._lease_id = None
+            self._state.lease_id = None
             self._old_lease = lease
-            self._old_lease_until = self._renewed_at + self._cfg.lease_ttl
-            lost = [held.task for held in self._held.values()]
-            self._held.clear()
-        log.warning("node %s: lease lost (%s); stopping %d task(s)", self._node_id, reason,
-                    len(lost), extra=self._extra)
-        self._notify_lost(lost)
+            self._old_lease_until = self._state.renewed_at + self._cfg.lease_ttl
+            lost = self._state.drop_held()
+        log.warning("node %s: lease lost (%s); stopping %d task(s)", self._state.node_id, reason,
+                    len(lost), extra=self._state.extra)
+        self._state.notify_lost(lost)
         self._beat_wake.set()
 
     def suspend_keepalive(self) -> None:
@@ -226,19 +245,22 @@ class LeaseMixin(NodeBase):
         The node then self-fences (``ctx.lost`` for every claim) before the lease expires,
         and does not re-register until :meth:`resume_keepalive`.
         """
-        with self._lock:
-            self._keepalive_paused = True
+        with self._state.lock:
+            self._paused = True
         self._beat_wake.set()
 
     def resume_keepalive(self) -> None:
         """Undo :meth:`suspend_keepalive`."""
-        with self._lock:
-            self._keepalive_paused = False
+        with self._state.lock:
+            self._paused = False
         self._beat_wake.set()
 
-    @property
-    def lease_id(self) -> int | None:
-        """The node's current etcd lease (None while it has none)."""
-        with self._lock:
-            return self._lease_id
-
+    def close(self) -> list[int]:
+        """Stop the lease thread; the leases to revoke (taken from the node: no claim or
+        renewal uses them any more)."""
+        with self._state.lock:
+            leases = [lease for lease in (self._state.lease_id, self._old_lease)
+                      if lease is not None]
+            self._state.lease_id = self._old_lease = None
+        self._beat_wake.set()
+        return leases

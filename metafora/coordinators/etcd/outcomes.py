@@ -5,7 +5,7 @@ node's id and was created at the claim's token; success: the state record if any
 the owner and running keys; failure: read the state, claim and owner keys). Many outcomes
 are those ops side by side in one txn, up to :data:`ITEMS_PER_TXN` (etcd's default
 ``--max-txn-ops`` is 128 per branch) and :data:`TXN_BYTES`, and the txns of one batch are
-in flight together (:meth:`~metafora.coordinators.etcd.driver.EtcdDriver.txns`).
+in flight together (:meth:`~metafora.coordinators.etcd.driver.EtcdDriver.txns`): :class:`EtcdOutcomeBatcher`.
 
 A txn is all or nothing: when one of its claims is stale, nothing is written, and the
 failure branch tells which claims still hold (their owner key is as fenced), so those are
@@ -15,6 +15,7 @@ is judged by what the lost attempt left (:func:`applied_before`), as a single wr
 :class:`GroupCommit` lets threads that each record one outcome (the consumer's handler
 threads calling ``done``) share those txns: the first caller writes at once; callers that
 arrive while a write is in flight are written together by the next one.
+:class:`ClaimOutcomes` is the coordinator's part that does both.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from metafora.clock import Clock
-from metafora.coordinator import Finish, Outcome
-from metafora.coordinators.etcd.driver import (
+from metafora.coordinator import Finish, Outcome, error_text
+from metafora.coordinators.etcd.driver import EtcdDriver
+from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
+from metafora.coordinators.etcd.node import NodeState
+from metafora.coordinators.etcd.ops import (
     Compare,
     Delete,
-    EtcdDriver,
     KeyValue,
     Op,
     Put,
@@ -40,7 +43,6 @@ from metafora.coordinators.etcd.driver import (
     created_at,
     value_is,
 )
-from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
 from metafora.errors import (
     ClaimLost,
     CoordinatorClosed,
@@ -49,8 +51,17 @@ from metafora.errors import (
     RequestTooLarge,
     StoreError,
 )
+from metafora.task import Task
 
-__all__ = ["ITEMS_PER_TXN", "TXN_BYTES", "GroupCommit", "OutcomeWriter", "applied_before"]
+__all__ = [
+    "COMMIT_BATCH",
+    "ITEMS_PER_TXN",
+    "TXN_BYTES",
+    "ClaimOutcomes",
+    "EtcdOutcomeBatcher",
+    "GroupCommit",
+    "applied_before",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +70,9 @@ ITEMS_PER_TXN = 42
 
 TXN_BYTES = 512 * 1024
 """About how many bytes of keys and values one txn may carry (etcd refuses 1.5 MiB)."""
+
+COMMIT_BATCH = 4 * ITEMS_PER_TXN
+"""Outcomes of concurrent done/release/fail calls written together at most (4 txns in flight)."""
 
 _STATE = {Outcome.DONE: "done", Outcome.FAIL: "failed", Outcome.RELEASE: "release"}
 
@@ -98,8 +112,9 @@ class _Item:
     size: int
 
 
-class OutcomeWriter:
-    """Writes outcomes of this node's claims, many per txn, each fenced by its token."""
+class EtcdOutcomeBatcher:
+    """Writes outcomes of this node's claims, many per etcd txn (several txns in flight), each
+    fenced by its claim's owner key and token."""
 
     def __init__(self, driver: EtcdDriver, keys: Keys, node_id: str, clock: Clock) -> None:
         self._driver = driver
@@ -242,6 +257,83 @@ def _copy(error: MetaforaError) -> MetaforaError:
     if isinstance(error, RequestTooLarge):
         return RequestTooLarge(str(error))
     return StoreError(str(error))
+
+
+class ClaimOutcomes:
+    """done, release and fail of this node's claims: each written by an
+    :class:`EtcdOutcomeBatcher`, concurrent single ones group-committed (:class:`GroupCommit`),
+    and the claims held (in the shared :class:`~.node.NodeState`) kept in step."""
+
+    def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState) -> None:
+        self._state = state
+        self._batcher = EtcdOutcomeBatcher(driver, keys, state.node_id, clock)
+        self._commit: GroupCommit[Finish, MetaforaError | None] = GroupCommit(
+            self._batcher.write, COMMIT_BATCH
+        )
+
+    def release(self, task: Task) -> None:
+        """Give the claim back (fenced by owner and token)."""
+        self._finish_one(Finish(task, Outcome.RELEASE))
+
+    def done(self, task: Task) -> None:
+        """Record the task done (fenced by owner and token)."""
+        self._finish_one(Finish(task, Outcome.DONE))
+
+    def fail(self, task: Task, error: BaseException | str) -> None:
+        """Record the task failed with ``error`` (fenced by owner and token)."""
+        self._finish_one(Finish(task, Outcome.FAIL, error_text(error)))
+
+    def _finish_one(self, finish: Finish) -> None:
+        """One fenced outcome, group-committed with those other threads write meanwhile."""
+        self._state.check_open()
+        self._finishing([finish])
+        error = self._commit.submit(finish)
+        self._finished([finish], [error])
+        if error is not None:
+            raise error
+
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Record many outcomes in multi-op txns (up to 42 outcomes each, several in flight),
+        each fenced by its own claim's owner key and token exactly as a single write is."""
+        self._state.check_open()
+        finishes = list(finishes)
+        if not finishes:
+            return []
+        self._finishing(finishes)
+        results = self._batcher.write(finishes)
+        self._finished(finishes, results)
+        if all(isinstance(r, CoordinatorUnavailable | CoordinatorClosed) for r in results):
+            # Nothing written: the caller retries the batch (an outcome whose lost first
+            # answer was applied is then refused as ClaimLost, as a single write is).
+            error = results[0]
+            assert error is not None
+            raise error
+        return results
+
+    def _finishing(self, finishes: list[Finish]) -> None:
+        """Mark the claims whose outcome is being written (their owner key's delete is not a
+        lost claim)."""
+        with self._state.lock:
+            for finish in finishes:
+                held = self._state.held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    held.finishing = True
+
+    def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
+        """Forget the claims whose outcome was written, or refused (kept while etcd could not
+        be reached: the caller retries)."""
+        with self._state.lock:
+            for finish, error in zip(finishes, results, strict=True):
+                if isinstance(error, CoordinatorUnavailable | CoordinatorClosed):
+                    continue
+                held = self._state.held.get(finish.task.id)
+                if held is not None and held.task.token == finish.task.token:
+                    del self._state.held[finish.task.id]
+        for finish, error in zip(finishes, results, strict=True):
+            if error is None:
+                task = finish.task
+                log.debug("node %s: %s %s (token %d)", self._state.node_id, finish.outcome.value,
+                          task.id, task.token, extra={"node": self._state.node_id, "task": task.id})
 
 
 @dataclass

@@ -6,15 +6,7 @@ from collections import Counter
 from datetime import datetime
 from typing import Any
 
-from metafora.coordinators.etcd.driver import (
-    EtcdDriver,
-    KeyValue,
-    Put,
-    Range,
-    absent,
-    modified_at,
-    prefix_end,
-)
+from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import (
     Keys,
     TaskRecord,
@@ -24,6 +16,7 @@ from metafora.coordinators.etcd.layout import (
     iso,
     labels_of,
 )
+from metafora.coordinators.etcd.ops import KeyValue, Put, Range, absent, modified_at, prefix_end
 from metafora.task import parse_time
 
 __all__ = [

@@ -7,45 +7,108 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 
+from metafora.clock import Clock
 from metafora.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
-from metafora.coordinators.etcd.cache import Entry, Subscriber, offer_for
-from metafora.coordinators.etcd.driver import WatchBatch, WatchCompacted, WatchFailure, WatchHandle
-from metafora.coordinators.etcd.node import _BACKOFF_MAX, _BACKOFF_START, _STOP, NodeBase
+from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
+from metafora.coordinators.etcd.config import EtcdConfig
+from metafora.coordinators.etcd.driver import EtcdDriver, WatchHandle
+from metafora.coordinators.etcd.layout import Keys
+from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
+from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchEvent, WatchFailure
 from metafora.coordinators.etcd.queries import is_leaving, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
 from metafora.task import Task, validate_task_id
 
-__all__ = ["WatchMixin"]
+__all__ = ["NamespaceWatch"]
 
 log = logging.getLogger(__name__)
 
 _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps)
 _RELIST_TASKS_PER_S = 1000.0  # a safety-net re-list comes no more often than tasks / this many s
+_STOP = object()  # tells the watch loop to end
 
 
-class WatchMixin(NodeBase):
-    """The watch thread, the task cache it keeps, and the offers it makes."""
+class NamespaceWatch:
+    """The watch thread, the task cache it keeps, the offers it makes, and the listeners it
+    rings (membership, task commands, schedules).
 
-    def _ensure_watcher(self) -> None:
-        with self._lock:
-            if self._watcher_started or self._closed:
+    ``expire`` moves a task past its ``expires_at`` to expired (the claims' rule);
+    ``commands_queued`` wakes :meth:`~.commands.NodeCommands.command` (a command for this
+    node was put, or the watch re-listed).
+    """
+
+    def __init__(self, driver: EtcdDriver, keys: Keys, config: EtcdConfig, clock: Clock,
+                 state: NodeState, cache: TaskCache, *, expire: Callable[[str, int], None],
+                 commands_queued: Callable[[], None]) -> None:
+        self._driver = driver
+        self._keys = keys
+        self._cfg = config
+        self._clock = clock
+        self._state = state
+        self._cache = cache
+        self._expire = expire
+        self._commands_queued = commands_queued
+        # all guarded by the node's lock
+        self._subs: list[Subscriber] = []
+        self._unusable: dict[str, int] = {}  # stored ids no Task may have -> props revision logged
+        self._queue: queue.Queue[object] | None = None
+        self._gen = 0  # which watch stream may fold events into the cache
+        self._started = False
+        self._member_listeners: list[Callable[[], None]] = []
+        self._task_cmd_listeners: list[TaskCommandListener] = []
+        self._schedule_listeners: list[Callable[[], None]] = []
+
+    def ensure_started(self) -> None:
+        """Start the watch thread once."""
+        with self._state.lock:
+            if self._started or self._state.closed:
                 return
-            self._watcher_started = True
-        self._start_thread("watch", self._watch_loop)
+            self._started = True
+        self._state.start_thread("watch", self._run)
+
+    def reoffer_all(self) -> None:
+        """Offer every claimable task again (after a re-registration)."""
+        with self._state.lock:
+            for sub in self._subs:
+                sub.mark(None)
+
+    def close(self) -> None:
+        """Wake every ``watch(out)`` (they see the node closed) and end the watch loop."""
+        with self._state.lock:
+            for sub in self._subs:
+                sub.event.set()
+            wq = self._queue
+        if wq is not None:
+            wq.put(_STOP)
+
+    def listen_membership(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener`` when the namespace watch sees a registration key change (a
+        join, a leave or lease expiry, a ``leaving`` flag) and whenever it re-lists."""
+        with self._state.lock:
+            self._member_listeners.append(listener)
+        self.ensure_started()
+        return True
+
+    def _members_changed(self) -> None:
+        with self._state.lock:
+            listeners = list(self._member_listeners)
+        for listener in listeners:
+            listener()
 
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
+        """Offer claimable tasks to ``out`` until the node closes (``Coordinator.watch``)."""
         sink = as_sink(out)
         sub = Subscriber()
         sub.event.set()  # the first round offers every claimable task
-        with self._lock:
-            if self._closed:
+        with self._state.lock:
+            if self._state.closed:
                 return
             self._subs.append(sub)
-        self._ensure_watcher()
+        self.ensure_started()
         timers: dict[str, datetime] = {}
         try:
             while True:
@@ -56,17 +119,17 @@ class WatchMixin(NodeBase):
                 sub.event.wait(wait)
                 offers, expiring = self._evaluate(sub, timers)
                 for task_id, props_mod in expiring:
-                    if self._closed:
+                    if self._state.closed:
                         return
                     self._expire(task_id, props_mod)
                 for task in offers:
-                    if self._closed:
+                    if self._state.closed:
                         return
                     sink(task)
-                if self._closed:
+                if self._state.closed:
                     return
         finally:
-            with self._lock:
+            with self._state.lock:
                 if sub in self._subs:
                     self._subs.remove(sub)
 
@@ -78,11 +141,11 @@ class WatchMixin(NodeBase):
         offers: list[Task] = []
         expiring: list[tuple[str, int]] = []
         unusable: list[tuple[str, InvalidTaskId]] = []
-        with self._lock:
+        with self._state.lock:
             sub.event.clear()
-            if self._closed or not self._cache_ready:
+            if self._state.closed or not self._cache.ready:
                 return offers, expiring  # the first listing marks everything again
-            candidates = set(self._cache) if sub.everything else sub.ids
+            candidates = set(self._cache.entries) if sub.everything else sub.ids
             sub.ids = set()
             sub.everything = False
             for task_id, due in list(timers.items()):
@@ -90,7 +153,7 @@ class WatchMixin(NodeBase):
                     candidates.add(task_id)
                     del timers[task_id]
             for task_id in sorted(candidates):
-                entry = self._cache.get(task_id)
+                entry = self._cache.entries.get(task_id)
                 if entry is None or entry.props is None or entry.finished or entry.owner:
                     timers.pop(task_id, None)
                     if entry is None:
@@ -119,28 +182,28 @@ class WatchMixin(NodeBase):
                         timers.pop(task_id, None)
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
-                        self._node_id, task_id[:80], reason, extra=self._extra)
+                        self._state.node_id, task_id[:80], reason, extra=self._state.extra)
         # From a random place (racing nodes start in different regions), highest priority
         # first (the sort is stable: each priority keeps its rotation).
         offers = rotated(offers)
         offers.sort(key=lambda t: -t.priority)
         return offers, expiring
 
-    def _watch_loop(self) -> None:
-        backoff = _BACKOFF_START
+    def _run(self) -> None:
+        backoff = BACKOFF_START
         failing = False
-        while not self._stop.is_set():
+        while not self._state.stop.is_set():
             handle: WatchHandle | None = None
             try:
-                with self._lock:  # from now on, a late event of the old stream is dropped
-                    self._watch_gen += 1
-                    gen = self._watch_gen
+                with self._state.lock:  # from now on, a late event of the old stream is dropped
+                    self._gen += 1
+                    gen = self._gen
                 revision = self._relist()
                 wq: queue.Queue[object] = queue.Queue()
-                with self._lock:
-                    if self._closed:
+                with self._state.lock:
+                    if self._state.closed:
                         return
-                    self._watch_queue = wq
+                    self._queue = wq
 
                 def deliver(item: WatchBatch | WatchFailure, gen: int = gen,
                             wq: queue.Queue[object] = wq) -> None:
@@ -153,15 +216,15 @@ class WatchMixin(NodeBase):
 
                 handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver)
                 # Schedule changes while no watch ran were not pushed: the schedulers look once.
-                with self._lock:
-                    self._watch_live = True
+                with self._state.lock:
+                    self._cache.live = True
                     wakes = list(self._schedule_listeners)
                 for wake in wakes:
                     wake()
                 if failing:
-                    log.info("node %s: watch recovered", self._node_id, extra=self._extra)
+                    log.info("node %s: watch recovered", self._state.node_id, extra=self._state.extra)
                 failing = False
-                backoff = _BACKOFF_START
+                backoff = BACKOFF_START
                 relist_at = self._clock.monotonic() + self._relist_every()
                 while True:
                     left = relist_at - self._clock.monotonic()
@@ -179,21 +242,21 @@ class WatchMixin(NodeBase):
                         raise CoordinatorUnavailable(f"etcd watch ended: {item.error!r}")
             except WatchCompacted:
                 self._watch_ended()
-                log.info("node %s: watch history compacted; re-listing", self._node_id,
-                         extra=self._extra)
+                log.info("node %s: watch history compacted; re-listing", self._state.node_id,
+                         extra=self._state.extra)
             except Exception as exc:
                 self._watch_ended()
-                if self._stop.is_set():
+                if self._state.stop.is_set():
                     return
                 level = logging.DEBUG if failing else logging.WARNING
                 if not isinstance(exc, MetaforaError):
                     level = logging.ERROR
-                log.log(level, "node %s: watch failed (%s: %s); retrying in %.2fs", self._node_id,
-                        type(exc).__name__, exc, backoff, extra=self._extra,
+                log.log(level, "node %s: watch failed (%s: %s); retrying in %.2fs", self._state.node_id,
+                        type(exc).__name__, exc, backoff, extra=self._state.extra,
                         exc_info=not isinstance(exc, MetaforaError))
                 failing = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+                self._state.stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
             finally:
                 if handle is not None:
                     handle.cancel()
@@ -204,8 +267,8 @@ class WatchMixin(NodeBase):
         (A safety-net re-list keeps serving them from the cache: it replaces the cache in one
         step, and reading every owner key meanwhile is what the cache is there to avoid.)
         """
-        with self._lock:
-            self._watch_live = False
+        with self._state.lock:
+            self._cache.live = False
 
     def _relist_every(self) -> float:
         """Seconds to the safety-net re-list: ``poll_interval``, spaced by the cache's size.
@@ -214,49 +277,34 @@ class WatchMixin(NodeBase):
         node doing it each ``poll_interval``, a large backlog kept etcd and the nodes busy
         with it instead of claiming (the SQL watch spaces its full scan the same way).
         """
-        with self._lock:
-            tasks = len(self._cache)
+        with self._state.lock:
+            tasks = len(self._cache.entries)
         return max(self._cfg.poll_interval, tasks / _RELIST_TASKS_PER_S)
 
     def _relist(self) -> int:
         """Rebuild the cache from one consistent read; returns its revision."""
         records, members, revision = read_snapshot(self._driver, self._keys)
-        cache = {task_id: Entry.from_record(task_id, rec) for task_id, rec in records.items()}
-        owned = Counter(entry.owner for entry in cache.values() if entry.owner is not None)
+        entries = {task_id: Entry.from_record(task_id, rec) for task_id, rec in records.items()}
         lost: list[Task] = []
-        with self._lock:
-            self._cache = cache
-            self._live_nodes = members
-            self._held_by = owned
-            self._cache_rev = revision
-            self._cache_ready = True
-            for task_id, held in list(self._held.items()):
+        with self._state.lock:
+            self._cache.replace(entries, members, revision)
+            for task_id, held in list(self._state.held.items()):
                 if held.task.token > revision:
                     continue  # claimed after this read
-                entry = cache.get(task_id)
+                entry = entries.get(task_id)
                 if entry is None or entry.owner_rev != held.task.token:
-                    del self._held[task_id]
+                    del self._state.held[task_id]
                     if not held.finishing:
                         lost.append(held.task)
             for sub in self._subs:
                 sub.mark(None)
-            self._cmd_seq += 1
-            self._cmd_cond.notify_all()
             listeners = list(self._task_cmd_listeners)
-        self._notify_lost(lost)
+        self._commands_queued()  # the watch restarts: a command queued meanwhile may be unseen
+        self._state.notify_lost(lost)
         for listener in listeners:
-            listener.recheck()  # the watch restarts: a put meanwhile may be unseen
-        self._members_changed()  # likewise for a node that came or went meanwhile
+            listener.recheck()  # likewise for a task command
+        self._members_changed()  # and for a node that came or went meanwhile
         return revision
-
-    def _disown(self, entry: Entry) -> None:
-        """Take ``entry``'s owner out of the counts (called holding the lock)."""
-        if entry.owner is not None:
-            left = self._held_by[entry.owner] - 1
-            if left > 0:
-                self._held_by[entry.owner] = left
-            else:
-                del self._held_by[entry.owner]
 
     def cached_task_count(self, active: bool) -> dict[str, int] | None:
         """Live node -> tasks it holds, from the watch cache (without ``leaving`` nodes when
@@ -265,23 +313,20 @@ class WatchMixin(NodeBase):
         As of the cache's revision: it lags the store by the watch's delivery, as every
         balancer's view of the others does anyway.
         """
-        with self._lock:
-            if not (self._watch_live and self._cache_ready):
-                return None
-            return {node: self._held_by.get(node, 0)
-                    for node, leaving in sorted(self._live_nodes.items()) if not (active and leaving)}
+        with self._state.lock:
+            return self._cache.counts(active)
 
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
         """Ring ``listener`` for every task command the namespace watch sees queued, and
         ask it to recheck whenever the watch re-lists."""
-        with self._lock:
+        with self._state.lock:
             self._task_cmd_listeners.append(listener)
         return True
 
     def listen_schedules(self, wake: Callable[[], None]) -> bool:
-        """Woken by the node's watch (it covers the namespace); False before :meth:`init`."""
-        with self._lock:
-            if self._ctx is None:
+        """Woken by the node's watch (it covers the namespace); False before ``init``."""
+        with self._state.lock:
+            if self._state.ctx is None:
                 return False
             self._schedule_listeners.append(wake)
         return True
@@ -292,90 +337,93 @@ class WatchMixin(NodeBase):
         ``gen`` is the stream's: events of a stream replaced since (a late delivery racing
         its cancel) are dropped, the re-list that replaced it has read past them.
         """
-        dirty: set[str] = set()
-        lost: list[Task] = []
-        commands = False
-        schedules_changed = False
-        members = False
-        task_commands: list[str] = []
-        with self._lock:
-            if gen != self._watch_gen:
+        seen = _Seen()
+        with self._state.lock:
+            if gen != self._gen:
                 return
             for event in batch.events:
-                parsed = self._keys.parse(event.kv.key)
-                if parsed is None:
-                    continue
-                kind, name, part = parsed
-                put = event.kind == "put"
-                if kind == "command":
-                    commands = commands or (put and name == self._node_id)
-                    continue
-                if kind == "alive":
-                    members = members or name != self._node_id
-                    if put:
-                        self._live_nodes[name] = is_leaving(event.kv.value)
-                    else:
-                        self._live_nodes.pop(name, None)
-                    continue
-                if kind == "taskcmd":
-                    if put:
-                        task_commands.append(name)
-                    continue
-                if kind == "schedule":
-                    schedules_changed = True
-                    continue
-                if kind not in ("task", "owner") or part == "claim":
-                    continue  # the claim key (who claimed last, when) is not cached
-                entry = self._cache.setdefault(name, Entry())
-                if kind == "owner":
-                    held = self._held.get(name)
-                    self._disown(entry)
-                    if put:
-                        entry.owner = event.kv.value.decode(errors="replace")
-                        self._held_by[entry.owner] += 1
-                        entry.owner_rev = event.kv.create_revision
-                        if held is not None and event.kv.create_revision > held.task.token:
-                            del self._held[name]  # someone else holds it now
-                            if not held.finishing:
-                                lost.append(held.task)
-                    else:
-                        entry.owner = None
-                        entry.owner_rev = 0
-                        dirty.add(name)
-                        if held is not None and event.kv.mod_revision > held.task.token:
-                            del self._held[name]
-                            if not held.finishing:
-                                lost.append(held.task)
-                elif part == "props":
-                    if put:
-                        entry.set_props(event.kv, name)
-                        dirty.add(name)
-                    else:
-                        entry.props = None
-                elif part == "running":
-                    entry.set_running(event.kv if put else None)
-                elif part == "state":
-                    entry.finished = put
-                    if not put:
-                        dirty.add(name)
-                if entry.props is None and entry.owner is None:
-                    del self._cache[name]
-            self._cache_rev = max(self._cache_rev, batch.revision)
-            if dirty:
+                self._fold(event, seen)
+            self._cache.revision = max(self._cache.revision, batch.revision)
+            if seen.dirty:
                 for sub in self._subs:
-                    sub.mark(dirty)
-            if commands:
-                self._cmd_seq += 1
-                self._cmd_cond.notify_all()
-            listeners = list(self._task_cmd_listeners) if task_commands else []
-            wakes = list(self._schedule_listeners) if schedules_changed else []
+                    sub.mark(seen.dirty)
+            listeners = list(self._task_cmd_listeners) if seen.task_commands else []
+            wakes = list(self._schedule_listeners) if seen.schedules else []
+        if seen.commands:
+            self._commands_queued()
         for wake in wakes:
             wake()
-        self._notify_lost(lost)
-        if members:
+        self._state.notify_lost(seen.lost)
+        if seen.members:
             self._members_changed()
         for listener in listeners:
-            for task_id in task_commands:
+            for task_id in seen.task_commands:
                 listener.ring(task_id)
 
+    def _fold(self, event: WatchEvent, seen: _Seen) -> None:
+        """Fold one event into the cache and ``seen`` (called holding the lock)."""
+        parsed = self._keys.parse(event.kv.key)
+        if parsed is None:
+            return
+        kind, name, part = parsed
+        put = event.kind == "put"
+        if kind == "command":
+            seen.commands = seen.commands or (put and name == self._state.node_id)
+        elif kind == "alive":
+            seen.members = seen.members or name != self._state.node_id
+            if put:
+                self._cache.member_put(name, is_leaving(event.kv.value))
+            else:
+                self._cache.member_gone(name)
+        elif kind == "taskcmd":
+            if put:
+                seen.task_commands.append(name)
+        elif kind == "schedule":
+            seen.schedules = True
+        elif kind in ("task", "owner") and part != "claim":  # the claim key is not cached
+            entry = self._cache.entries.setdefault(name, Entry())
+            if kind == "owner":
+                self._fold_owner(name, entry, event, seen)
+            elif part == "props":
+                if put:
+                    entry.set_props(event.kv, name)
+                    seen.dirty.add(name)
+                else:
+                    entry.props = None
+            elif part == "running":
+                entry.set_running(event.kv if put else None)
+            elif part == "state":
+                entry.finished = put
+                if not put:
+                    seen.dirty.add(name)
+            if entry.props is None and entry.owner is None:
+                del self._cache.entries[name]
 
+    def _fold_owner(self, name: str, entry: Entry, event: WatchEvent, seen: _Seen) -> None:
+        """An owner key was put or deleted: a claim of this node's may be lost."""
+        held = self._state.held.get(name)
+        if event.kind == "put":
+            self._cache.set_owner(entry, event.kv)
+            # a newer owner key than our claim's: someone else holds it now
+            gone = held is not None and event.kv.create_revision > held.task.token
+        else:
+            self._cache.set_owner(entry, None)
+            seen.dirty.add(name)
+            gone = held is not None and event.kv.mod_revision > held.task.token
+        if gone:
+            assert held is not None
+            del self._state.held[name]
+            if not held.finishing:
+                seen.lost.append(held.task)
+
+
+@dataclass
+class _Seen:
+    """What one watch batch changed, acted on once the lock is released."""
+
+    dirty: set[str] = field(default_factory=set)  # tasks to evaluate again
+    lost: list[Task] = field(default_factory=list)  # claims of this node gone
+    commands: bool = False  # a command for this node was queued
+    schedules: bool = False
+    members: bool = False  # another node's registration changed
+    task_commands: list[str] = field(default_factory=list)  # tasks with a command queued

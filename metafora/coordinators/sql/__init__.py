@@ -12,7 +12,9 @@ connections. Modules:
 - :mod:`~metafora.coordinators.sql.dialect`: every PostgreSQL/SQLite difference;
 - :mod:`~metafora.coordinators.sql.statements`: every statement, written once;
 - :mod:`~metafora.coordinators.sql.store`: the engine, error translation at the boundary;
-- :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing;
+- :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing
+  (:mod:`metafora.coordinators.fencing` says when);
+- :mod:`~metafora.coordinators.sql.claims`: claims and their fenced outcomes;
 - :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
 - :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
 - :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`.

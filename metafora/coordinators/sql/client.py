@@ -26,7 +26,6 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.schedule import Schedule
-from metafora.statemachine.retry import check_retry_options, plan_retry
 from metafora.task import (
     Task,
     TaskInfo,
@@ -37,6 +36,7 @@ from metafora.task import (
     validate_schedule,
     validate_task_id,
 )
+from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 __all__ = ["SQLClient"]
 
@@ -189,11 +189,10 @@ class SQLClient(Client):
         log.info("deleted task %s (was %s on %s)", task_id, row[0], row[1],
                  extra={"task": task_id, "node": row[1]})
 
-    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
         validate_task_id(task_id)
-        check_retry_options(reset_state, keep_cursor)
-        if reset_state:
-            self._retry_resetting(task_id, reset_state, keep_cursor)
+        if rewrite is not None:
+            self._retry_rewriting(task_id, rewrite)
             return
         db = self._ready()
         with db.write() as conn:  # one statement: the common case needs no read first
@@ -201,26 +200,26 @@ class SQLClient(Client):
             if row is not None:
                 db.next_token_used(conn, int(row[0]))
         if row is None:
-            plan_retry(task_id, self.get_task(task_id).state, None)  # raises why not
+            check_retryable(task_id, self.get_task(task_id).state)  # raises why not
             raise InvalidTaskState(f"task {task_id!r} changed while retrying it; try again")
 
-    def _retry_resetting(self, task_id: str, reset_state: bool, keep_cursor: bool) -> None:
-        """``retry_task`` with the state-machine state reset, in one transaction."""
+    def _retry_rewriting(self, task_id: str, rewrite: StateRewrite) -> None:
+        """``retry_with_state`` with a state rewrite, in one transaction."""
         db = self._ready()
         with db.transaction() as conn:
             found = db.execute(conn, "retry_read", {"id": task_id}).first()
             if found is None:
                 raise TaskNotFound(f"no task {task_id!r} in {self.name}")
-            was, body = TaskState(found[0]), found[1]
-            new = plan_retry(task_id, was, body, reset_state=reset_state, keep_cursor=keep_cursor)
+            was = TaskState(found[0])
+            body = rewrite(RetrySnapshot(task_id, was, int(found[2]), found[1]))
             row = db.execute(conn, "retry_from", {"id": task_id, "was": was.value}).first()
             if row is None:
                 raise InvalidTaskState(f"task {task_id!r} changed while retrying it; try again")
             db.next_token_used(conn, int(row[0]))
-            if new is not None:
-                db.execute(conn, "state_reset", {"id": task_id, "body": new.to_json()})
+            if body is not None:
+                db.execute(conn, "state_reset", {"id": task_id, "body": body})
         log.info("task %s is pending again (was %s; state %s)", task_id, was.value,
-                 "kept" if new is None else "reset", extra={"task": task_id, "action": "retry"})
+                 "kept" if body is None else "reset", extra={"task": task_id, "action": "retry"})
 
     def get_task(self, task_id: str) -> TaskInfo:
         validate_task_id(task_id)

@@ -39,7 +39,7 @@ from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import Task
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "reconcile", "release_untracked"]
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,18 @@ class Lease:
         node_id: str,
         on_lost: Callable[[Task], None],
         on_renewed: Callable[[float], None] | None = None,
+        on_members: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
+        """``on_lost`` is told each claim lost, ``on_renewed`` each renewal's seconds and
+        ``on_members`` the membership fingerprint every read of the lease returns (see
+        :mod:`~metafora.coordinators.sql.statements`)."""
         self._db = db
         self._node_id = node_id
         self._on_lost = on_lost
         self._on_renewed = on_renewed
-        self.frozen: bool | None = None  # published with every registration
-        # Told the membership fingerprint every read of the lease returns (see statements).
-        self.on_members: Callable[[tuple[Any, ...]], None] | None = None
-        self.labels: Mapping[str, str] = {}  # likewise (placement labels)
+        self._on_members = on_members
+        self._frozen: bool | None = None  # published with every registration
+        self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -91,16 +94,23 @@ class Lease:
 
     def labels_json(self) -> str | None:
         """The node's labels as stored (JSON object text; None when it has none)."""
-        if not self.labels:
+        if not self._labels:
             return None
-        return json.dumps(dict(self.labels), separators=(",", ":"), sort_keys=True)
+        return json.dumps(dict(self._labels), separators=(",", ":"), sort_keys=True)
 
-    def register(self, first: bool) -> bool:
+    def set_frozen(self, frozen: bool) -> None:
+        """Whether the node is frozen, as every later registration publishes it."""
+        self._frozen = frozen
+
+    def register(self, first: bool, labels: Mapping[str, str] | None = None) -> bool:
         """Take (or take back) this node's registration; False if the id is live elsewhere.
 
         Frees the claims of any earlier registration of this id; ``first`` (init) also drops
-        commands queued for a dead earlier process with this id.
+        commands queued for a dead earlier process with this id. ``labels`` (init's: the
+        node's placement labels) are kept for the re-registrations.
         """
+        if labels is not None:
+            self._labels = labels
         session = uuid.uuid4().hex
         started = time.monotonic()
         params: dict[str, Any] = {
@@ -109,7 +119,7 @@ class Lease:
             "ttl": self._db.config.lease_ttl,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "frozen": self.frozen,
+            "frozen": self._frozen,
             "labels": self.labels_json(),
         }
         with self._db.transaction() as conn:
@@ -387,9 +397,9 @@ class Lease:
         return started
 
     def _members(self, fingerprint: tuple[Any, ...]) -> None:
-        if self.on_members is not None:
+        if self._on_members is not None:
             try:
-                self.on_members(fingerprint)
+                self._on_members(fingerprint)
             except Exception:
                 log.exception("the membership hook raised", extra=self._extra)
 
@@ -424,40 +434,55 @@ class Lease:
         with self._lock:
             if epoch != self._epoch:
                 return
-            busy = busy_before | set(self._busy)
-            lost = [
-                task for tid, task in self._held.items()
-                if before.get(tid) == task.token and tid not in busy and store.get(tid) != task.token
-            ]
+            lost, orphans = reconcile(before, self._held, busy_before | set(self._busy), store)
             for task in lost:
                 del self._held[task.id]
-            orphans = [
-                (tid, token) for tid, token in store.items()
-                if tid not in busy and (tid not in self._held or self._held[tid].token != token)
-            ]
         for task in lost:
             log.warning("claim of node %s on task %s (token %d) is gone from the store",
                         self._node_id, task.id, task.token,
                         extra={"node": self._node_id, "task": task.id})
         self._report_lost(lost)
         for tid, token in orphans:
-            self.release_untracked(tid, token)
+            release_untracked(self._db, self._node_id, tid, token)
 
-    def release_untracked(self, task_id: str, token: int) -> None:
-        """Release a claim this node holds in the store but does not track (best effort)."""
-        extra = {"node": self._node_id, "task": task_id}
-        try:
-            with self._db.hot() as cur:
-                row = cur.one("release", {"id": task_id, "node": self._node_id, "token": token})
-                if row is not None:
-                    cur.token_used(int(row[0]))
-        except MetaforaError as exc:
-            log.warning("could not release untracked claim on task %s: %s", task_id, exc,
-                        extra=extra)
-            return
-        if row is not None:
-            log.warning("released claim on task %s (token %d) that node %s no longer tracked",
-                        task_id, token, self._node_id, extra=extra)
+
+def reconcile(before: Mapping[str, int], held: Mapping[str, Task], busy: set[str],
+              store: Mapping[str, int]) -> tuple[list[Task], list[tuple[str, int]]]:
+    """Which claims vanished from the store and which it has that nobody here tracks.
+
+    ``before``: task id -> token held when the store was read; ``held``: the claims held
+    now; ``busy``: ids with a claim or outcome in flight during the read (judged next time);
+    ``store``: task id -> token the store says this node holds. Returns (the held claims
+    to report lost: held since before the read, not busy, not in the store with their
+    token; the (id, token) claims to release: in the store, not busy, not held as such).
+    """
+    lost = [
+        task for tid, task in held.items()
+        if before.get(tid) == task.token and tid not in busy and store.get(tid) != task.token
+    ]
+    gone = {task.id for task in lost}
+    orphans = [
+        (tid, token) for tid, token in store.items()
+        if tid not in busy and (tid not in held or tid in gone or held[tid].token != token)
+    ]
+    return lost, orphans
+
+
+def release_untracked(db: Database, node_id: str, task_id: str, token: int) -> None:
+    """Release a claim ``node_id`` holds in the store but does not track (best effort)."""
+    extra = {"node": node_id, "task": task_id}
+    try:
+        with db.hot() as cur:
+            row = cur.one("release", {"id": task_id, "node": node_id, "token": token})
+            if row is not None:
+                cur.token_used(int(row[0]))
+    except MetaforaError as exc:
+        log.warning("could not release untracked claim on task %s: %s", task_id, exc,
+                    extra=extra)
+        return
+    if row is not None:
+        log.warning("released claim on task %s (token %d) that node %s no longer tracked",
+                    task_id, token, node_id, extra=extra)
 
 
 class _NotYet(Exception):

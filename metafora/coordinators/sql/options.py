@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from metafora.config import OptionReader, StoreURL
+from metafora.coordinators.fencing import SQL_FENCING
 from metafora.errors import ConfigError
 
 __all__ = ["PG_SCHEMES", "SQLConfig", "parse_config"]
@@ -64,11 +65,11 @@ class SQLConfig:
     def fence_after(self) -> float:
         """Seconds after the start of the last good renewal at which a node self-fences.
 
-        ``lease_ttl`` minus a margin of ``lease_ttl / 3``: the store keeps the lease for
-        ``lease_ttl`` from the renewal's database time, so handlers get a third of the TTL
-        to stop before anyone else can claim their tasks.
+        :data:`~metafora.coordinators.fencing.SQL_FENCING`: ``lease_ttl`` minus a margin of
+        ``lease_ttl / 3`` (the store keeps the lease for ``lease_ttl`` from the renewal's
+        database time, so handlers get a third of the TTL to stop).
         """
-        return self.lease_ttl * 2.0 / 3.0
+        return SQL_FENCING.fence_after(self.lease_ttl)
 
 
 def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:

@@ -343,12 +343,12 @@ _SQL: dict[str, str] = {
         _RETRY + "(state IN ('failed', 'expired')"
         " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
     ),
-    # retry_task(reset_state=True), in one transaction: read the task's state (a pending
-    # task past expires_at counts as expired) and its state-machine state, then move it
-    # from exactly the state read (a concurrent change makes the UPDATE match nothing).
+    # retry_with_state(rewrite), in one transaction: read the task's state (a pending
+    # task past expires_at counts as expired), its token and its state-machine state, then
+    # move it from exactly the state read (a concurrent change makes the UPDATE match nothing).
     "retry_read": (
         "SELECT CASE WHEN t.state = 'pending' AND t.expires_at <= {now} THEN 'expired'"
-        " ELSE t.state END, s.body FROM metafora_tasks t LEFT JOIN metafora_state s"
+        " ELSE t.state END, s.body, t.token FROM metafora_tasks t LEFT JOIN metafora_state s"
         " ON s.namespace = t.namespace AND s.task_id = t.id WHERE t.namespace = :ns AND t.id = :id"
     ),
     "retry_from": (

@@ -19,10 +19,15 @@ that still has work (a fenced checkpoint); when no work is left the partition co
 >>> consumer = Consumer(coord, gates.handler_func(step, coord, items))   # doctest: +SKIP
 
 Modules: :mod:`~metafora.statemachine.gates.model` (values and errors),
-:mod:`~metafora.statemachine.gates.store` (:class:`ItemStore`, the fenced
-:class:`PartitionLease`), :mod:`~metafora.statemachine.gates.processor`,
+:mod:`~metafora.statemachine.gates.store` (:class:`ItemStore`),
+:mod:`~metafora.statemachine.gates.lease` (the fenced :class:`PartitionLease`),
+:mod:`~metafora.statemachine.gates.statements` (their SQL),
+:mod:`~metafora.statemachine.gates.wakeups` (news of partitions),
+:mod:`~metafora.statemachine.gates.processor`,
+:mod:`~metafora.statemachine.gates.run` (one claim's step loop),
 :mod:`~metafora.statemachine.gates.handler` (:func:`handler_func`),
-:mod:`~metafora.statemachine.gates.schema` (the tables).
+:mod:`~metafora.statemachine.gates.schema` (the tables). The SQL coordinator is reached only
+through its seam, :mod:`metafora.coordinators.sql.shared`.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ from metafora.statemachine.gates.handler import (
     handler_func,
     retry_partition,
 )
+from metafora.statemachine.gates.lease import PartitionLease
 from metafora.statemachine.gates.model import (
     MAX_GATE,
+    Advance,
     GateError,
     GateMoveRefused,
     Item,
     ItemBelowGate,
     ItemNotFound,
+    ItemResult,
     ItemsFailed,
     ItemStatus,
     NewItem,
@@ -60,7 +68,8 @@ from metafora.statemachine.gates.processor import (
     callable_processor,
 )
 from metafora.statemachine.gates.schema import GATES_SCHEMA_VERSION
-from metafora.statemachine.gates.store import Advance, ItemStore, Outcome, PartitionLease, items_channel
+from metafora.statemachine.gates.store import ItemStore
+from metafora.statemachine.gates.wakeups import items_channel
 
 __all__ = [
     "GATES_SCHEMA_VERSION",
@@ -76,11 +85,11 @@ __all__ = [
     "Item",
     "ItemBelowGate",
     "ItemNotFound",
+    "ItemResult",
     "ItemStatus",
     "ItemStore",
     "ItemsFailed",
     "NewItem",
-    "Outcome",
     "PartitionClosed",
     "PartitionFailed",
     "PartitionInfo",

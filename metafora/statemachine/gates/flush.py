@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
-from metafora.statemachine.gates.store import Outcome
+from metafora.statemachine.gates.model import ItemResult
 
 __all__ = ["ResultFlusher"]
 
@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 _JOIN_TIMEOUT = 30.0  # seconds close() waits for a background write in progress
 
-Write = Callable[[int, Sequence[Outcome]], T]
+Write = Callable[[int, Sequence[ItemResult]], T]
 """``write(gate, results)``: a fenced write of results of items processed at ``gate``."""
 
 
@@ -56,7 +56,7 @@ class ResultFlusher:
         self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock is cheaper
         self._commit_lock = threading.Lock()
         self._gate = 0
-        self._pending: list[Outcome] = []
+        self._pending: list[ItemResult] = []
         self._oldest = 0.0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -74,7 +74,7 @@ class ResultFlusher:
         with self._cond:
             return len(self._pending)
 
-    def add(self, gate: int, outcome: Outcome) -> None:
+    def add(self, gate: int, outcome: ItemResult) -> None:
         """A result to write within ``interval`` (thread-safe)."""
         with self._cond:
             if not self._pending:
@@ -113,7 +113,7 @@ class ResultFlusher:
                 log.warning("%s: a result write is still running after %gs; not waiting for it",
                             self._name, _JOIN_TIMEOUT)
 
-    def _drain(self) -> tuple[int, list[Outcome]]:
+    def _drain(self) -> tuple[int, list[ItemResult]]:
         with self._cond:
             results, self._pending = self._pending, []
             return self._gate, results
@@ -145,7 +145,7 @@ class ResultFlusher:
                 self._on_error()
                 return
 
-    def _write_if_any(self, gate: int, results: Sequence[Outcome]) -> None:
+    def _write_if_any(self, gate: int, results: Sequence[ItemResult]) -> None:
         if not results:
             return
         try:

@@ -19,11 +19,13 @@ from metafora.task import validate_task_id
 
 __all__ = [
     "MAX_GATE",
+    "Advance",
     "GateError",
     "GateMoveRefused",
     "Item",
     "ItemBelowGate",
     "ItemNotFound",
+    "ItemResult",
     "ItemStatus",
     "ItemsFailed",
     "NewItem",
@@ -34,6 +36,7 @@ __all__ = [
     "PermanentError",
     "ProcessingError",
     "Response",
+    "check_gate",
     "data_fields",
 ]
 
@@ -109,7 +112,7 @@ class PartitionFailed(MetaforaError):
 # -- validation helpers --------------------------------------------------------------------
 
 
-def _gate(value: object, what: str = "gate") -> int:
+def check_gate(value: object, what: str = "gate") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise GateError(f"{what} must be an integer, not {type(value).__name__}")
     if not 0 <= value <= MAX_GATE:
@@ -167,7 +170,7 @@ class NewItem:
     data: bytes = b""
 
     def __post_init__(self) -> None:
-        _gate(self.gate, "item gate")
+        check_gate(self.gate, "item gate")
         object.__setattr__(self, "data", _bytes(self.data, "item data"))
 
     @classmethod
@@ -254,7 +257,7 @@ class Response:
     spawn: tuple[NewItem, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        _gate(self.gate, "response gate")
+        check_gate(self.gate, "response gate")
         if not isinstance(self.done, bool):
             raise GateError(f"response 'done' must be a bool, not {type(self.done).__name__}")
         if self.data is not None:
@@ -321,3 +324,39 @@ class PartitionInfo:
             "counts": {str(g): {s.value: n for s, n in by.items()} for g, by in sorted(self.counts.items())},
             "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
         }
+
+
+# -- what an owner writes and finds ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What to write for one processed item (see
+    :meth:`~metafora.statemachine.gates.lease.PartitionLease.finish`).
+
+    ``status`` available (moved, or retried later), complete or failed; ``gate`` the item's
+    gate afterwards; ``data`` None keeps the stored data; ``tries`` the attempts made.
+    """
+
+    item_id: int
+    status: ItemStatus
+    gate: int
+    tries: int
+    data: bytes | None = None
+    error: str | None = None
+    permanent: bool = False
+    spawn: tuple[NewItem, ...] = ()
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What :meth:`~metafora.statemachine.gates.lease.PartitionLease.advance` found or did.
+
+    ``kind``: ``work`` (items are available at the current gate), ``failed`` (failed items
+    block the gate), ``moved`` (the gate jumped to ``gate``), ``waiting`` (work exists at
+    higher gates but gates move by hand), ``completed`` (no work left; the partition is now
+    completed), ``idle`` (no work left; the partition stays open).
+    """
+
+    kind: str
+    gate: int

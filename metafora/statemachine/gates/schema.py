@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection, inspect, text
 
-from metafora.coordinators.sql.dialect import Dialect, PostgresDialect
+from metafora.coordinators.sql.shared import Dialect, is_postgres
 from metafora.errors import StoreError
 
 __all__ = ["GATES_SCHEMA_VERSION", "MIGRATIONS", "current_version", "migrate"]
@@ -40,7 +40,7 @@ _LOCK_KEY = 4242016006  # pg_advisory_xact_lock key of the gates schema (the coo
 
 def _types(dialect: Dialect) -> dict[str, str]:
     types = dict(dialect.ddl_types())
-    if isinstance(dialect, PostgresDialect):
+    if is_postgres(dialect):
         types["bytes"] = "BYTEA"
         types["now_default"] = "now()"
     else:
@@ -127,7 +127,7 @@ def check_version(version: int, where: str) -> None:
 
 def migrate(conn: Connection, dialect: Dialect, where: str) -> int:
     """Bring the item tables up to :data:`GATES_SCHEMA_VERSION` inside the caller's transaction."""
-    if isinstance(dialect, PostgresDialect):
+    if is_postgres(dialect):
         conn.execute(text(f"SELECT pg_advisory_xact_lock({_LOCK_KEY})"))
     types = _types(dialect)
     conn.execute(text(

@@ -152,6 +152,16 @@ class EtcdStateStore(StateStore):
         kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
         return None if not kvs else decode_state(task_id, kvs[0].value)[0]
 
+    def decode_stored(self, task_id: str, body: str | bytes, token: int) -> tuple[int, State | str | bytes]:
+        """The value's own token and state; a damaged value is passed on raw, with ``token``."""
+        try:
+            return decode_state(task_id, body.encode() if isinstance(body, str) else body)
+        except InvalidState:
+            return token, body
+
+    def encode_stored(self, token: int, state: State) -> str | bytes:
+        return encode_state(token, state)
+
 
 class EtcdTaskCommands(TaskCommands):
     """Per-task command queues in etcd (``taskcmds/<id>/``)."""

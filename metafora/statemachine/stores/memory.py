@@ -1,8 +1,9 @@
 """State store and task commands for ``memory://`` coordinators (in-process, for tests).
 
-They live beside the coordinator's :class:`~metafora.coordinators.memory.MemoryStore` and
-share its lock, so a fenced write checks the claim (owner live, state claimed, token equal)
-and writes in one atomic step -- the same guarantee the SQL and etcd stores give with one
+The states live in the coordinator's :class:`~metafora.coordinators.memory.MemoryStore`
+(``task_state``/``put_task_state``), the command queues beside it; both share its lock, so
+a fenced write checks the claim (owner live, state claimed, token equal) and writes in one
+atomic step -- the same guarantee the SQL and etcd stores give with one
 statement or one transaction.
 """
 
@@ -30,20 +31,11 @@ _SAFETY = 30.0  # seconds: a memory store's pushes cannot be lost; the net is a 
 
 @dataclass
 class _Tables:
-    # Each entry remembers the task row it belongs to (weakly): a task deleted and submitted
-    # again under the same id is a new row, and must not inherit the old state or commands.
-    states: dict[str, tuple[int, str, weakref.ref[Any]]] = field(default_factory=dict)
+    # Each queue remembers the task row it belongs to (weakly): a task deleted and submitted
+    # again under the same id is a new row, and must not inherit the old commands. (States
+    # live in the MemoryStore itself, beside the tasks, as they do in the SQL and etcd stores.)
     commands: dict[str, tuple[weakref.ref[Any] | None, deque[str]]] = field(default_factory=dict)
     bell: CommandBell | None = None  # the mailboxes of every node on this store
-
-    def state(self, store: MemoryStore, task_id: str) -> tuple[int, str] | None:
-        held = self.states.get(task_id)
-        if held is None:
-            return None
-        if held[2]() is not store.tasks.get(task_id):
-            del self.states[task_id]  # the task was deleted (and perhaps submitted again)
-            return None
-        return held[0], held[1]
 
     def queue(self, store: MemoryStore, task_id: str) -> deque[str] | None:
         entry = self.commands.get(task_id)
@@ -92,7 +84,6 @@ class MemoryStateStore(StateStore):
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
-        self._tables = _tables(store)
 
     @classmethod
     def of(cls, coordinator_or_client: object) -> MemoryStateStore:
@@ -101,7 +92,7 @@ class MemoryStateStore(StateStore):
 
     def _fenced(self, task: Task) -> tuple[int, str] | None:
         _check_claim(self._store, task)
-        held = self._tables.state(self._store, task.id)
+        held = self._store.task_state(task.id)
         if held is not None and held[0] > task.token:
             raise ClaimLost(
                 f"task {task.id!r}: state was written under token {held[0]} > {task.token}"
@@ -117,25 +108,23 @@ class MemoryStateStore(StateStore):
         text = state.to_json()
         with self._store.cond:
             self._fenced(task)
-            row = self._store.tasks[task.id]
-            self._tables.states[task.id] = (task.token, text, weakref.ref(row))
+            self._store.put_task_state(task.id, task.token, text)
 
     def get(self, task_id: str) -> State | None:
         with self._store.cond:
-            held = self._tables.state(self._store, task_id)
+            held = self._store.task_state(task_id)
         return None if held is None else State.from_json(held[1])
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""
         with self._store.cond:
-            held = self._tables.state(self._store, task_id)
+            held = self._store.task_state(task_id)
         return None if held is None else held[0]
 
     def put_raw(self, task_id: str, token: int, text: str) -> None:
         """Store raw (possibly malformed) state text for an existing task, for fault tests."""
         with self._store.cond:
-            row = self._store.tasks[task_id]
-            self._tables.states[task_id] = (token, text, weakref.ref(row))
+            self._store.put_task_state(task_id, token, text)
 
 
 class MemoryTaskCommands(TaskCommands):
@@ -203,21 +192,6 @@ class MemoryTaskCommands(TaskCommands):
     def pending(self, task_id: str) -> int:
         with self._store.cond:
             return len(self._tables.queue(self._store, task_id) or ())
-
-
-def stored_state(store: MemoryStore, task_id: str) -> str | None:
-    """The task's stored state text, unfenced (the caller holds ``store.cond``)."""
-    held = _tables(store).state(store, task_id)
-    return None if held is None else held[1]
-
-
-def replace_state(store: MemoryStore, task_id: str, state: State) -> None:
-    """Overwrite the task's state, keeping the token it was written under (the caller
-    holds ``store.cond``; used by ``retry_task(reset_state=True)``)."""
-    tables = _tables(store)
-    held = tables.state(store, task_id)
-    row = store.tasks[task_id]
-    tables.states[task_id] = (0 if held is None else held[0], state.to_json(), weakref.ref(row))
 
 
 def state_store(coordinator_or_client: object) -> MemoryStateStore:

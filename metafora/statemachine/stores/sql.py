@@ -32,8 +32,8 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 
-from metafora.coordinators.sql.store import Database
-from metafora.errors import ClaimLost, ConfigError, StoreError
+from metafora.coordinators.sql.shared import Database, claim_held, database_of
+from metafora.errors import ClaimLost, StoreError
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import (
@@ -52,12 +52,7 @@ log = logging.getLogger(__name__)
 
 _POLL = 0.5  # real seconds between looks of the stateless receive() (mailboxes are pushed)
 
-_CLAIM_HELD = (
-    "EXISTS (SELECT 1 FROM metafora_tasks t WHERE t.namespace = :ns AND t.id = :id"
-    " AND t.state = 'claimed' AND t.token = :token"
-    " AND EXISTS (SELECT 1 FROM metafora_nodes n WHERE n.namespace = :ns"
-    " AND n.node_id = t.owner AND n.lease_until > {now}))"
-)
+_CLAIM_HELD = claim_held()
 
 _TASK_CREATED = (
     "(SELECT tc.created_at FROM metafora_tasks tc WHERE tc.namespace = :ns AND tc.id = :id)"
@@ -125,15 +120,6 @@ _DDL = [
 ]
 
 
-def _database(obj: object) -> Database:
-    # Hook wanted: a public ``database`` attribute (or ``state_store()``) on SQLCoordinator
-    # and SQLClient; until then the private one is read here, sharing the engine.
-    db = getattr(obj, "_db", None)
-    if not isinstance(db, Database):
-        raise ConfigError(f"{type(obj).__name__} is not a SQL coordinator or client")
-    return db
-
-
 class _Statements:
     """This module's statements, built once per database handle."""
 
@@ -196,7 +182,7 @@ class SQLStateStore(StateStore):
     def of(cls, coordinator_or_client: object) -> SQLStateStore:
         """The state store on a SQL coordinator's or client's database handle (a
         coordinator's bounds every fenced call by the node's lease)."""
-        return cls(_database(coordinator_or_client), lease_bound_of(coordinator_or_client))
+        return cls(database_of(coordinator_or_client), lease_bound_of(coordinator_or_client))
 
     def load(self, task: Task) -> State:
         self._st.ensure()
@@ -263,7 +249,7 @@ class SQLTaskCommands(TaskCommands):
     def of(cls, coordinator_or_client: object) -> SQLTaskCommands:
         """The command channel on a SQL coordinator's or client's database handle
         (pushed to mailboxes when built from a coordinator)."""
-        return cls(_database(coordinator_or_client), coordinator_or_client)
+        return cls(database_of(coordinator_or_client), coordinator_or_client)
 
     def bell(self) -> CommandBell | None:
         return self._bell

@@ -1,23 +1,8 @@
-"""``metafora demo``: a masterless cluster on one machine, a crash, and the proof nothing was lost.
-
-The demo starts ``--nodes`` consumer *processes* (``python -m metafora.demo worker``) on one
-store (by default a fresh SQLite file in a temporary directory: no server needed), submits
-``--tasks`` tasks whose handler works for a second or two, and shows a live table of the nodes
-and the tasks they run. Half-way it SIGKILLs the busiest node: its claims stay put until its
-lease runs out (``lease_ttl``, 2.5 s here), then the other nodes claim them and run them
-again. At the end it reads the **ledger** -- every handler appends ``start`` / ``end`` /
-``stop`` lines with its node and fencing token to one file -- and proves that every task ran
-to completion exactly once, that no two runs of a task overlapped, and how long failover took.
-
-Everything goes through the public API (``open_client``, ``open_coordinator``, ``Consumer``),
-so the demo runs on any store the processes can share (``--url postgresql://...``; the demo
-then works in a namespace of its own).
-"""
+"""The demo's parent process: start the nodes, watch, kill the busiest, verify."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -30,272 +15,25 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from urllib.parse import urlencode
-from uuid import uuid4
 
-import click
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from metafora.config import parse_store_url
-from metafora.connect import ENV_URL, default_url, open_client, open_coordinator
-from metafora.consumer import Consumer
+from metafora.connect import ENV_URL, open_client
 from metafora.coordinator import Client
-from metafora.errors import ConfigError, CoordinatorUnavailable, MetaforaError
-from metafora.handler import simple_handler
+from metafora.demo.config import FINISHED, POLL_SECONDS, DemoConfig, DemoError, demo_url, lease_ttl_of
+from metafora.demo.proof import Verdict, verify
 from metafora.task import Task, TaskInfo, TaskState
-from metafora.testing import FileLedger, LedgerRun
-
-__all__ = [
-    "DemoConfig",
-    "DemoError",
-    "Verdict",
-    "demo_url",
-    "run_demo",
-    "runs_by_task",
-    "verify",
-    "worker_main",
-]
+from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)
-
-_FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
-_POLL = 0.25  # seconds between looks at the store (the live table refreshes at this pace)
-
-
-class DemoError(MetaforaError):
-    """The demo could not run or did not finish (the message says why)."""
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What ``metafora demo`` runs: its options, validated."""
-
-    nodes: int = 3
-    tasks: int = 30
-    url: str | None = None
-    lease_ttl: float = 2.5
-    min_seconds: float = 1.0
-    max_seconds: float = 2.0
-    time_limit: float = 55.0
-    keep: bool = False
-    live: bool | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.nodes <= 32:
-            raise ConfigError(f"the demo needs 2 to 32 nodes (one is killed), got {self.nodes}")
-        if not 1 <= self.tasks <= 2000:
-            raise ConfigError(f"the demo runs 1 to 2000 tasks, got {self.tasks}")
-        if not 1.0 <= self.lease_ttl <= 30.0:
-            raise ConfigError(f"the demo's lease_ttl must be 1 to 30 seconds, got {self.lease_ttl}")
-        if not 0 < self.min_seconds <= self.max_seconds:
-            raise ConfigError("task durations must satisfy 0 < min_seconds <= max_seconds")
-
-    @property
-    def max_tasks(self) -> int:
-        """Tasks one node runs at once: low enough that all nodes share the work in waves."""
-        return max(1, math.ceil(self.tasks / (self.nodes * 2.5)))
-
-
-# -- the proof ---------------------------------------------------------------------------
-
-
-def runs_by_task(runs: Sequence[LedgerRun]) -> dict[str, list[LedgerRun]]:
-    """The ledger's runs grouped per task, in start order."""
-    grouped: dict[str, list[LedgerRun]] = {}
-    for run in sorted(runs, key=lambda r: (r.start, r.token)):
-        grouped.setdefault(run.task, []).append(run)
-    return grouped
-
-
-@dataclass
-class Verdict:
-    """What the ledger and the store prove about a demo run."""
-
-    ok: bool
-    problems: list[str]
-    finished_once: int
-    interrupted: list[LedgerRun]  # runs the SIGKILL cut off
-    failover: float | None  # seconds from SIGKILL until the last cut-off task ran again
-    moves: list[tuple[LedgerRun, LedgerRun]] = field(default_factory=list)  # (cut off, next run)
-
-
-def verify(
-    task_ids: Sequence[str],
-    runs: Sequence[LedgerRun],
-    states: dict[str, TaskState],
-    killed_node: str | None = None,
-    kill_time: float | None = None,
-) -> Verdict:
-    """Check that every task ran to completion exactly once, with no overlapping runs.
-
-    A run without an end is allowed only on ``killed_node`` and only if it started before
-    ``kill_time`` (a ``time.time()``): the kill cut it off there. No two runs of a task may
-    overlap, and each claim of a task must carry a higher fencing token than the one before.
-    """
-    grouped = runs_by_task(runs)
-    problems: list[str] = []
-    interrupted: list[LedgerRun] = []
-    moves: list[tuple[LedgerRun, LedgerRun]] = []
-    finished_once = 0
-    for task_id in task_ids:
-        task_runs = grouped.get(task_id, [])
-        done = sum(1 for r in task_runs if r.outcome == "done")
-        if done == 1:
-            finished_once += 1
-        else:
-            problems.append(f"task {task_id} finished {done} times")
-        state = states.get(task_id)
-        if state is not TaskState.DONE:
-            problems.append(f"task {task_id} is {state.value if state else 'missing'} in the store")
-        for prev, nxt in itertools.pairwise(task_runs):
-            if nxt.token <= prev.token:
-                problems.append(f"task {task_id}: token {nxt.token} came after token {prev.token}")
-        ends: list[float] = []
-        for i, run in enumerate(task_runs):
-            end = run.end
-            if end is None:
-                if kill_time is not None and run.node == killed_node and run.start <= kill_time:
-                    end = kill_time  # the SIGKILL cut it off
-                    interrupted.append(run)
-                    if i + 1 < len(task_runs):
-                        moves.append((run, task_runs[i + 1]))
-                else:
-                    problems.append(f"task {task_id}: the run on {run.node} (token {run.token}) never ended")
-                    end = float("inf")
-            ends.append(end)
-        for i, run in enumerate(task_runs):
-            for later in task_runs[i + 1:]:
-                if later.start < ends[i]:
-                    problems.append(f"task {task_id}: runs overlapped (token {run.token} on {run.node}, "
-                                    f"token {later.token} on {later.node})")
-    failover = None
-    if kill_time is not None and moves:
-        failover = max(nxt.start - kill_time for _, nxt in moves)
-    return Verdict(not problems, problems, finished_once, interrupted, failover, moves)
-
-
-# -- the URL ------------------------------------------------------------------------------
-
-
-def demo_url(url: str | None, workdir: Path, lease_ttl: float) -> str:
-    """The store URL the demo uses: a fresh SQLite file in ``workdir`` unless ``url`` is given.
-
-    A given URL gets the demo's ``lease_ttl`` (whole seconds on etcd, whose leases count in
-    seconds) and a namespace of its own (``demo-<hex>``) unless it sets them, so the demo
-    never mixes with a real cluster's tasks.
-    """
-    if url is None:
-        return f"sqlite:///{workdir / 'demo.db'}?" + urlencode({"lease_ttl": lease_ttl})
-    parsed = parse_store_url(url)
-    if parsed.scheme == "memory":
-        raise ConfigError(
-            "the demo runs its nodes as separate processes; a memory:// store lives in one process "
-            "(use sqlite:///PATH.db, or leave --url out for a temporary one)"
-        )
-    extra: dict[str, str] = {}
-    if "lease_ttl" not in parsed.query:
-        whole = parsed.scheme in ("etcd", "etcds")
-        extra["lease_ttl"] = f"{math.ceil(lease_ttl) if whole else lease_ttl:g}"
-    if "namespace" not in parsed.query:
-        extra["namespace"] = f"demo-{uuid4().hex[:8]}"
-    if not extra:
-        return url
-    return url + ("&" if "?" in url else "?") + urlencode(extra)
-
-
-def _lease_ttl_of(url: str, default: float) -> float:
-    """The lease TTL the demo's store will use (the URL's, when it sets one)."""
-    try:
-        return float(parse_store_url(url).query.get("lease_ttl", default))
-    except ValueError:
-        return default  # the store itself will refuse the URL, with a clearer message
-
-
-# -- the worker process -------------------------------------------------------------------
-
-
-def _work(ledger: FileLedger, node: str) -> Callable[[Task, threading.Event], bool]:
-    def work(task: Task, stop: threading.Event) -> bool:
-        seconds = float(task.props.get("seconds", 1.0))
-        ledger.start(task, node)
-        if stop.wait(seconds):  # asked to stop (balance, stop command, shutdown): release it
-            ledger.end(task, node, "release")
-            return False
-        ledger.end(task, node, "done")
-        return True
-
-    return work
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def _worker_cli() -> None:
-    """Internal entry points of ``metafora demo`` (not a public interface)."""
-
-
-@_worker_cli.command("worker")
-@click.option("--url", envvar=ENV_URL, default=None, help="The store (default: $METAFORA_URL).")
-@click.option("--node", required=True, help="This node's id.")
-@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--max-tasks", type=click.IntRange(1), default=4, show_default=True)
-@click.option("--parent", type=int, default=None, help="Shut down when this process is gone.")
-@click.option("--log-level", default="info", show_default=True)
-def _worker(url: str | None, node: str, ledger_path: str, max_tasks: int, parent: int | None,
-            log_level: str) -> None:
-    """Run one demo consumer until SIGTERM/SIGINT (graceful) or the parent goes away."""
-    from metafora.logs import configure
-
-    configure(log_level)
-    ledger = FileLedger(ledger_path)
-    try:
-        coordinator = open_coordinator(url or default_url(), node_id=node)
-        consumer = Consumer(coordinator, simple_handler(_work(ledger, node)), max_tasks=max_tasks,
-                            shutdown_timeout=5.0)
-    except MetaforaError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(3 if isinstance(exc, CoordinatorUnavailable) else 2)
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("node %s: signal %d, shutting down", node, signum)
-        consumer.shutdown()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    finished = threading.Event()
-    if parent is not None:
-        threading.Thread(target=_watch_parent, args=(parent, consumer, finished),
-                         name="demo-parent-watch", daemon=True).start()
-    try:
-        consumer.run()
-    except MetaforaError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(3 if isinstance(exc, CoordinatorUnavailable) else 1)
-    finally:
-        finished.set()
-
-
-def _watch_parent(parent: int, consumer: Consumer, finished: threading.Event) -> None:
-    """Shut the consumer down if the demo's parent process dies (no orphaned workers)."""
-    while not finished.wait(0.5):
-        if os.getppid() != parent:
-            log.warning("the demo process %d is gone; shutting down", parent)
-            consumer.shutdown()
-            return
-
-
-def worker_main(argv: Sequence[str] | None = None) -> None:
-    """``python -m metafora.demo worker --node N --ledger PATH`` (the URL from $METAFORA_URL)."""
-    _worker_cli.main(args=list(argv) if argv is not None else None, prog_name="python -m metafora.demo")
-
-
-# -- the parent: start, watch, kill, verify ------------------------------------------------
 
 
 @dataclass
@@ -336,7 +74,7 @@ class Demo:
         self.out = out
         self.workdir = workdir  # the demo's own directory: run() removes it unless asked to keep it
         self.url = demo_url(config.url, workdir, config.lease_ttl)
-        self.lease_ttl = _lease_ttl_of(self.url, config.lease_ttl)
+        self.lease_ttl = lease_ttl_of(self.url, config.lease_ttl)
         self.name = parse_store_url(self.url).redacted()
         self.ledger = FileLedger(self.workdir / "ledger.jsonl")
         self.nodes: list[_Node] = []
@@ -400,7 +138,7 @@ class Demo:
                     cell.append(task_id)
             table.add_row(node.name, str(node.proc.pid), status, cell, str(view.done_by[node.name]))
         total = len(self.task_ids)
-        done = sum(counts[s] for s in _FINISHED)
+        done = sum(counts[s] for s in FINISHED)
         progress = Text(
             f"{view.elapsed:5.1f}s  done {done}/{total}  running {counts[TaskState.CLAIMED]}  "
             f"pending {counts[TaskState.PENDING]}"
@@ -414,7 +152,7 @@ class Demo:
         counts = Counter(info.state for info in view.infos)
         per_node = Counter(i.owner for i in view.infos if i.state is TaskState.CLAIMED and i.owner)
         nodes = ", ".join(f"{n.name} {per_node[n.name]}" for n in self.nodes)
-        done = sum(counts[s] for s in _FINISHED)
+        done = sum(counts[s] for s in FINISHED)
         line = (f"done {done}/{len(self.task_ids)}  running {counts[TaskState.CLAIMED]} ({nodes})  "
                 f"pending {counts[TaskState.PENDING]}")
         now = time.monotonic()
@@ -509,7 +247,7 @@ class Demo:
             self._check_workers()
             view = self._observe(client)
             infos = view.infos
-            finished = sum(1 for i in infos if i.state in _FINISHED)
+            finished = sum(1 for i in infos if i.state in FINISHED)
             if self.killed is None and finished >= half and finished < len(infos):
                 self._kill(infos)
                 if self.killed is not None:
@@ -527,7 +265,7 @@ class Demo:
             if infos and finished == len(self.task_ids):
                 return infos
             self._deadline_check(f"{finished}/{len(self.task_ids)} tasks finished")
-            self._wait(_POLL)
+            self._wait(POLL_SECONDS)
 
     def _shutdown(self) -> None:
         """SIGTERM every worker still alive (graceful), SIGKILL what lingers, reap all."""
@@ -673,6 +411,3 @@ def run_demo(config: DemoConfig, out: Console | None = None) -> int:
         raise
     return demo.run()
 
-
-if __name__ == "__main__":
-    worker_main()

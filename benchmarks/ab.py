@@ -1,0 +1,151 @@
+"""A benchmark, this checkout against an earlier revision, interleaved in one session.
+
+Both sides run this checkout's benchmark code (copied into the earlier revision's tree), on the
+same stores and the same machine minute by minute; only the ``metafora`` package differs. The
+earlier revision is checked out into a temporary ``git worktree`` (removed afterwards). Rounds
+alternate base and head, so a change in the machine's load touches both; each figure is the
+median of a side's rounds, and the ratio head / base.
+
+    python benchmarks/ab.py claims --base REV [--rounds 3] [--stores sqlite,postgresql] [--full]
+    python benchmarks/ab.py gates|storm|peers --base REV ...
+
+Figures compared: claims, consumer tasks/s; storm, seconds until every task is held; gates,
+items/s; peers, metafora's short tasks/s and submit-to-start p50 (ms). Writes
+``benchmarks/results/ab_NAME.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/ab.py
+
+from benchmarks.common import RESULTS, save, table
+
+ROOT = Path(__file__).resolve().parent.parent
+Figures = dict[str, float]
+
+
+def _claims(results: Any) -> Figures:
+    return {f"{r['store']}, {r['procs']} processes: tasks/s": float(r["consumer_tasks_per_s"])
+            for r in results}
+
+
+def _storm(results: Any) -> Figures:
+    return {f"{r['store']}, {r['tasks']:,} tasks / {r['processes']} processes: s to all held":
+            float(r["seconds_to_all_held"]) for r in results}
+
+
+def _gates(results: Any) -> Figures:
+    return {f"{store}, {scenario}: items/s": float(v["items_per_s"])
+            for store, scenarios in results.items() for scenario, v in scenarios.items()}
+
+
+def _peers(summary: Any) -> Figures:
+    out: Figures = {}
+    for system, figures in summary.items():
+        if system.startswith("metafora"):
+            out[f"{system}: tasks/s"] = float(figures["tasks_per_s"]["median"])
+            out[f"{system}: p50 ms"] = float(figures["p50_ms"]["median"])
+    return out
+
+
+# name -> (the JSON key its figures sit under, how to read them)
+READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
+    "claims": ("results", _claims),
+    "storm": ("results", _storm),
+    "gates": ("results", _gates),
+    "peers": ("summary", _peers),
+}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _command(name: str, quick: bool, stores: str) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks", name]
+    if quick:
+        cmd.append("--quick")
+    if name == "peers":
+        return [*cmd, "--rounds", "1", "--systems", "metafora-postgresql,metafora-sqlite"]
+    return [*cmd, "--stores", stores]
+
+
+def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) -> Figures:
+    """One run of the benchmark, importing ``metafora`` from ``root`` (checked)."""
+    env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root))
+    where = subprocess.run([sys.executable, "-c", "import metafora; print(metafora.__file__)"],
+                           cwd=root, env=env, check=True, capture_output=True, text=True).stdout
+    if not Path(where.strip()).resolve().is_relative_to(root.resolve()):
+        raise RuntimeError(f"metafora imports from {where.strip()}, not from {root}")
+    subprocess.run(_command(name, quick, stores), cwd=root, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    key, read = READERS[name]
+    return read(json.loads((scratch / f"{name}.json").read_text())[key])
+
+
+def run(name: str, base: str, rounds: int, quick: bool, stores: str,
+        save_as: str | None = None) -> dict[str, Any]:
+    """Measure ``rounds`` interleaved rounds of base and head; print and save the medians
+    (as ``results/ab_NAME.json``, or ``results/SAVE_AS.json``)."""
+    commit = _git("rev-parse", "--verify", f"{base}^{{commit}}")
+    with tempfile.TemporaryDirectory(prefix="metafora-ab-") as tmp:
+        tree = Path(tmp) / "base"
+        _git("worktree", "add", "--detach", str(tree), commit)
+        try:
+            for source in (ROOT / "benchmarks").glob("*.py"):  # the same benchmark on both sides
+                shutil.copy2(source, tree / "benchmarks" / source.name)
+            sides = {"base": tree, "head": ROOT}
+            runs: dict[str, list[Figures]] = {side: [] for side in sides}
+            for n in range(rounds):
+                for side, root in sides.items():
+                    out = Path(tmp) / side
+                    out.mkdir(exist_ok=True)
+                    runs[side].append(_run_side(name, root, out, quick, stores))
+                    print(f"{name} round {n + 1}/{rounds} {side}: "
+                          + ", ".join(f"{k} {v:,.2f}" for k, v in runs[side][-1].items()), flush=True)
+        finally:
+            _git("worktree", "remove", "--force", str(tree))
+            shutil.rmtree(tree, ignore_errors=True)
+    medians = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
+    rows = [(k, medians["base"][k], medians["head"][k], medians["head"][k] / medians["base"][k])
+            for k in medians["head"] if k in medians["base"]]
+    table(f"{name}, head vs {base} ({commit[:10]}), medians of {rounds} rounds"
+          + (" (quick)" if quick else ""), ("figure", "base", "head", "head / base"), rows)
+    data = {"name": name, "base": base, "base_commit": commit, "head_commit": _git("rev-parse", "HEAD"),
+            "rounds": rounds, "quick": quick, "runs": runs,
+            "results": {k: {"base": b, "head": h, "ratio": r} for k, b, h, r in rows}}
+    save(save_as or f"ab_{name}", data)
+    return data
+
+
+def main() -> None:
+    """``python benchmarks/ab.py NAME --base REV [--rounds N] [--stores ...] [--full]``."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=sorted(READERS))
+    parser.add_argument("--base", required=True, help="the earlier revision (a git rev)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stores", default="sqlite,postgresql,etcd")
+    parser.add_argument("--full", action="store_true", help="the full sizes, not --quick")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    RESULTS.mkdir(exist_ok=True)
+    run(args.name, args.base, args.rounds, not args.full, args.stores)
+
+
+if __name__ == "__main__":
+    main()

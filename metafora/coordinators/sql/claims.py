@@ -1,0 +1,270 @@
+"""Claims and their outcomes on a SQL store: the statements of
+:mod:`~metafora.coordinators.sql.statements`, run for one node and kept in step with its
+:class:`~metafora.coordinators.sql.lease.Lease` (which tracks the claims held).
+
+A claim is one statement: it takes a new token from the store-wide counter and is valid
+while this node's lease is. Every outcome is fenced by owner and token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from metafora.coordinator import (
+    CoordinatorContext,
+    Finish,
+    Outcome,
+    crash_limit_error,
+    error_text,
+)
+from metafora.coordinators.sql.lease import Lease, release_untracked
+from metafora.coordinators.sql.statements import BATCH
+from metafora.coordinators.sql.store import Database
+from metafora.errors import ClaimLost, MetaforaError
+from metafora.task import Task, decode_labels, decode_placement, decode_props
+
+__all__ = ["ClaimOutcomes", "Claims"]
+
+log = logging.getLogger(__name__)
+
+_CLAIM_MANY_MAX = 100  # ids per claim_many statement
+# SQLite: after a claim_many that lost more than this share of its offers, the next one first
+# reads which offers are still claimable (no write lock), and takes the lock only for those.
+_CONTENDED = 0.5
+_FINISH_MANY_MAX = 500  # outcomes per finish_many statement
+# Statement order of a group commit: a claim finished twice in one batch keeps its first kind.
+_FINISH_STATEMENTS = ((Outcome.DONE, "done_many"), (Outcome.FAIL, "fail_many"),
+                      (Outcome.RELEASE, "release_many"))
+
+
+class Claims:
+    """Claiming tasks for one node.
+
+    ``context`` returns the node's context, raising CoordinatorClosed when the coordinator
+    is closed or not initialised (a claim needs both its lease and its ``max_crashes``).
+    """
+
+    def __init__(self, db: Database, node_id: str, lease: Lease,
+                 context: Callable[[], CoordinatorContext]) -> None:
+        self._db = db
+        self._node_id = node_id
+        self._lease = lease
+        self._context = context
+        self._extra = {"node": node_id}
+        self._contended = False  # the last claim_many lost most of its offers (SQLite)
+
+    def claim(self, task: Task) -> Task | None:
+        """Claim one task (one statement); None when it is not claimable by this node."""
+        got = self._claim([task.id], 1)
+        return got[0] if got else None
+
+    def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
+        """Claim up to ``limit`` of ``tasks`` in one transaction (one statement per 100), in
+        the order offered.
+
+        Offers of tasks this node already holds are skipped without a round trip. SQLite,
+        after a claim that lost most of its offers to other nodes: first one read (no write
+        lock, which every node's claims queue for) of which offers are still claimable; the
+        claim then names only those, and is not made at all when none are.
+        """
+        ids = list(dict.fromkeys(t.id for t in tasks if not self.seen_taken(t)))
+        if limit <= 0 or not ids:
+            self._context()
+            return []
+        offered = len(ids)
+        if self._contended and len(ids) > 1 and self._db.config.kind == "sqlite":
+            ids = self._still_claimable(ids)
+            if not ids:
+                return []
+        claimed = self._claim(ids, limit)
+        self._contended = len(claimed) < min(limit, offered) * (1 - _CONTENDED)
+        return claimed
+
+    def claimable(self, tasks: Sequence[Task]) -> list[Task]:
+        """Those of ``tasks`` that are still claimable by this node, in order: one read per
+        500 (no write lock). The consumer asks before it tries offers it held back for their
+        preferred node (see :mod:`metafora.preference`): most were taken meanwhile.
+        """
+        by_id = {t.id: t for t in tasks if not self.seen_taken(t)}
+        ids = list(by_id)
+        still: list[str] = []
+        for start in range(0, len(ids), BATCH):
+            still += self._still_claimable(ids[start:start + BATCH])
+        return [by_id[task_id] for task_id in still]
+
+    def _still_claimable(self, ids: list[str]) -> list[str]:
+        self._context()
+        params = {"ids": self._db.dialect.ids_param(ids),
+                  "labels": self._lease.labels_json() or "{}"}
+        with self._db.read() as conn:
+            rows = self._db.execute(conn, "claimable_ids", params).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def seen_taken(self, task: Task) -> bool:
+        """Whether this node holds ``task`` already (no I/O)."""
+        return self._lease.holds(task.id)
+
+    def _claim(self, ids: list[str], limit: int) -> list[Task]:
+        """Claim up to ``limit`` of ``ids`` in one transaction (one: the single-row
+        statement; more: ``claim_many``, 100 ids per statement)."""
+        max_crashes = self._context().max_crashes
+        started = self._lease.begin_claim(ids)
+        if started is None:
+            log.debug("node %s is not live; not claiming %s", self._node_id, ", ".join(ids),
+                      extra=self._extra)
+            return []
+        epoch, session = started
+        claimed: list[Task] = []
+        try:
+            params: dict[str, Any] = {"node": self._node_id, "session": session,
+                                      "labels": self._lease.labels_json() or "{}"}
+            rows: list[tuple[Any, ...]] = []
+            with self._db.hot() as cur:
+                if len(ids) == 1:
+                    row = cur.one("claim", dict(params, id=ids[0]))
+                    rows = [] if row is None else [(ids[0], *row)]
+                    if rows:
+                        cur.token_used(int(rows[0][1]))
+                for start in range(0, len(ids) if len(ids) > 1 else 0, _CLAIM_MANY_MAX):
+                    if len(rows) >= limit:
+                        break
+                    chunk = ids[start:start + _CLAIM_MANY_MAX]
+                    got = cur.all("claim_many", dict(params, ids=self._db.dialect.ids_param(chunk),
+                                                     limit=limit - len(rows)))
+                    if got:
+                        # SQLite: the next chunk's tokens are counted from the counter row.
+                        cur.token_used(max(int(r[1]) for r in got))
+                    rows += got
+            place = {task_id: i for i, task_id in enumerate(ids)}
+            for task_id, token, props_text, crashes, *placed in sorted(
+                    rows, key=lambda r: place[str(r[0])]):
+                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
+                                           max_crashes, *placed)
+                if task is not None:
+                    claimed.append(task)
+        finally:
+            kept = self._lease.end_claim(ids, epoch, claimed)
+        if claimed and not kept:
+            # The lease was lost (or the node closed) while the claim was in flight.
+            for task in claimed:
+                release_untracked(self._db, self._node_id, task.id, task.token)
+            return []
+        return claimed
+
+    def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
+                       max_crashes: int | None, selector: str | None = None,
+                       priority: int | None = 0,
+                       placement: str | None = None) -> Task | None:
+        """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
+        try:
+            prefer, spread = decode_placement(placement, task_id)
+            task = Task(task_id, decode_props(props_text, task_id), token,
+                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
+                        priority=int(priority or 0), prefer=prefer, spread=spread)
+        except MetaforaError as exc:
+            error = f"invalid props: {exc}"
+        else:
+            verdict = crash_limit_error(crashes, max_crashes)
+            if verdict is None:
+                return task
+            error = verdict
+        log.error("task %s cannot run; marking it failed: %s", task_id, error,
+                  extra={"node": self._node_id, "task": task_id})
+        with self._db.hot() as cur:
+            cur.one("fail", {"id": task_id, "node": self._node_id, "token": token, "error": error})
+        return None
+
+
+class ClaimOutcomes:
+    """done, release and fail of one node's claims, one at a time or group-committed.
+
+    ``check_open`` raises CoordinatorClosed once the coordinator is closed.
+    """
+
+    def __init__(self, db: Database, node_id: str, lease: Lease,
+                 check_open: Callable[[], None]) -> None:
+        self._db = db
+        self._node_id = node_id
+        self._lease = lease
+        self._check_open = check_open
+
+    def release(self, task: Task) -> None:
+        """Give the claim back (fenced by owner and token; ClaimLost if no longer held)."""
+        self._fenced("release", task, {})
+
+    def done(self, task: Task) -> None:
+        """Record the task done (fenced by owner and token; ClaimLost if no longer held)."""
+        self._fenced("done", task, {})
+
+    def fail(self, task: Task, error: BaseException | str) -> None:
+        """Record the task failed with ``error`` (fenced by owner and token)."""
+        self._fenced("fail", task, {"error": error_text(error)})
+
+    def _fenced(self, name: str, task: Task, params: dict[str, Any]) -> None:
+        self._check_open()
+        params.update(id=task.id, node=self._node_id, token=task.token)
+        self._lease.begin_finish(task.id)
+        settled = False
+        try:
+            with self._db.hot() as cur:
+                row = cur.one(name, params)
+                if row is not None and name == "release":
+                    cur.token_used(int(row[0]))
+            settled = True
+        finally:
+            self._lease.end_finish(task, settled)
+        if row is None:
+            raise self._claim_lost(task)
+
+    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+        """Group commit: one fenced statement per outcome kind (and per 500 outcomes).
+
+        PostgreSQL runs each statement in autocommit, SQLite all of them in one transaction.
+        A second finish of the same claim in one batch is refused as ``ClaimLost``, as it
+        would be if it came after the first.
+        """
+        self._check_open()
+        results: list[MetaforaError | None] = [None] * len(finishes)
+        first: dict[tuple[str, int], int] = {}
+        for i, finish in enumerate(finishes):
+            key = (finish.task.id, finish.task.token)
+            if key in first:
+                results[i] = self._claim_lost(finish.task)
+            else:
+                first[key] = i
+        if not first:
+            return results
+        unique = [finishes[i] for i in first.values()]
+        written: set[tuple[str, int]] = set()
+        for finish in unique:
+            self._lease.begin_finish(finish.task.id)
+        settled = False
+        try:
+            with self._db.hot() as cur:
+                for outcome, name in _FINISH_STATEMENTS:
+                    group = [f for f in unique if f.outcome is outcome]
+                    for start in range(0, len(group), _FINISH_MANY_MAX):
+                        rows = json.dumps([
+                            {"fid": f.task.id, "ftoken": f.task.token, "ferror": f.error or "failed"}
+                            for f in group[start:start + _FINISH_MANY_MAX]
+                        ])
+                        got = cur.all(name, {"node": self._node_id, "rows": rows})
+                        if got and outcome is Outcome.RELEASE:
+                            cur.token_used(max(int(r[2]) for r in got))
+                        written.update((str(r[0]), int(r[1])) for r in got)
+            settled = True
+        finally:
+            for finish in unique:
+                self._lease.end_finish(finish.task, settled)
+        for key, i in first.items():
+            if key not in written:
+                results[i] = self._claim_lost(finishes[i].task)
+        return results
+
+    def _claim_lost(self, task: Task) -> ClaimLost:
+        return ClaimLost(
+            f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
+        )

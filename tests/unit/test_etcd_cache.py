@@ -1,0 +1,93 @@
+"""The watch cache (:mod:`metafora.coordinators.etcd.cache`): entries, what a claim is judged
+on, the balancers' counts and the subscribers' marks. Pure logic; the watch that feeds it runs
+against a real etcd in tests/integration/test_etcd.py."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
+from metafora.coordinators.etcd.layout import Keys, TaskRecord, task_record
+from metafora.coordinators.etcd.ops import KeyValue
+from metafora.task import Task
+
+KEYS = Keys("ns")
+
+
+def kv(key: bytes, value: bytes, create: int = 1, mod: int = 1) -> KeyValue:
+    return KeyValue(key, value, create, mod, 1, 0)
+
+
+def props_kv(task: Task, mod: int = 5) -> KeyValue:
+    return kv(KEYS.task(task.id).props, task_record(task, "2026-01-01T00:00:00+00:00"), mod, mod)
+
+
+def test_an_entry_from_a_record_and_what_a_claim_is_fenced_on() -> None:
+    task = Task("t", {"expires_at": "2026-01-02T00:00:00+00:00"}, priority=3)
+    rec = TaskRecord(props=props_kv(task, 5), running=kv(b"r", b'{"crashes": 1}', 6, 6),
+                     owner=kv(b"o", b"n1", 8, 8))
+    entry = Entry.from_record("t", rec)
+    assert (entry.owner, entry.owner_rev, entry.finished) == ("n1", 8, False)
+    assert entry.expires_at == datetime(2026, 1, 2, tzinfo=UTC)
+    known = entry.known()
+    assert (known.props_mod, known.running_mod) == (5, 6)
+    assert known.crashes() == 2  # the previous claim died: one more crash in a row
+    assert known.task("t", 9) == Task("t", task.props, 9, priority=3)
+
+
+def test_no_running_key_means_no_crash() -> None:
+    entry = Entry.from_record("t", TaskRecord(props=props_kv(Task("t"))))
+    assert entry.known().crashes() == 0
+    entry.set_running(kv(b"r", b'{"crashes": 0}', 7, 7))
+    assert entry.known().crashes() == 1 and entry.known().running_mod == 7
+
+
+def test_damaged_props_are_offered_without_them() -> None:
+    entry = Entry()
+    entry.set_props(kv(b"p", b"not json", 3, 3), "t")
+    assert entry.props == {} and entry.props_error is not None
+    offer, valid = offer_for("t", entry)
+    assert offer == Task("t") and valid is True  # the record decoded; the claim judges it
+    assert offer_for("t", Entry()) == (Task("t"), False)
+
+
+def test_counts_follow_owner_keys_and_members() -> None:
+    cache = TaskCache()
+    assert cache.counts(active=False) is None  # not ready, no watch
+    a, b = Entry(), Entry()
+    cache.replace({"a": a, "b": b}, {"n1": False, "n2": True}, 10)
+    cache.live = True
+    assert cache.counts(active=False) == {"n1": 0, "n2": 0}
+    cache.set_owner(a, kv(b"o", b"n1", 11, 11))
+    cache.set_owner(b, kv(b"o", b"n2", 12, 12))
+    assert cache.counts(active=False) == {"n1": 1, "n2": 1}
+    assert cache.counts(active=True) == {"n1": 1}  # n2 is leaving
+    assert cache.seen_taken("a") and not cache.seen_taken("c")
+    cache.set_owner(b, kv(b"o", b"n1", 13, 13))  # taken over by n1
+    cache.set_owner(a, None)
+    assert (a.owner, a.owner_rev) == (None, 0)
+    assert cache.counts(active=False) == {"n1": 1, "n2": 0}
+    cache.member_put("n3", False)
+    cache.member_gone("n2")
+    assert cache.counts(active=False) == {"n1": 1, "n3": 0}
+
+
+def test_a_re_list_counts_the_owners_it_read() -> None:
+    cache = TaskCache()
+    owned = Entry(owner="n1", owner_rev=3)
+    cache.replace({"x": owned, "y": Entry(finished=True)}, {"n1": False}, 4)
+    cache.live = True
+    assert cache.ready and cache.revision == 4
+    assert cache.counts(active=True) == {"n1": 1}
+    assert cache.seen_taken("y")  # finished
+
+
+def test_a_subscriber_collects_marks_and_wakes() -> None:
+    sub = Subscriber(everything=False)
+    sub.mark(set())
+    assert not sub.event.is_set()
+    sub.mark({"a"})
+    sub.mark({"b"})
+    assert sub.event.is_set() and sub.ids == {"a", "b"} and not sub.everything
+    sub.mark(None)
+    assert sub.everything

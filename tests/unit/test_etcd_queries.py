@@ -1,0 +1,34 @@
+"""The pure parts of :mod:`metafora.coordinators.etcd.queries` (the reads and writes run
+against a real etcd in tests/integration/test_etcd.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from metafora.coordinators.etcd.layout import Keys
+from metafora.coordinators.etcd.ops import KeyValue
+from metafora.coordinators.etcd.queries import is_leaving, launch_and_expiry, members
+
+
+def test_launch_and_expiry_of_stored_props() -> None:
+    launch, expires = launch_and_expiry({"launch_at": "2026-01-01T00:00:00+00:00",
+                                         "expires_at": "2026-01-02T00:00:00+00:00"})
+    assert launch == datetime(2026, 1, 1, tzinfo=UTC)
+    assert expires == datetime(2026, 1, 2, tzinfo=UTC)
+    assert launch_and_expiry({}) == (None, None)
+
+
+def test_unreadable_times_count_as_unset() -> None:
+    assert launch_and_expiry({"launch_at": "soon", "expires_at": 12}) == (None, None)
+
+
+def test_members_and_their_leaving_flag() -> None:
+    keys = Keys("ns")
+
+    def alive(node: str, value: bytes) -> KeyValue:
+        return KeyValue(keys.node_alive(node), value, 1, 1, 1, 7)
+
+    kvs = [alive("a", b'{"leaving": true}'), alive("b", b"{}"), alive("c", b"junk"),
+           KeyValue(keys.node_commands("a") + b"x", b"{}", 1, 1, 1, 7)]
+    assert members(keys, kvs) == {"a": True, "b": False, "c": False}
+    assert is_leaving(b'{"leaving": 1}') and not is_leaving(b'{"leaving": false}')
