@@ -145,14 +145,16 @@ class Dashboard:
     def try_token(self, request: Request, sent: str) -> bool:
         """Whether ``sent`` is the token. Every way of sending one (login form, header) counts
         toward the client's throttle, and nothing is compared while the client must wait."""
+        tried: bool | None = getattr(request.state, "token_ok", None)
+        if tried is not None:  # once per request: rendering the refusal must not count twice
+            return tried
         client = _client(request)
-        if self.token is None or self.throttle.wait(client) > 0:
-            return False
-        if hmac.compare_digest(sent.encode(), self.token.encode()):
-            self.throttle.succeeded(client)
-            return True
-        self.throttle.failed(client)
-        return False
+        ok = False
+        if self.token is not None and self.throttle.wait(client) <= 0:
+            ok = hmac.compare_digest(sent.encode(), self.token.encode())
+            (self.throttle.succeeded if ok else self.throttle.failed)(client)
+        request.state.token_ok = ok
+        return ok
 
     def slow_down(self, request: Request) -> HTMLResponse | None:
         """A 429 page with Retry-After when the client must wait after failed tokens, else None."""
