@@ -8,7 +8,8 @@ form's CSRF field); without a configured token every action is refused.
 
 Masking is applied to text where it is shown, never to identifiers carried as data: every
 ``{{ expression }}`` of a template is masked (the environment's ``finalize``) unless it is
-marked ``|ident`` -- task and node ids, form values, links -- so the page of task
+marked ``|ident`` -- task and node ids, form values, links (``|id_text`` shows an id as text,
+its control and bidi characters escaped) -- so the page of task
 ``x://victim@b`` acts on that task, not on ``x://***@b``. Sessions, login throttling, the
 Host check and the headers live in :mod:`metafora.web.security`.
 """
@@ -39,7 +40,7 @@ from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
-from metafora.masking import scrub
+from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id
 from metafora.web.security import (
     LOOPBACK_NAMES,
@@ -85,6 +86,12 @@ class Ident(str):
     __slots__ = ()
 
 
+def _id_text(value: str) -> Ident:
+    """An id shown as text: exact, but a bidi or control character written as an escape (an id
+    stored before they were refused must not read as another); forms and links keep it raw."""
+    return Ident(escape_controls(value))
+
+
 def _client(request: Request) -> str:
     return request.client.host if request.client is not None else "?"
 
@@ -110,6 +117,7 @@ class Dashboard:
         self.env = Environment(loader=FileSystemLoader(_HERE / "templates"),
                                autoescape=select_autoescape(default=True), finalize=self._shown)
         self.env.filters["ident"] = Ident
+        self.env.filters["id_text"] = _id_text
         self.env.globals.update(age=_age, time=_time, store=self.store, states=list(TaskState),
                                 refresh_ms=self.refresh_ms, item_statuses=_ITEM_STATUSES)
 
@@ -327,7 +335,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         if len(props) > 65536:
             props = props[:65536] + "\n... (cut)"
         return dash.render(request, "task.html", task=info, props=props, sm=state, gates=gates,
-                           title=Ident(f"Task {task_id}"))
+                           title=_id_text(f"Task {task_id}"))
 
     async def act(request: Request) -> Response:
         form = await _form(request)

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -290,6 +291,27 @@ def test_pages_hold_no_inline_script_or_style(sqlite_url: str, web: Any) -> None
         assert not re.search(r"<script(?![^>]*\bsrc=)", page), path
         assert "style=" not in page and "<style" not in page and "javascript:" not in page, path
         assert re.search(r"\son[a-z]+=", page) is None, path
+
+
+# -- 9: an id stored before bidi controls were refused cannot read as another -------------------
+
+
+def test_a_bidi_id_is_shown_escaped(sqlite_url: str, web: Any) -> None:
+    spoof = "invoice\u202etxt.exe"
+    with open_client(sqlite_url) as client:
+        client.submit_task(Task("seed"))
+    with sqlite3.connect(sqlite_url.removeprefix("sqlite:///")) as db:  # as an older version stored it
+        db.execute("INSERT INTO metafora_tasks (namespace, id, props, state, created_at, updated_at)"
+                   " VALUES ('metafora', ?, '{}', 'failed', '2026-11-23 10:00:00.000',"
+                   " '2026-11-23 10:00:00.000')", (spoof,))
+    server = web()
+    listed = server.request("GET", "/tasks").text
+    shown = re.sub(r"<[^>]*>", "", listed)  # the text a reader sees, without tags and attributes
+    assert "\u202e" not in shown and "invoice\\u202etxt.exe" in shown
+    assert f'data-task="{spoof}"' in listed  # data stays exact
+    refused = server.request("GET", "/task?" + urlencode({"id": spoof}))
+    assert refused.status == 400 and "bidi" in refused.text
+    assert "\u202e" not in re.sub(r"<[^>]*>", "", refused.text)
 
 
 # -- units ----------------------------------------------------------------------------------------
