@@ -22,6 +22,7 @@ from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
+from metafora.masking import scrub
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options, state_reset
@@ -71,10 +72,14 @@ def rotated(items: list[T], rng: random.Random | None = None) -> list[T]:
 
 
 def error_text(error: BaseException | str) -> str:
-    """The text stored for a failed task: ``Type: message`` for exceptions."""
+    """The text stored for a failed task: ``Type: message`` for exceptions, masked.
+
+    Every store writes its failed tasks' errors through this function, so a password in an
+    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`).
+    """
     if isinstance(error, BaseException):
-        return f"{type(error).__name__}: {error}"
-    return str(error)
+        return scrub(f"{type(error).__name__}: {error}")
+    return scrub(str(error))
 
 
 class TaskCommandListener(Protocol):

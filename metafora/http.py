@@ -2,10 +2,16 @@
 
 Started by ``Consumer(..., http_addr="127.0.0.1:PORT")``; binds to loopback unless told otherwise.
 ``/metrics`` needs prometheus_client (``pip install 'metafora-cluster[http]'``).
+
+There is no authentication: ``/info`` lists the node's running task ids and their fencing
+tokens. A non-loopback address is allowed (a metrics scraper on another machine) but logged
+as a warning naming what it exposes. Every response carries the dashboard's security headers
+(``nosniff``, a CSP that allows nothing, no framing).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -17,9 +23,29 @@ from metafora.errors import ConfigError
 from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
-__all__ = ["InfoServer", "parse_addr", "render_metrics"]
+__all__ = ["HEADERS", "InfoServer", "is_loopback", "parse_addr", "render_metrics"]
 
 log = logging.getLogger(__name__)
+
+HEADERS = (
+    ("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Cache-Control", "no-store"),
+)
+"""Headers of every response of the info server (it serves data only: nothing may load)."""
+IDLE_TIMEOUT = 10.0
+"""Seconds a connection may wait on a request before it is closed."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -88,6 +114,8 @@ class InfoServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = IDLE_TIMEOUT  # an idle or slow connection is closed, not held forever
+
             def do_GET(self) -> None:
                 outer._serve(self)
 
@@ -100,6 +128,10 @@ class InfoServer:
         except OSError as exc:
             raise ConfigError(f"cannot listen on {addr}: {exc.strerror or exc}") from exc
         self._server.daemon_threads = True
+        if not is_loopback(host):
+            log.warning("the info server listens on %s, beyond this machine, without authentication: "
+                        "/info shows the node's task ids and fencing tokens, /metrics its counters; "
+                        "bind 127.0.0.1 unless that is meant", self.address)
         self._thread = threading.Thread(target=self._server.serve_forever, name="metafora-http",
                                         daemon=True)
 
@@ -140,5 +172,7 @@ class InfoServer:
         req.send_response(status)
         req.send_header("Content-Type", ctype)
         req.send_header("Content-Length", str(len(body)))
+        for name, value in HEADERS:
+            req.send_header(name, value)
         req.end_headers()
         req.wfile.write(body)

@@ -2,6 +2,12 @@
 
 Library code only logs (``logging.getLogger(__name__)``); programs call :func:`configure`.
 Records carry stable ``extra`` keys where they apply: ``node``, ``task``, ``token``, ``action``.
+
+Masking happens here, at the edge where a record becomes text: :class:`MaskingFilter` (which
+:func:`configure` puts on its handler; add it to a handler of your own) masks the message,
+and both formatters mask what they write, tracebacks included -- so a handler's error that
+names ``postgresql://app:SECRET@db`` is logged as ``postgresql://app:***@db`` whichever
+module logged it.
 """
 
 from __future__ import annotations
@@ -12,10 +18,24 @@ import sys
 from datetime import UTC, datetime
 from typing import TextIO
 
-__all__ = ["EXTRA_FIELDS", "JsonFormatter", "PlainFormatter", "configure"]
+from metafora.masking import scrub
+
+__all__ = ["EXTRA_FIELDS", "JsonFormatter", "MaskingFilter", "PlainFormatter", "configure"]
 
 EXTRA_FIELDS = ("node", "task", "token", "action")
 LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class MaskingFilter(logging.Filter):
+    """Masks every URL's credentials in a record's message (the record is kept, never dropped)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Replace the record's message by its masked text (its args merged in first)."""
+        message = record.getMessage()
+        masked = scrub(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,14 +46,14 @@ class JsonFormatter(logging.Formatter):
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": scrub(record.getMessage()),
         }
         for key in EXTRA_FIELDS:
             value = getattr(record, key, None)
             if value is not None:
                 out[key] = value
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = scrub(self.formatException(record.exc_info))
         return json.dumps(out, default=str)
 
 
@@ -46,7 +66,7 @@ class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         parts = [f"{k}={getattr(record, k)}" for k in ("node", "task") if getattr(record, k, None)]
         record.ctx = f" [{' '.join(parts)}]" if parts else ""
-        return super().format(record)
+        return scrub(super().format(record))
 
 
 def configure(level: str = "info", *, json_lines: bool = False, stream: TextIO | None = None) -> None:
@@ -56,6 +76,7 @@ def configure(level: str = "info", *, json_lines: bool = False, stream: TextIO |
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else PlainFormatter())
+    handler.addFilter(MaskingFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -9,17 +9,26 @@ shown. Only a plain user name (letters, digits, ``. _ ~ -``) followed by ``:`` s
 value, and a port that is not a number (a password typed without its ``@``) shows ``***``.
 
 The price of the rule: an ``@`` meant in a path or an option value must be written ``%40``.
+
+Every pattern here runs in linear time (issue 25: a quadratic one let one request cost
+seconds of CPU): a URL in free text is only looked for where a run of scheme characters
+starts, and each run is scanned once. :func:`for_terminal` is the one sanitiser of untrusted
+text shown in a terminal: masked, and control and bidi characters shown escaped.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, unquote_plus
 
 __all__ = [
+    "BIDI_CONTROLS",
     "MASK",
     "UrlParts",
+    "escape_controls",
+    "for_terminal",
     "is_secret_option",
     "mask_hosts",
     "mask_url",
@@ -37,10 +46,24 @@ _SECRET_OPTION_RE = re.compile(r"pass|pwd|token|secret|credential|api_?key", re.
 _QUERY_SEP_RE = re.compile(r"([&;?#])")
 # Credentials that hold a query with a credential-like option: an unencoded '@' in that
 # option's value moved the cut, and the "host" after it is a piece of the secret.
+# The keyword is looked for by a lazy lookahead and the name consumed possessively: the
+# former pattern's two greedy runs around the keyword backtracked quadratically.
 _OPTION_IN_USERINFO_RE = re.compile(
-    r"[?&;][^=&;?#]*(pass|pwd|token|secret|credential|api_?key)[^=&;?#]*=", re.IGNORECASE
+    r"[?&;](?=[^=&;?#]*?(?:pass|pwd|token|secret|credential|api_?key))[^=&;?#]*+=", re.IGNORECASE
 )
-_ANY_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+# A URL in free text: it may only start where a run of scheme characters starts (the
+# lookbehind), a leading non-letter part of the run is skipped, and the run is consumed
+# possessively -- so a long run of letters is scanned once, not once per letter. A match
+# needs one of '@ ? :' after the '://' (a URL without any has nothing to mask).
+_ANY_URL_RE = re.compile(
+    r"(?<![A-Za-z0-9+.-])[0-9+.-]*+([A-Za-z][A-Za-z0-9+.-]*+://[^\s'\"@?:]*[@?:][^\s'\"]*)"
+)
+
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+"""Characters that reorder the text around them (an id could read as another)."""
+# C0 controls but the newline, DEL, C1 controls (0x9b is a CSI on some terminals), the line
+# and paragraph separators and the bidi controls.
+_UNSAFE_RE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029" + "".join(sorted(BIDI_CONTROLS)) + "]")
 
 
 @dataclass(frozen=True)
@@ -144,6 +167,11 @@ def _mask_query(query: str) -> str:
     return "".join(pieces)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_secrets(url: str) -> tuple[str, ...]:
+    return tuple(url_secrets(url))
+
+
 def url_secrets(url: str | None) -> list[str]:
     """Every text of ``url`` that must never be shown, raw and percent-decoded, longest first."""
     if not url:
@@ -192,7 +220,45 @@ def scrub(text: str, url: str | None = None) -> str:
     """
     if url:
         text = text.replace(url, mask_url(url))
-        for secret in url_secrets(url):
+        for secret in _cached_secrets(url):
             text = text.replace(secret, MASK)
     # Any other URL in the text (a driver's own message) is masked by the same rule.
-    return _ANY_URL_RE.sub(lambda m: mask_url(m.group(0)), text)
+    return _ANY_URL_RE.sub(_mask_match, text)
+
+
+def _mask_match(match: re.Match[str]) -> str:
+    start = match.start(1) - match.start()
+    whole, url = match.group(0), match.group(1)
+    if "@" in url or "?" in url:
+        return whole[:start] + mask_url(url)
+    # No credentials and no query: only a port that is not a number can be masked (the
+    # common case in a driver's message, kept cheap for text full of URLs).
+    cut = url.index("://") + 3
+    end = url.find("/", cut)
+    authority = url[cut:] if end < 0 else url[cut:end]
+    if ":" not in authority:
+        return whole
+    return whole[:start] + url[:cut] + mask_hosts(authority) + url[cut + len(authority):]
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control, line-separator and bidi characters written as escapes.
+
+    ``\\x1b`` for a character below 256, ``\\u202e`` above; the newline is kept. For ids, which
+    are shown exactly (never masked) but must not drive the terminal.
+    """
+    return _UNSAFE_RE.sub(_escape_one, text)
+
+
+def _escape_one(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def for_terminal(text: str, url: str | None = None) -> str:
+    """Untrusted text as a terminal may show it: escaped, then masked (:func:`scrub`).
+
+    Escaping first joins what a control character split, so a secret cut by a tab is masked
+    whole, and the result is a fixed point (showing it again changes nothing).
+    """
+    return scrub(escape_controls(text), url)

@@ -12,6 +12,7 @@ from typing import Any
 
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import MAX_DEPTH, check_depth, load_object
+from metafora.masking import BIDI_CONTROLS
 
 __all__ = [
     "MAX_LABELS",
@@ -84,6 +85,9 @@ def validate_task_id(task_id: object) -> str:
     for ch in task_id:
         if unicodedata.category(ch) in ("Cc", "Cs"):
             raise InvalidTaskId(f"task id {task_id!r} contains the control character {ch!r}")
+        if ch in BIDI_CONTROLS:
+            # U+202E and its kin reorder what follows: "abc\u202egpj.exe" would read as another id.
+            raise InvalidTaskId(f"task id {task_id!r} contains the bidi control {ch!r}")
     return task_id
 
 

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.coordinator import Client, NodeInfo
+from metafora.masking import escape_controls, for_terminal
 from metafora.task import TaskInfo, TaskState, label_text, placement_reason
 
 __all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
@@ -95,8 +96,11 @@ def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = Tru
     for col in ("node", "host", "tasks", "frozen", "heartbeat age") + (("labels",) if labelled else ()):
         nodes.add_column(col, justify="right" if col == "tasks" else "left")
     for n in cur.nodes:
-        row = [n.id, n.host or "-", str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat)]
-        nodes.add_row(*row, *((label_text(n.labels) or "-",) if labelled else ()))
+        # Text, not str: rich would read "[...]" in a stored name as markup; escaped and masked
+        # like every table of the CLI.
+        row: list[RenderableType] = [Text(escape_controls(n.id)), Text(for_terminal(n.host or "-")),
+                                     str(n.tasks), frozen_text(n.frozen), _age(cur.now, n.heartbeat)]
+        nodes.add_row(*row, *((Text(for_terminal(label_text(n.labels) or "-")),) if labelled else ()))
     states = Table(title="tasks", expand=False)
     counts = cur.by_state()
     for state in TaskState:

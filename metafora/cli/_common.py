@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import click
 from rich.console import Console
+from rich.text import Text
 
 from metafora.connect import open_client
 from metafora.coordinator import Client
@@ -30,7 +31,7 @@ from metafora.errors import (
     InvalidTaskId,
     MetaforaError,
 )
-from metafora.masking import scrub
+from metafora.masking import escape_controls, for_terminal, scrub
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -42,6 +43,7 @@ __all__ = [
     "Duration",
     "ExitCode",
     "Settings",
+    "cell",
     "console",
     "exit_code_for",
     "format_time",
@@ -170,6 +172,16 @@ def console(err: bool = False) -> Console:
     if probe.is_terminal:
         return Console(stderr=err, highlight=False)
     return Console(stderr=err, highlight=False, width=200, no_color=True, soft_wrap=False)
+
+
+def cell(text: str, style: str = "", *, exact: bool = False, **options: Any) -> Text:
+    """Untrusted text (an error, props, labels, an id) as a table cell.
+
+    Control and bidi characters are shown escaped (``\\x1b``, ``\\u202e``), so stored text
+    cannot drive the terminal or read as something else; the text is masked too unless it
+    is ``exact`` -- an id, shown as it is so that it can be typed back.
+    """
+    return Text(escape_controls(text) if exact else for_terminal(text), style=style, **options)
 
 
 def print_json(data: Any, out: IO[str] | None = None) -> None:

@@ -20,7 +20,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from metafora.cli._common import console, format_time, print_json, settings, store_client
+from metafora.cli._common import cell, console, format_time, print_json, settings, store_client
 from metafora.cli.tool import check_url
 from metafora.errors import TaskExists, TaskNotFound
 from metafora.statemachine.gates import (
@@ -110,7 +110,7 @@ def _data_preview(item: Item) -> Text:
     shown = " ".join(shown.split())
     if len(shown) > _PREVIEW:
         shown = shown[: _PREVIEW - 3] + "..."
-    return Text(shown)
+    return cell(shown)
 
 
 def _caption(info: PartitionInfo, shown: int) -> str:
@@ -163,7 +163,7 @@ def list_items(ctx: click.Context, partition: str, gate: int | None, status: str
             Text(item.status.value + (" (permanent)" if item.permanent and item.error else ""),
                  style=_STATUS_STYLE[item.status]),
             str(item.attempts), _data_preview(item),
-            Text(error[0] if error else "", style="red"), format_time(item.updated_at),
+            cell(error[0] if error else "", "red"), format_time(item.updated_at),
         )
     out.print(table)
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora import commands
-from metafora.cli._common import console, print_json, store_client
+from metafora.cli._common import cell, console, print_json, store_client
 from metafora.commands import Command
 from metafora.connect import validate_node_id
 from metafora.coordinator import NodeInfo
@@ -66,8 +66,9 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     now = datetime.now(UTC)
     for info in infos:
         frozen = frozen_text(info.frozen)
-        table.add_row(Text(info.id), str(info.tasks), Text(frozen, style="bold blue" if info.frozen else ""),
-                      Text(label_text(info.labels) or "-"), Text(info.host or "-"),
+        table.add_row(cell(info.id, exact=True), str(info.tasks),
+                      Text(frozen, style="bold blue" if info.frozen else ""),
+                      cell(label_text(info.labels) or "-"), cell(info.host or "-"),
                       "-" if info.pid is None else str(info.pid),
                       _age(now, info.heartbeat))
     out.print(table)

@@ -7,9 +7,8 @@ from typing import Any
 
 import click
 from rich.table import Table
-from rich.text import Text
 
-from metafora.cli._common import console, format_time, print_json, store_client
+from metafora.cli._common import cell, console, format_time, print_json, store_client
 from metafora.errors import InvalidProps
 from metafora.schedule import MISSED_POLICIES, Schedule
 
@@ -81,8 +80,8 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     table.add_column("props", overflow="fold")
     for s in found:
         nxt = "paused" if s.paused else format_time(s.next_tick(s.cursor))
-        table.add_row(Text(s.name), Text(s.spec), s.missed, nxt,
-                      Text(json.dumps(dict(s.props), sort_keys=True)))
+        table.add_row(cell(s.name, exact=True), cell(s.spec), s.missed, nxt,
+                      cell(json.dumps(dict(s.props), sort_keys=True)))
     out.print(table)
 
 

@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from metafora.cli._common import console, print_json, store_client
+from metafora.cli._common import cell, console, print_json, store_client
 from metafora.cli.tasks import parse_when
 from metafora.errors import InvalidTaskState
 from metafora.task import TaskState, validate_task_id
@@ -102,10 +102,10 @@ def state(ctx: click.Context, task_id: str, as_json: bool) -> None:
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("task", Text(task_id))
+    table.add_row("task", cell(task_id, exact=True))
     table.add_row("state", Text(found.code.value))
     table.add_row("until", "-" if found.until is None else found.until.isoformat())
-    table.add_row("cursor", Text(found.cursor if found.cursor is not None else "-"))
+    table.add_row("cursor", cell(found.cursor if found.cursor is not None else "-"))
     for record in found.errors:
-        table.add_row("error", Text(f"{record.time.isoformat()}  {record.text}", style="red"))
+        table.add_row("error", cell(f"{record.time.isoformat()}  {record.text}", "red"))
     console().print(table)

@@ -15,10 +15,12 @@ from metafora.cli._common import (
     CliError,
     Duration,
     ExitCode,
+    cell,
     console,
     format_time,
     parse_duration,
     print_json,
+    scrub,
     store_client,
 )
 from metafora.coordinator import Client
@@ -277,7 +279,15 @@ def _error_cell(error: str | None) -> Text:
     if not error:
         return Text("")
     first = error.strip().splitlines()[0] if error.strip() else ""
-    return Text(first, style="red", overflow="ellipsis", no_wrap=True)
+    return cell(first, "red", overflow="ellipsis", no_wrap=True)
+
+
+def _json_info(info: TaskInfo) -> dict[str, Any]:
+    """``info.to_dict()`` with its error masked (an error stored before masking existed)."""
+    shown = info.to_dict()
+    if shown.get("error"):
+        shown["error"] = scrub(shown["error"])
+    return shown
 
 
 def _summary(infos: list[TaskInfo]) -> str:
@@ -303,7 +313,7 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
         infos = client.tasks(wanted)
         reasons = pending_reasons(client, infos)
     if as_json:
-        print_json([{**info.to_dict(), "reason": reasons.get(info.id)} for info in infos])
+        print_json([{**_json_info(info), "reason": reasons.get(info.id)} for info in infos])
         return
     out = console()
     if not infos:
@@ -322,12 +332,12 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
     table.add_column("error", max_width=60)
     for info in infos:
         cells: list[Text | str] = [
-            Text(info.id), _state_cell(info.state), Text(info.owner or "-"),
+            cell(info.id, exact=True), _state_cell(info.state), cell(info.owner or "-", exact=True),
             str(info.token), format_time(info.claimed_at)]
         if placed:
-            cells += [str(info.priority), Text(label_text(info.selector) or "-")]
+            cells += [str(info.priority), cell(label_text(info.selector) or "-")]
         reason = reasons.get(info.id)
-        cells.append(Text(reason, style="yellow") if reason else _error_cell(info.error))
+        cells.append(cell(reason, "yellow") if reason else _error_cell(info.error))
         table.add_row(*cells)
     out.print(table)
 
@@ -357,26 +367,26 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     with store_client(ctx) as client:
         info = client.get_task(task_id)
     if as_json:
-        print_json(info.to_dict())
+        print_json(_json_info(info))
         return
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
     rows: list[tuple[str, Text | str]] = [
-        ("id", Text(info.id)),
+        ("id", cell(info.id, exact=True)),
         ("state", _state_cell(info.state)),
-        ("owner", Text(info.owner or "-")),
+        ("owner", cell(info.owner or "-", exact=True)),
         ("token", str(info.token)),
         ("attempts", str(info.attempts)),
         ("priority", str(info.priority)),
-        ("selector", Text(label_text(info.selector) or "-")),
-        ("prefer", Text(label_text(info.prefer) or "-")),
-        ("spread", Text(info.spread or "-")),
+        ("selector", cell(label_text(info.selector) or "-")),
+        ("prefer", cell(label_text(info.prefer) or "-")),
+        ("spread", cell(info.spread or "-")),
         ("created_at", format_time(info.created_at)),
         ("claimed_at", format_time(info.claimed_at)),
         ("finished_at", format_time(info.finished_at)),
-        ("error", Text(info.error or "-", style="red" if info.error else "")),
-        ("props", Text(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False))),
+        ("error", cell(info.error or "-", "red" if info.error else "")),
+        ("props", cell(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False))),
     ]
     for name, value in rows:
         table.add_row(name, value)

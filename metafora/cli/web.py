@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from metafora.cli._common import CliError, ExitCode, settings
@@ -10,35 +12,67 @@ from metafora.errors import ConfigError
 __all__ = ["web"]
 
 
+def _read_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token from ``--token`` or ``--token-file`` (one of them), or None (read-only)."""
+    if token_file is None:
+        return token or None
+    if token:
+        raise ConfigError("give the token once: --token (METAFORA_WEB_TOKEN) or --token-file, not both")
+    try:
+        text = token_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --token-file {str(token_file)!r}: {exc}") from None
+    if not text or "\n" in text:
+        raise ConfigError(f"--token-file {str(token_file)!r} must hold the token on one line")
+    return text
+
+
 @click.command()
 @click.option("--bind", default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
-              help="Address to listen on; a non-loopback address needs --token.")
+              help="Address to listen on; a non-loopback address needs --token and --allow-host.")
 @click.option("--token", default=None, metavar="T", envvar="METAFORA_WEB_TOKEN", show_envvar=True,
               help="Allow actions to whoever sends T (login form, or header 'Authorization: Bearer T'). "
-                   "Without it the dashboard is read-only.")
+                   "Without it the dashboard is read-only. Prefer --token-file: a command line is "
+                   "visible to every user of the machine (ps).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="PATH", envvar="METAFORA_WEB_TOKEN_FILE", show_envvar=True,
+              help="Read the token from this file (one line).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A name clients reach the dashboard by (the Host header); requests naming "
+                   "another host are refused. Loopback names are allowed on a loopback bind. Repeatable.")
 @click.option("--items-url", default=None, metavar="URL",
               help="The SQL store of the gates' items, when it is not --url.")
 @click.option("--refresh", type=click.FloatRange(0.5, 2.0), default=2.0, show_default=True,
               help="Seconds between live updates of a page.")
 @click.pass_context
-def web(ctx: click.Context, bind: str, token: str | None, items_url: str | None, refresh: float) -> None:
+def web(ctx: click.Context, bind: str, token: str | None, token_file: Path | None,
+        allow_hosts: tuple[str, ...], items_url: str | None, refresh: float) -> None:
     """Serve a dashboard of the cluster from the store: nodes, tasks, actions.
 
     Read-only unless started with a token; listens on loopback unless told otherwise.
     """
+    from metafora.web.security import allowed_hosts, check_token
     from metafora.web.server import is_loopback, parse_bind
 
     host, port = parse_bind(bind)
-    if not is_loopback(host) and not token:
+    token = _read_token(token, token_file)
+    loopback = is_loopback(host)
+    if not loopback and not token:
         raise ConfigError(f"refusing to serve on {host} (not loopback) without --token: anyone who can "
                           "reach it would see the cluster; give --token or bind 127.0.0.1")
+    check_token(token, host, loopback)
+    hosts = allowed_hosts(host, loopback, allow_hosts)
+    if not hosts:
+        raise ConfigError(f"serving on {host} needs --allow-host NAME: the name (or address) clients "
+                          "use to reach the dashboard; requests naming any other host are refused")
     try:
         from metafora.web.app import create_app
         from metafora.web.server import WebServer
     except ImportError as exc:
         raise CliError.make(f"the dashboard needs its extra: pip install 'metafora-cluster[web]' ({exc})",
                             ExitCode.USAGE) from None
-    app = create_app(settings(ctx).url, token=token, items_url=items_url, refresh=refresh)
+    app = create_app(settings(ctx).url, token=token, items_url=items_url, refresh=refresh,
+                     allowed_hosts=hosts)
     server = WebServer(app, host, port)
     mode = "actions allowed with the token" if token else "read-only"
     click.echo(f"metafora web on http://{host}:{port}/ ({mode}); Ctrl-C stops it", err=True)

@@ -5,24 +5,30 @@ pool). ``?partial=1`` returns only the live part of a page, which the page's scr
 every ``refresh`` seconds. Actions are POSTed forms: they need the token (a header
 ``Authorization: Bearer T`` / ``X-Metafora-Token: T``, or the login cookie together with the
 form's CSRF field); without a configured token every action is refused.
+
+Masking is applied to text where it is shown, never to identifiers carried as data: every
+``{{ expression }}`` of a template is masked (the environment's ``finalize``) unless it is
+marked ``|ident`` -- task and node ids, form values, links (``|id_text`` shows an id as text,
+its control and bidi characters escaped) -- so the page of task
+``x://victim@b`` acts on that task, not on ``x://***@b``. Sessions, login throttling, the
+Host check and the headers live in :mod:`metafora.web.security`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
-import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -33,12 +39,20 @@ from metafora import commands
 from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import Client, NodeInfo
-from metafora.errors import InvalidTaskState, MetaforaError, NodeNotFound, TaskNotFound
-from metafora.masking import scrub
+from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
+from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id
+from metafora.web.security import (
+    LOOPBACK_NAMES,
+    HostCheck,
+    LoginThrottle,
+    Session,
+    Sessions,
+    status_for,
+)
 from metafora.web.server import display_url
 
-__all__ = ["Dashboard", "create_app"]
+__all__ = ["Dashboard", "Ident", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +80,22 @@ def _time(dt: datetime | None) -> str:
     return "-" if dt is None else dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+class Ident(str):
+    """Text a page carries as data (an id, a form value, a link): shown exactly, never masked."""
+
+    __slots__ = ()
+
+
+def _id_text(value: str) -> Ident:
+    """An id shown as text: exact, but a bidi or control character written as an escape (an id
+    stored before they were refused must not read as another); forms and links keep it raw."""
+    return Ident(escape_controls(value))
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client is not None else "?"
+
+
 class Dashboard:
     """The dashboard's state: one operator client, the token's derived secrets, templates."""
 
@@ -81,15 +111,21 @@ class Dashboard:
         self._counts: tuple[float, dict[TaskState, int]] | None = None
         self._counts_lock = threading.Lock()
         self.token = token or None
-        key = secrets.token_bytes(32)  # sessions end when the server restarts
-        secret = (token or "").encode()
-        self.session = hmac.new(key, b"session:" + secret, hashlib.sha256).hexdigest()
-        self.csrf = hmac.new(key, b"csrf:" + secret, hashlib.sha256).hexdigest()
+        self.sessions = Sessions()  # held here: they end at logout, when idle, at a restart
+        self.throttle = LoginThrottle()
         self.refresh_ms = int(refresh * 1000)
         self.env = Environment(loader=FileSystemLoader(_HERE / "templates"),
-                               autoescape=select_autoescape(default=True))
+                               autoescape=select_autoescape(default=True), finalize=self._shown)
+        self.env.filters["ident"] = Ident
+        self.env.filters["id_text"] = _id_text
         self.env.globals.update(age=_age, time=_time, store=self.store, states=list(TaskState),
                                 refresh_ms=self.refresh_ms, item_statuses=_ITEM_STATUSES)
+
+    def _shown(self, value: Any) -> Any:
+        """Every expression a template prints: text is masked, ids and rendered HTML are not."""
+        if isinstance(value, str) and not isinstance(value, (Ident, Markup)):
+            return scrub(value, self.url)
+        return value
 
     # --- access -------------------------------------------------------------------------
 
@@ -99,15 +135,43 @@ class Dashboard:
             return auth[7:].strip()
         return request.headers.get("x-metafora-token")
 
+    def session(self, request: Request) -> Session | None:
+        """The live login session of the request's cookie, or None."""
+        if self.token is None:
+            return None
+        return self.sessions.get(request.cookies.get(_SESSION_COOKIE, ""))
+
     def logged_in(self, request: Request) -> bool:
-        """Whether the request carries the token (header) or the login cookie."""
+        """Whether the request carries the token (header) or a live session's cookie."""
         if self.token is None:
             return False
         sent = self._header_token(request)
         if sent is not None:
-            return hmac.compare_digest(sent.encode(), self.token.encode())
-        cookie = request.cookies.get(_SESSION_COOKIE, "")
-        return hmac.compare_digest(cookie.encode(), self.session.encode())
+            return self.try_token(request, sent)
+        return self.session(request) is not None
+
+    def try_token(self, request: Request, sent: str) -> bool:
+        """Whether ``sent`` is the token. Every way of sending one (login form, header) counts
+        toward the client's throttle, and nothing is compared while the client must wait."""
+        tried: bool | None = getattr(request.state, "token_ok", None)
+        if tried is not None:  # once per request: rendering the refusal must not count twice
+            return tried
+        client = _client(request)
+        ok = False
+        if self.token is not None and self.throttle.wait(client) <= 0:
+            ok = hmac.compare_digest(sent.encode(), self.token.encode())
+            (self.throttle.succeeded if ok else self.throttle.failed)(client)
+        request.state.token_ok = ok
+        return ok
+
+    def slow_down(self, request: Request) -> HTMLResponse | None:
+        """A 429 page with Retry-After when the client must wait after failed tokens, else None."""
+        wait = self.throttle.wait(_client(request))
+        if wait <= 0:
+            return None
+        page = self.error(request, 429, f"too many wrong tokens: try again in {wait:.0f}s")
+        page.headers["Retry-After"] = str(max(1, round(wait + 0.5)))
+        return page
 
     def may_act(self, request: Request, form: dict[str, str]) -> str | None:
         """None if the action may go ahead, else why not (for a 403 page)."""
@@ -115,11 +179,11 @@ class Dashboard:
             return "this dashboard is read-only: start it with --token (or METAFORA_WEB_TOKEN) to act"
         sent = self._header_token(request)
         if sent is not None:  # a custom header: browsers send none cross-site, so no CSRF risk
-            ok = hmac.compare_digest(sent.encode(), self.token.encode())
-            return None if ok else "wrong token"
-        if not self.logged_in(request):
+            return None if self.try_token(request, sent) else "wrong token"
+        session = self.session(request)
+        if session is None:
             return "log in with the dashboard's token first"
-        if not hmac.compare_digest(form.get("csrf", "").encode(), self.csrf.encode()):
+        if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
             return "the form's CSRF token is missing or stale: reload the page and try again"
         return None
 
@@ -128,20 +192,21 @@ class Dashboard:
     def render(self, request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         """Render template ``name`` (its live part only with ``?partial=1``)."""
         partial = request.query_params.get("partial") == "1"
-        can_act = self.logged_in(request)
-        context.update(request=request, read_only=self.token is None, can_act=can_act,
-                       csrf=self.csrf if can_act else "", msg=request.query_params.get("msg", ""),
-                       here=str(request.url.path) + (f"?{request.url.query}" if request.url.query else ""),
+        session = self.session(request)
+        context.update(request=request, read_only=self.token is None, can_act=self.logged_in(request),
+                       csrf=Ident(session.csrf if session is not None else ""),
+                       msg=request.query_params.get("msg", ""),
+                       here=Ident(str(request.url.path)
+                                  + (f"?{request.url.query}" if request.url.query else "")),
                        now=datetime.now(UTC))
         template = self.env.get_template(name.replace(".html", "_live.html") if partial else name)
-        html = template.render(**context)
-        return HTMLResponse(scrub(html, self.url), status_code=status,
-                            headers={"Cache-Control": "no-store", "X-Frame-Options": "DENY",
-                                     "Referrer-Policy": "same-origin"})
+        # No masking of the whole page here: text is masked per expression (finalize).
+        return HTMLResponse(template.render(**context), status_code=status,
+                            headers={"Cache-Control": "no-store"})
 
     def error(self, request: Request, status: int, message: str) -> HTMLResponse:
         """A page saying what went wrong (never a traceback, never the password)."""
-        heading = "Refused" if status == 403 else "Not found" if status == 404 else "Error"
+        heading = {403: "Refused", 404: "Not found", 429: "Slow down"}.get(status, "Error")
         return self.render(request, "error.html", status=status, message=scrub(message, self.url),
                            title=heading, heading=heading)
 
@@ -197,8 +262,13 @@ def _node_row(info: NodeInfo, now: datetime) -> dict[str, Any]:
 
 
 def create_app(url: str, *, token: str | None = None, items_url: str | None = None,
-               refresh: float = 2.0, client: Client | None = None) -> Starlette:
-    """The dashboard for the store ``url``; actions only with ``token``."""
+               refresh: float = 2.0, client: Client | None = None,
+               allowed_hosts: Iterable[str] | None = None) -> Starlette:
+    """The dashboard for the store ``url``; actions only with ``token``.
+
+    ``allowed_hosts`` are the names a request's Host may carry (default: the loopback
+    names); see :func:`metafora.web.security.allowed_hosts`.
+    """
     dash = Dashboard(url, token=token, items_url=items_url, refresh=refresh, client=client)
 
     def guarded(page: Callable[[Request], Response]) -> Callable[[Request], Response]:
@@ -207,8 +277,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
                 return page(request)
             except MetaforaError as exc:
                 log.warning("dashboard: %s", scrub(str(exc), url))
-                return dash.error(request, 503 if "unavailable" in type(exc).__name__.lower() else 400,
-                                  f"{type(exc).__name__}: {exc}")
+                return dash.error(request, status_for(exc), f"{type(exc).__name__}: {exc}")
         return run
 
     def index(request: Request) -> Response:
@@ -238,8 +307,8 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         page = page[:limit]
         base = {k: v for k, v in {"state": state, "owner": owner, "prefix": prefix,
                                   "limit": str(limit)}.items() if v}
-        next_url = f"/tasks?{urlencode({**base, 'after': page[-1].id})}" if more and page else None
-        first_url = f"/tasks?{urlencode(base)}" if after else None
+        next_url = Ident(f"/tasks?{urlencode({**base, 'after': page[-1].id})}") if more and page else None
+        first_url = Ident(f"/tasks?{urlencode(base)}") if after else None
         return dash.render(request, "tasks.html", tasks=page, counts=dash.task_counts(),
                            state=state or "", owner=owner or "", prefix=prefix, limit=limit,
                            next_url=next_url, first_url=first_url, title="Tasks")
@@ -252,7 +321,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         except TaskNotFound:
             return dash.error(request, 404, f"no task {task_id!r}")
         except MetaforaError as exc:
-            return dash.error(request, 400, str(exc))
+            return dash.error(request, status_for(exc), str(exc))
         from metafora.statemachine import get_state
 
         state = get_state(dash.client, task_id)
@@ -266,10 +335,13 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         if len(props) > 65536:
             props = props[:65536] + "\n... (cut)"
         return dash.render(request, "task.html", task=info, props=props, sm=state, gates=gates,
-                           title=f"Task {task_id}")
+                           title=_id_text(f"Task {task_id}"))
 
     async def act(request: Request) -> Response:
         form = await _form(request)
+        slow = dash.slow_down(request) if dash._header_token(request) is not None else None
+        if slow is not None:
+            return slow
         refused = dash.may_act(request, form)
         if refused is not None:
             return dash.error(request, 403, refused)
@@ -286,34 +358,9 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
             if target == "task" and verb in TASK_VERBS:
                 done = await run_in_threadpool(_task_action, dash, verb, ident)
                 return _back(form, "/tasks", done)
-        except (TaskNotFound, NodeNotFound) as exc:
-            return dash.error(request, 404, str(exc))
         except MetaforaError as exc:
-            return dash.error(request, 409, str(exc))
+            return dash.error(request, status_for(exc), str(exc))
         return dash.error(request, 400, f"unknown action {verb!r} on {target!r}")
-
-    def login_page(request: Request) -> Response:
-        return dash.render(request, "login.html", title="Log in", failed=False)
-
-    async def login(request: Request) -> Response:
-        form = await _form(request)
-        if dash.token is None:
-            return dash.error(request, 403, "this dashboard is read-only: there is no token to log in with")
-        if not hmac.compare_digest(form.get("token", "").encode(), dash.token.encode()):
-            return dash.render(request, "login.html", status=403, title="Log in", failed=True)
-        response = _back(form, "/nodes", "logged in")
-        response.set_cookie(_SESSION_COOKIE, dash.session, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https", path="/")
-        return response
-
-    async def logout(request: Request) -> Response:
-        form = await _form(request)
-        if dash.token is not None and not hmac.compare_digest(form.get("csrf", "").encode(),
-                                                              dash.csrf.encode()):
-            return dash.error(request, 403, "the form's CSRF token is missing or stale")
-        response = RedirectResponse("/nodes?msg=logged+out", status_code=303)
-        response.delete_cookie(_SESSION_COOKIE, path="/")
-        return response
 
     def health(request: Request) -> Response:
         return JSONResponse({"store": dash.store, "read_only": dash.token is None})
@@ -324,15 +371,64 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         Route("/tasks", guarded(tasks_page)),
         Route("/task", guarded(task_page)),
         Route("/act", act, methods=["POST"]),
-        Route("/login", login_page, methods=["GET"]),
-        Route("/login", login, methods=["POST"]),
-        Route("/logout", logout, methods=["POST"]),
+        *_auth_routes(dash),
         Route("/healthz", health),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
-    app = Starlette(routes=routes)
+    hosts = frozenset(h.lower().strip("[]") for h in (LOOPBACK_NAMES if allowed_hosts is None
+                                                      else allowed_hosts))
+    app = _App(hosts, routes=routes)
     app.state.dashboard = dash
     return app
+
+
+class _App(Starlette):
+    """Starlette with the Host check and the security headers outside everything else, so
+    that even its own error responses carry the headers."""
+
+    def __init__(self, hosts: frozenset[str], **options: Any) -> None:
+        self._hosts = hosts
+        super().__init__(**options)
+
+    def build_middleware_stack(self) -> Any:
+        """The usual stack inside :class:`~metafora.web.security.HostCheck`."""
+        return HostCheck(super().build_middleware_stack(), self._hosts)
+
+
+def _auth_routes(dash: Dashboard) -> list[Route]:
+    """``/login`` (a form, throttled per client address) and ``/logout`` (ends the session)."""
+
+    def login_page(request: Request) -> Response:
+        return dash.render(request, "login.html", title="Log in", failed=False)
+
+    async def login(request: Request) -> Response:
+        form = await _form(request)
+        if dash.token is None:
+            return dash.error(request, 403, "this dashboard is read-only: there is no token to log in with")
+        slow = dash.slow_down(request)
+        if slow is not None:
+            return slow
+        if not dash.try_token(request, form.get("token", "")):
+            return dash.render(request, "login.html", status=403, title="Log in", failed=True)
+        sid, _ = dash.sessions.start()
+        response = _back(form, "/nodes", "logged in")
+        response.set_cookie(_SESSION_COOKIE, sid, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https", path="/")
+        return response
+
+    async def logout(request: Request) -> Response:
+        form = await _form(request)
+        session = dash.session(request)
+        if session is not None:
+            if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                return dash.error(request, 403, "the form's CSRF token is missing or stale")
+            dash.sessions.end(request.cookies.get(_SESSION_COOKIE, ""))
+        response = RedirectResponse("/nodes?msg=logged+out", status_code=303)
+        response.delete_cookie(_SESSION_COOKIE, path="/")
+        return response
+
+    return [Route("/login", login_page, methods=["GET"]), Route("/login", login, methods=["POST"]),
+            Route("/logout", logout, methods=["POST"])]
 
 
 def _task_action(dash: Dashboard, verb: str, task_id: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -11,14 +10,21 @@ from types import TracebackType
 from typing import Any, Self
 
 from metafora.errors import ConfigError
+from metafora.http import is_loopback
 from metafora.masking import mask_url
 
-__all__ = ["ENV_TOKEN", "WebServer", "display_url", "is_loopback", "parse_bind"]
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "IDLE_TIMEOUT", "WebServer", "display_url", "is_loopback",
+           "parse_bind"]
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = "METAFORA_WEB_TOKEN"
 """Environment variable read for ``metafora web --token``."""
+ENV_TOKEN_FILE = "METAFORA_WEB_TOKEN_FILE"
+"""Environment variable read for ``metafora web --token-file``."""
+IDLE_TIMEOUT = 10.0
+"""Seconds a connection may stay open without sending a whole request head (before its
+first request or after a response) before the server closes it."""
 
 
 def parse_bind(text: str) -> tuple[str, int]:
@@ -35,16 +41,6 @@ def parse_bind(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", port
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def display_url(url: str) -> str:
     """The store as a page may show it: scheme, hosts and database/path only (no user,
     password or query options) -- the one masking function's brief form."""
@@ -56,12 +52,15 @@ class WebServer:
 
     ``start()`` binds first, so an address in use is a clear ConfigError; ``port`` is the bound
     port (``bind`` may ask for port 0). ``stop()`` asks uvicorn to finish and joins the thread.
+    A connection idle for ``idle_timeout`` seconds is closed.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 8080) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 8080,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
         self._app = app
         self._host = host
         self._port = port
+        self._idle = idle_timeout
         self._sock: socket.socket | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -94,7 +93,11 @@ class WebServer:
     def _config(self) -> Any:
         import uvicorn
 
-        return uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off")
+        from metafora.web.security import idle_closing_protocol
+
+        return uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                              http=idle_closing_protocol(self._idle),
+                              timeout_keep_alive=max(1, round(self._idle)))
 
     def serve_forever(self) -> None:
         """Serve in this thread until interrupted (Ctrl-C)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -78,3 +79,32 @@ def test_bad_http_addr_is_a_config_error(bad: str) -> None:
     with pytest.raises(ConfigError, match="http_addr"):
         Consumer(open_coordinator("memory://http-bad"), simple_handler(lambda t, s: True),
                  http_addr=bad)
+
+
+def _headers(addr: str, path: str) -> dict[str, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as resp:
+            return {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as err:
+        return {k.lower(): v for k, v in err.headers.items()}
+
+
+def test_all_interfaces_warn_what_they_expose_and_every_response_has_the_headers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="metafora.http"), LocalCluster() as cluster:
+        consumer = cluster.add(simple_handler(lambda t, s: True), "open", http_addr="0.0.0.0:0")
+        addr = wait_for(lambda: consumer.http_address, what="http server")
+        port = addr.rsplit(":", 1)[1]
+        for path in ("/info", "/healthz", "/nope"):
+            got = _headers(f"127.0.0.1:{port}", path)
+            assert got.get("x-content-type-options") == "nosniff", (path, got)
+            assert "frame-ancestors 'none'" in got.get("content-security-policy", ""), (path, got)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "metafora.http"]
+    assert any("task ids and fencing tokens" in w and "without authentication" in w for w in warnings)
+
+
+def test_loopback_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="metafora.http"), LocalCluster() as cluster:
+        consumer = cluster.add(simple_handler(lambda t, s: True), "closed", http_addr="127.0.0.1:0")
+        wait_for(lambda: consumer.http_address, what="http server")
+    assert [r for r in caplog.records if r.name == "metafora.http"] == []

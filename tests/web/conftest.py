@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 
@@ -33,6 +35,28 @@ def _missing(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{reason} (CI=true: the browser tests must run)")
     pytest.skip(reason)
+
+
+def http_call(port: int, method: str, path: str, data: dict[str, str] | None = None,
+              headers: dict[str, str] | None = None, cookies: dict[str, str] | None = None,
+              timeout: float = 30) -> tuple[int, str, dict[str, str]]:
+    """One request to ``127.0.0.1:port`` (a form body for ``data``, a Cookie header for
+    ``cookies``): its status, text and headers (names in lower case)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    sent = dict(headers or {})
+    if cookies:
+        sent["Cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
+    body = None
+    if data is not None:
+        body = urlencode(data)
+        sent["Content-Type"] = "application/x-www-form-urlencoded"
+    try:
+        conn.request(method, path, body=body, headers=sent)
+        raw = conn.getresponse()
+        got = {k.lower(): v for k, v in raw.getheaders()}
+        return raw.status, raw.read().decode(), got
+    finally:
+        conn.close()
 
 
 class Served:

@@ -19,6 +19,7 @@ from metafora.cli import cli
 from metafora.errors import ConfigError
 from metafora.web.app import create_app
 from metafora.web.server import WebServer, display_url, is_loopback, parse_bind
+from tests.web.conftest import http_call
 
 TOKEN = "t0ken-for-tests"
 
@@ -50,28 +51,14 @@ class TestClient:
                 cookies: dict[str, str] | None = None) -> Response:
         if params:
             path = f"{path}?{urlencode(params)}"
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
-        sent = dict(headers or {})
         jar = self.cookies if cookies is None else cookies
-        if jar:
-            sent["Cookie"] = "; ".join(f"{k}={v}" for k, v in jar.items())
-        body = None
-        if data is not None:
-            body = urlencode(data)
-            sent["Content-Type"] = "application/x-www-form-urlencoded"
-        try:
-            conn.request(method, path, body=body, headers=sent)
-            raw = conn.getresponse()
-            got = {k.lower(): v for k, v in raw.getheaders()}
-            text = raw.read().decode()
-        finally:
-            conn.close()
+        status, text, got = http_call(self.server.port, method, path, data, headers, jar)
         if "set-cookie" in got:
             name, _, rest = got["set-cookie"].partition("=")
             self.cookies[name] = rest.split(";", 1)[0]
-        if self.follow and raw.status in (303, 307) and "location" in got:
+        if self.follow and status in (303, 307) and "location" in got:
             return self.request("GET", got["location"])
-        return Response(raw.status, text, got)
+        return Response(status, text, got)
 
     def get(self, path: str, **kw: Any) -> Response:
         return self.request("GET", path, **kw)

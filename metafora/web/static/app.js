@@ -8,6 +8,14 @@
       event.preventDefault();
     }
   });
+  // "back" on an error page: history.back() here, as the page's CSP forbids javascript: links.
+  document.addEventListener("click", function (event) {
+    var link = event.target.closest ? event.target.closest("a[data-back]") : null;
+    if (link && window.history.length > 1) {
+      event.preventDefault();
+      window.history.back();
+    }
+  });
   var live = document.getElementById("live");
   if (!live) {
     return;

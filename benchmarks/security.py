@@ -1,0 +1,144 @@
+"""Issue 25's costly requests, timed against a real ``metafora web`` on SQLite, and masking 1 MB.
+
+    python -m benchmarks security [--quick]
+
+- ``/nodes?msg=`` with 60,000 letters and the page of a task whose props hold 65,000 letters
+  (before the fix: 16-25 s and 6.7 s of CPU per request, a quadratic URL pattern run over the
+  page): p50 and max over ``-n`` requests (20, quick: 5) after one warm-up, on one keep-alive
+  connection, measured by the client (request sent to last byte read);
+- :func:`metafora.masking.scrub` over 1 MB of letters, of hostile punctuation, of dense URLs
+  (a URL with a password every 30 characters) and of URLs with ports every 8: the best of 5.
+
+The store kinds given to ``python -m benchmarks`` do not matter: the dashboard reads a SQLite
+file of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Stores, percentile, save, table
+from metafora import Task, open_client
+from metafora.masking import scrub
+from metafora.testing import wait_for
+
+_HOSTILE = "ab:/@?=&;#%.+-1 \t'\"\x1b\u202e"
+MEGABYTE = 1_000_000
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _serve(url: str, port: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAFORA_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    return subprocess.Popen([sys.executable, "-m", "metafora", "--url", url, "web", "--bind",
+                             f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> tuple[float, int, int]:
+    """(milliseconds, status, bytes) of one GET on ``conn``."""
+    started = time.perf_counter()
+    conn.request("GET", path)
+    reply = conn.getresponse()
+    body = reply.read()
+    return (time.perf_counter() - started) * 1000, reply.status, len(body)
+
+
+def pages(requests: int) -> dict[str, Any]:
+    """Time the two costly pages on a ``metafora web`` process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/web.db"
+        with open_client(url) as client:
+            client.submit_task(Task("long-props", {"text": "m" * 65_000}))
+        port = _free_port()
+        proc = _serve(url, port)
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+            def up() -> bool:
+                assert proc.poll() is None, proc.communicate()
+                try:
+                    return _get(conn, "/healthz")[1] == 200
+                except OSError:
+                    conn.close()
+                    return False
+
+            wait_for(up, 60, "metafora web to answer")
+            paths = {"/nodes?msg= (60,000 letters)": "/nodes?" + urlencode({"msg": "m" * 60_000}),
+                     "/task props (65,000 letters)": "/task?id=long-props"}
+            result: dict[str, Any] = {}
+            for name, path in paths.items():
+                _get(conn, path)  # warm-up: templates compiled, schema checked
+                runs = [_get(conn, path) for _ in range(requests)]
+                assert all(status == 200 for _, status, _ in runs), runs
+                times = [ms for ms, _, _ in runs]
+                result[name] = {"requests": requests, "bytes": runs[0][2],
+                                "p50_ms": percentile(times, 50), "max_ms": max(times)}
+            conn.close()
+            return result
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=30)
+
+
+def masking() -> dict[str, Any]:
+    """The best of 5 of masking 1 MB of each kind of text."""
+    rng = random.Random(25)
+    inputs = {
+        "letters": "m" * MEGABYTE,
+        "hostile punctuation": "".join(rng.choice(_HOSTILE) for _ in range(MEGABYTE)),
+        "a password URL every 30 chars": ("postgresql://a:SECRET@h/db " * (MEGABYTE // 27))[:MEGABYTE],
+        "a URL with a port every 8 chars": ("a://b:1 " * (MEGABYTE // 8))[:MEGABYTE],
+    }
+    result = {}
+    for name, text in inputs.items():
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            scrub(text)
+            best = min(best, (time.perf_counter() - started) * 1000)
+        result[name] = {"chars": len(text), "best_ms": best}
+    return result
+
+
+def run(stores: Stores | None, quick: bool) -> dict[str, Any]:
+    """Print the tables and save the JSON (``stores`` is not used: see the module's doc)."""
+    data = {"pages": pages(5 if quick else 20), "masking_1mb": masking()}
+    table("security: costly pages on metafora web (SQLite), client-side time",
+          ["page", "requests", "bytes", "p50 ms", "max ms"],
+          [[name, r["requests"], r["bytes"], r["p50_ms"], r["max_ms"]] for name, r in data["pages"].items()])
+    table("security: masking 1 MB (best of 5)", ["text", "chars", "ms"],
+          [[name, r["chars"], r["best_ms"]] for name, r in data["masking_1mb"].items()])
+    path = save("security", data)
+    print(f"saved {path}")
+    return data
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    run(None, args.quick)

@@ -1,0 +1,312 @@
+"""The dashboard's defences: sessions, login throttling, the Host check, headers, statuses.
+
+Threat model (see ``docs/security.md``): anyone who can reach the port may read the
+dashboard when it is served without a token, and nobody without the token may act. These
+pieces keep that true against a browser on another site (DNS rebinding: the Host check;
+framing and injected script: the headers), against guessing (throttled login, a minimum
+token length off loopback) and against a stolen cookie outliving its session (server-side
+sessions with an idle expiry, ended by logout).
+
+Everything here is plain data and small objects with an injectable clock; the ASGI
+middleware is the only part that touches requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from metafora.errors import (
+    ClaimLost,
+    ConfigError,
+    CoordinatorClosed,
+    CoordinatorUnavailable,
+    InvalidTaskState,
+    MetaforaError,
+    NodeExists,
+    NodeNotFound,
+    RequestTooLarge,
+    ScheduleExists,
+    ScheduleNotFound,
+    StoreError,
+    TaskExists,
+    TaskNotFound,
+)
+
+__all__ = [
+    "HEADERS",
+    "MIN_TOKEN_LENGTH",
+    "HostCheck",
+    "LoginThrottle",
+    "Session",
+    "Sessions",
+    "allowed_hosts",
+    "check_token",
+    "status_for",
+]
+
+MIN_TOKEN_LENGTH = 16
+"""The shortest token accepted for a dashboard reachable from other machines."""
+
+SESSION_IDLE_SECONDS = 30 * 60.0
+"""A session unused this long is gone (the next request must log in again)."""
+MAX_SESSIONS = 1000
+"""Sessions kept at most; the least recently used one goes first (bounds the memory a
+stream of logins can take)."""
+
+HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"content-security-policy",
+     b"default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"same-origin"),
+)
+"""Sent with every response of the dashboard and the info server (pages, ``/static``, errors)."""
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+STATUS_TABLE: tuple[tuple[type[BaseException], int], ...] = (
+    (TaskNotFound, 404),
+    (NodeNotFound, 404),
+    (ScheduleNotFound, 404),
+    (CoordinatorUnavailable, 503),
+    (CoordinatorClosed, 503),
+    (RequestTooLarge, 413),
+    (InvalidTaskState, 409),
+    (TaskExists, 409),
+    (NodeExists, 409),
+    (ScheduleExists, 409),
+    (ClaimLost, 409),
+    (StoreError, 409),
+    (MetaforaError, 400),  # ConfigError, InvalidTaskId, InvalidProps, InvalidCommand: bad input
+)
+"""Exception -> HTTP status, the first ``isinstance`` match wins: a missing thing is 404, a
+store out of reach 503, a refusal by the store 409, bad input 400."""
+
+
+def status_for(exc: BaseException, default: int = 500) -> int:
+    """The HTTP status for ``exc`` by :data:`STATUS_TABLE` (``default`` when none matches)."""
+    for kind, status in STATUS_TABLE:
+        if isinstance(exc, kind):
+            return status
+    return default
+
+
+def check_token(token: str | None, host: str, loopback: bool) -> None:
+    """Refuse a token too short to resist guessing on a non-loopback bind (ConfigError)."""
+    if token is not None and not loopback and len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(f"refusing to serve on {host} (not loopback) with a token of {len(token)} "
+                          f"characters: use at least {MIN_TOKEN_LENGTH} (e.g. python -c "
+                          "'import secrets; print(secrets.token_urlsafe(24))')")
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """One login: its CSRF value and when it was last used (monotonic seconds)."""
+
+    csrf: str
+    used: float
+
+
+class Sessions:
+    """Server-side sessions: a random id per login, an idle expiry, ended by :meth:`end`."""
+
+    def __init__(self, idle: float = SESSION_IDLE_SECONDS, limit: int = MAX_SESSIONS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._idle, self._limit, self._clock = idle, limit, clock
+        self._lock = threading.Lock()
+        self._by_id: OrderedDict[str, Session] = OrderedDict()
+
+    def start(self) -> tuple[str, str]:
+        """A new session: (its id for the cookie, its CSRF value for the forms)."""
+        sid, csrf = secrets.token_urlsafe(32), secrets.token_hex(32)
+        with self._lock:
+            self._by_id[sid] = Session(csrf, self._clock())
+            while len(self._by_id) > self._limit:
+                self._by_id.popitem(last=False)
+        return sid, csrf
+
+    def get(self, sid: str) -> Session | None:
+        """The live session of ``sid`` (its idle time restarts), or None."""
+        if not sid:
+            return None
+        now = self._clock()
+        with self._lock:
+            session = self._by_id.get(sid)
+            if session is None:
+                return None
+            if now - session.used > self._idle:
+                del self._by_id[sid]
+                return None
+            session.used = now
+            self._by_id.move_to_end(sid)
+            return session
+
+    def end(self, sid: str) -> None:
+        """Forget ``sid`` (logout): its cookie and CSRF value no longer work."""
+        with self._lock:
+            self._by_id.pop(sid, None)
+
+
+# --- login throttling -----------------------------------------------------------------------
+
+
+class LoginThrottle:
+    """Failed logins per client: ``free`` tries, then a wait that doubles with each failure.
+
+    :meth:`wait` says how long a client must wait before its next try (0 when it may try
+    now); a success forgets the client. Bounded: at most ``limit`` clients are remembered.
+    """
+
+    def __init__(self, free: int = 5, first_wait: float = 1.0, max_wait: float = 300.0,
+                 limit: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self._free, self._first, self._max, self._limit = free, first_wait, max_wait, limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def wait(self, client: str) -> float:
+        """Seconds ``client`` must wait before trying again (0.0: it may try now)."""
+        with self._lock:
+            count, until = self._failures.get(client, (0, 0.0))
+        return max(0.0, until - self._clock()) if count >= self._free else 0.0
+
+    def failed(self, client: str) -> None:
+        """Count a failed login of ``client``."""
+        now = self._clock()
+        with self._lock:
+            count, _ = self._failures.pop(client, (0, 0.0))
+            count += 1
+            extra = count - self._free
+            pause = 0.0 if extra < 0 else min(self._max, self._first * 2 ** min(extra, 30))
+            self._failures[client] = (count, now + pause)
+            while len(self._failures) > self._limit:
+                self._failures.popitem(last=False)
+
+    def succeeded(self, client: str) -> None:
+        """Forget ``client``'s failures."""
+        with self._lock:
+            self._failures.pop(client, None)
+
+
+# --- the Host check and the headers ---------------------------------------------------------
+
+
+def allowed_hosts(bind_host: str, loopback: bool, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The Host names a request may carry: loopback names for a loopback bind, the bound
+    address itself, and every ``--allow-host`` (lower case, without a port)."""
+    names = {bind_host.lower().strip("[]"), *(name.lower().strip("[]") for name in extra)}
+    if loopback:
+        names.update(name.strip("[]") for name in LOOPBACK_NAMES)
+    names.discard("")
+    names.discard("0.0.0.0")  # a wildcard bind is not a name anyone may send
+    names.discard("::")
+    return frozenset(names)
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header without its port (``[::1]:80`` -> ``::1``), lower case."""
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class HostCheck:
+    """ASGI middleware: answers 421 to a Host not in ``hosts`` (400 without one), and adds
+    :data:`HEADERS` to every response. ``hosts=None`` checks nothing but still adds them."""
+
+    def __init__(self, app: App, hosts: frozenset[str] | None) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the request's Host, then run the app with the headers added."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.hosts is not None:
+            raw = dict(scope.get("headers") or []).get(b"host")
+            if raw is None:
+                await _plain(send, 400, "a Host header is required\n")
+                return
+            if host_name(raw.decode("latin-1")) not in self.hosts:
+                # 421 Misdirected Request: a rebound DNS name must not read the dashboard.
+                await _plain(send, 421, "this dashboard does not answer to that Host "
+                                        "(start it with --allow-host NAME)\n")
+                return
+
+        async def with_headers(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+async def _plain(send: Send, status: int, text: str) -> None:
+    body = text.encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()), *HEADERS]})
+    await send({"type": "http.response.body", "body": body})
+
+
+# --- idle connections -----------------------------------------------------------------------
+
+
+def idle_closing_protocol(header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol closing a connection that has not sent a whole request head
+    within ``header_timeout`` seconds of opening or of its last response (uvicorn's own
+    keep-alive timer starts only after a first response, and restarts on any byte)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class IdleClosing(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request is being served: the app's time is not idle time
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+    return IdleClosing
