@@ -29,7 +29,8 @@ def _read_token(token: str | None, token_file: Path | None) -> str | None:
 
 @click.command()
 @click.option("--bind", default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
-              help="Address to listen on; a non-loopback address needs --token and --allow-host.")
+              help="Address to listen on; a non-loopback address needs --token (and --allow-host for the "
+                   "DNS names clients use).")
 @click.option("--token", default=None, metavar="T", envvar="METAFORA_WEB_TOKEN", show_envvar=True,
               help="Allow actions to whoever sends T (login form, or header 'Authorization: Bearer T'). "
                    "Without it the dashboard is read-only. Prefer --token-file: a command line is "
@@ -38,8 +39,9 @@ def _read_token(token: str | None, token_file: Path | None) -> str | None:
               metavar="PATH", envvar="METAFORA_WEB_TOKEN_FILE", show_envvar=True,
               help="Read the token from this file (one line).")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
-              help="A name clients reach the dashboard by (the Host header); requests naming "
-                   "another host are refused. Loopback names are allowed on a loopback bind. Repeatable.")
+              help="A DNS name clients reach the dashboard by (the Host header); requests naming "
+                   "another host are refused (DNS rebinding). Loopback names, this machine's names and "
+                   "IP addresses are always allowed. Repeatable.")
 @click.option("--items-url", default=None, metavar="URL",
               help="The SQL store of the gates' items, when it is not --url.")
 @click.option("--refresh", type=click.FloatRange(0.5, 2.0), default=2.0, show_default=True,
@@ -62,9 +64,6 @@ def web(ctx: click.Context, bind: str, token: str | None, token_file: Path | Non
                           "reach it would see the cluster; give --token or bind 127.0.0.1")
     check_token(token, host, loopback)
     hosts = allowed_hosts(host, loopback, allow_hosts)
-    if not hosts:
-        raise ConfigError(f"serving on {host} needs --allow-host NAME: the name (or address) clients "
-                          "use to reach the dashboard; requests naming any other host are refused")
     try:
         from metafora.web.app import create_app
         from metafora.web.server import WebServer

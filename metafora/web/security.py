@@ -14,7 +14,10 @@ middleware is the only part that touches requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +51,7 @@ __all__ = [
     "Sessions",
     "allowed_hosts",
     "check_token",
+    "host_allowed",
     "status_for",
 ]
 
@@ -70,6 +74,7 @@ HEADERS: tuple[tuple[bytes, bytes], ...] = (
 """Sent with every response of the dashboard and the info server (pages, ``/static``, errors)."""
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+_WILDCARDS = frozenset({"0.0.0.0", "::"})  # binds to every interface
 
 STATUS_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (TaskNotFound, 404),
@@ -202,15 +207,34 @@ class LoginThrottle:
 
 
 def allowed_hosts(bind_host: str, loopback: bool, extra: Iterable[str] = ()) -> frozenset[str]:
-    """The Host names a request may carry: loopback names for a loopback bind, the bound
-    address itself, and every ``--allow-host`` (lower case, without a port)."""
+    """The Host names a request may carry (lower case, without a port): loopback names for a
+    loopback bind; for a wildcard bind (``0.0.0.0``, ``::``) the loopback names and this
+    machine's own names too; the bound address itself; every ``--allow-host``. An address
+    (``10.1.2.3``) is always accepted as well (see :func:`host_allowed`)."""
     names = {bind_host.lower().strip("[]"), *(name.lower().strip("[]") for name in extra)}
-    if loopback:
+    if loopback or bind_host.strip("[]") in _WILDCARDS:
         names.update(name.strip("[]") for name in LOOPBACK_NAMES)
+    if bind_host.strip("[]") in _WILDCARDS:
+        with contextlib.suppress(OSError):
+            names.update({socket.gethostname().lower(), socket.getfqdn().lower()})
     names.discard("")
-    names.discard("0.0.0.0")  # a wildcard bind is not a name anyone may send
-    names.discard("::")
+    names.difference_update(_WILDCARDS)  # a wildcard bind is not a name anyone may send
     return frozenset(names)
+
+
+def host_allowed(name: str, hosts: frozenset[str]) -> bool:
+    """Whether a request's Host ``name`` may be answered: one of ``hosts``, or an IP address.
+
+    DNS rebinding needs a *name* that an attacker's DNS points at this server; a Host that is
+    an address was typed by whoever connected to that address, so it is safe to answer.
+    """
+    if name in hosts:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def host_name(header: str) -> str:
@@ -244,7 +268,7 @@ class HostCheck:
             if raw is None:
                 await _plain(send, 400, "a Host header is required\n")
                 return
-            if host_name(raw.decode("latin-1")) not in self.hosts:
+            if not host_allowed(host_name(raw.decode("latin-1")), self.hosts):
                 # 421 Misdirected Request: a rebound DNS name must not read the dashboard.
                 await _plain(send, 421, "this dashboard does not answer to that Host "
                                         "(start it with --allow-host NAME)\n")
