@@ -171,8 +171,12 @@ def _annotation_names(annotation: Any) -> str | None:
     if isinstance(annotation, str):
         return annotation.strip().strip("'\"").rsplit(".", 1)[-1] or None
     if isinstance(annotation, type):
+        from metafora.statemachine import AsyncCommands, Commands
+
         if issubclass(annotation, (threading.Event, asyncio.Event)):
             return "Event"
+        if issubclass(annotation, (Commands, AsyncCommands)):
+            return "Commands"
         return annotation.__name__
     return getattr(annotation, "__name__", None)
 

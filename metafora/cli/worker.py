@@ -23,13 +23,13 @@ from typing import Any
 
 import click
 
+from metafora import Consumer
 from metafora.balancer import Balancer
 from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, ResourceBalancer, SleepBalancer
 from metafora.cli._common import CliError, Duration, ExitCode, settings
 from metafora.cli._load import Kind, Target, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
-from metafora.consumer import Consumer
 from metafora.masking import mask_url
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "worker"]

@@ -8,12 +8,10 @@ when it was stopped. Every wait polls with a deadline; every process is stopped 
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,50 +169,39 @@ class Worker:
             cwd=app, env={**_env(app), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True,
         )
-        self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.seen: list[str] = []
+        self._lock = threading.Lock()
+        self._lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.lines.put(line)
+            with self._lock:
+                self._lines.append(line)
 
     def wait_line(self, text: str, timeout: float = DEADLINE) -> str:
         """The first stderr line containing ``text`` (AssertionError after ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        for line in self.seen:
-            if text in line:
-                return line
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {text!r} on stderr; got {self.seen}")
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            if text in line:
-                return line
+        def found() -> str | None:
+            return next((line for line in self.lines() if text in line), None)
+
+        return wait_until(found, timeout, f"{text!r} on stderr")
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            return list(self._lines)
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
 
     def wait(self, timeout: float = DEADLINE) -> int:
         code = self.proc.wait(timeout)
-        self._reader.join(timeout)
-        while True:  # what the reader collected that no wait_line consumed
-            try:
-                self.seen.append(self.lines.get_nowait())
-            except queue.Empty:
-                break
+        self._reader.join(timeout)  # stderr is read to its end
         return code
 
     @property
     def stderr(self) -> str:
-        return "".join(self.seen)
+        return "".join(self.lines())
 
     def kill(self) -> None:
         if self.proc.poll() is None:
