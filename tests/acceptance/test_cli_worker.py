@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +30,7 @@ DEADLINE = 30.0  # seconds any one step may take on a loaded 2-core machine
 HANDLERS = '''
 import asyncio
 import threading
+import urllib.request
 from pathlib import Path
 
 from metafora import AsyncHandler, Handler, Task
@@ -225,6 +228,14 @@ def run_worker(app: Path, url: str, *args: str, timeout: float = 60) -> subproce
     return proc
 
 
+def _healthz(port: int) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            return int(answer.status)
+    except OSError:
+        return None
+
+
 def node_live(client: Client, node: str) -> bool:
     return node in client.nodes()
 
@@ -358,6 +369,9 @@ def test_bad_options_exit_2(app: Path, sqlite_url: str, args: tuple[str, ...], e
 
 
 def test_kind_override_and_env_variables(app: Path, sqlite_url: str, workers: list[Worker]) -> None:
+    with socket.socket() as probe:  # a free port for the probes' server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     worker = Worker(app, None, env={
         "METAFORA_URL": sqlite_url,
         "METAFORA_WORKER_TARGET": "workmod:two",
@@ -365,12 +379,14 @@ def test_kind_override_and_env_variables(app: Path, sqlite_url: str, workers: li
         "METAFORA_WORKER_NODE_ID": "w-env",
         "METAFORA_WORKER_LABELS": "zone=eu gpu=1",
         "METAFORA_WORKER_BALANCER": "dumb",
+        "METAFORA_WORKER_HTTP": f"127.0.0.1:{port}",
     })
     workers.append(worker)
     with open_client(sqlite_url) as client:
         client.submit_task(Task("by-env", selector={"zone": "eu", "gpu": "1"}))
         wait_until(lambda: client.get_task("by-env").state is TaskState.DONE, DEADLINE, "by-env done")
         assert "w-env" in client.nodes()
+    assert wait_until(lambda: _healthz(port), DEADLINE, "/healthz answers") == 200
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.stderr
     assert "metafora worker w-env on sqlite:" in worker.stderr
