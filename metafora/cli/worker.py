@@ -26,7 +26,7 @@ import click
 from metafora import Consumer
 from metafora.balancer import Balancer
 from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, ResourceBalancer, SleepBalancer
-from metafora.cli._common import CliError, Duration, ExitCode, settings
+from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli._load import Kind, Target, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
@@ -140,9 +140,10 @@ class _Signals:
                 signal.signal(sig, handler)
 
 
-def _run(consumer: Consumer, target: Target, store: str) -> None:
+def _run(consumer: Consumer, target: Target, url: str) -> None:
     """Run until a signal; a consumer that dies after starting exits 4."""
     flavour = f"{target.kind.value}{', async' if target.is_async else ''}"
+    store = mask_url(url, brief=True)
     click.echo(f"metafora worker {consumer.node_id} on {store}: running {target.spec} ({flavour}); "
                "SIGTERM or Ctrl-C stops it", err=True)
     signals = _Signals(consumer)
@@ -152,8 +153,8 @@ def _run(consumer: Consumer, target: Target, store: str) -> None:
         except Exception as exc:
             if consumer.info().get("started") is None:
                 raise  # never registered: unreachable (3), refused (1) or a usage error (2)
-            raise CliError.make(f"the consumer {consumer.node_id} stopped: {type(exc).__name__}: {exc}",
-                                ExitCode.CONSUMER_DIED) from exc
+            message = f"the consumer {consumer.node_id} stopped: {type(exc).__name__}: {exc}"
+            raise CliError.make(scrub(message, url), ExitCode.CONSUMER_DIED) from exc
     click.echo(f"metafora worker {consumer.node_id} stopped", err=True)
 
 
@@ -183,6 +184,7 @@ def _run(consumer: Consumer, target: Target, store: str) -> None:
 def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
            weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
            shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta) -> None:
+    """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     # Everything that can be refused is checked before the store is touched.
     extra = check_weight(weight)
     node_labels = parse_select(labels, "--labels")
@@ -197,4 +199,4 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
     except BaseException:
         coordinator.close()  # a bad option: leave nothing open behind
         raise
-    _run(consumer, target, mask_url(url, brief=True))
+    _run(consumer, target, url)
