@@ -4,7 +4,8 @@
 ``--url``, else ``$METAFORA_URL``, else the embedded SQLite default ``sqlite:///metafora.db``.
 
 Exit codes (:class:`ExitCode`): 0 ok, 1 not found or refused, 2 usage (bad arguments, URL,
-id, props or command), 3 store unreachable, 70 an unexpected internal error. Errors are one
+id, props or command), 3 store unreachable, 4 (``metafora worker``) the consumer died after it
+started, 70 an unexpected internal error. Errors are one
 ``Error: <message>`` line on stderr, never a traceback, and never show the store password.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, items, nodes, schedules, task_states, tasks, web
+from metafora.cli import demo_cmd, items, nodes, schedules, task_states, tasks, web, worker
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -78,7 +79,8 @@ def cli(ctx: click.Context, url: str, log_level: str, log_json: bool) -> None:
 
     \b
     Exit codes: 0 ok, 1 not found or refused, 2 usage error,
-                3 store unreachable, 70 internal error.
+                3 store unreachable, 4 a worker's consumer died,
+                70 internal error.
     """
     source = ctx.get_parameter_source("url")
     from_command_line = source is click.core.ParameterSource.COMMANDLINE
@@ -94,6 +96,7 @@ for _command in (
     schedules.schedule,
     demo_cmd.demo,
     web.web,
+    worker.worker,
 ):
     cli.add_command(_command)
 

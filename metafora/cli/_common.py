@@ -67,6 +67,9 @@ class ExitCode(enum.IntEnum):
     """Bad usage: unknown option, bad URL or store option, invalid task id, props or command."""
     UNAVAILABLE = 3
     """The store cannot be reached (retrying later may work)."""
+    CONSUMER_DIED = 4
+    """``metafora worker``: the consumer stopped on its own after it started (one of its loops
+    crashed: a handler that broke the event loop, a balancer, the store gone for good)."""
     INTERNAL = 70
     """An unexpected error: a bug in metafora or a store driver (sysexits' EX_SOFTWARE)."""
 
@@ -119,6 +122,10 @@ class _Unavailable(CliError):
     exit_code = int(ExitCode.UNAVAILABLE)
 
 
+class _Died(CliError):
+    exit_code = int(ExitCode.CONSUMER_DIED)
+
+
 class _Internal(CliError):
     exit_code = int(ExitCode.INTERNAL)
 
@@ -128,6 +135,7 @@ _ERROR_CLASSES: dict[ExitCode, type[CliError]] = {
     ExitCode.REFUSED: CliError,
     ExitCode.USAGE: _UsageFailure,
     ExitCode.UNAVAILABLE: _Unavailable,
+    ExitCode.CONSUMER_DIED: _Died,
     ExitCode.INTERNAL: _Internal,
 }
 

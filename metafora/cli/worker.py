@@ -1,0 +1,202 @@
+"""``metafora worker MODULE:NAME``: run a consumer on the store until SIGTERM or Ctrl-C.
+
+The operator's way to start a node, as ``celery worker`` or ``procrastinate worker`` are: the
+handler comes from ``MODULE:NAME`` (recognised by the rules of :mod:`metafora.cli._load`), the
+Consumer's options from the command line or ``METAFORA_WORKER_*`` variables. The first SIGTERM
+or SIGINT shuts the consumer down gracefully (running handlers are stopped and their tasks
+released at once, the node deregistered) and exits 0; a second one exits at once. See
+``docs/deploy.md`` for systemd and Kubernetes recipes built on this behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import click
+
+from metafora import Consumer
+from metafora.balancer import Balancer
+from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, ResourceBalancer, SleepBalancer
+from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
+from metafora.cli._load import Kind, Target, load_balancer, load_target
+from metafora.cli.tasks import parse_select
+from metafora.connect import open_coordinator
+from metafora.masking import mask_url
+
+__all__ = ["BALANCERS", "ENV_PREFIX", "worker"]
+
+ENV_PREFIX = "METAFORA_WORKER_"
+
+
+def _resource() -> Balancer:
+    return ResourceBalancer(CpuReporter(), claim_limit=80, release_limit=95)
+
+
+#: ``--balancer`` names: what each builds (anything else must be ``MODULE:NAME``).
+BALANCERS: Mapping[str, Callable[[], Balancer]] = {
+    "fair": FairBalancer,
+    "resource": _resource,
+    "sleep": SleepBalancer,
+    "dumb": DumbBalancer,
+}
+
+_HELP = """Run a node: claim tasks from the store and run them with MODULE:NAME.
+
+\b
+MODULE:NAME (or $METAFORA_WORKER_TARGET) is imported (the current
+directory first, then PYTHONPATH) and recognised as one of:
+  handler       a Handler or AsyncHandler subclass, built as NAME(task)
+  step          a stateful step (task, cmds) -> Message, sync or async,
+                run by the state machine: its second parameter is
+                annotated Commands/AsyncCommands, or is named cmds
+  function      a plain function (task, stop) -> bool, sync or async,
+                wrapped with simple_handler: its second parameter is
+                annotated threading.Event/asyncio.Event, or named stop
+  handler-func  a callable taking only the task, returning a Handler
+Anything else is refused naming what was found; --kind says which kind
+it is instead of the rules.
+
+\b
+SIGTERM or SIGINT stops claiming, stops the handlers, releases their
+tasks at once and exits 0; a second signal exits at once (130 after
+SIGINT, 143 after SIGTERM: the claims then wait for their lease).
+
+\b
+Exit codes: 0 stopped by a signal, 1 refused (the node id is live
+elsewhere), 2 usage (bad MODULE:NAME, import error, bad option or URL),
+3 store unreachable at start (after --start-timeout), 4 the consumer
+died after it started (a loop crashed: handler, balancer or store),
+70 internal error, 130/143 a second signal.
+"""
+
+
+def _option(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An option read from ``$METAFORA_WORKER_<NAME>`` too, shown in --help."""
+    env = ENV_PREFIX + decls[0].lstrip("-").replace("-", "_").upper()
+    return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
+
+
+def check_weight(weight: float) -> dict[str, Any]:
+    """``weight=`` for the Consumer if it takes one; a weight other than 1 is refused if not."""
+    if not math.isfinite(weight) or weight <= 0:
+        raise CliError.make(f"--weight must be a positive finite number, got {weight!r}", ExitCode.USAGE)
+    if "weight" in inspect.signature(Consumer).parameters:
+        return {"weight": weight}
+    if weight != 1:
+        raise CliError.make(f"--weight {weight:g}: this version's Consumer has no weight yet "
+                            "(leave --weight out, or 1)", ExitCode.USAGE)
+    return {}
+
+
+def make_balancer(name: str) -> Balancer:
+    """The balancer ``--balancer`` names: a bundled one, or ``MODULE:NAME``."""
+    make = BALANCERS.get(name.strip().lower())
+    if make is not None:
+        return make()
+    if ":" not in name:
+        raise CliError.make(f"--balancer must be one of {', '.join(BALANCERS)} or MODULE:NAME, got {name!r}",
+                            ExitCode.USAGE)
+    return load_balancer(name)
+
+
+class _Signals:
+    """First SIGTERM/SIGINT: graceful shutdown. Second: exit at once with 128 + signal."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the handler may interrupt a write to the same stream.
+        if self.received is not None:
+            os.write(2, f"metafora worker: second {name}, exiting at once (its claims wait for "
+                        "their lease)\n".encode())
+            os._exit(128 + signum)
+        self.received = signum
+        os.write(2, f"metafora worker: {name}, shutting down gracefully (again to exit at once)\n".encode())
+        self._consumer.shutdown()
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle SIGTERM and SIGINT while the block runs (only the main thread may)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _run(consumer: Consumer, target: Target, url: str) -> None:
+    """Run until a signal; a consumer that dies after starting exits 4."""
+    flavour = f"{target.kind.value}{', async' if target.is_async else ''}"
+    store = mask_url(url, brief=True)
+    click.echo(f"metafora worker {consumer.node_id} on {store}: running {target.spec} ({flavour}); "
+               "SIGTERM or Ctrl-C stops it", err=True)
+    signals = _Signals(consumer)
+    with signals.installed():
+        try:
+            consumer.run()
+        except Exception as exc:
+            if consumer.info().get("started") is None:
+                raise  # never registered: unreachable (3), refused (1) or a usage error (2)
+            message = f"the consumer {consumer.node_id} stopped: {type(exc).__name__}: {exc}"
+            raise CliError.make(scrub(message, url), ExitCode.CONSUMER_DIED) from exc
+    click.echo(f"metafora worker {consumer.node_id} stopped", err=True)
+
+
+@click.command(help=_HELP)
+@click.argument("target_spec", metavar="MODULE:NAME", envvar=ENV_PREFIX + "TARGET")
+@_option("--kind", type=click.Choice([k.value for k in Kind]), default=None,
+         help="What MODULE:NAME is, instead of recognising it.")
+@_option("--balancer", default="fair", show_default=True, metavar="fair|resource|sleep|dumb|MODULE:NAME",
+         help="How the node claims and gives back work: resource is CPU-based (claims below 80%, "
+              "releases above 95%); MODULE:NAME is a Balancer, or a class or factory called with "
+              "no arguments.")
+@_option("--labels", "labels", multiple=True, metavar="KEY=VALUE",
+         help="A placement label of this node (repeat it; the variable holds them space-separated).")
+@_option("--weight", type=float, default=1.0, show_default=True,
+         help="This node's share of the work relative to the others (a positive number).")
+@_option("--max-tasks", type=click.IntRange(min=1), default=None, help="At most this many tasks at once.")
+@_option("--node-id", default=None, metavar="ID", help="This node's id (default: hostname-<random>).")
+@_option("--http", "http_addr", default=None, metavar="HOST:PORT",
+         help="Serve /info, /metrics, /healthz and /readyz on this address.")
+@_option("--shutdown-timeout", type=Duration(), default="30s", show_default=True,
+         help="On SIGTERM, how long handlers may take to return before they are abandoned.")
+@_option("--handoff-timeout", type=Duration(), default="30s", show_default=True,
+         help="How long a handler asked to give its task up (balance, metafora stop) may take.")
+@_option("--start-timeout", type=Duration(), default="30s", show_default=True,
+         help="How long to wait for a store that cannot be reached at start (then exit 3).")
+@click.pass_context
+def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
+           weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
+           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta) -> None:
+    """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
+    # Everything that can be refused is checked before the store is touched.
+    extra = check_weight(weight)
+    node_labels = parse_select(labels, "--labels")
+    target = load_target(target_spec, Kind(kind) if kind is not None else None)
+    chosen = make_balancer(balancer)
+    url = settings(ctx).url
+    coordinator = open_coordinator(url, node_id=node_id)
+    try:
+        consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
+                            labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
+                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, **extra)
+    except BaseException:
+        coordinator.close()  # a bad option: leave nothing open behind
+        raise
+    _run(consumer, target, url)
