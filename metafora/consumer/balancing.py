@@ -9,7 +9,6 @@ new owners. Runs on the consumer's loop thread.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from metafora.clock import Clock
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import OfferRouter
 from metafora.consumer.options import ConsumerOptions
+from metafora.consumer.running import NodeLog
 from metafora.coordinator import Coordinator
 from metafora.errors import MetaforaError
 from metafora.masking import mask_url
@@ -43,7 +43,7 @@ class Rebalancer:
         wake: threading.Event,
         clock: Clock,
         rng: random.Random,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._coord = coordinator
         self._balancer = balancer

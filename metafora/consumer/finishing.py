@@ -9,7 +9,6 @@ gathered instead (:meth:`Finisher.take_let_go`) and released in batches by the s
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, MutableMapping
 
@@ -17,7 +16,7 @@ from metafora import tracing
 from metafora.clock import Clock
 from metafora.consumer.events import Event, Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome, error_text
 from metafora.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
 from metafora.metrics import ConsumerStats
@@ -52,7 +51,7 @@ class Finisher:
         post: Callable[[Event], None],
         stats: ConsumerStats,
         clock: Clock,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._coord = coordinator
         self._running = running

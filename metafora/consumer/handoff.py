@@ -9,13 +9,12 @@ task) stops and cancels the handler at once: nothing it does from then on can be
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, MutableMapping
 
 from metafora.clock import Clock
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Finish, Outcome
 from metafora.metrics import ConsumerStats
 from metafora.task import Task
@@ -43,7 +42,7 @@ class Handoffs:
         record: Callable[[Finish], None],
         stats: ConsumerStats,
         clock: Clock,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._running = running
         self._lock = lock

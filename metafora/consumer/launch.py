@@ -9,7 +9,6 @@ claim that came while it was starting is delivered once it has a run.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, MutableMapping
 
@@ -18,7 +17,7 @@ from metafora.clock import Clock
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome, error_text
 from metafora.errors import MetaforaError
 from metafora.handler import HandlerFunc
@@ -44,7 +43,7 @@ class Launcher:
         back_off: Callable[[Task], None],
         stats: ConsumerStats,
         clock: Clock,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._coord = coordinator
         self._handler_func = handler_func

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import logging
 import random
 import threading
 from collections.abc import Callable, Mapping
@@ -28,7 +27,7 @@ from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.preference import Preference
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator
 from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.metrics import ConsumerStats
@@ -231,7 +230,7 @@ class OfferRouter:
         stats: ConsumerStats,
         clock: Clock,
         rng: random.Random,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._coord = coordinator
         self._balancer = balancer

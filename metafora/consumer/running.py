@@ -1,7 +1,9 @@
-"""One running task of the consumer: its claim, its handler and how far its end has gone.
+"""What every part of the consumer shares: a running task's entry, and the node's log.
 
+:class:`Running` is one running task: its claim, its handler and how far its end has gone.
 Entries live in the consumer's ``running`` map (task id -> :class:`Running`) under the
-consumer's one lock; every part (offers, handoff, finishing, shutdown) reads that map.
+consumer's one lock; every part (offers, handoff, launch, finishing, shutdown) reads that
+map. :class:`NodeLog` is the consumer's logger, which every part logs through.
 """
 
 from __future__ import annotations

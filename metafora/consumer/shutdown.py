@@ -13,14 +13,13 @@ side threads and closing the HTTP endpoints stay with :class:`~metafora.consumer
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping
 
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome
 from metafora.errors import MetaforaError
 
@@ -42,7 +41,7 @@ class Shutdown:
         runner: HandlerRunner,
         finisher: Finisher,
         clock: Clock,
-        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: NodeLog,
     ) -> None:
         self._coord = coordinator
         self._running = running

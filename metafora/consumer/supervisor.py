@@ -8,12 +8,12 @@ fatal error (``run()`` raises it) and stops the consumer.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 from metafora.clock import Clock
 from metafora.consumer.events import CommandArrived, Event
+from metafora.consumer.running import NodeLog
 from metafora.coordinator import Coordinator
 from metafora.errors import CoordinatorClosed, MetaforaError
 
@@ -26,7 +26,7 @@ class Supervisor:
     """Starts side threads, keeps the first fatal error, and stops the consumer on it."""
 
     def __init__(self, node_id: str, *, stopping: threading.Event, wake: threading.Event,
-                 log: logging.LoggerAdapter) -> None:  # type: ignore[type-arg]
+                 log: NodeLog) -> None:
         self._node_id = node_id
         self._stopping = stopping
         self._wake = wake
@@ -87,7 +87,7 @@ class Supervisor:
 
 def command_feed(coordinator: Coordinator, *, stopping: threading.Event, clock: Clock,
                  post: Callable[[Event], None],
-                 log: logging.LoggerAdapter) -> None:  # type: ignore[type-arg]
+                 log: NodeLog) -> None:
     """Read this node's commands until ``stopping`` and post each to the loop."""
     backoff = 0.1
     while not stopping.is_set():

@@ -22,7 +22,7 @@ from metafora.balancer import Balancer, BalancerContext
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import Ignores, OfferRouter, Placement
 from metafora.consumer.options import ConsumerOptions
-from metafora.consumer.running import Running
+from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.coordinators.memory import drop_store
 from metafora.metrics import ConsumerStats
@@ -83,7 +83,7 @@ class Rig:
             self.coord, self.balancer, ConsumerOptions(labels=labels, **options),
             running=self.running, lock=self.lock, stopping=threading.Event(),
             wake=threading.Event(), start=self._start, post=self.posted.append, stats=self.stats,
-            clock=clock, rng=random.Random(7), log=logging.LoggerAdapter(logging.getLogger("test")),
+            clock=clock, rng=random.Random(7), log=NodeLog(logging.getLogger("test"), {"node": "a"}),
         )
 
     def _start(self, task: Task) -> None:
