@@ -42,7 +42,7 @@ class Runs:
 
 
 def _deferred(consumer: Consumer) -> int:
-    return len(consumer._deferred)  # offers met while the node was full
+    return len(consumer._offers.deferred)  # offers met while the node was full
 
 
 def test_only_nodes_whose_labels_match_run_a_task(store_url: str) -> None:

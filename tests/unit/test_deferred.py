@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metafora.consumer import _Deferred
+from metafora.consumer.offers import Deferred as _Deferred
 from metafora.task import Task
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from metafora import Consumer, Task, TaskState, simple_handler
 from metafora.coordinator import Finish, Outcome
@@ -174,9 +175,15 @@ class CountingConsumer(Consumer):
 
     walked = 0
 
-    def _offer(self, *tasks: Task) -> None:
-        self.walked += len(tasks)
-        super()._offer(*tasks)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        offer = self._offers.offer  # the claim pipeline lives in the consumer's offer router
+
+        def counting(*tasks: Task) -> None:
+            self.walked += len(tasks)
+            offer(*tasks)
+
+        self._offers.offer = counting  # type: ignore[method-assign]
 
 
 def test_deferred_offers_are_not_rewalked_per_finished_task(harness: Harness) -> None:

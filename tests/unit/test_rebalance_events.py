@@ -68,7 +68,7 @@ def test_a_burst_of_joins_coalesces_into_one_balance_then_one_settling_balance()
         clock.advance(30)  # the settling balance (20-30 s after it)
         wait_for(lambda: counting.count() == 2, 30, "the settling balance")
         # and then only the timer: the next balance is balance_every away
-        wait_for(lambda: a._next_balance - clock.monotonic() > 3000, 30, "the timer re-armed")
+        wait_for(lambda: a._balancing.next_balance - clock.monotonic() > 3000, 30, "the timer re-armed")
         assert counting.count() == 2
         assert counting.lefts == 0
         cluster.stop(cluster.consumers[-1])  # d leaves

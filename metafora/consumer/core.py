@@ -1,0 +1,502 @@
+"""The Consumer: claims tasks, runs their handlers, balances and obeys commands.
+
+One serialized loop (:meth:`Consumer._loop`) owns every decision: offers from the
+coordinator's watch, commands, balance ticks and ignore deadlines all arrive as typed events
+(:mod:`metafora.consumer.events`) on one queue. The loop hands the decisions to the parts:
+
+- :mod:`~metafora.consumer.offers`: which offers to claim, when and in what order;
+- :mod:`~metafora.consumer.balancing`: when to balance, and the cluster's membership;
+- :mod:`~metafora.consumer.handoff`: releases asked of handlers, claims lost under them;
+- :mod:`~metafora.consumer.finishing`: a handler's end and its outcome's write;
+- :mod:`~metafora.consumer.shutdown`: the shutdown, in a fixed order.
+
+Handlers are run by :mod:`metafora.consumer.runner` (sync ones each on a thread of their
+own, async ones on the node's event loop); their outcomes are group-committed by the writer
+of :mod:`metafora.consumer.outcomes`. The watch, the command feed and that writer run in
+named side threads whose failure stops the consumer (a node must not keep claiming when its
+view of the store is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from metafora import commands as cmds
+from metafora import tracing
+from metafora.balancer import Balancer, BalancerContext, RunningTask
+from metafora.balancers.dumb import DumbBalancer
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.consumer.balancing import Rebalancer
+from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
+from metafora.consumer.finishing import Finisher
+from metafora.consumer.handoff import Handoffs
+from metafora.consumer.launch import Launcher
+from metafora.consumer.offers import OfferRouter
+from metafora.consumer.options import (
+    DEFAULT_BALANCE_EVERY,
+    DEFAULT_BALANCE_JITTER,
+    DEFAULT_HANDOFF_TIMEOUT,
+    DEFAULT_PLACEMENT_WAIT,
+    DEFAULT_REBALANCE_WINDOW,
+    DEFAULT_REFUSE_RETRY,
+    DEFAULT_RELEASE_BACKOFF,
+    DEFAULT_RELEASE_BACKOFF_MAX,
+    DEFAULT_RENDEZVOUS_WAIT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_SLOW_CALLBACK,
+    DEFAULT_START_TIMEOUT,
+    ConsumerOptions,
+    seconds,
+)
+from metafora.consumer.runner import HandlerRunner
+from metafora.consumer.running import NodeLog, Running, handler_state
+from metafora.consumer.shutdown import Shutdown
+from metafora.consumer.supervisor import Supervisor, command_feed
+from metafora.coordinator import (
+    DEFAULT_MAX_CRASHES,
+    Coordinator,
+    CoordinatorContext,
+)
+from metafora.errors import (
+    ConfigError,
+    CoordinatorUnavailable,
+    MetaforaError,
+    NodeExists,
+)
+from metafora.handler import HandlerFunc
+from metafora.http import InfoServer, render_metrics
+from metafora.masking import mask_url
+from metafora.metrics import ConsumerStats
+from metafora.schedule import Scheduler
+from metafora.task import Task
+
+__all__ = ["Consumer"]
+
+# Every part logs as "metafora.consumer", the name this logger had before it was a package.
+log = logging.getLogger("metafora.consumer")
+
+_DRAIN_MAX = 1000  # events taken per pass of the loop, so deadlines are not starved
+
+
+class _Context(CoordinatorContext):
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+
+    def lost(self, task: Task) -> None:
+        self._consumer._handoffs.lost(task)
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger("metafora.coordinator").getChild(self._consumer.node_id)
+
+    def renewed(self, seconds: float) -> None:
+        self._consumer.stats.renewal_latency.observe(seconds)
+        tracing.record_renewal(self._consumer.node_id, seconds)
+
+    @property
+    def max_crashes(self) -> int | None:
+        return self._consumer._options.crash_limit
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self._consumer.labels
+
+
+class Consumer:
+    """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
+
+    ``run()`` blocks until ``shutdown()``. The keyword arguments are the options of
+    :class:`~metafora.consumer.options.ConsumerOptions`, which documents each of them (the
+    defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`), and:
+
+    - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        handler_func: HandlerFunc,
+        balancer: Balancer | None = None,
+        *,
+        balance_every: float | timedelta = DEFAULT_BALANCE_EVERY,
+        balance_jitter: float = DEFAULT_BALANCE_JITTER,
+        rebalance_window: float | timedelta = DEFAULT_REBALANCE_WINDOW,
+        max_tasks: int | None = None,
+        max_crashes: int | None = DEFAULT_MAX_CRASHES,
+        shutdown_timeout: float | timedelta = DEFAULT_SHUTDOWN_TIMEOUT,
+        start_timeout: float | timedelta = DEFAULT_START_TIMEOUT,
+        handoff_timeout: float | timedelta = DEFAULT_HANDOFF_TIMEOUT,
+        release_backoff: float | timedelta = DEFAULT_RELEASE_BACKOFF,
+        release_backoff_max: float | timedelta = DEFAULT_RELEASE_BACKOFF_MAX,
+        refuse_retry: float | timedelta = DEFAULT_REFUSE_RETRY,
+        slow_callback: float | timedelta = DEFAULT_SLOW_CALLBACK,
+        http_addr: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
+        rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not isinstance(coordinator, Coordinator):
+            raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
+        if not callable(handler_func):
+            raise ConfigError("handler_func must be callable: Task -> Handler")
+        # ConsumerOptions takes a timedelta too (it normalises and checks every value).
+        self._options = ConsumerOptions(
+            balance_every=cast(float, balance_every), balance_jitter=balance_jitter,
+            rebalance_window=cast(float, rebalance_window), max_tasks=max_tasks,
+            max_crashes=max_crashes, shutdown_timeout=cast(float, shutdown_timeout),
+            start_timeout=cast(float, start_timeout), handoff_timeout=cast(float, handoff_timeout),
+            release_backoff=cast(float, release_backoff),
+            release_backoff_max=cast(float, release_backoff_max),
+            refuse_retry=cast(float, refuse_retry), slow_callback=cast(float, slow_callback),
+            http_addr=http_addr, labels=labels or {}, placement_wait=cast(float, placement_wait),
+            rendezvous_wait=cast(float, rendezvous_wait),
+        )
+        self._coord = coordinator
+        self._handler_func = handler_func
+        self._balancer = balancer if balancer is not None else DumbBalancer()
+        self._clock = clock or SYSTEM_CLOCK
+        self._rng = rng or random.Random()
+        self._build_parts()
+
+    def _build_parts(self) -> None:
+        """The consumer's state shared by its parts, and the parts, wired by their constructors."""
+        coord, options, clock = self._coord, self._options, self._clock
+        self._log = NodeLog(log, {"node": coord.node_id})
+        self._http: InfoServer | None = None
+        self.stats = ConsumerStats()
+        # Any node may materialise due ticks of periodic schedules (metafora.schedule).
+        self._scheduler = Scheduler(coord, clock, logger=self._log)
+        self._started_at: datetime | None = None
+        self._lock = threading.RLock()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._running: dict[str, Running] = {}
+        self._started = False
+        self._run_thread: threading.Thread | None = None
+        self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
+                                      log=self._log)
+        self._timeout_override: float | None = None
+        self._runner = HandlerRunner(coord.node_id, slow_callback=options.slow_callback,
+                                     on_fatal=self._supervisor.fail_fast)
+        self._offers = OfferRouter(
+            coord, self._balancer, options, running=self._running, lock=self._lock,
+            stopping=self._stopping, wake=self._wake, start=self._start, post=self._post,
+            stats=self.stats, clock=clock, rng=self._rng, log=self._log)
+        self._finisher = Finisher(
+            coord, running=self._running, lock=self._lock, stopping=self._stopping,
+            max_tasks=options.max_tasks, back_off=self._offers.back_off,
+            forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
+            clock=clock, log=self._log)
+        self._handoffs = Handoffs(
+            running=self._running, lock=self._lock, runner=self._runner,
+            handoff_timeout=options.handoff_timeout, back_off=self._offers.back_off,
+            record=self._finisher.record, stats=self.stats, clock=clock, log=self._log)
+        self._balancing = Rebalancer(
+            coord, self._balancer, options, offers=self._offers,
+            release=self._handoffs.request_release, wake=self._wake, clock=clock, rng=self._rng,
+            log=self._log)
+        self._launcher = Launcher(
+            coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
+            handoffs=self._handoffs, finisher=self._finisher, back_off=self._offers.back_off,
+            stats=self.stats, clock=clock, log=self._log)
+        self._shutdown = Shutdown(coord, running=self._running, lock=self._lock,
+                                  runner=self._runner, finisher=self._finisher, clock=clock,
+                                  log=self._log)
+
+    # -- public surface -------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        """This node's id (from the coordinator)."""
+        return self._coord.node_id
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """This node's placement labels (a copy)."""
+        return dict(self._options.labels)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
+        return self._offers.frozen
+
+    def tasks(self) -> list[RunningTask]:
+        """The tasks running on this node, oldest first."""
+        with self._lock:
+            entries = [e.view() for e in self._running.values()]
+        return sorted(entries, key=lambda r: r.started)
+
+    def _task_count(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def ignores(self) -> list[str]:
+        """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
+        with self._lock:
+            return [k for k, _ in sorted(self._offers.ignores.items(), key=lambda item: item[1][0])]
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the HTTP endpoints once serving (None when off)."""
+        return self._http.address if self._http is not None else None
+
+    def info(self) -> dict[str, Any]:
+        """What ``/info`` shows: the node, its state and its running tasks."""
+        with self._lock:
+            entries = sorted(self._running.values(), key=lambda e: e.started)
+            rows = [
+                {
+                    "id": e.task.id,
+                    "token": e.task.token,
+                    "started": e.started.isoformat(),
+                    "stopped": e.stopped.isoformat() if e.stopped else None,
+                    "state": handler_state(e.handler),
+                }
+                for e in entries
+            ]
+            ignores = sorted(k for k, _ in self._offers.ignores.items())
+        return {
+            "node": self.node_id,
+            "store": mask_url(self._coord.name, brief=True),
+            "frozen": self.frozen,
+            "labels": self.labels,
+            "started": self._started_at.isoformat() if self._started_at else None,
+            "stopping": self._stopping.is_set(),
+            "tasks": rows,
+            "ignores": ignores,
+            "counters": self.stats.counters(),
+        }
+
+    def healthy(self) -> bool:
+        """Running and not shutting down (what ``/healthz`` answers)."""
+        return (self._started_at is not None and not self._stopping.is_set()
+                and self._supervisor.fatal is None)
+
+    def run(self) -> None:
+        """Register the node and run until ``shutdown()``. Raises the error that stopped it, if any."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("Consumer.run() may be called only once")
+            self._started = True
+            self._run_thread = threading.current_thread()
+        try:
+            registered = self._register()
+        except BaseException:
+            self._coord.close()
+            self._done.set()
+            raise
+        if not registered:  # shutdown() while the store was unreachable
+            self._coord.close()
+            self._done.set()
+            return
+        self._started_at = self._clock.now()
+        self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
+                       extra={"action": "start"})
+        try:
+            self._start_http()
+            self._balancer.init(
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
+            )
+            self._supervisor.start("outcomes", self._finisher.writer.run)
+            self._supervisor.start("watch", self._watch)
+            pushed = self._balancing.listen(self._post)
+            self._supervisor.start("commands", self._command_feed)
+            self._supervisor.start("schedules", self._scheduler.run)
+            self._balancing.schedule_first(pushed)
+            self._loop()
+        except BaseException as exc:
+            self._supervisor.keep(exc)
+            raise
+        finally:
+            self._shutdown_sequence()
+        if self._supervisor.fatal is not None:
+            raise self._supervisor.fatal
+
+    def _register(self) -> bool:
+        """``Coordinator.init``, waiting up to ``start_timeout`` for an unreachable store.
+
+        Returns False when ``shutdown()`` came first. A node starting beside a store that is
+        restarting, or overloaded, waits for it instead of exiting. A retried attempt that
+        meets ``NodeExists`` goes on retrying too: the attempt that seemed to fail may have
+        registered this node, and that registration expires with its lease.
+        """
+        deadline = self._clock.monotonic() + self._options.start_timeout
+        pause = 0.1
+        retried = False
+        while True:
+            try:
+                self._coord.init(_Context(self))
+                return True
+            except CoordinatorUnavailable as exc:
+                error: MetaforaError = exc
+            except NodeExists as exc:
+                if not retried:
+                    raise
+                error = exc
+            left = deadline - self._clock.monotonic()
+            if left <= 0:
+                raise error
+            self._log.warning("cannot register on %s yet (%s); retrying for up to %.0fs",
+                              mask_url(self._coord.name, brief=True), error, left,
+                              extra={"action": "start"})
+            if self._clock.wait(self._stopping, min(pause * self._rng.uniform(0.8, 1.2), left)):
+                return False
+            pause = min(pause * 2, 5.0)
+            retried = True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.
+
+        Safe from any thread, including a signal handler in the thread running ``run()``
+        (then it only starts the shutdown and returns). A handler that ignores ``stop()`` is
+        abandoned after the timeout with an error log; shutdown never hangs.
+        """
+        if timeout is not None:
+            self._timeout_override = seconds(timeout, "timeout", allow_zero=True)
+        self._stopping.set()
+        self._wake.set()
+        with self._lock:
+            started = self._started
+            self._started = True  # a run() after shutdown() must not start
+        if not started:
+            self._coord.close()
+            self._done.set()
+            return
+        if threading.current_thread() is self._run_thread:
+            return
+        limit = (self._timeout_override or self._options.shutdown_timeout) + 30.0
+        if not self._done.wait(limit):
+            self._log.error("consumer %s did not finish shutting down within %.0fs",
+                            self.node_id, limit, extra={"action": "shutdown"})
+
+    def _start_http(self) -> None:
+        if self._options.http_addr is None:
+            return
+        self._http = InfoServer(
+            self._options.http_addr,
+            self.info,
+            lambda: render_metrics(self.node_id, self.stats, len(self._running)),
+            self.healthy,
+        )
+        self._http.start()
+        self._log.info("serving /info, /metrics, /healthz on http://%s", self._http.address,
+                       extra={"action": "http"})
+
+    # -- side threads ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        self._coord.watch(lambda task: self._post(Offer(task)))
+
+    def _command_feed(self) -> None:
+        command_feed(self._coord, stopping=self._stopping, clock=self._clock, post=self._post,
+                     log=self._log)
+
+    def _post(self, event: Event) -> None:
+        self._events.put(event)
+        if not self._wake.is_set():  # set() takes a lock: paid once per offer otherwise
+            self._wake.set()
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            self._drain()
+            if self._stopping.is_set():
+                break
+            now = self._clock.monotonic()
+            self._offers.expire_ignores(now)
+            self._offers.release_held(now)
+            self._handoffs.expire(now)
+            self._balancing.tick(now)
+            deadline = self._balancing.next_balance
+            offer_due = self._offers.next_due()
+            if offer_due is not None:
+                deadline = min(deadline, offer_due)
+            with self._lock:
+                handoff_due = self._handoffs.next_due()
+            if handoff_due is not None:
+                deadline = min(deadline, handoff_due)
+            if self._events.empty():
+                self._clock.wait(self._wake, max(0.0, deadline - self._clock.monotonic()))
+
+    def _drain(self) -> None:
+        # Bounded per pass so ignore deadlines and balance ticks are not starved by a flood.
+        batch: list[Event] = []
+        for _ in range(_DRAIN_MAX):
+            try:
+                batch.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        else:
+            self._wake.set()  # more left: come back after deadlines are checked
+        offers = [e.task for e in batch if isinstance(e, Offer)]
+        self._offers.arrange(offers)
+        room = False
+        for event in batch:
+            if self._stopping.is_set():
+                return
+            if isinstance(event, CommandArrived):
+                self._command(event.command)
+            elif event is Signal.MEMBERS:
+                self._balancing.members_changed()
+            elif event is Signal.ROOM or isinstance(event, Finished):
+                room = True  # once per drain, not once per finished task
+        if room:
+            self._offers.retry_deferred()
+        self._offers.offer_wave(offers)
+
+    def _command(self, command: cmds.Command) -> None:
+        extra = {"action": f"command:{command.name}"}
+        self._log.info("command %s %s", command.name, dict(command.params), extra=extra)
+        if command.name in (cmds.FREEZE, cmds.UNFREEZE):
+            frozen = self._offers.frozen = command.name == cmds.FREEZE
+            try:
+                self._coord.report_frozen(frozen)
+            except MetaforaError as exc:
+                self._log.warning("could not publish frozen=%s: %s", frozen, exc, extra=extra)
+            if not frozen:
+                self._offers.redo_deferred()
+        elif command.name == cmds.BALANCE:
+            self._balancing.balance()
+        elif command.name == cmds.STOP_TASK:
+            if not self._handoffs.request_release(str(command.params["task"])):
+                self._log.warning("stop_task: task %s is not running here", command.params["task"],
+                                  extra=extra)
+        else:  # a newer peer's command: ignore, never crash
+            self._log.warning("ignoring unknown command %r", command.name, extra=extra)
+
+    def _start(self, claimed: Task) -> None:
+        # The offer router starts handlers through the launcher, which is built after it
+        # (the launcher backs off through the router).
+        self._launcher.start(claimed)
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def _shutdown_sequence(self) -> None:
+        """Stop in a fixed order (see :mod:`metafora.consumer.shutdown`), then close up."""
+        self._stopping.set()
+        self._shutdown.announce_leaving()
+        self._scheduler.stop()
+        timeout = self._timeout_override
+        if timeout is None:
+            timeout = self._options.shutdown_timeout
+        deadline = self._shutdown.stop_handlers(timeout)
+        self._shutdown.wait_outcomes(deadline, timeout)
+        self._shutdown.close_store()
+        self._supervisor.join()
+        self._runner.close()
+        if self._http is not None:
+            self._http.close()
+        self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})
+        self._done.set()

@@ -1,0 +1,193 @@
+"""A handler's end: book its outcome, write it through the group commit, log how it went.
+
+The runner calls :meth:`Finisher.finish` where the handler ended (its thread, or the event
+loop): booking takes the consumer's lock and does no I/O; the store write it returns is run
+off the event loop and only queues the outcome on the :class:`OutcomeWriter` (one writer
+thread, :mod:`metafora.consumer.outcomes`). While the node shuts down, released claims are
+gathered instead (:meth:`Finisher.take_let_go`) and released in batches by the shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, MutableMapping
+
+from metafora import tracing
+from metafora.clock import Clock
+from metafora.consumer.events import Event, Finished, Signal
+from metafora.consumer.outcomes import OutcomeWriter, Pending
+from metafora.consumer.running import NodeLog, Running
+from metafora.coordinator import Coordinator, Finish, Outcome, error_text
+from metafora.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
+from metafora.metrics import ConsumerStats
+from metafora.task import Task
+
+__all__ = ["Finisher"]
+
+FINISH_RETRY_MAX = 5.0  # seconds between retries of a done/release/fail the store refused
+
+_COUNTER = {Outcome.DONE: "done", Outcome.RELEASE: "releases", Outcome.FAIL: "failed"}
+# How log messages say an outcome ("task t4 failed"); the `action` field keeps the enum's value.
+_PHRASE = {Outcome.DONE: "done", Outcome.RELEASE: "released", Outcome.FAIL: "failed"}
+
+
+class Finisher:
+    """Books handlers' ends and writes their outcomes (``writer`` runs in a side thread).
+
+    ``running`` and ``lock`` are the consumer's; ``back_off`` / ``forget_releases`` keep the
+    release back-off of a task, ``post`` tells the loop a slot is free.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        running: MutableMapping[str, Running],
+        lock: threading.RLock,
+        stopping: threading.Event,
+        max_tasks: int | None,
+        back_off: Callable[[Task], None],
+        forget_releases: Callable[[str], None],
+        post: Callable[[Event], None],
+        stats: ConsumerStats,
+        clock: Clock,
+        log: NodeLog,
+    ) -> None:
+        self._coord = coordinator
+        self._running = running
+        self._lock = lock
+        self._stopping = stopping
+        self._max_tasks = max_tasks
+        self._back_off = back_off
+        self._forget_releases = forget_releases
+        self._post = post
+        self._stats = stats
+        self._log = log
+        self._finishing: set[Running] = set()  # returned, outcome not written yet
+        self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
+        # Handlers' outcomes are group-committed by one writer thread.
+        self.writer = OutcomeWriter(coordinator, retry_max=FINISH_RETRY_MAX, clock=clock,
+                                    on_retry=self._outcome_retry)
+
+    def finish(self, entry: Running, result: bool | None, error: BaseException | None,
+               span: tracing.SpanLike | None) -> Callable[[], None] | None:
+        """A handler ended: book it (no I/O) and return the store write to do, if any.
+
+        The runner calls this on the handler's thread or on the event loop, inside the run's
+        span, and runs the returned write off the loop: only the write blocks.
+        """
+        if error is None:
+            outcome = Outcome.DONE if result else Outcome.RELEASE
+        else:
+            outcome = Outcome.FAIL
+            if span is not None:
+                span.record_exception(error)
+                span.set_error(f"{type(error).__name__}: {error}")
+            if not entry.lost and not entry.abandoned:
+                self._log.error("handler of task %s raised: %s", entry.task.id, error,
+                                exc_info=error, extra={"task": entry.task.id,
+                                                       "token": entry.task.token, "action": "fail"})
+        stopping = self._stopping.is_set()
+        with self._lock:
+            if self._running.get(entry.task.id) is entry:
+                del self._running[entry.task.id]
+            self._finishing.add(entry)  # shutdown waits for its outcome to be written
+            entry.returned.set()
+            skip = entry.lost or entry.abandoned
+            if stopping:
+                pass  # no more claims: back-offs would only cost time with 10,000 handlers
+            elif outcome is Outcome.RELEASE or entry.lost:
+                # Back off before the store sees the release, so its offer is ignored.
+                self._back_off(entry.task)
+            else:
+                self._forget_releases(entry.task.id)
+        if span is not None:
+            span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
+        if not stopping and self._max_tasks is not None:
+            # The slot is free now, not when the outcome is written: claims for it overlap
+            # the group commit instead of waiting for it.
+            self._post(Signal.ROOM)
+        # Shutting down: the shutdown sequence releases the claims of returned handlers in
+        # batches (finish_many), so thousands of handlers stopping at once do not each wait
+        # for a release write, and a handler still blocked does not hold the others' back.
+        if skip or (stopping and outcome is Outcome.RELEASE):
+            if not skip:
+                self._stats.incr(_COUNTER[outcome])
+                with self._lock:
+                    self._let_go.append(entry.task)
+            self._ended(entry, outcome)
+            return None
+        return lambda: self._queue_outcome(entry, outcome, error)
+
+    def _queue_outcome(self, entry: Running, outcome: Outcome,
+                       error: BaseException | None) -> None:
+        """Hand the outcome to the group commit (runs in the run's context, off the loop)."""
+        end_span = tracing.start_outcome_span(outcome.value)
+
+        def settle(result: MetaforaError | None) -> None:
+            try:
+                self._recorded(outcome, entry.task, result)
+            finally:
+                end_span()
+                self._ended(entry, outcome)
+
+        self._write(Finish(entry.task, outcome, None if error is None else error_text(error)),
+                    settle)
+
+    def _ended(self, entry: Running, outcome: Outcome) -> None:
+        with self._lock:
+            self._finishing.discard(entry)
+        entry.finished.set()
+        if not self._stopping.is_set():
+            self._post(Finished(entry.task, outcome))
+
+    def record(self, finish: Finish) -> None:
+        """Write one outcome that no handler's end books (a failed start, an abandon)."""
+        self._write(finish, lambda result: self._recorded(finish.outcome, finish.task, result))
+
+    def _write(self, finish: Finish, settle: Callable[[MetaforaError | None], None]) -> None:
+        """Queue an outcome for the group commit; ``settle`` is told how it ended.
+
+        The writer retries while the store is unreachable, until shutdown gives up. After it
+        stopped (a handler returning after shutdown), the outcome is written right here.
+        """
+        if self.writer.put(Pending(finish, settle)):
+            return
+        try:
+            (result,) = self._coord.finish_many([finish])
+        except MetaforaError as exc:
+            result = exc
+        settle(result)
+
+    def _recorded(self, outcome: Outcome, task: Task, result: MetaforaError | None) -> None:
+        """Count and log how one outcome's write ended."""
+        extra = {"task": task.id, "token": task.token, "action": outcome.value}
+        if result is None:
+            self._stats.incr(_COUNTER[outcome])
+            self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
+        elif isinstance(result, ClaimLost):
+            self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                              result, extra=extra)
+        elif isinstance(result, CoordinatorUnavailable):
+            self._log.error("gave up recording task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+        else:
+            self._log.error("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
+                            result, extra=extra)
+
+    def _outcome_retry(self, count: int, error: MetaforaError, delay: float) -> None:
+        self._log.warning("store unavailable recording %d outcome(s), retrying in %.1fs: %s",
+                          count, delay, error, extra={"action": "outcome"})
+
+    # -- for the shutdown ----------------------------------------------------------------
+
+    def take_let_go(self, count: int) -> list[Task]:
+        """Remove and return up to ``count`` tasks released during shutdown, not written yet."""
+        with self._lock:
+            tasks, self._let_go = self._let_go[:count], self._let_go[count:]
+        return tasks
+
+    def unwritten(self) -> list[Running]:
+        """Handlers that returned and whose outcome is still being written."""
+        with self._lock:
+            return list(self._finishing)

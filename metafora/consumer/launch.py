@@ -1,0 +1,95 @@
+"""Starting the handler of a task this node just claimed.
+
+The claim may have been lost between ``claim_many`` and now (a paused process, a lease that
+ran out): then the handler is not started and the claim released, in case only this node's
+view was stale. Otherwise the handler is made by ``handler_func`` (a failure fails the
+task), entered in the consumer's ``running`` map and handed to the runner; a stop or a lost
+claim that came while it was starting is delivered once it has a run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, MutableMapping
+
+from metafora import tracing
+from metafora.clock import Clock
+from metafora.consumer.finishing import Finisher
+from metafora.consumer.handoff import Handoffs
+from metafora.consumer.runner import HandlerRunner
+from metafora.consumer.running import NodeLog, Running
+from metafora.coordinator import Coordinator, Finish, Outcome, error_text
+from metafora.errors import MetaforaError
+from metafora.handler import HandlerFunc
+from metafora.metrics import ConsumerStats
+from metafora.task import Task
+
+__all__ = ["Launcher"]
+
+
+class Launcher:
+    """Starts handlers of claimed tasks (``running`` and ``lock`` are the consumer's)."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        handler_func: HandlerFunc,
+        *,
+        running: MutableMapping[str, Running],
+        lock: threading.RLock,
+        runner: HandlerRunner,
+        handoffs: Handoffs,
+        finisher: Finisher,
+        back_off: Callable[[Task], None],
+        stats: ConsumerStats,
+        clock: Clock,
+        log: NodeLog,
+    ) -> None:
+        self._coord = coordinator
+        self._handler_func = handler_func
+        self._running = running
+        self._lock = lock
+        self._runner = runner
+        self._handoffs = handoffs
+        self._finisher = finisher
+        self._back_off = back_off
+        self._stats = stats
+        self._clock = clock
+        self._log = log
+
+    def start(self, claimed: Task) -> None:
+        """Start the handler of ``claimed``, unless its claim was lost meanwhile."""
+        self._stats.incr("claims")
+        extra = {"task": claimed.id, "token": claimed.token, "action": "claim"}
+        if self._handoffs.lost_before_start(claimed) or not self._coord.holds(claimed):
+            # Lost between the claim and now (e.g. the process was paused): do not start.
+            self._stats.incr("lost")
+            self._log.warning("claim on task %s (token %d) was lost before its handler started",
+                              claimed.id, claimed.token, extra=extra)
+            with self._lock:
+                self._back_off(claimed)
+            try:  # in case only our view was stale: never keep a claim nobody runs
+                self._coord.release(claimed)
+            except MetaforaError:
+                pass  # lost for real: the store already freed it
+            return
+        try:
+            handler = self._handler_func(claimed)
+        except Exception as exc:
+            self._log.exception("handler_func failed for task %s", claimed.id, extra=extra)
+            self._finisher.record(Finish(claimed, Outcome.FAIL, error_text(exc)))
+            return
+        entry = Running(claimed, handler, self._clock.now())
+        with self._lock:
+            self._running[claimed.id] = entry
+        self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
+        run = self._runner.start(
+            f"metafora-task-{claimed.id}", handler,
+            lambda result, error, span: self._finisher.finish(entry, result, error, span),
+            lambda: tracing.run_span(claimed.id, claimed.token, self._coord.node_id, claimed.props),
+        )
+        with self._lock:
+            entry.run = run
+            stopped, lost = entry.stopped is not None, entry.lost
+        if stopped:  # a stop or a lost claim came while it was starting
+            self._handoffs.stop_handler(entry, cancel=lost)

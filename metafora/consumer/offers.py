@@ -1,0 +1,472 @@
+"""Offer routing: which offers this node claims, when, and in what order.
+
+The claim pipeline of one offer: placement (a selector this node does not match: not ours)
+-> already running or ignored? -> a free slot (else deferred: :class:`Deferred`) -> soft
+placement hold-back (:class:`Placement`) -> ``Balancer.can_claim`` (a refusal ignores the
+offer until a deadline: :class:`Ignores`) -> claimed in bursts with ``claim_many``. A wave
+of offers is split first by rendezvous preference (:mod:`metafora.consumer.preference`), and
+offers go highest ``Task.priority`` first.
+
+Everything here runs on the consumer's loop thread, except :meth:`OfferRouter.back_off` and
+:meth:`OfferRouter.ignore` (a handler's end, a handoff), which take the consumer's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import random
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime
+
+from metafora import tracing
+from metafora.balancer import Balancer
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.consumer.events import Event, Signal
+from metafora.consumer.options import ConsumerOptions
+from metafora.consumer.preference import Preference
+from metafora.consumer.running import NodeLog, Running
+from metafora.coordinator import Coordinator
+from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.metrics import ConsumerStats
+from metafora.task import Task, matches
+
+__all__ = ["Deferred", "Ignores", "OfferRouter", "Placement", "by_priority"]
+
+# With max_tasks, one claim_many gets this many offers per free slot (and a limit of the free
+# slots): offers another node took meanwhile are skipped inside the statement instead of
+# costing a round trip each.
+OVERFETCH = 4
+WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvous preference)
+MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
+DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
+
+
+def by_priority(task: Task) -> int:
+    """Sort key: higher ``Task.priority`` first."""
+    return -task.priority
+
+
+class Deferred:
+    """Offers waiting for a free slot: highest priority first, oldest first within one.
+
+    Taking ``n`` costs O(n + priority levels), not a walk of the whole backlog, so a node far
+    over ``max_tasks`` does not re-sort it after every finished task.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[int, dict[str, Task]] = {}
+        self._level_of: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._level_of)
+
+    def put(self, task: Task, *, replace: bool = True) -> None:
+        """Defer ``task`` (a newer offer of a deferred id replaces it unless ``replace`` is off)."""
+        level = self._level_of.get(task.id)
+        if level is not None:
+            if not replace:
+                return
+            del self._levels[level][task.id]
+            if not self._levels[level]:
+                del self._levels[level]
+        self._levels.setdefault(task.priority, {})[task.id] = task
+        self._level_of[task.id] = task.priority
+
+    def take(self, count: int | None) -> list[Task]:
+        """Remove and return up to ``count`` (None: all) deferred tasks, in order."""
+        taken: list[Task] = []
+        for level in sorted(self._levels, reverse=True):
+            tasks = self._levels[level]
+            want = len(tasks) if count is None else min(len(tasks), count - len(taken))
+            for task_id in list(itertools.islice(tasks, want)):
+                taken.append(tasks.pop(task_id))
+                del self._level_of[task_id]
+            if not tasks:
+                del self._levels[level]
+            if count is not None and len(taken) >= count:
+                break
+        return taken
+
+
+class Ignores:
+    """Offers ignored until a deadline (refused by the balancer, released, held back for
+    placement): the earliest deadline and the expired ones without a walk of them all (a
+    node refusing a storm's offers ignores tens of thousands).
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[str, tuple[float, Task]] = {}
+        self._heap: list[tuple[float, str]] = []  # may hold stale entries: checked on pop
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def __contains__(self, task_id: str) -> bool:
+        return task_id in self._due
+
+    def get(self, task_id: str) -> tuple[float, Task] | None:
+        """The deadline and newest offer of an ignored task, or None."""
+        return self._due.get(task_id)
+
+    def items(self) -> list[tuple[str, tuple[float, Task]]]:
+        """Every ignored task: id -> (deadline, newest offer)."""
+        return list(self._due.items())
+
+    def put(self, task: Task, due: float) -> None:
+        """Ignore ``task`` until ``due`` (a newer deadline replaces an older one)."""
+        old = self._due.get(task.id)
+        self._due[task.id] = (due, task)
+        if old is None or old[0] != due:
+            heapq.heappush(self._heap, (due, task.id))
+        if len(self._heap) > 2 * len(self._due) + 1024:  # too many stale entries: rebuild
+            self._heap = [(d, i) for i, (d, _) in self._due.items()]
+            heapq.heapify(self._heap)
+
+    def keep_offer(self, task: Task) -> None:
+        """Keep the newest offer of an ignored task (same deadline)."""
+        self._due[task.id] = (self._due[task.id][0], task)
+
+    def next_due(self) -> float | None:
+        """The earliest deadline, or None when nothing is ignored."""
+        while self._heap:
+            due, task_id = self._heap[0]
+            entry = self._due.get(task_id)
+            if entry is not None and entry[0] == due:
+                return due
+            heapq.heappop(self._heap)  # stale
+        return None
+
+    def pop_due(self, now: float) -> list[Task]:
+        """Remove and return the tasks whose deadline has passed."""
+        out: list[Task] = []
+        while self._heap and self._heap[0][0] <= now:
+            due, task_id = heapq.heappop(self._heap)
+            entry = self._due.get(task_id)
+            if entry is not None and entry[0] == due:
+                del self._due[task_id]
+                out.append(entry[1])
+        return out
+
+
+class Placement:
+    """Soft placement: how long to hold back a task ``prefer`` or ``spread`` places elsewhere."""
+
+    def __init__(self, coordinator: Coordinator, options: ConsumerOptions, clock: Clock) -> None:
+        self._coord = coordinator
+        self._labels = options.labels
+        self._wait = options.placement_wait
+        self._refuse_retry = options.refuse_retry
+        self._clock = clock
+        # task id -> (until when soft placement holds it back, group tasks running then)
+        self._held_back: dict[str, tuple[float, int]] = {}
+        self._node_labels: tuple[float, list[dict[str, str]]] | None = None
+
+    def hold_back(self, task: Task, approved: list[Task],
+                  spreads: Mapping[str | None, int] | None) -> float | None:
+        """Seconds to hold ``task`` back for its soft placement, or None to go on claiming.
+
+        ``spread``: a node running ``n`` tasks of the group (``spreads``: running tasks per
+        group, counted by the caller) waits ``n * placement_wait``, so
+        nodes running fewer take it first; a task of a group another task of this offer wave
+        was approved from waits only ``refuse_retry`` (that claim may be lost). ``prefer``: a
+        node without the labels waits ``placement_wait`` while a live node has them. Offered
+        again after its wait, nobody better placed took it, so this node does: best effort,
+        never a task left waiting.
+        """
+        if (not task.prefer and task.spread is None) or not self._wait:
+            return None
+        in_wave = task.spread is not None and any(t.spread == task.spread for t in approved)
+        running = spreads.get(task.spread, 0) if task.spread is not None and spreads else 0
+        now = self._clock.monotonic()
+        misplaced = (bool(task.prefer) and not matches(task.prefer, self._labels)
+                     and self._preferred_node_live(task.prefer, now))
+        held = self._held_back.get(task.id)
+        if not (in_wave or running or misplaced):
+            self._held_back.pop(task.id, None)
+            return None
+        if held is not None and now >= held[0] and not in_wave and running <= held[1]:
+            del self._held_back[task.id]
+            return None
+        if held is None or now >= held[0] or running > held[1]:
+            if len(self._held_back) > 10_000:  # forget holds long past (tasks taken elsewhere)
+                self._held_back = {k: h for k, h in self._held_back.items() if h[0] > now - 60}
+            wait = max(running * self._wait, self._wait if misplaced else 0.0)
+            held = self._held_back[task.id] = (now + (wait or self._refuse_retry), running)
+        return max(0.0, held[0] - now)
+
+    def _preferred_node_live(self, prefer: Mapping[str, str], now: float) -> bool:
+        """Whether a live node has the ``prefer`` labels (node labels cached for 5 s)."""
+        cached = self._node_labels
+        if cached is None or now - cached[0] > 5.0:
+            try:
+                cached = self._node_labels = (now, list(self._coord.node_labels().values()))
+            except MetaforaError:
+                return True  # unsure: hold back once, as if one did
+        return any(matches(prefer, labels) for labels in cached[1])
+
+
+class OfferRouter:
+    """Walks offers through the claim pipeline and keeps what waits: deferred, ignored, held.
+
+    ``running`` and ``lock`` are the consumer's; ``start`` starts the handler of a claimed
+    task, ``post`` tells the consumer's loop that a slot is free while offers wait.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        balancer: Balancer,
+        options: ConsumerOptions,
+        *,
+        running: Mapping[str, Running],
+        lock: threading.RLock,
+        stopping: threading.Event,
+        wake: threading.Event,
+        start: Callable[[Task], None],
+        post: Callable[[Event], None],
+        stats: ConsumerStats,
+        clock: Clock,
+        rng: random.Random,
+        log: NodeLog,
+    ) -> None:
+        self._coord = coordinator
+        self._balancer = balancer
+        self._options = options
+        self._running = running
+        self._lock = lock
+        self._stopping = stopping
+        self._wake = wake
+        self._start = start
+        self._post = post
+        self._stats = stats
+        self._clock = clock
+        self._rng = rng
+        self._log = log
+        self.frozen = False  # claims nothing new (set by the freeze commands)
+        self.ignores = Ignores()
+        self.deferred = Deferred()
+        self._releases: dict[str, int] = {}
+        hold = options.rendezvous_wait
+        self._preference = Preference(coordinator.node_id, hold=hold, max_hold=MAX_HOLD * hold,
+                                      wave=WAVE)
+        self._placement = Placement(coordinator, options, clock)
+        # Offers approved by the balancer are claimed this many per claim_many call.
+        self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", DEFAULT_CLAIM_BURST)))
+
+    # -- waves and deadlines (the loop) ---------------------------------------------
+
+    def arrange(self, offers: list[Task]) -> None:
+        """Order one pass's offers in place: shuffled, then highest priority first."""
+        # Every node hears the same offers in the same order; shuffling them makes nodes
+        # try different tasks first, so fewer claims are lost to a race (one round trip each).
+        self._rng.shuffle(offers)
+        # Higher priority first; the sort is stable, so each priority stays shuffled.
+        offers.sort(key=by_priority)
+
+    def offer_wave(self, offers: list[Task]) -> None:
+        """A wave: this node tries its own share first and holds the others' share back."""
+        self.offer(*self._preference.split(offers, self._clock.monotonic()))
+
+    def members(self, members: set[str]) -> None:
+        """The live nodes changed: rendezvous preference ranks over these."""
+        self._preference.members(members)
+
+    def next_due(self) -> float | None:
+        """The earliest time a held-back or ignored offer is due, or None."""
+        due = self._preference.next_due()
+        with self._lock:
+            ignore_due = self.ignores.next_due()
+        if ignore_due is not None:
+            due = ignore_due if due is None else min(due, ignore_due)
+        return due
+
+    def release_held(self, now: float) -> None:
+        """Offers held back for their preferred node that are due: try those still claimable.
+
+        Most were taken meanwhile: a coordinator that can tell which are left in one read
+        (``claimable``, SQL) saves a claim attempt on each of the others.
+        """
+        due = self._preference.due(now, 1000)  # bounded per pass, as a drain is
+        claimable = getattr(self._coord, "claimable", None)
+        if due and claimable is not None:
+            try:
+                due = claimable(due)
+            except CoordinatorClosed:
+                raise
+            except MetaforaError as exc:  # then try them all: a claim skips the taken ones
+                self._log.warning("could not check %d held-back offers: %s", len(due), exc,
+                                  extra={"action": "claim"})
+        if due:
+            self.offer(*due)
+
+    def expire_ignores(self, now: float) -> None:
+        """Offer again the ignored tasks whose deadline has passed."""
+        with self._lock:
+            due = self.ignores.pop_due(now)
+        due.sort(key=by_priority)
+        self.offer(*due)
+
+    def forgive_refusals(self, now: float) -> None:
+        """A node left: offers the balancer refused may be its orphans, try them now.
+
+        Our own release back-offs stay (they stop a released task from coming back).
+        """
+        with self._lock:
+            for task_id, (due, task) in self.ignores.items():
+                if task_id not in self._releases and due > now:
+                    self.ignores.put(task, now)
+
+    def retry_deferred(self) -> None:
+        """A slot may be free: re-offer deferred tasks, unless frozen."""
+        if self.deferred and not self.frozen:
+            self.redo_deferred()
+
+    def redo_deferred(self) -> None:
+        """Re-offer deferred tasks, a few per free slot (highest priority first, then
+        oldest; see ``OVERFETCH``).
+
+        Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
+        after every finished task (quadratic). Slots still free after a round (offers refused
+        or lost to a race) take another round; the map shrinks every round (offers go back
+        only when a claim filled every free slot, which ends the rounds).
+        """
+        while True:
+            with self._lock:
+                if self.frozen or not self.deferred or self._stopping.is_set():
+                    return
+                slots = self.free_slots()
+                if slots is not None and slots <= 0:
+                    return
+                waiting = self.deferred.take(None if slots is None else slots * OVERFETCH)
+            self.offer(*waiting)
+
+    # -- the pipeline -----------------------------------------------------------------
+
+    def offer(self, *tasks: Task) -> None:
+        """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
+        approved: list[Task] = []
+        approved_ids: set[str] = set()
+        # Running tasks per spread group, counted once per claim burst (not once per offer).
+        spreads: dict[str | None, int] | None = None
+        for task in tasks:
+            if self._stopping.is_set():
+                return
+            if task.selector and not matches(task.selector, self._options.labels):
+                continue  # placement: another node's task (the claim would refuse it too)
+            with self._lock:
+                if task.id in self._running or task.id in approved_ids:
+                    continue
+                if task.id in self.ignores:
+                    self.ignores.keep_offer(task)
+                    continue
+                slots = self.free_slots()
+                if self.frozen or (slots is not None and slots <= 0):
+                    self.deferred.put(task)
+                    continue
+            if task.spread is not None and spreads is None:
+                with self._lock:
+                    spreads = collections.Counter(e.task.spread for e in self._running.values())
+            wait = self._placement.hold_back(task, approved, spreads)
+            if wait is not None:
+                self.ignore(task, wait)
+                continue
+            if not self._can_claim(task):
+                continue
+            approved.append(task)
+            approved_ids.add(task.id)
+            burst = self._claim_burst if slots is None else min(self._claim_burst,
+                                                                 slots * OVERFETCH)
+            if len(approved) >= burst:
+                self.claim(approved, len(approved) if slots is None else slots)
+                approved = []
+                approved_ids.clear()
+                spreads = None  # the burst started handlers: count again when next needed
+        if approved:
+            with self._lock:
+                slots = self.free_slots()
+            self.claim(approved, len(approved) if slots is None else max(1, slots))
+
+    def _can_claim(self, task: Task) -> bool:
+        """Ask the balancer; a refusal (or a balancer error) ignores the offer for a while."""
+        try:
+            ok, until = self._balancer.can_claim(task)
+        except Exception as exc:
+            self._log.exception("balancer failed on can_claim(%s): %s", task.id, exc,
+                                extra={"task": task.id, "action": "can_claim"})
+            ok, until = False, None
+        if not ok:
+            self.ignore(task, until)
+        return ok
+
+    def free_slots(self) -> int | None:
+        """Handlers this node may still start (None: no max_tasks). Called holding the lock."""
+        if self._options.max_tasks is None:
+            return None
+        return self._options.max_tasks - len(self._running)
+
+    def claim(self, tasks: list[Task], limit: int) -> None:
+        """Claim up to ``limit`` of ``tasks`` in one request and start what was won."""
+        began = SYSTEM_CLOCK.monotonic()
+        try:
+            with tracing.claim_span(self._coord.node_id, len(tasks)) as span:
+                claimed = self._coord.claim_many(tasks, limit)
+                span.set_attribute("metafora.claimed", len(claimed))
+        except CoordinatorClosed:
+            raise
+        except MetaforaError as exc:  # one failed claim must not take the node down
+            self._log.warning("claiming %d task(s) failed, will retry: %s", len(tasks), exc,
+                              extra={"action": "claim"})
+            for task in tasks:
+                self.ignore(task, self._options.refuse_retry)
+            return
+        self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < limit:  # every offer was tried: those not won went to others
+            self._stats.incr("races_lost", len(tasks) - len(claimed))
+        elif len(claimed) < len(tasks):
+            # The limit was reached: offers past it may not have been tried. Defer them again
+            # (a slot freeing up re-offers them); stale ones drop out once a claim tries all.
+            won = {t.id for t in claimed}
+            with self._lock:
+                for task in tasks:
+                    if task.id not in won:
+                        self.deferred.put(task, replace=False)
+        for task in claimed:
+            self._start(task)
+        with self._lock:
+            max_tasks = self._options.max_tasks
+            room = bool(self.deferred) and (max_tasks is None or len(self._running) < max_tasks)
+        if room:
+            # Offers met while this batch filled the free slots were deferred. The tasks we
+            # did not win (or did not start) leave slots free, and no handler may ever finish
+            # to retry the deferred offers: retry them now (through the loop, not recursively).
+            self._post(Signal.ROOM)
+
+    # -- ignoring ---------------------------------------------------------------------
+
+    def ignore(self, task: Task, until: datetime | float | None) -> None:
+        """Ignore offers of ``task`` until ``until`` (a time, seconds, or ``refuse_retry``)."""
+        if until is None:
+            delay = self._options.refuse_retry
+        elif isinstance(until, datetime):
+            delay = (until - self._clock.now()).total_seconds()
+        else:
+            delay = until
+        with self._lock:
+            self.ignores.put(task, self._clock.monotonic() + max(0.0, delay))
+        self._wake.set()
+
+    def back_off(self, task: Task) -> None:
+        """This node let ``task`` go: ignore it for a back-off doubling per release (lock held)."""
+        count = self._releases.get(task.id, 0) + 1
+        self._releases[task.id] = count
+        options = self._options
+        backoff = min(options.release_backoff * 2 ** (count - 1), options.release_backoff_max)
+        if backoff > 0:
+            self.ignore(task.with_token(0), backoff * self._rng.uniform(0.8, 1.2))
+
+    def forget_releases(self, task_id: str) -> None:
+        """``task`` ended for good here: its next release backs off from the start (lock held)."""
+        self._releases.pop(task_id, None)

@@ -1,0 +1,105 @@
+"""The consumer's side threads, supervised: if one dies, the node stops claiming and shuts down.
+
+The watch, the command feed, the outcome writer and the scheduler each run in a named daemon
+thread (``metafora-<name>-<node>``). A node whose view of the store is gone -- its watch or
+command feed died -- must not keep claiming: the first failure is kept as the consumer's
+fatal error (``run()`` raises it) and stops the consumer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from metafora.clock import Clock
+from metafora.consumer.events import CommandArrived, Event
+from metafora.consumer.running import NodeLog
+from metafora.coordinator import Coordinator
+from metafora.errors import CoordinatorClosed, MetaforaError
+
+__all__ = ["Supervisor", "command_feed"]
+
+SIDE_THREAD_JOIN = 5.0  # seconds the shutdown waits for each side thread
+
+
+class Supervisor:
+    """Starts side threads, keeps the first fatal error, and stops the consumer on it."""
+
+    def __init__(self, node_id: str, *, stopping: threading.Event, wake: threading.Event,
+                 log: NodeLog) -> None:
+        self._node_id = node_id
+        self._stopping = stopping
+        self._wake = wake
+        self._log = log
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._fatal: BaseException | None = None
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """The error that stopped the consumer, if one did."""
+        return self._fatal
+
+    def keep(self, exc: BaseException) -> None:
+        """Keep ``exc`` as the fatal error unless one was kept already."""
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = exc
+
+    def start(self, name: str, target: Callable[[], None]) -> None:
+        """Run ``target`` in a named, supervised daemon thread."""
+        thread = threading.Thread(
+            target=self._supervised, args=(name, target),
+            name=f"metafora-{name}-{self._node_id}", daemon=True,
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _supervised(self, name: str, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except CoordinatorClosed:
+            if not self._stopping.is_set():
+                self.fail_fast(name, CoordinatorClosed(f"coordinator closed under the {name} loop"))
+        except BaseException as exc:
+            if not self._stopping.is_set():
+                self.fail_fast(name, exc)
+        else:
+            if not self._stopping.is_set() and name == "watch":
+                self.fail_fast(name, MetaforaError("the coordinator's watch returned unexpectedly"))
+
+    def fail_fast(self, name: str, exc: BaseException) -> None:
+        """The ``name`` loop died of ``exc``: keep the error and stop the consumer."""
+        self._log.error("the %s loop of consumer %s died; shutting down: %s", name,
+                        self._node_id, exc, exc_info=exc, extra={"action": "fatal"})
+        self.keep(exc)
+        self._stopping.set()
+        self._wake.set()
+
+    def join(self) -> None:
+        """Wait a while for each side thread (they end once the coordinator is closed)."""
+        for thread in self._threads:
+            thread.join(SIDE_THREAD_JOIN)
+            if thread.is_alive():
+                self._log.error("side thread %s did not stop", thread.name,
+                                extra={"action": "shutdown"})
+
+
+def command_feed(coordinator: Coordinator, *, stopping: threading.Event, clock: Clock,
+                 post: Callable[[Event], None],
+                 log: NodeLog) -> None:
+    """Read this node's commands until ``stopping`` and post each to the loop."""
+    backoff = 0.1
+    while not stopping.is_set():
+        try:
+            command = coordinator.command(timeout=1.0)
+        except CoordinatorClosed:
+            raise
+        except MetaforaError as exc:  # unreachable, or an odd store error: back off, retry
+            log.warning("cannot read commands: %s", exc, extra={"action": "command"})
+            clock.wait(stopping, backoff)
+            backoff = min(backoff * 2, 5.0)
+            continue
+        backoff = 0.1
+        if command is not None:
+            post(CommandArrived(command))

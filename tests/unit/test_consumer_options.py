@@ -1,0 +1,62 @@
+"""The consumer's options (metafora.consumer.options): one frozen value, checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from metafora import Consumer, open_coordinator, simple_handler
+from metafora.consumer import ConsumerOptions
+from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES, seconds
+from metafora.errors import ConfigError
+
+
+def test_defaults_are_the_named_constants() -> None:
+    options = ConsumerOptions()
+    assert options.balance_every == DEFAULT_BALANCE_EVERY
+    assert options.max_crashes == DEFAULT_MAX_CRASHES and options.crash_limit == DEFAULT_MAX_CRASHES
+    assert options.max_tasks is None and options.http_addr is None and dict(options.labels) == {}
+
+
+def test_a_timedelta_becomes_seconds_and_the_value_is_frozen() -> None:
+    options = ConsumerOptions(balance_every=timedelta(minutes=2),  # type: ignore[arg-type]
+                              handoff_timeout=timedelta(0))  # type: ignore[arg-type]
+    assert (options.balance_every, options.handoff_timeout) == (120.0, 0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.balance_every = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"balance_every": 0}, "balance_every must be a positive number of seconds, got 0"),
+        ({"refuse_retry": float("nan")}, "refuse_retry must be a positive number of seconds"),
+        ({"shutdown_timeout": -1}, "shutdown_timeout must be a positive number of seconds, got -1"),
+        ({"slow_callback": 0}, "slow_callback must be a positive number of seconds"),
+        ({"max_tasks": 0}, "max_tasks must be a positive integer or None, got 0"),
+        ({"max_crashes": True}, "max_crashes must be a non-negative integer or None, got True"),
+        ({"balance_jitter": 1}, r"balance_jitter must be in \[0, 1\), got 1"),
+        ({"labels": {"": "x"}}, "labels key must not be empty"),
+    ],
+)
+def test_bad_options_are_refused_with_the_consumers_messages(kwargs: dict[str, object],
+                                                             message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ConsumerOptions(**kwargs)  # type: ignore[arg-type]
+    coord = open_coordinator("memory://options", node_id="n")
+    with pytest.raises(ConfigError, match=message):
+        Consumer(coord, simple_handler(lambda task, stop: True), **kwargs)  # type: ignore[arg-type]
+
+
+def test_zero_crash_limit_turns_it_off() -> None:
+    assert ConsumerOptions(max_crashes=0).crash_limit is None
+    assert ConsumerOptions(max_crashes=None).crash_limit is None
+
+
+def test_seconds_takes_numbers_and_timedeltas() -> None:
+    assert seconds(1, "x") == 1.0 and seconds(timedelta(milliseconds=250), "x") == 0.25
+    assert seconds(0, "x", allow_zero=True) == 0.0
+    with pytest.raises(ConfigError, match="x must be a positive number of seconds"):
+        seconds(0, "x")
