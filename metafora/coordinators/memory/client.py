@@ -1,0 +1,224 @@
+"""The in-process client: submit, inspect and steer the tasks of a :class:`MemoryStore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from metafora.commands import Command
+from metafora.config import StoreURL
+from metafora.coordinator import (
+    Client,
+    NodeInfo,
+)
+from metafora.coordinators.memory.store import MemoryStore, Row, store_for
+from metafora.errors import (
+    CoordinatorClosed,
+    NodeNotFound,
+    ScheduleExists,
+    ScheduleNotFound,
+    TaskExists,
+    TaskNotFound,
+)
+from metafora.schedule import Schedule
+from metafora.task import (
+    Task,
+    TaskInfo,
+    TaskState,
+    validate_schedule,
+    validate_task_id,
+)
+from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
+
+
+class MemoryClient(Client):
+    """Operator client on an in-process :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return f"memory://{self._store.name}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CoordinatorClosed(f"client on {self.name} is closed")
+
+    def submit_task(self, task: Task) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            validate_schedule(task, s.clock.now())
+            if task.id in s.tasks:
+                raise TaskExists(f"task {task.id!r} already exists")
+            row = Row.new(task, s.clock.now())
+            s.tasks[task.id] = row
+            row.ready = s.bump()
+
+    _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
+
+    def _now(self) -> datetime:
+        return self._store.clock.now()
+
+    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            existing = [task.id for task in batch if task.id in s.tasks]
+            if existing:
+                return existing
+            now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
+            for task in batch:
+                row = s.tasks[task.id] = Row.new(task, now)
+                row.ready = ready
+        return []
+
+    def _row(self, task_id: str) -> Row:
+        row = self._store.tasks.get(validate_task_id(task_id))
+        if row is None:
+            raise TaskNotFound(f"no task {task_id!r}")
+        return row
+
+    def delete_task(self, task_id: str) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            row = self._row(task_id)
+            del s.tasks[task_id]
+            owner = s.nodes.get(row.owner) if row.state is TaskState.CLAIMED and row.owner else None
+            s.bump()
+        if owner is not None:
+            owner.ctx.lost(row.task())
+
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            s.sweep(s.clock.now())
+            row = self._row(task_id)
+            if rewrite is None:
+                check_retryable(task_id, row.state)
+            else:
+                held = s.task_state(task_id)
+                body = rewrite(RetrySnapshot(task_id, row.state, row.token,
+                                             None if held is None else held[1]))
+                if body is not None and held is not None:  # the state's token is kept
+                    s.put_task_state(task_id, held[0], body if isinstance(body, str) else body.decode())
+            row.state = TaskState.PENDING
+            row.error = None
+            row.finished_at = None
+            row.crashes = 0
+            row.ready = s.bump()
+
+    def get_task(self, task_id: str) -> TaskInfo:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            s.sweep(s.clock.now())
+            return self._row(task_id).info()
+
+    def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
+        wanted = None if state is None else TaskState(state)
+        s = self._store
+        with s.cond:
+            self._check_open()
+            s.sweep(s.clock.now())
+            rows = sorted(s.tasks.values(), key=lambda r: r.task_id)
+            return [r.info() for r in rows if wanted is None or r.state is wanted]
+
+    def nodes(self) -> list[str]:
+        with self._store.cond:
+            self._check_open()
+            return sorted(self._store.nodes)
+
+    def node_task_count(self) -> dict[str, int]:
+        with self._store.cond:
+            self._check_open()
+            return self._store.counts()
+
+    def node_infos(self) -> list[NodeInfo]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            counts = s.counts()
+            return [
+                NodeInfo(n.node_id, counts.get(n.node_id, 0), started=n.started, frozen=n.frozen,
+                         labels=dict(n.labels))
+                for n in sorted(s.nodes.values(), key=lambda n: n.node_id)
+            ]
+
+    def submit_command(self, node_id: str, command: Command) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            node = s.nodes.get(node_id)
+            if node is None:
+                raise NodeNotFound(f"no live node {node_id!r}")
+            node.commands.append(command.to_json())
+            s.bump()
+
+    def purge(self, older_than: timedelta | None = None) -> int:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            now = s.clock.now()
+            s.sweep(now)
+            cutoff = now - (older_than or timedelta(0))
+            finished = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
+            doomed = [
+                r.task_id
+                for r in s.tasks.values()
+                if r.state in finished and r.finished_at is not None and r.finished_at <= cutoff
+            ]
+            for task_id in doomed:
+                del s.tasks[task_id]
+            return len(doomed)
+
+    def schedules(self) -> list[Schedule]:
+        with self._store.cond:
+            self._check_open()
+            return sorted(self._store.schedules.values(), key=lambda x: x.name)
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            if schedule.name in s.schedules:
+                raise ScheduleExists(f"schedule {schedule.name!r} already exists")
+            s.schedule_changed(schedule, schedule.name)
+
+    def _stored_schedule(self, name: str) -> Schedule:
+        found = self._store.schedules.get(name)
+        if found is None:
+            raise ScheduleNotFound(f"no schedule {name!r}")
+        return found
+
+    def _schedule_delete(self, name: str) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            self._stored_schedule(name)
+            s.schedule_changed(None, name)
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            found = self._stored_schedule(name)
+            if found.paused == paused:
+                return
+            cursor = found.cursor if paused else max(found.cursor, now)
+            s.schedule_changed(dataclasses.replace(found, paused=paused, cursor=cursor), name)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+
+def open_client(url: StoreURL, options: dict[str, Any]) -> MemoryClient:
+    """Backend hook for :func:`metafora.open_client`."""
+    return MemoryClient(store_for(url, dict(options)))

@@ -1,0 +1,242 @@
+"""The shared in-process store behind every ``memory://NAME`` of one process: rows, nodes, schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.config import OptionReader, StoreURL
+from metafora.coordinator import (
+    CoordinatorContext,
+)
+from metafora.errors import (
+    ConfigError,
+)
+from metafora.schedule import Schedule
+from metafora.task import (
+    Task,
+    TaskInfo,
+    TaskState,
+)
+
+log = logging.getLogger(__name__)
+
+
+POLL_SECONDS = 1.0  # real seconds between re-checks of launch_at / expires_at while idle
+
+
+@dataclass
+class Row:
+    task_id: str
+    props: dict[str, Any]
+    state: TaskState
+    created_at: datetime
+    owner: str | None = None
+    token: int = 0
+    claimed_at: datetime | None = None
+    error: str | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    crashes: int = 0  # latest claims in a row that ended with their node dead
+    ready: int = 0  # store version at which the row last became claimable
+    selector: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    prefer: dict[str, str] = field(default_factory=dict)
+    spread: str | None = None
+
+    @classmethod
+    def new(cls, task: Task, now: datetime) -> Row:
+        return cls(task.id, dict(task.props), TaskState.PENDING, now,
+                   selector=dict(task.selector), priority=task.priority,
+                   prefer=dict(task.prefer), spread=task.spread)
+
+    def task(self) -> Task:
+        return Task(self.task_id, self.props, self.token, selector=self.selector,
+                    priority=self.priority, prefer=self.prefer, spread=self.spread)
+
+    def info(self) -> TaskInfo:
+        return TaskInfo(
+            id=self.task_id,
+            props=dict(self.props),
+            state=self.state,
+            owner=self.owner,
+            token=self.token,
+            claimed_at=self.claimed_at,
+            error=self.error,
+            created_at=self.created_at,
+            finished_at=self.finished_at,
+            attempts=self.attempts,
+            selector=dict(self.selector),
+            priority=self.priority,
+            prefer=dict(self.prefer),
+            spread=self.spread,
+        )
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    ctx: CoordinatorContext
+    started: datetime
+    commands: deque[str] = field(default_factory=deque)
+    frozen: bool = False
+    leaving: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class MemoryStore:
+    """The shared state behind one ``memory://NAME``. All access holds ``cond``."""
+
+    def __init__(self, name: str, clock: Clock) -> None:
+        self.name = name
+        self.clock = clock
+        self.cond = threading.Condition()
+        self.tasks: dict[str, Row] = {}
+        self.nodes: dict[str, NodeRecord] = {}
+        self.token_seq = 0
+        self.version = 0
+        self.schedules: dict[str, Schedule] = {}
+        self.schedule_seq = 0  # the schedules' compare-and-set versions
+        self.schedule_listeners: list[Callable[[], None]] = []
+        self.member_listeners: list[Callable[[], None]] = []
+        # Each task's state-machine state: (claim token, body, the row it belongs to). The
+        # coordinator keeps where it lives, as SQL's metafora_state and etcd's state/<id>
+        # do; what it means is the state machine's (metafora.statemachine.stores.memory).
+        self.task_states: dict[str, tuple[int, str, weakref.ref[Row]]] = {}
+
+    def task_state(self, task_id: str) -> tuple[int, str] | None:
+        """(token, body) of the task's stored state-machine state, or None (the caller
+        holds ``cond``). An entry left by a deleted task (perhaps submitted again under
+        the same id: a new row) is dropped."""
+        held = self.task_states.get(task_id)
+        if held is None:
+            return None
+        if held[2]() is not self.tasks.get(task_id):
+            del self.task_states[task_id]
+            return None
+        return held[0], held[1]
+
+    def put_task_state(self, task_id: str, token: int, body: str) -> None:
+        """Store the state-machine state of an existing task, written under claim ``token``
+        (the caller holds ``cond``)."""
+        self.task_states[task_id] = (token, body, weakref.ref(self.tasks[task_id]))
+
+    def schedule_changed(self, schedule: Schedule | None, name: str) -> None:
+        """Store ``schedule`` (None: delete ``name``) with a fresh version; tell the listeners."""
+        if schedule is None:
+            self.schedules.pop(name, None)
+        else:
+            self.schedule_seq += 1
+            self.schedules[name] = dataclasses.replace(schedule, version=self.schedule_seq)
+        for wake in self.schedule_listeners:
+            wake()
+
+    def members_changed(self) -> None:
+        """A node joined, left or announced leaving: tell every listening coordinator."""
+        for listener in list(self.member_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a membership listener of %s raised", self.name)
+
+    def bump(self) -> int:
+        """Note a change that may make tasks claimable; wake watchers."""
+        self.version += 1
+        self.cond.notify_all()
+        return self.version
+
+    def claimable(self, row: Row, now: datetime) -> bool:
+        if row.state is TaskState.CLAIMED:
+            return row.owner not in self.nodes
+        if row.state is not TaskState.PENDING:
+            return False
+        launch = row.task().launch_at
+        return launch is None or launch <= now
+
+    def sweep(self, now: datetime) -> None:
+        """Move pending tasks past their expires_at to expired."""
+        for row in self.tasks.values():
+            if row.state is TaskState.PENDING:
+                expires = row.task().expires_at
+                if expires is not None and expires <= now:
+                    row.state = TaskState.EXPIRED
+                    row.finished_at = now
+
+    def next_launch(self, now: datetime) -> float | None:
+        """Seconds until the earliest future launch_at, if any."""
+        soonest: float | None = None
+        for row in self.tasks.values():
+            if row.state is TaskState.PENDING:
+                launch = row.task().launch_at
+                if launch is not None and launch > now:
+                    wait = (launch - now).total_seconds()
+                    soonest = wait if soonest is None else min(soonest, wait)
+        return soonest
+
+    def free_claims(self, node_id: str, *, crashed: bool = False) -> list[Task]:
+        """Make every claim of ``node_id`` pending again; return the tasks it held.
+
+        ``crashed``: the node died (its lease was lost), so each claim counts as a crash."""
+        rows = [r for r in self.tasks.values() if r.state is TaskState.CLAIMED and r.owner == node_id]
+        freed = [row.task() for row in rows]
+        if rows:
+            version = self.bump()
+            for row in rows:
+                row.state = TaskState.PENDING
+                row.owner = None
+                row.claimed_at = None
+                row.crashes = row.crashes + 1 if crashed else 0
+                row.ready = version
+        return freed
+
+    def counts(self, *, active: bool = False) -> dict[str, int]:
+        counts = dict.fromkeys((n for n, node in self.nodes.items()
+                                if not (active and node.leaving)), 0)
+        for row in self.tasks.values():
+            if row.state is TaskState.CLAIMED and row.owner in counts:
+                counts[row.owner] += 1
+        return counts
+
+
+_STORES: dict[str, MemoryStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def get_store(name: str, clock: Clock | None = None) -> MemoryStore:
+    """The store for ``memory://name`` in this process (created on first use)."""
+    with _STORES_LOCK:
+        store = _STORES.get(name)
+        if store is None:
+            store = _STORES[name] = MemoryStore(name, clock or SYSTEM_CLOCK)
+        return store
+
+
+def drop_store(name: str) -> None:
+    """Forget ``memory://name`` (tests use it to start from nothing)."""
+    with _STORES_LOCK:
+        _STORES.pop(name, None)
+
+
+def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
+    clock = options.pop("clock", None)
+    if clock is not None and not isinstance(clock, Clock):
+        raise ConfigError("option 'clock' must be a metafora.clock.Clock")
+    reader = OptionReader(url, options)
+    namespace = reader.namespace()
+    # Accepted for parity with the real stores; memory nodes hold claims until close().
+    reader.number("lease_ttl", 30.0, minimum=0.1)
+    reader.number("poll_interval", 1.0, minimum=0.01)
+    reader.finish()
+    if len(url.hosts) != 1 or url.path not in ("", "/"):
+        raise ConfigError(f"memory URL must be memory://NAME, got {url}")
+    return get_store(f"{url.hosts[0][0]}/{namespace}", clock)
+
+
