@@ -12,12 +12,12 @@ from rich.text import Text
 
 from metafora import commands
 from metafora.cli._common import cell, console, print_json, store_client
+from metafora.cli.top import frozen_text
 from metafora.commands import Command
 from metafora.connect import validate_node_id
 from metafora.coordinator import NodeInfo
 from metafora.errors import InvalidTaskState, NodeNotFound
 from metafora.task import TaskState, label_text
-from metafora.top import frozen_text
 
 __all__ = ["balance", "freeze", "nodes", "stop", "top", "unfreeze"]
 
@@ -163,7 +163,7 @@ def top(ctx: click.Context, interval: float, frames: int | None) -> None:
 
     Press q or Ctrl-C to quit.
     """
-    from metafora.top import run_top
+    from metafora.cli.top import run_top
 
     with store_client(ctx) as client:
         run_top(client, interval=interval, console=console(), frames=frames)

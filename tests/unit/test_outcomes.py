@@ -1,4 +1,4 @@
-"""The group commit of handler outcomes (metafora.outcomes) and the consumer's hot path."""
+"""The group commit of handler outcomes (metafora.consumer.outcomes) and the consumer's hot path."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from metafora import Consumer, Task, TaskState, simple_handler
+from metafora.consumer.outcomes import OutcomeWriter, Pending
 from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
-from metafora.outcomes import OutcomeWriter, Pending
 from tests.helpers import Harness, RanIds, wait_until
 
 

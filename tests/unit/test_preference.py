@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from metafora import Consumer, TaskState, commands, simple_handler
-from metafora.preference import Preference, preferred_node, weight
+from metafora.consumer.preference import Preference, preferred_node, weight
 from metafora.task import Task
 from tests.helpers import Harness, RanIds, wait_until
 

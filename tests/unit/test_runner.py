@@ -1,4 +1,4 @@
-"""metafora.runner: HandlerRunner on its own: where handlers run, where their outcomes are
+"""metafora.consumer.runner: HandlerRunner on its own: where handlers run, where their outcomes are
 written, and how stop, cancel and close reach them.
 
 The runner inside a consumer (the watchdog, a dead loop): test_async_handlers.py.
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from metafora.consumer.runner import AsyncRun, HandlerRunner, SyncRun, Write
 from metafora.handler import AsyncHandler, Handler
-from metafora.runner import AsyncRun, HandlerRunner, SyncRun, Write
 
 
 @dataclass

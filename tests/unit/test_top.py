@@ -7,8 +7,8 @@ import threading
 from rich.console import Console
 
 from metafora import Task, commands, simple_handler
+from metafora.cli.top import rates, render, run_top, take_snapshot
 from metafora.testing import LocalCluster, wait_for
-from metafora.top import rates, render, run_top, take_snapshot
 
 
 def test_top_frame_shows_nodes_states_and_rates() -> None:

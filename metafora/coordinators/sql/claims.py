@@ -86,7 +86,7 @@ class Claims:
     def claimable(self, tasks: Sequence[Task]) -> list[Task]:
         """Those of ``tasks`` that are still claimable by this node, in order: one read per
         500 (no write lock). The consumer asks before it tries offers it held back for their
-        preferred node (see :mod:`metafora.preference`): most were taken meanwhile.
+        preferred node (see :mod:`metafora.consumer.preference`): most were taken meanwhile.
         """
         by_id = {t.id: t for t in tasks if not self.seen_taken(t)}
         ids = list(by_id)
