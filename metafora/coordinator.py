@@ -244,6 +244,15 @@ class Coordinator(ClusterState, abc.ABC):
         """
         return True
 
+    def lease_time_left(self) -> float | None:
+        """Seconds until this node's lease reaches its fencing deadline by its own clock (no I/O).
+
+        ``0.0`` while the node has no live lease (not registered yet, or renewals failing past
+        the deadline); None when this store bounds nothing (memory). The consumer's readiness
+        probe (``/readyz``) asks it: a node whose lease is not fresh is not ready.
+        """
+        return None
+
     def claim_time_left(self, task: Task) -> float | None:
         """Seconds this node still holds the claim ``task`` by its own clock (no I/O).
 

@@ -1,12 +1,17 @@
-"""Opt-in HTTP endpoints of a consumer: ``/info`` (JSON), ``/metrics`` (Prometheus), ``/healthz``.
+"""Opt-in HTTP endpoints of a consumer: ``/info`` (JSON), ``/metrics`` (Prometheus) and the
+probes ``/healthz`` (alive) and ``/readyz`` (ready for work).
 
 Started by ``Consumer(..., http_addr="127.0.0.1:PORT")``; binds to loopback unless told otherwise.
 ``/metrics`` needs prometheus_client (``pip install 'metafora-cluster[http]'``).
 
 There is no authentication: ``/info`` lists the node's running task ids and their fencing
-tokens. A non-loopback address is allowed (a metrics scraper on another machine) but logged
-as a warning naming what it exposes. Every response carries the dashboard's security headers
-(``nosniff``, a CSP that allows nothing, no framing).
+tokens. The probes answer 200 or 503 with a short JSON body naming what was checked
+(:meth:`metafora.consumer.Consumer.probes`): ``/healthz`` stays 200 through a graceful
+shutdown (the process is alive and handing off: do not kill it), ``/readyz`` turns 503 as soon
+as the shutdown starts, before any claim is released. A non-loopback address is allowed (a
+metrics scraper on another machine) but logged as a warning naming what it exposes. Every
+response carries the dashboard's security headers (``nosniff``, a CSP that allows nothing,
+no framing).
 """
 
 from __future__ import annotations
@@ -100,15 +105,19 @@ def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
     return bytes(generate_latest(registry))
 
 
+Probes = Callable[[], dict[str, Any]]
+"""What the probes check: ``{"alive": bool, "ready": bool, ...details}`` (one call, no I/O)."""
+
+
 class InfoServer:
-    """A tiny threaded HTTP server over a consumer's state (``info``, ``metrics``, ``healthy``)."""
+    """A tiny threaded HTTP server over a consumer's state (``info``, ``metrics``, ``probes``)."""
 
     def __init__(
         self,
         addr: str,
         info: Callable[[], dict[str, Any]],
         metrics: Callable[[], bytes],
-        healthy: Callable[[], bool],
+        probes: Probes,
     ) -> None:
         host, port = parse_addr(addr)
         outer = self
@@ -122,7 +131,7 @@ class InfoServer:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("http: %s", format % args)
 
-        self._info, self._metrics, self._healthy = info, metrics, healthy
+        self._info, self._metrics, self._probes = info, metrics, probes
         try:
             self._server = ThreadingHTTPServer((host, port), Handler)
         except OSError as exc:
@@ -158,11 +167,14 @@ class InfoServer:
                 body, ctype, status = json.dumps(self._info(), default=str).encode(), "application/json", 200
             elif path == "/metrics":
                 body, ctype, status = self._metrics(), "text/plain; version=0.0.4; charset=utf-8", 200
-            elif path == "/healthz":
-                ok = self._healthy()
-                body, ctype, status = (b"ok\n" if ok else b"unhealthy\n"), "text/plain", 200 if ok else 503
+            elif path in ("/healthz", "/readyz"):
+                checks = self._probes()
+                ok = bool(checks["alive" if path == "/healthz" else "ready"])
+                body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode() + b"\n"
+                ctype, status = "application/json", 200 if ok else 503
             else:
-                body, ctype, status = b"not found: try /info, /metrics, /healthz\n", "text/plain", 404
+                body = b"not found: try /info, /metrics, /healthz, /readyz\n"
+                ctype, status = "text/plain", 404
         except ImportError:
             body = b"/metrics needs prometheus_client (pip install 'metafora-cluster[http]')\n"
             ctype, status = "text/plain", 501

@@ -278,9 +278,32 @@ class Consumer:
         }
 
     def healthy(self) -> bool:
-        """Running and not shutting down (what ``/healthz`` answers)."""
-        return (self._started_at is not None and not self._stopping.is_set()
-                and self._supervisor.fatal is None)
+        """Alive: running, its loop and side threads unfailed, through a graceful shutdown
+        too (what ``/healthz`` answers)."""
+        return bool(self.probes()["alive"])
+
+    def ready(self) -> bool:
+        """Ready for work: registered, its lease fresh, not shutting down (``/readyz``)."""
+        return bool(self.probes()["ready"])
+
+    def probes(self) -> dict[str, Any]:
+        """What the probes check, as ``/healthz`` and ``/readyz`` show it (no I/O).
+
+        ``alive``: started, no side thread failed, and the run loop not ended; ``ready``:
+        alive, registered, not shutting down, and the lease fresh (``lease_left_s``: seconds
+        to the node's fencing deadline by its own clock; None on a store without leases).
+        """
+        fatal = self._supervisor.fatal
+        thread = self._run_thread
+        alive = (self._started_at is not None and fatal is None and not self._done.is_set()
+                 and thread is not None and thread.is_alive())
+        left = self._coord.lease_time_left()
+        stopping = self._stopping.is_set()
+        ready = alive and not stopping and (left is None or left > 0)
+        return {"alive": alive, "ready": ready, "node": self.node_id,
+                "registered": self._started_at is not None, "stopping": stopping,
+                "lease_left_s": None if left is None else round(left, 3),
+                "error": None if fatal is None else type(fatal).__name__}
 
     def run(self) -> None:
         """Register the node and run until ``shutdown()``. Raises the error that stopped it, if any."""
@@ -386,10 +409,10 @@ class Consumer:
             self._options.http_addr,
             self.info,
             lambda: render_metrics(self.node_id, self.stats, len(self._running)),
-            self.healthy,
+            self.probes,
         )
         self._http.start()
-        self._log.info("serving /info, /metrics, /healthz on http://%s", self._http.address,
+        self._log.info("serving /info, /metrics, /healthz, /readyz on http://%s", self._http.address,
                        extra={"action": "http"})
 
     # -- side threads ---------------------------------------------------------------

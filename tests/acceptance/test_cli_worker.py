@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ DEADLINE = 30.0  # seconds any one step may take on a loaded 2-core machine
 HANDLERS = '''
 import asyncio
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -97,6 +99,19 @@ def long(task, stop):
     mark(task, "started")
     stop.wait(120)
     mark(task, "released" if stop.is_set() else "timeout")
+    return False
+
+
+def lingering(task, stop):
+    """Holds its task until stopped, then until a gate file appears: the shutdown's window."""
+    mark(task, "started")
+    stop.wait(120)
+    mark(task, "stopping")
+    gate = MARKS.parent / "gate"
+    for _ in range(2400):
+        if gate.exists():
+            break
+        threading.Event().wait(0.05)
     return False
 
 
@@ -228,12 +243,46 @@ def run_worker(app: Path, url: str, *args: str, timeout: float = 60) -> subproce
     return proc
 
 
-def _healthz(port: int) -> int | None:
+def _probe(port: int, path: str) -> int | None:
+    """The status of ``path`` on the worker's info server (None while it does not answer)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
             return int(answer.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
     except OSError:
         return None
+
+
+def _healthz(port: int) -> int | None:
+    return _probe(port, "/healthz")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_readyz_turns_503_at_sigterm_before_the_claims_are_released(
+        app: Path, sqlite_url: str, workers: list[Worker]) -> None:
+    port = _free_port()
+    worker = Worker(app, sqlite_url, "workmod:lingering", "--node-id", "w-ready", "--http",
+                    f"127.0.0.1:{port}", "--shutdown-timeout", "100")
+    workers.append(worker)
+    with open_client(sqlite_url) as client:
+        client.submit_task(Task("linger"))
+        wait_until(lambda: any(m.endswith(".started") for m in marks(app)), DEADLINE, "linger started")
+        assert wait_until(lambda: _probe(port, "/readyz"), DEADLINE, "/readyz answers") == 200
+        worker.signal(signal.SIGTERM)
+        wait_until(lambda: any(m.endswith(".stopping") for m in marks(app)), DEADLINE, "stop() reached it")
+        # The handler is stopping and still holds its claim: not ready, but alive (not to be killed).
+        assert _probe(port, "/readyz") == 503
+        assert _probe(port, "/healthz") == 200
+        assert client.get_task("linger").state is TaskState.CLAIMED
+        (app / "gate").write_text("go")
+        assert worker.wait() == 0, worker.stderr
+        assert client.get_task("linger").state is TaskState.PENDING
 
 
 def node_live(client: Client, node: str) -> bool:

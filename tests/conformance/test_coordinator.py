@@ -231,6 +231,19 @@ def test_nodes_counts_and_close(cluster: Cluster) -> None:
     assert again.claim(Task("t0")) is not None
 
 
+def test_lease_time_left_says_how_fresh_the_nodes_lease_is(cluster: Cluster) -> None:
+    """What /readyz asks: seconds to the fencing deadline while registered, 0 once closed
+    (None on the memory store, which bounds nothing by the clock)."""
+    a = cluster.node("a")
+    left = a.lease_time_left()
+    if cluster.url.startswith("memory"):
+        assert left is None
+        return
+    assert left is not None and left > 0
+    a.close()
+    assert a.lease_time_left() == 0.0
+
+
 def test_delete_running_task_tells_owner(cluster: Cluster) -> None:
     a = cluster.node("a")
     cluster.client.submit_task(Task("victim"))

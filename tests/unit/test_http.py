@@ -1,4 +1,4 @@
-"""/info, /metrics and /healthz of a consumer, over real HTTP on loopback."""
+"""/info, /metrics and the probes /healthz and /readyz of a consumer, over real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,7 +66,8 @@ def test_info_metrics_and_health() -> None:
         assert 1 <= calls <= 7
         assert samples[("metafora_claim_latency_seconds_bucket", "+Inf")] == calls
 
-        assert get(addr, "/healthz") == (200, b"ok\n")
+        status, body = get(addr, "/healthz")
+        assert status == 200 and json.loads(body)["status"] == "ok"
         assert get(addr, "/nope")[0] == 404
         release.set()
         cluster.wait_for_state("long", TaskState.DONE)
@@ -108,3 +110,69 @@ def test_loopback_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
         consumer = cluster.add(simple_handler(lambda t, s: True), "closed", http_addr="127.0.0.1:0")
         wait_for(lambda: consumer.http_address, what="http server")
     assert [r for r in caplog.records if r.name == "metafora.http"] == []
+
+
+@pytest.mark.parametrize("url", ["memory://probes", "sqlite"])
+def test_readyz_turns_503_when_shutdown_starts_while_healthz_stays_200(url: str, tmp_path: Path) -> None:
+    """Kubernetes stops routing to a node that is shutting down, but must not kill it while it
+    hands its tasks off: /readyz 503 from the start of the shutdown, /healthz 200 until the end."""
+    if url == "sqlite":
+        url = f"sqlite:///{tmp_path / 'probes.db'}?lease_ttl=5"
+    stopping, let_go = threading.Event(), threading.Event()
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        stop.wait(60)
+        stopping.set()
+        let_go.wait(60)  # the shutdown's window: stopping, the claim still held
+        return False
+
+    with LocalCluster(url) as cluster:
+        consumer = cluster.add(simple_handler(work), "probed", http_addr="127.0.0.1:0")
+        addr = wait_for(lambda: consumer.http_address, what="http server")
+        cluster.client.submit_task(Task("held"))
+        cluster.wait_for_state("held", TaskState.CLAIMED)
+        status, body = get(addr, "/readyz")
+        ready = json.loads(body)
+        assert status == 200 and ready["ready"] and ready["registered"] and not ready["stopping"]
+        if url.startswith("sqlite"):
+            assert 0 < ready["lease_left_s"] <= 5
+        else:
+            assert ready["lease_left_s"] is None  # the memory store has no lease by the clock
+        closer = threading.Thread(target=consumer.shutdown, name="shutdown")
+        closer.start()
+        try:
+            assert stopping.wait(30), "stop() never reached the handler"
+            status, body = get(addr, "/readyz")
+            assert status == 503 and json.loads(body)["stopping"] is True
+            assert get(addr, "/healthz")[0] == 200
+            assert cluster.client.get_task("held").state is TaskState.CLAIMED
+        finally:
+            let_go.set()
+            closer.join(60)
+        assert cluster.client.get_task("held").state is TaskState.PENDING
+
+
+def test_a_dead_loop_is_not_alive() -> None:
+    """A consumer whose side thread failed is not alive (/healthz 503: restart it) and says why."""
+    consumer = Consumer(open_coordinator("memory://probes-dead"), simple_handler(lambda t, s: True))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run()
+        except RuntimeError as exc:  # run() raises the error that stopped it
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, name="consumer")
+    runner.start()
+    try:
+        wait_for(consumer.ready, what="ready")
+        assert consumer.healthy()
+        consumer._supervisor.fail_fast("watch", RuntimeError("the watch died"))
+        probes = consumer.probes()
+        assert probes["alive"] is False and probes["ready"] is False
+        assert probes["error"] == "RuntimeError"
+    finally:
+        consumer.shutdown()
+        runner.join(30)
+    assert [str(e) for e in raised] == ["the watch died"]

@@ -281,6 +281,13 @@ class Claims:
             )
         return live and mine is not None and mine.task.token == task.token
 
+    def lease_time_left(self) -> float:
+        """Seconds to this node's fencing deadline while it has a lease (else 0)."""
+        with self._state.lock:
+            if self._state.lease_id is None:
+                return 0.0
+            return max(0.0, self._state.renewed_at + self._lease.fence_after - self._clock.monotonic())
+
     def claim_time_left(self, task: Task) -> float | None:
         """Seconds to the fencing deadline while this node holds ``task`` (else 0)."""
         with self._state.lock:

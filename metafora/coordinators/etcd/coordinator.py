@@ -294,6 +294,9 @@ class EtcdCoordinator(Coordinator):
     def claim_time_left(self, task: Task) -> float | None:
         return self._claims.claim_time_left(task)
 
+    def lease_time_left(self) -> float | None:
+        return self._claims.lease_time_left()
+
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
         return self._claims.held()

@@ -336,6 +336,9 @@ class SQLCoordinator(Coordinator):
     def claim_time_left(self, task: Task) -> float | None:
         return self._lease.time_left(task)
 
+    def lease_time_left(self) -> float | None:
+        return self._lease.node_time_left()
+
     def release(self, task: Task) -> None:
         self._outcomes.release(task)
 

@@ -205,6 +205,11 @@ class Lease:
             return (self._live and time.monotonic() < self._deadline and mine is not None
                     and mine.token == task.token)
 
+    def node_time_left(self) -> float:
+        """Seconds until this node's fencing deadline while its lease is live (else 0)."""
+        with self._lock:
+            return max(0.0, self._deadline - time.monotonic()) if self._live else 0.0
+
     def time_left(self, task: Task) -> float:
         """Seconds until the fencing deadline while this node holds ``task`` (else 0)."""
         with self._lock:
