@@ -32,6 +32,7 @@ from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
 from metafora.consumer.finishing import Finisher
@@ -52,7 +53,6 @@ from metafora.consumer.options import (
     DEFAULT_SLOW_CALLBACK,
     DEFAULT_START_TIMEOUT,
     ConsumerOptions,
-    seconds,
 )
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import NodeLog, Running, handler_state

@@ -7,11 +7,10 @@ reads the same value, so an option is parsed and checked in one place only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 
+from metafora.config import seconds
 from metafora.coordinator import DEFAULT_MAX_CRASHES
 from metafora.errors import ConfigError, InvalidProps
 from metafora.http import parse_addr
@@ -32,7 +31,6 @@ __all__ = [
     "DEFAULT_SLOW_CALLBACK",
     "DEFAULT_START_TIMEOUT",
     "ConsumerOptions",
-    "seconds",
 ]
 
 DEFAULT_BALANCE_EVERY = 60.0
@@ -73,14 +71,6 @@ _SECONDS = {
     "release_backoff_max": True,
     "refuse_retry": False,
 }
-
-
-def seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
-    """``value`` (a number of seconds or a ``timedelta``) as seconds, or a :class:`ConfigError`."""
-    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(result) or result < 0 or (result == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    return result
 
 
 @dataclass(frozen=True)

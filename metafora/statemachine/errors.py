@@ -14,12 +14,12 @@ fail the task, otherwise it sleeps with exponential back-off and jitter.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from metafora.config import seconds
 from metafora.errors import ConfigError, MetaforaError
 from metafora.statemachine.machine import MAX_ERRORS, Message, State
 from metafora.task import Task
@@ -49,13 +49,6 @@ class ExceededErrorRate(MetaforaError):
     """The error policy gave up on a task: too many errors within its window."""
 
 
-def _seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
 @dataclass(frozen=True)
 class ErrorPolicy:
     """``max_errors`` errors within ``window`` -> failed; else sleep with back-off.
@@ -81,9 +74,9 @@ class ErrorPolicy:
                 f"max_errors must be an integer from 1 to {MAX_ERRORS} (a state keeps the last "
                 f"{MAX_ERRORS} errors), got {self.max_errors!r}"
             )
-        window = _seconds(self.window, "window")
-        base = _seconds(self.base_delay, "base_delay", allow_zero=True)
-        top = _seconds(self.max_delay, "max_delay", allow_zero=True)
+        window = seconds(self.window, "window")
+        base = seconds(self.base_delay, "base_delay", allow_zero=True)
+        top = seconds(self.max_delay, "max_delay", allow_zero=True)
         if top < base:
             raise ConfigError(f"max_delay ({top:g}s) must not be less than base_delay ({base:g}s)")
         if not isinstance(self.jitter, int | float) or not 0 <= self.jitter <= 1:

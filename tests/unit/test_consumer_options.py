@@ -8,8 +8,9 @@ from datetime import timedelta
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
+from metafora.config import seconds
 from metafora.consumer import ConsumerOptions
-from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES, seconds
+from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES
 from metafora.errors import ConfigError
 
 
