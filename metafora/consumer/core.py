@@ -24,7 +24,7 @@ import queue
 import random
 import threading
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, cast
 
 from metafora import commands as cmds
@@ -55,8 +55,9 @@ from metafora.consumer.options import (
     ConsumerOptions,
 )
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import NodeLog, Running, handler_state
+from metafora.consumer.running import NodeLog, Running
 from metafora.consumer.shutdown import Shutdown
+from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
 from metafora.coordinator import (
     DEFAULT_MAX_CRASHES,
@@ -174,7 +175,6 @@ class Consumer:
         self.stats = ConsumerStats()
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log)
-        self._started_at: datetime | None = None
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -182,7 +182,6 @@ class Consumer:
         self._done = threading.Event()
         self._running: dict[str, Running] = {}
         self._started = False
-        self._run_thread: threading.Thread | None = None
         self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
                                       log=self._log)
         self._timeout_override: float | None = None
@@ -209,6 +208,9 @@ class Consumer:
             coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
             handoffs=self._handoffs, finisher=self._finisher, back_off=self._offers.back_off,
             stats=self.stats, clock=clock, log=self._log)
+        self._status = NodeStatus(coord, running=self._running, lock=self._lock, offers=self._offers,
+                                  supervisor=self._supervisor, stats=self.stats,
+                                  stopping=self._stopping, done=self._done, labels=lambda: self.labels)
         self._shutdown = Shutdown(coord, running=self._running, lock=self._lock,
                                   runner=self._runner, finisher=self._finisher, clock=clock,
                                   log=self._log)
@@ -252,30 +254,7 @@ class Consumer:
 
     def info(self) -> dict[str, Any]:
         """What ``/info`` shows: the node, its state and its running tasks."""
-        with self._lock:
-            entries = sorted(self._running.values(), key=lambda e: e.started)
-            rows = [
-                {
-                    "id": e.task.id,
-                    "token": e.task.token,
-                    "started": e.started.isoformat(),
-                    "stopped": e.stopped.isoformat() if e.stopped else None,
-                    "state": handler_state(e.handler),
-                }
-                for e in entries
-            ]
-            ignores = sorted(k for k, _ in self._offers.ignores.items())
-        return {
-            "node": self.node_id,
-            "store": mask_url(self._coord.name, brief=True),
-            "frozen": self.frozen,
-            "labels": self.labels,
-            "started": self._started_at.isoformat() if self._started_at else None,
-            "stopping": self._stopping.is_set(),
-            "tasks": rows,
-            "ignores": ignores,
-            "counters": self.stats.counters(),
-        }
+        return self._status.info()
 
     def healthy(self) -> bool:
         """Alive: running, its loop and side threads unfailed, through a graceful shutdown
@@ -293,17 +272,7 @@ class Consumer:
         alive, registered, not shutting down, and the lease fresh (``lease_left_s``: seconds
         to the node's fencing deadline by its own clock; None on a store without leases).
         """
-        fatal = self._supervisor.fatal
-        thread = self._run_thread
-        alive = (self._started_at is not None and fatal is None and not self._done.is_set()
-                 and thread is not None and thread.is_alive())
-        left = self._coord.lease_time_left()
-        stopping = self._stopping.is_set()
-        ready = alive and not stopping and (left is None or left > 0)
-        return {"alive": alive, "ready": ready, "node": self.node_id,
-                "registered": self._started_at is not None, "stopping": stopping,
-                "lease_left_s": None if left is None else round(left, 3),
-                "error": None if fatal is None else type(fatal).__name__}
+        return self._status.probes()
 
     def run(self) -> None:
         """Register the node and run until ``shutdown()``. Raises the error that stopped it, if any."""
@@ -311,7 +280,7 @@ class Consumer:
             if self._started:
                 raise RuntimeError("Consumer.run() may be called only once")
             self._started = True
-            self._run_thread = threading.current_thread()
+            self._status.run_thread = threading.current_thread()
         try:
             registered = self._register()
         except BaseException:
@@ -322,7 +291,7 @@ class Consumer:
             self._coord.close()
             self._done.set()
             return
-        self._started_at = self._clock.now()
+        self._status.started_at = self._clock.now()
         self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
                        extra={"action": "start"})
         try:
@@ -395,7 +364,7 @@ class Consumer:
             self._coord.close()
             self._done.set()
             return
-        if threading.current_thread() is self._run_thread:
+        if threading.current_thread() is self._status.run_thread:
             return
         limit = (self._timeout_override or self._options.shutdown_timeout) + 30.0
         if not self._done.wait(limit):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -32,13 +31,13 @@ from metafora.coordinator import (
 )
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
+from metafora.coordinators.sql.commands import NodeCommands
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
     CoordinatorClosed,
-    InvalidCommand,
     MetaforaError,
     NodeExists,
 )
@@ -67,8 +66,6 @@ class SQLCoordinator(Coordinator):
                             on_members=self._members_seen)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
-        self._command_wake = threading.Event()
-        self._command_check_at = 0.0  # monotonic: next safety-net look for node commands
         self._task_command_listeners: list[TaskCommandListener] = []
         self._schedule_listeners: list[Callable[[], None]] = []
         self._watches: list[Watch] = []
@@ -77,6 +74,8 @@ class SQLCoordinator(Coordinator):
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
+        self._commands = NodeCommands(db, self._node_id, closed=self._closed,
+                                      before_read=self._before_command_read)
 
     @property
     def name(self) -> str:
@@ -106,7 +105,7 @@ class SQLCoordinator(Coordinator):
             if self._closed.is_set():
                 return
             self._closed.set()
-        self._command_wake.set()
+        self._commands.wake()
         with self._lock:
             watches = list(self._watches)
             registered = self._ctx is not None
@@ -185,7 +184,7 @@ class SQLCoordinator(Coordinator):
             for watch in watches:
                 watch.pending_from(int(name))
         elif kind == "c" and name == self._node_id:
-            self._command_wake.set()
+            self._commands.wake()
         elif kind == "n" and name == self._node_id:
             self._lease.request_check()
         elif kind == "m":
@@ -200,7 +199,7 @@ class SQLCoordinator(Coordinator):
                 watches = list(self._watches)
             for watch in watches:
                 watch.wake.set()
-            self._command_wake.set()
+            self._commands.wake()
             for listener in self._listeners():
                 listener.recheck()
 
@@ -209,7 +208,7 @@ class SQLCoordinator(Coordinator):
             watches = list(self._watches)
         for watch in watches:
             watch.rescan()
-        self._command_wake.set()
+        self._commands.wake()
         for listener in self._listeners():
             listener.recheck()
         self._wake_schedulers()
@@ -337,7 +336,7 @@ class SQLCoordinator(Coordinator):
         return self._lease.time_left(task)
 
     def lease_time_left(self) -> float | None:
-        return self._lease.node_time_left()
+        return self._lease.time_left()
 
     def release(self, task: Task) -> None:
         self._outcomes.release(task)
@@ -355,46 +354,12 @@ class SQLCoordinator(Coordinator):
     # -- commands ---------------------------------------------------------------------------
 
     def command(self, timeout: float | None = None) -> Command | None:
-        """The next node command: the store is read only when a notification (or a SQLite
-        commit) woke us, or once per ``command_recheck`` as a safety net -- not per call."""
-        if self._closed.is_set():
-            return None
+        """The next node command (see :class:`~metafora.coordinators.sql.commands.NodeCommands`)."""
+        return self._commands.next(timeout)
+
+    def _before_command_read(self) -> None:
         self._db.ensure_schema()
         self._start_listener()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poll = self._db.config.command_recheck
-        while not self._closed.is_set():
-            now = time.monotonic()
-            if self._command_wake.is_set() or now >= self._command_check_at:
-                self._command_wake.clear()  # before the look: a wake-up during it is kept
-                self._command_check_at = now + poll
-                command = self._take_command()
-                if command is not None:
-                    self._command_wake.set()  # more may be queued behind it
-                    return command
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            wait = max(0.0, self._command_check_at - time.monotonic())
-            self._command_wake.wait(wait if left is None else min(wait, left))
-        return None
-
-    def _take_command(self) -> Command | None:
-        db, params = self._db, {"node": self._node_id}
-        for _ in range(100):  # bounded: malformed commands are dropped one by one
-            with db.read() as conn:
-                if db.execute(conn, "command_peek", dict(params)).scalar() is None:
-                    return None
-            with db.write() as conn:
-                row = db.execute(conn, "command_take", dict(params)).first()
-            if row is None:
-                continue  # taken by a concurrent reader; look again
-            try:
-                return Command.from_json(str(row[1]))
-            except InvalidCommand as exc:
-                log.warning("dropping malformed command %s for node %s: %s", row[0],
-                            self._node_id, exc, extra=self._extra)
-        return None
 
     def report_frozen(self, frozen: bool) -> None:
         """Publish whether this node is frozen (``metafora nodes`` shows it). Best effort."""

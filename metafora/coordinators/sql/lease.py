@@ -200,21 +200,14 @@ class Lease:
 
     def still_holds(self, task: Task) -> bool:
         """This node's lease is live by its own clock and it tracks ``task`` with its token."""
-        with self._lock:
-            mine = self._held.get(task.id)
-            return (self._live and time.monotonic() < self._deadline and mine is not None
-                    and mine.token == task.token)
+        return self.time_left(task) > 0.0
 
-    def node_time_left(self) -> float:
-        """Seconds until this node's fencing deadline while its lease is live (else 0)."""
+    def time_left(self, task: Task | None = None) -> float:
+        """Seconds until the fencing deadline while the lease is live and, given ``task``,
+        this node holds it under its token (else 0)."""
         with self._lock:
-            return max(0.0, self._deadline - time.monotonic()) if self._live else 0.0
-
-    def time_left(self, task: Task) -> float:
-        """Seconds until the fencing deadline while this node holds ``task`` (else 0)."""
-        with self._lock:
-            mine = self._held.get(task.id)
-            if not self._live or mine is None or mine.token != task.token:
+            mine = None if task is None else self._held.get(task.id)
+            if not self._live or (task is not None and (mine is None or mine.token != task.token)):
                 return 0.0
             return max(0.0, self._deadline - time.monotonic())
 

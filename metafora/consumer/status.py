@@ -1,0 +1,76 @@
+"""What a node shows about itself: ``/info``, and what the probes ``/healthz`` and ``/readyz`` check."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from metafora.consumer.offers import OfferRouter
+from metafora.consumer.running import Running, handler_state
+from metafora.consumer.supervisor import Supervisor
+from metafora.coordinator import Coordinator
+from metafora.masking import mask_url
+from metafora.metrics import ConsumerStats
+
+__all__ = ["NodeStatus"]
+
+
+class NodeStatus:
+    """The node's lifecycle marks (when it registered, which thread runs it) and its views.
+
+    Reads shared state only under the consumer's lock and does no store I/O: the probes are
+    asked every few seconds by an orchestrator and must answer even when the store does not.
+    """
+
+    def __init__(self, coord: Coordinator, *, running: dict[str, Running], lock: threading.RLock,
+                 offers: OfferRouter, supervisor: Supervisor, stats: ConsumerStats,
+                 stopping: threading.Event, done: threading.Event,
+                 labels: Callable[[], Mapping[str, str]]) -> None:
+        self._coord, self._running, self._lock = coord, running, lock
+        self._offers, self._supervisor, self._stats = offers, supervisor, stats
+        self._stopping, self._done, self._labels = stopping, done, labels
+        self.started_at: datetime | None = None  # set once registered
+        self.run_thread: threading.Thread | None = None  # the thread in Consumer.run()
+
+    def info(self) -> dict[str, Any]:
+        """What ``/info`` shows: the node, its state and its running tasks."""
+        with self._lock:
+            entries = sorted(self._running.values(), key=lambda e: e.started)
+            rows = [
+                {
+                    "id": e.task.id,
+                    "token": e.task.token,
+                    "started": e.started.isoformat(),
+                    "stopped": e.stopped.isoformat() if e.stopped else None,
+                    "state": handler_state(e.handler),
+                }
+                for e in entries
+            ]
+            ignores = sorted(k for k, _ in self._offers.ignores.items())
+        return {
+            "node": self._coord.node_id,
+            "store": mask_url(self._coord.name, brief=True),
+            "frozen": self._offers.frozen,
+            "labels": self._labels(),
+            "started": self.started_at.isoformat() if self.started_at else None,
+            "stopping": self._stopping.is_set(),
+            "tasks": rows,
+            "ignores": ignores,
+            "counters": self._stats.counters(),
+        }
+
+    def probes(self) -> dict[str, Any]:
+        """What the probes check (see :meth:`metafora.consumer.Consumer.probes`)."""
+        fatal = self._supervisor.fatal
+        thread = self.run_thread
+        alive = (self.started_at is not None and fatal is None and not self._done.is_set()
+                 and thread is not None and thread.is_alive())
+        left = self._coord.lease_time_left()
+        stopping = self._stopping.is_set()
+        ready = alive and not stopping and (left is None or left > 0)
+        return {"alive": alive, "ready": ready, "node": self._coord.node_id,
+                "registered": self.started_at is not None, "stopping": stopping,
+                "lease_left_s": None if left is None else round(left, 3),
+                "error": None if fatal is None else type(fatal).__name__}
