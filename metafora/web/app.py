@@ -242,8 +242,10 @@ class Dashboard:
         with self._charts_lock:
             now = time.monotonic()
             if self._charts is None or now - self._charts[0] >= self.charts_every:
+                # Counted afresh (not the shared counts of up to a refresh ago): the
+                # captions set what was read against these.
                 self._charts = (now, chart.read_charts(self.client, datetime.now(UTC),
-                                                       self.task_counts()))
+                                                       self.client.task_counts()))
             return self._charts[1]
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from metafora.task import TaskInfo, TaskState, matches
 
 __all__ = [
     "CHART_READ",
+    "LABEL_CHARS",
     "PENDING_REASONS",
     "Charts",
     "NodeBar",
@@ -54,7 +55,8 @@ CHART_READ = 1000
 MAX_NODE_BARS = 40
 """Nodes drawn in the tasks-per-node chart (the first by id); the caption names the rest."""
 WINDOW_MINUTES = 60
-_LABEL_CHARS = 28
+LABEL_CHARS = 24
+"""Characters of a node id drawn as a label (the whole id is in the row's tooltip)."""
 
 
 def shown_id(value: str, limit: int | None = None) -> Markup:
@@ -211,9 +213,11 @@ def read_charts(client: Client, now: datetime, counts: Mapping[TaskState, int],
     infos = client.node_infos()
     ctx = WaitContext(now, [dict(getattr(i, "labels", None) or {}) for i in infos])
     finished = [*read[TaskState.CLAIMED], *read[TaskState.DONE], *read[TaskState.FAILED]]
+    got = {s: len(tasks) for s, tasks in read.items()}
+    # The counts and the pages are separate reads: a caption never says "read 5 of 3".
+    total = {s: max(counts.get(s, 0), got.get(s, 0)) for s in TaskState}
     return Charts(throughput(finished, now), node_bars(infos),
-                  pending_reasons(read[TaskState.PENDING], ctx),
-                  {s: len(tasks) for s, tasks in read.items()}, dict(counts))
+                  pending_reasons(read[TaskState.PENDING], ctx), got, total)
 
 
 # --- SVG ----------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def throughput_svg(data: Throughput) -> Markup:
     if data.empty:
         return _empty("throughput", "No claims and no finished tasks in the last hour.")
     minutes = len(data.claims)
-    left, top, width, height = 40, 10, 720, 160
+    left, top, width, height = 40, 10, 1080, 200
     top_value = _ceiling(max(*data.claims, *data.done, *data.failed))
     slot = width / minutes
     bar = slot / 4
@@ -269,7 +273,7 @@ def throughput_svg(data: Throughput) -> Markup:
                 body.append(f'<rect class="bar {name}" x="{x:.1f}" y="{top + height - h:.1f}"'
                             f' width="{bar:.1f}" height="{h:.1f}"><title>{when} UTC +1m:'
                             f' {value} {name}</title></rect>')
-    return _svg("throughput", left + width + 10, top + height + 24,
+    return _svg("throughput", left + width + 24, top + height + 24,
                 "claims, done and failed per minute over the last hour", body)
 
 
@@ -291,7 +295,7 @@ def nodes_svg(bars: Sequence[NodeBar], limit: int = MAX_NODE_BARS) -> Markup:
             f'<g class="node-row{frozen}"><title>{name}: {b.tasks} tasks, fair share {b.share:.1f}'
             f' (weight {b.weight:g}){", frozen" if b.frozen else ""}</title>'
             f'<text class="label" x="{left - 8}" y="{y + 15}" text-anchor="end">'
-            f'{shown_id(b.id, _LABEL_CHARS)}</text>'
+            f'{shown_id(b.id, LABEL_CHARS)}</text>'
             f'<rect class="bar node{frozen}" x="{left}" y="{y + 3}" width="{w:.1f}" height="{row - 8}"/>'
             f'<text class="value" x="{left + w + 4:.1f}" y="{y + 15}">{b.tasks}</text>'
             f'<line class="share" x1="{mark:.1f}" y1="{y}" x2="{mark:.1f}" y2="{y + row - 2}"/></g>')

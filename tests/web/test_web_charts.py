@@ -14,7 +14,7 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import Coordinator, CoordinatorContext
-from metafora.web.charts import CHART_READ
+from metafora.web.charts import CHART_READ, LABEL_CHARS
 from tests.web.conftest import http_call
 
 HOSTILE = '<img src=x onerror=alert(1)>&"node'
@@ -139,7 +139,7 @@ def test_charts_render_in_a_browser(busy: str, serve: Any, page: Any) -> None:
     expect(page.locator("#chart-nodes rect.bar")).to_have_count(1)
     expect(page.locator("#chart-nodes line.share")).to_have_count(1)
     expect(page.locator("#chart-pending rect.bar")).to_have_count(3)
-    expect(page.locator("#chart-nodes text.label")).to_have_text(HOSTILE[:27] + "…")
+    expect(page.locator("#chart-nodes text.label")).to_have_text(HOSTILE[: LABEL_CHARS - 1] + "…")
     # the bars are drawn by the stylesheet's fill (no inline style), so they are not black
     fill = page.locator("#chart-throughput rect.bar.done").evaluate("e => getComputedStyle(e).fill")
     assert fill not in ("rgb(0, 0, 0)", "none"), fill
