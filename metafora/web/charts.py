@@ -3,9 +3,10 @@
 Nothing here writes to the store, and the store keeps no history of events: each chart is
 derived from the tasks' current fields, and its caption says how.
 
-- **Throughput** (last hour, per minute): *claims* are each read task's latest claim (its
-  ``claimed_at``: a task claimed twice counts once, a released task has none); *done* and
-  *failed* are finished tasks by their ``finished_at``.
+- **Throughput** (last hour, per minute): *claims* are the ``claimed_at`` times the store still
+  holds -- each running task's, and on SQL and memory:// each finished task's latest claim (etcd
+  drops it at the finish); a task claimed twice counts once, a released task has none. *Done*
+  and *failed* are finished tasks by their ``finished_at``.
 - **Tasks per node**: each live node's held tasks, and its fair share marked -- the total
   held spread over the live nodes in proportion to their ``weight`` (1.0 without one).
 - **Pending by reason**: why each pending task waits, the first of :data:`PENDING_REASONS`
@@ -269,10 +270,11 @@ def throughput_svg(data: Throughput) -> Markup:
             if value:
                 h = height * value / top_value
                 x = left + m * slot + bar * (offset + 0.5)
-                when = (data.end - timedelta(minutes=minutes - m)).strftime("%H:%M")
+                since = data.end - timedelta(minutes=minutes - m)
+                until = since + timedelta(minutes=1)
                 body.append(f'<rect class="bar {name}" x="{x:.1f}" y="{top + height - h:.1f}"'
-                            f' width="{bar:.1f}" height="{h:.1f}"><title>{when} UTC +1m:'
-                            f' {value} {name}</title></rect>')
+                            f' width="{bar:.1f}" height="{h:.1f}"><title>{since:%H:%M:%S}'
+                            f'–{until:%H:%M:%S} UTC: {value} {name}</title></rect>')
     return _svg("throughput", left + width + 24, top + height + 24,
                 "claims, done and failed per minute over the last hour", body)
 

@@ -142,8 +142,8 @@ def test_no_password_in_any_page(postgres_url: str) -> None:
         client.submit_task(Task("visible", {"a": 1}))
     app = create_app(secret_url, token=TOKEN)
     with TestClient(app) as http:
-        for path in ("/nodes", "/tasks", "/tasks?partial=1", "/task?id=visible", "/task?id=missing",
-                     "/tasks?state=bogus", "/login", "/healthz"):
+        for path in ("/nodes", "/tasks", "/tasks?partial=1", "/charts", "/task?id=visible",
+                     "/task?id=missing", "/tasks?state=bogus", "/login", "/healthz"):
             body = http.get(path).text
             assert "Hunter2Secret" not in body, path
             assert f"{user}:" not in body and f"{user}@" not in body, path
