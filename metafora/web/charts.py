@@ -274,7 +274,7 @@ def throughput_svg(data: Throughput) -> Markup:
                 until = since + timedelta(minutes=1)
                 body.append(f'<rect class="bar {name}" x="{x:.1f}" y="{top + height - h:.1f}"'
                             f' width="{bar:.1f}" height="{h:.1f}"><title>{since:%H:%M:%S}'
-                            f'–{until:%H:%M:%S} UTC: {value} {name}</title></rect>')
+                            f' to {until:%H:%M:%S} UTC: {value} {name}</title></rect>')
     return _svg("throughput", left + width + 24, top + height + 24,
                 "claims, done and failed per minute over the last hour", body)
 

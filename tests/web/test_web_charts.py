@@ -16,7 +16,7 @@ import pytest
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.web.charts import CHART_READ, LABEL_CHARS
-from tests.web.conftest import http_call
+from tests.web.conftest import http_call, insert_tasks
 
 HOSTILE = '<img src=x onerror=alert(1)>&"node'
 
@@ -107,17 +107,8 @@ def test_charts_without_data(sqlite_url: str, serve: Any) -> None:
 def test_charts_read_at_most_the_cap(tmp_path: Path, serve: Any) -> None:
     url = f"sqlite:///{tmp_path / 'big.db'}"
     total = CHART_READ * 3
-    with open_client(url) as client:
-        client.submit_task(Task("seed"))
-        db = client._db  # type: ignore[attr-defined]
-        from sqlalchemy import text
-
-        rows = [{"id": f"job-{i:06d}", "state": "done" if i % 2 else "pending"} for i in range(total)]
-        with db.write() as conn:
-            conn.execute(text(
-                "INSERT INTO metafora_tasks (namespace, id, props, state, created_at, updated_at,"
-                " finished_at) VALUES ('metafora', :id, '{}', :state, '2026-11-23 10:00:00.000',"
-                " '2026-11-23 10:00:00.000', '2026-11-23 10:00:00.000')"), rows)
+    insert_tasks(url, [{"id": f"job-{i:06d}", "state": "done" if i % 2 else "pending",
+                        "finished_at": "2026-11-23 10:00:00.000"} for i in range(total)])
     web = serve(url)
     _get(web, "/charts")  # warm up
     start = time.perf_counter()
