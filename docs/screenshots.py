@@ -2,20 +2,26 @@
 
 Run: ``.venv/bin/python docs/screenshots.py`` (needs metafora-cluster[web,browser] and a system
 Chromium). It builds a small SQLite cluster in a temporary directory, serves the dashboard
-on a free loopback port and photographs the nodes, tasks and task pages.
+on a free loopback port and photographs the nodes, tasks, task and charts pages.
+
+The charts page is photographed last, after the script writes an hour of finished tasks straight
+into the demo database (claim and finish times spread over the hour): the cluster itself only
+runs for a few seconds, and the picture should show what an hour looks like.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
 from metafora import Task, TaskState, commands, open_coordinator, simple_handler
-from metafora.coordinator import CoordinatorContext
+from metafora.coordinator import Client, CoordinatorContext
 from metafora.statemachine import State, StateCode, state_store_for
 from metafora.statemachine.gates import ItemStore, NewItem
 from metafora.testing import LocalCluster, wait_for
@@ -28,6 +34,34 @@ OUT = Path(__file__).parent
 class _Quiet(CoordinatorContext):
     def lost(self, task: Task) -> None:
         return
+
+
+def _an_hour_of_history(client: Client) -> None:
+    """Finished tasks with claim and finish times over the last hour (demo data for the
+    throughput chart), a task no node can run and one that launches tomorrow."""
+    from sqlalchemy import text
+
+    rng = random.Random(29)
+    now = datetime.now(UTC)
+    rows = []
+    for i in range(900):
+        ago = timedelta(minutes=60 * rng.random() ** 0.8)
+        finished = now - ago
+        rows.append({"id": f"resize-{i:05d}", "state": "failed" if rng.random() < 0.04 else "done",
+                     "claimed": _sql_time(finished - timedelta(seconds=rng.uniform(2, 50))),
+                     "finished": _sql_time(finished)})
+    with client._db.write() as conn:  # type: ignore[attr-defined]
+        conn.execute(text(
+            "INSERT INTO metafora_tasks (namespace, id, props, state, claimed_at, finished_at,"
+            " created_at, updated_at) VALUES ('metafora', :id, '{}', :state, :claimed, :finished,"
+            " :claimed, :finished)"), rows)
+    client.submit_task(Task("train-gpu", {"epochs": 40}, selector={"gpu": "a100"}))
+    tomorrow = (now + timedelta(days=1)).replace(hour=2, minute=0, second=0, microsecond=0)
+    client.submit_task(Task("nightly-backup", {"launch_at": tomorrow.isoformat()}))
+
+
+def _sql_time(dt: datetime) -> str:
+    return dt.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 def main() -> None:
@@ -87,6 +121,10 @@ def main() -> None:
                 page.screenshot(path=str(OUT / "web-tasks.png"))
                 page.goto(f"{server.base_url}/task?id=ingest-eu")
                 page.screenshot(path=str(OUT / "web-task.png"))
+                _an_hour_of_history(client)
+                page.goto(f"{server.base_url}/charts")
+                page.wait_for_selector("svg#chart-throughput")
+                page.screenshot(path=str(OUT / "web-charts.png"), full_page=True)
                 browser.close()
             app.state.dashboard.close()
             items.close()

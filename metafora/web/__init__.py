@@ -1,7 +1,9 @@
 """``metafora web``: a dashboard of the cluster served from the store (extra ``metafora-cluster[web]``).
 
 It needs no consumer: it opens an operator client on the store URL and shows nodes, tasks
-(paged in the store), one task's detail (state machine, gate progress) and, when started
+(paged in the store), one task's detail (state machine, gate progress), charts (throughput
+over the last hour, tasks per node against the fair share, pending tasks by why they wait:
+:mod:`metafora.web.charts`) and, when started
 with a token, actions (freeze, stop, retry ...). Without a token it is read-only, and it
 refuses a non-loopback bind without a token (see ``docs/security.md``).
 """

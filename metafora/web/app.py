@@ -42,6 +42,7 @@ from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
 from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id
+from metafora.web import charts as chart
 from metafora.web.security import (
     LOOPBACK_NAMES,
     HostCheck,
@@ -61,6 +62,7 @@ _SESSION_COOKIE = "metafora_session"
 _PAGE_SIZES = (25, 50, 100, 200)
 _SQL_SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
 _ITEM_STATUSES = ("available", "complete", "failed")
+_CHARTS_EVERY = 5.0  # seconds: the charts read up to 4 x CHART_READ tasks, so not every refresh
 NODE_VERBS = ("freeze", "unfreeze", "balance")
 TASK_VERBS = ("stop", "delete", "retry", "pause", "resume", "kill", "retry-items")
 
@@ -110,6 +112,9 @@ class Dashboard:
         self._items_lock = threading.Lock()
         self._counts: tuple[float, dict[TaskState, int]] | None = None
         self._counts_lock = threading.Lock()
+        self._charts: tuple[float, chart.Charts] | None = None
+        self._charts_lock = threading.Lock()
+        self.charts_every = max(refresh, _CHARTS_EVERY)
         self.token = token or None
         self.sessions = Sessions()  # held here: they end at logout, when idle, at a restart
         self.throttle = LoginThrottle()
@@ -231,6 +236,18 @@ class Dashboard:
                 self._counts = (now, self.client.task_counts())
             return self._counts[1]
 
+    def charts(self) -> chart.Charts:
+        """The charts' data, read at most once per ``charts_every`` seconds (shared by every
+        viewer), each state's read capped at :data:`~metafora.web.charts.CHART_READ` tasks."""
+        with self._charts_lock:
+            now = time.monotonic()
+            if self._charts is None or now - self._charts[0] >= self.charts_every:
+                # Counted afresh (not the shared counts of up to a refresh ago): the
+                # captions set what was read against these.
+                self._charts = (now, chart.read_charts(self.client, datetime.now(UTC),
+                                                       self.client.task_counts()))
+            return self._charts[1]
+
     def close(self) -> None:
         """Close the client and the item store."""
         self.client.close()
@@ -313,6 +330,14 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
                            state=state or "", owner=owner or "", prefix=prefix, limit=limit,
                            next_url=next_url, first_url=first_url, title="Tasks")
 
+    def charts_page(request: Request) -> Response:
+        data = dash.charts()
+        return dash.render(request, "charts.html", charts=data, S=TaskState, cap=chart.CHART_READ,
+                           max_nodes=chart.MAX_NODE_BARS, ttl_ms=int(dash.charts_every * 1000),
+                           throughput_svg=chart.throughput_svg(data.throughput),
+                           nodes_svg=chart.nodes_svg(data.nodes),
+                           pending_svg=chart.pending_svg(data.pending), title="Charts")
+
     def task_page(request: Request) -> Response:
         task_id = request.query_params.get("id", "")
         try:
@@ -369,6 +394,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         Route("/", index),
         Route("/nodes", guarded(nodes_page)),
         Route("/tasks", guarded(tasks_page)),
+        Route("/charts", guarded(charts_page)),
         Route("/task", guarded(task_page)),
         Route("/act", act, methods=["POST"]),
         *_auth_routes(dash),

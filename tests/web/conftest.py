@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("starlette", reason="the dashboard needs the extra metafora-cluster[web]")
 
+from metafora import Task, open_client
 from metafora.web.app import create_app
 from metafora.web.server import WebServer
 
@@ -57,6 +58,22 @@ def http_call(port: int, method: str, path: str, data: dict[str, str] | None = N
         return raw.status, raw.read().decode(), got
     finally:
         conn.close()
+
+
+def insert_tasks(url: str, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` (``id``, ``state``, optional ``error`` and ``finished_at``) straight into a
+    SQLite store's table, as a bulk load faster than submitting them one by one."""
+    from sqlalchemy import text
+
+    stamp = "2026-11-23 10:00:00.000"
+    with open_client(url) as client:
+        client.submit_task(Task("seed"))  # the schema exists
+        with client._db.write() as conn:  # type: ignore[attr-defined]
+            conn.execute(text(
+                "INSERT INTO metafora_tasks (namespace, id, props, state, error, created_at,"
+                " updated_at, finished_at) VALUES ('metafora', :id, '{}', :state, :error, :stamp,"
+                " :stamp, :finished_at)"),
+                [{"error": None, "finished_at": None, "stamp": stamp, **row} for row in rows])
 
 
 class Served:

@@ -19,7 +19,7 @@ from metafora.cli import cli
 from metafora.errors import ConfigError
 from metafora.web.app import create_app
 from metafora.web.server import WebServer, display_url, is_loopback, parse_bind
-from tests.web.conftest import http_call
+from tests.web.conftest import http_call, insert_tasks
 
 TOKEN = "t0ken-for-tests"
 
@@ -142,8 +142,8 @@ def test_no_password_in_any_page(postgres_url: str) -> None:
         client.submit_task(Task("visible", {"a": 1}))
     app = create_app(secret_url, token=TOKEN)
     with TestClient(app) as http:
-        for path in ("/nodes", "/tasks", "/tasks?partial=1", "/task?id=visible", "/task?id=missing",
-                     "/tasks?state=bogus", "/login", "/healthz"):
+        for path in ("/nodes", "/tasks", "/tasks?partial=1", "/charts", "/task?id=visible",
+                     "/task?id=missing", "/tasks?state=bogus", "/login", "/healthz"):
             body = http.get(path).text
             assert "Hunter2Secret" not in body, path
             assert f"{user}:" not in body and f"{user}@" not in body, path
@@ -188,18 +188,8 @@ def test_cli_refuses_a_public_bind_without_token(sqlite_url: str) -> None:
 
 def test_fast_with_100000_tasks(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'big.db'}"
-    with open_client(url) as client:
-        client.submit_task(Task("seed"))
-        db = client._db  # type: ignore[attr-defined]
-        from sqlalchemy import text
-
-        rows = [{"id": f"job-{i:06d}", "state": "failed" if i % 10 == 0 else "pending",
-                 "error": "boom" if i % 10 == 0 else None} for i in range(100_000)]
-        with db.write() as conn:
-            conn.execute(text(
-                "INSERT INTO metafora_tasks (namespace, id, props, state, error, created_at, updated_at)"
-                " VALUES ('metafora', :id, '{}', :state, :error, '2026-11-23 10:00:00.000',"
-                " '2026-11-23 10:00:00.000')"), rows)
+    insert_tasks(url, [{"id": f"job-{i:06d}", "state": "failed" if i % 10 == 0 else "pending",
+                        "error": "boom" if i % 10 == 0 else None} for i in range(100_000)])
     app = create_app(url)
     with TestClient(app) as http:
         http.get("/tasks")  # warm up (templates compiled, schema checked)

@@ -297,7 +297,7 @@ def test_pages_hold_no_inline_script_or_style(sqlite_url: str, web: Any) -> None
         client.submit_task(Task("t1"))
     server = web()
     server.login()
-    for path in ("/nodes", "/tasks", "/task?id=t1", "/task?id=nope", "/login"):
+    for path in ("/nodes", "/tasks", "/charts", "/task?id=t1", "/task?id=nope", "/login"):
         page = server.request("GET", path).text
         assert not re.search(r"<script(?![^>]*\bsrc=)", page), path
         assert "style=" not in page and "<style" not in page and "javascript:" not in page, path
