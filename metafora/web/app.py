@@ -307,28 +307,13 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         return dash.render(request, "nodes.html", nodes=rows, counts=counts, title="Nodes")
 
     def tasks_page(request: Request) -> Response:
-        q = request.query_params
-        state = q.get("state") or None
-        if state is not None and state not in {s.value for s in TaskState}:
-            return dash.error(request, 400, f"unknown state {state!r}")
-        owner = q.get("owner") or None
-        prefix = q.get("prefix", "")
-        after = q.get("after") or None
-        try:
-            limit = int(q.get("limit") or 50)
-        except ValueError:
-            limit = 50
-        limit = min(max(limit, 1), max(_PAGE_SIZES))
-        page = dash.client.task_page(state=state, owner=owner, prefix=prefix, after=after, limit=limit + 1)
-        more = len(page) > limit
-        page = page[:limit]
-        base = {k: v for k, v in {"state": state, "owner": owner, "prefix": prefix,
-                                  "limit": str(limit)}.items() if v}
-        next_url = Ident(f"/tasks?{urlencode({**base, 'after': page[-1].id})}") if more and page else None
-        first_url = Ident(f"/tasks?{urlencode(base)}") if after else None
-        return dash.render(request, "tasks.html", tasks=page, counts=dash.task_counts(),
-                           state=state or "", owner=owner or "", prefix=prefix, limit=limit,
-                           next_url=next_url, first_url=first_url, title="Tasks")
+        return _tasks_view(dash, request)
+
+    def task_page(request: Request) -> Response:
+        return _task_view(dash, request)
+
+    async def act(request: Request) -> Response:
+        return await _act(dash, request)
 
     def charts_page(request: Request) -> Response:
         data = dash.charts()
@@ -337,55 +322,6 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
                            throughput_svg=chart.throughput_svg(data.throughput),
                            nodes_svg=chart.nodes_svg(data.nodes),
                            pending_svg=chart.pending_svg(data.pending), title="Charts")
-
-    def task_page(request: Request) -> Response:
-        task_id = request.query_params.get("id", "")
-        try:
-            validate_task_id(task_id)
-            info = dash.client.get_task(task_id)
-        except TaskNotFound:
-            return dash.error(request, 404, f"no task {task_id!r}")
-        except MetaforaError as exc:
-            return dash.error(request, status_for(exc), str(exc))
-        from metafora.statemachine import get_state
-
-        state = get_state(dash.client, task_id)
-        gates = None
-        store = dash.item_store()
-        if store is not None:
-            found = store.info(task_id)
-            if found.exists:
-                gates = found
-        props = json.dumps(dict(info.props), indent=2, sort_keys=True, default=str)
-        if len(props) > 65536:
-            props = props[:65536] + "\n... (cut)"
-        return dash.render(request, "task.html", task=info, props=props, sm=state, gates=gates,
-                           title=_id_text(f"Task {task_id}"))
-
-    async def act(request: Request) -> Response:
-        form = await _form(request)
-        slow = dash.slow_down(request) if dash._header_token(request) is not None else None
-        if slow is not None:
-            return slow
-        refused = dash.may_act(request, form)
-        if refused is not None:
-            return dash.error(request, 403, refused)
-        target, verb, ident = form.get("target", ""), form.get("verb", ""), form.get("id", "")
-        from starlette.concurrency import run_in_threadpool
-
-        try:
-            validate_task_id(ident)
-            if target == "node" and verb in NODE_VERBS:
-                command = {"freeze": commands.freeze, "unfreeze": commands.unfreeze,
-                           "balance": commands.balance}[verb]()
-                await run_in_threadpool(dash.client.submit_command, ident, command)
-                return _back(form, "/nodes", f"sent {verb} to node {ident}")
-            if target == "task" and verb in TASK_VERBS:
-                done = await run_in_threadpool(_task_action, dash, verb, ident)
-                return _back(form, "/tasks", done)
-        except MetaforaError as exc:
-            return dash.error(request, status_for(exc), str(exc))
-        return dash.error(request, 400, f"unknown action {verb!r} on {target!r}")
 
     def health(request: Request) -> Response:
         return JSONResponse({"store": dash.store, "read_only": dash.token is None})
@@ -485,3 +421,81 @@ def _task_action(dash: Dashboard, verb: str, task_id: str) -> str:
     send_task_command(client, task_id, command_message(verb))
     return f"sent {verb} to task {task_id}"
 
+
+def _tasks_view(dash: Dashboard, request: Request) -> Response:
+    """``/tasks``: a page of tasks, filtered by state, owner and id prefix."""
+    q = request.query_params
+    state = q.get("state") or None
+    if state is not None and state not in {s.value for s in TaskState}:
+        return dash.error(request, 400, f"unknown state {state!r}")
+    owner = q.get("owner") or None
+    prefix = q.get("prefix", "")
+    after = q.get("after") or None
+    try:
+        limit = int(q.get("limit") or 50)
+    except ValueError:
+        limit = 50
+    limit = min(max(limit, 1), max(_PAGE_SIZES))
+    page = dash.client.task_page(state=state, owner=owner, prefix=prefix, after=after, limit=limit + 1)
+    more = len(page) > limit
+    page = page[:limit]
+    base = {k: v for k, v in {"state": state, "owner": owner, "prefix": prefix,
+                              "limit": str(limit)}.items() if v}
+    next_url = Ident(f"/tasks?{urlencode({**base, 'after': page[-1].id})}") if more and page else None
+    first_url = Ident(f"/tasks?{urlencode(base)}") if after else None
+    return dash.render(request, "tasks.html", tasks=page, counts=dash.task_counts(),
+                       state=state or "", owner=owner or "", prefix=prefix, limit=limit,
+                       next_url=next_url, first_url=first_url, title="Tasks")
+
+
+def _task_view(dash: Dashboard, request: Request) -> Response:
+    """``/task?id=``: one task, its props, its state machine and its gated items."""
+    task_id = request.query_params.get("id", "")
+    try:
+        validate_task_id(task_id)
+        info = dash.client.get_task(task_id)
+    except TaskNotFound:
+        return dash.error(request, 404, f"no task {task_id!r}")
+    except MetaforaError as exc:
+        return dash.error(request, status_for(exc), str(exc))
+    from metafora.statemachine import get_state
+
+    state = get_state(dash.client, task_id)
+    gates = None
+    store = dash.item_store()
+    if store is not None:
+        found = store.info(task_id)
+        if found.exists:
+            gates = found
+    props = json.dumps(dict(info.props), indent=2, sort_keys=True, default=str)
+    if len(props) > 65536:
+        props = props[:65536] + "\n... (cut)"
+    return dash.render(request, "task.html", task=info, props=props, sm=state, gates=gates,
+                       title=_id_text(f"Task {task_id}"))
+
+
+async def _act(dash: Dashboard, request: Request) -> Response:
+    """``POST /act``: a node or task action, with the token (a session and its CSRF value)."""
+    form = await _form(request)
+    slow = dash.slow_down(request) if dash._header_token(request) is not None else None
+    if slow is not None:
+        return slow
+    refused = dash.may_act(request, form)
+    if refused is not None:
+        return dash.error(request, 403, refused)
+    target, verb, ident = form.get("target", ""), form.get("verb", ""), form.get("id", "")
+    from starlette.concurrency import run_in_threadpool
+
+    try:
+        validate_task_id(ident)
+        if target == "node" and verb in NODE_VERBS:
+            command = {"freeze": commands.freeze, "unfreeze": commands.unfreeze,
+                       "balance": commands.balance}[verb]()
+            await run_in_threadpool(dash.client.submit_command, ident, command)
+            return _back(form, "/nodes", f"sent {verb} to node {ident}")
+        if target == "task" and verb in TASK_VERBS:
+            done = await run_in_threadpool(_task_action, dash, verb, ident)
+            return _back(form, "/tasks", done)
+    except MetaforaError as exc:
+        return dash.error(request, status_for(exc), str(exc))
+    return dash.error(request, 400, f"unknown action {verb!r} on {target!r}")
