@@ -10,10 +10,13 @@ value, and a port that is not a number (a password typed without its ``@``) show
 
 The price of the rule: an ``@`` meant in a path or an option value must be written ``%40``.
 
-Every pattern here runs in linear time (issue 25: a quadratic one let one request cost
-seconds of CPU): a URL in free text is only looked for where a run of scheme characters
-starts, and each run is scanned once. :func:`for_terminal` is the one sanitiser of untrusted
-text shown in a terminal: masked, and control and bidi characters shown escaped.
+In free text (:func:`scrub`), every ``://`` that follows a scheme character starts a URL, which
+runs to the next whitespace or quote and is masked by the same rule. Every pattern here runs
+in linear time (issue 25: a quadratic one let one request cost seconds of CPU), and Python
+code runs only for a URL that holds something to mask: one compiled pattern, found from the
+literal ``://``, passes over every URL with nothing to mask (the common case) and takes the
+common shapes of the others apart itself. :func:`for_terminal` is the one sanitiser of
+untrusted text shown in a terminal: masked, and control and bidi characters shown escaped.
 """
 
 from __future__ import annotations
@@ -51,12 +54,38 @@ _QUERY_SEP_RE = re.compile(r"([&;?#])")
 _OPTION_IN_USERINFO_RE = re.compile(
     r"[?&;](?=[^=&;?#]*?(?:pass|pwd|token|secret|credential|api_?key))[^=&;?#]*+=", re.IGNORECASE
 )
-# A URL in free text: it may only start where a run of scheme characters starts (the
-# lookbehind), a leading non-letter part of the run is skipped, and the run is consumed
-# possessively -- so a long run of letters is scanned once, not once per letter. A match
-# needs one of '@ ? :' after the '://' (a URL without any has nothing to mask).
-_ANY_URL_RE = re.compile(
-    r"(?<![A-Za-z0-9+.-])[0-9+.-]*+([A-Za-z][A-Za-z0-9+.-]*+://[^\s'\"@?:]*[@?:][^\s'\"]*)"
+# -- the pattern of scrub(): a URL in free text with something to mask ----------------------
+# Built of possessive runs and branches only (no nested unbounded repetition that could
+# backtrack), so it is linear by construction. A URL with nothing to mask is never matched:
+# its check (_HARMLESS) may not run over an inner '://', so a URL holding one is matched and
+# consumed whole, and the search never starts again inside a URL it has passed over. Optional
+# parts are written as branches ``(?:x|)`` and a repeat is entered only after a lookahead saw
+# its first character: both spare the engine the set-up of a repeat (most of its cost here).
+_END = r"""(?=[\s'"]|\Z)"""
+_KEYWORD = r"(?i:pass|pwd|token|secret|credential|api_?key)"  # as _SECRET_OPTION_RE
+
+
+def _run(excluded: str) -> str:
+    """A run of characters but ``excluded``, whitespace, quotes and '@', never holding '://'."""
+    chars = rf"""[^:{excluded}\s'"@]*+"""
+    return rf"""{chars}(?:(?=:)(?::(?!//){chars})*+|)"""
+
+
+# A host of the list (an IPv6 literal, a name) and a port that is a number, empty or masked.
+_PIECE = r"""(?:\[[0-9A-Fa-f:.]*+\]|)[^,/?\s'"@\[\]:]*+(?::(?:[0-9]++|\*\*\*|(?!//))|)"""
+# A query pair with no '=', or whose name (no '%' to decode, no ':') holds no credential word.
+_PAIR = (rf"""(?:[^:=&;?#\s'"@]*+(?![=:])|(?![^:=&;?#%\s'"@]*?{_KEYWORD})[^:=&;?#%\s'"@]*+="""
+         rf"""{_run("&;?#")})""")
+_PATH_QUERY = rf"""(?:/{_run("?")}|)(?:\?{_PAIR}(?:(?=[&;?#])(?:[&;?#]{_PAIR})*+|)|){_END}"""
+_HOSTS_ON = rf"""{_PIECE}(?:(?=,)(?:,{_PIECE})*+|){_PATH_QUERY}"""
+_HARMLESS = rf"""(?:\*\*\*@|[A-Za-z0-9._~-]++:\*\*\*@|){_HOSTS_ON}"""
+_MASKABLE_RE = re.compile(
+    rf"""://(?<=[A-Za-z0-9+.-]://)(?!{_HARMLESS})(?:"""
+    # credentials (no '?&;' in them: see _OPTION_IN_USERINFO_RE), then nothing else to mask
+    rf"""(?:(?P<user>[A-Za-z0-9._~-]++):|)[^\s'"@?&;]*+@(?P<after_at>{_HOSTS_ON})"""
+    # one host whose port is not a number, then nothing else to mask
+    rf"""|(?P<host>[^,/?\s'"@\[\]:]*+):[^,/?\s'"@]*+(?P<after_port>{_PATH_QUERY})"""
+    r"""|(?P<url>[^\s'"]*+))"""  # anything else: mask_url's own code
 )
 
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
@@ -87,7 +116,12 @@ class UrlParts:
 def split_url(url: str) -> UrlParts:
     """Cut ``url`` into scheme, credentials, hosts, path and query by the masking rule."""
     match = _SCHEME_RE.match(url)
-    scheme, separator, rest = (match.group(1), match.group(2), url[match.end():]) if match else ("", "", url)
+    if match:
+        return _split_rest(match.group(1), match.group(2), url[match.end():])
+    return _split_rest("", "", url)
+
+
+def _split_rest(scheme: str, separator: str, rest: str) -> UrlParts:
     userinfo: str | None = None
     at = rest.rfind("@")
     if at >= 0:
@@ -123,14 +157,18 @@ def mask_url(url: object, *, brief: bool = False) -> str:
     output (masking twice changes nothing).
     """
     parts = split_url(url if isinstance(url, str) else str(url))
-    head = f"{parts.scheme}{parts.separator}"
+    return f"{parts.scheme}{parts.separator}{_mask_rest(parts, brief)}"
+
+
+def _mask_rest(parts: UrlParts, brief: bool = False) -> str:
+    """What :func:`mask_url` shows after the scheme and its separator."""
     if secret_option_cut(parts):
-        return f"{head}{MASK}"
+        return MASK
     hosts = mask_hosts(parts.authority)
     if brief:
-        return f"{head}{hosts}{parts.path}"
+        return f"{hosts}{parts.path}"
     query = "" if parts.query is None else "?" + _mask_query(parts.query)
-    return f"{head}{_mask_userinfo(parts.userinfo)}{hosts}{parts.path}{query}"
+    return f"{_mask_userinfo(parts.userinfo)}{hosts}{parts.path}{query}"
 
 
 def _mask_userinfo(userinfo: str | None) -> str:
@@ -223,22 +261,16 @@ def scrub(text: str, url: str | None = None) -> str:
         for secret in _cached_secrets(url):
             text = text.replace(secret, MASK)
     # Any other URL in the text (a driver's own message) is masked by the same rule.
-    return _ANY_URL_RE.sub(_mask_match, text)
+    return _MASKABLE_RE.sub(_mask_match, text)
 
 
 def _mask_match(match: re.Match[str]) -> str:
-    start = match.start(1) - match.start()
-    whole, url = match.group(0), match.group(1)
-    if "@" in url or "?" in url:
-        return whole[:start] + mask_url(url)
-    # No credentials and no query: only a port that is not a number can be masked (the
-    # common case in a driver's message, kept cheap for text full of URLs).
-    cut = url.index("://") + 3
-    end = url.find("/", cut)
-    authority = url[cut:] if end < 0 else url[cut:end]
-    if ":" not in authority:
-        return whole
-    return whole[:start] + url[:cut] + mask_hosts(authority) + url[cut + len(authority):]
+    user, after_at, host, after_port, url = match.groups()
+    if after_at is not None:  # the credentials are all there is to mask
+        return f"://{MASK}@{after_at}" if user is None else f"://{user}:{MASK}@{after_at}"
+    if after_port is not None:
+        return f"://{host}:{MASK}{after_port}"
+    return "://" + _mask_rest(_split_rest("", "://", url))
 
 
 def escape_controls(text: str) -> str:
