@@ -83,8 +83,9 @@ _MASKABLE_RE = re.compile(
     rf"""://(?<=[A-Za-z0-9+.-]://)(?!{_HARMLESS})(?:"""
     # credentials (no '?&;' in them: see _OPTION_IN_USERINFO_RE), then nothing else to mask
     rf"""(?:(?P<user>[A-Za-z0-9._~-]++):|)[^\s'"@?&;]*+@(?P<after_at>{_HOSTS_ON})"""
-    # one host whose port is not a number, then nothing else to mask
-    rf"""|(?P<host>[^,/?\s'"@\[\]:]*+):[^,/?\s'"@]*+(?P<after_port>{_PATH_QUERY})"""
+    # one host (no ']': its port starts at the first ':') whose port is not a number, then
+    # nothing else to mask (an empty port is harmless: it failed _HARMLESS by a '//' after it)
+    rf"""|(?P<host>[^,/?\s'"@\[\]:]*+):[^,/?\s'"@\]]++(?P<after_port>{_PATH_QUERY})"""
     r"""|(?P<url>[^\s'"]*+))"""  # anything else: mask_url's own code
 )
 
