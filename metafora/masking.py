@@ -44,7 +44,12 @@ __all__ = [
 MASK = "***"
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(://|:)")
 _PLAIN_USER_RE = re.compile(r"[A-Za-z0-9._~-]+")
-_SECRET_OPTION_RE = re.compile(r"pass|pwd|token|secret|credential|api_?key", re.IGNORECASE)
+_SECRET_WORDS = "pass|pwd|token|secret|credential|api_?key"
+_SECRET_OPTION_RE = re.compile(_SECRET_WORDS, re.IGNORECASE)
+_KEYWORD = f"(?i:{_SECRET_WORDS})"
+# A query pair whose name may be a credential's (a credential word, or a '%' to decode): only
+# those are looked at by Python code.
+_MAYBE_SECRET_PAIR_RE = re.compile(rf"(?<![^&;?#])(?=[^&;?#=]*?(?:%|{_KEYWORD}))([^&;?#=]*)=[^&;?#]*")
 # Separators of query pairs; '?' and '#' too, so a stray second '?' cannot hide a secret.
 _QUERY_SEP_RE = re.compile(r"([&;?#])")
 # Credentials that hold a query with a credential-like option: an unencoded '@' in that
@@ -62,7 +67,6 @@ _OPTION_IN_USERINFO_RE = re.compile(
 # parts are written as branches ``(?:x|)`` and a repeat is entered only after a lookahead saw
 # its first character: both spare the engine the set-up of a repeat (most of its cost here).
 _END = r"""(?=[\s'"]|\Z)"""
-_KEYWORD = r"(?i:pass|pwd|token|secret|credential|api_?key)"  # as _SECRET_OPTION_RE
 
 
 def _run(excluded: str) -> str:
@@ -76,8 +80,11 @@ _PIECE = r"""(?:\[[0-9A-Fa-f:.]*+\]|)[^,/?\s'"@\[\]:]*+(?::(?:[0-9]++|\*\*\*|(?!
 # A query pair with no '=', or whose name (no '%' to decode, no ':') holds no credential word.
 _PAIR = (rf"""(?:[^:=&;?#\s'"@]*+(?![=:])|(?![^:=&;?#%\s'"@]*?{_KEYWORD})[^:=&;?#%\s'"@]*+="""
          rf"""{_run("&;?#")})""")
-_PATH_QUERY = rf"""(?:/{_run("?")}|)(?:\?{_PAIR}(?:(?=[&;?#])(?:[&;?#]{_PAIR})*+|)|){_END}"""
-_HOSTS_ON = rf"""{_PIECE}(?:(?=,)(?:,{_PIECE})*+|){_PATH_QUERY}"""
+_PAIRS_ON = rf"""(?:(?=[&;?#])(?:[&;?#]{_PAIR})*+|){_END}"""
+_HOSTS = rf"""{_PIECE}(?:(?=,)(?:,{_PIECE})*+|)"""
+_PATH = rf"""(?:/{_run("?")}|)"""
+_PATH_QUERY = rf"""{_PATH}(?:\?{_PAIR}{_PAIRS_ON}|{_END})"""
+_HOSTS_ON = _HOSTS + _PATH_QUERY
 _HARMLESS = rf"""(?:\*\*\*@|[A-Za-z0-9._~-]++:\*\*\*@|){_HOSTS_ON}"""
 _MASKABLE_RE = re.compile(
     rf"""://(?<=[A-Za-z0-9+.-]://)(?!{_HARMLESS})(?:"""
@@ -86,6 +93,9 @@ _MASKABLE_RE = re.compile(
     # one host (no ']': its port starts at the first ':') whose port is not a number, then
     # nothing else to mask (an empty port is harmless: it failed _HARMLESS by a '//' after it)
     rf"""|(?P<host>[^,/?\s'"@\[\]:]*+):[^,/?\s'"@\]]++(?P<after_port>{_PATH_QUERY})"""
+    # one credential-like option (its name with no '%' to decode), then nothing else to mask
+    rf"""|(?P<before_value>{_HOSTS}{_PATH}\?(?:{_PAIR}[&;?#])*+[^:=&;?#%\s'"@]*?{_KEYWORD}"""
+    rf"""[^:=&;?#%\s'"@]*+=){_run("&;?#")}(?P<after_value>{_PAIRS_ON})"""
     r"""|(?P<url>[^\s'"]*+))"""  # anything else: mask_url's own code
 )
 
@@ -198,12 +208,12 @@ def _mask_port(piece: str) -> str:
 
 
 def _mask_query(query: str) -> str:
-    pieces = _QUERY_SEP_RE.split(query)
-    for i in range(0, len(pieces), 2):  # even indices are pairs, odd ones separators
-        name, equals, _ = pieces[i].partition("=")
-        if equals and is_secret_option(name):
-            pieces[i] = f"{name}={MASK}"
-    return "".join(pieces)
+    return _MAYBE_SECRET_PAIR_RE.sub(_mask_pair, query)
+
+
+def _mask_pair(match: re.Match[str]) -> str:
+    name = match.group(1)
+    return f"{name}={MASK}" if is_secret_option(name) else match.group(0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -266,11 +276,13 @@ def scrub(text: str, url: str | None = None) -> str:
 
 
 def _mask_match(match: re.Match[str]) -> str:
-    user, after_at, host, after_port, url = match.groups()
+    user, after_at, host, after_port, before_value, after_value, url = match.groups()
     if after_at is not None:  # the credentials are all there is to mask
         return f"://{MASK}@{after_at}" if user is None else f"://{user}:{MASK}@{after_at}"
     if after_port is not None:
         return f"://{host}:{MASK}{after_port}"
+    if after_value is not None:
+        return f"://{before_value}{MASK}{after_value}"
     return "://" + _mask_rest(_split_rest("", "://", url))
 
 
