@@ -56,12 +56,12 @@ _QUERY_SEP_RE = re.compile(r"([&;?#])")
 # option's value moved the cut, and the "host" after it is a piece of the secret.
 # The keyword is looked for by a lazy lookahead and the name consumed possessively: the
 # former pattern's two greedy runs around the keyword backtracked quadratically.
-_OPTION_IN_USERINFO_RE = re.compile(
-    r"[?&;](?=[^=&;?#]*?(?:pass|pwd|token|secret|credential|api_?key))[^=&;?#]*+=", re.IGNORECASE
-)
+_OPTION_IN_USERINFO_RE = re.compile(rf"[?&;](?=[^=&;?#]*?(?:{_SECRET_WORDS}))[^=&;?#]*+=", re.IGNORECASE)
+
 # -- the pattern of scrub(): a URL in free text with something to mask ----------------------
-# Built of possessive runs and branches only (no nested unbounded repetition that could
-# backtrack), so it is linear by construction. A URL with nothing to mask is never matched:
+# Every repeat is possessive (nothing consumed is tried again) but the lazy look for a
+# credential word, which the end of one name bounds: linear by construction. It is found from
+# its literal '://' (a fast scan), and a URL with nothing to mask is never matched:
 # its check (_HARMLESS) may not run over an inner '://', so a URL holding one is matched and
 # consumed whole, and the search never starts again inside a URL it has passed over. Optional
 # parts are written as branches ``(?:x|)`` and a repeat is entered only after a lookahead saw
