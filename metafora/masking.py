@@ -13,10 +13,13 @@ The price of the rule: an ``@`` meant in a path or an option value must be writt
 In free text (:func:`scrub`), every ``://`` that follows a scheme character starts a URL, which
 runs to the next whitespace or quote and is masked by the same rule. Every pattern here runs
 in linear time (issue 25: a quadratic one let one request cost seconds of CPU), and Python
-code runs only for a URL that holds something to mask: one compiled pattern, found from the
-literal ``://``, passes over every URL with nothing to mask (the common case) and takes the
-common shapes of the others apart itself. :func:`for_terminal` is the one sanitiser of
-untrusted text shown in a terminal: masked, and control and bidi characters shown escaped.
+code runs only for a URL that holds something to mask (or is of a rare shape: an inner
+``://``, a ``%`` in an option's name): one compiled pattern, found from the literal ``://``,
+passes over every other URL (the common case) and takes the common shapes of credentials,
+ports and options apart itself; :func:`mask_url` decides for everything else.
+
+:func:`for_terminal` is the one sanitiser of untrusted text shown in a terminal: masked, and
+control and bidi characters shown escaped.
 """
 
 from __future__ import annotations
