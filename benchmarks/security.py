@@ -7,7 +7,9 @@
   page): p50 and max over ``-n`` requests (20, quick: 5) after one warm-up, on one keep-alive
   connection, measured by the client (request sent to last byte read);
 - :func:`metafora.masking.scrub` over 1 MB of letters, of hostile punctuation, of dense URLs
-  (a URL with a password every 30 characters) and of URLs with ports every 8: the best of 5.
+  (a URL with a password every 30 characters) and of URLs with ports every 8, and of the
+  adversarial shapes of the unit tests (floods of ``@ : %``, ``a://`` repeated, unicode, URLs
+  that each hold something to mask every 6-13 characters, one URL of 1 MB): the best of 5.
 
 The store kinds given to ``python -m benchmarks`` do not matter: the dashboard reads a SQLite
 file of its own.
@@ -104,6 +106,10 @@ def pages(requests: int) -> dict[str, Any]:
                 proc.communicate(timeout=30)
 
 
+def _repeat(unit: str) -> str:
+    return (unit * (MEGABYTE // len(unit) + 1))[:MEGABYTE]
+
+
 def masking() -> dict[str, Any]:
     """The best of 5 of masking 1 MB of each kind of text."""
     rng = random.Random(25)
@@ -112,6 +118,21 @@ def masking() -> dict[str, Any]:
         "hostile punctuation": "".join(rng.choice(_HOSTILE) for _ in range(MEGABYTE)),
         "a password URL every 30 chars": ("postgresql://a:SECRET@h/db " * (MEGABYTE // 27))[:MEGABYTE],
         "a URL with a port every 8 chars": ("a://b:1 " * (MEGABYTE // 8))[:MEGABYTE],
+        # adversarial shapes (tests/unit/test_masking.py has them all)
+        "prose": _repeat("lorem ipsum dolor sit amet, "),
+        "harmless URLs with a query": _repeat("https://example.com/a/b?x=1&y=2 "),
+        "'a://' repeated": _repeat("a://"),
+        "'a:// ' repeated": _repeat("a:// "),
+        "'@' flood in a URL": "a://" + "@" * MEGABYTE,
+        "':' flood in a URL": "a://" + ":" * MEGABYTE,
+        "'%' flood in a URL": "a://" + "%" * MEGABYTE,
+        "unicode URLs with credentials": _repeat("a://ü:€@漢/😀?pässwörd=é "),
+        "empty credentials every 6 chars": _repeat("a://@ "),
+        "a port not a number every 8 chars": _repeat("a://h:x "),
+        "one URL, 200,000 harmless options": "a://h/?" + _repeat("pas=&"),
+        "one URL, 200,000 secret options": "a://h/?" + _repeat("pwd=&"),
+        "a secret option every 13 chars": _repeat("a://h/?pwd=x "),
+        "one URL, 250,000 odd ports": "a://" + _repeat("h:x,"),
     }
     result = {}
     for name, text in inputs.items():

@@ -10,10 +10,16 @@ value, and a port that is not a number (a password typed without its ``@``) show
 
 The price of the rule: an ``@`` meant in a path or an option value must be written ``%40``.
 
-Every pattern here runs in linear time (issue 25: a quadratic one let one request cost
-seconds of CPU): a URL in free text is only looked for where a run of scheme characters
-starts, and each run is scanned once. :func:`for_terminal` is the one sanitiser of untrusted
-text shown in a terminal: masked, and control and bidi characters shown escaped.
+In free text (:func:`scrub`), every ``://`` that follows a scheme character starts a URL, which
+runs to the next whitespace or quote and is masked by the same rule. Every pattern here runs
+in linear time (issue 25: a quadratic one let one request cost seconds of CPU), and Python
+code runs only for a URL that holds something to mask (or is of a rare shape: an inner
+``://``, a ``%`` in an option's name): one compiled pattern, found from the literal ``://``,
+passes over every other URL (the common case) and takes the common shapes of credentials,
+ports and options apart itself; :func:`mask_url` decides for everything else.
+
+:func:`for_terminal` is the one sanitiser of untrusted text shown in a terminal: masked, and
+control and bidi characters shown escaped.
 """
 
 from __future__ import annotations
@@ -41,22 +47,59 @@ __all__ = [
 MASK = "***"
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(://|:)")
 _PLAIN_USER_RE = re.compile(r"[A-Za-z0-9._~-]+")
-_SECRET_OPTION_RE = re.compile(r"pass|pwd|token|secret|credential|api_?key", re.IGNORECASE)
+_SECRET_WORDS = "pass|pwd|token|secret|credential|api_?key"
+_SECRET_OPTION_RE = re.compile(_SECRET_WORDS, re.IGNORECASE)
+_KEYWORD = f"(?i:{_SECRET_WORDS})"
+# A query pair whose name may be a credential's (a credential word, or a '%' to decode): only
+# those are looked at by Python code.
+_MAYBE_SECRET_PAIR_RE = re.compile(rf"(?<![^&;?#])(?=[^&;?#=]*?(?:%|{_KEYWORD}))([^&;?#=]*)=[^&;?#]*")
 # Separators of query pairs; '?' and '#' too, so a stray second '?' cannot hide a secret.
 _QUERY_SEP_RE = re.compile(r"([&;?#])")
 # Credentials that hold a query with a credential-like option: an unencoded '@' in that
 # option's value moved the cut, and the "host" after it is a piece of the secret.
 # The keyword is looked for by a lazy lookahead and the name consumed possessively: the
 # former pattern's two greedy runs around the keyword backtracked quadratically.
-_OPTION_IN_USERINFO_RE = re.compile(
-    r"[?&;](?=[^=&;?#]*?(?:pass|pwd|token|secret|credential|api_?key))[^=&;?#]*+=", re.IGNORECASE
-)
-# A URL in free text: it may only start where a run of scheme characters starts (the
-# lookbehind), a leading non-letter part of the run is skipped, and the run is consumed
-# possessively -- so a long run of letters is scanned once, not once per letter. A match
-# needs one of '@ ? :' after the '://' (a URL without any has nothing to mask).
-_ANY_URL_RE = re.compile(
-    r"(?<![A-Za-z0-9+.-])[0-9+.-]*+([A-Za-z][A-Za-z0-9+.-]*+://[^\s'\"@?:]*[@?:][^\s'\"]*)"
+_OPTION_IN_USERINFO_RE = re.compile(rf"[?&;](?=[^=&;?#]*?(?:{_SECRET_WORDS}))[^=&;?#]*+=", re.IGNORECASE)
+
+# -- the pattern of scrub(): a URL in free text with something to mask ----------------------
+# Every repeat is possessive (nothing consumed is tried again) but the lazy look for a
+# credential word, which the end of one name bounds: linear by construction. It is found from
+# its literal '://' (a fast scan), and a URL with nothing to mask is never matched:
+# its check (_HARMLESS) may not run over an inner '://', so a URL holding one is matched and
+# consumed whole, and the search never starts again inside a URL it has passed over. Optional
+# parts are written as branches ``(?:x|)`` and a repeat is entered only after a lookahead saw
+# its first character: both spare the engine the set-up of a repeat (most of its cost here).
+_END = r"""(?=[\s'"]|\Z)"""
+
+
+def _run(excluded: str) -> str:
+    """A run of characters but ``excluded``, whitespace, quotes and '@', never holding '://'."""
+    chars = rf"""[^:{excluded}\s'"@]*+"""
+    return rf"""{chars}(?:(?=:)(?::(?!//){chars})*+|)"""
+
+
+# A host of the list (an IPv6 literal, a name) and a port that is a number, empty or masked.
+_PIECE = r"""(?:\[[0-9A-Fa-f:.]*+\]|)[^,/?\s'"@\[\]:]*+(?::(?:[0-9]++|\*\*\*|(?!//))|)"""
+# A query pair with no '=', or whose name (no '%' to decode, no ':') holds no credential word.
+_PAIR = (rf"""(?:[^:=&;?#\s'"@]*+(?![=:])|(?![^:=&;?#%\s'"@]*?{_KEYWORD})[^:=&;?#%\s'"@]*+="""
+         rf"""{_run("&;?#")})""")
+_PAIRS_ON = rf"""(?:(?=[&;?#])(?:[&;?#]{_PAIR})*+|){_END}"""
+_HOSTS = rf"""{_PIECE}(?:(?=,)(?:,{_PIECE})*+|)"""
+_PATH = rf"""(?:/{_run("?")}|)"""
+_PATH_QUERY = rf"""{_PATH}(?:\?{_PAIR}{_PAIRS_ON}|{_END})"""
+_HOSTS_ON = _HOSTS + _PATH_QUERY
+_HARMLESS = rf"""(?:\*\*\*@|[A-Za-z0-9._~-]++:\*\*\*@|){_HOSTS_ON}"""
+_MASKABLE_RE = re.compile(
+    rf"""://(?<=[A-Za-z0-9+.-]://)(?!{_HARMLESS})(?:"""
+    # credentials (no '?&;' in them: see _OPTION_IN_USERINFO_RE), then nothing else to mask
+    rf"""(?:(?P<user>[A-Za-z0-9._~-]++):|)[^\s'"@?&;]*+@(?P<after_at>{_HOSTS_ON})"""
+    # one host (no ']': its port starts at the first ':') whose port is not a number, then
+    # nothing else to mask (an empty port is harmless: it failed _HARMLESS by a '//' after it)
+    rf"""|(?P<host>[^,/?\s'"@\[\]:]*+):[^,/?\s'"@\]]++(?P<after_port>{_PATH_QUERY})"""
+    # one credential-like option (its name with no '%' to decode), then nothing else to mask
+    rf"""|(?P<before_value>{_HOSTS}{_PATH}\?(?:{_PAIR}[&;?#])*+[^:=&;?#%\s'"@]*?{_KEYWORD}"""
+    rf"""[^:=&;?#%\s'"@]*+=){_run("&;?#")}(?P<after_value>{_PAIRS_ON})"""
+    r"""|(?P<url>[^\s'"]*+))"""  # anything else: mask_url's own code
 )
 
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
@@ -87,7 +130,12 @@ class UrlParts:
 def split_url(url: str) -> UrlParts:
     """Cut ``url`` into scheme, credentials, hosts, path and query by the masking rule."""
     match = _SCHEME_RE.match(url)
-    scheme, separator, rest = (match.group(1), match.group(2), url[match.end():]) if match else ("", "", url)
+    if match:
+        return _split_rest(match.group(1), match.group(2), url[match.end():])
+    return _split_rest("", "", url)
+
+
+def _split_rest(scheme: str, separator: str, rest: str) -> UrlParts:
     userinfo: str | None = None
     at = rest.rfind("@")
     if at >= 0:
@@ -123,14 +171,18 @@ def mask_url(url: object, *, brief: bool = False) -> str:
     output (masking twice changes nothing).
     """
     parts = split_url(url if isinstance(url, str) else str(url))
-    head = f"{parts.scheme}{parts.separator}"
+    return f"{parts.scheme}{parts.separator}{_mask_rest(parts, brief)}"
+
+
+def _mask_rest(parts: UrlParts, brief: bool = False) -> str:
+    """What :func:`mask_url` shows after the scheme and its separator."""
     if secret_option_cut(parts):
-        return f"{head}{MASK}"
+        return MASK
     hosts = mask_hosts(parts.authority)
     if brief:
-        return f"{head}{hosts}{parts.path}"
+        return f"{hosts}{parts.path}"
     query = "" if parts.query is None else "?" + _mask_query(parts.query)
-    return f"{head}{_mask_userinfo(parts.userinfo)}{hosts}{parts.path}{query}"
+    return f"{_mask_userinfo(parts.userinfo)}{hosts}{parts.path}{query}"
 
 
 def _mask_userinfo(userinfo: str | None) -> str:
@@ -159,12 +211,12 @@ def _mask_port(piece: str) -> str:
 
 
 def _mask_query(query: str) -> str:
-    pieces = _QUERY_SEP_RE.split(query)
-    for i in range(0, len(pieces), 2):  # even indices are pairs, odd ones separators
-        name, equals, _ = pieces[i].partition("=")
-        if equals and is_secret_option(name):
-            pieces[i] = f"{name}={MASK}"
-    return "".join(pieces)
+    return _MAYBE_SECRET_PAIR_RE.sub(_mask_pair, query)
+
+
+def _mask_pair(match: re.Match[str]) -> str:
+    name = match.group(1)
+    return f"{name}={MASK}" if is_secret_option(name) else match.group(0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -223,22 +275,18 @@ def scrub(text: str, url: str | None = None) -> str:
         for secret in _cached_secrets(url):
             text = text.replace(secret, MASK)
     # Any other URL in the text (a driver's own message) is masked by the same rule.
-    return _ANY_URL_RE.sub(_mask_match, text)
+    return _MASKABLE_RE.sub(_mask_match, text)
 
 
 def _mask_match(match: re.Match[str]) -> str:
-    start = match.start(1) - match.start()
-    whole, url = match.group(0), match.group(1)
-    if "@" in url or "?" in url:
-        return whole[:start] + mask_url(url)
-    # No credentials and no query: only a port that is not a number can be masked (the
-    # common case in a driver's message, kept cheap for text full of URLs).
-    cut = url.index("://") + 3
-    end = url.find("/", cut)
-    authority = url[cut:] if end < 0 else url[cut:end]
-    if ":" not in authority:
-        return whole
-    return whole[:start] + url[:cut] + mask_hosts(authority) + url[cut + len(authority):]
+    user, after_at, host, after_port, before_value, after_value, url = match.groups()
+    if after_at is not None:  # the credentials are all there is to mask
+        return f"://{MASK}@{after_at}" if user is None else f"://{user}:{MASK}@{after_at}"
+    if after_port is not None:
+        return f"://{host}:{MASK}{after_port}"
+    if after_value is not None:
+        return f"://{before_value}{MASK}{after_value}"
+    return "://" + _mask_rest(_split_rest("", "://", url))
 
 
 def escape_controls(text: str) -> str:

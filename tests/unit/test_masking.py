@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import quote
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from metafora import open_client
@@ -269,3 +270,66 @@ def test_bidi_controls_are_refused_in_ids(bidi: str) -> None:
     with pytest.raises(InvalidTaskId, match="bidi"):
         validate_task_id(f"invoice{bidi}txt.exe")
     assert validate_task_id("zwj\u200dok") == "zwj\u200dok"  # other format characters stay allowed
+
+
+# -- issue 25: the fast pattern against the rule, and adversarial shapes -------------------------
+
+# Fragments that reach every branch of scrub()'s pattern: credentials, masked credentials,
+# IPv6 literals, host lists, odd ports, paths, secret and harmless options, encoded names, and
+# a long s (U+017F), which a case-blind "secret" matches.
+_FRAGMENTS = st.sampled_from([
+    "a", "pg1", "+", "://", ":", "/", "@", "?", "&", ";", "#", "=", ",", "[::1]", "]", "[", "%",
+    "%70ass", "u", "u:", "***", "***@", "u:***@", "pw", "p@ss", "h", "h:5432", ":99999", ":abc",
+    "/db", "?password=", "?x=1", "&token=", "&Pass", "sslpassword", "api_key=", "\u017fecret=", " ",
+    "\t", "'", '"', "ü", "漢", "😀", "\x1b", "1", "x.y-z",
+])
+
+
+def _reference_scrub(text: str) -> str:
+    """The rule scrub() implements, the slow way: every '://' after a scheme character starts
+    a URL that runs to whitespace or a quote, and mask_url() decides what of it is shown."""
+    return re.sub(r"""(?<=[A-Za-z0-9+.-])://[^\s'"]*""", lambda m: mask_url("x" + m[0])[1:], text)
+
+
+@settings(max_examples=1500, deadline=None)
+@example("a://://")  # an empty port before '//' is not a port to mask
+@example("a://:[::1]")  # a port starts after the last ']'
+@example("x://h:1/a:b/c?d=e:f&g=postgresql://u:p@h")
+@given(st.lists(_FRAGMENTS, max_size=24).map("".join) | st.text(_HOSTILE + "hu*[],19", max_size=60))
+def test_scrub_agrees_with_mask_url_on_every_url(text: str) -> None:
+    assert scrub(text) == _reference_scrub(text)
+
+
+_NO_BLANKS = "/@:%?#&=,;[]+\\-._~éü€漢😀"  # a URL in free text ends at whitespace or a quote
+
+
+@settings(max_examples=200, deadline=None)
+@given(urls(), st.text(_HOSTILE, max_size=20), st.text(_HOSTILE, max_size=20), passwords(_NO_BLANKS))
+def test_what_was_masked_stays_masked(case: tuple[str, str], before: str, after: str, password: str) -> None:
+    url, _ = case
+    if not re.match(r"[a-z+]+://", url) or any(c in url for c in " \t'\"\\"):
+        return  # no URL to find in free text (no 'scheme://'), or cut by a blank: issue 16's tests
+    once = scrub(f"{before} {url} {after}")
+    assert leaks(once) == [] and scrub(once) == once
+    assert leaks(scrub(f"x{once}y {once}")) == []  # masked text put in other text stays masked
+    written = f"see postgresql://app:{password}@db/prod, then"
+    assert leaks(scrub(written)) == [] and scrub(scrub(written)) == scrub(written)
+
+
+_MEGABYTE = 1_000_000
+
+
+@pytest.mark.parametrize("unit", [
+    "m", "a://", "a:// ", "a://h/", "a://b:1 ", "@", "a://@", ":", "a://:", "%", "a://%", "]:", "a://]:",
+    "a://@ ", "a://h:x ", "a://h:x,", "?pwd=&", "a://h/?pas=&", "a://h/?pwd=x ", "ü€漢😀", "a://ü:€@漢/😀 ",
+    "postgresql://a:SECRET@h/db ",
+])
+def test_adversarial_megabytes_mask_and_finish(unit: str) -> None:
+    # The time itself is the benchmark's (benchmarks/security.py); here a generous liveness bound.
+    secret = "postgresql://app:SECRET@db/prod"
+    text = f"{secret} {unit * (_MEGABYTE // len(unit))} {secret}"
+    started = time.monotonic()
+    masked = scrub(text)
+    assert time.monotonic() - started < 10
+    assert masked.startswith("postgresql://app:***@db/prod ") and masked.endswith(" postgresql://app:***@db/prod")
+    assert "SECRET" not in masked and scrub(masked) == masked
