@@ -487,7 +487,9 @@ class HandlerRunner:
                 try:
                     self._loop = _EventLoop(self._node_id, self._slow, self._on_fatal,
                                             self.start_thread)
-                except _START_ERRORS as exc:  # tried again at the next async handler
+                # Out of threads, memory or file descriptors (the loop's selector): tried
+                # again at the next async handler.
+                except (*_START_ERRORS, OSError) as exc:
                     raise CannotStart("async", exc) from exc
             return self._loop
 
