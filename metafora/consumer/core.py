@@ -34,6 +34,7 @@ from metafora.balancers.dumb import DumbBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
+from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
@@ -119,6 +120,9 @@ class Consumer:
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
     """
 
+    # What runs the handlers (a subclass may make its threads fail, as a full process does).
+    _runner_class: type[HandlerRunner] = HandlerRunner
+
     def __init__(
         self,
         coordinator: Coordinator,
@@ -129,6 +133,7 @@ class Consumer:
         balance_jitter: float = DEFAULT_BALANCE_JITTER,
         rebalance_window: float | timedelta = DEFAULT_REBALANCE_WINDOW,
         max_tasks: int | None = None,
+        thread_cap: int | None = None,
         max_crashes: int | None = DEFAULT_MAX_CRASHES,
         shutdown_timeout: float | timedelta = DEFAULT_SHUTDOWN_TIMEOUT,
         start_timeout: float | timedelta = DEFAULT_START_TIMEOUT,
@@ -151,7 +156,7 @@ class Consumer:
         # ConsumerOptions takes a timedelta too (it normalises and checks every value).
         self._options = ConsumerOptions(
             balance_every=cast(float, balance_every), balance_jitter=balance_jitter,
-            rebalance_window=cast(float, rebalance_window), max_tasks=max_tasks,
+            rebalance_window=cast(float, rebalance_window), max_tasks=max_tasks, thread_cap=thread_cap,
             max_crashes=max_crashes, shutdown_timeout=cast(float, shutdown_timeout),
             start_timeout=cast(float, start_timeout), handoff_timeout=cast(float, handoff_timeout),
             release_backoff=cast(float, release_backoff),
@@ -185,11 +190,14 @@ class Consumer:
         self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
                                       log=self._log)
         self._timeout_override: float | None = None
-        self._runner = HandlerRunner(coord.node_id, slow_callback=options.slow_callback,
-                                     on_fatal=self._supervisor.fail_fast)
+        self._runner = self._runner_class(coord.node_id, slow_callback=options.slow_callback,
+                                          on_fatal=self._supervisor.fail_fast)
+        capacity = Capacity(max_tasks=options.max_tasks, thread_cap=options.thread_cap,
+                            busy_threads=lambda: self._runner.busy_threads,
+                            monotonic=clock.monotonic, log=self._log)
         self._offers = OfferRouter(
             coord, self._balancer, options, running=self._running, lock=self._lock,
-            stopping=self._stopping, wake=self._wake, start=self._start, post=self._post,
+            capacity=capacity, stopping=self._stopping, wake=self._wake, start=self._start, post=self._post,
             stats=self.stats, clock=clock, rng=self._rng, log=self._log)
         self._finisher = Finisher(
             coord, running=self._running, lock=self._lock, stopping=self._stopping,
@@ -206,8 +214,8 @@ class Consumer:
             log=self._log)
         self._launcher = Launcher(
             coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
-            handoffs=self._handoffs, finisher=self._finisher, back_off=self._offers.back_off,
-            stats=self.stats, clock=clock, log=self._log)
+            capacity=capacity, handoffs=self._handoffs, finisher=self._finisher,
+            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log)
         self._status = NodeStatus(coord, running=self._running, lock=self._lock, offers=self._offers,
                                   supervisor=self._supervisor, stats=self.stats,
                                   stopping=self._stopping, done=self._done, labels=lambda: self.labels)

@@ -5,6 +5,10 @@ ran out): then the handler is not started and the claim released, in case only t
 view was stale. Otherwise the handler is made by ``handler_func`` (a failure fails the
 task), entered in the consumer's ``running`` map and handed to the runner; a stop or a lost
 claim that came while it was starting is delivered once it has a run.
+
+A handler the runner cannot start (no thread, no memory, the event loop gone) is not the
+task's fault: its task is released at once (an ordinary release, no failure, no crash) and
+the node's capacity drops to what it runs (:mod:`metafora.consumer.capacity`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from collections.abc import Callable, MutableMapping
 
 from metafora import tracing
 from metafora.clock import Clock
+from metafora.consumer.capacity import Capacity
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
-from metafora.consumer.runner import HandlerRunner
+from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome, error_text
 from metafora.errors import MetaforaError
@@ -38,6 +43,7 @@ class Launcher:
         running: MutableMapping[str, Running],
         lock: threading.RLock,
         runner: HandlerRunner,
+        capacity: Capacity,
         handoffs: Handoffs,
         finisher: Finisher,
         back_off: Callable[[Task], None],
@@ -50,6 +56,7 @@ class Launcher:
         self._running = running
         self._lock = lock
         self._runner = runner
+        self._capacity = capacity
         self._handoffs = handoffs
         self._finisher = finisher
         self._back_off = back_off
@@ -83,13 +90,31 @@ class Launcher:
         with self._lock:
             self._running[claimed.id] = entry
         self._log.info("claimed task %s (token %d)", claimed.id, claimed.token, extra=extra)
-        run = self._runner.start(
-            f"metafora-task-{claimed.id}", handler,
-            lambda result, error, span: self._finisher.finish(entry, result, error, span),
-            lambda: tracing.run_span(claimed.id, claimed.token, self._coord.node_id, claimed.props),
-        )
+        try:
+            run = self._runner.start(
+                f"metafora-task-{claimed.id}", handler,
+                lambda result, error, span: self._finisher.finish(entry, result, error, span),
+                lambda: tracing.run_span(claimed.id, claimed.token, self._coord.node_id,
+                                         claimed.props),
+            )
+        except CannotStart as exc:
+            self._cannot_start(entry, exc)
+            return
         with self._lock:
             entry.run = run
             stopped, lost = entry.stopped is not None, entry.lost
+            self._capacity.started(len(self._running), "async" if run.is_async else "thread")
         if stopped:  # a stop or a lost claim came while it was starting
             self._handoffs.stop_handler(entry, cancel=lost)
+
+    def _cannot_start(self, entry: Running, exc: CannotStart) -> None:
+        """Give the task of a handler that could not start back at once; claim no more."""
+        task = entry.task
+        with self._lock:
+            if self._running.get(task.id) is entry:
+                del self._running[task.id]
+            self._back_off(task)  # other nodes take it first
+            self._capacity.start_failed(len(self._running), exc.kind, exc.cause, task.id)
+        entry.returned.set()
+        entry.finished.set()
+        self._finisher.record(Finish(task, Outcome.RELEASE))

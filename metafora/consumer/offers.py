@@ -1,7 +1,8 @@
 """Offer routing: which offers this node claims, when, and in what order.
 
 The claim pipeline of one offer: placement (a selector this node does not match: not ours)
--> already running or ignored? -> a free slot (else deferred: :class:`Deferred`) -> soft
+-> already running or ignored? -> a free slot (``max_tasks``, the thread cap, a capacity
+reduced by a failed start: :mod:`metafora.consumer.capacity`; else deferred: :class:`Deferred`) -> soft
 placement hold-back (:class:`Placement`) -> ``Balancer.can_claim`` (a refusal ignores the
 offer until a deadline: :class:`Ignores`) -> claimed in bursts with ``claim_many``. A wave
 of offers is split first by rendezvous preference (:mod:`metafora.consumer.preference`), and
@@ -24,6 +25,7 @@ from datetime import datetime
 from metafora import tracing
 from metafora.balancer import Balancer
 from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.preference import Preference
@@ -223,6 +225,7 @@ class OfferRouter:
         *,
         running: Mapping[str, Running],
         lock: threading.RLock,
+        capacity: Capacity,
         stopping: threading.Event,
         wake: threading.Event,
         start: Callable[[Task], None],
@@ -237,6 +240,7 @@ class OfferRouter:
         self._options = options
         self._running = running
         self._lock = lock
+        self.capacity = capacity
         self._stopping = stopping
         self._wake = wake
         self._start = start
@@ -278,9 +282,9 @@ class OfferRouter:
         """The earliest time a held-back or ignored offer is due, or None."""
         due = self._preference.next_due()
         with self._lock:
-            ignore_due = self.ignores.next_due()
-        if ignore_due is not None:
-            due = ignore_due if due is None else min(due, ignore_due)
+            for other in (self.ignores.next_due(), self.capacity.retry_at):
+                if other is not None:
+                    due = other if due is None else min(due, other)
         return due
 
     def release_held(self, now: float) -> None:
@@ -306,8 +310,11 @@ class OfferRouter:
         """Offer again the ignored tasks whose deadline has passed."""
         with self._lock:
             due = self.ignores.pop_due(now)
+            retry = self.capacity.retry_due(now, len(self._running))
         due.sort(key=by_priority)
         self.offer(*due)
+        if retry:  # a reduced capacity rose: try a waiting offer
+            self.retry_deferred()
 
     def forgive_refusals(self, now: float) -> None:
         """A node left: offers the balancer refused may be its orphans, try them now.
@@ -402,10 +409,8 @@ class OfferRouter:
         return ok
 
     def free_slots(self) -> int | None:
-        """Handlers this node may still start (None: no max_tasks). Called holding the lock."""
-        if self._options.max_tasks is None:
-            return None
-        return self._options.max_tasks - len(self._running)
+        """Handlers this node may still start (None: no bound). Called holding the lock."""
+        return self.capacity.free_slots(len(self._running))
 
     def claim(self, tasks: list[Task], limit: int) -> None:
         """Claim up to ``limit`` of ``tasks`` in one request and start what was won."""
@@ -436,8 +441,8 @@ class OfferRouter:
         for task in claimed:
             self._start(task)
         with self._lock:
-            max_tasks = self._options.max_tasks
-            room = bool(self.deferred) and (max_tasks is None or len(self._running) < max_tasks)
+            slots = self.free_slots()
+            room = bool(self.deferred) and (slots is None or slots > 0)
         if room:
             # Offers met while this batch filled the free slots were deferred. The tasks we
             # did not win (or did not start) leave slots free, and no handler may ever finish

@@ -89,7 +89,12 @@ class ConsumerOptions:
       of a burst falls into the same window, so repeated joins coalesce into one balance.
       One more balance follows a few seconds later (twice the window, at least 2 s), once
       the released tasks found their new owners. 0 balances at once on each change.
-    - ``max_tasks``: at most this many tasks run at once on this node.
+    - ``max_tasks``: at most this many tasks run at once on this node. Without it, handlers
+      running on threads are capped at ``thread_cap``.
+    - ``thread_cap``: at most this many thread (sync) handlers run at once on this node when
+      ``max_tasks`` is not given; None (the default) derives it from the process's thread
+      limits (see :func:`metafora.consumer.capacity.default_thread_cap`: a quarter of the
+      tightest, at most 4096); 0 turns it off. Async handlers are not counted.
     - ``max_crashes``: a task whose last claims ended this many times in a row with their node
       dead (a handler that kills its process) is failed instead of run again (default 5;
       None or 0 turns it off).
@@ -134,6 +139,7 @@ class ConsumerOptions:
     balance_jitter: float = DEFAULT_BALANCE_JITTER
     rebalance_window: float = DEFAULT_REBALANCE_WINDOW
     max_tasks: int | None = None
+    thread_cap: int | None = None
     max_crashes: int | None = DEFAULT_MAX_CRASHES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     start_timeout: float = DEFAULT_START_TIMEOUT
@@ -151,6 +157,9 @@ class ConsumerOptions:
         max_tasks, max_crashes = self.max_tasks, self.max_crashes
         if max_tasks is not None and (not isinstance(max_tasks, int) or max_tasks < 1):
             raise ConfigError(f"max_tasks must be a positive integer or None, got {max_tasks!r}")
+        cap = self.thread_cap
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ConfigError(f"thread_cap must be a non-negative integer or None, got {cap!r}")
         if max_crashes is not None and (
             not isinstance(max_crashes, int) or isinstance(max_crashes, bool) or max_crashes < 0
         ):

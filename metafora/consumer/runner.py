@@ -12,6 +12,10 @@ The event loop runs in a named thread started with the first async handler and i
 supervised: if it dies, the consumer is told (``on_fatal``) and shuts down. A watchdog
 thread warns when the loop is blocked (an async handler made a blocking call) for longer
 than ``slow_callback`` seconds, naming the task and where it is stuck.
+
+A handler that cannot be started (its thread cannot start: the process is out of threads
+or memory; or the event loop is gone) makes :meth:`HandlerRunner.start` raise
+:class:`CannotStart`, with nothing left running: the consumer releases the task.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, cast
 
 from metafora.handler import AsyncHandler, Handler, is_async
 
-__all__ = ["Around", "AsyncRun", "Finish", "HandlerRunner", "Run", "SyncRun", "Write"]
+__all__ = ["Around", "AsyncRun", "CannotStart", "Finish", "HandlerRunner", "Run", "SyncRun", "Write"]
 
 # The logger keeps the name it had before the consumer became a package.
 log = logging.getLogger("metafora.runner")
@@ -50,6 +54,21 @@ Around = Callable[[], AbstractContextManager[Any]]
 asyncio task), e.g. a tracing span that the handler's own spans then hang under."""
 
 _OUTCOME_WRITERS = 8  # threads writing async handlers' outcomes (the store serialises them anyway)
+
+StartThread = Callable[[threading.Thread], None]
+# What Thread.start() raises when the process is out of threads ("can't start new thread")
+# or memory for one more stack.
+_START_ERRORS = (RuntimeError, MemoryError)
+
+
+class CannotStart(Exception):
+    """A handler could not be started; nothing of it runs. ``kind``: ``"thread"`` or
+    ``"async"``; ``cause``: what was raised (the exception's ``__cause__`` too)."""
+
+    def __init__(self, kind: str, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.kind = kind
+        self.cause = cause
 
 
 class SyncRun:
@@ -116,22 +135,27 @@ class _Workers:
     seconds (or beyond ``keep`` idle ones) exits.
     """
 
-    def __init__(self, keep: int = 32, idle_for: float = 30.0) -> None:
+    def __init__(self, start_thread: StartThread, keep: int = 32, idle_for: float = 30.0) -> None:
+        self._start_thread = start_thread
         self._keep = keep
         self._idle_for = idle_for
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
 
     def run(self, name: str, job: Callable[[], None]) -> None:
-        """Run ``job`` on an idle thread, or a new one."""
+        """Run ``job`` on an idle thread, or a new one (:class:`CannotStart` if it cannot start)."""
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is not None:
             inbox.put(job)
             return
-        inbox = queue.SimpleQueue()
-        inbox.put(job)
-        threading.Thread(target=self._loop, args=(inbox,), name=name, daemon=True).start()
+        try:
+            inbox = queue.SimpleQueue()
+            inbox.put(job)
+            self._start_thread(threading.Thread(target=self._loop, args=(inbox,), name=name,
+                                                daemon=True))
+        except _START_ERRORS as exc:
+            raise CannotStart("thread", exc) from exc
 
     def _loop(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         while True:
@@ -166,7 +190,7 @@ class _EventLoop:
     """One asyncio loop in a named thread, with a watchdog for blocking callbacks."""
 
     def __init__(self, node_id: str, slow_callback: float,
-                 on_fatal: Callable[[str, BaseException], None]) -> None:
+                 on_fatal: Callable[[str, BaseException], None], start_thread: StartThread) -> None:
         self._node_id = node_id
         self._slow = slow_callback
         self._on_fatal = on_fatal
@@ -174,6 +198,10 @@ class _EventLoop:
         self._closing = threading.Event()
         # Strong references (asyncio keeps weak ones), and the runs a dead loop must end.
         self._tasks: dict[asyncio.Task[Any], AsyncRun] = {}
+        # Runs spawned but not created yet, which a loop that dies must end too.
+        self._spawn_lock = threading.Lock()
+        self._spawning: set[AsyncRun] = set()
+        self._stopped = False  # run_forever returned
         self._writers = concurrent.futures.ThreadPoolExecutor(
             _OUTCOME_WRITERS, thread_name_prefix=f"metafora-outcome-{node_id}"
         )
@@ -181,8 +209,19 @@ class _EventLoop:
                                         daemon=True)
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name=f"metafora-asyncio-watchdog-{node_id}")
-        self._thread.start()
-        self._watchdog.start()
+        try:
+            start_thread(self._thread)
+        except BaseException:
+            self._loop.close()
+            self._writers.shutdown(wait=False)
+            raise
+        try:
+            start_thread(self._watchdog)
+        except BaseException:  # no loop without its watchdog: stop the one just started
+            self._closing.set()
+            self.call(self._loop.stop)
+            self._writers.shutdown(wait=False)
+            raise
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the loop's thread soon (from any thread)."""
@@ -192,10 +231,21 @@ class _EventLoop:
             pass
 
     def spawn(self, run: AsyncRun) -> None:
-        """Start ``run``'s handler as a task on the loop."""
-        self.call(lambda: self._create(run))
+        """Start ``run``'s handler as a task on the loop (:class:`CannotStart` if it is gone)."""
+        with self._spawn_lock:
+            if self._stopped or self._closing.is_set():
+                raise CannotStart("async", RuntimeError("the event loop is not running"))
+            self._spawning.add(run)
+        try:
+            self._loop.call_soon_threadsafe(lambda: self._create(run))
+        except RuntimeError as exc:  # closed
+            with self._spawn_lock:
+                self._spawning.discard(run)
+            raise CannotStart("async", exc) from exc
 
     def _create(self, run: AsyncRun) -> None:
+        with self._spawn_lock:
+            self._spawning.discard(run)
         try:
             coro = run.handler.run()
             if not asyncio.iscoroutine(coro):
@@ -251,12 +301,15 @@ class _EventLoop:
             died: BaseException = exc
         else:
             died = RuntimeError("the event loop stopped unexpectedly")
+        with self._spawn_lock:
+            self._stopped = True
+            spawned, self._spawning = list(self._spawning), set()
         if self._closing.is_set():
             return
         self._on_fatal("asyncio", died)  # the node stops claiming and shuts down
         # Nothing will run these handlers again: end them as released (the node's close()
         # gives their tasks back), or shutdown would wait for them until its timeout.
-        for run in list(self._tasks.values()):
+        for run in [*self._tasks.values(), *spawned]:
             self._hand_off(run, False, None, None, None)
         self._tasks.clear()
 
@@ -365,21 +418,50 @@ class HandlerRunner:
         self._node_id = node_id
         self._slow = slow_callback
         self._on_fatal = on_fatal
-        self._workers = _Workers()
+        self._workers = _Workers(self.start_thread)
         self._loop: _EventLoop | None = None
         self._lock = threading.Lock()
+        self._busy = 0  # sync handlers started and not ended
+
+    @property
+    def busy_threads(self) -> int:
+        """Sync handlers running now (each on a thread of its own)."""
+        return self._busy
+
+    def start_thread(self, thread: threading.Thread) -> None:
+        """Start one of the runner's threads (a seam: tests make it fail as a full process does)."""
+        thread.start()
 
     def start(self, name: str, handler: Handler | AsyncHandler, finish: Finish,
               around: Around = nullcontext) -> Run:
-        """Start ``handler``; ``finish(result, error, scope)`` is called once it ended."""
+        """Start ``handler``; ``finish(result, error, scope)`` is called once it ended.
+
+        Raises :class:`CannotStart` when it cannot be started (then ``finish`` is never called).
+        """
         if is_async(handler):
             loop = self._event_loop()
             arun = AsyncRun(handler, loop, name, finish, around)
             loop.spawn(arun)
             return arun
         sync = SyncRun(cast(Handler, handler), name)  # duck-typed handlers are welcome
-        self._workers.run(name, lambda: self._run_sync(name, sync, finish, around))
+        with self._lock:
+            self._busy += 1
+
+        def ended(result: bool | None, error: BaseException | None, scope: Any) -> Write | None:
+            # Uncounted before finish() tells the consumer a slot is free, which counts again.
+            self._ended_sync()
+            return finish(result, error, scope)
+
+        try:
+            self._workers.run(name, lambda: self._run_sync(name, sync, ended, around))
+        except CannotStart:
+            self._ended_sync()
+            raise
         return sync
+
+    def _ended_sync(self) -> None:
+        with self._lock:
+            self._busy -= 1
 
     @staticmethod
     def _run_sync(name: str, run: SyncRun, finish: Finish, around: Around) -> None:
@@ -402,7 +484,13 @@ class HandlerRunner:
     def _event_loop(self) -> _EventLoop:
         with self._lock:
             if self._loop is None:
-                self._loop = _EventLoop(self._node_id, self._slow, self._on_fatal)
+                try:
+                    self._loop = _EventLoop(self._node_id, self._slow, self._on_fatal,
+                                            self.start_thread)
+                # Out of threads, memory or file descriptors (the loop's selector): tried
+                # again at the next async handler.
+                except (*_START_ERRORS, OSError) as exc:
+                    raise CannotStart("async", exc) from exc
             return self._loop
 
     def stop(self, runs: Iterable[Run]) -> None:

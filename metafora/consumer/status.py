@@ -49,6 +49,7 @@ class NodeStatus:
                 for e in entries
             ]
             ignores = sorted(k for k, _ in self._offers.ignores.items())
+            capacity = self._offers.capacity.info()
         return {
             "node": self._coord.node_id,
             "store": mask_url(self._coord.name, brief=True),
@@ -58,6 +59,7 @@ class NodeStatus:
             "stopping": self._stopping.is_set(),
             "tasks": rows,
             "ignores": ignores,
+            "capacity": capacity,
             "counters": self._stats.counters(),
         }
 

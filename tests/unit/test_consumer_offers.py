@@ -19,6 +19,7 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.balancer import Balancer, BalancerContext
+from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import Ignores, OfferRouter, Placement
 from metafora.consumer.options import ConsumerOptions
@@ -79,11 +80,17 @@ class Rig:
         self.started: list[str] = []
         self.posted: list[Event] = []
         self.stats = ConsumerStats()
+        opts = ConsumerOptions(labels=labels, **options)
+        log = NodeLog(logging.getLogger("test"), {"node": "a"})
+        # Every started task stands for a thread handler.
+        capacity = Capacity(max_tasks=opts.max_tasks, thread_cap=opts.thread_cap,
+                            busy_threads=lambda: len(self.running), monotonic=clock.monotonic,
+                            log=log)
         self.router = OfferRouter(
-            self.coord, self.balancer, ConsumerOptions(labels=labels, **options),
-            running=self.running, lock=self.lock, stopping=threading.Event(),
+            self.coord, self.balancer, opts, running=self.running, lock=self.lock,
+            capacity=capacity, stopping=threading.Event(),
             wake=threading.Event(), start=self._start, post=self.posted.append, stats=self.stats,
-            clock=clock, rng=random.Random(7), log=NodeLog(logging.getLogger("test"), {"node": "a"}),
+            clock=clock, rng=random.Random(7), log=log,
         )
 
     def _start(self, task: Task) -> None:
