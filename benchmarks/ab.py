@@ -7,10 +7,10 @@ alternate base and head, so a change in the machine's load touches both; each fi
 median of a side's rounds, and the ratio head / base.
 
     python benchmarks/ab.py claims --base REV [--rounds 3] [--stores sqlite,postgresql] [--full]
-    python benchmarks/ab.py gates|storm|peers --base REV ...
+    python benchmarks/ab.py gates|latency|storm|peers --base REV ...
 
 Figures compared: claims, consumer tasks/s; storm, seconds until every task is held; gates,
-items/s; peers, metafora's short tasks/s and submit-to-start p50 (ms). Writes
+items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and submit-to-start p50 (ms). Writes
 ``benchmarks/results/ab_NAME.json``.
 """
 
@@ -51,6 +51,11 @@ def _gates(results: Any) -> Figures:
             for store, scenarios in results.items() for scenario, v in scenarios.items()}
 
 
+def _latency(results: Any) -> Figures:
+    return {f"{store}: submit-to-start {pct} ms": float(v[f"{pct}_ms"])
+            for store, v in results.items() for pct in ("p50", "p99")}
+
+
 def _peers(summary: Any) -> Figures:
     out: Figures = {}
     for system, figures in summary.items():
@@ -65,6 +70,7 @@ READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
     "claims": ("results", _claims),
     "storm": ("results", _storm),
     "gates": ("results", _gates),
+    "latency": ("results", _latency),
     "peers": ("summary", _peers),
 }
 
