@@ -10,8 +10,8 @@ median of a side's rounds, and the ratio head / base.
     python benchmarks/ab.py gates|latency|storm|peers --base REV ...
 
 Figures compared: claims, consumer tasks/s; storm, seconds until every task is held; gates,
-items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and submit-to-start p50 (ms). Writes
-``benchmarks/results/ab_NAME.json``.
+items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and
+submit-to-start p50 (ms). Writes ``benchmarks/results/ab_NAME.json``.
 """
 
 from __future__ import annotations
