@@ -9,6 +9,11 @@ for the lease to expire.
 
     .venv/bin/python examples/koalemos/koalemosd.py --url sqlite:///metafora.db
 
+The same handler runs under the ``metafora worker`` command too, with no main of one's own
+(``KOALEMOS_GRACE`` sets ``--grace``; the worker's own options set the rest):
+
+    cd examples/koalemos && metafora --url sqlite:///metafora.db worker koalemosd:shell
+
 Errors and exit codes are the ``metafora`` command's: 2 usage (bad URL, node id, option or
 ``--http`` address, the HTTP port taken), 3 store unreachable, 1 refused (the node id is
 live elsewhere); one ``Error: ...`` line, never a traceback.
@@ -85,6 +90,11 @@ class ShellHandler(Handler):
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def shell(task: Task) -> ShellHandler:
+    """The HandlerFunc for ``metafora worker koalemosd:shell`` (grace from ``KOALEMOS_GRACE``)."""
+    return ShellHandler(task, float(os.environ.get("KOALEMOS_GRACE", "10")))
 
 
 @click.command(cls=MetaforaCommand)

@@ -163,3 +163,23 @@ def test_koalemosd_http_port_in_use(tmp_path: Path) -> None:
     assert f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
     with open_client(url) as client:
         assert "k1" not in client.nodes()  # it left nothing registered behind
+
+
+def test_the_shell_handler_runs_under_metafora_worker(url: str, tmp_path: Path) -> None:
+    """``metafora worker koalemosd:shell``: the example's handler with no main of its own."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "metafora", "--url", url, "worker", "koalemosd:shell",
+                                 "--node-id", "kw"], cwd=KOALEMOSD.parent,
+                                env={**_env(), "KOALEMOS_GRACE": "2"}, stdout=out, stderr=out)
+        try:
+            marker = tmp_path / "ran.txt"
+            done = ctl(url, "--id", "via-worker", "--wait", "60", "--", "sh", "-c", f"echo hi > {marker}")
+            assert done.returncode == 0, done.stderr + log.read_text()
+            assert marker.read_text() == "hi\n"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
