@@ -280,12 +280,17 @@ class StatefulTaskHandler(Handler):
     def _begin(self) -> tuple[State, bool | None]:
         """Load the task's state (and store a fresh one); the run's result if it ends here."""
         task = self.task
-        state = self._load()
-        if state is None:
+        loaded = self._load()
+        if loaded is None:
             return State(), False
+        state, stored = loaded
         # A fresh task's state is stored at once: operators (`metafora pause`, `state`) can
         # then tell a task a state machine runs from one no state machine would ever read.
-        if state == State() and not self._persist(state):
+        # A stored state is not written again (every move would pay a fenced write for
+        # nothing): the load was fenced like a write -- refused unless the task is claimed
+        # under this token by a live node and no newer token wrote the state -- and the
+        # first take of commands, before the user's function runs, is fenced again.
+        if not stored and not self._persist(state):
             return state, False
         self._state = state
         if state.code.terminal:
@@ -415,9 +420,11 @@ class StatefulTaskHandler(Handler):
             raise error from exc.__cause__
         self._state = new
 
-    def _load(self) -> State | None:
+    def _load(self) -> tuple[State, bool] | None:
+        """(the task's state, whether one was stored); None when the run must end."""
         try:
-            return self._retry("load state", lambda: self._states.load(self.task))
+            state = self._retry("load state", lambda: self._states.load_stored(self.task))
+            return (State(), False) if state is None else (state, True)
         except ClaimLost as exc:
             self._lose(exc)
         except _GiveUp as exc:
