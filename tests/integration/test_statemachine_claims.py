@@ -10,6 +10,7 @@ the node that runs the task, or the machine logs it as applied.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 
@@ -181,3 +182,112 @@ def test_a_stale_token_start_is_refused_before_the_handler_runs(nodes: Nodes) ->
     assert state_store_for(nodes.client).get("t1") == State(cursor="1")
     assert _machine(b, step, new).run() is True
     assert called == ["t1"]
+
+
+# -- commands around a claim and a move -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_run_sent_before_the_claim_reaches_the_handler(nodes: Nodes, kind: str) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("t1"))
+    commands_for(nodes.client).send("t1", Message.run())
+    listener = Listener()
+    step = listener.sync("a") if kind == "sync" else listener.aio("a")
+    assert _run(handler_func(step, a, poll_interval=0.05)(nodes.claim("a"))) is True
+    assert listener.got == [("a", Message.run())]
+
+
+def test_a_run_sent_between_the_claim_and_the_first_get_reaches_the_handler(
+    nodes: Nodes,
+) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("t1"))
+    channel = commands_for(nodes.client)
+    task = nodes.claim("a")
+    channel.send("t1", Message.run())  # claimed; the machine has not looked yet
+    listener = Listener()
+    assert _machine(a, listener.sync("a"), task).run() is True
+    assert listener.got == [("a", Message.run())]
+
+    nodes.client.submit_task(Task("t2"))  # the handler is called, before its first get()
+    listener = Listener()
+    listener.hold.clear()
+    running = Background(_machine(a, listener.sync("a"), nodes.claim("a", "t2")))
+    assert listener.entered.wait(10)
+    channel.send("t2", Message.run())
+    listener.hold.set()
+    assert running.result() is True
+    assert listener.got == [("a", Message.run())]
+
+
+def test_a_run_the_handler_never_reads_is_logged_as_applied(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("t1"))
+    commands_for(nodes.client).send("t1", Message.run())
+    with caplog.at_level(logging.INFO, logger="metafora.statemachine"):
+        assert _machine(a, lambda task, cmds: Message.complete(), nodes.claim("a")).run() is True
+    assert any(APPLIED in r.getMessage() and "did not read it" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_run_sent_during_a_handoff_reaches_the_next_owner(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    nodes.client.submit_task(Task("t1"))
+    channel = commands_for(nodes.client)
+    listener = Listener()
+    old = nodes.claim("a")
+    machine = _machine(a, listener.sync("a"), old)
+    listener.hold.clear()
+    running = Background(machine)
+    assert listener.entered.wait(10)
+    machine.stop()  # the balancer asked a for t1: its handler is being stopped
+    channel.send("t1", Message.run())  # while the task moves
+    listener.hold.set()
+    assert running.result() is False
+    assert listener.got == [("a", Message.release())]  # stopping: a's get() answers that
+    a.release(old)
+    assert _machine(b, listener.sync("b"), nodes.claim("b")).run() is True
+    assert listener.got[1:] == [("b", Message.run())]
+    assert channel.pending("t1") == 0
+
+
+def test_a_run_racing_a_release_reaches_a_handler_or_is_logged(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    nodes.client.submit_task(Task("t1"))
+    listener = Listener()
+    old = nodes.claim("a")
+    machine = _machine(a, listener.sync("a"), old)
+    running = Background(machine)
+    assert listener.entered.wait(10)
+    with caplog.at_level(logging.INFO, logger="metafora.statemachine"):
+        stopping = threading.Thread(target=machine.stop, daemon=True)
+        stopping.start()
+        commands_for(nodes.client).send("t1", Message.run())
+        stopping.join(10)
+        finished = running.result()
+        if not finished:  # a released t1 before the run reached its handler
+            a.release(old)
+            assert _machine(b, listener.sync("b"), nodes.claim("b")).run() is True
+    runs = [node for node, message in listener.got if message == Message.run()]
+    logged = [r for r in caplog.records if APPLIED in r.getMessage()]
+    assert len(runs) + len(logged) == 1, (listener.got, logged)
+
+
+def test_a_command_that_changes_nothing_is_logged_as_applied(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = nodes.node("a")
+    nodes.client.submit_task(Task("t1"))
+    task = nodes.claim("a")
+    state_store_for(a).store(task, State(StateCode.PAUSED))
+    channel = commands_for(nodes.client)
+    channel.send("t1", Message.pause())  # already paused
+    channel.send("t1", Message.kill())
+    with caplog.at_level(logging.INFO, logger="metafora.statemachine"):
+        assert _machine(a, lambda task, cmds: Message.complete(), task).run() is True
+    assert any("command pause applied; still paused" in r.getMessage() for r in caplog.records)
