@@ -43,11 +43,13 @@ class AsyncCommands(MachineView):
         """The next command without waiting, or None (``release`` once stopping)."""
         if self.stopping:
             return Message.release()
-        return await self._runner.receive(0.0)
+        return self._machine.handed() or await self._runner.receive(0.0)
 
     async def get(self, timeout: float | None = None) -> Message | None:
         """The next command, waiting up to ``timeout`` seconds (None: until one arrives or
         the task is stopped, which answers ``release``); None on timeout."""
+        if not self.stopping and (handed := self._machine.handed()) is not None:
+            return handed
         message = await self._runner.receive(timeout)
         if message is None and self.stopping:
             return Message.release()
@@ -117,13 +119,13 @@ class AsyncStatefulTaskHandler(AsyncHandler):
     async def _next_message(self, state: State) -> Message | None:
         code = state.code
         if code is StateCode.RUNNABLE:
-            return await self.receive(0.0) or await self._call_user()
+            return self.machine.hand_over(await self._take(0.0)) or await self._call_user()
         if code is StateCode.PAUSED:
-            return await self.receive(None)
+            return await self._take(None)
         if code is StateCode.SLEEPING:
             return await self._sleep(state)
         if code is StateCode.FAULT:
-            return await self.receive(0.0) or self.machine._handle_error(state)
+            return await self._take(0.0) or self.machine._handle_error(state)
         raise AssertionError(f"no step for state {code}")  # terminal states end run()
 
     async def _call_user(self) -> Message | None:
@@ -133,7 +135,14 @@ class AsyncStatefulTaskHandler(AsyncHandler):
             result = await self._stateful(machine.task, AsyncCommands(self))
         except Exception as exc:
             return machine._user_raised(exc)
+        finally:
+            machine.unread()
         return machine._user_returned(result)
+
+    async def _take(self, timeout: float | None) -> Message | None:
+        """A command the machine takes itself (see ``StatefulTaskHandler.take``)."""
+        message = self.machine._command = await self.receive(timeout)
+        return message
 
     async def _sleep(self, state: State) -> Message | None:
         until = state.until
@@ -144,7 +153,7 @@ class AsyncStatefulTaskHandler(AsyncHandler):
                 return Message.run()
             # The machine's clock may be a fake one: re-read it every poll_interval.
             wait = None if left is None else min(machine.poll_interval, left)
-            message = await self.receive(wait)
+            message = await self._take(wait)
             if message is not None:
                 return message
         return None

@@ -4,7 +4,9 @@
 :data:`~metafora.handler.HandlerFunc`. Each claimed task gets a :class:`StatefulTaskHandler` whose ``run()``:
 
 1. loads the task's :class:`State` (fenced by the claim token);
-2. loops: *runnable* -> a pending command, else the user's function; *paused* -> waits for
+2. loops: *runnable* -> a pending command, else the user's function (a pending ``run``,
+   which changes nothing here, is handed to the function's first ``poll()``/``get()``, or
+   logged as applied if it does not read it); *paused* -> waits for
    a command (keeping the claim); *sleeping* -> waits until ``until`` or a command;
    *fault* -> a pending command, else the error handler;
 3. applies the message through :data:`~metafora.statemachine.machine.TRANSITIONS` and
@@ -102,7 +104,7 @@ class Commands(MachineView):
         """
         if self._machine.stopping:
             return Message.release()
-        return self._machine.receive(0.0)
+        return self._machine.handed() or self._machine.receive(0.0)
 
     def get(self, timeout: float | None = None) -> Message | None:
         """The next command, waiting up to ``timeout`` seconds of the machine's clock.
@@ -114,6 +116,8 @@ class Commands(MachineView):
         while True:
             if machine.stopping:
                 return Message.release()
+            if (handed := machine.handed()) is not None:
+                return handed
             # Without a deadline, block until the mailbox is rung or stop() interrupts it
             # (10,000 waiting tasks must not wake up every second); with one, re-read the
             # machine's clock every poll_interval (it may be a fake one).
@@ -190,6 +194,8 @@ class StatefulTaskHandler(Handler):
         self._lost = False
         self._state: State | None = None
         self._checkpoint_error: BaseException | None = None
+        self._command: Message | None = None  # the last command the machine itself took
+        self._handed: Message | None = None  # a `run` kept for the handler's first read
         self._extra = {"task": task.id, "token": task.token}
 
     # -- Handler --------------------------------------------------------------------------
@@ -260,6 +266,9 @@ class StatefulTaskHandler(Handler):
         if new.code is not state.code:
             log.info("task %s: %s --%s--> %s", task.id, state.code.value, message, new,
                      extra={**self._extra, "action": "transition"})
+        elif message is self._command and message.kind is not MessageKind.RELEASE:
+            log.info("task %s: command %s applied; still %s", task.id, message, new,
+                     extra={**self._extra, "action": "command"})
         state = self._state = new
         if state.code.terminal:
             level = logging.INFO if state.code is StateCode.COMPLETED else logging.WARNING
@@ -280,12 +289,17 @@ class StatefulTaskHandler(Handler):
     def _begin(self) -> tuple[State, bool | None]:
         """Load the task's state (and store a fresh one); the run's result if it ends here."""
         task = self.task
-        state = self._load()
-        if state is None:
+        loaded = self._load()
+        if loaded is None:
             return State(), False
+        state, stored = loaded
         # A fresh task's state is stored at once: operators (`metafora pause`, `state`) can
         # then tell a task a state machine runs from one no state machine would ever read.
-        if state == State() and not self._persist(state):
+        # A stored state is not written again (every move would pay a fenced write for
+        # nothing): the load was fenced like a write -- refused unless the task is claimed
+        # under this token by a live node and no newer token wrote the state -- and the
+        # first take of commands, before the user's function runs, is fenced again.
+        if not stored and not self._persist(state):
             return state, False
         self._state = state
         if state.code.terminal:
@@ -300,13 +314,13 @@ class StatefulTaskHandler(Handler):
         """The message that moves ``state`` on; None when stopped or the claim is lost."""
         code = state.code
         if code is StateCode.RUNNABLE:
-            return self.receive(0.0) or self._call_user()
+            return self.hand_over(self.take(0.0)) or self._call_user()
         if code is StateCode.PAUSED:
             return self._wait(None)
         if code is StateCode.SLEEPING:
             return self._wait(state)
         if code is StateCode.FAULT:
-            return self.receive(0.0) or self._handle_error(state)
+            return self.take(0.0) or self._handle_error(state)
         raise AssertionError(f"no step for state {code}")  # terminal states end run()
 
     def _call_user(self) -> Message | None:
@@ -315,7 +329,40 @@ class StatefulTaskHandler(Handler):
             result = self._stateful(self.task, Commands(self))
         except Exception as exc:
             return self._user_raised(exc)
+        finally:
+            self.unread()
         return self._user_returned(result)
+
+    # -- commands the machine takes ---------------------------------------------------------
+
+    def take(self, timeout: float | None) -> Message | None:
+        """A command taken by the machine itself (not by the handler's poll/get): applied
+        by :meth:`_advance`, which logs it even when it changes nothing."""
+        message = self._command = self.receive(timeout)
+        return message
+
+    def hand_over(self, command: Message | None) -> Message | None:
+        """A command taken before the handler of a runnable task is called: returned to be
+        applied now, or None (call the handler) for a ``run``, which changes nothing for
+        the machine and is handed to the handler instead -- its first ``poll()``/``get()``
+        answers it, as Metafora hands every command of a runnable task to its handler."""
+        if command is not None and command.kind is MessageKind.RUN:
+            self._handed = command
+            return None
+        return command
+
+    def handed(self) -> Message | None:
+        """The command kept for the handler (once), or None."""
+        handed, self._handed = self._handed, None
+        return handed
+
+    def unread(self) -> None:
+        """After the handler returned: a kept command it did not read is logged as applied
+        (it is: a ``run`` leaves a runnable task runnable), never dropped silently."""
+        handed = self.handed()
+        if handed is not None:
+            log.info("task %s: command %s applied; still runnable (the handler did not read it)",
+                     self.task.id, handed, extra={**self._extra, "action": "command"})
 
     def _user_raised(self, exc: Exception) -> Message | None:
         """The message for a user's step that raised (None: stop, the claim is lost or the
@@ -350,7 +397,7 @@ class StatefulTaskHandler(Handler):
                 if left <= 0:
                     return Message.run()
                 wait = min(self.poll_interval, left)
-            message = self.receive(wait)
+            message = self.take(wait)
             if message is not None:
                 return message
         return None
@@ -415,9 +462,11 @@ class StatefulTaskHandler(Handler):
             raise error from exc.__cause__
         self._state = new
 
-    def _load(self) -> State | None:
+    def _load(self) -> tuple[State, bool] | None:
+        """(the task's state, whether one was stored); None when the run must end."""
         try:
-            return self._retry("load state", lambda: self._states.load(self.task))
+            state = self._retry("load state", lambda: self._states.load_stored(self.task))
+            return (State(), False) if state is None else (state, True)
         except ClaimLost as exc:
             self._lose(exc)
         except _GiveUp as exc:

@@ -110,6 +110,20 @@ class StateStore(abc.ABC):
         store holds a state written under a higher token.
         """
 
+    def load_stored(self, task: Task) -> State | None:
+        """Like :meth:`load` (fenced the same way), but None when no state is stored yet.
+
+        A machine's start uses it to store a fresh task's state once, and only then: a
+        task that moves keeps its stored state, and writing it again at every claim would
+        be one fenced write per move for nothing. The built-in stores answer in the one
+        fenced read of :meth:`load`; this default (for other stores) asks :meth:`get`
+        only when ``load`` answered the fresh state, which it cannot tell from none.
+        """
+        state = self.load(task)
+        if state == State() and self.get(task.id) is None:
+            return None
+        return state
+
     @abc.abstractmethod
     def store(self, task: Task, state: State) -> None:
         """Write ``state`` for the claim ``task.token``.

@@ -117,6 +117,9 @@ class EtcdStateStore(StateStore):
         return cls(*_parts(coordinator_or_client), lease_bound_of(coordinator_or_client))
 
     def load(self, task: Task) -> State:
+        return self.load_stored(task) or State()
+
+    def load_stored(self, task: Task) -> State | None:
         tk = self._keys.task(task.id)
         result = self._bound.call(task, "state load", lambda timeout: self._driver.txn(
             [created_at(tk.owner, task.token)], [Range(tk.machine)], repeatable=True,
@@ -126,7 +129,7 @@ class EtcdStateStore(StateStore):
             raise _lost(task)
         kvs = result.ranges[0]
         if not kvs:
-            return State()
+            return None
         token, state = decode_state(task.id, kvs[0].value)
         if token > task.token:
             raise ClaimLost(f"task {task.id!r}: state was written under token {token} > {task.token}")

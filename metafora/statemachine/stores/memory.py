@@ -100,9 +100,12 @@ class MemoryStateStore(StateStore):
         return held
 
     def load(self, task: Task) -> State:
+        return self.load_stored(task) or State()
+
+    def load_stored(self, task: Task) -> State | None:
         with self._store.cond:
             held = self._fenced(task)
-        return State() if held is None else State.from_json(held[1])
+        return None if held is None else State.from_json(held[1])
 
     def store(self, task: Task, state: State) -> None:
         text = state.to_json()

@@ -185,6 +185,9 @@ class SQLStateStore(StateStore):
         return cls(database_of(coordinator_or_client), lease_bound_of(coordinator_or_client))
 
     def load(self, task: Task) -> State:
+        return self.load_stored(task) or State()
+
+    def load_stored(self, task: Task) -> State | None:
         self._st.ensure()
 
         def read(_timeout: float | None) -> Any:
@@ -197,7 +200,7 @@ class SQLStateStore(StateStore):
             raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
         token, body = row
         if body is None:
-            return State()
+            return None
         if int(token) > task.token:
             raise ClaimLost(f"task {task.id!r}: state was written under token {token} > {task.token}")
         return State.from_json(body)
