@@ -200,7 +200,10 @@ class Lease:
 
     def still_holds(self, task: Task) -> bool:
         """This node's lease is live by its own clock and it tracks ``task`` with its token."""
-        return self.time_left(task) > 0.0
+        with self._lock:  # on the hot path of every outcome: no call beyond the lock
+            mine = self._held.get(task.id)
+            return (self._live and time.monotonic() < self._deadline and mine is not None
+                    and mine.token == task.token)
 
     def time_left(self, task: Task | None = None) -> float:
         """Seconds until the fencing deadline while the lease is live and, given ``task``,
@@ -290,10 +293,6 @@ class Lease:
 
     # -- the heartbeat ----------------------------------------------------------------------
 
-    def _summary(self) -> tuple[int, int]:
-        with self._lock:
-            return len(self._held), sum(t.token for t in self._held.values())
-
     def _snapshot(self) -> tuple[int, tuple[int, int], bool]:
         """(change counter, (count, token sum) of the held claims, anything in flight)."""
         with self._lock:
@@ -327,7 +326,7 @@ class Lease:
                     next_check = now + self._check_every
                     with self._lock:
                         self._check_requested = False
-                    if check or self._summary()[0]:
+                    if check or self._snapshot()[1][0]:
                         self._check_held()
                 if retry:
                     log.info("lease of node %s on %s works again", self._node_id, self._db.name,
