@@ -43,6 +43,7 @@ from metafora.task import matches
 __all__ = [
     "DEFAULT_BAND",
     "EPS",
+    "MAX_THRESHOLD",
     "Member",
     "ReleasePlan",
     "Standing",
@@ -83,11 +84,16 @@ def check_weight(value: object, name: str = "weight") -> float:
     return number
 
 
+MAX_THRESHOLD = 10.0  # a ratio: 120 is surely meant as a percentage (1.2)
+
+
 def check_threshold(value: object, name: str = "threshold") -> float:
-    """``value`` as a float if it is a finite number >= 1.0, else :class:`ConfigError`."""
+    """``value`` as a float if it is a number from 1.0 to :data:`MAX_THRESHOLD`, else
+    :class:`ConfigError` (a threshold is a ratio to the share: 1.2 is 20 % above it)."""
     number = _number(value)
-    if number is None or number < 1.0:
-        raise ConfigError(f"{name} must be a number >= 1.0, got {value!r}")
+    if number is None or not 1.0 <= number <= MAX_THRESHOLD:
+        raise ConfigError(f"{name} must be a number from 1.0 to {MAX_THRESHOLD:g} (a ratio to "
+                          f"the fair share: 1.2 is 20 % above it), got {value!r}")
     return number
 
 

@@ -55,14 +55,22 @@ def test_the_weight_error_names_the_value() -> None:
     assert str(info.value) == "weight must be a positive number, got -1"
 
 
+def test_the_threshold_error_says_it_is_a_ratio() -> None:
+    with pytest.raises(ConfigError) as info:
+        FairBalancer(120)
+    assert str(info.value) == ("FairBalancer threshold must be a number from 1.0 to 10 (a ratio "
+                               "to the fair share: 1.2 is 20 % above it), got 120")
+    assert FairBalancer(10).threshold == 10.0 and FairBalancer(1).threshold == 1.0
+
+
 def test_good_weights_are_floats() -> None:
     assert check_weight(2) == 2.0 and isinstance(check_weight(2), float)
     assert check_weight(0.25) == 0.25
 
 
-@pytest.mark.parametrize("bad", [0.99, 0, -1, float("nan"), float("inf"), "1.2", True])
-def test_a_threshold_must_be_a_finite_number_of_at_least_one(bad: object) -> None:
-    with pytest.raises(ConfigError, match=r"threshold must be a number >= 1\.0"):
+@pytest.mark.parametrize("bad", [0.99, 0, -1, float("nan"), float("inf"), "1.2", True, 10.5, 120])
+def test_a_threshold_must_be_a_ratio_from_1_to_10(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"threshold must be a number from 1\.0 to 10 "):
         check_threshold(bad)
     with pytest.raises(ConfigError, match="threshold"):
         FairBalancer(bad)  # type: ignore[arg-type]
