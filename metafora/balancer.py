@@ -43,6 +43,7 @@ class ClusterState(abc.ABC):
         counts every live node.
         """
         return self.node_task_count()
+
     def node_labels(self) -> dict[str, dict[str, str]]:
         """Live node id -> its placement labels (one store read).
 
@@ -50,6 +51,25 @@ class ClusterState(abc.ABC):
         (this default knows none) is taken as able to run any task.
         """
         return {}
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node id -> the weight it published (``Consumer(weight=...)``).
+
+        A node's fair share of the work is proportional to its weight, for clusters of
+        unequal machines. A node missing from the answer has weight 1.0: this default
+        (``{}``) makes every node equal. Balancers read it together with the counts (and
+        cache it with them), never per offer; a store may answer it from the same read.
+        """
+        return {}
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Ids of live nodes that are frozen (they claim nothing while frozen).
+
+        A frozen node takes no work, so balancers leave it out of the fair shares, as they
+        leave out leaving nodes. This default knows none; read with the counts, like
+        :meth:`node_weights`.
+        """
+        return frozenset()
 
 
 @dataclass
@@ -61,6 +81,7 @@ class BalancerContext:
     task_source: Callable[[], list[RunningTask]] = field(repr=False)
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
     count_source: Callable[[], int] | None = field(default=None, repr=False)
+    claimable_source: Callable[[], int] | None = field(default=None, repr=False)
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""
@@ -70,6 +91,15 @@ class BalancerContext:
         """How many tasks run on this node now: ``len(tasks())`` without building the list
         (balancers ask on every offer; a node holding thousands must not pay for a copy)."""
         return self.count_source() if self.count_source is not None else len(self.task_source())
+
+    def claimable_count(self) -> int | None:
+        """How many tasks this node sees as claimable now (pending, from its watch cache
+        or offers; no store request), or None when the consumer does not say.
+
+        With it a balancer can compute this node's share of the work at claim time,
+        ``ceil((held + claimable) / nodes)``; without it, only of the work already held.
+        """
+        return self.claimable_source() if self.claimable_source is not None else None
 
 
 class Balancer(abc.ABC):

@@ -1,0 +1,436 @@
+"""Unit tests for metafora.balancers.shares (fair shares, evenness, the release plan) and for
+what FairBalancer does with them: both-sides releases, hysteresis, weights, the claim limit.
+
+Time is a FakeClock throughout; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from datetime import datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metafora.balancer import BalancerContext, ClusterState, RunningTask
+from metafora.balancers import FairBalancer
+from metafora.balancers.shares import (
+    Member,
+    Standing,
+    ceil_share,
+    check_band,
+    check_threshold,
+    check_weight,
+    exact_shares,
+    fair_share,
+    peers,
+    release_plan,
+    shares,
+    standings,
+)
+from metafora.errors import ConfigError
+from metafora.task import Task
+from metafora.testing import FakeClock
+
+ME = "me"
+CLOCK_START = datetime(2030, 1, 1, 12, 0, 0).astimezone()
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 0.0, -0.5, float("nan"), float("inf"), "2", True, None])
+def test_a_weight_must_be_a_positive_number(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"weight must be a positive number, got "):
+        check_weight(bad)
+    with pytest.raises(ConfigError, match="weight"):
+        Member("a", 1, bad)  # type: ignore[arg-type]
+
+
+def test_the_weight_error_names_the_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_weight(-1)
+    assert str(info.value) == "weight must be a positive number, got -1"
+
+
+def test_the_threshold_error_says_it_is_a_ratio() -> None:
+    with pytest.raises(ConfigError) as info:
+        FairBalancer(120)
+    assert str(info.value) == ("FairBalancer threshold must be a number from 1.0 to 10 (a ratio "
+                               "to the fair share: 1.2 is 20 % above it), got 120")
+    assert FairBalancer(10).threshold == 10.0 and FairBalancer(1).threshold == 1.0
+
+
+def test_good_weights_are_floats() -> None:
+    assert check_weight(2) == 2.0 and isinstance(check_weight(2), float)
+    assert check_weight(0.25) == 0.25
+
+
+@pytest.mark.parametrize("bad", [0.99, 0, -1, float("nan"), float("inf"), "1.2", True, 10.5, 120])
+def test_a_threshold_must_be_a_ratio_from_1_to_10(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"threshold must be a number from 1\.0 to 10 "):
+        check_threshold(bad)
+    with pytest.raises(ConfigError, match="threshold"):
+        FairBalancer(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, float("nan"), "0.1", True])
+def test_a_band_is_in_0_1(bad: object) -> None:
+    with pytest.raises(ConfigError, match="band"):
+        check_band(bad)
+    with pytest.raises(ConfigError, match="band"):
+        FairBalancer(band=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "bad"), [("slack", -1), ("slack", 0.5), ("slack", True),
+                                           ("max_releases", 0), ("max_releases", 2.0),
+                                           ("min_age", -1)])
+def test_fair_rejects_bad_counts(name: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match=name):
+        FairBalancer(**{name: bad})  # type: ignore[arg-type]
+
+
+def test_member_held_is_a_non_negative_integer() -> None:
+    with pytest.raises(ConfigError, match="held"):
+        Member("a", -1)
+    with pytest.raises(ConfigError, match="slack"):
+        fair_share("a", [Member("a", 0)], slack=-1)
+    with pytest.raises(ConfigError, match="claimable"):
+        standings([Member("a", 0)], claimable=-3)
+
+
+# -- shares ---------------------------------------------------------------------------------
+
+
+def test_unweighted_shares_are_the_ceiling_of_total_over_nodes() -> None:
+    assert shares(10, {"a": 1, "b": 1, "c": 1}) == {"a": 4, "b": 4, "c": 4}
+    assert shares(9, {"a": 1, "b": 1, "c": 1}) == {"a": 3, "b": 3, "c": 3}
+    assert shares(0, {"a": 1, "b": 1}) == {"a": 0, "b": 0}
+    assert shares(1, {"a": 1, "b": 1, "c": 1}) == {"a": 1, "b": 1, "c": 1}  # nobody at 0
+
+
+def test_weighted_shares_are_proportional_and_rounded_up() -> None:
+    assert exact_shares(10, {"a": 3, "b": 1}) == {"a": 7.5, "b": 2.5}
+    assert shares(10, {"a": 3, "b": 1}) == {"a": 8, "b": 3}
+    assert shares(100, {"big": 4, "small": 0.01}) == {"big": 100, "small": 1}
+    assert ceil_share(11.000000000000002) == 11  # float noise does not round up
+    with pytest.raises(ConfigError, match="weight"):
+        shares(3, {"a": 0})
+
+
+@given(st.integers(0, 10_000),
+       st.dictionaries(st.text(min_size=1, max_size=3),
+                       st.floats(0.01, 100, allow_nan=False), min_size=1, max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_shares_cover_the_total_and_overshoot_by_less_than_one_each(
+    total: int, weights: dict[str, float]
+) -> None:
+    got = shares(total, weights)
+    exact = exact_shares(total, weights)
+    assert sum(got.values()) >= total
+    for node, share in got.items():
+        assert -1e-6 <= share - exact[node] < 1  # float noise is forgiven, not rounded up
+        assert share >= 1 or total == 0
+    for a, wa in weights.items():
+        for b, wb in weights.items():
+            if wa >= wb:
+                assert got[a] >= got[b]  # a heavier node never gets less
+
+
+def test_peers_leave_out_frozen_and_leaving_nodes_and_match_selectors() -> None:
+    members = [
+        Member("gpu", 1, labels={"gpu": "1"}),
+        Member("cpu", 1, labels={}),
+        Member("new", 0),  # labels unknown: may run anything
+        Member("frozen", 5, labels={"gpu": "1"}, active=False),
+    ]
+    assert [m.node_id for m in peers(members)] == ["gpu", "cpu", "new"]
+    assert [m.node_id for m in peers(members, {"gpu": "1"})] == ["gpu", "new"]
+
+
+def test_fair_share_counts_held_plus_claimable_over_the_active_peers() -> None:
+    members = [Member("a", 10), Member("b", 0), Member("c", 2), Member("d", 7, active=False)]
+    # (10 + 0 + 2 + 18 claimable) / 3 active nodes; d's 7 do not count, nor d
+    assert fair_share("b", members, 18) == 10
+    assert fair_share("b", members, 18, slack=2) == 12
+    assert fair_share("d", members, 18) == 0  # frozen or leaving: no share
+    assert fair_share("zz", members, 18) == 0  # not a member
+
+
+def test_fair_share_of_a_selector_is_among_its_peers() -> None:
+    members = [Member("g1", 2, labels={"gpu": "1"}), Member("g2", 0, labels={"gpu": "1"}),
+               Member("c1", 20, labels={})]
+    assert fair_share("g2", members, 4, selector={"gpu": "1"}) == 3  # (2 + 0 + 4) / 2
+    assert fair_share("c1", members, 4, selector={"gpu": "1"}) == 0
+    assert fair_share("g2", members, 4) == 9  # plain work: ceil(26 / 3)
+
+
+def test_weighted_fair_share() -> None:
+    members = [Member("big", 0, weight=3), Member("small", 0, weight=1)]
+    assert fair_share("big", members, 100) == 75
+    assert fair_share("small", members, 100) == 25
+    assert fair_share("small", members, 1) == 1  # any work: a share of at least one
+
+
+# -- standings ------------------------------------------------------------------------------
+
+
+def test_even_is_within_the_band_or_one_task() -> None:
+    assert Standing("a", 110, 100).even(0.1) and Standing("a", 90, 100).even(0.1)
+    assert not Standing("a", 111, 100).even(0.1) and not Standing("a", 89, 100).even(0.1)
+    assert Standing("a", 2, 3).even(0.0) and Standing("a", 4, 3).even(0.0)  # +-1 task
+    assert not Standing("a", 1, 3).even(0.1)
+    assert Standing("a", 3, 3.5).share == 4
+    assert Standing("a", 3, 3.5).deficit == 1 and Standing("a", 6, 3.5).surplus == 2
+    assert Standing("a", 90, 100).even_floor(0.1) == 90
+    assert Standing("a", 0, 3).even_floor(0.1) == 2
+
+
+def test_under_and_overloaded_against_the_threshold() -> None:
+    assert Standing("a", 27, 100).under(1.2)
+    assert not Standing("a", 85, 100).under(1.2)  # 85 * 1.2 > 100
+    assert not Standing("a", 2, 3).under(1.2)  # within one task: even
+    assert Standing("a", 121, 100).overloaded(1.2)
+    assert not Standing("a", 120, 100).overloaded(1.2)
+    assert Standing("a", 12, 4).ceiling(1.2) == 5
+
+
+# -- the release plan -----------------------------------------------------------------------
+
+
+def plan_of(held: dict[str, int], threshold: float = 1.2, **kw: object) -> dict[str, int]:
+    group = standings([Member(node, n) for node, n in held.items()])
+    return dict(release_plan(group, threshold=threshold, **kw).releases)  # type: ignore[arg-type]
+
+
+def test_issue_28_three_nodes_at_the_threshold_fill_the_one_at_27_percent() -> None:
+    held = {"a": 120, "b": 120, "c": 120, "d": 113, "e": 27}
+    plan = plan_of(held)
+    assert plan == {"a": 18, "b": 17, "c": 17, "d": 11}
+    assert sum(plan.values()) == 63  # e ends at 90 of 100: even, and no more moves than that
+    assert plan_of({"a": 120, "b": 120, "c": 120, "d": 113, "e": 27}, both_sides=False) == {}
+
+
+def test_the_old_rule_still_releases_an_overloaded_node() -> None:
+    assert plan_of({"me": 12, "a": 0, "b": 0}) == {"me": 7}  # down to ceil(1.2 * 4)
+    assert plan_of({"me": 6, "a": 0}) == {"me": 2}  # a at 2 of 3: even
+
+
+def test_nodes_within_one_task_of_their_share_are_filled() -> None:
+    assert plan_of({"a": 4, "b": 4, "c": 2}) == {"a": 1}  # exact 3.33: c needs one
+
+
+def test_the_steady_state_moves_nothing() -> None:
+    assert plan_of({"a": 105, "b": 95, "c": 100}) == {}
+    assert plan_of({"a": 3, "b": 4}) == {}
+    assert plan_of({"alone": 500}) == {}
+    assert plan_of({}) == {}
+
+
+def test_a_plan_is_bounded_per_node() -> None:
+    plan = plan_of({"a": 1000, "b": 0}, max_releases=100)
+    assert plan == {"a": 100}
+
+
+def simulate(held: dict[str, int], weights: dict[str, float], threshold: float,
+             band: float) -> tuple[dict[str, int], dict[str, int]]:
+    """One balance of every node, then the released tasks claimed as FairBalancer's claim
+    rule would: under-loaded nodes up to even first, then nodes below their share."""
+    members = [Member(n, h, weights[n]) for n, h in held.items()]
+    group = standings(members)
+    plan = release_plan(group, threshold=threshold, band=band)
+    after = {n: h - plan.for_node(n) for n, h in held.items()}
+    pool = sum(plan.releases.values())
+    for s in sorted(group, key=lambda s: s.node_id):
+        if s.node_id in plan.under:
+            take = min(pool, max(0, s.even_floor(band) - after[s.node_id]))
+            after[s.node_id] += take
+            pool -= take
+    for s in sorted(group, key=lambda s: s.node_id):
+        take = min(pool, max(0, s.share - after[s.node_id]))
+        after[s.node_id] += take
+        pool -= take
+    assert pool == 0  # the shares add up to at least the work: every released task is taken
+    return dict(plan.releases), after
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0])),
+                min_size=2, max_size=8),
+       st.sampled_from([1.0, 1.1, 1.2, 1.5, 2.0]), st.sampled_from([0.0, 0.05, 0.1, 0.25]))
+@settings(max_examples=400, deadline=None)
+def test_one_round_of_moves_ends_even_and_the_next_plan_moves_nothing(
+    nodes: list[tuple[int, float]], threshold: float, band: float
+) -> None:
+    held = {f"n{i}": h for i, (h, _) in enumerate(nodes)}
+    weights = {f"n{i}": w for i, (_, w) in enumerate(nodes)}
+    first, after = simulate(held, weights, threshold, band)
+    group = standings([Member(n, h, weights[n]) for n, h in after.items()])
+    assert not [s for s in group if s.under(threshold, band)]
+    again = release_plan(group, threshold=threshold, band=band)
+    assert dict(again.releases) == {}, (held, first, after)  # no ping-pong
+    exact = {s.node_id: s for s in standings([Member(n, h, weights[n]) for n, h in held.items()])}
+    for node, n in first.items():
+        assert held[node] - n >= math.floor(exact[node].exact + 1e-9)  # never below the share
+
+
+# -- FairBalancer with shares ---------------------------------------------------------------
+
+
+class Cluster(ClusterState):
+    """Counts, weights, frozen nodes and labels the test sets; counts its reads."""
+
+    def __init__(self, counts: dict[str, int], weights: dict[str, float] | None = None,
+                 frozen: frozenset[str] = frozenset()) -> None:
+        self.counts = counts
+        self.weights = dict(weights or {})
+        self.frozen = frozen
+        self.reads = {"counts": 0, "weights": 0, "frozen": 0}
+
+    def node_task_count(self) -> dict[str, int]:
+        self.reads["counts"] += 1
+        return dict(self.counts)
+
+    def node_weights(self) -> dict[str, float]:
+        self.reads["weights"] += 1
+        return dict(self.weights)
+
+    def frozen_nodes(self) -> frozenset[str]:
+        self.reads["frozen"] += 1
+        return self.frozen
+
+
+def held_tasks(n: int, started: datetime = CLOCK_START, prefix: str = "t") -> list[RunningTask]:
+    return [RunningTask(Task(f"{prefix}{i}"), started) for i in range(n)]
+
+
+def fair(cluster: Cluster, tasks: list[RunningTask], claimable: int | None = None,
+         clock: FakeClock | None = None, **kw: object) -> FairBalancer:
+    balancer = FairBalancer(rng=random.Random(7), **kw)  # type: ignore[arg-type]
+    source = None if claimable is None else (lambda: claimable)
+    balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock or FakeClock(),
+                                  claimable_source=source))
+    return balancer
+
+
+def test_fair_both_sides_fills_a_node_left_under_by_the_old_rule() -> None:
+    # {me: 10, a: 2}: share 6; the old rule stops at 8 (1.2 x 6) and leaves a at 4 of 6.
+    assert len(fair(Cluster({"a": 2}), held_tasks(10)).balance()) == 3
+
+
+def test_fair_both_sides_releases_below_threshold_times_average() -> None:
+    # issue 28: [120, 120, 120, 113, 27]; this node holds one of the 120s
+    cluster = Cluster({"b": 120, "c": 120, "d": 113, "e": 27})
+    expected = plan_of({"b": 120, "c": 120, "d": 113, "e": 27, ME: 120})[ME]
+    balancer = fair(cluster, held_tasks(120))
+    out = balancer.balance()
+    assert len(out) == expected == 17
+    assert balancer.refusing_until is not None
+    assert fair(cluster, held_tasks(120), both_sides=False).balance() == []
+
+
+def test_fair_hysteresis_within_the_band_moves_nothing() -> None:
+    assert fair(Cluster({"a": 95, "b": 92}), held_tasks(108)).balance() == []
+    assert fair(Cluster({"a": 3, "b": 4}), held_tasks(4)).balance() == []
+
+
+def test_fair_releases_are_bounded_per_balance() -> None:
+    balancer = fair(Cluster({"a": 0}), held_tasks(100), max_releases=10)
+    assert len(balancer.balance()) == 10
+    assert balancer.max_releases == 10
+
+
+def test_fair_does_not_release_a_task_started_moments_ago() -> None:
+    clock = FakeClock()
+    young = held_tasks(6, started=clock.now(), prefix="y")
+    old = held_tasks(4, started=clock.now() - timedelta(seconds=30), prefix="o")
+    balancer = fair(Cluster({"a": 0}), young + old, clock=clock)  # 10 | 0: four to release
+    released = balancer.balance()
+    assert sorted(released) == ["o0", "o1", "o2", "o3"]  # the young ones stay (for now)
+    clock.advance(1.0)
+    later = fair(Cluster({"a": 4}), young, clock=clock)
+    assert later.balance() == []  # 6 vs 4: even
+
+
+def test_fair_weights_set_the_shares_and_are_read_with_the_counts() -> None:
+    cluster = Cluster({"small": 0}, weights={ME: 3.0, "small": 1.0})
+    balancer = fair(cluster, held_tasks(40))
+    # exact shares 30 | 10: down to 36 (1.2 x 30), then 5 more so that small holds 9 (even)
+    assert len(balancer.balance()) == 9
+    assert cluster.reads["weights"] == 1 and cluster.reads["counts"] == 1
+    cluster.weights = {}
+    assert len(fair(cluster, held_tasks(40)).balance()) == 18  # unweighted: 22 | 18
+
+
+def test_fair_frozen_nodes_do_not_count() -> None:
+    cluster = Cluster({"frozen": 0, "a": 10}, frozen=frozenset({"frozen"}))
+    assert fair(cluster, held_tasks(10)).balance() == []  # 10 | 10; the frozen 0 is not under
+    cluster.frozen = frozenset()
+    assert fair(cluster, held_tasks(10)).balance()  # counted: it would be filled
+
+
+def test_fair_can_claim_up_to_its_share_when_the_consumer_says_what_is_claimable() -> None:
+    # 3 nodes, nothing held, 30 claimable: share 10, slack 1
+    tasks: list[RunningTask] = []
+    claimable = {"n": 30}
+    cluster = Cluster({"a": 0, "b": 0})
+    balancer = FairBalancer(counts_ttl=0)
+    balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), FakeClock(),
+                                  claimable_source=lambda: claimable["n"]))
+    taken = 0
+    for i in range(30):
+        if not balancer.can_claim(Task(f"t{i}"))[0]:
+            break
+        tasks.append(RunningTask(Task(f"t{i}"), CLOCK_START))
+        claimable["n"] -= 1
+        taken += 1
+    # its share, without the slack: the others hold nothing yet (under-loaded); the rest
+    # stays pending for them
+    assert taken == 10
+    assert balancer.share() == 10
+    cluster.counts.update({"a": 10, "b": 9})  # b within one task of 10: even, slack again
+    claimable["n"] = 1
+    assert balancer.can_claim(Task("eleventh")) == (True, None)
+
+
+def test_fair_gives_no_slack_while_a_peer_is_under_loaded() -> None:
+    tasks = held_tasks(7)
+    # work 7 + 7 + 0 held, 7 pending: share 7; b holds 0 of 7 (under-loaded), so this node,
+    # at its share, leaves the task to b rather than take its slack
+    assert fair(Cluster({"a": 7, "b": 0}), tasks, claimable=7).can_claim(Task("x"))[0] is False
+    # b holds 6 of 7: even; this node may go one above its share
+    assert fair(Cluster({"a": 7, "b": 6}), tasks, claimable=1).can_claim(Task("x")) == (True, None)
+    assert fair(Cluster({"a": 7, "b": 6}), tasks + held_tasks(1, prefix="u"),
+                claimable=1).can_claim(Task("x"))[0] is False
+
+
+def test_fair_can_claim_counts_weights_for_the_share() -> None:
+    cluster = Cluster({"light": 0}, weights={ME: 4, "light": 1})
+    tasks = held_tasks(7)
+    # work 7 + 3 = 10: this node's share 8 (+1 slack)
+    assert fair(cluster, tasks, claimable=3).can_claim(Task("x")) == (True, None)
+    tasks += held_tasks(2, prefix="u")
+    assert fair(cluster, tasks, claimable=1).can_claim(Task("x"))[0] is False
+
+
+def test_fair_can_claim_reads_one_snapshot_per_counts_ttl() -> None:
+    cluster = Cluster({"a": 3}, weights={"a": 2})
+    clock = FakeClock()
+    balancer = fair(cluster, held_tasks(2), claimable=5, clock=clock, counts_ttl=1.0)
+    for i in range(20):
+        balancer.can_claim(Task(f"t{i}"))
+    assert cluster.reads == {"counts": 1, "weights": 1, "frozen": 1}
+    clock.advance(1.0)
+    balancer.can_claim(Task("x"))
+    assert cluster.reads == {"counts": 2, "weights": 2, "frozen": 2}
+
+
+def test_fair_a_bad_published_weight_counts_as_one() -> None:
+    cluster = Cluster({"a": 0}, weights={"a": float("nan"), ME: -2})  # type: ignore[dict-item]
+    assert len(fair(cluster, held_tasks(10)).balance()) == 4  # 10 | 0 unweighted: down to 6
+
+
+def test_fair_repr_names_the_new_settings() -> None:
+    text = repr(FairBalancer(band=0.2, slack=0, max_releases=None))
+    assert "band=0.2" in text and "slack=0" in text and "max_releases=None" in text
