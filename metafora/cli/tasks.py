@@ -25,6 +25,7 @@ from metafora.cli._common import (
 )
 from metafora.coordinator import Client
 from metafora.errors import InvalidProps, InvalidTaskId
+from metafora.limits import waiting_reason
 from metafora.task import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -344,16 +345,27 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
 
 def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
     """Task id -> why a pending task cannot be claimed now (no live node matches its
-    selector); the node labels are read only when a pending task has a selector."""
-    waiting = [i for i in infos if i.state is TaskState.PENDING and i.selector]
-    if not waiting:
-        return {}
-    labels = list(client.node_labels().values())
-    reasons = {}
-    for info in waiting:
-        reason = placement_reason(info.selector, labels)
-        if reason is not None:
-            reasons[info.id] = reason
+    selector; its group is at its limit); the node labels are read only when a pending task
+    has a selector, the limits only when one has a group."""
+    pending = [i for i in infos if i.state is TaskState.PENDING]
+    reasons: dict[str, str] = {}
+    waiting = [i for i in pending if i.selector]
+    if waiting:
+        labels = list(client.node_labels().values())
+        for info in waiting:
+            reason = placement_reason(info.selector, labels)
+            if reason is not None:
+                reasons[info.id] = reason
+    grouped = [i for i in pending if i.group is not None and i.id not in reasons]
+    if grouped:
+        try:
+            usage = client.group_usage()
+        except NotImplementedError:
+            usage = {}
+        for info in grouped:
+            reason = waiting_reason(info.group, usage)
+            if reason is not None:
+                reasons[info.id] = "waiting: " + reason
     return reasons
 
 

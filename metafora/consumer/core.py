@@ -452,6 +452,8 @@ class Consumer:
                 self._balancing.members_changed()
             elif event is Signal.ROOM or isinstance(event, Finished):
                 room = True  # once per drain, not once per finished task
+                if isinstance(event, Finished) and event.task.group is not None:
+                    self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
         self._offers.offer_wave(offers)

@@ -22,9 +22,9 @@ from metafora.coordinator import (
 )
 from metafora.coordinators.sql.lease import Lease, release_untracked
 from metafora.coordinators.sql.statements import BATCH
-from metafora.coordinators.sql.store import Database
+from metafora.coordinators.sql.store import Database, HotCursor
 from metafora.errors import ClaimLost, MetaforaError
-from metafora.task import Task, decode_labels, decode_placement, decode_props
+from metafora.task import Task, decode_labels, decode_props, decode_soft
 
 __all__ = ["ClaimOutcomes", "Claims"]
 
@@ -57,8 +57,11 @@ class Claims:
         self._contended = False  # the last claim_many lost most of its offers (SQLite)
 
     def claim(self, task: Task) -> Task | None:
-        """Claim one task (one statement); None when it is not claimable by this node."""
-        got = self._claim([task.id], 1)
+        """Claim one task (one statement); None when it is not claimable by this node.
+
+        The statement that minds group limits, whatever ``task.group`` says: a task built
+        by hand may not carry its stored group."""
+        got = self._claim([task.id], 1, {task.id: task.group or ""})
         return got[0] if got else None
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
@@ -79,7 +82,8 @@ class Claims:
             ids = self._still_claimable(ids)
             if not ids:
                 return []
-        claimed = self._claim(ids, limit)
+        groups: dict[str, str | None] = {t.id: t.group for t in tasks if t.group is not None}
+        claimed = self._claim(ids, limit, groups or None)
         self._contended = len(claimed) < min(limit, offered) * (1 - _CONTENDED)
         return claimed
 
@@ -107,9 +111,11 @@ class Claims:
         """Whether this node holds ``task`` already (no I/O)."""
         return self._lease.holds(task.id)
 
-    def _claim(self, ids: list[str], limit: int) -> list[Task]:
+    def _claim(self, ids: list[str], limit: int,
+               groups: dict[str, str | None] | None = None) -> list[Task]:
         """Claim up to ``limit`` of ``ids`` in one transaction (one: the single-row
-        statement; more: ``claim_many``, 100 ids per statement)."""
+        statement; more: ``claim_many``, 100 ids per statement). ``groups`` (offered task id ->
+        its group) given: the statements that mind the groups' limits (see limits.py)."""
         max_crashes = self._context().max_crashes
         started = self._lease.begin_claim(ids)
         if started is None:
@@ -122,21 +128,25 @@ class Claims:
             params: dict[str, Any] = {"node": self._node_id, "session": session,
                                       "labels": self._lease.labels_json() or "{}"}
             rows: list[tuple[Any, ...]] = []
+            many = "claim_many" if groups is None else "claim_many_grouped"
+            single = len(ids) == 1 and groups is None
             with self._db.hot() as cur:
-                if len(ids) == 1:
+                if single:
                     row = cur.one("claim", dict(params, id=ids[0]))
                     rows = [] if row is None else [(ids[0], *row)]
                     if rows:
                         cur.token_used(int(rows[0][1]))
-                for start in range(0, len(ids) if len(ids) > 1 else 0, _CLAIM_MANY_MAX):
+                for start in range(0, 0 if single else len(ids), _CLAIM_MANY_MAX):
                     if len(rows) >= limit:
                         break
                     chunk = ids[start:start + _CLAIM_MANY_MAX]
-                    got = cur.all("claim_many", dict(params, ids=self._db.dialect.ids_param(chunk),
-                                                     limit=limit - len(rows)))
+                    got = cur.all(many, dict(params, ids=self._db.dialect.ids_param(chunk),
+                                             limit=limit - len(rows)))
                     if got:
                         # SQLite: the next chunk's tokens are counted from the counter row.
                         cur.token_used(max(int(r[1]) for r in got))
+                        if groups is not None and self._db.dialect.name == "sqlite":
+                            self._log_rates(cur, [groups.get(str(r[0])) for r in got])
                     rows += got
             place = {task_id: i for i, task_id in enumerate(ids)}
             for task_id, token, props_text, crashes, *placed in sorted(
@@ -154,16 +164,26 @@ class Claims:
             return []
         return claimed
 
+    @staticmethod
+    def _log_rates(cur: HotCursor, groups: list[str | None]) -> None:
+        """SQLite: log the claims of rate-limited groups in the claim's transaction (PostgreSQL
+        logs them in the claim statement itself)."""
+        named = [g for g in groups if g]
+        if named:
+            text = json.dumps(named)
+            cur.all("rate_log_prune", {"groups": text})
+            cur.all("rate_log_add", {"groups": text})
+
     def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
                        max_crashes: int | None, selector: str | None = None,
                        priority: int | None = 0,
                        placement: str | None = None) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            prefer, spread = decode_placement(placement, task_id)
+            prefer, spread, group = decode_soft(placement, task_id)
             task = Task(task_id, decode_props(props_text, task_id), token,
                         selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread)
+                        priority=int(priority or 0), prefer=prefer, spread=spread, group=group)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:
