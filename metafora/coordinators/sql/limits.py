@@ -89,6 +89,7 @@ def pg_fragments() -> dict[str, str]:
         "rate_edge": "(now() - make_interval(secs => l.rate_secs))",
         # The claim's own statement logs the claim times of rate-limited groups.
         "claimed_open": ", claimed AS (",
+        "claimed_grp": ", grp",
         "claimed_close": (
             "), logged AS (INSERT INTO metafora_rate_log (namespace, grp, at)"
             " SELECT :ns, c.grp, clock_timestamp() FROM claimed c JOIN metafora_limits l"
@@ -101,7 +102,7 @@ def pg_fragments() -> dict[str, str]:
 def sqlite_fragments() -> dict[str, str]:
     """The limit fragments of SQLite (the claim times are logged by ``rate_log_add``)."""
     return {"group_room": _SQLITE_ROOM.replace("GRP", "d.grp"), "rate_edge": _SQLITE_AGO,
-            "claimed_open": " ", "claimed_close": ""}
+            "claimed_open": " ", "claimed_grp": "", "claimed_close": ""}
 
 
 # The rows a grouped claim considers: claimable offers (locked on PostgreSQL), each group's
@@ -126,7 +127,8 @@ SQL: dict[str, str] = {
     "claim_many_grouped": (
         _GROUPED_PICK + "{claimed_open}UPDATE metafora_tasks SET CLAIM_SET"
         " WHERE namespace = :ns AND id {in_picked}"
-        " RETURNING id, token, props, crashes, selector, priority, placement{claimed_close}"
+        " RETURNING id, token, props, crashes, selector, priority, placement{claimed_grp}"
+        "{claimed_close}"
     ),
     # SQLite: log the claim times of the claimed tasks of rate-limited groups, and drop the
     # log rows that left their window (same transaction as the claim).
