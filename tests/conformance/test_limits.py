@@ -40,7 +40,7 @@ def _kill(coord: Coordinator) -> None:
                               " WHERE namespace = :ns AND node_id = :node"),
                          {"ns": db.config.namespace, "node": coord.node_id})
     elif kind == "EtcdCoordinator":
-        coord.revoke_lease_for_tests()  # type: ignore[attr-defined]
+        coord._driver.revoke(coord._state.lease_id)  # type: ignore[attr-defined]
     else:  # pragma: no cover
         raise AssertionError(kind)
 
@@ -87,7 +87,7 @@ def test_group_is_stored_and_listed(cluster: Cluster) -> None:
 def test_a_group_at_its_limit_refuses_claims_until_a_slot_frees(cluster: Cluster) -> None:
     cluster.client.set_limit("g", max=2)
     tasks = [Task(f"t{i}", group="g") for i in range(5)]
-    cluster.client.submit_tasks(tasks + [Task("free"), Task("other", group="h")])
+    cluster.client.submit_tasks([*tasks, Task("free"), Task("other", group="h")])
     a, b = cluster.node("a"), cluster.node("b")
     won = a.claim_many(tasks, 5)
     assert len(won) == 2

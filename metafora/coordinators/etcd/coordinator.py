@@ -60,6 +60,7 @@ from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.lease import NodeLease
+from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
@@ -103,9 +104,11 @@ class EtcdCoordinator(Coordinator):
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
+        self._limits = GroupLimits(self._driver, self._keys, clock)
+        self._state.on_lost = self._limits.free_lost_later
         self._claims = Claims(self._driver, self._keys, clock, self._state, self._cache,
-                              self._lease)
-        self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state)
+                              self._lease, self._limits)
+        self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state, self._limits)
         self._watch = NamespaceWatch(self._driver, self._keys, config, clock, self._state,
                                      self._cache, expire=self._claims.expire,
                                      commands_queued=self._commands.ring)
