@@ -100,6 +100,7 @@ class EtcdCoordinator(Coordinator):
         self._keys = Keys(config.namespace)
         self._driver = EtcdDriver(config.connection)
         self._cache = TaskCache()
+        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
@@ -338,7 +339,13 @@ class EtcdCoordinator(Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         counts = self.cached_task_count(active=True)
+        self._claimable = None if counts is None else self._watch.cached_claimable(self._clock.now())
         return counts if counts is not None else active_task_count(self._driver, self._keys)
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count`, from the same watch cache
+        (None when that read went to etcd: no watch stream followed the store)."""
+        return self._claimable
 
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._state.check_open()

@@ -72,6 +72,7 @@ class SQLCoordinator(Coordinator):
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
         self._commands = NodeCommands(db, self._node_id, closed=self._closed,
@@ -389,7 +390,13 @@ class SQLCoordinator(Coordinator):
         self._db.ensure_schema()
         with self._db.read() as conn:
             rows = self._db.execute(conn, "active_counts", {}).fetchall()
-        return {str(r[0]): int(r[1]) for r in rows}
+        self._claimable = next((int(r[1]) for r in rows if r[0] is None), None)
+        return {str(r[0]): int(r[1]) for r in rows if r[0] is not None}
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count` (read with the counts)."""
+        return self._claimable
+
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         self._db.ensure_schema()
