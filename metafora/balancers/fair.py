@@ -118,7 +118,7 @@ class FairBalancer(ContextBalancer):
     leaves every offer to it (and one that is claims without slack): that is how released
     tasks reach the node they were released for. A refused offer is ignored for
     ``refuse_for``; offered again while a lighter peer still has room below its share, it
-    waits again, twice as long each time, but never more than ten ``refuse_for`` in all:
+    waits again (up to twice ``refuse_for`` at a time), but never more than ten ``refuse_for`` in all:
     then nobody lighter took it (the others may be frozen, full or unable to run it), so it
     claims it rather than leave it waiting. A node alone among the task's peers never
     refuses.
@@ -306,9 +306,10 @@ class FairBalancer(ContextBalancer):
                 return False, until
             waited = now - first
             if room and waited < MAX_REFUSALS * self._refuse_for:
-                # A lighter peer still has room: it may be slow, not gone. Wait longer
-                # (doubling), but never forever: it may also be full or unable to run it.
-                until = now + max(self._refuse_for, waited)
+                # A lighter peer still has room: it may be slow, not gone. Wait again (twice
+                # refuse_for at most, so an offer is judged again soon after the counts
+                # change), but never forever: it may also be full or unable to run it.
+                until = now + min(2 * self._refuse_for, max(self._refuse_for, waited))
                 self._refused[task.id] = (until, first)
                 return False, until
             del self._refused[task.id]
@@ -336,10 +337,11 @@ class FairBalancer(ContextBalancer):
             snap.labels = dict(ctx.cluster_state.node_labels())
         chosen: list[str] = []
         why: tuple[Standing, ...] = ()
+        claimable = snap.claimable or 0  # pending work fills the under-loaded first
         for key in sorted(groups):
-            group = standings(snap.members(ctx.node_id, held - len(chosen), dict(key)))
+            group = standings(snap.members(ctx.node_id, held - len(chosen), dict(key)), claimable)
             plan = release_plan(group, threshold=self._threshold, band=self._band,
-                                both_sides=self._both_sides)
+                                both_sides=self._both_sides, claimable=claimable)
             release = plan.for_node(ctx.node_id)
             if self._max_releases is not None:  # one bound for the whole balance
                 release = min(release, self._max_releases - len(chosen))

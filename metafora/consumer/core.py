@@ -250,8 +250,10 @@ class Consumer:
         return sorted(entries, key=lambda r: r.started)
 
     def _task_count(self) -> int:
+        # Offers approved and not yet claimed count: a wave approves a burst before claiming
+        # it, and the balancer must not approve a whole wave against the same count.
         with self._lock:
-            return len(self._running)
+            return len(self._running) + self._offers.approved
 
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
