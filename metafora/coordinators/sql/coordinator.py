@@ -29,6 +29,7 @@ from metafora.coordinator import (
     TaskSink,
     as_sink,
 )
+from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
 from metafora.coordinators.sql.commands import NodeCommands
@@ -72,6 +73,7 @@ class SQLCoordinator(Coordinator):
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._seen = SeenWithCounts()  # weights and frozen nodes the last count read saw
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
         self._commands = NodeCommands(db, self._node_id, closed=self._closed,
@@ -92,8 +94,9 @@ class SQLCoordinator(Coordinator):
             self._check_open()
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
+            weight = context_weight(ctx)
             self._db.ensure_schema()
-            if not self._lease.register(first=True, labels=ctx.labels):
+            if not self._lease.register(first=True, labels=ctx.labels, weight=weight):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
             self._ctx = ctx
         self._start_listener()
@@ -378,18 +381,41 @@ class SQLCoordinator(Coordinator):
     # -- cluster state ----------------------------------------------------------------------
 
     def node_task_count(self) -> dict[str, int]:
-        self._check_open()
-        self._db.ensure_schema()
-        with self._db.read() as conn:
-            rows = self._db.execute(conn, "node_counts", {}).fetchall()
-        return {str(r[0]): int(r[1]) for r in rows}
+        return self._counts("node_counts")
 
     def active_task_count(self) -> dict[str, int]:
+        return self._counts("active_counts")
+
+    def _counts(self, statement: str) -> dict[str, int]:
+        """Node -> tasks held; the weights and frozen flags of the same rows are kept for the
+        :meth:`node_weights` and :meth:`frozen_nodes` that follow (no second read)."""
+        rows = self._read_nodes(statement)[0]
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def _read_nodes(self, statement: str) -> tuple[list[Any], dict[str, float], frozenset[str]]:
+        """The rows of ``statement`` (node id first, weight and frozen last), and the weights
+        and frozen nodes they say (remembered for the next asks)."""
         self._check_open()
         self._db.ensure_schema()
         with self._db.read() as conn:
-            rows = self._db.execute(conn, "active_counts", {}).fetchall()
-        return {str(r[0]): int(r[1]) for r in rows}
+            rows = list(self._db.execute(conn, statement, {}).fetchall())
+        weights = {str(r[0]): stored_weight(r[-2], str(r[0])) for r in rows}
+        frozen = frozenset(str(r[0]) for r in rows if r[-1])
+        self._seen.seen(weights, frozen)
+        return rows, weights, frozen
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node -> its weight: what the last count read saw (within a second), else read
+        (with the frozen flags, for the :meth:`frozen_nodes` that follows)."""
+        self._check_open()
+        weights = self._seen.weights()
+        return weights if weights is not None else self._read_nodes("node_members")[1]
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Live nodes that reported themselves frozen (read as :meth:`node_weights` is)."""
+        self._check_open()
+        frozen = self._seen.frozen()
+        return frozen if frozen is not None else self._read_nodes("node_members")[2]
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         self._db.ensure_schema()
