@@ -30,7 +30,7 @@ from typing import Any, cast
 from metafora import commands as cmds
 from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
-from metafora.balancers.dumb import DumbBalancer
+from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
@@ -121,6 +121,9 @@ class Consumer:
     :class:`~metafora.consumer.options.ConsumerOptions`, which documents each of them (the
     defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`), and:
 
+    - ``balancer``: decides what this node claims and gives back; a
+      :class:`~metafora.balancers.FairBalancer` by default (each node near its fair share;
+      ``DumbBalancer()`` claims whatever it is offered and never gives anything back);
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
     """
 
@@ -172,7 +175,7 @@ class Consumer:
         )
         self._coord = coordinator
         self._handler_func = handler_func
-        self._balancer = balancer if balancer is not None else DumbBalancer()
+        self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
         self._build_parts()

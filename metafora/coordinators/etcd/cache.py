@@ -171,6 +171,25 @@ class TaskCache:
             return None
         return {node: m for node, m in self._live_nodes.items() if not (active and m.leaving)}
 
+    def claimable(self, now: datetime) -> int | None:
+        """How many tasks are claimable now (unfinished, unowned or owned by a node that is
+        gone, launched, not expired); None while no watch stream follows the store.
+
+        A walk of the cache: the balancers ask once per counts read (at most every second),
+        with the counts, never per offer.
+        """
+        if not (self.live and self.ready):
+            return None
+        live = self._live_nodes
+        count = 0
+        for e in self.entries.values():
+            if e.finished or e.props is None or (e.owner is not None and e.owner in live):
+                continue
+            if (e.launch_at is None or e.launch_at <= now) and (
+                    e.expires_at is None or e.expires_at > now):
+                count += 1
+        return count
+
 
 @dataclass
 class Subscriber:

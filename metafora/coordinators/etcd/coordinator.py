@@ -107,6 +107,7 @@ class EtcdCoordinator(Coordinator):
         self._keys = Keys(config.namespace)
         self._driver = EtcdDriver(config.connection)
         self._cache = TaskCache()
+        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
@@ -347,9 +348,15 @@ class EtcdCoordinator(Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         view = self._watch.cached_members(active=True)
+        self._claimable = None if view is None else self._watch.cached_claimable(self._clock.now())
         counts, found = view if view is not None else active_task_count(self._driver, self._keys)
         self._remember(found)
         return counts
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count`, from the same watch cache
+        (None when that read went to etcd: no watch stream followed the store)."""
+        return self._claimable
 
     def _remember(self, found: dict[str, Member]) -> dict[str, Member]:
         """Keep the weights and frozen nodes of ``found`` for the next asks (see members.py)."""

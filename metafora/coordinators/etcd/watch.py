@@ -323,6 +323,12 @@ class NamespaceWatch:
             counts, found = self._cache.counts(active), self._cache.members(active)
         return None if counts is None or found is None else (counts, found)
 
+    def cached_claimable(self, now: datetime) -> int | None:
+        """Tasks claimable now as the watch cache sees them; None while no watch stream
+        follows the store."""
+        with self._state.lock:
+            return self._cache.claimable(now)
+
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
         """Ring ``listener`` for every task command the namespace watch sees queued, and
         ask it to recheck whenever the watch re-lists."""

@@ -217,6 +217,12 @@ class MemoryCoordinator(Coordinator):
         with self._store.cond:
             return self._store.counts(active=True)
 
+    def claimable_count(self) -> int | None:
+        """Tasks claimable now (in process: no read to share with the counts)."""
+        with self._store.cond:
+            now = self._store.clock.now()
+            return sum(1 for row in self._store.tasks.values() if self._store.claimable(row, now))
+
     def announce_leaving(self) -> None:
         """Mark this node leaving (balancers stop counting it) and tell the listeners."""
         with self._store.cond:

@@ -401,10 +401,14 @@ _SQL: dict[str, str] = {
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now}"
     ),
+    # The active nodes' counts and, in a row with a NULL node id, how many tasks are claimable:
+    # one statement, so the two add up to the cluster's work as of one snapshot.
     "active_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
+        " UNION ALL SELECT NULL, count(*), NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
+        " AND " + _CLAIMABLE_PENDING
     ),
     "purge_state": (
         "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"
