@@ -382,20 +382,15 @@ class SQLCoordinator(Coordinator):
     # -- cluster state ----------------------------------------------------------------------
 
     def node_task_count(self) -> dict[str, int]:
-        return self._counts("node_counts")
+        return {str(r[0]): int(r[1]) for r in self._read_nodes("node_counts")[0]}
 
     def active_task_count(self) -> dict[str, int]:
-        return self._counts("active_counts")
-
-    def _counts(self, statement: str) -> dict[str, int]:
-        """Node -> tasks held; the weights and frozen flags of the same rows are kept for the
-        :meth:`node_weights` and :meth:`frozen_nodes` that follow (no second read)."""
-        rows = self._read_nodes(statement)[0]
-        return {str(r[0]): int(r[1]) for r in rows}
+        return {str(r[0]): int(r[1]) for r in self._read_nodes("active_counts")[0]}
 
     def _read_nodes(self, statement: str) -> tuple[list[Any], dict[str, float], frozenset[str]]:
-        """The rows of ``statement`` (node id first, weight and frozen last), and the weights
-        and frozen nodes they say (remembered for the next asks)."""
+        """The node rows of ``statement`` (id, [count,] weight, frozen), and the weights and
+        frozen nodes they say, kept for the :meth:`node_weights` and :meth:`frozen_nodes` that
+        follow a count read (no second read)."""
         self._check_open()
         self._db.ensure_schema()
         with self._db.read() as conn:
