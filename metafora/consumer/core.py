@@ -109,6 +109,10 @@ class _Context(CoordinatorContext):
     def labels(self) -> Mapping[str, str]:
         return self._consumer.labels
 
+    @property
+    def weight(self) -> float:
+        return self._consumer.weight
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -147,6 +151,7 @@ class Consumer:
         slow_callback: float | timedelta = DEFAULT_SLOW_CALLBACK,
         http_addr: str | None = None,
         labels: Mapping[str, str] | None = None,
+        weight: float = 1.0,
         placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
         rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
         clock: Clock | None = None,
@@ -165,8 +170,8 @@ class Consumer:
             release_backoff=cast(float, release_backoff),
             release_backoff_max=cast(float, release_backoff_max),
             refuse_retry=cast(float, refuse_retry), slow_callback=cast(float, slow_callback),
-            http_addr=http_addr, labels=labels or {}, placement_wait=cast(float, placement_wait),
-            rendezvous_wait=cast(float, rendezvous_wait),
+            http_addr=http_addr, labels=labels or {}, weight=weight,
+            placement_wait=cast(float, placement_wait), rendezvous_wait=cast(float, rendezvous_wait),
         )
         self._coord = coordinator
         self._handler_func = handler_func
@@ -237,6 +242,11 @@ class Consumer:
     def labels(self) -> Mapping[str, str]:
         """This node's placement labels (a copy)."""
         return dict(self._options.labels)
+
+    @property
+    def weight(self) -> float:
+        """This node's weight: its fair share of the work is proportional to it."""
+        return self._options.weight
 
     @property
     def frozen(self) -> bool:

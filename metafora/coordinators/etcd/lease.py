@@ -88,6 +88,7 @@ class NodeLease:
                 "frozen": self._frozen,
                 "leaving": self._leaving,
                 **({"labels": self._state.labels} if self._state.labels else {}),
+                **({"weight": self._state.weight} if self._state.weight != 1.0 else {}),
             }
         )
 

@@ -65,6 +65,7 @@ class Lease:
         self._on_members = on_members
         self._frozen: bool | None = None  # published with every registration
         self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
+        self._weight = 1.0  # likewise (the node's weight, from register)
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -102,15 +103,15 @@ class Lease:
         """Whether the node is frozen, as every later registration publishes it."""
         self._frozen = frozen
 
-    def register(self, first: bool, labels: Mapping[str, str] | None = None) -> bool:
+    def register(self, first: bool, labels: Mapping[str, str] | None = None,
+                 weight: float | None = None) -> bool:
         """Take (or take back) this node's registration; False if the id is live elsewhere.
 
         Frees the claims of any earlier registration of this id; ``first`` (init) also drops
-        commands queued for a dead earlier process with this id. ``labels`` (init's: the
-        node's placement labels) are kept for the re-registrations.
+        commands queued for a dead earlier process. ``labels`` and ``weight`` are kept for later.
         """
-        if labels is not None:
-            self._labels = labels
+        self._labels = self._labels if labels is None else labels
+        self._weight = self._weight if weight is None else weight
         session = uuid.uuid4().hex
         started = time.monotonic()
         params: dict[str, Any] = {
@@ -121,6 +122,7 @@ class Lease:
             "pid": os.getpid(),
             "frozen": self._frozen,
             "labels": self.labels_json(),
+            "weight": self._weight,
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:

@@ -18,7 +18,8 @@ Tables (all prefixed ``metafora_``):
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
   ``labels`` (v4: JSON object, NULL for none), ``leaving`` (v6: the node announced it is
-  shutting down; balancers no longer count it).
+  shutting down; balancers no longer count it), ``weight`` (v7, default 1.0: its fair share
+  is proportional to it).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
 - ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
@@ -151,6 +152,12 @@ def _v6_node_leaving(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN leaving BOOLEAN"))
 
 
+def _v7_node_weight(conn: Connection, dialect: Dialect) -> None:
+    # A node registered by an earlier release (or before this migration) weighs 1.0.
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN weight DOUBLE PRECISION NOT NULL"
+                      " DEFAULT 1.0"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
@@ -159,6 +166,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
      _v4_placement),
     ("schedules: masterless periodic tasks", _v5_schedules),
     ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
+    ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 
