@@ -65,6 +65,7 @@ from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, valu
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import active_task_count, node_labels, node_task_count
 from metafora.coordinators.etcd.watch import NamespaceWatch
+from metafora.coordinators.fencing import LeaseTiming
 from metafora.errors import MetaforaError
 from metafora.schedule import Schedule
 from metafora.task import Task, validate_task_id
@@ -296,6 +297,11 @@ class EtcdCoordinator(Coordinator):
 
     def lease_time_left(self) -> float | None:
         return self._claims.lease_time_left()
+
+    def lease_timing(self) -> LeaseTiming:
+        """When this node renews and fences (the optional seam of
+        :mod:`metafora.coordinators.fencing`)."""
+        return LeaseTiming(renew_every=self._cfg.lease_ttl / 3, fence_after=self._lease.fence_after)
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
