@@ -52,12 +52,21 @@ class AsyncCommands(MachineView):
         the task is stopped, which answers ``release``); None on timeout. Answers
         ``Message.checkpoint()`` once when the claim becomes at risk, as ``poll()`` does."""
         machine = self._machine
-        if not self.stopping and (handed := machine.risk_notice() or machine.handed()) is not None:
-            return handed
-        message = await self._runner.receive(timeout, notices=True)
-        if message is None and self.stopping:
-            return Message.release()
-        return message or machine.risk_notice()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+        while True:
+            if self.stopping:
+                return Message.release()
+            if (handed := machine.risk_notice() or machine.handed()) is not None:
+                return handed
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            message = await self._runner.receive(left, notices=True)
+            if message is not None:
+                return message
+            if self.stopping:
+                return Message.release()
+            if deadline is not None and loop.time() >= deadline:
+                return machine.risk_notice()
 
     async def checkpoint(self, cursor: str | None = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write, off the loop).

@@ -10,11 +10,12 @@ Also: the state machine's at-risk notice (memory store) and what tasks carry.
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -22,7 +23,8 @@ from metafora import Task, open_client, open_coordinator
 from metafora.consumer.risk import Change, RiskEpisode, RiskRule
 from metafora.coordinators.fencing import ETCD_FENCING, SQL_FENCING, LeaseTiming
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
-from metafora.statemachine import Commands, Message, MessageKind, StateCode, handler_func
+from metafora.statemachine import AsyncCommands, Commands, Message, MessageKind, StateCode, handler_func
+from metafora.statemachine.aio import AsyncStatefulTaskHandler
 from metafora.testing import FakeClock, RecordingContext
 from tests.helpers import wait_until
 
@@ -196,3 +198,37 @@ def test_stateful_handler_is_asked_for_a_checkpoint_once(coord: MemoryCoordinato
     assert state.code is StateCode.COMPLETED and state.cursor == "7"
     machine.recovered(until)  # type: ignore[union-attr]
     assert wait_until(lambda: machine.risk_until is None, 1)  # type: ignore[union-attr]
+
+
+def test_async_stateful_handler_is_asked_for_a_checkpoint(coord: MemoryCoordinator) -> None:
+    waiting = threading.Event()
+    seen: list[Message | None] = []
+
+    async def step(task: Task, cmds: AsyncCommands) -> Message:
+        waiting.set()
+        message = await cmds.get()  # waits until the notice
+        seen.append(message)
+        await cmds.checkpoint("42")
+        seen.append(await cmds.get(timeout=0.05))  # once per episode: a timeout now
+        return Message.complete()
+
+    task = coord.claim(Task("t1"))
+    assert task is not None
+    handler = handler_func(step, coord, poll_interval=0.02)(task)
+    assert isinstance(handler, AsyncStatefulTaskHandler)
+    result: list[bool] = []
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        result.append(loop.run_until_complete(handler.run()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert waiting.wait(10)
+    until = datetime.now(UTC) + timedelta(seconds=1)
+    loop.call_soon_threadsafe(handler.at_risk, until)  # as the consumer calls it: on the loop
+    thread.join(10)
+    loop.close()
+    assert result == [True]
+    assert seen[0] is not None and seen[0].kind is MessageKind.CHECKPOINT and seen[1] is None
+    assert handler.machine.state is not None and handler.machine.state.cursor == "42"
