@@ -195,7 +195,10 @@ class RiskWatch:
             self._wake.set()
 
     def failed(self, error: BaseException) -> None:
-        """A renewal failed (``error``: why)."""
+        """A renewal failed (``error``: why). Ignored once the lease is gone: a failure
+        counts for the lease it was meant to renew, not for the next registration's."""
+        if not self._coord.lease_time_left():
+            return
         with self._lock:
             self._failing = True
         self._wake.set()
@@ -231,6 +234,8 @@ class RiskWatch:
         if episode is None or left is None:
             return None
         with self._lock:
+            if left <= 0.0:
+                self._failing = False  # the lease is gone: its failures with it
             failing = self._failing
         change = episode.step(left, failing)
         if change is not None:
