@@ -55,6 +55,7 @@ from metafora.consumer.options import (
     DEFAULT_START_TIMEOUT,
     ConsumerOptions,
 )
+from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import NodeLog, Running
 from metafora.consumer.shutdown import Shutdown
@@ -100,6 +101,12 @@ class _Context(CoordinatorContext):
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
         tracing.record_renewal(self._consumer.node_id, seconds)
+        self._consumer._risk.renewed()
+
+    def renewal_failed(self, error: BaseException) -> None:
+        """A renewal of the node's lease failed (the optional hook of
+        :mod:`metafora.coordinators.fencing`): its handlers may be warned early."""
+        self._consumer._risk.failed(error)
 
     @property
     def max_crashes(self) -> int | None:
@@ -200,6 +207,8 @@ class Consumer:
         self._timeout_override: float | None = None
         self._runner = self._runner_class(coord.node_id, slow_callback=options.slow_callback,
                                           on_fatal=self._supervisor.fail_fast)
+        self._risk = RiskWatch(coord, running=self._running, lock=self._lock, clock=clock,
+                               log=self._log)
         capacity = Capacity(max_tasks=options.max_tasks, thread_cap=options.thread_cap,
                             busy_threads=lambda: self._runner.busy_threads,
                             monotonic=clock.monotonic, log=self._log)
@@ -223,7 +232,8 @@ class Consumer:
         self._launcher = Launcher(
             coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
             capacity=capacity, handoffs=self._handoffs, finisher=self._finisher,
-            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log)
+            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log,
+            risk=self._risk)
         self._status = NodeStatus(coord, running=self._running, lock=self._lock, offers=self._offers,
                                   supervisor=self._supervisor, stats=self.stats,
                                   stopping=self._stopping, done=self._done, labels=lambda: self.labels)
@@ -327,6 +337,7 @@ class Consumer:
             pushed = self._balancing.listen(self._post)
             self._supervisor.start("commands", self._command_feed)
             self._supervisor.start("schedules", self._scheduler.run)
+            self._supervisor.start("risk", self._risk.run)
             self._balancing.schedule_first(pushed)
             self._loop()
         except BaseException as exc:
@@ -501,6 +512,7 @@ class Consumer:
     def _shutdown_sequence(self) -> None:
         """Stop in a fixed order (see :mod:`metafora.consumer.shutdown`), then close up."""
         self._stopping.set()
+        self._risk.close()
         self._shutdown.announce_leaving()
         self._scheduler.stop()
         timeout = self._timeout_override

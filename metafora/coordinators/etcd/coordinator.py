@@ -71,6 +71,7 @@ from metafora.coordinators.etcd.queries import (
     node_task_count,
 )
 from metafora.coordinators.etcd.watch import NamespaceWatch
+from metafora.coordinators.fencing import LeaseTiming
 from metafora.coordinators.members import SeenWithCounts, context_weight
 from metafora.errors import MetaforaError
 from metafora.schedule import Schedule
@@ -306,6 +307,11 @@ class EtcdCoordinator(Coordinator):
 
     def lease_time_left(self) -> float | None:
         return self._claims.lease_time_left()
+
+    def lease_timing(self) -> LeaseTiming:
+        """When this node renews and fences (the optional seam of
+        :mod:`metafora.coordinators.fencing`)."""
+        return LeaseTiming(renew_every=self._cfg.lease_ttl / 3, fence_after=self._lease.fence_after)
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""

@@ -29,6 +29,7 @@ from metafora.coordinator import (
     TaskSink,
     as_sink,
 )
+from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
 from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
@@ -64,7 +65,7 @@ class SQLCoordinator(Coordinator):
         self._lock = threading.Lock()
         self._ctx: CoordinatorContext | None = None
         self._lease = Lease(db, self._node_id, self._lost, self._renewed,
-                            on_members=self._members_seen)
+                            on_members=self._members_seen, on_failed=self._renewal_failed)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._task_command_listeners: list[TaskCommandListener] = []
@@ -162,6 +163,11 @@ class SQLCoordinator(Coordinator):
         ctx = self._ctx
         if ctx is not None:
             ctx.renewed(seconds)
+
+    def _renewal_failed(self, error: BaseException) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            report_renewal_failure(ctx, error)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -341,6 +347,12 @@ class SQLCoordinator(Coordinator):
 
     def lease_time_left(self) -> float | None:
         return self._lease.time_left()
+
+    def lease_timing(self) -> LeaseTiming:
+        """When this node renews and fences (the optional seam of
+        :mod:`metafora.coordinators.fencing`)."""
+        cfg = self._db.config
+        return LeaseTiming(renew_every=cfg.renew_interval, fence_after=cfg.fence_after)
 
     def release(self, task: Task) -> None:
         self._outcomes.release(task)
