@@ -12,7 +12,7 @@ import importlib
 from benchmarks.common import STORES, Stores
 
 BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
-              "capacity", "idle", "placement", "schedules", "restart", "security")
+              "capacity", "idle", "placement", "schedules", "restart", "security", "at_risk")
 
 
 def main() -> None:

@@ -141,6 +141,20 @@ def main() -> None:
                             v["idle_rss_mib"], v["kib_per_task"], v["threads"], v["shutdown_s"],
                             v["ignored_stop"], v["pending_after"]))
         out.append("")
+    if (data := _load("at_risk")) is not None:
+        out += [
+            f"Claim-at-risk warning lead time (mean of {data['rounds']} runs; seconds from the fault"
+            " to the warning, from the warning to the handler's stop, and to the earliest expiry of"
+            " the claim in the store):",
+            "",
+            "| store | fault | lease_ttl | warned after | lead to stop | lead to expiry |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            _row(k, f, v["lease_ttl_s"], v["warned_after_s"], v["lead_to_stop_s"], v["lead_to_expiry_s"])
+            for k, faults in data["results"].items() for f, v in faults.items()
+        ]
+        out.append("")
     if (data := _load("gates")) is not None:
         out += ["Gates: see `benchmarks/results/gates.json`.", ""]
     machine = next((d["machine"] for n in ("claims", "latency", "failover") if (d := _load(n))), None)

@@ -62,6 +62,17 @@ class ClusterState(abc.ABC):
         """
         return {}
 
+    def claimable_count(self) -> int | None:
+        """How many tasks were claimable in the whole store at the last count read, or None
+        when the store does not say (this default).
+
+        Read in the same store request as :meth:`active_task_count` (so the counts and this
+        number are one consistent picture): their sum is the work of the cluster, which no
+        claim changes, only submits and ends. A balancer computes a node's share at claim time
+        from it without a request per offer.
+        """
+        return None
+
     def frozen_nodes(self) -> frozenset[str]:
         """Ids of live nodes that are frozen (they claim nothing while frozen).
 

@@ -29,18 +29,8 @@ from metafora.task import Task, TaskInfo, TaskState, validate_group
 from metafora.task_retry import StateRewrite, check_retry_options, state_reset
 
 __all__ = [
-    "DEFAULT_MAX_CRASHES",
-    "Client",
-    "Coordinator",
-    "CoordinatorContext",
-    "Finish",
-    "NodeInfo",
-    "Outcome",
-    "TaskCommandListener",
-    "TaskSink",
-    "as_sink",
-    "crash_limit_error",
-    "error_text",
+    "DEFAULT_MAX_CRASHES", "Client", "Coordinator", "CoordinatorContext", "Finish", "NodeInfo",
+    "Outcome", "TaskCommandListener", "TaskSink", "as_sink", "crash_limit_error", "error_text",
     "rotated",
 ]
 
@@ -149,6 +139,8 @@ class NodeInfo:
     frozen: bool | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     """The node's placement labels (see ``Consumer(labels=...)``)."""
+    weight: float = 1.0
+    """The node's weight: its fair share is proportional to it (see ``Consumer(weight=...)``)."""
 
 
 class CoordinatorContext(abc.ABC):
@@ -178,6 +170,12 @@ class CoordinatorContext(abc.ABC):
         """The node's placement labels, published with its registration: the coordinator's
         claim refuses a task whose selector they do not match (validated by the consumer)."""
         return {}
+
+    @property
+    def weight(self) -> float:
+        """The node's weight, published with its registration (``ClusterState.node_weights``):
+        its fair share of the work is proportional to it (validated by the coordinator)."""
+        return 1.0
 
 
 class Coordinator(ClusterState, abc.ABC):

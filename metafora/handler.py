@@ -8,6 +8,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import overload
 
 from metafora.task import Task
@@ -30,6 +31,21 @@ class Handler(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None:
         """Ask run() to return soon. Must not block; may be called more than once."""
+
+    def at_risk(self, until: datetime) -> None:
+        """The claim is at risk: the node's lease renewals are failing, and unless one gets
+        through, ``stop()`` comes at ``until`` (UTC) and the claim is lost soon after.
+
+        Called once per at-risk episode, before that ``stop()``, from the consumer's
+        watcher thread: must not block (set a flag; checkpoint from ``run``). The default
+        does nothing. See ``docs/claim-at-risk.md``.
+        """
+        return  # optional hook
+
+    def recovered(self, until: datetime) -> None:
+        """A renewal got through after :meth:`at_risk`: the claim is guaranteed until
+        ``until`` again. Must not block. The default does nothing."""
+        return  # optional hook
 
 
 class AsyncHandler(abc.ABC):
@@ -54,6 +70,15 @@ class AsyncHandler(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None:
         """Ask run() to return soon. Must not block; may be called more than once."""
+
+    def at_risk(self, until: datetime) -> None:
+        """As :meth:`Handler.at_risk`, called on the event loop's thread (it may set an
+        ``asyncio.Event``). The default does nothing."""
+        return  # optional hook
+
+    def recovered(self, until: datetime) -> None:
+        """As :meth:`Handler.recovered`, on the event loop's thread. The default does nothing."""
+        return  # optional hook
 
 
 HandlerFunc = Callable[[Task], Handler | AsyncHandler]

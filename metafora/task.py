@@ -332,6 +332,23 @@ class Task:
         value = self.props.get("expires_at")
         return None if value is None else parse_time(value, "expires_at")
 
+    def valid_until(self) -> datetime | None:
+        """Until when (UTC, by this host's clock) this claim is guaranteed to be this node's.
+
+        The node's fencing deadline: every renewal of its lease moves it on; reaching it,
+        the node stops the handler. None for a task not handed to a handler by a
+        :class:`~metafora.Consumer`, or on a store that bounds nothing (memory); not in the
+        future once the claim is lost. See ``docs/claim-at-risk.md``.
+        """
+        claim = self.__dict__.get("_claim")
+        return None if claim is None else claim.valid_until()
+
+    def at_risk(self) -> bool:
+        """Whether this claim is at risk now: the node's lease renewals are failing and the
+        handler is stopped at :meth:`valid_until` unless one succeeds first."""
+        claim = self.__dict__.get("_claim")
+        return False if claim is None else bool(claim.at_risk())
+
     def props_json(self) -> str:
         """The props as a compact JSON object."""
         return json.dumps(dict(self.props), separators=(",", ":"), sort_keys=True)

@@ -27,12 +27,16 @@ from metafora.clock import Clock
 from metafora.errors import ConfigError
 from metafora.task import Task, matches
 
-__all__ = ["FairBalancer"]
+__all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]
 
 logger = logging.getLogger(__name__)
 
 _REFUSED_KEEP = timedelta(seconds=60)  # how long a first refusal is remembered past its ignore
 _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
+DEFAULT_FAIR_THRESHOLD = 1.1  # above 110 % of its share a node gives back (the band's edge)
+DEFAULT_WARMUP = 3.0  # seconds a node waits for its peers to register on a cold start
+DEFAULT_WARMUP_BACKLOG = 100  # a cold start with fewer claimable tasks does not wait
+MAX_REFUSALS = 10  # refuse_for periods an offer may wait for a lighter node before it is taken
 _SelectorKey = tuple[tuple[str, str], ...]
 
 
@@ -54,6 +58,7 @@ class _Snapshot:
     counts: dict[str, int]
     weights: dict[str, float]
     frozen: frozenset[str]
+    claimable: int | None = None  # claimable in the store at the read (None: not told)
     labels: dict[str, dict[str, str]] | None = None
     pools: dict[_SelectorKey, _Pool] = field(default_factory=dict)
 
@@ -104,14 +109,26 @@ class FairBalancer(ContextBalancer):
     match it (``node_labels``). This node's own count is always its local count
     (``ctx.task_count()``), which the store's view may lag.
 
-    **Claiming** (:meth:`can_claim`): when the consumer tells how many tasks are claimable
-    (``ctx.claimable_count()``), a node refuses a task the first time it is offered if taking
-    it would bring it above its share plus ``slack`` (no slack while a peer is under-loaded,
-    so released tasks go to that peer), ignoring it for ``refuse_for``; a node that starts a
-    little later then still finds its share pending. When the consumer does not tell, the
-    limit is Metafora's: ``threshold`` times the share of the tasks held. Offered again after
-    its ignore, nobody lighter took the task (the others may be frozen or full), so it claims
-    it rather than leave it waiting. A node alone among the task's peers never refuses.
+    **Claiming** (:meth:`can_claim`): a node claims up to its share plus ``slack``. The
+    work it shares is what the store says its peers hold plus what is claimable, read
+    together (``ClusterState.claimable_count``): a sum no claim changes, so a snapshot a
+    second old still gives the right share; else the consumer's claimable count
+    (``ctx.claimable_count()``); else Metafora's limit, ``threshold`` times the share of the
+    tasks held. While a peer is *under-loaded*, a node that is not under-loaded itself
+    leaves every offer to it (and one that is claims without slack): that is how released
+    tasks reach the node they were released for. A refused offer is ignored for
+    ``refuse_for``; offered again while a lighter peer still has room below its share, it
+    waits again (up to twice ``refuse_for`` at a time), but never more than ten ``refuse_for`` in all:
+    then nobody lighter took it (the others may be frozen, full or unable to run it), so it
+    claims it rather than leave it waiting. A node alone among the task's peers never
+    refuses.
+
+    **Cold start** (``warmup``, ``warmup_backlog``): when nobody holds anything and at least
+    ``warmup_backlog`` tasks are claimable, a node that started less than ``warmup`` seconds
+    ago claims nothing yet, so the nodes started with it register and each claims only its
+    share: the whole cluster started together claims each task once (Kafka delays a new
+    group's first rebalance the same way; Metafora slept after each claim). A node joining a
+    running cluster, or a small backlog, does not wait.
 
     **Releasing** (:meth:`balance`, see :func:`~metafora.balancers.shares.release_plan`): a
     node above ``threshold`` times its exact share gives back down to
@@ -141,7 +158,7 @@ class FairBalancer(ContextBalancer):
 
     def __init__(
         self,
-        threshold: float = 1.2,
+        threshold: float = DEFAULT_FAIR_THRESHOLD,
         *,
         claim_delay: float | timedelta = 10.0,
         refuse_for: float | timedelta = 1.0,
@@ -151,6 +168,8 @@ class FairBalancer(ContextBalancer):
         max_releases: int | None = 1000,
         min_age: float | timedelta = 1.0,
         both_sides: bool = True,
+        warmup: float | timedelta = DEFAULT_WARMUP,
+        warmup_backlog: int = DEFAULT_WARMUP_BACKLOG,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -162,6 +181,9 @@ class FairBalancer(ContextBalancer):
                               else _count(max_releases, "FairBalancer max_releases", minimum=1))
         self._min_age = timedelta(seconds=seconds(min_age, "min_age"))
         self._both_sides = bool(both_sides)
+        self._warmup = seconds(warmup, "warmup")
+        self._warmup_backlog = _count(warmup_backlog, "FairBalancer warmup_backlog", minimum=0)
+        self._warm_until: float | None = None  # monotonic end of the cold-start wait
         self._claim_delay = timedelta(seconds=seconds(claim_delay, "claim_delay"))
         self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for"))
         self._counts_ttl = seconds(counts_ttl, "counts_ttl")
@@ -169,7 +191,7 @@ class FairBalancer(ContextBalancer):
         self._lock = threading.Lock()
         self._refuse_until: datetime | None = None
         self._joined = False  # a node joined since the last balance: it may release again
-        self._refused: dict[str, datetime] = {}
+        self._refused: dict[str, tuple[datetime, datetime]] = {}  # id -> (until, first)
         self._prune_at = _REFUSED_PRUNE_AT
         self._snap: _Snapshot | None = None
 
@@ -202,7 +224,9 @@ class FairBalancer(ContextBalancer):
     def init(self, ctx: BalancerContext) -> None:
         """Keep ``ctx`` and forget any state from a previous context."""
         super().init(ctx)
+        _, clock = self._context("init")
         with self._lock:
+            self._warm_until = clock.monotonic() + self._warmup if self._warmup > 0 else None
             self._refuse_until = None
             self._joined = False
             self._refused.clear()
@@ -240,39 +264,58 @@ class FairBalancer(ContextBalancer):
         counting what the consumer says is claimable; from the cached snapshot."""
         ctx, clock = self._context("share")
         snap = self._snapshot(ctx, clock, fresh=False, selector=selector or {})
-        claimable = ctx.claimable_count() or 0
-        group = standings(snap.members(ctx.node_id, ctx.task_count(), selector or {}), claimable)
+        held = ctx.task_count()
+        members = snap.members(ctx.node_id, held, selector or {})
+        work = self._work(ctx, snap, snap.pool(ctx.node_id, selector or {}), held)
+        claimable = max(0, (work or 0) - sum(m.held for m in members))
+        group = standings(members, claimable)
         return next((s.share for s in group if s.node_id == ctx.node_id), 0)
 
     # -- the Balancer interface ------------------------------------------------------
 
     def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
-        """Claim unless just released, or above the share and a lighter node may take it."""
+        """Claim unless warming up, just released, or above the share while a lighter node
+        may take the task (see the class docstring)."""
         ctx, clock = self._context("can_claim")
         snap = self._snapshot(ctx, clock, fresh=False, selector=task.selector)
+        now = clock.now()
+        wait, ended = self._warming(ctx, clock, snap)
+        if wait is not None:
+            return False, now + timedelta(seconds=wait)
+        if ended:  # peers registered during the wait: count them
+            snap = self._snapshot(ctx, clock, fresh=True, selector=task.selector)
         pool = snap.pool(ctx.node_id, task.selector)
         if pool.size == 0:
             return True, None  # alone: refusing would leave the task to nobody
-        now = clock.now()
         with self._lock:
             if self._refuse_until is not None and now < self._refuse_until:
                 return False, self._refuse_until
-        above = self._above_share(ctx, snap, pool)
+        above, room = self._limit(ctx, snap, pool)
         with self._lock:
             if not above:
                 self._refused.pop(task.id, None)
                 return True, None
-            until = self._refused.get(task.id)
-            if until is not None and now >= until:
-                del self._refused[task.id]
-                logger.debug("claiming %s above the fair share: no lighter node took it",
-                             task.id, extra={"node_id": ctx.node_id, "task_id": task.id})
-                return True, None
-            if until is None:
+            seen = self._refused.get(task.id)
+            if seen is None:
                 until = now + self._refuse_for
-                self._refused[task.id] = until
+                self._refused[task.id] = (until, now)
                 self._prune(now)
-            return False, until
+                return False, until
+            until, first = seen
+            if now < until:
+                return False, until
+            waited = now - first
+            if room and waited < MAX_REFUSALS * self._refuse_for:
+                # A lighter peer still has room: it may be slow, not gone. Wait again (twice
+                # refuse_for at most, so an offer is judged again soon after the counts
+                # change), but never forever: it may also be full or unable to run it.
+                until = now + min(2 * self._refuse_for, max(self._refuse_for, waited))
+                self._refused[task.id] = (until, first)
+                return False, until
+            del self._refused[task.id]
+        logger.debug("claiming %s above the fair share: no lighter node took it", task.id,
+                     extra={"node_id": ctx.node_id, "task_id": task.id})
+        return True, None
 
     def balance(self) -> list[str]:
         """Ids of randomly chosen tasks to release (see the class docstring)."""
@@ -294,10 +337,11 @@ class FairBalancer(ContextBalancer):
             snap.labels = dict(ctx.cluster_state.node_labels())
         chosen: list[str] = []
         why: tuple[Standing, ...] = ()
+        claimable = snap.claimable or 0  # pending work fills the under-loaded first
         for key in sorted(groups):
-            group = standings(snap.members(ctx.node_id, held - len(chosen), dict(key)))
+            group = standings(snap.members(ctx.node_id, held - len(chosen), dict(key)), claimable)
             plan = release_plan(group, threshold=self._threshold, band=self._band,
-                                both_sides=self._both_sides)
+                                both_sides=self._both_sides, claimable=claimable)
             release = plan.for_node(ctx.node_id)
             if self._max_releases is not None:  # one bound for the whole balance
                 release = min(release, self._max_releases - len(chosen))
@@ -338,22 +382,61 @@ class FairBalancer(ContextBalancer):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _above_share(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool) -> bool:
-        """Whether claiming one more task would take this node above its limit."""
+    def _warming(self, ctx: BalancerContext, clock: Clock,
+                 snap: _Snapshot) -> tuple[float | None, bool]:
+        """(seconds left of the cold-start wait or None, whether the wait just ended).
+
+        On a cold start -- nobody holds anything and at least ``warmup_backlog`` tasks are
+        claimable -- a node claims nothing for ``warmup`` seconds after it started, so the
+        nodes starting with it register first and every node claims only its share (Kafka
+        delays a new group's first rebalance the same way). A node that finds work already
+        held (it joins a running cluster) or a small backlog does not wait.
+        """
+        with self._lock:
+            end = self._warm_until
+        if end is None:
+            return None, False
+        mono = clock.monotonic()
+        claimable = snap.claimable if snap.claimable is not None else ctx.claimable_count()
+        cold = not any(snap.counts.values()) and (claimable or 0) >= self._warmup_backlog
+        if mono < end and cold and self._warmup_backlog > 0:
+            return end - mono, False
+        with self._lock:
+            self._warm_until = None
+        return None, mono >= end
+
+    def _work(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool, held: int) -> int | None:
+        """The work this node and its peers share: what they hold plus what is claimable.
+
+        From the store's own claimable count when it gives one: counts and claimable read
+        together add up to a total no claim changes, so a stale snapshot still gives the
+        right share. Else from the consumer's claimable count; None when neither says.
+        """
+        if snap.claimable is not None:
+            return pool.held + max(0, int(snap.counts.get(ctx.node_id, held))) + snap.claimable
+        claimable = ctx.claimable_count()
+        return None if claimable is None else pool.held + held + max(0, claimable)
+
+    def _limit(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool) -> tuple[bool, bool]:
+        """(whether claiming one more task would take this node above its limit, whether a
+        lighter peer still has room below its share)."""
         held = ctx.task_count()
         weight = snap.weight(ctx.node_id)
         whole = pool.weight + weight
-        claimable = ctx.claimable_count()
-        if claimable is None:  # Metafora's rule: threshold times the share of what is held
-            return held > self._threshold * (pool.held + held) * weight / whole + EPS
-        work = pool.held + held + max(0, claimable)
-        slack = self._slack
-        if self._both_sides and pool.lightest is not None:
+        work = self._work(ctx, snap, pool, held)
+        if work is None:  # Metafora's rule: threshold times the share of what is held
+            return held > self._threshold * (pool.held + held) * weight / whole + EPS, False
+        mine = Standing(ctx.node_id, held, work * weight / whole)
+        slack, room = self._slack, False
+        if pool.lightest is not None:
             other_held, other_weight = pool.lightest
             lightest = Standing("", other_held, work * other_weight / whole)
-            if lightest.under(self._threshold, self._band):
-                slack = 0  # a peer is under-loaded: leave the offered task to it
-        return held >= ceil_share(work * weight / whole) + slack
+            room = lightest.held < lightest.share
+            if self._both_sides and lightest.under(self._threshold, self._band):
+                if not mine.under(self._threshold, self._band):
+                    return True, True  # leave the task to the under-loaded peer
+                slack = 0
+        return held >= mine.share + slack, room
 
     def _snapshot(self, ctx: BalancerContext, clock: Clock, *, fresh: bool,
                   selector: Mapping[str, str]) -> _Snapshot:
@@ -365,7 +448,9 @@ class FairBalancer(ContextBalancer):
         if fresh or snap is None or mono - snap.at >= self._counts_ttl:
             state = ctx.cluster_state
             counts = dict(state.active_task_count())
-            snap = _Snapshot(mono, counts, dict(state.node_weights()), state.frozen_nodes())
+            claimable = state.claimable_count()  # from the same read as the counts
+            snap = _Snapshot(mono, counts, dict(state.node_weights()), state.frozen_nodes(),
+                             None if claimable is None else max(0, int(claimable)))
             with self._lock:
                 self._snap = snap
         if selector and snap.labels is None:
@@ -386,7 +471,7 @@ class FairBalancer(ContextBalancer):
         if len(self._refused) < self._prune_at:
             return
         horizon = now - max(_REFUSED_KEEP, 10 * self._refuse_for)
-        for task_id in [tid for tid, until in self._refused.items() if until < horizon]:
+        for task_id in [tid for tid, (until, _) in self._refused.items() if until < horizon]:
             del self._refused[task_id]
         self._prune_at = max(_REFUSED_PRUNE_AT, 2 * len(self._refused))
 

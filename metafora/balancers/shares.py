@@ -235,7 +235,8 @@ class ReleasePlan:
 
 
 def release_plan(group: Sequence[Standing], *, threshold: float, band: float = DEFAULT_BAND,
-                 max_releases: int | None = None, both_sides: bool = True) -> ReleasePlan:
+                 max_releases: int | None = None, both_sides: bool = True,
+                 claimable: int = 0) -> ReleasePlan:
     """Who gives back how many tasks so that every node of ``group`` ends even.
 
     1. an overloaded node releases down to :meth:`Standing.ceiling` (no node releases
@@ -248,7 +249,9 @@ def release_plan(group: Sequence[Standing], *, threshold: float, band: float = D
     3. no node releases more than ``max_releases`` (None: no bound).
 
     ``both_sides=False`` stops after step 1: Metafora's rule, where only an overloaded node
-    gives back and an under-loaded one waits for that.
+    gives back and an under-loaded one waits for that. ``claimable`` tasks (pending, counted
+    in the standings' exact shares) fill the under-loaded nodes first: only what they do not
+    cover is released in step 2.
 
     A group of fewer than two nodes releases nothing (nobody could take the tasks).
     """
@@ -258,7 +261,7 @@ def release_plan(group: Sequence[Standing], *, threshold: float, band: float = D
                 for s in group if s.overloaded(threshold) and s.held > s.ceiling(threshold)}
     under = tuple(s.node_id for s in group if both_sides and s.under(threshold, band))
     need = sum(max(0, s.even_floor(band) - s.held) for s in group if s.node_id in under)
-    extra = need - sum(releases.values())
+    extra = need - max(0, claimable) - sum(releases.values())
     if extra > 0:
         room = {s.node_id: s.held - releases.get(s.node_id, 0) - math.floor(s.exact + EPS)
                 for s in group}

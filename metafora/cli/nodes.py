@@ -28,7 +28,7 @@ def _node_dict(info: NodeInfo) -> dict[str, Any]:
 
     return {"node": info.id, "tasks": info.tasks, "frozen": bool(info.frozen), "host": info.host,
             "pid": info.pid, "started": iso(info.started), "heartbeat": iso(info.heartbeat),
-            "labels": dict(info.labels)}
+            "labels": dict(info.labels), "weight": info.weight}
 
 
 def _age(now: datetime, then: datetime | None) -> str:
@@ -42,8 +42,8 @@ def _age(now: datetime, then: datetime | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
-    """List live nodes: tasks held, frozen, labels, host, pid, last heartbeat (where the store
-    keeps them)."""
+    """List live nodes: tasks held, weight, frozen, labels, host, pid, last heartbeat (where the
+    store keeps them)."""
     with store_client(ctx) as client:
         infos = sorted(client.node_infos(), key=lambda n: n.id)
     if as_json:
@@ -58,6 +58,7 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
                   f"task{'s' if total != 1 else ''}", caption_justify="left")
     table.add_column("node", overflow="fold")
     table.add_column("tasks", justify="right")
+    table.add_column("weight", justify="right")
     table.add_column("frozen")
     table.add_column("labels", overflow="fold")
     table.add_column("host", overflow="fold")
@@ -66,7 +67,7 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     now = datetime.now(UTC)
     for info in infos:
         frozen = frozen_text(info.frozen)
-        table.add_row(cell(info.id, exact=True), str(info.tasks),
+        table.add_row(cell(info.id, exact=True), str(info.tasks), f"{info.weight:g}",
                       Text(frozen, style="bold blue" if info.frozen else ""),
                       cell(label_text(info.labels) or "-"), cell(info.host or "-"),
                       "-" if info.pid is None else str(info.pid),

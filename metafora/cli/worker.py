@@ -10,7 +10,6 @@ released at once, the node deregistered) and exits 0; a second one exits at once
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import signal
@@ -85,16 +84,11 @@ def _option(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callab
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
-def check_weight(weight: float) -> dict[str, Any]:
-    """``weight=`` for the Consumer if it takes one; a weight other than 1 is refused if not."""
+def check_weight(weight: float) -> float:
+    """``--weight`` as the Consumer's ``weight=``; not a positive finite number: usage error."""
     if not math.isfinite(weight) or weight <= 0:
         raise CliError.make(f"--weight must be a positive finite number, got {weight!r}", ExitCode.USAGE)
-    if "weight" in inspect.signature(Consumer).parameters:
-        return {"weight": weight}
-    if weight != 1:
-        raise CliError.make(f"--weight {weight:g}: this version's Consumer has no weight yet "
-                            "(leave --weight out, or 1)", ExitCode.USAGE)
-    return {}
+    return weight
 
 
 def make_balancer(name: str) -> Balancer:
@@ -186,7 +180,7 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
            shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     # Everything that can be refused is checked before the store is touched.
-    extra = check_weight(weight)
+    node_weight = check_weight(weight)
     node_labels = parse_select(labels, "--labels")
     target = load_target(target_spec, Kind(kind) if kind is not None else None)
     chosen = make_balancer(balancer)
@@ -195,7 +189,7 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
     try:
         consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
                             labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
-                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, **extra)
+                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight)
     except BaseException:
         coordinator.close()  # a bad option: leave nothing open behind
         raise

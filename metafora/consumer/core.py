@@ -30,7 +30,7 @@ from typing import Any, cast
 from metafora import commands as cmds
 from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
-from metafora.balancers.dumb import DumbBalancer
+from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
@@ -55,6 +55,7 @@ from metafora.consumer.options import (
     DEFAULT_START_TIMEOUT,
     ConsumerOptions,
 )
+from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import NodeLog, Running
 from metafora.consumer.shutdown import Shutdown
@@ -100,6 +101,12 @@ class _Context(CoordinatorContext):
     def renewed(self, seconds: float) -> None:
         self._consumer.stats.renewal_latency.observe(seconds)
         tracing.record_renewal(self._consumer.node_id, seconds)
+        self._consumer._risk.renewed()
+
+    def renewal_failed(self, error: BaseException) -> None:
+        """A renewal of the node's lease failed (the optional hook of
+        :mod:`metafora.coordinators.fencing`): its handlers may be warned early."""
+        self._consumer._risk.failed(error)
 
     @property
     def max_crashes(self) -> int | None:
@@ -109,6 +116,10 @@ class _Context(CoordinatorContext):
     def labels(self) -> Mapping[str, str]:
         return self._consumer.labels
 
+    @property
+    def weight(self) -> float:
+        return self._consumer.weight
+
 
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
@@ -117,6 +128,9 @@ class Consumer:
     :class:`~metafora.consumer.options.ConsumerOptions`, which documents each of them (the
     defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`), and:
 
+    - ``balancer``: decides what this node claims and gives back; a
+      :class:`~metafora.balancers.FairBalancer` by default (each node near its fair share;
+      ``DumbBalancer()`` claims whatever it is offered and never gives anything back);
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
     """
 
@@ -144,6 +158,7 @@ class Consumer:
         slow_callback: float | timedelta = DEFAULT_SLOW_CALLBACK,
         http_addr: str | None = None,
         labels: Mapping[str, str] | None = None,
+        weight: float = 1.0,
         placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
         rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
         clock: Clock | None = None,
@@ -162,12 +177,12 @@ class Consumer:
             release_backoff=cast(float, release_backoff),
             release_backoff_max=cast(float, release_backoff_max),
             refuse_retry=cast(float, refuse_retry), slow_callback=cast(float, slow_callback),
-            http_addr=http_addr, labels=labels or {}, placement_wait=cast(float, placement_wait),
-            rendezvous_wait=cast(float, rendezvous_wait),
+            http_addr=http_addr, labels=labels or {}, weight=weight,
+            placement_wait=cast(float, placement_wait), rendezvous_wait=cast(float, rendezvous_wait),
         )
         self._coord = coordinator
         self._handler_func = handler_func
-        self._balancer = balancer if balancer is not None else DumbBalancer()
+        self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
         self._build_parts()
@@ -192,6 +207,8 @@ class Consumer:
         self._timeout_override: float | None = None
         self._runner = self._runner_class(coord.node_id, slow_callback=options.slow_callback,
                                           on_fatal=self._supervisor.fail_fast)
+        self._risk = RiskWatch(coord, running=self._running, lock=self._lock, clock=clock,
+                               log=self._log)
         capacity = Capacity(max_tasks=options.max_tasks, thread_cap=options.thread_cap,
                             busy_threads=lambda: self._runner.busy_threads,
                             monotonic=clock.monotonic, log=self._log)
@@ -215,7 +232,8 @@ class Consumer:
         self._launcher = Launcher(
             coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
             capacity=capacity, handoffs=self._handoffs, finisher=self._finisher,
-            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log)
+            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log,
+            risk=self._risk)
         self._status = NodeStatus(coord, running=self._running, lock=self._lock, offers=self._offers,
                                   supervisor=self._supervisor, stats=self.stats,
                                   stopping=self._stopping, done=self._done, labels=lambda: self.labels)
@@ -236,6 +254,11 @@ class Consumer:
         return dict(self._options.labels)
 
     @property
+    def weight(self) -> float:
+        """This node's weight: its fair share of the work is proportional to it."""
+        return self._options.weight
+
+    @property
     def frozen(self) -> bool:
         """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
         return self._offers.frozen
@@ -247,8 +270,10 @@ class Consumer:
         return sorted(entries, key=lambda r: r.started)
 
     def _task_count(self) -> int:
+        # Offers approved and not yet claimed count: a wave approves a burst before claiming
+        # it, and the balancer must not approve a whole wave against the same count.
         with self._lock:
-            return len(self._running)
+            return len(self._running) + self._offers.approved
 
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
@@ -312,6 +337,7 @@ class Consumer:
             pushed = self._balancing.listen(self._post)
             self._supervisor.start("commands", self._command_feed)
             self._supervisor.start("schedules", self._scheduler.run)
+            self._supervisor.start("risk", self._risk.run)
             self._balancing.schedule_first(pushed)
             self._loop()
         except BaseException as exc:
@@ -488,6 +514,7 @@ class Consumer:
     def _shutdown_sequence(self) -> None:
         """Stop in a fixed order (see :mod:`metafora.consumer.shutdown`), then close up."""
         self._stopping.set()
+        self._risk.close()
         self._shutdown.announce_leaving()
         self._scheduler.stop()
         timeout = self._timeout_override

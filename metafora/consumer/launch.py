@@ -21,6 +21,7 @@ from metafora.clock import Clock
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
+from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome, error_text
@@ -50,6 +51,7 @@ class Launcher:
         stats: ConsumerStats,
         clock: Clock,
         log: NodeLog,
+        risk: RiskWatch | None = None,
     ) -> None:
         self._coord = coordinator
         self._handler_func = handler_func
@@ -63,6 +65,7 @@ class Launcher:
         self._stats = stats
         self._clock = clock
         self._log = log
+        self._risk = risk
 
     def start(self, claimed: Task) -> None:
         """Start the handler of ``claimed``, unless its claim was lost meanwhile."""
@@ -80,6 +83,8 @@ class Launcher:
             except MetaforaError:
                 pass  # lost for real: the store already freed it
             return
+        if self._risk is not None:  # task.valid_until() / at_risk() for the handler
+            self._risk.attach(claimed)
         try:
             handler = self._handler_func(claimed)
         except Exception as exc:
@@ -106,6 +111,8 @@ class Launcher:
             self._capacity.started(len(self._running), "async" if run.is_async else "thread")
         if stopped:  # a stop or a lost claim came while it was starting
             self._handoffs.stop_handler(entry, cancel=lost)
+        elif self._risk is not None:
+            self._risk.started(entry)  # warned at once if its node is at risk
 
     def _cannot_start(self, entry: Running, exc: CannotStart) -> None:
         """Give the task of a handler that could not start back at once; claim no more."""

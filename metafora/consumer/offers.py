@@ -19,7 +19,7 @@ import heapq
 import itertools
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
 from metafora import tracing
@@ -250,6 +250,7 @@ class OfferRouter:
         self._rng = rng
         self._log = log
         self.frozen = False  # claims nothing new (set by the freeze commands)
+        self.approved = 0  # offers the balancer approved in this pass, not claimed yet
         self.ignores = Ignores()
         self.deferred = Deferred()
         self._releases: dict[str, int] = {}
@@ -357,6 +358,12 @@ class OfferRouter:
 
     def offer(self, *tasks: Task) -> None:
         """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
+        try:
+            self._offer(tasks)
+        finally:
+            self.approved = 0
+
+    def _offer(self, tasks: Sequence[Task]) -> None:
         approved: list[Task] = []
         approved_ids: set[str] = set()
         # Running tasks per spread group, counted once per claim burst (not once per offer).
@@ -387,12 +394,14 @@ class OfferRouter:
                 continue
             approved.append(task)
             approved_ids.add(task.id)
+            self.approved = len(approved)
             burst = self._claim_burst if slots is None else min(self._claim_burst,
                                                                  slots * OVERFETCH)
             if len(approved) >= burst:
                 self.claim(approved, len(approved) if slots is None else slots)
                 approved = []
                 approved_ids.clear()
+                self.approved = 0  # those won run now; those lost are not ours
                 spreads = None  # the burst started handlers: count again when next needed
         if approved:
             with self._lock:

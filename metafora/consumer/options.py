@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from metafora.balancers.shares import check_weight
 from metafora.config import seconds
 from metafora.coordinator import DEFAULT_MAX_CRASHES
 from metafora.errors import ConfigError, InvalidProps
@@ -118,6 +119,11 @@ class ConsumerOptions:
     - ``labels``: this node's placement labels (``{"zone": "eu", "gpu": "1"}``), published
       with its registration: it claims only tasks whose selector they match (see
       docs/placement.md). Offers are tried highest ``Task.priority`` first.
+    - ``weight``: this node's weight, published with its registration (default 1.0): its
+      fair share of the work is proportional to it, ``total work x weight / sum of the
+      weights`` of the nodes that can run it, for clusters of unequal machines (see
+      docs/rebalancing.md; ``FairBalancer`` follows it, ``ResourceBalancer`` keeps its own
+      rule). A positive finite number.
     - ``rendezvous_wait``: in a wave of offers (a backlog at start-up, a bulk submit), each
       task is tried first by the node that rendezvous hashing ranks first for it among the
       live nodes; the others leave it to that node and try it once this many seconds passed
@@ -150,6 +156,7 @@ class ConsumerOptions:
     slow_callback: float = DEFAULT_SLOW_CALLBACK
     http_addr: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    weight: float = 1.0
     placement_wait: float = DEFAULT_PLACEMENT_WAIT
     rendezvous_wait: float = DEFAULT_RENDEZVOUS_WAIT
 
@@ -170,6 +177,7 @@ class ConsumerOptions:
             object.__setattr__(self, "labels", validate_labels(self.labels, "labels"))
         except InvalidProps as exc:
             raise ConfigError(str(exc)) from None
+        object.__setattr__(self, "weight", check_weight(self.weight, "weight"))
         for name, allow_zero in _SECONDS.items():
             # Frozen, but normalised once here: a timedelta becomes seconds.
             object.__setattr__(self, name, seconds(getattr(self, name), name, allow_zero=allow_zero))

@@ -104,6 +104,10 @@ class AsyncRun:
         """Call the handler's stop() on the loop's thread (where asyncio objects may be used)."""
         self._loop.call(lambda: _call_stop(self))
 
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop's thread soon (a notice to the handler, e.g. at risk)."""
+        self._loop.call(fn)
+
     def cancel(self) -> None:
         """Cancel the handler's task (a lost claim, or stop() ignored at shutdown)."""
         self._loop.call(lambda: self.task.cancel() if self.task is not None else None)

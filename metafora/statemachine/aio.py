@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 from metafora.handler import AsyncHandler
 from metafora.statemachine.handler import MachineView, StatefulTaskHandler
@@ -43,17 +44,29 @@ class AsyncCommands(MachineView):
         """The next command without waiting, or None (``release`` once stopping)."""
         if self.stopping:
             return Message.release()
-        return self._machine.handed() or await self._runner.receive(0.0)
+        return (self._machine.risk_notice() or self._machine.handed()
+                or await self._runner.receive(0.0))
 
     async def get(self, timeout: float | None = None) -> Message | None:
         """The next command, waiting up to ``timeout`` seconds (None: until one arrives or
-        the task is stopped, which answers ``release``); None on timeout."""
-        if not self.stopping and (handed := self._machine.handed()) is not None:
-            return handed
-        message = await self._runner.receive(timeout)
-        if message is None and self.stopping:
-            return Message.release()
-        return message
+        the task is stopped, which answers ``release``); None on timeout. Answers
+        ``Message.checkpoint()`` once when the claim becomes at risk, as ``poll()`` does."""
+        machine = self._machine
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+        while True:
+            if self.stopping:
+                return Message.release()
+            if (handed := machine.risk_notice() or machine.handed()) is not None:
+                return handed
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            message = await self._runner.receive(left, notices=True)
+            if message is not None:
+                return message
+            if self.stopping:
+                return Message.release()
+            if deadline is not None and loop.time() >= deadline:
+                return machine.risk_notice()
 
     async def checkpoint(self, cursor: str | None = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write, off the loop).
@@ -86,6 +99,16 @@ class AsyncStatefulTaskHandler(AsyncHandler):
         """Ask ``run()`` to return (release) soon. Never blocks; any thread."""
         self.machine.stop()  # interrupts the mailbox, whose listener wakes the coroutine
         self._ring()
+
+    def at_risk(self, until: datetime) -> None:
+        """The claim is at risk: the next ``await cmds.get()``/``poll()`` answers
+        ``Message.checkpoint()`` (once). Never blocks."""
+        self.machine.at_risk(until)
+        self._ring()
+
+    def recovered(self, until: datetime) -> None:
+        """A renewal got through: the claim is safe again."""
+        self.machine.recovered(until)
 
     async def run(self) -> bool:
         """Run the machine; True when the task reached a terminal state, False to release."""
@@ -158,11 +181,12 @@ class AsyncStatefulTaskHandler(AsyncHandler):
                 return message
         return None
 
-    async def receive(self, timeout: float | None) -> Message | None:
+    async def receive(self, timeout: float | None, notices: bool = False) -> Message | None:
         """The next command (fenced), waiting up to ``timeout`` real seconds without a thread.
 
         The store is read (on a worker thread) only when the mailbox was rung, or when a
-        look is due on a channel that cannot push; None on timeout or once stopping.
+        look is due on a channel that cannot push; None on timeout or once stopping (and,
+        with ``notices``, once an at-risk notice waits for the handler).
         """
         machine = self.machine
         mailbox = machine._mailbox
@@ -172,6 +196,8 @@ class AsyncStatefulTaskHandler(AsyncHandler):
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         while not machine.stopping:
             wake.clear()
+            if notices and machine._risk_notice:
+                return None
             if self._look_due(mailbox):
                 message = await asyncio.to_thread(machine.receive, 0.0)
                 if message is not None or machine.stopping:

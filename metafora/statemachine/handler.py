@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from typing import TypeVar
 
 from metafora.clock import SYSTEM_CLOCK, Clock
@@ -88,6 +89,13 @@ class MachineView:
         """Whether the consumer asked the task to stop (``poll()`` then answers ``release``)."""
         return self._machine.stopping
 
+    @property
+    def at_risk(self) -> datetime | None:
+        """While the claim is at risk (the node's lease renewals are failing), until when it
+        is guaranteed (UTC); None while it is safe. ``poll()``/``get()`` answer
+        ``Message.checkpoint()`` once when it becomes at risk (see docs/claim-at-risk.md)."""
+        return self._machine.risk_until
+
 
 class Commands(MachineView):
     """What a :data:`StatefulHandler` gets besides its task: commands, cursor, checkpoints.
@@ -100,23 +108,28 @@ class Commands(MachineView):
         """The next command without waiting, or None.
 
         Returns ``Message.release()`` once the consumer has called ``stop()`` (shutdown,
-        rebalancing, a lost claim). Return the message you get (or another one) to obey it.
+        rebalancing, a lost claim), and ``Message.checkpoint()`` once when the claim becomes
+        at risk (:attr:`at_risk`): save your position (``cmds.checkpoint(cursor)`` and go
+        on, or ``return Message.checkpoint(cursor)`` to be called again from it). Return the
+        message you get (or another one) to obey it.
         """
         if self._machine.stopping:
             return Message.release()
-        return self._machine.handed() or self._machine.receive(0.0)
+        return (self._machine.risk_notice() or self._machine.handed()
+                or self._machine.receive(0.0))
 
     def get(self, timeout: float | None = None) -> Message | None:
         """The next command, waiting up to ``timeout`` seconds of the machine's clock.
 
-        ``None`` waits until a command arrives or ``stop()``; returns None on timeout.
+        ``None`` waits until a command arrives or ``stop()``; returns None on timeout. Like
+        :meth:`poll`, answers ``Message.checkpoint()`` once when the claim becomes at risk.
         """
         machine = self._machine
         deadline = None if timeout is None else machine.clock.monotonic() + max(0.0, timeout)
         while True:
             if machine.stopping:
                 return Message.release()
-            if (handed := machine.handed()) is not None:
+            if (handed := machine.risk_notice() or machine.handed()) is not None:
                 return handed
             # Without a deadline, block until the mailbox is rung or stop() interrupts it
             # (10,000 waiting tasks must not wake up every second); with one, re-read the
@@ -196,6 +209,8 @@ class StatefulTaskHandler(Handler):
         self._checkpoint_error: BaseException | None = None
         self._command: Message | None = None  # the last command the machine itself took
         self._handed: Message | None = None  # a `run` kept for the handler's first read
+        self.risk_until: datetime | None = None  # set while the claim is at risk
+        self._risk_notice = False  # a checkpoint request for the handler's next read
         self._extra = {"task": task.id, "token": task.token}
 
     # -- Handler --------------------------------------------------------------------------
@@ -216,6 +231,30 @@ class StatefulTaskHandler(Handler):
         mailbox = self._mailbox
         if mailbox is not None:
             mailbox.interrupt()
+
+    def at_risk(self, until: datetime) -> None:
+        """The claim is at risk until ``until``: the handler's next ``poll()``/``get()``
+        answers ``Message.checkpoint()`` (once). Never blocks."""
+        self.risk_until = until
+        self._risk_notice = True
+        mailbox = self._mailbox
+        if mailbox is not None:
+            mailbox.interrupt()  # a waiting get() looks again
+
+    def recovered(self, until: datetime) -> None:
+        """A renewal got through: the claim is safe again (guaranteed until ``until``)."""
+        self._risk_notice = False
+        self.risk_until = None
+
+    def risk_notice(self) -> Message | None:
+        """``Message.checkpoint()`` once per at-risk episode while it is on, else None."""
+        if not self._risk_notice or self.risk_until is None:
+            return None
+        self._risk_notice = False
+        log.info("task %s: claim at risk (guaranteed until %s); asking the handler for a "
+                 "checkpoint", self.task.id, self.risk_until.isoformat(),
+                 extra={**self._extra, "action": "at_risk"})
+        return Message.checkpoint()
 
     @property
     def mailbox(self) -> Mailbox | None:

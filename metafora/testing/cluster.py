@@ -31,12 +31,13 @@ class RecordingContext(CoordinatorContext):
     """A CoordinatorContext that records lost tasks (for driving a coordinator by hand)."""
 
     def __init__(self, *, max_crashes: int | None = DEFAULT_MAX_CRASHES,
-                 labels: Mapping[str, str] | None = None) -> None:
+                 labels: Mapping[str, str] | None = None, weight: float = 1.0) -> None:
         self.lost_tasks: list[Task] = []
         self.lost_event = threading.Event()
         self._lock = threading.Lock()
         self._max_crashes = max_crashes
         self._labels = validate_labels(labels or {}, "labels")
+        self._weight = weight  # checked by the coordinator's init, as a consumer's is
 
     @property
     def max_crashes(self) -> int | None:
@@ -45,6 +46,10 @@ class RecordingContext(CoordinatorContext):
     @property
     def labels(self) -> Mapping[str, str]:
         return self._labels
+
+    @property
+    def weight(self) -> float:
+        return self._weight
 
     def lost(self, task: Task) -> None:
         with self._lock:

@@ -275,7 +275,8 @@ def _node_row(info: NodeInfo, now: datetime) -> dict[str, Any]:
     labels = getattr(info, "labels", None) or {}
     return {"id": info.id, "tasks": info.tasks, "frozen": info.frozen, "host": info.host,
             "pid": info.pid, "heartbeat": _age(now, info.heartbeat), "started": _time(info.started),
-            "labels": ", ".join(f"{k}={v}" for k, v in sorted(dict(labels).items()))}
+            "labels": ", ".join(f"{k}={v}" for k, v in sorted(dict(labels).items())),
+            "weight": f"{getattr(info, 'weight', 1.0):g}"}
 
 
 def create_app(url: str, *, token: str | None = None, items_url: str | None = None,

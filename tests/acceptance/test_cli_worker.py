@@ -429,12 +429,14 @@ def test_kind_override_and_env_variables(app: Path, sqlite_url: str, workers: li
         "METAFORA_WORKER_LABELS": "zone=eu gpu=1",
         "METAFORA_WORKER_BALANCER": "dumb",
         "METAFORA_WORKER_HTTP": f"127.0.0.1:{port}",
+        "METAFORA_WORKER_WEIGHT": "2.5",
     })
     workers.append(worker)
     with open_client(sqlite_url) as client:
         client.submit_task(Task("by-env", selector={"zone": "eu", "gpu": "1"}))
         wait_until(lambda: client.get_task("by-env").state is TaskState.DONE, DEADLINE, "by-env done")
         assert "w-env" in client.nodes()
+        assert {n.id: n.weight for n in client.node_infos()}["w-env"] == 2.5  # --weight passed on
     assert wait_until(lambda: _healthz(port), DEADLINE, "/healthz answers") == 200
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.stderr

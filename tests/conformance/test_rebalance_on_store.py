@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
-from metafora import Consumer, Task, TaskState, commands, open_coordinator, simple_handler
+from metafora import (
+    Consumer,
+    Task,
+    TaskState,
+    commands,
+    open_client,
+    open_coordinator,
+    simple_handler,
+)
 from metafora.balancers.fair import FairBalancer
 from metafora.statemachine import Commands, handler_func
 from metafora.statemachine.machine import Message, MessageKind
@@ -197,3 +206,31 @@ def test_a_handler_that_ignores_a_release_is_abandoned_after_the_handoff_timeout
         assert [t.id for t in a.tasks()] == []
         running.unblock.set()
         assert not cluster.errors
+
+
+def test_claimable_count_is_read_with_the_counts_and_adds_up_to_the_work(store_url: str) -> None:
+    """Issue 28: the balancers' share at claim time comes from the counts and the claimable
+    count of one read, whose sum no claim changes (only submits and ends)."""
+    with open_client(store_url) as client:
+        client.submit_tasks(Task(f"w{i}") for i in range(7))
+        later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        client.submit_task(Task("later", {"launch_at": later}))
+    a = open_coordinator(store_url, node_id="a")
+    b = open_coordinator(store_url, node_id="b")
+    try:
+        a.init(RecordingContext())
+        b.init(RecordingContext())
+
+        def picture() -> tuple[dict[str, int], int | None]:
+            return a.active_task_count(), a.claimable_count()
+
+        # the etcd store answers from its watch cache: wait until it has caught up
+        wait_for(lambda: picture() == ({"a": 0, "b": 0}, 7), timeout=30)
+        assert a.claim(Task("w0")) is not None
+        assert len(b.claim_many([Task(f"w{i}") for i in range(1, 4)], 10)) == 3
+        wait_for(lambda: picture() == ({"a": 1, "b": 3}, 3), timeout=30)
+        counts, claimable = picture()
+        assert sum(counts.values()) + (claimable or 0) == 7  # the launch-later task is not work yet
+    finally:
+        a.close()
+        b.close()

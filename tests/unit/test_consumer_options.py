@@ -40,6 +40,12 @@ def test_a_timedelta_becomes_seconds_and_the_value_is_frozen() -> None:
         ({"max_crashes": True}, "max_crashes must be a non-negative integer or None, got True"),
         ({"balance_jitter": 1}, r"balance_jitter must be in \[0, 1\), got 1"),
         ({"labels": {"": "x"}}, "labels key must not be empty"),
+        ({"weight": 0}, "weight must be a positive number, got 0"),
+        ({"weight": -1}, "weight must be a positive number, got -1"),
+        ({"weight": float("nan")}, "weight must be a positive number, got nan"),
+        ({"weight": float("inf")}, "weight must be a positive number, got inf"),
+        ({"weight": True}, "weight must be a positive number, got True"),
+        ({"weight": "2"}, "weight must be a positive number, got '2'"),
     ],
 )
 def test_bad_options_are_refused_with_the_consumers_messages(kwargs: dict[str, object],
@@ -49,6 +55,15 @@ def test_bad_options_are_refused_with_the_consumers_messages(kwargs: dict[str, o
     coord = open_coordinator("memory://options", node_id="n")
     with pytest.raises(ConfigError, match=message):
         Consumer(coord, simple_handler(lambda task, stop: True), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_weight_is_a_float_and_one_by_default() -> None:
+    assert ConsumerOptions().weight == 1.0
+    options = ConsumerOptions(weight=3)
+    assert options.weight == 3.0 and isinstance(options.weight, float)
+    coord = open_coordinator("memory://options", node_id="w")
+    consumer = Consumer(coord, simple_handler(lambda task, stop: True), weight=0.25)
+    assert consumer.weight == 0.25
 
 
 def test_zero_crash_limit_turns_it_off() -> None:

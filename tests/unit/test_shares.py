@@ -286,6 +286,7 @@ class Cluster(ClusterState):
         self.counts = counts
         self.weights = dict(weights or {})
         self.frozen = frozen
+        self.claimable: int | None = None  # the store's claimable count (None: not told)
         self.reads = {"counts": 0, "weights": 0, "frozen": 0}
 
     def node_task_count(self) -> dict[str, int]:
@@ -299,6 +300,9 @@ class Cluster(ClusterState):
     def frozen_nodes(self) -> frozenset[str]:
         self.reads["frozen"] += 1
         return self.frozen
+
+    def claimable_count(self) -> int | None:
+        return self.claimable
 
 
 def held_tasks(n: int, started: datetime = CLOCK_START, prefix: str = "t") -> list[RunningTask]:
@@ -327,7 +331,7 @@ def test_fair_both_sides_releases_below_threshold_times_average() -> None:
     out = balancer.balance()
     assert len(out) == expected == 17
     assert balancer.refusing_until is not None
-    assert fair(cluster, held_tasks(120), both_sides=False).balance() == []
+    assert fair(cluster, held_tasks(120), threshold=1.2, both_sides=False).balance() == []
 
 
 def test_fair_hysteresis_within_the_band_moves_nothing() -> None:
@@ -385,9 +389,9 @@ def test_fair_can_claim_up_to_its_share_when_the_consumer_says_what_is_claimable
         tasks.append(RunningTask(Task(f"t{i}"), CLOCK_START))
         claimable["n"] -= 1
         taken += 1
-    # its share, without the slack: the others hold nothing yet (under-loaded); the rest
-    # stays pending for them
-    assert taken == 10
+    # up to the band (within one task of its share of 10) and no further while the others
+    # hold nothing yet (under-loaded): the rest stays pending for them
+    assert taken == 9
     assert balancer.share() == 10
     cluster.counts.update({"a": 10, "b": 9})  # b within one task of 10: even, slack again
     claimable["n"] = 1
@@ -406,12 +410,23 @@ def test_fair_gives_no_slack_while_a_peer_is_under_loaded() -> None:
 
 
 def test_fair_can_claim_counts_weights_for_the_share() -> None:
-    cluster = Cluster({"light": 0}, weights={ME: 4, "light": 1})
+    cluster = Cluster({"light": 2}, weights={ME: 4, "light": 1})
     tasks = held_tasks(7)
-    # work 7 + 3 = 10: this node's share 8 (+1 slack)
+    # work 2 + 7 + 3 = 12: this node's share ceil(9.6) = 10 (+1 slack), light's 2.4 (even)
     assert fair(cluster, tasks, claimable=3).can_claim(Task("x")) == (True, None)
-    tasks += held_tasks(2, prefix="u")
-    assert fair(cluster, tasks, claimable=1).can_claim(Task("x"))[0] is False
+    tasks += held_tasks(3, prefix="u")
+    assert fair(cluster, tasks, claimable=0).can_claim(Task("x")) == (True, None)  # the slack
+    assert fair(cluster, tasks, claimable=0, slack=0).can_claim(Task("x"))[0] is False
+
+
+def test_fair_leaves_offers_to_an_under_loaded_peer_unless_under_loaded_itself() -> None:
+    # work 30 over 3 nodes, exact share 10 each; b holds 2 (under-loaded)
+    cluster = Cluster({"a": 10, "b": 2})
+    # this node holds 9: even (within one task), so it leaves the task to b, however far
+    # it is from its share plus slack
+    assert fair(cluster, held_tasks(9), claimable=9).can_claim(Task("x"))[0] is False
+    # this node holds 5: under-loaded itself, so it claims too (up to its share, no slack)
+    assert fair(cluster, held_tasks(5), claimable=13).can_claim(Task("x")) == (True, None)
 
 
 def test_fair_can_claim_reads_one_snapshot_per_counts_ttl() -> None:
@@ -434,3 +449,96 @@ def test_fair_a_bad_published_weight_counts_as_one() -> None:
 def test_fair_repr_names_the_new_settings() -> None:
     text = repr(FairBalancer(band=0.2, slack=0, max_releases=None))
     assert "band=0.2" in text and "slack=0" in text and "max_releases=None" in text
+
+
+# -- the store's claimable count, the cold-start wait, refusals while a peer has room -------
+
+
+def test_fair_share_from_the_stores_counts_does_not_grow_with_this_nodes_claims() -> None:
+    # counts and claimable read together: 0 + 0 + 0 held, 30 claimable -> share 10 each
+    cluster = Cluster({"a": 0, "b": 0, ME: 0})
+    cluster.claimable = 30
+    tasks: list[RunningTask] = []
+    balancer = fair(cluster, tasks, warmup=0)
+    taken = 0
+    for i in range(30):  # the snapshot is not re-read meanwhile (counts_ttl): work stays 30
+        if not balancer.can_claim(Task(f"t{i}"))[0]:
+            break
+        tasks.append(RunningTask(Task(f"t{i}"), CLOCK_START))
+        taken += 1
+    assert taken == 9  # even (one task from 10) while a and b hold nothing yet
+    cluster.counts.update({"a": 10, "b": 10, ME: 9})
+    cluster.claimable = 1
+    balancer.nodes_changed(left=False)  # forget the snapshot
+    assert balancer.can_claim(Task("tenth")) == (True, None)
+
+
+def test_fair_cold_start_waits_for_peers_then_claims_its_share() -> None:
+    clock = FakeClock()
+    cluster = Cluster({ME: 0})
+    cluster.claimable = 500
+    tasks: list[RunningTask] = []
+    balancer = fair(cluster, tasks, clock=clock, warmup=3.0)
+    ok, until = balancer.can_claim(Task("t0"))
+    assert ok is False and until == clock.now() + timedelta(seconds=3)
+    clock.advance(1.0)
+    cluster.counts.update({"b": 0, "c": 0, "d": 0, "e": 0})  # the others register meanwhile
+    assert balancer.can_claim(Task("t0"))[0] is False
+    clock.advance(2.0)
+    assert balancer.can_claim(Task("t0")) == (True, None)  # the wait is over, five counted
+    assert balancer.share() == 100
+
+
+def test_fair_cold_start_does_not_wait_for_a_small_backlog_or_a_running_cluster() -> None:
+    small = Cluster({ME: 0, "b": 0})
+    small.claimable = 5
+    assert fair(small, [], warmup=3.0).can_claim(Task("t")) == (True, None)
+    running = Cluster({ME: 0, "b": 40})  # work is held already: this node joins, no cold start
+    running.claimable = 400
+    assert fair(running, [], warmup=3.0).can_claim(Task("t")) == (True, None)
+    backlog = Cluster({ME: 0, "b": 0})
+    backlog.claimable = 400
+    assert fair(backlog, [], warmup=0).can_claim(Task("t")) == (True, None)  # turned off
+    assert fair(backlog, [], warmup=3.0, warmup_backlog=0).can_claim(Task("t")) == (True, None)
+
+
+def test_fair_refusal_waits_longer_while_a_lighter_peer_has_room_but_not_forever() -> None:
+    clock = FakeClock()
+    cluster = Cluster({ME: 11, "b": 9})  # b is even, below its share of 10: it has room
+    cluster.claimable = 0
+    balancer = fair(cluster, held_tasks(11), clock=clock, warmup=0, counts_ttl=0)
+    began = clock.now()
+    refusals = 0
+    for _ in range(50):
+        ok, until = balancer.can_claim(Task("x"))
+        if ok:
+            break
+        refusals += 1
+        assert until is not None
+        clock.advance((until - clock.now()).total_seconds())
+    assert ok is True  # taken in the end: b may be full or unable to run it
+    assert 5 <= refusals <= 8  # 1 + 1 + 2 + 2 + 2 + 2 s: judged again at least every 2 s
+    assert clock.now() - began >= timedelta(seconds=10)
+
+
+@pytest.mark.parametrize(("name", "bad"), [("warmup", -1), ("warmup", "3"),
+                                           ("warmup_backlog", -1), ("warmup_backlog", 1.5)])
+def test_fair_rejects_bad_warmup_settings(name: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match=name):
+        FairBalancer(**{name: bad})  # type: ignore[arg-type]
+
+
+def test_fair_balance_counts_claimable_work_and_releases_nothing_it_would_fill() -> None:
+    # a 36, c 28, 56 claimable (work 120, exact 40 each): c fills from the pending tasks
+    cluster = Cluster({"c": 28, "b": 0})
+    cluster.claimable = 56
+    assert fair(cluster, held_tasks(36), warmup=0).balance() == []
+    # nothing claimable: b and c are under-loaded and this node gives back its surplus
+    cluster.claimable = 0
+    assert len(fair(cluster, held_tasks(36), warmup=0).balance()) > 0
+
+
+def test_release_plan_takes_claimable_work_before_releases() -> None:
+    group = [Standing("a", 40, 30.0), Standing("b", 40, 30.0), Standing("c", 10, 30.0)]
+    assert release_plan(group, threshold=1.5, claimable=0).releases  # c needs 17
+    assert release_plan(group, threshold=1.5, claimable=17).releases == {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -76,11 +75,7 @@ def test_throughput_without_events_says_so() -> None:
 
 
 def test_fair_share_follows_weights() -> None:
-    @dataclass(frozen=True)
-    class Weighted(NodeInfo):  # as NodeInfo will be once nodes publish a weight
-        weight: float = 1.0
-
-    bars = node_bars([Weighted("b", 6, weight=2.0), NodeInfo("a", 0), Weighted("c", 0, frozen=True)])
+    bars = node_bars([NodeInfo("b", 6, weight=2.0), NodeInfo("a", 0), NodeInfo("c", 0, frozen=True)])
     assert [b.id for b in bars] == ["a", "b", "c"]
     assert [b.share for b in bars] == [1.5, 3.0, 1.5]  # 6 held over weights 1 + 2 + 1
     assert bars[2].frozen

@@ -293,17 +293,19 @@ def test_metafora_web_command_serves_until_interrupted(sqlite_url: str) -> None:
             proc.wait(30)
 
 
-def test_node_list_shows_labels(store: str) -> None:
+def test_node_list_shows_labels_and_weight(store: str) -> None:
     from metafora import open_coordinator
     from metafora.testing import RecordingContext
 
     coord = open_coordinator(store, node_id="gpu-node")
-    coord.init(RecordingContext(labels={"gpu": "1", "zone": "eu"}))
+    coord.init(RecordingContext(labels={"gpu": "1", "zone": "eu"}, weight=2.5))
     app = create_app(store)
     try:
         with TestClient(app) as http:
             page = http.get("/nodes")
             assert page.status_code == 200 and "gpu=1, zone=eu" in page.text
+            assert '<th class="num">weight</th>' in page.text
+            assert '<td class="num">2.5</td>' in page.text
     finally:
         app.state.dashboard.close()
         coord.close()

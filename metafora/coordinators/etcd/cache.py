@@ -16,7 +16,7 @@ from typing import Any
 
 from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.coordinators.etcd.queries import launch_and_expiry
+from metafora.coordinators.etcd.queries import Member, launch_and_expiry
 from metafora.errors import InvalidProps
 from metafora.task import Task
 
@@ -116,11 +116,11 @@ class TaskCache:
         self.live = False  # a watch stream is confirmed: the cache follows the store
         # Who holds what, as the cache saw it: the balancers' counts without reading every
         # owner key (a read that grows with the tasks held, made every second by every node).
-        self._live_nodes: dict[str, bool] = {}  # live node -> its registration says leaving
+        self._live_nodes: dict[str, Member] = {}  # live node -> what its registration says
         self._held_by: Counter[str] = Counter()  # node -> owner keys naming it
 
-    def replace(self, entries: dict[str, Entry], members: dict[str, bool], revision: int) -> None:
-        """Take a re-list's view (``members``: live node -> leaving)."""
+    def replace(self, entries: dict[str, Entry], members: dict[str, Member], revision: int) -> None:
+        """Take a re-list's view (``members``: live node -> what its registration says)."""
         self.entries = entries
         self._live_nodes = members
         self._held_by = Counter(e.owner for e in entries.values() if e.owner is not None)
@@ -132,9 +132,9 @@ class TaskCache:
         entry = self.entries.get(task_id)
         return entry is not None and (entry.owner is not None or entry.finished)
 
-    def member_put(self, node_id: str, leaving: bool) -> None:
-        """A node's registration key was put (``leaving``: its record says so)."""
-        self._live_nodes[node_id] = leaving
+    def member_put(self, node_id: str, member: Member) -> None:
+        """A node's registration key was put (``member``: what its record says)."""
+        self._live_nodes[node_id] = member
 
     def member_gone(self, node_id: str) -> None:
         """A node's registration key was deleted (left, or its lease expired)."""
@@ -162,7 +162,33 @@ class TaskCache:
         if not (self.live and self.ready):
             return None
         return {node: self._held_by.get(node, 0)
-                for node, leaving in sorted(self._live_nodes.items()) if not (active and leaving)}
+                for node, m in sorted(self._live_nodes.items()) if not (active and m.leaving)}
+
+    def members(self, active: bool) -> dict[str, Member] | None:
+        """Live node -> what its registration says (without ``leaving`` nodes when
+        ``active``); None while no watch stream follows the store."""
+        if not (self.live and self.ready):
+            return None
+        return {node: m for node, m in self._live_nodes.items() if not (active and m.leaving)}
+
+    def claimable(self, now: datetime) -> int | None:
+        """How many tasks are claimable now (unfinished, unowned or owned by a node that is
+        gone, launched, not expired); None while no watch stream follows the store.
+
+        A walk of the cache: the balancers ask once per counts read (at most every second),
+        with the counts, never per offer.
+        """
+        if not (self.live and self.ready):
+            return None
+        live = self._live_nodes
+        count = 0
+        for e in self.entries.values():
+            if e.finished or e.props is None or (e.owner is not None and e.owner in live):
+                continue
+            if (e.launch_at is None or e.launch_at <= now) and (
+                    e.expires_at is None or e.expires_at > now):
+                count += 1
+        return count
 
 
 @dataclass

@@ -46,12 +46,14 @@ from metafora.coordinators.etcd.layout import (
 from metafora.coordinators.etcd.queries import (
     expire_task,
     launch_and_expiry,
+    live_members,
     live_nodes,
     node_task_count,
     read_all_tasks,
     read_task,
     read_task_page,
 )
+from metafora.coordinators.members import stored_weight
 from metafora.errors import (
     CoordinatorClosed,
     NodeNotFound,
@@ -316,7 +318,8 @@ class EtcdClient(Client):
         return node_task_count(self._driver, self._keys)
 
     def node_infos(self) -> list[NodeInfo]:
-        """Live nodes with their task counts, host, pid, start time and frozen flag."""
+        """Live nodes with their task counts, host, pid, start time, frozen flag, labels and
+        weight."""
         self._check_open()
         result = self._driver.txn(
             [],
@@ -343,9 +346,18 @@ class EtcdClient(Client):
                     started=parse_iso(data.get("started_at")),
                     frozen=frozen if isinstance(frozen, bool) else None,
                     labels=labels_of(data, parsed[1]),
+                    weight=stored_weight(data.get("weight"), parsed[1]),
                 )
             )
         return sorted(infos, key=lambda n: n.id)
+
+    def node_weights(self) -> dict[str, float]:
+        self._check_open()
+        return {node: m.weight for node, m in live_members(self._driver, self._keys).items()}
+
+    def frozen_nodes(self) -> frozenset[str]:
+        self._check_open()
+        return frozenset(node for node, m in live_members(self._driver, self._keys).items() if m.frozen)
 
     def submit_command(self, node_id: str, command: Command) -> None:
         self._check_open()

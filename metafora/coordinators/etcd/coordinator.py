@@ -64,8 +64,16 @@ from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
-from metafora.coordinators.etcd.queries import active_task_count, node_labels, node_task_count
+from metafora.coordinators.etcd.queries import (
+    Member,
+    active_task_count,
+    live_members,
+    node_labels,
+    node_task_count,
+)
 from metafora.coordinators.etcd.watch import NamespaceWatch
+from metafora.coordinators.fencing import LeaseTiming
+from metafora.coordinators.members import SeenWithCounts, context_weight
 from metafora.errors import MetaforaError
 from metafora.schedule import Schedule
 from metafora.task import Task, validate_task_id
@@ -101,6 +109,7 @@ class EtcdCoordinator(Coordinator):
         self._keys = Keys(config.namespace)
         self._driver = EtcdDriver(config.connection)
         self._cache = TaskCache()
+        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
@@ -112,6 +121,7 @@ class EtcdCoordinator(Coordinator):
         self._watch = NamespaceWatch(self._driver, self._keys, config, clock, self._state,
                                      self._cache, expire=self._claims.expire,
                                      commands_queued=self._commands.ring)
+        self._seen = SeenWithCounts()  # weights and frozen nodes the last count saw
 
     def _reoffer_all(self) -> None:
         # The watch is built after the lease (it needs the claims, which need the lease).
@@ -157,6 +167,7 @@ class EtcdCoordinator(Coordinator):
             if state.ctx is not None:
                 raise MetaforaError(f"coordinator {state.node_id!r} is already initialised")
             state.labels = dict(ctx.labels)
+            state.weight = context_weight(ctx)
         self._driver.connect()
         self._lease.register()
         with state.lock:
@@ -300,6 +311,11 @@ class EtcdCoordinator(Coordinator):
     def lease_time_left(self) -> float | None:
         return self._claims.lease_time_left()
 
+    def lease_timing(self) -> LeaseTiming:
+        """When this node renews and fences (the optional seam of
+        :mod:`metafora.coordinators.fencing`)."""
+        return LeaseTiming(renew_every=self._cfg.lease_ttl / 3, fence_after=self._lease.fence_after)
+
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
         return self._claims.held()
@@ -340,8 +356,44 @@ class EtcdCoordinator(Coordinator):
         follows the store (the balancers ask every second; reading every owner key each time
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
-        counts = self.cached_task_count(active=True)
-        return counts if counts is not None else active_task_count(self._driver, self._keys)
+        view = self._watch.cached_members(active=True)
+        self._claimable = None if view is None else self._watch.cached_claimable(self._clock.now())
+        counts, found = view if view is not None else active_task_count(self._driver, self._keys)
+        self._remember(found)
+        return counts
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count`, from the same watch cache
+        (None when that read went to etcd: no watch stream followed the store)."""
+        return self._claimable
+
+    def _remember(self, found: dict[str, Member]) -> dict[str, Member]:
+        """Keep the weights and frozen nodes of ``found`` for the next asks (see members.py)."""
+        self._seen.seen({node: m.weight for node, m in found.items()},
+                        frozenset(node for node, m in found.items() if m.frozen))
+        return found
+
+    def _members_now(self) -> dict[str, Member]:
+        """Live node -> what its registration says: from the watch cache, else read."""
+        view = self._watch.cached_members(active=False)
+        return self._remember(view[1] if view is not None else live_members(self._driver, self._keys))
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node -> its weight: what the last :meth:`active_task_count` saw (within a
+        second), else the watch cache's view, else read from etcd."""
+        self._state.check_open()
+        weights = self._seen.weights()
+        if weights is None:
+            weights = {node: m.weight for node, m in self._members_now().items()}
+        return weights
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Live nodes whose registration says frozen (found as :meth:`node_weights` is)."""
+        self._state.check_open()
+        frozen = self._seen.frozen()
+        if frozen is None:
+            frozen = frozenset(node for node, m in self._members_now().items() if m.frozen)
+        return frozen
 
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._state.check_open()

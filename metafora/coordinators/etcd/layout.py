@@ -16,8 +16,8 @@ exactly one path segment::
                             a claim that finds it knows the previous one ended with its node dead
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
-    nodes/<node>/alive      {"started_at", "host", "pid", "frozen"[, "labels"]}, attached to the
-                            node's lease: the node is live
+    nodes/<node>/alive      {"started_at", "host", "pid", "frozen", "leaving"[, "labels"][, "weight"]},
+                            attached to the node's lease: the node is live (no weight: 1.0)
     nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
                             taken in create-revision order and deleted when taken
     state/<id>              state-machine state of the task (fenced by the claim; written by

@@ -18,7 +18,7 @@ from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, encode_json, iso
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
-from metafora.coordinators.fencing import ETCD_FENCING
+from metafora.coordinators.fencing import ETCD_FENCING, report_renewal_failure
 from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
 
 __all__ = ["NodeLease"]
@@ -88,6 +88,7 @@ class NodeLease:
                 "frozen": self._frozen,
                 "leaving": self._leaving,
                 **({"labels": self._state.labels} if self._state.labels else {}),
+                **({"weight": self._state.weight} if self._state.weight != 1.0 else {}),
             }
         )
 
@@ -173,6 +174,10 @@ class NodeLease:
                             extra=self._state.extra)
                     failing = True
                     next_beat = self._clock.monotonic() + min(interval, 0.25)
+                    with self._state.lock:
+                        ctx = self._state.ctx
+                    if ctx is not None:
+                        report_renewal_failure(ctx, exc)
                     continue
                 if ttl <= 0:
                     self.fence("etcd no longer knows the lease")

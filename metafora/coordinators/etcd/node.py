@@ -50,6 +50,7 @@ class NodeState:
         self.closed = False
         self.ctx: CoordinatorContext | None = None
         self.labels: dict[str, str] = {}  # placement labels, from init(ctx)
+        self.weight = 1.0  # the node's weight (its fair share is proportional), from init(ctx)
         self.held: dict[str, Held] = {}
         self.lease_id: int | None = None  # None while the node has no lease (fenced, closed)
         self.renewed_at = 0.0  # monotonic: the start of the last good renewal

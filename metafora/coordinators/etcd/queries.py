@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import (
@@ -17,14 +17,17 @@ from metafora.coordinators.etcd.layout import (
     labels_of,
 )
 from metafora.coordinators.etcd.ops import KeyValue, Put, Range, absent, modified_at, prefix_end
+from metafora.coordinators.members import stored_weight
 from metafora.task import parse_time
 
 __all__ = [
+    "Member",
     "expire_task",
     "fail_unclaimed",
-    "is_leaving",
     "launch_and_expiry",
+    "live_members",
     "live_nodes",
+    "member_of",
     "members",
     "node_labels",
     "node_task_count",
@@ -117,30 +120,48 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     return {node: held.get(node, 0) for node in sorted(nodes)}
 
 
-def active_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
-    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``."""
+def active_task_count(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, int], dict[str, Member]]:
+    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``; and
+    what the registrations of those nodes say (weights, frozen), from the same read."""
     result = driver.txn(
         [], [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
     )
-    nodes = {node for node, leaving in members(keys, result.ranges[0]).items() if not leaving}
+    active = {node: m for node, m in members(keys, result.ranges[0]).items() if not m.leaving}
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
-    return {node: held.get(node, 0) for node in sorted(nodes)}
+    return {node: held.get(node, 0) for node in sorted(active)}, active
 
 
-def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, bool]:
-    """Live node -> whether its registration says ``leaving``, from keys under ``nodes/``."""
-    found: dict[str, bool] = {}
+class Member(NamedTuple):
+    """What a live node's registration record says of it to the balancers."""
+
+    leaving: bool = False
+    frozen: bool = False
+    weight: float = 1.0
+
+
+def member_of(value: bytes, node_id: str) -> Member:
+    """The :class:`Member` a registration record describes (damaged: the defaults)."""
+    data = decode_json(value)
+    if not isinstance(data, dict):
+        return Member()
+    return Member(bool(data.get("leaving")), data.get("frozen") is True,
+                  stored_weight(data.get("weight"), node_id))
+
+
+def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Member]:
+    """Live node -> what its registration says (:class:`Member`), from keys under ``nodes/``."""
+    found: dict[str, Member] = {}
     for kv in kvs:
         parsed = keys.parse(kv.key)
         if parsed is not None and parsed[0] == "alive":
-            found[parsed[1]] = is_leaving(kv.value)
+            found[parsed[1]] = member_of(kv.value, parsed[1])
     return found
 
 
-def is_leaving(value: bytes) -> bool:
-    """Whether a registration record says ``leaving``."""
-    data = decode_json(value)
-    return isinstance(data, dict) and bool(data.get("leaving"))
+def live_members(driver: EtcdDriver, keys: Keys) -> dict[str, Member]:
+    """Live node -> what its registration says, in one range read."""
+    kvs, _ = driver.range(Range(keys.nodes, prefix=True))
+    return members(keys, kvs)
 
 
 SNAPSHOT_PAGE = 20_000
@@ -148,9 +169,9 @@ SNAPSHOT_PAGE = 20_000
 
 
 def read_snapshot(driver: EtcdDriver, keys: Keys, page: int = SNAPSHOT_PAGE
-                  ) -> tuple[dict[str, TaskRecord], dict[str, bool], int]:
+                  ) -> tuple[dict[str, TaskRecord], dict[str, Member], int]:
     """What a watch cache starts from, read at one revision (returned too): every task and
-    owner key, and the live nodes with their ``leaving`` flag.
+    owner key, and the live nodes with what their registrations say (:class:`Member`).
 
     Read in pages of ``page`` keys pinned to the first page's revision: one read of a large
     backlog held etcd for seconds, met the request deadline while many nodes started at

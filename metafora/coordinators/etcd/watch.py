@@ -19,7 +19,7 @@ from metafora.coordinators.etcd.driver import EtcdDriver, WatchHandle
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchEvent, WatchFailure
-from metafora.coordinators.etcd.queries import is_leaving, read_snapshot
+from metafora.coordinators.etcd.queries import Member, member_of, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
 from metafora.task import Task, validate_task_id
 
@@ -316,6 +316,19 @@ class NamespaceWatch:
         with self._state.lock:
             return self._cache.counts(active)
 
+    def cached_members(self, active: bool) -> tuple[dict[str, int], dict[str, Member]] | None:
+        """Like :meth:`cached_task_count`, with what the nodes' registrations say (weights,
+        frozen), both as of the same revision of the cache; None while no stream follows."""
+        with self._state.lock:
+            counts, found = self._cache.counts(active), self._cache.members(active)
+        return None if counts is None or found is None else (counts, found)
+
+    def cached_claimable(self, now: datetime) -> int | None:
+        """Tasks claimable now as the watch cache sees them; None while no watch stream
+        follows the store."""
+        with self._state.lock:
+            return self._cache.claimable(now)
+
     def listen_task_commands(self, listener: TaskCommandListener) -> bool:
         """Ring ``listener`` for every task command the namespace watch sees queued, and
         ask it to recheck whenever the watch re-lists."""
@@ -372,7 +385,7 @@ class NamespaceWatch:
         elif kind == "alive":
             seen.members = seen.members or name != self._state.node_id
             if put:
-                self._cache.member_put(name, is_leaving(event.kv.value))
+                self._cache.member_put(name, member_of(event.kv.value, name))
             else:
                 self._cache.member_gone(name)
         elif kind == "taskcmd":

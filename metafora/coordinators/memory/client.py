@@ -149,9 +149,19 @@ class MemoryClient(Client):
             counts = s.counts()
             return [
                 NodeInfo(n.node_id, counts.get(n.node_id, 0), started=n.started, frozen=n.frozen,
-                         labels=dict(n.labels))
+                         labels=dict(n.labels), weight=n.weight)
                 for n in sorted(s.nodes.values(), key=lambda n: n.node_id)
             ]
+
+    def node_weights(self) -> dict[str, float]:
+        with self._store.cond:
+            self._check_open()
+            return {n.node_id: n.weight for n in self._store.nodes.values()}
+
+    def frozen_nodes(self) -> frozenset[str]:
+        with self._store.cond:
+            self._check_open()
+            return frozenset(n.node_id for n in self._store.nodes.values() if n.frozen)
 
     def submit_command(self, node_id: str, command: Command) -> None:
         s = self._store

@@ -20,6 +20,7 @@ from metafora.coordinator import (
     crash_limit_error,
     error_text,
 )
+from metafora.coordinators.members import context_weight
 from metafora.coordinators.memory.store import POLL_SECONDS, MemoryStore, NodeRecord, Row, store_for
 from metafora.errors import (
     ClaimLost,
@@ -63,11 +64,13 @@ class MemoryCoordinator(Coordinator):
 
     def init(self, ctx: CoordinatorContext) -> None:
         s = self._store
+        weight = context_weight(ctx)
         with s.cond:
             self._check_open()
             if self._node_id in s.nodes:
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
-            s.nodes[self._node_id] = NodeRecord(self._node_id, ctx, s.clock.now(), labels=dict(ctx.labels))
+            s.nodes[self._node_id] = NodeRecord(self._node_id, ctx, s.clock.now(), labels=dict(ctx.labels),
+                                                weight=weight)
             self._ctx = ctx
             s.bump()
             s.members_changed()
@@ -83,7 +86,8 @@ class MemoryCoordinator(Coordinator):
         if self._node_id not in self._store.nodes:
             # The lease was lost (expire_lease): come back as a fresh registration.
             self._store.nodes[self._node_id] = NodeRecord(self._node_id, self._ctx, self._store.clock.now(),
-                                                     labels=dict(self._ctx.labels))
+                                                          labels=dict(self._ctx.labels),
+                                                          weight=context_weight(self._ctx))
             self._store.members_changed()
 
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
@@ -223,6 +227,12 @@ class MemoryCoordinator(Coordinator):
         with self._store.cond:
             return self._store.counts(active=True)
 
+    def claimable_count(self) -> int | None:
+        """Tasks claimable now (in process: no read to share with the counts)."""
+        with self._store.cond:
+            now = self._store.clock.now()
+            return sum(1 for row in self._store.tasks.values() if self._store.claimable(row, now))
+
     def announce_leaving(self) -> None:
         """Mark this node leaving (balancers stop counting it) and tell the listeners."""
         with self._store.cond:
@@ -242,6 +252,16 @@ class MemoryCoordinator(Coordinator):
     def node_labels(self) -> dict[str, dict[str, str]]:
         with self._store.cond:
             return {n.node_id: dict(n.labels) for n in self._store.nodes.values()}
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node -> its weight (in-process: no read to share with the counts)."""
+        with self._store.cond:
+            return {n.node_id: n.weight for n in self._store.nodes.values()}
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Live nodes that reported themselves frozen."""
+        with self._store.cond:
+            return frozenset(n.node_id for n in self._store.nodes.values() if n.frozen)
 
     def close(self) -> None:
         s = self._store

@@ -94,6 +94,7 @@ class NodeRecord:
     frozen: bool = False
     leaving: bool = False
     labels: dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0
 
 
 class MemoryStore:

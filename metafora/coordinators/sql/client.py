@@ -13,6 +13,7 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.statements import BATCH
@@ -329,7 +330,8 @@ class SQLClient(Client):
             return [str(r[0]) for r in db.execute(conn, "nodes", {}).fetchall()]
 
     def node_infos(self) -> list[NodeInfo]:
-        """The live nodes with their task counts, host, pid, start, last renewal, frozen."""
+        """The live nodes with their task counts, host, pid, start, last renewal, frozen,
+        labels and weight."""
         db = self._ready()
         conv = db.dialect.from_db_time
         with db.read() as conn:
@@ -338,9 +340,22 @@ class SQLClient(Client):
             NodeInfo(id=str(r[0]), tasks=int(r[1]), host=r[2], pid=None if r[3] is None else int(r[3]),
                      started=conv(r[4]), heartbeat=conv(r[5]),
                      frozen=None if r[6] is None else bool(r[6]),
-                     labels=_labels(r[7], str(r[0])))
+                     labels=_labels(r[7], str(r[0])), weight=stored_weight(r[8], str(r[0])))
             for r in rows
         ]
+
+    def node_weights(self) -> dict[str, float]:
+        return {node: weight for node, weight, _frozen in self._members()}
+
+    def frozen_nodes(self) -> frozenset[str]:
+        return frozenset(node for node, _weight, frozen in self._members() if frozen)
+
+    def _members(self) -> list[tuple[str, float, bool]]:
+        """(node, weight, frozen) of every live node, in one read."""
+        db = self._ready()
+        with db.read() as conn:
+            rows = db.execute(conn, "node_members", {}).fetchall()
+        return [(str(r[0]), stored_weight(r[1], str(r[0])), bool(r[2])) for r in rows]
 
     def node_task_count(self) -> dict[str, int]:
         db = self._ready()

@@ -29,6 +29,8 @@ from metafora.coordinator import (
     TaskSink,
     as_sink,
 )
+from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
+from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
 from metafora.coordinators.sql.commands import NodeCommands
@@ -63,7 +65,7 @@ class SQLCoordinator(Coordinator):
         self._lock = threading.Lock()
         self._ctx: CoordinatorContext | None = None
         self._lease = Lease(db, self._node_id, self._lost, self._renewed,
-                            on_members=self._members_seen)
+                            on_members=self._members_seen, on_failed=self._renewal_failed)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._task_command_listeners: list[TaskCommandListener] = []
@@ -72,6 +74,8 @@ class SQLCoordinator(Coordinator):
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._seen = SeenWithCounts()  # weights and frozen nodes the last count read saw
+        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
         self._commands = NodeCommands(db, self._node_id, closed=self._closed,
@@ -92,8 +96,9 @@ class SQLCoordinator(Coordinator):
             self._check_open()
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
+            weight = context_weight(ctx)
             self._db.ensure_schema()
-            if not self._lease.register(first=True, labels=ctx.labels):
+            if not self._lease.register(first=True, labels=ctx.labels, weight=weight):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
             self._ctx = ctx
         self._start_listener()
@@ -158,6 +163,11 @@ class SQLCoordinator(Coordinator):
         ctx = self._ctx
         if ctx is not None:
             ctx.renewed(seconds)
+
+    def _renewal_failed(self, error: BaseException) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            report_renewal_failure(ctx, error)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -338,6 +348,12 @@ class SQLCoordinator(Coordinator):
     def lease_time_left(self) -> float | None:
         return self._lease.time_left()
 
+    def lease_timing(self) -> LeaseTiming:
+        """When this node renews and fences (the optional seam of
+        :mod:`metafora.coordinators.fencing`)."""
+        cfg = self._db.config
+        return LeaseTiming(renew_every=cfg.renew_interval, fence_after=cfg.fence_after)
+
     def release(self, task: Task) -> None:
         self._outcomes.release(task)
 
@@ -378,18 +394,44 @@ class SQLCoordinator(Coordinator):
     # -- cluster state ----------------------------------------------------------------------
 
     def node_task_count(self) -> dict[str, int]:
-        self._check_open()
-        self._db.ensure_schema()
-        with self._db.read() as conn:
-            rows = self._db.execute(conn, "node_counts", {}).fetchall()
-        return {str(r[0]): int(r[1]) for r in rows}
+        return {str(r[0]): int(r[1]) for r in self._read_nodes("node_counts")[0]}
 
     def active_task_count(self) -> dict[str, int]:
+        return {str(r[0]): int(r[1]) for r in self._read_nodes("active_counts")[0]}
+
+    def _read_nodes(self, statement: str) -> tuple[list[Any], dict[str, float], frozenset[str]]:
+        """The node rows of ``statement`` (id, [count,] weight, frozen), and the weights and
+        frozen nodes they say, kept for the :meth:`node_weights` and :meth:`frozen_nodes` that
+        follow a count read (no second read)."""
         self._check_open()
         self._db.ensure_schema()
         with self._db.read() as conn:
-            rows = self._db.execute(conn, "active_counts", {}).fetchall()
-        return {str(r[0]): int(r[1]) for r in rows}
+            rows = list(self._db.execute(conn, statement, {}).fetchall())
+        nodes = [r for r in rows if r[0] is not None]
+        if len(nodes) < len(rows):  # active_counts: its NULL-id row counts the claimable tasks
+            self._claimable = next(int(r[1]) for r in rows if r[0] is None)
+        weights = {str(r[0]): stored_weight(r[-2], str(r[0])) for r in nodes}
+        frozen = frozenset(str(r[0]) for r in nodes if r[-1])
+        self._seen.seen(weights, frozen)
+        return nodes, weights, frozen
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count` (read with the counts)."""
+        return self._claimable
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node -> its weight: what the last count read saw (within a second), else read
+        (with the frozen flags, for the :meth:`frozen_nodes` that follows)."""
+        self._check_open()
+        weights = self._seen.weights()
+        return weights if weights is not None else self._read_nodes("node_members")[1]
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Live nodes that reported themselves frozen (read as :meth:`node_weights` is)."""
+        self._check_open()
+        frozen = self._seen.frozen()
+        return frozen if frozen is not None else self._read_nodes("node_members")[2]
+
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
         self._db.ensure_schema()

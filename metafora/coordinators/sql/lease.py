@@ -54,17 +54,21 @@ class Lease:
         on_lost: Callable[[Task], None],
         on_renewed: Callable[[float], None] | None = None,
         on_members: Callable[[tuple[Any, ...]], None] | None = None,
+        on_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """``on_lost`` is told each claim lost, ``on_renewed`` each renewal's seconds and
+        """``on_lost`` is told each claim lost, ``on_renewed`` each renewal's seconds,
         ``on_members`` the membership fingerprint every read of the lease returns (see
-        :mod:`~metafora.coordinators.sql.statements`)."""
+        :mod:`~metafora.coordinators.sql.statements`) and ``on_failed`` each renewal of a
+        live lease that failed."""
         self._db = db
         self._node_id = node_id
         self._on_lost = on_lost
         self._on_renewed = on_renewed
+        self._on_failed = on_failed
         self._on_members = on_members
         self._frozen: bool | None = None  # published with every registration
         self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
+        self._weight = 1.0  # likewise (the node's weight, from register)
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -102,15 +106,15 @@ class Lease:
         """Whether the node is frozen, as every later registration publishes it."""
         self._frozen = frozen
 
-    def register(self, first: bool, labels: Mapping[str, str] | None = None) -> bool:
+    def register(self, first: bool, labels: Mapping[str, str] | None = None,
+                 weight: float | None = None) -> bool:
         """Take (or take back) this node's registration; False if the id is live elsewhere.
 
         Frees the claims of any earlier registration of this id; ``first`` (init) also drops
-        commands queued for a dead earlier process with this id. ``labels`` (init's: the
-        node's placement labels) are kept for the re-registrations.
+        commands queued for a dead earlier process. ``labels`` and ``weight`` are kept for later.
         """
-        if labels is not None:
-            self._labels = labels
+        self._labels = self._labels if labels is None else labels
+        self._weight = self._weight if weight is None else weight
         session = uuid.uuid4().hex
         started = time.monotonic()
         params: dict[str, Any] = {
@@ -121,6 +125,7 @@ class Lease:
             "pid": os.getpid(),
             "frozen": self._frozen,
             "labels": self.labels_json(),
+            "weight": self._weight,
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:
@@ -311,6 +316,7 @@ class Lease:
             self._wake.clear()
             now = time.monotonic()
             renewing = True
+            live = False
             try:
                 with self._lock:
                     live = self._live
@@ -338,6 +344,8 @@ class Lease:
                 retry = self._backoff(retry)
                 log.log(level, "lease of node %s on %s: %s (retrying in %.2fs)", self._node_id,
                         self._db.name, exc, retry, extra=self._extra)
+                if renewing and live:
+                    self._renewal_failed(exc)
             except Exception:
                 retry = self._backoff(retry)
                 log.exception("lease loop of node %s failed", self._node_id, extra=self._extra)
@@ -348,6 +356,13 @@ class Lease:
                 else:
                     next_check = again
             self._wake.wait(max(min(next_renew, next_check) - time.monotonic(), 0.0))
+
+    def _renewal_failed(self, exc: BaseException) -> None:
+        if self._on_failed is not None:
+            try:
+                self._on_failed(exc)
+            except Exception:
+                log.exception("the renewal-failed hook raised", extra=self._extra)
 
     def _backoff(self, retry: float) -> float:
         return min(max(retry * 2, 0.05), max(self._renew_every / 2, 0.1))

@@ -18,13 +18,14 @@ Tables (all prefixed ``metafora_``):
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
   ``labels`` (v4: JSON object, NULL for none), ``leaving`` (v6: the node announced it is
-  shutting down; balancers no longer count it).
+  shutting down; balancers no longer count it), ``weight`` (v7, default 1.0: its fair share
+  is proportional to it).
 - ``commands``: per-node FIFO by ``id``; a row is deleted when its node takes it.
 - ``state``: per-task state of the state machine, fenced by the claim token.
 - ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
   ``missed`` policy, ``paused``, ``tick_cursor`` (every tick at or before it is settled) and
   ``version`` (the compare-and-set token materialising a tick checks).
-- ``limits`` (v8 here; after v7 once the weights migration lands): one row per limited
+- ``limits`` (v8): one row per limited
   group: ``max_running`` and/or ``rate_count`` per ``rate_secs``. ``tasks.grp`` (v8) is the
   task's group; ``rate_log`` (v8) holds the claim times of rate-limited groups inside their
   window (older rows are pruned by the next claim of the group). PostgreSQL also gets the
@@ -156,6 +157,12 @@ def _v6_node_leaving(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN leaving BOOLEAN"))
 
 
+def _v7_node_weight(conn: Connection, dialect: Dialect) -> None:
+    # A node registered by an earlier release (or before this migration) weighs 1.0.
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN weight DOUBLE PRECISION NOT NULL"
+                      " DEFAULT 1.0"))
+
+
 _V8_LIMITS = [
     "ALTER TABLE metafora_tasks ADD COLUMN grp {key}",
     # A group's live claims are counted through this index (claimed rows of the group only).
@@ -196,6 +203,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
      _v4_placement),
     ("schedules: masterless periodic tasks", _v5_schedules),
     ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
+    ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
     ("tasks.grp, limits and rate_log: cluster-wide limits per task group", _v8_limits),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""

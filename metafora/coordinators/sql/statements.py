@@ -152,13 +152,14 @@ _SQL: dict[str, str] = {
     # Takes over a missing or expired registration only; returns nothing if the id is live.
     "register": (
         "INSERT INTO metafora_nodes (namespace, node_id, session, lease_until, started_at,"
-        " renewed_at, host, pid, task_count, frozen, labels)"
+        " renewed_at, host, pid, task_count, frozen, labels, weight)"
         " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0, :frozen,"
-        " :labels)"
+        " :labels, :weight)"
         " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
         " lease_until = excluded.lease_until, started_at = excluded.started_at,"
         " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
-        " task_count = 0, frozen = excluded.frozen, labels = excluded.labels, leaving = NULL"
+        " task_count = 0, frozen = excluded.frozen, labels = excluded.labels, leaving = NULL,"
+        " weight = excluded.weight"
         " WHERE metafora_nodes.lease_until <= {now}"
         " RETURNING session, {notify_members}"
     ),
@@ -385,21 +386,31 @@ _SQL: dict[str, str] = {
     "node_infos": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.host, n.pid, n.started_at,"
-        " n.renewed_at, n.frozen, n.labels FROM metafora_nodes n"
+        " n.renewed_at, n.frozen, n.labels, n.weight FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} ORDER BY n.node_id"
     ),
     "node_labels": (
         "SELECT node_id, labels FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
     ),
+    # The counts carry each node's weight and frozen flag: a balancer asks for them right
+    # after the counts, and the coordinator answers from this same read (members.py).
+    "node_members": (
+        "SELECT node_id, weight, frozen FROM metafora_nodes WHERE namespace = :ns"
+        " AND lease_until > {now}"
+    ),
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now}"
     ),
+    # The active nodes' counts and, in a row with a NULL node id, how many tasks are claimable:
+    # one statement, so the two add up to the cluster's work as of one snapshot.
     "active_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = n.node_id AND t.state = 'claimed') FROM metafora_nodes n"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
+        " UNION ALL SELECT NULL, count(*), NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
+        " AND " + _CLAIMABLE_PENDING
     ),
     "purge_state": (
         "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"

@@ -1,0 +1,93 @@
+"""What balancers learn of the live nodes besides their counts: weights and frozen flags.
+
+A node publishes its weight (``Consumer(weight=...)``) and whether it is frozen with its
+registration. :class:`~metafora.balancer.ClusterState` answers them through
+``node_weights()`` and ``frozen_nodes()``, which a balancer asks right after
+``active_task_count()``: a store answers all three from the SAME read by keeping what the
+count read saw in a :class:`SeenWithCounts`, so a balancer pays no extra round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from metafora.balancers.shares import check_weight
+
+__all__ = ["DEFAULT_WEIGHT", "SEEN_MAX_AGE", "SeenWithCounts", "context_weight", "stored_weight"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WEIGHT = 1.0
+"""The weight of a node that published none."""
+
+SEEN_MAX_AGE = 1.0
+"""Seconds the weights and frozen set a count read saw answer the next ask (then read again)."""
+
+
+def context_weight(ctx: object) -> float:
+    """The weight a coordinator context asks its node to publish (1.0 when it says none).
+
+    ``getattr``: a context written before weights existed need not have the property.
+    Raises :class:`~metafora.errors.ConfigError` for a weight that is not a positive number.
+    """
+    return check_weight(getattr(ctx, "weight", DEFAULT_WEIGHT), "weight")
+
+
+def stored_weight(value: Any, node_id: str) -> float:
+    """A weight as read from the store: 1.0 when missing, and when damaged (written around
+    metafora: not a positive finite number), which is logged."""
+    if value is None:
+        return DEFAULT_WEIGHT
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        weight = float(value)
+        if math.isfinite(weight) and weight > 0:
+            return weight
+    log.warning("stored weight of node %r is not a positive number (%r): taken as 1.0",
+                node_id, value)
+    return DEFAULT_WEIGHT
+
+
+class SeenWithCounts:
+    """The weights and frozen nodes the last count read saw, for the next ``node_weights()``
+    and ``frozen_nodes()`` (each answered once from it, within :data:`SEEN_MAX_AGE`).
+
+    A store whose count read returns them too records them here (:meth:`seen`); the calls
+    that follow it take them (:meth:`weights`, :meth:`frozen`) instead of reading again.
+    None: nothing recent, read it. Thread-safe.
+    """
+
+    def __init__(self, max_age: float = SEEN_MAX_AGE,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._max_age = max_age
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._weights: tuple[float, dict[str, float]] | None = None
+        self._frozen: tuple[float, frozenset[str]] | None = None
+
+    def seen(self, weights: Mapping[str, float], frozen: frozenset[str]) -> None:
+        """What a read of the live nodes returned."""
+        now = self._monotonic()
+        with self._lock:
+            self._weights = (now, dict(weights))
+            self._frozen = (now, frozen)
+
+    def weights(self) -> dict[str, float] | None:
+        """The weights seen by the last read, once and while recent; else None."""
+        with self._lock:
+            seen, self._weights = self._weights, None
+        if seen is None or self._monotonic() - seen[0] > self._max_age:
+            return None
+        return seen[1]
+
+    def frozen(self) -> frozenset[str] | None:
+        """The frozen nodes seen by the last read, once and while recent; else None."""
+        with self._lock:
+            seen, self._frozen = self._frozen, None
+        if seen is None or self._monotonic() - seen[0] > self._max_age:
+            return None
+        return seen[1]
