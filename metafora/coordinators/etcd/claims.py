@@ -136,18 +136,25 @@ class Claims:
             chunks = [plain[i:i + CLAIM_TXN_TASKS] for i in range(0, len(plain), CLAIM_TXN_TASKS)]
             requests = [self._claim_request(chunk, lease) for chunk in chunks]
             slots: list[list[bytes] | None] = [None] * len(chunks)  # None: no group
+            skipped: list[tuple[Task, Known]] = []  # not tried: their group's view is full
             try:
-                self._grouped_requests([(t, k) for t, k in items if _group(k) is not None], lease,
-                                       chunks, requests, slots)
+                skipped = self._grouped_requests(
+                    [(t, k) for t, k in items if _group(k) is not None], lease, chunks, requests,
+                    slots)
             except MetaforaError as exc:  # the groups' limits could not be read: not now
                 error = exc
             if not requests:
                 break
             answers = self._driver.txns(requests, repeatable=True)
             items = []
+            refused: set[str] = set()  # groups a claim was refused in: read again, try again
             for chunk, answer, taken in zip(chunks, answers, slots, strict=True):
                 if taken is not None:  # a claim of a limited group's task: one a txn
-                    claimed += self._grouped_answer(chunk[0], answer, taken, lease)
+                    won, again = self._grouped_answer(chunk[0], answer, taken, lease)
+                    claimed += won
+                    if not won:
+                        refused.add(_group(chunk[0][1]) or "")
+                        items += again
                     continue
                 if isinstance(answer, LeaseNotFound):
                     self._lease.fence("etcd refused a claim: lease not found")
@@ -186,6 +193,7 @@ class Claims:
                     rec = TaskRecord(props=props_kvs[0],
                                      running=running_kvs[0] if running_kvs else None)
                     items.append((task, Entry.from_record(task.id, rec).known()))
+            items += [(t, k) for t, k in skipped if _group(k) in refused]
         if error is not None:
             if not claimed:
                 raise error
@@ -195,44 +203,58 @@ class Claims:
 
     def _grouped_requests(self, grouped: list[tuple[Task, Known]], lease: int,
                           chunks: list[list[tuple[Task, Known]]], requests: list[TxnRequest],
-                          slots: list[list[bytes] | None]) -> None:
+                          slots: list[list[bytes] | None]) -> list[tuple[Task, Known]]:
         """One txn per task of a group (appended to ``chunks``/``requests``/``slots``): its
-        claim plus the compares and puts of a free slot of its group (see limits.py); a task
-        whose group the view shows full is not tried (its offer waits in the consumer)."""
+        claim plus the compares and puts of a free slot of its group (see limits.py). A task
+        whose group the view shows full is not tried: those are returned."""
+        skipped: list[tuple[Task, Known]] = []
         if not grouped:
-            return
+            return skipped
         views = self._limits.views(g for _, k in grouped if (g := _group(k)) is not None)
+        tried: dict[str, int] = {}
         for task, known in grouped:
             group = _group(known)
             assert group is not None
-            ops = self._limits.claim_ops(known.task(task.id), views[group], lease)
+            nth = tried[group] = tried.get(group, -1) + 1
+            ops = self._limits.claim_ops(known.task(task.id), views[group], lease, nth)
             if ops is None:
+                skipped.append((task, known))
                 continue
             compares, puts, taken = ops
             base = self._claim_request([(task, known)], lease)
             chunks.append([(task, known)])
             requests.append(([*base[0], *compares], [*base[1], *puts], base[2]))
             slots.append(taken)
+        return skipped
 
     def _grouped_answer(self, item: tuple[Task, Known], answer: TxnResult | MetaforaError,
-                        taken: list[bytes], lease: int) -> list[Task]:
-        """The claim a grouped txn made (or nothing: then its group's view is read again)."""
+                        taken: list[bytes], lease: int
+                        ) -> tuple[list[Task], list[tuple[Task, Known]]]:
+        """The claim a grouped txn made; else nothing, and the task to try again when its own
+        keys (read by the failure branch) say it is still free -- the refusal was its group's
+        (its view is dropped, so the next round reads it again)."""
         task, known = item
         group = _group(known)
         assert group is not None
         if isinstance(answer, LeaseNotFound):
             self._lease.fence("etcd refused a claim: lease not found")
-            return []
+            return [], []
         if isinstance(answer, MetaforaError) or not answer.succeeded:
             self._limits.drop(group)
-            return []
+            if isinstance(answer, MetaforaError):
+                return [], []
+            props_kvs, state_kvs, owner_kvs, running_kvs = answer.ranges[:4]
+            if owner_kvs or state_kvs or not props_kvs:
+                return [], []
+            rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
+            return [], [(task, Entry.from_record(task.id, rec).known())]
         made = known.task(task.id, answer.revision)
         self._limits.took(made, taken)
         got = self._took(made, lease)
         if got is None:
             self._limits.free_lost([made])
-            return []
-        return [got]
+            return [], []
+        return [got], []
 
     def _claim_request(self, chunk: list[tuple[Task, Known]], lease: int) -> TxnRequest:
         """The txn claiming every task of ``chunk``; its failure branch reads them back."""

@@ -11,9 +11,10 @@ lease ran out, at least ``window`` after the claim that took it. etcd grants no 
 than its minimum TTL (a few seconds with default election settings), so short windows are
 enforced as if they were that long: the limit holds, more strictly than asked.
 
-The claimer reads a group's limit and slots (one range txn, for every group of a claim batch
-at once) and keeps that view for :data:`VIEW_FRESH` seconds; a claim refused by a compare
-drops the view. A group with no limit costs one compare (the limit key is absent).
+The claimer reads the limits and slots of a claim batch's groups in one range txn before
+the claim txns (a second round trip, for batches with a limited group only); that a group
+has no limit is trusted for :data:`VIEW_FRESH` seconds and costs one compare (the limit key
+is absent).
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ from metafora.errors import LimitNotFound, MetaforaError
 from metafora.limits import GroupUsage, Limit, Rate
 from metafora.task import Task
 
-__all__ = ["VIEW_FRESH", "GroupLimits", "GroupView", "delete_limit", "group_usage", "put_limit"]
+__all__ = ["EXTRA_TRIES", "VIEW_FRESH", "GroupLimits", "GroupView", "delete_limit", "group_usage",
+           "put_limit"]
 
 log = logging.getLogger(__name__)
 
 VIEW_FRESH = 0.25
-"""Seconds a claimer trusts its read of a group's limit and slots (a wrong guess only costs a
-refused claim: the compares decide)."""
+"""Seconds a claimer trusts its read that a group has no limit (a compare checks it)."""
+EXTRA_TRIES = 3
+"""Claims of one group per batch beyond its free slots, racing for them (see claim_ops)."""
 
 
 def limit_key(keys: Keys, group: str) -> bytes:
@@ -96,14 +99,12 @@ class GroupView:
     rates: set[int] = field(default_factory=set)
     read_at: float = 0.0
 
-    def has_room(self) -> bool:
-        """Whether this view shows a free slot (of each kind the limit has)."""
-        lim = self.limit
-        if lim is None:
-            return True
-        if lim.max is not None and len(self.slots) >= lim.max:
-            return False
-        return lim.rate is None or len(self.rates) < lim.rate.count
+
+def _pick(free: list[int], nth: int) -> int | None:
+    """The slot the ``nth`` claim of a batch takes (see :meth:`GroupLimits.claim_ops`)."""
+    if not free or nth >= len(free) + EXTRA_TRIES:
+        return None
+    return free[nth % len(free)]
 
 
 class GroupLimits:
@@ -123,10 +124,11 @@ class GroupLimits:
         groups = set(groups)
         now = self._clock.monotonic()
         with self._lock:
-            # A view that shows the group full is read again: a slot may have been freed
-            # since, and a refusal must come from the store, not from an old read.
+            # Only "no limit" is trusted for a while (a compare checks it); a limited group's
+            # slots are read for every claim batch, so a refusal comes from the store, not
+            # from an old read.
             found = {g: v for g in groups if (v := self._views.get(g)) is not None
-                     and now - v.read_at < VIEW_FRESH and v.has_room()}
+                     and v.limit is None and now - v.read_at < VIEW_FRESH}
         stale = sorted(groups - set(found))
         if stale:
             reads: list[Op] = []
@@ -150,10 +152,16 @@ class GroupLimits:
         with self._lock:
             self._views.pop(group, None)
 
-    def claim_ops(self, task: Task, view: GroupView,
-                  lease: int) -> tuple[list[Compare], list[Put], list[bytes]] | None:
-        """The compares and puts a claim of ``task`` adds (taking slots in ``view``), and the
-        slot keys it takes; None when the view says the group is full."""
+    def claim_ops(self, task: Task, view: GroupView, lease: int,
+                  nth: int) -> tuple[list[Compare], list[Put], list[bytes]] | None:
+        """The compares and puts a claim of ``task`` adds, and the slot keys it takes; None
+        when the view says the group is full.
+
+        ``nth``: how many claims of the group this batch tried before. The ``nth`` takes the
+        ``nth`` free slot; past the free ones, up to :data:`EXTRA_TRIES` more race for them
+        again (only one claim can take a slot): an offer the claimer's view wrongly thinks
+        free (taken or finished meanwhile) then does not cost the batch its slot.
+        """
         group = task.group
         assert group is not None
         key = limit_key(self._keys, group)
@@ -165,23 +173,21 @@ class GroupLimits:
         taken: list[bytes] = []
         value = task.id.encode()
         if limit.max is not None:
-            free = next((i for i in range(limit.max) if i not in view.slots), None)
+            free = _pick([i for i in range(limit.max) if i not in view.slots], nth)
             if free is None:
                 return None
             slot = slot_prefix(self._keys, group) + str(free).encode()
             compares.append(absent(slot))
             puts.append(Put(slot, value, lease))
             taken.append(slot)
-            view.slots.add(free)
         if limit.rate is not None:
-            free = next((j for j in range(limit.rate.count) if j not in view.rates), None)
+            free = _pick([j for j in range(limit.rate.count) if j not in view.rates], nth)
             if free is None:
                 return None
             rate_lease = self._lease_for(limit.rate.window)
             slot = rate_prefix(self._keys, group) + str(free).encode()
             compares.append(absent(slot))
             puts.append(Put(slot, value, rate_lease))
-            view.rates.add(free)
         return compares, puts, taken
 
     def _lease_for(self, window: int) -> int:
