@@ -21,11 +21,11 @@ from metafora import bulk
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.errors import ConfigError, CoordinatorClosed, CoordinatorUnavailable, MetaforaError
-from metafora.limits import GroupUsage, Limit, Rate, validate_limit
+from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
+from metafora.limits import ClientLimits
 from metafora.masking import scrub
 from metafora.schedule_model import Schedule, new_schedule
-from metafora.task import Task, TaskInfo, TaskState, validate_group
+from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options, state_reset
 
 __all__ = [
@@ -389,8 +389,9 @@ class Coordinator(ClusterState, abc.ABC):
         self.close()
 
 
-class Client(ClusterState, abc.ABC):
-    """An operator's handle on the store: submit and inspect tasks, command nodes."""
+class Client(ClusterState, ClientLimits, abc.ABC):
+    """An operator's handle on the store: submit and inspect tasks, command nodes, set
+    cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 
     @property
     @abc.abstractmethod
@@ -585,42 +586,6 @@ class Client(ClusterState, abc.ABC):
         """Set ``paused``; resuming a paused schedule moves its cursor to ``now`` (ticks while
         paused are not made). Changes the row's version. Raises ScheduleNotFound."""
         raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
-
-    def set_limit(self, group: str, max: int | None = None,
-                  rate: str | Rate | None = None) -> Limit:
-        """Set (or replace) the limit of ``group``: at most ``max`` of its tasks running at once
-        across the cluster, and/or at most ``rate`` claims of them per window (``"100/1m"``,
-        ``"5/1s"``, ``"1000/1h"``). Takes effect at the next claim of every node; claims that
-        hold slots already are not stopped. Raises ConfigError (or InvalidProps for a bad
-        group name) naming the problem."""
-        limit = validate_limit(group, max, rate)
-        self._limit_put(limit)
-        log.info("set limit of group %s: %s", limit.group, limit.describe(), extra={"action": "limit"})
-        return limit
-
-    def limits(self) -> list[Limit]:
-        """Every group's limit, by group name."""
-        return [usage.limit for _, usage in sorted(self.group_usage().items())]
-
-    def delete_limit(self, group: str) -> None:
-        """Remove the limit of ``group`` (its waiting tasks become claimable). LimitNotFound."""
-        name = validate_group(group)
-        if name is None:
-            raise ConfigError("delete_limit needs a group name")
-        self._limit_delete(name)
-        log.info("deleted limit of group %s", name, extra={"action": "limit"})
-
-    def group_usage(self) -> dict[str, GroupUsage]:
-        """Every limited group -> its limit, live claims and claims in the current rate window."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
-
-    def _limit_put(self, limit: Limit) -> None:
-        """Store ``limit`` (insert or replace)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
-
-    def _limit_delete(self, group: str) -> None:
-        """Delete the limit of ``group``. Raises LimitNotFound."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -19,6 +19,7 @@ from metafora.task import validate_group
 __all__ = [
     "MAX_LIMIT",
     "MAX_WINDOW_SECONDS",
+    "ClientLimits",
     "GroupUsage",
     "Limit",
     "Rate",
@@ -132,3 +133,41 @@ def waiting_reason(group: str | None, usage: dict[str, GroupUsage]) -> str | Non
         return None
     found = usage.get(group)
     return None if found is None else found.full()
+
+
+class ClientLimits:
+    """The limit verbs of :class:`~metafora.coordinator.Client` (one of its bases); a store
+    overrides :meth:`group_usage`, :meth:`_limit_put` and :meth:`_limit_delete`."""
+
+    def set_limit(self, group: str, max: int | None = None,
+                  rate: str | Rate | None = None) -> Limit:
+        """Set (or replace) the limit of ``group``: at most ``max`` of its tasks running at once
+        across the cluster, and/or at most ``rate`` claims of them per window (``"100/1m"``,
+        ``"5/1s"``, ``"1000/1h"``). Takes effect at the next claim of every node; claims
+        already made are not stopped. Raises ConfigError (InvalidProps for a bad group name)."""
+        limit = validate_limit(group, max, rate)
+        self._limit_put(limit)
+        return limit
+
+    def limits(self) -> list[Limit]:
+        """Every group's limit, by group name."""
+        return [usage.limit for _, usage in sorted(self.group_usage().items())]
+
+    def delete_limit(self, group: str) -> None:
+        """Remove the limit of ``group`` (its waiting tasks become claimable). LimitNotFound."""
+        name = validate_group(group)
+        if name is None:
+            raise ConfigError("delete_limit needs a group name")
+        self._limit_delete(name)
+
+    def group_usage(self) -> dict[str, GroupUsage]:
+        """Every limited group -> its limit, live claims and claims in the current window."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
+
+    def _limit_put(self, limit: Limit) -> None:
+        """Store ``limit`` (insert or replace)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
+
+    def _limit_delete(self, group: str) -> None:
+        """Delete the limit of ``group``. Raises LimitNotFound."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no limits")
