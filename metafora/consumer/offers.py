@@ -440,7 +440,8 @@ class OfferRouter:
                 self.ignore(task, self._options.refuse_retry)
             return
         self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
-        self._group_waits(tasks, claimed)
+        if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
+            self._group_waits(tasks, claimed)
         if len(claimed) < limit:  # every offer was tried: those not won went to others
             self._stats.incr("races_lost", len(tasks) - len(claimed))
         elif len(claimed) < len(tasks):
