@@ -36,7 +36,7 @@ _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
 DEFAULT_FAIR_THRESHOLD = 1.1  # above 110 % of its share a node gives back (the band's edge)
 DEFAULT_WARMUP = 3.0  # seconds a node waits for its peers to register on a cold start
 DEFAULT_WARMUP_BACKLOG = 100  # a cold start with fewer claimable tasks does not wait
-MAX_REFUSALS = 10  # refuse_for periods an offer may wait for a lighter node before it is taken
+MAX_REFUSALS = 5  # refuse_for periods an offer may wait for a lighter node before it is taken
 _SelectorKey = tuple[tuple[str, str], ...]
 
 
@@ -118,7 +118,7 @@ class FairBalancer(ContextBalancer):
     leaves every offer to it (and one that is claims without slack): that is how released
     tasks reach the node they were released for. A refused offer is ignored for
     ``refuse_for``; offered again while a lighter peer still has room below its share, it
-    waits again (up to twice ``refuse_for`` at a time), but never more than ten ``refuse_for`` in all:
+    waits again (up to twice ``refuse_for`` at a time), but never more than five ``refuse_for`` in all:
     then nobody lighter took it (the others may be frozen, full or unable to run it), so it
     claims it rather than leave it waiting. A node alone among the task's peers never
     refuses.

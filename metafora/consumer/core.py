@@ -19,13 +19,14 @@ view of the store is gone).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from metafora import commands as cmds
 from metafora import tracing
@@ -121,6 +122,9 @@ class _Context(CoordinatorContext):
         return self._consumer.weight
 
 
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ConsumerOptions))
+
+
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
 
@@ -168,18 +172,11 @@ class Consumer:
             raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
         if not callable(handler_func):
             raise ConfigError("handler_func must be callable: Task -> Handler")
-        # ConsumerOptions takes a timedelta too (it normalises and checks every value).
-        self._options = ConsumerOptions(
-            balance_every=cast(float, balance_every), balance_jitter=balance_jitter,
-            rebalance_window=cast(float, rebalance_window), max_tasks=max_tasks, thread_cap=thread_cap,
-            max_crashes=max_crashes, shutdown_timeout=cast(float, shutdown_timeout),
-            start_timeout=cast(float, start_timeout), handoff_timeout=cast(float, handoff_timeout),
-            release_backoff=cast(float, release_backoff),
-            release_backoff_max=cast(float, release_backoff_max),
-            refuse_retry=cast(float, refuse_retry), slow_callback=cast(float, slow_callback),
-            http_addr=http_addr, labels=labels or {}, weight=weight,
-            placement_wait=cast(float, placement_wait), rendezvous_wait=cast(float, rendezvous_wait),
-        )
+        # The keyword arguments are ConsumerOptions' fields (it takes a timedelta too: it
+        # normalises and checks every value).
+        given = locals()
+        self._options = ConsumerOptions(**{name: given[name] for name in _OPTION_NAMES
+                                           if name != "labels"}, labels=labels or {})
         self._coord = coordinator
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else FairBalancer()

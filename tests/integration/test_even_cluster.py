@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 EVEN_WITHIN = 0.10
 
 
-def _worker(url: str, node_id: str, labels: Mapping[str, str], go: MpEvent,
+def _worker(url: str, node_id: str, labels: Mapping[str, str], weight: float, go: MpEvent,
             events: multiprocessing.Queue[Any]) -> None:
     """A consumer process holding its tasks until stopped; shuts down cleanly on SIGTERM."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -54,8 +54,8 @@ def _worker(url: str, node_id: str, labels: Mapping[str, str], go: MpEvent,
 
     go.wait(120)  # imported and ready: the workers of a cold start begin together
     coord = open_coordinator(url, node_id=node_id, poll_interval=0.2)
-    consumer = Consumer(coord, simple_handler(hold), labels=dict(labels), balance_every=5,
-                        rebalance_window=1.0)
+    consumer = Consumer(coord, simple_handler(hold), labels=dict(labels), weight=weight,
+                        balance_every=5, rebalance_window=1.0)
     runner = threading.Thread(target=consumer.run, name="consumer")
     runner.start()
     signal.sigwait({signal.SIGTERM})
@@ -74,13 +74,15 @@ class Fleet:
         self.starts: list[tuple[str, str]] = []  # (node, task) in the order reported
         self.gates: list[MpEvent] = []  # kept: a child unpickles its gate after start()
 
-    def start(self, *nodes: str, labels: Mapping[str, str] | None = None) -> None:
+    def start(self, *nodes: str, labels: Mapping[str, str] | None = None,
+              weight: float = 1.0) -> None:
         """Start ``nodes`` together: each waits until all of them are spawned."""
         go = self.ctx.Event()
         self.gates.append(go)
         for node in nodes:
             proc = self.ctx.Process(target=_worker, name=f"worker-{node}", daemon=True,
-                                    args=(self.url, node, dict(labels or {}), go, self.events))
+                                    args=(self.url, node, dict(labels or {}), weight, go,
+                                          self.events))
             proc.start()
             self.procs[node] = proc
         go.set()
@@ -136,10 +138,10 @@ def even(counts: Mapping[str, int], nodes: set[str], total: int) -> bool:
 
 def settle(fleet: Fleet, client: Client, nodes: set[str], total: int, what: str) -> dict[str, int]:
     """Wait until the cluster is even over ``nodes``; the counts then."""
-    def check() -> dict[str, int] | None:
+    def check() -> dict[str, int]:
         fleet.drain()
         counts = client.node_task_count()
-        return counts if even(counts, nodes, total) else None
+        return counts if even(counts, nodes, total) else {}
 
     return wait_for(check, 120, what)
 
@@ -174,6 +176,9 @@ def test_even_from_a_cold_start_and_the_fewest_moves_on_joins_and_leaves(fleet: 
             # the leaver's tasks move; what it held when asked may differ by a claim in flight
             assert moved <= held + 2, f"leave {cycle} moved {moved} for {held} held"
 
+        end = time.monotonic() + 5  # the follow-up balance after the last leave
+        while time.monotonic() < end:
+            fleet.drain(0.2)
         mark = len(fleet.starts)
         end = time.monotonic() + 6  # more than one balance_every with nothing changing
         while time.monotonic() < end:
@@ -201,3 +206,22 @@ def test_tasks_with_a_selector_run_only_on_matching_nodes(fleet: Fleet) -> None:
         # 40 selector tasks between x1 and x2, 40 plain among three: plain holds about 40 / 3
         # to 40 of them, never the selector tasks
         assert counts["plain"] <= 40
+
+
+def test_a_node_twice_as_heavy_holds_twice_as_much(fleet: Fleet) -> None:
+    with open_client(fleet.url) as client:
+        client.submit_tasks(Task(f"w{i:02d}") for i in range(90))
+        fleet.start("heavy", weight=2.0)
+        fleet.start("light1", "light2")
+
+        def weighted() -> dict[str, int]:
+            fleet.drain()
+            counts = client.node_task_count()
+            ok = (len(counts) == 3 and sum(counts.values()) == 90
+                  and abs(counts["heavy"] - 45) <= 4.5
+                  and all(abs(counts[n] - 22.5) <= 2.5 for n in ("light1", "light2")))
+            return counts if ok else {}
+
+        wait_for(weighted, 120, "heavy to hold half the tasks, each light node a quarter")
+        assert {n.id: n.weight for n in client.node_infos()} == {
+            "heavy": 2.0, "light1": 1.0, "light2": 1.0}

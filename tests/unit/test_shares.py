@@ -517,8 +517,8 @@ def test_fair_refusal_waits_longer_while_a_lighter_peer_has_room_but_not_forever
         assert until is not None
         clock.advance((until - clock.now()).total_seconds())
     assert ok is True  # taken in the end: b may be full or unable to run it
-    assert 5 <= refusals <= 8  # 1 + 1 + 2 + 2 + 2 + 2 s: judged again at least every 2 s
-    assert clock.now() - began >= timedelta(seconds=10)
+    assert 3 <= refusals <= 5  # 1 + 1 + 2 + 2 s: judged again at least every 2 s
+    assert clock.now() - began >= timedelta(seconds=5)
 
 
 @pytest.mark.parametrize(("name", "bad"), [("warmup", -1), ("warmup", "3"),

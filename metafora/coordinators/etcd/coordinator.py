@@ -357,14 +357,14 @@ class EtcdCoordinator(Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         view = self._watch.cached_members(active=True)
-        self._claimable = None if view is None else self._watch.cached_claimable(self._clock.now())
+        self._claimable = self._watch.cached_claimable(self._clock.now())
         counts, found = view if view is not None else active_task_count(self._driver, self._keys)
         self._remember(found)
         return counts
 
     def claimable_count(self) -> int | None:
-        """Tasks claimable at the last :meth:`active_task_count`, from the same watch cache
-        (None when that read went to etcd: no watch stream followed the store)."""
+        """Tasks claimable at the last :meth:`active_task_count`, from the watch cache (None
+        before its first re-list)."""
         return self._claimable
 
     def _remember(self, found: dict[str, Member]) -> dict[str, Member]:

@@ -118,29 +118,11 @@ class SQLCoordinator(Coordinator):
             watch.wake.set()
         session = self._lease.stop()
         if registered and session is not None:
-            self._deregister(session)
+            _deregister(self._db, self._node_id, session)
         if self._listener is not None:
             self._listener.stop()
         self._db.close()
         log.info("node %s closed on %s", self._node_id, self.name, extra=self._extra)
-
-    def _deregister(self, session: str) -> None:
-        params = {"node": self._node_id, "session": session}
-        db = self._db
-        try:
-            with db.transaction() as conn:
-                freed = db.execute(conn, "close_free", dict(params)).fetchall()
-                if freed:
-                    db.next_token_used(conn, max(int(row[0]) for row in freed))
-                db.execute(conn, "close_commands", dict(params))
-                db.execute(conn, "close_node", dict(params)).fetchall()
-        except MetaforaError as exc:
-            log.warning("could not deregister node %s from %s (its lease will expire): %s",
-                        self._node_id, self.name, exc, extra=self._extra)
-            return
-        if freed:
-            log.info("node %s released %d claim(s) on close", self._node_id, len(freed),
-                     extra=self._extra)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -436,15 +418,7 @@ class SQLCoordinator(Coordinator):
         self._check_open()
         self._db.ensure_schema()
         with self._db.read() as conn:
-            rows = self._db.execute(conn, "node_labels", {}).fetchall()
-        labels: dict[str, dict[str, str]] = {}
-        for node_id, raw in rows:
-            try:
-                labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
-            except MetaforaError as exc:  # written around metafora: no labels
-                log.warning("%s", exc, extra=self._extra)
-                labels[str(node_id)] = {}
-        return labels
+            return _labels_of(self._db.execute(conn, "node_labels", {}).fetchall())
 
     # -- test hooks -------------------------------------------------------------------------
 
@@ -459,3 +433,34 @@ class SQLCoordinator(Coordinator):
     def _held(self) -> list[Task]:
         """The claims this node tracks (for tests)."""
         return self._lease.held()
+
+
+def _deregister(db: Database, node_id: str, session: str) -> None:
+    """Free a closing node's claims, drop its commands and its row, in one transaction."""
+    params = {"node": node_id, "session": session}
+    extra = {"node": node_id}
+    try:
+        with db.transaction() as conn:
+            freed = db.execute(conn, "close_free", dict(params)).fetchall()
+            if freed:
+                db.next_token_used(conn, max(int(row[0]) for row in freed))
+            db.execute(conn, "close_commands", dict(params))
+            db.execute(conn, "close_node", dict(params)).fetchall()
+    except MetaforaError as exc:
+        log.warning("could not deregister node %s from %s (its lease will expire): %s",
+                    node_id, db.name, exc, extra=extra)
+        return
+    if freed:
+        log.info("node %s released %d claim(s) on close", node_id, len(freed), extra=extra)
+
+
+def _labels_of(rows: Sequence[Any]) -> dict[str, dict[str, str]]:
+    """Node id -> labels of ``node_labels`` rows (labels written around metafora: none)."""
+    labels: dict[str, dict[str, str]] = {}
+    for node_id, raw in rows:
+        try:
+            labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
+        except MetaforaError as exc:
+            log.warning("%s", exc, extra={"node": str(node_id)})
+            labels[str(node_id)] = {}
+    return labels

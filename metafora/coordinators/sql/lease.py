@@ -57,9 +57,8 @@ class Lease:
         on_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``on_lost`` is told each claim lost, ``on_renewed`` each renewal's seconds,
-        ``on_members`` the membership fingerprint every read of the lease returns (see
-        :mod:`~metafora.coordinators.sql.statements`) and ``on_failed`` each renewal of a
-        live lease that failed."""
+        ``on_members`` the membership fingerprint of every lease read (see :mod:`.statements`),
+        ``on_failed`` each failed renewal of a live lease."""
         self._db = db
         self._node_id = node_id
         self._on_lost = on_lost
@@ -98,9 +97,7 @@ class Lease:
 
     def labels_json(self) -> str | None:
         """The node's labels as stored (JSON object text; None when it has none)."""
-        if not self._labels:
-            return None
-        return json.dumps(dict(self._labels), separators=(",", ":"), sort_keys=True)
+        return labels_json(self._labels)
 
     def set_frozen(self, frozen: bool) -> None:
         """Whether the node is frozen, as every later registration publishes it."""
@@ -280,11 +277,7 @@ class Lease:
 
     def _report_lost(self, tasks: list[Task]) -> None:
         for task in tasks:
-            try:
-                self._on_lost(task)
-            except Exception:
-                log.exception("ctx.lost(%s) raised", task.id,
-                              extra={"node": self._node_id, "task": task.id})
+            self._hook(self._on_lost, task, f"ctx.lost({task.id})")
 
     def _watchdog_loop(self) -> None:
         while not self._stop.is_set():
@@ -345,7 +338,7 @@ class Lease:
                 log.log(level, "lease of node %s on %s: %s (retrying in %.2fs)", self._node_id,
                         self._db.name, exc, retry, extra=self._extra)
                 if renewing and live:
-                    self._renewal_failed(exc)
+                    self._hook(self._on_failed, exc, "renewal-failed")
             except Exception:
                 retry = self._backoff(retry)
                 log.exception("lease loop of node %s failed", self._node_id, extra=self._extra)
@@ -357,13 +350,6 @@ class Lease:
                     next_check = again
             self._wake.wait(max(min(next_renew, next_check) - time.monotonic(), 0.0))
 
-    def _renewal_failed(self, exc: BaseException) -> None:
-        if self._on_failed is not None:
-            try:
-                self._on_failed(exc)
-            except Exception:
-                log.exception("the renewal-failed hook raised", extra=self._extra)
-
     def _backoff(self, retry: float) -> float:
         return min(max(retry * 2, 0.05), max(self._renew_every / 2, 0.1))
 
@@ -371,7 +357,7 @@ class Lease:
         before = self._snapshot()
         with self._db.read() as conn:
             row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
-        self._members(tuple(row[2:]))
+        self._hook(self._on_members, tuple(row[2:]), "membership")
         self._compare(before, (int(row[0]), int(row[1])))
 
     def _renew(self) -> float:
@@ -404,16 +390,17 @@ class Lease:
                 self._on_renewed(elapsed)
             except Exception:
                 log.exception("the renewal hook raised", extra=self._extra)
-        self._members(tuple(row[2:]))
+        self._hook(self._on_members, tuple(row[2:]), "membership")
         self._compare(before, (int(row[0]), int(row[1])))
         return started
 
-    def _members(self, fingerprint: tuple[Any, ...]) -> None:
-        if self._on_members is not None:
+    def _hook(self, hook: Callable[[Any], None] | None, value: Any, what: str) -> None:
+        """Call an ``on_*`` hook; one that raises is logged, never stops the heartbeat."""
+        if hook is not None:
             try:
-                self._on_members(fingerprint)
+                hook(value)
             except Exception:
-                log.exception("the membership hook raised", extra=self._extra)
+                log.exception("the %s hook raised", what, extra=self._extra)
 
     def _compare(self, before: tuple[int, tuple[int, int], bool], store: tuple[int, int]) -> None:
         """Reconcile if the store's (count, token sum) of our claims differs from ours.
@@ -499,3 +486,8 @@ def release_untracked(db: Database, node_id: str, task_id: str, token: int) -> N
 
 class _NotYet(Exception):
     """Re-registration must wait (the old registration is still live)."""
+
+
+def labels_json(labels: Mapping[str, str]) -> str | None:
+    """Labels as stored (JSON object text; None for none)."""
+    return json.dumps(dict(labels), separators=(",", ":"), sort_keys=True) if labels else None
