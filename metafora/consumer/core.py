@@ -172,8 +172,7 @@ class Consumer:
             raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
         if not callable(handler_func):
             raise ConfigError("handler_func must be callable: Task -> Handler")
-        # The keyword arguments are ConsumerOptions' fields (it takes a timedelta too: it
-        # normalises and checks every value).
+        # The keyword arguments are ConsumerOptions' fields (it checks and normalises them).
         given = locals()
         self._options = ConsumerOptions(**{name: given[name] for name in _OPTION_NAMES
                                            if name != "labels"}, labels=labels or {})

@@ -295,18 +295,24 @@ class OfferRouter:
         Most were taken meanwhile: a coordinator that can tell which are left in one read
         (``claimable``, SQL) saves a claim attempt on each of the others.
         """
-        due = self._preference.due(now, 1000)  # bounded per pass, as a drain is
+        due = self._still_open(self._preference.due(now, 1000), "held-back")
+        if due:
+            self.offer(*due)
+
+    def _still_open(self, tasks: list[Task], what: str) -> list[Task]:
+        """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
+        view, then (for a wave) one read per 500 where it has one (``claimable``, SQL)."""
+        tasks = [t for t in tasks if not self._coord.seen_taken(t)]
         claimable = getattr(self._coord, "claimable", None)
-        if due and claimable is not None:
+        if len(tasks) >= WAVE and claimable is not None:
             try:
-                due = claimable(due)
+                return list(claimable(tasks))
             except CoordinatorClosed:
                 raise
             except MetaforaError as exc:  # then try them all: a claim skips the taken ones
-                self._log.warning("could not check %d held-back offers: %s", len(due), exc,
+                self._log.warning("could not check %d %s offers: %s", len(tasks), what, exc,
                                   extra={"action": "claim"})
-        if due:
-            self.offer(*due)
+        return tasks
 
     def expire_ignores(self, now: float) -> None:
         """Offer again the ignored tasks whose deadline has passed."""
@@ -315,6 +321,9 @@ class OfferRouter:
             retry = self.capacity.retry_due(now, len(self._running))
         if due and self._grouped:
             due = self._still_waiting(due)
+        # A storm's refused offers come back by the thousand, most taken by others meanwhile:
+        # judging and claiming each again would be the node's main work.
+        due = self._still_open(due, "ignored")
         due.sort(key=by_priority)
         self.offer(*due)
         if retry:  # a reduced capacity rose: try a waiting offer
