@@ -399,7 +399,17 @@ class OfferRouter:
             if wait is not None:
                 self.ignore(task, wait)
                 continue
-            if not self._can_claim(task):
+            ok = self._can_claim(task, ignore=not approved)
+            if not ok and approved:
+                # Refused while a burst is approved but not claimed: claim it, then ask again
+                # against what was won, so a race lost in the burst does not leave this node
+                # short while the rest of the pass waits out a refusal.
+                self._claim_approved(approved)
+                approved = []
+                approved_ids.clear()
+                spreads = None
+                ok = self._can_claim(task)
+            if not ok:
                 continue
             approved.append(task)
             approved_ids.add(task.id)
@@ -413,19 +423,24 @@ class OfferRouter:
                 self.approved = 0  # those won run now; those lost are not ours
                 spreads = None  # the burst started handlers: count again when next needed
         if approved:
-            with self._lock:
-                slots = self.free_slots()
-            self.claim(approved, len(approved) if slots is None else max(1, slots))
+            self._claim_approved(approved)
 
-    def _can_claim(self, task: Task) -> bool:
-        """Ask the balancer; a refusal (or a balancer error) ignores the offer for a while."""
+    def _claim_approved(self, approved: list[Task]) -> None:
+        with self._lock:
+            slots = self.free_slots()
+        self.claim(approved, len(approved) if slots is None else max(1, slots))
+        self.approved = 0  # those won run now; those lost are not ours
+
+    def _can_claim(self, task: Task, ignore: bool = True) -> bool:
+        """Ask the balancer; a refusal (or a balancer error) ignores the offer for a while
+        (unless not ``ignore``: the caller asks again)."""
         try:
             ok, until = self._balancer.can_claim(task)
         except Exception as exc:
             self._log.exception("balancer failed on can_claim(%s): %s", task.id, exc,
                                 extra={"task": task.id, "action": "can_claim"})
             ok, until = False, None
-        if not ok:
+        if not ok and ignore:
             self.ignore(task, until)
         return ok
 
