@@ -156,11 +156,11 @@ def test_fair_balancer_balances_among_the_nodes_that_can_run_the_tasks(store_url
                          balance_every=3600)
         cpu = cluster.add(_blocking(runs, "cpu"), "cpu", FairBalancer(1.2), balance_every=3600)
         cluster.client.submit_command("g1", commands.balance())
-        # Peers of these tasks: g1 and g2 (average 3, down to ceil(3.6) = 4). Counting the
-        # CPU node too would have released three (average 2, down to 3).
-        wait_for(lambda: len(g2.tasks()) == 2, 60, "g2 took two")
-        assert len(g1.tasks()) == 4 and cpu.tasks() == []
-        wait_for(lambda: cluster.client.node_task_count() == {"g1": 4, "g2": 2, "cpu": 0}, 30,
+        # Peers of these tasks: g1 and g2 (share 3 each: g2, under-loaded, is filled to it).
+        # Counting the CPU node too would have given g1 and g2 two each.
+        wait_for(lambda: len(g2.tasks()) == 3, 60, "g2 took three")
+        assert len(g1.tasks()) == 3 and cpu.tasks() == []
+        wait_for(lambda: cluster.client.node_task_count() == {"g1": 3, "g2": 3, "cpu": 0}, 30,
                  "the store's counts settled")
         # Nothing moves back or on (no ping-pong): neither balancer would release a task now.
         # (g1's claim_delay window would make it answer [] anyway: ask a fresh balancer.)
