@@ -299,7 +299,13 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     if not go.wait(120):
         raise SystemExit("no go from the benchmark in 120 s")
     if system.startswith("metafora"):
-        _metafora_worker(url, node, report)
+        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # benchmarks/hotpath.py
+        if trace:
+            from benchmarks.hotpath import count_statements
+            with count_statements(Path(trace) / f"{node}.json"):
+                _metafora_worker(url, node, report)
+        else:
+            _metafora_worker(url, node, report)
     elif system == "pgqueuer":
         asyncio.run(_pgqueuer_worker(url, report))
     elif system == "procrastinate":
