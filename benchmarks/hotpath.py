@@ -34,12 +34,14 @@ _WORD = re.compile(r"[A-Za-z_]+")
 
 def _kind(sql: str) -> str:
     """A short name of one statement: its verb and first table, or its CTE's first words."""
-    text = " ".join(sql.split())[:400]
+    text = " ".join(sql.split())
     words = _WORD.findall(text)
     if not words:
         return "?"
     verb = words[0].upper()
     table = next((w for w in words if w.startswith("metafora_")), "")
+    if "fin AS (UPDATE" in text:
+        return "claim + done (one statement)"
     tag = ""
     for marker in ("'done'", "'failed'", "'claimed'", "'pending'", "lease_until =", "RETURNING"):
         if marker in text:
@@ -77,12 +79,12 @@ def count_statements(out: Path) -> Iterator[None]:
         conn.set_trace_callback(note)
         return conn
 
-    sqlite3.connect = traced
+    sqlite3.connect = sqlite3.dbapi2.connect = traced
     try:
         yield
     finally:
         psycopg.Cursor.execute = original  # type: ignore[method-assign]
-        sqlite3.connect = connect
+        sqlite3.connect = sqlite3.dbapi2.connect = connect
         out.write_text(json.dumps(dict(counts)))
 
 

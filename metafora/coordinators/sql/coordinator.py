@@ -349,6 +349,16 @@ class SQLCoordinator(Coordinator):
         """Group commit: one fenced statement per outcome kind (and per 500 outcomes)."""
         return self._outcomes.finish_many(finishes)
 
+    def finish_and_claim(self, finishes: Sequence[Finish], tasks: Sequence[Task], limit: int,
+                         ) -> tuple[list[MetaforaError | None], list[Task]]:
+        """``finish_many(finishes)`` and ``claim_many(tasks, limit)`` in one request: the
+        outcomes of finished tasks and the claim of the next batch in one round trip
+        (PostgreSQL: one statement; SQLite: one transaction), each fenced as on its own. The
+        consumer sends the outcomes waiting for the group commit along with its claims."""
+        if not finishes:
+            return [], self.claim_many(tasks, limit)
+        return self._claims.with_outcomes(self._outcomes, finishes, tasks, limit)
+
     # -- commands ---------------------------------------------------------------------------
 
     def command(self, timeout: float | None = None) -> Command | None:
