@@ -165,11 +165,14 @@ class SQLCoordinator(Coordinator):
 
     def _notified(self, payload: str) -> None:
         kind, name = payload[:1], payload[1:]
-        if kind == "t":
+        if kind in ("t", "p"):
+            props: str | None = None
+            if kind == "p":  # a plain task: id US props (see the dialect's notify_task)
+                name, _, props = name.partition("\x1f")
             with self._lock:
                 watches = list(self._watches)
             for watch in watches:
-                watch.task_notified(name)
+                watch.task_notified(name, props)
         elif kind == "b" and name.isdigit():  # a bulk submit: one notification per batch
             with self._lock:
                 watches = list(self._watches)
