@@ -12,7 +12,8 @@ import importlib
 from benchmarks.common import STORES, Stores
 
 BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
-              "capacity", "idle", "placement", "schedules", "restart", "security", "at_risk")
+              "capacity", "idle", "placement", "schedules", "restart", "security", "at_risk",
+              "limits")
 
 
 def main() -> None:

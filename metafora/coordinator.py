@@ -22,6 +22,7 @@ from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
+from metafora.limits import ClientLimits
 from metafora.masking import scrub
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.task import Task, TaskInfo, TaskState
@@ -388,8 +389,9 @@ class Coordinator(ClusterState, abc.ABC):
         self.close()
 
 
-class Client(ClusterState, abc.ABC):
-    """An operator's handle on the store: submit and inspect tasks, command nodes."""
+class Client(ClusterState, ClientLimits, abc.ABC):
+    """An operator's handle on the store: submit and inspect tasks, command nodes, set
+    cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 
     @property
     @abc.abstractmethod

@@ -17,6 +17,7 @@ __all__ = [
     "InvalidProps",
     "InvalidTaskId",
     "InvalidTaskState",
+    "LimitNotFound",
     "MetaforaError",
     "NodeExists",
     "NodeNotFound",
@@ -102,3 +103,7 @@ class ScheduleExists(MetaforaError):
 
 class ScheduleNotFound(MetaforaError, LookupError):
     """No schedule with this name."""
+
+
+class LimitNotFound(MetaforaError, LookupError):
+    """No limit is set on this group."""

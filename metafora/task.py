@@ -15,6 +15,7 @@ from metafora.jsontext import MAX_DEPTH, check_depth, load_object
 from metafora.masking import BIDI_CONTROLS
 
 __all__ = [
+    "MAX_GROUP_LENGTH",
     "MAX_LABELS",
     "MAX_LABEL_KEY_LENGTH",
     "MAX_LABEL_VALUE_LENGTH",
@@ -29,10 +30,12 @@ __all__ = [
     "decode_labels",
     "decode_placement",
     "decode_props",
+    "decode_soft",
     "label_text",
     "matches",
     "parse_time",
     "placement_reason",
+    "validate_group",
     "validate_labels",
     "validate_priority",
     "validate_schedule",
@@ -57,6 +60,8 @@ MIN_PRIORITY = -1_000_000
 """The lowest task priority."""
 MAX_PRIORITY = 1_000_000
 """The highest task priority (higher is offered and claimed first; 0 is the default)."""
+MAX_GROUP_LENGTH = 255
+"""The longest limit group name, in characters."""
 
 
 class TaskState(enum.StrEnum):
@@ -188,14 +193,31 @@ def validate_spread(spread: object) -> str | None:
     return _label_part(spread, "spread group", MAX_LABEL_VALUE_LENGTH)
 
 
+def validate_group(group: object) -> str | None:
+    """A limit group name (None for none): a non-empty printable string of at most
+    :data:`MAX_GROUP_LENGTH` characters, without leading or trailing spaces."""
+    if group is None:
+        return None
+    return _label_part(group, "group", MAX_GROUP_LENGTH)
+
+
 def decode_placement(raw: str | bytes | None, task_id: str) -> tuple[dict[str, str], str | None]:
     """A task's soft placement as stored (``{"prefer": {...}, "spread": "..."}`` JSON text, None
     for none): ``(prefer, spread)``."""
+    prefer, spread, _group = decode_soft(raw, task_id)
+    return prefer, spread
+
+
+def decode_soft(raw: str | bytes | None,
+                task_id: str) -> tuple[dict[str, str], str | None, str | None]:
+    """What a SQL store keeps in a task's ``placement`` column (``{"prefer": {...}, "spread":
+    "...", "group": "..."}`` JSON text, None for none): ``(prefer, spread, group)``."""
     if raw is None or raw in ("", b""):
-        return {}, None
+        return {}, None, None
     what = f"stored placement of task {task_id!r}"
     data = load_object(raw, what, InvalidProps)
-    return validate_labels(data.get("prefer") or {}, f"{what}: prefer"), validate_spread(data.get("spread"))
+    return (validate_labels(data.get("prefer") or {}, f"{what}: prefer"),
+            validate_spread(data.get("spread")), validate_group(data.get("group")))
 
 
 def decode_labels(raw: str | bytes | None, what: str) -> dict[str, str]:
@@ -274,7 +296,8 @@ class Task:
     pre-empts a running task. Soft placement: ``prefer`` (labels a node should have: others
     hold back briefly before they take the task) and ``spread`` (an anti-affinity group:
     a node already running a task of the group holds back briefly before it takes another),
-    both best effort (see docs/placement.md).
+    both best effort (see docs/placement.md). ``group``: the limit group of the task (see
+    docs/limits.md): while the group is at its concurrency or rate limit, no node claims it.
     """
 
     id: str
@@ -284,6 +307,7 @@ class Task:
     priority: int = field(default=0, kw_only=True)
     prefer: Mapping[str, str] = field(default_factory=dict, hash=False, kw_only=True)
     spread: str | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         validate_task_id(self.id)
@@ -294,6 +318,7 @@ class Task:
         validate_priority(self.priority)
         object.__setattr__(self, "prefer", validate_labels(self.prefer, "prefer"))
         validate_spread(self.spread)
+        validate_group(self.group)
 
     @property
     def launch_at(self) -> datetime | None:
@@ -335,18 +360,20 @@ class Task:
         return json.dumps(dict(self.selector), separators=(",", ":"), sort_keys=True)
 
     def placement_json(self) -> str | None:
-        """``prefer`` and ``spread`` as compact JSON, or None when neither is set."""
+        """``prefer``, ``spread`` and ``group`` as compact JSON, or None when none is set."""
         data: dict[str, Any] = {}
         if self.prefer:
             data["prefer"] = dict(self.prefer)
         if self.spread is not None:
             data["spread"] = self.spread
+        if self.group is not None:
+            data["group"] = self.group
         return json.dumps(data, separators=(",", ":"), sort_keys=True) if data else None
 
     def with_token(self, token: int) -> Task:
         """A copy of this task carrying another fencing token."""
         return Task(self.id, self.props, token, selector=self.selector, priority=self.priority,
-                    prefer=self.prefer, spread=self.spread)
+                    prefer=self.prefer, spread=self.spread, group=self.group)
 
 
 @dataclass(frozen=True)
@@ -367,11 +394,12 @@ class TaskInfo:
     priority: int = 0
     prefer: Mapping[str, str] = field(default_factory=dict)
     spread: str | None = None
+    group: str | None = None
 
     def task(self) -> Task:
         """The task itself, carrying its current token."""
         return Task(self.id, self.props, self.token, selector=self.selector, priority=self.priority,
-                    prefer=self.prefer, spread=self.spread)
+                    prefer=self.prefer, spread=self.spread, group=self.group)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (times as ISO-8601 strings)."""
@@ -394,4 +422,5 @@ class TaskInfo:
             "priority": self.priority,
             "prefer": dict(self.prefer),
             "spread": self.spread,
+            "group": self.group,
         }

@@ -296,6 +296,10 @@ class FairBalancer(ContextBalancer):
                 self._refused.pop(task.id, None)
                 return True, None
             seen = self._refused.get(task.id)
+            if seen is not None and now - seen[0] > 2 * self._refuse_for:
+                # An old episode (refused at a cold start, then claimed elsewhere; offered
+                # again now because it was released): a new refusal, not a long wait.
+                seen = None
             if seen is None:
                 until = now + self._refuse_for
                 self._refused[task.id] = (until, now)

@@ -24,11 +24,11 @@ exact share.
 
 **The release plan** ("balance from both sides", :func:`release_plan`): an overloaded node
 gives back down to ``max(ceil(threshold * exact), share)`` as before; and when that does not
-cover what the under-loaded nodes miss to become even, the nodes holding more than their
-exact share give back the rest, in proportion to that surplus and never below their exact
-share rounded down (so they stay even). Only as many tasks move as make every node even:
-the fewest moves, and once they moved nobody is under-loaded and no node holds more than it
-gave back down to, so the next plan moves nothing (no ping-pong).
+cover what the under-loaded nodes miss to reach their share (rounded down), the nodes holding
+more than their exact share give back the rest, in proportion to that surplus and never below
+their exact share rounded down (so they stay even). Only as many tasks move as fill the
+under-loaded nodes: the fewest moves, and once they moved nobody is under-loaded and no node
+holds more than it gave back down to, so the next plan moves nothing (no ping-pong).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def release_plan(group: Sequence[Standing], *, threshold: float, band: float = D
 
     1. an overloaded node releases down to :meth:`Standing.ceiling` (no node releases
        below its share, so a taker never becomes the next one to release);
-    2. ``need`` is what the under-loaded nodes miss to become even (:meth:`Standing.even_floor`);
+    2. ``need`` is what the under-loaded nodes miss to reach their share rounded down;
        what step 1 does not cover is split among the other nodes in proportion to what
        they hold above their exact share rounded down (never below it: a giver stays
        within one task of its share, so even), adding up exactly (largest remainders,
@@ -260,7 +260,10 @@ def release_plan(group: Sequence[Standing], *, threshold: float, band: float = D
     releases = {s.node_id: s.held - s.ceiling(threshold)
                 for s in group if s.overloaded(threshold) and s.held > s.ceiling(threshold)}
     under = tuple(s.node_id for s in group if both_sides and s.under(threshold, band))
-    need = sum(max(0, s.even_floor(band) - s.held) for s in group if s.node_id in under)
+    # Fill an under-loaded node up to its share rounded down, not just to the band's edge:
+    # the givers balance one after the other from snapshots a moment apart, and a node filled
+    # only to the edge, short by a few tasks, would be under-loaded again (a trickle of moves).
+    need = sum(max(0, math.floor(s.exact + EPS) - s.held) for s in group if s.node_id in under)
     extra = need - max(0, claimable) - sum(releases.values())
     if extra > 0:
         room = {s.node_id: s.held - releases.get(s.node_id, 0) - math.floor(s.exact + EPS)

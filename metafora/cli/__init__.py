@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, items, nodes, schedules, task_states, tasks, web, worker
+from metafora.cli import demo_cmd, items, limits, nodes, schedules, task_states, tasks, web, worker
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -94,6 +94,7 @@ for _command in (
     task_states.pause, task_states.resume, task_states.kill, task_states.sleep, task_states.state,
     items.items, items.gate,
     schedules.schedule,
+    limits.limit,
     demo_cmd.demo,
     web.web,
     worker.worker,

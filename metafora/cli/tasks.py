@@ -25,6 +25,7 @@ from metafora.cli._common import (
 )
 from metafora.coordinator import Client
 from metafora.errors import InvalidProps, InvalidTaskId
+from metafora.limits import waiting_reason
 from metafora.task import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -139,12 +140,13 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
     return props
 
 
-_LINE_KEYS = frozenset({"id", "props", "selector", "priority", "prefer", "spread"})
+_LINE_KEYS = frozenset({"id", "props", "selector", "priority", "prefer", "spread", "group"})
 
 
 def read_task_lines(stream: IO[str]) -> list[Task]:
     """Tasks from JSON lines ``{"id": ..., "props": {...}, "selector": {...}, "priority": N,
-    "prefer": {...}, "spread": "..."}`` (only ``id`` is required; blank lines skipped).
+    "prefer": {...}, "spread": "...", "group": "..."}`` (only ``id`` is required; blank lines
+    skipped).
 
     Every line is checked; an error names the line number and keeps its type (a bad id is
     InvalidTaskId, anything else InvalidProps).
@@ -168,11 +170,11 @@ def _task_line(line: str, number: int) -> Task:
     if unknown or "id" not in item:
         what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'id'"
         raise InvalidProps(f"--from-file line {number}: {what} (a line holds 'id' and optionally "
-                           "'props', 'selector', 'priority', 'prefer', 'spread')")
+                           "'props', 'selector', 'priority', 'prefer', 'spread', 'group')")
     try:
         task = Task(item["id"], item.get("props") or {}, selector=item.get("selector") or {},
                     priority=item.get("priority", 0), prefer=item.get("prefer") or {},
-                    spread=item.get("spread"))
+                    spread=item.get("spread"), group=item.get("group"))
         return validate_schedule(task, datetime.now(UTC))
     except (InvalidTaskId, InvalidProps) as exc:
         raise type(exc)(f"--from-file line {number}: {exc}") from None
@@ -199,6 +201,9 @@ def _task_line(line: str, number: int) -> Task:
                    "with them is live. Repeatable.")
 @click.option("--spread", metavar="GROUP",
               help="Anti-affinity: tasks of one GROUP go to distinct nodes where possible.")
+@click.option("--group", metavar="GROUP",
+              help="Limit group: while GROUP is at its limit (metafora limit set), no node "
+                   "claims the task.")
 @click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), metavar="FILE|-",
               help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}, '
                    '"selector": {...}, "priority": N} ("-": stdin), in batches, all-or-nothing '
@@ -207,14 +212,14 @@ def _task_line(line: str, number: int) -> Task:
 def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], props_json: str | None,
            launch_at: str | None, expires_at: str | None, select: tuple[str, ...],
            priority: int | None, prefer: tuple[str, ...], spread: str | None,
-           from_file: IO[str] | None) -> None:
+           group: str | None, from_file: IO[str] | None) -> None:
     """Submit a new task ID (pending until a consumer claims it), or many with --from-file."""
     if from_file is not None:
         if (task_id is not None or pairs or props_json or launch_at or expires_at or select
-                or priority is not None or prefer or spread is not None):
+                or priority is not None or prefer or spread is not None or group is not None):
             raise click.UsageError("--from-file takes no ID, --prop, --props, --launch-at, "
-                                   "--expires-at, --select, --priority, --prefer or --spread "
-                                   "(put them in the file's lines)")
+                                   "--expires-at, --select, --priority, --prefer, --spread or "
+                                   "--group (put them in the file's lines)")
         tasks = read_task_lines(from_file)
         with store_client(ctx) as client:
             client.submit_tasks(tasks)
@@ -226,7 +231,7 @@ def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], prop
         raise InvalidProps(f"--priority {priority} is out of range [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     task = Task(task_id, _task_props(pairs, props_json, launch_at, expires_at),
                 selector=parse_select(select), priority=priority or 0,
-                prefer=parse_select(prefer, "--prefer"), spread=spread)
+                prefer=parse_select(prefer, "--prefer"), spread=spread, group=group)
     validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:
         client.submit_task(task)
@@ -344,16 +349,27 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
 
 def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
     """Task id -> why a pending task cannot be claimed now (no live node matches its
-    selector); the node labels are read only when a pending task has a selector."""
-    waiting = [i for i in infos if i.state is TaskState.PENDING and i.selector]
-    if not waiting:
-        return {}
-    labels = list(client.node_labels().values())
-    reasons = {}
-    for info in waiting:
-        reason = placement_reason(info.selector, labels)
-        if reason is not None:
-            reasons[info.id] = reason
+    selector; its group is at its limit); the node labels are read only when a pending task
+    has a selector, the limits only when one has a group."""
+    pending = [i for i in infos if i.state is TaskState.PENDING]
+    reasons: dict[str, str] = {}
+    waiting = [i for i in pending if i.selector]
+    if waiting:
+        labels = list(client.node_labels().values())
+        for info in waiting:
+            reason = placement_reason(info.selector, labels)
+            if reason is not None:
+                reasons[info.id] = reason
+    grouped = [i for i in pending if i.group is not None and i.id not in reasons]
+    if grouped:
+        try:
+            usage = client.group_usage()
+        except NotImplementedError:
+            usage = {}
+        for info in grouped:
+            reason = waiting_reason(info.group, usage)
+            if reason is not None:
+                reasons[info.id] = "waiting: " + reason
     return reasons
 
 
@@ -366,8 +382,9 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     validate_task_id(task_id)
     with store_client(ctx) as client:
         info = client.get_task(task_id)
+        reason = pending_reasons(client, [info]).get(info.id)
     if as_json:
-        print_json(_json_info(info))
+        print_json({**_json_info(info), "reason": reason})
         return
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     table.add_column("field", style="bold")
@@ -382,10 +399,12 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ("selector", cell(label_text(info.selector) or "-")),
         ("prefer", cell(label_text(info.prefer) or "-")),
         ("spread", cell(info.spread or "-")),
+        ("group", cell(info.group or "-")),
         ("created_at", format_time(info.created_at)),
         ("claimed_at", format_time(info.claimed_at)),
         ("finished_at", format_time(info.finished_at)),
         ("error", cell(info.error or "-", "red" if info.error else "")),
+        *([("waiting", cell(reason, "yellow"))] if reason else []),
         ("props", cell(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False))),
     ]
     for name, value in rows:

@@ -173,8 +173,7 @@ class Consumer:
             raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
         if not callable(handler_func):
             raise ConfigError("handler_func must be callable: Task -> Handler")
-        # The keyword arguments are ConsumerOptions' fields (it takes a timedelta too: it
-        # normalises and checks every value).
+        # The keyword arguments are ConsumerOptions' fields (it checks and normalises them).
         given = locals()
         self._options = ConsumerOptions(**{name: given[name] for name in _OPTION_NAMES
                                            if name != "labels"}, labels=labels or {})
@@ -480,6 +479,8 @@ class Consumer:
                 self._balancing.members_changed()
             elif event is Signal.ROOM or isinstance(event, Finished):
                 room = True  # once per drain, not once per finished task
+                if isinstance(event, Finished) and event.task.group is not None:
+                    self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
         self._offers.offer_wave(offers)

@@ -260,6 +260,7 @@ class OfferRouter:
         self.ignores = Ignores()
         self.deferred = Deferred()
         self._releases: dict[str, int] = {}
+        self._grouped: dict[str, str] = {}  # offers waiting on a limit group: task id -> group
         hold = options.rendezvous_wait
         self._preference = Preference(coordinator.node_id, hold=hold, max_hold=MAX_HOLD * hold,
                                       wave=WAVE)
@@ -300,24 +301,35 @@ class OfferRouter:
         Most were taken meanwhile: a coordinator that can tell which are left in one read
         (``claimable``, SQL) saves a claim attempt on each of the others.
         """
-        due = self._preference.due(now, 1000)  # bounded per pass, as a drain is
+        due = self._still_open(self._preference.due(now, 1000), "held-back")
+        if due:
+            self.offer(*due)
+
+    def _still_open(self, tasks: list[Task], what: str) -> list[Task]:
+        """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
+        view, then (for a wave) one read per 500 where it has one (``claimable``, SQL)."""
+        tasks = [t for t in tasks if not self._coord.seen_taken(t)]
         claimable = getattr(self._coord, "claimable", None)
-        if due and claimable is not None:
+        if len(tasks) >= WAVE and claimable is not None:
             try:
-                due = claimable(due)
+                return list(claimable(tasks))
             except CoordinatorClosed:
                 raise
             except MetaforaError as exc:  # then try them all: a claim skips the taken ones
-                self._log.warning("could not check %d held-back offers: %s", len(due), exc,
+                self._log.warning("could not check %d %s offers: %s", len(tasks), what, exc,
                                   extra={"action": "claim"})
-        if due:
-            self.offer(*due)
+        return tasks
 
     def expire_ignores(self, now: float) -> None:
         """Offer again the ignored tasks whose deadline has passed."""
         with self._lock:
             due = self.ignores.pop_due(now)
             retry = self.capacity.retry_due(now, len(self._running))
+        if due and self._grouped:
+            due = self._still_waiting(due)
+        # A storm's refused offers come back by the thousand, most taken by others meanwhile:
+        # judging and claiming each again would be the node's main work.
+        due = self._still_open(due, "ignored")
         due.sort(key=by_priority)
         self.offer(*due)
         if retry:  # a reduced capacity rose: try a waiting offer
@@ -443,6 +455,8 @@ class OfferRouter:
                 self.ignore(task, self._options.refuse_retry)
             return
         self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
+            self._group_waits(tasks, claimed)
         if len(claimed) < limit:  # every offer was tried: those not won went to others
             self._stats.incr("races_lost", len(tasks) - len(claimed))
         elif len(claimed) < len(tasks):
@@ -495,6 +509,57 @@ class OfferRouter:
         then leaves queued outcomes to it for a moment (called from the writer's thread)."""
         return self._claiming or (bool(self.deferred) and not self.frozen
                                   and not self._stopping.is_set())
+
+    # -- limit groups -----------------------------------------------------------------
+
+    def _group_waits(self, tasks: list[Task], claimed: list[Task]) -> None:
+        """Offers of a limit group this claim did not win wait a little and are tried again.
+
+        The store refuses a claim of a group at its limit without a word, and the watch offers
+        the task again only when it changes: so this node keeps it (as an ignored offer, not
+        in the way of other groups' offers) and retries it after ``refuse_retry``, or as soon
+        as a task of the group ends here. Offers someone else took drop out at that retry.
+        """
+        won = {t.id for t in claimed}
+        waiting = [t for t in tasks if t.group is not None and t.id not in won]
+        if not waiting:
+            return
+        with self._lock:
+            for task in waiting:
+                self._grouped[task.id] = task.group or ""
+        for task in waiting:
+            self.ignore(task, self._options.refuse_retry)
+
+    def group_freed(self, group: str) -> None:
+        """A task of ``group`` ended here: its waiting offers are due now."""
+        now = self._clock.monotonic()
+        with self._lock:
+            for task_id, waiting_group in list(self._grouped.items()):
+                entry = self.ignores.get(task_id)
+                if waiting_group == group and entry is not None:
+                    self.ignores.put(entry[1], now)
+        self._wake.set()
+
+    def _still_waiting(self, due: list[Task]) -> list[Task]:
+        """Of due offers, those waiting on a group that the store still calls claimable
+        (one read where the coordinator can tell, ``claimable``); the others go."""
+        with self._lock:
+            grouped = [t for t in due if self._grouped.pop(t.id, None) is not None]
+        if not grouped:
+            return due
+        claimable = getattr(self._coord, "claimable", None)
+        if claimable is None:
+            return due
+        try:
+            kept = {t.id for t in claimable(grouped)}
+        except CoordinatorClosed:
+            raise
+        except MetaforaError as exc:
+            self._log.warning("could not check %d waiting offers: %s", len(grouped), exc,
+                              extra={"action": "claim"})
+            return due
+        gone = {t.id for t in grouped} - kept
+        return [t for t in due if t.id not in gone]
 
     # -- ignoring ---------------------------------------------------------------------
 

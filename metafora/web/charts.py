@@ -29,6 +29,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from metafora.coordinator import Client, NodeInfo
+from metafora.limits import GroupUsage, waiting_reason
 from metafora.masking import escape_controls
 from metafora.task import TaskInfo, TaskState, matches
 
@@ -161,11 +162,17 @@ def _launch_ahead(info: TaskInfo, ctx: WaitContext) -> bool:
     return launch is not None and launch > ctx.now
 
 
+def _group_full(info: TaskInfo, ctx: WaitContext) -> bool:
+    usage: dict[str, GroupUsage] = ctx.extra.get("group_usage") or {}
+    return waiting_reason(info.group, usage) is not None
+
+
 PENDING_REASONS: list[PendingReason] = [
     PendingReason("no-node", "no live node matches", _no_node_matches),
     PendingReason("launch-ahead", "launch time ahead", _launch_ahead),
-    # Extension point: a reason such as "group at its limit" is inserted here (before
-    # "claimable", which is what is left); its data goes in WaitContext.extra.
+    PendingReason("group-full", "group at its limit", _group_full),
+    # Extension point: another reason is inserted here (before "claimable", which is what
+    # is left); its data goes in WaitContext.extra.
 ]
 CLAIMABLE = PendingReason("claimable", "claimable", lambda info, ctx: True)
 
@@ -212,7 +219,13 @@ def read_charts(client: Client, now: datetime, counts: Mapping[TaskState, int],
         # A state the counts say is empty is not read at all.
         read[state] = _read(client, state, cap) if counts.get(state, 0) else []
     infos = client.node_infos()
-    ctx = WaitContext(now, [dict(getattr(i, "labels", None) or {}) for i in infos])
+    extra: dict[str, Any] = {}
+    if any(info.group is not None for info in read[TaskState.PENDING]):
+        try:  # the groups' limits are read only when a pending task has a group
+            extra["group_usage"] = client.group_usage()
+        except NotImplementedError:
+            pass
+    ctx = WaitContext(now, [dict(getattr(i, "labels", None) or {}) for i in infos], extra)
     finished = [*read[TaskState.CLAIMED], *read[TaskState.DONE], *read[TaskState.FAILED]]
     got = {s: len(tasks) for s, tasks in read.items()}
     # The counts and the pages are separate reads: a caption never says "read 5 of 3".

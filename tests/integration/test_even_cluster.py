@@ -176,6 +176,9 @@ def test_even_from_a_cold_start_and_the_fewest_moves_on_joins_and_leaves(fleet: 
             # the leaver's tasks move; what it held when asked may differ by a claim in flight
             assert moved <= held + 2, f"leave {cycle} moved {moved} for {held} held"
 
+        end = time.monotonic() + 5  # the follow-up balance after the last leave
+        while time.monotonic() < end:
+            fleet.drain(0.2)
         mark = len(fleet.starts)
         end = time.monotonic() + 6  # more than one balance_every with nothing changing
         while time.monotonic() < end:

@@ -278,7 +278,7 @@ def test_fair_overloaded_is_strictly_above_threshold_times_average() -> None:
 
 def test_fair_releases_down_to_threshold_times_average() -> None:
     node = Node({"a": 0, "b": 0}, running(12))  # avg 4, target ceil(4.8) = 5
-    balancer = node.init(FairBalancer(1.2, rng=random.Random(1)))
+    balancer = node.init(FairBalancer(1.2, both_sides=False, rng=random.Random(1)))
     released = balancer.balance()
     assert len(released) == 7
     assert len(set(released)) == 7
@@ -379,7 +379,8 @@ def test_fair_single_node_never_releases_or_refuses() -> None:
 
 def test_fair_refuses_claims_for_claim_delay_after_a_release() -> None:
     node = Node({"a": 0}, running(10))
-    balancer = node.init(FairBalancer(1.2, claim_delay=10, counts_ttl=0, rng=random.Random(5)))
+    balancer = node.init(FairBalancer(1.2, claim_delay=10, counts_ttl=0, both_sides=False,
+                                      rng=random.Random(5)))
     released = balancer.balance()
     assert len(released) == 4  # avg 5, target 6
     node.tasks = [rt for rt in node.tasks if rt.id not in released]
@@ -698,7 +699,7 @@ def test_fair_does_not_average_over_a_leaving_node_issue_92() -> None:
     node = Node({}, running(5))
     node.cluster = LeavingCluster({ME: 5, "node2": 1}, {"node2"})
     node.ctx.cluster_state = node.cluster
-    balancer = node.init(FairBalancer(1.2, counts_ttl=0))
+    balancer = node.init(FairBalancer(1.2, counts_ttl=0, both_sides=False))
     assert balancer.balance() == []  # alone among the active nodes: keeps its 5
     node.cluster.leaving.clear()  # before: avg 3, 5 > 3.6, one released
     assert len(balancer.balance()) == 1
@@ -726,7 +727,8 @@ def test_fair_a_node_leaving_ends_the_refusal_after_a_release() -> None:
 
 def test_fair_a_node_joining_lets_the_next_balance_release_within_claim_delay() -> None:
     node = Node({"a": 0}, running(10))
-    balancer = node.init(FairBalancer(1.2, claim_delay=600, counts_ttl=0, rng=random.Random(5)))
+    balancer = node.init(FairBalancer(1.2, claim_delay=600, counts_ttl=0, both_sides=False,
+                                      rng=random.Random(5)))
     released = balancer.balance()  # 10 vs 0: down to 6
     assert len(released) == 4
     node.tasks = [rt for rt in node.tasks if rt.id not in released]
@@ -759,7 +761,7 @@ class LabelledCluster(FakeCluster):
 def placed(counts: dict[str, int], labels: dict[str, dict[str, str]],
            tasks: list[RunningTask]) -> tuple[FairBalancer, LabelledCluster]:
     cluster = LabelledCluster({ME: len(tasks), **counts}, labels)
-    fair = FairBalancer(1.2, counts_ttl=0, rng=random.Random(3))
+    fair = FairBalancer(1.2, counts_ttl=0, both_sides=False, rng=random.Random(3))
     fair.init(BalancerContext(ME, cluster, lambda: list(tasks), FakeClock()))
     return fair, cluster
 

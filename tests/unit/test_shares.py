@@ -208,14 +208,14 @@ def plan_of(held: dict[str, int], threshold: float = 1.2, **kw: object) -> dict[
 def test_issue_28_three_nodes_at_the_threshold_fill_the_one_at_27_percent() -> None:
     held = {"a": 120, "b": 120, "c": 120, "d": 113, "e": 27}
     plan = plan_of(held)
-    assert plan == {"a": 18, "b": 17, "c": 17, "d": 11}
-    assert sum(plan.values()) == 63  # e ends at 90 of 100: even, and no more moves than that
+    assert plan == {"a": 20, "b": 20, "c": 20, "d": 13}
+    assert sum(plan.values()) == 73  # e ends at its share, 100: no more moves than that
     assert plan_of({"a": 120, "b": 120, "c": 120, "d": 113, "e": 27}, both_sides=False) == {}
 
 
 def test_the_old_rule_still_releases_an_overloaded_node() -> None:
-    assert plan_of({"me": 12, "a": 0, "b": 0}) == {"me": 7}  # down to ceil(1.2 * 4)
-    assert plan_of({"me": 6, "a": 0}) == {"me": 2}  # a at 2 of 3: even
+    assert plan_of({"me": 12, "a": 0, "b": 0}) == {"me": 8}  # a and b filled to their 4
+    assert plan_of({"me": 6, "a": 0}) == {"me": 3}  # a filled to its 3
 
 
 def test_nodes_within_one_task_of_their_share_are_filled() -> None:
@@ -320,7 +320,7 @@ def fair(cluster: Cluster, tasks: list[RunningTask], claimable: int | None = Non
 
 def test_fair_both_sides_fills_a_node_left_under_by_the_old_rule() -> None:
     # {me: 10, a: 2}: share 6; the old rule stops at 8 (1.2 x 6) and leaves a at 4 of 6.
-    assert len(fair(Cluster({"a": 2}), held_tasks(10)).balance()) == 3
+    assert len(fair(Cluster({"a": 2}), held_tasks(10)).balance()) == 4
 
 
 def test_fair_both_sides_releases_below_threshold_times_average() -> None:
@@ -329,7 +329,7 @@ def test_fair_both_sides_releases_below_threshold_times_average() -> None:
     expected = plan_of({"b": 120, "c": 120, "d": 113, "e": 27, ME: 120})[ME]
     balancer = fair(cluster, held_tasks(120))
     out = balancer.balance()
-    assert len(out) == expected == 17
+    assert len(out) == expected == 20
     assert balancer.refusing_until is not None
     assert fair(cluster, held_tasks(120), threshold=1.2, both_sides=False).balance() == []
 
@@ -360,11 +360,11 @@ def test_fair_does_not_release_a_task_started_moments_ago() -> None:
 def test_fair_weights_set_the_shares_and_are_read_with_the_counts() -> None:
     cluster = Cluster({"small": 0}, weights={ME: 3.0, "small": 1.0})
     balancer = fair(cluster, held_tasks(40))
-    # exact shares 30 | 10: down to 36 (1.2 x 30), then 5 more so that small holds 9 (even)
-    assert len(balancer.balance()) == 9
+    # exact shares 30 | 10: down to 36 (1.2 x 30), then 6 more so that small holds its 10
+    assert len(balancer.balance()) == 10
     assert cluster.reads["weights"] == 1 and cluster.reads["counts"] == 1
     cluster.weights = {}
-    assert len(fair(cluster, held_tasks(40)).balance()) == 18  # unweighted: 22 | 18
+    assert len(fair(cluster, held_tasks(40)).balance()) == 20  # unweighted: 20 | 20
 
 
 def test_fair_frozen_nodes_do_not_count() -> None:
@@ -443,7 +443,7 @@ def test_fair_can_claim_reads_one_snapshot_per_counts_ttl() -> None:
 
 def test_fair_a_bad_published_weight_counts_as_one() -> None:
     cluster = Cluster({"a": 0}, weights={"a": float("nan"), ME: -2})  # type: ignore[dict-item]
-    assert len(fair(cluster, held_tasks(10)).balance()) == 4  # 10 | 0 unweighted: down to 6
+    assert len(fair(cluster, held_tasks(10)).balance()) == 5  # 10 | 0 unweighted: 5 | 5
 
 
 def test_fair_repr_names_the_new_settings() -> None:
@@ -540,5 +540,16 @@ def test_fair_balance_counts_claimable_work_and_releases_nothing_it_would_fill()
 
 def test_release_plan_takes_claimable_work_before_releases() -> None:
     group = [Standing("a", 40, 30.0), Standing("b", 40, 30.0), Standing("c", 10, 30.0)]
-    assert release_plan(group, threshold=1.5, claimable=0).releases  # c needs 17
-    assert release_plan(group, threshold=1.5, claimable=17).releases == {}
+    assert release_plan(group, threshold=1.5, claimable=0).releases  # c needs 20
+    assert release_plan(group, threshold=1.5, claimable=20).releases == {}
+
+
+def test_fair_an_old_refusal_does_not_make_a_released_task_claimable_above_the_share() -> None:
+    clock = FakeClock()
+    cluster = Cluster({ME: 11, "b": 9})
+    cluster.claimable = 0
+    balancer = fair(cluster, held_tasks(11), clock=clock, warmup=0, counts_ttl=0)
+    assert balancer.can_claim(Task("x"))[0] is False  # refused once (a cold start, say)
+    clock.advance(60.0)  # claimed elsewhere meanwhile; released and offered again now
+    ok, until = balancer.can_claim(Task("x"))
+    assert ok is False and until == clock.now() + timedelta(seconds=1)  # a new refusal

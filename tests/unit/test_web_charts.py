@@ -14,6 +14,7 @@ pytest.importorskip("starlette", reason="the dashboard needs the extra metafora-
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import CoordinatorContext, NodeInfo
 from metafora.coordinators.memory import drop_store
+from metafora.limits import GroupUsage, Limit
 from metafora.task import TaskInfo, TaskState
 from metafora.web import charts
 from metafora.web.charts import (
@@ -113,9 +114,9 @@ def test_pending_reasons_first_that_holds() -> None:
         _info("running", TaskState.CLAIMED),
     ]
     counts = {r.key: n for r, n in pending_reasons(tasks, ctx)}
-    assert counts == {"no-node": 2, "launch-ahead": 1, "claimable": 3}
+    assert counts == {"no-node": 2, "launch-ahead": 1, "group-full": 0, "claimable": 3}
     svg = pending_svg(pending_reasons(tasks, ctx))
-    assert svg.count("<rect") == 3 and "launch time ahead" in svg
+    assert svg.count("<rect") == 4 and "launch time ahead" in svg
     # with no live node at all, nothing matches
     assert {r.key: n for r, n in pending_reasons(tasks, WaitContext(NOW, []))}["no-node"] == 6
 
@@ -126,9 +127,18 @@ def test_a_reason_can_be_added_before_claimable() -> None:
     ctx = WaitContext(NOW, [{}], extra={"full": {"g1"}})
     tasks = [_info("a", TaskState.PENDING, props={"group": "g1"}), _info("b", TaskState.PENDING)]
     got = pending_reasons(tasks, ctx, [*charts.PENDING_REASONS, in_group])
-    assert [(r.key, n) for r, n in got] == [("no-node", 0), ("launch-ahead", 0), ("group-limit", 1),
-                                            ("claimable", 1)]
+    assert [(r.key, n) for r, n in got] == [("no-node", 0), ("launch-ahead", 0), ("group-full", 0),
+                                            ("group-limit", 1), ("claimable", 1)]
     assert 'class="bar group-limit"' in pending_svg(got)
+
+
+def test_a_task_of_a_full_group_waits_for_its_group() -> None:
+    full = GroupUsage(Limit("g", 1), running=1)
+    ctx = WaitContext(NOW, [{}], extra={"group_usage": {"g": full, "h": GroupUsage(Limit("h", 2))}})
+    tasks = [_info("a", TaskState.PENDING, group="g"), _info("b", TaskState.PENDING, group="h"),
+             _info("c", TaskState.PENDING)]
+    got = {r.key: n for r, n in pending_reasons(tasks, ctx)}
+    assert (got["group-full"], got["claimable"]) == (1, 2)
 
 
 def test_no_pending_task_says_so() -> None:
@@ -170,7 +180,8 @@ def test_read_charts_on_a_real_store_caps_each_state(url: str) -> None:
             full = read_charts(client, now, counts)
             assert sum(full.throughput.claims) == 3 and sum(full.throughput.done) == 2
             assert [(b.id, b.tasks, b.share) for b in full.nodes] == [(HOSTILE, 1, 1.0)]
-            assert {r.key: n for r, n in full.pending} == {"no-node": 0, "launch-ahead": 0, "claimable": 2}
+            assert {r.key: n for r, n in full.pending} == {"no-node": 0, "launch-ahead": 0,
+                                                           "group-full": 0, "claimable": 2}
             assert "&lt;script&gt;" in nodes_svg(full.nodes) and "<script" not in nodes_svg(full.nodes)
         finally:
             node.close()

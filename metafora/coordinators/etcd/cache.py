@@ -173,12 +173,13 @@ class TaskCache:
 
     def claimable(self, now: datetime) -> int | None:
         """How many tasks are claimable now (unfinished, unowned or owned by a node that is
-        gone, launched, not expired); None while no watch stream follows the store.
+        gone, launched, not expired); None before a first re-list filled the cache.
 
         A walk of the cache: the balancers ask once per counts read (at most every second),
-        with the counts, never per offer.
+        with the counts, never per offer. A cache filled but not yet confirmed live answers
+        too: the offers a node starts with come from that same re-list.
         """
-        if not (self.live and self.ready):
+        if not self.ready:
             return None
         live = self._live_nodes
         count = 0

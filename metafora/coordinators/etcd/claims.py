@@ -16,6 +16,7 @@ from metafora.coordinators.etcd.cache import Entry, Known, TaskCache
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso, props_of
 from metafora.coordinators.etcd.lease import NodeLease
+from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import Held, NodeState
 from metafora.coordinators.etcd.ops import (
     Compare,
@@ -24,6 +25,7 @@ from metafora.coordinators.etcd.ops import (
     Put,
     Range,
     TxnRequest,
+    TxnResult,
     absent,
     modified_at,
 )
@@ -48,7 +50,8 @@ class Claims:
     """
 
     def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState,
-                 cache: TaskCache, lease: NodeLease) -> None:
+                 cache: TaskCache, lease: NodeLease, limits: GroupLimits) -> None:
+        self._limits = limits
         self._driver = driver
         self._keys = keys
         self._clock = clock
@@ -129,11 +132,30 @@ class Claims:
             items = [(t, k) for t, k in items if self._claimable(t.id, k)]
             if not items:
                 break
-            chunks = [items[i:i + CLAIM_TXN_TASKS] for i in range(0, len(items), CLAIM_TXN_TASKS)]
+            plain = [(t, k) for t, k in items if _group(k) is None]
+            chunks = [plain[i:i + CLAIM_TXN_TASKS] for i in range(0, len(plain), CLAIM_TXN_TASKS)]
             requests = [self._claim_request(chunk, lease) for chunk in chunks]
+            slots: list[list[bytes] | None] = [None] * len(chunks)  # None: no group
+            skipped: list[tuple[Task, Known]] = []  # not tried: their group's view is full
+            try:
+                skipped = self._grouped_requests(
+                    [(t, k) for t, k in items if _group(k) is not None], lease, chunks, requests,
+                    slots)
+            except MetaforaError as exc:  # the groups' limits could not be read: not now
+                error = exc
+            if not requests:
+                break
             answers = self._driver.txns(requests, repeatable=True)
             items = []
-            for chunk, answer in zip(chunks, answers, strict=True):
+            refused: set[str] = set()  # groups a claim was refused in: read again, try again
+            for chunk, answer, taken in zip(chunks, answers, slots, strict=True):
+                if taken is not None:  # a claim of a limited group's task: one a txn
+                    won, again = self._grouped_answer(chunk[0], answer, taken, lease)
+                    claimed += won
+                    if not won:
+                        refused.add(_group(chunk[0][1]) or "")
+                        items += again
+                    continue
                 if isinstance(answer, LeaseNotFound):
                     self._lease.fence("etcd refused a claim: lease not found")
                     return claimed
@@ -171,12 +193,68 @@ class Claims:
                     rec = TaskRecord(props=props_kvs[0],
                                      running=running_kvs[0] if running_kvs else None)
                     items.append((task, Entry.from_record(task.id, rec).known()))
+            items += [(t, k) for t, k in skipped if _group(k) in refused]
         if error is not None:
             if not claimed:
                 raise error
             log.warning("node %s: some claims failed (%s); their tasks are offered again at the "
                         "next re-list", self._state.node_id, error, extra=self._state.extra)
         return claimed
+
+    def _grouped_requests(self, grouped: list[tuple[Task, Known]], lease: int,
+                          chunks: list[list[tuple[Task, Known]]], requests: list[TxnRequest],
+                          slots: list[list[bytes] | None]) -> list[tuple[Task, Known]]:
+        """One txn per task of a group (appended to ``chunks``/``requests``/``slots``): its
+        claim plus the compares and puts of a free slot of its group (see limits.py). A task
+        whose group the view shows full is not tried: those are returned."""
+        skipped: list[tuple[Task, Known]] = []
+        if not grouped:
+            return skipped
+        views = self._limits.views(g for _, k in grouped if (g := _group(k)) is not None)
+        tried: dict[str, int] = {}
+        for task, known in grouped:
+            group = _group(known)
+            assert group is not None
+            nth = tried[group] = tried.get(group, -1) + 1
+            ops = self._limits.claim_ops(known.task(task.id), views[group], lease, nth)
+            if ops is None:
+                skipped.append((task, known))
+                continue
+            compares, puts, taken = ops
+            base = self._claim_request([(task, known)], lease)
+            chunks.append([(task, known)])
+            requests.append(([*base[0], *compares], [*base[1], *puts], base[2]))
+            slots.append(taken)
+        return skipped
+
+    def _grouped_answer(self, item: tuple[Task, Known], answer: TxnResult | MetaforaError,
+                        taken: list[bytes], lease: int
+                        ) -> tuple[list[Task], list[tuple[Task, Known]]]:
+        """The claim a grouped txn made; else nothing, and the task to try again when its own
+        keys (read by the failure branch) say it is still free -- the refusal was its group's
+        (its view is dropped, so the next round reads it again)."""
+        task, known = item
+        group = _group(known)
+        assert group is not None
+        if isinstance(answer, LeaseNotFound):
+            self._lease.fence("etcd refused a claim: lease not found")
+            return [], []
+        if isinstance(answer, MetaforaError) or not answer.succeeded:
+            self._limits.drop(group)
+            if isinstance(answer, MetaforaError):
+                return [], []
+            props_kvs, state_kvs, owner_kvs, running_kvs = answer.ranges[:4]
+            if owner_kvs or state_kvs or not props_kvs:
+                return [], []
+            rec = TaskRecord(props=props_kvs[0], running=running_kvs[0] if running_kvs else None)
+            return [], [(task, Entry.from_record(task.id, rec).known())]
+        made = known.task(task.id, answer.revision)
+        self._limits.took(made, taken)
+        got = self._took(made, lease)
+        if got is None:
+            self._limits.free_lost([made])
+            return [], []
+        return [got], []
 
     def _claim_request(self, chunk: list[tuple[Task, Known]], lease: int) -> TxnRequest:
         """The txn claiming every task of ``chunk``; its failure branch reads them back."""
@@ -300,6 +378,11 @@ class Claims:
         """The claims this node holds now (as it believes)."""
         with self._state.lock:
             return [h.task for h in self._state.held.values()]
+
+
+def _group(known: Known) -> str | None:
+    """The group of a task as stored (what its claim must mind), None for none."""
+    return known.stored.group if known.stored is not None else None
 
 
 @functools.lru_cache(maxsize=64)

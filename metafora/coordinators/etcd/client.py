@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
+from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import new_command_name
@@ -60,6 +61,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.limits import GroupUsage, Limit
 from metafora.schedule import Schedule
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
@@ -391,6 +393,18 @@ class EtcdClient(Client):
     def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
         self._check_open()
         _schedules.set_paused(self._driver, self._keys, name, paused, now)
+
+    def group_usage(self) -> dict[str, GroupUsage]:
+        self._check_open()
+        return _limits.group_usage(self.driver, self.keys)
+
+    def _limit_put(self, limit: Limit) -> None:
+        self._check_open()
+        _limits.put_limit(self.driver, self.keys, limit)
+
+    def _limit_delete(self, group: str) -> None:
+        self._check_open()
+        _limits.delete_limit(self.driver, self.keys, group)
 
     def close(self) -> None:
         if self._closed:

@@ -60,6 +60,7 @@ from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.lease import NodeLease
+from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
@@ -112,9 +113,11 @@ class EtcdCoordinator(Coordinator):
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
+        self._limits = GroupLimits(self._driver, self._keys, clock)
+        self._state.on_lost = self._limits.free_lost_later
         self._claims = Claims(self._driver, self._keys, clock, self._state, self._cache,
-                              self._lease)
-        self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state)
+                              self._lease, self._limits)
+        self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state, self._limits)
         self._watch = NamespaceWatch(self._driver, self._keys, config, clock, self._state,
                                      self._cache, expire=self._claims.expire,
                                      commands_queued=self._commands.ring)
@@ -354,14 +357,14 @@ class EtcdCoordinator(Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         view = self._watch.cached_members(active=True)
-        self._claimable = None if view is None else self._watch.cached_claimable(self._clock.now())
+        self._claimable = self._watch.cached_claimable(self._clock.now())
         counts, found = view if view is not None else active_task_count(self._driver, self._keys)
         self._remember(found)
         return counts
 
     def claimable_count(self) -> int | None:
-        """Tasks claimable at the last :meth:`active_task_count`, from the same watch cache
-        (None when that read went to etcd: no watch stream followed the store)."""
+        """Tasks claimable at the last :meth:`active_task_count`, from the watch cache (None
+        before its first re-list)."""
         return self._claimable
 
     def _remember(self, found: dict[str, Member]) -> dict[str, Member]:

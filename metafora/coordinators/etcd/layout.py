@@ -23,6 +23,11 @@ exactly one path segment::
     state/<id>              state-machine state of the task (fenced by the claim; written by
                             :mod:`metafora.statemachine.stores.etcd`)
     taskcmds/<id>/<...>     state-machine commands to the task (same module)
+    limits/<group>          {"max": N, "rate": [count, seconds]}: a group's limit (docs/limits.md)
+    slots/<group>/<i>       "<task id>": concurrency slot i of the group (0 <= i < max), held by a
+                            claim, attached to the claimer's lease; deleted by its outcome
+    rates/<group>/<j>       "<task id>": rate slot j (0 <= j < count), put by a claim on a lease
+                            that outlives the rate window
     schedules/<name>        a periodic schedule (JSON, see :mod:`metafora.coordinators.etcd.schedules`);
                             mod_revision = its compare-and-set version
 
@@ -49,6 +54,7 @@ from metafora.task import (
     TaskInfo,
     TaskState,
     parse_time,
+    validate_group,
     validate_labels,
     validate_priority,
     validate_spread,
@@ -131,6 +137,9 @@ class Keys:
         self.states = self.root + b"state/"
         self.task_commands = self.root + b"taskcmds/"
         self.schedules = self.root + b"schedules/"
+        self.limits = self.root + b"limits/"  # limits/<group>: the limit (JSON)
+        self.slots = self.root + b"slots/"  # slots/<group>/<i>: a held concurrency slot
+        self.rates = self.root + b"rates/"  # rates/<group>/<j>: a claim inside the rate window
         self._task_keys: dict[str, TaskKeys] = {}
 
     def schedule(self, name: str) -> bytes:
@@ -241,11 +250,12 @@ class StoredProps:
     priority: int = 0
     prefer: dict[str, str] = field(default_factory=dict)
     spread: str | None = None
+    group: str | None = None
 
     def task(self, task_id: str, token: int = 0) -> Task:
         """The task this record describes, carrying ``token``."""
         return Task(task_id, self.props, token, selector=self.selector, priority=self.priority,
-                    prefer=self.prefer, spread=self.spread)
+                    prefer=self.prefer, spread=self.spread, group=self.group)
 
 
 def task_record(task: Task, created: str) -> bytes:
@@ -259,6 +269,8 @@ def task_record(task: Task, created: str) -> bytes:
         record["prefer"] = dict(task.prefer)
     if task.spread is not None:
         record["spread"] = task.spread
+    if task.group is not None:
+        record["group"] = task.group
     return encode_json(record)
 
 
@@ -289,10 +301,11 @@ def props_of(kv: KeyValue, task_id: str) -> StoredProps:
         priority = validate_priority(data.get("priority", 0))
         prefer = validate_labels(data.get("prefer") or {}, f"stored prefer of task {task_id!r}")
         spread = validate_spread(data.get("spread"))
+        group = validate_group(data.get("group"))
     except InvalidProps as exc:
         return StoredProps({}, None, str(exc))
     return StoredProps(props, _time(data.get("created_at")), selector=selector, priority=priority,
-                       prefer=prefer, spread=spread)
+                       prefer=prefer, spread=spread, group=group)
 
 
 def state_of(kv: KeyValue) -> tuple[TaskState, dict[str, Any]]:
@@ -356,6 +369,7 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
         priority=stored.priority,
         prefer=stored.prefer,
         spread=stored.spread,
+        group=stored.group,
     )
 
 

@@ -54,6 +54,8 @@ class NodeState:
         self.held: dict[str, Held] = {}
         self.lease_id: int | None = None  # None while the node has no lease (fenced, closed)
         self.renewed_at = 0.0  # monotonic: the start of the last good renewal
+        # Told of lost claims before the context is (the limits free their slots).
+        self.on_lost: Callable[[list[Task]], None] | None = None
         self._threads: list[threading.Thread] = []
 
     def check_open(self) -> None:
@@ -80,6 +82,8 @@ class NodeState:
 
     def notify_lost(self, tasks: list[Task]) -> None:
         """Tell the context each of ``tasks`` is lost (not holding the lock)."""
+        if tasks and self.on_lost is not None:
+            self.on_lost(tasks)
         ctx = self.ctx
         if ctx is None:
             return

@@ -30,6 +30,7 @@ from metafora.clock import Clock
 from metafora.coordinator import Finish, Outcome, error_text
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
+from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import (
     Compare,
@@ -116,7 +117,9 @@ class EtcdOutcomeBatcher:
     """Writes outcomes of this node's claims, many per etcd txn (several txns in flight), each
     fenced by its claim's owner key and token."""
 
-    def __init__(self, driver: EtcdDriver, keys: Keys, node_id: str, clock: Clock) -> None:
+    def __init__(self, driver: EtcdDriver, keys: Keys, node_id: str, clock: Clock,
+                 slots_of: Callable[[Task], list[bytes]] = lambda task: []) -> None:
+        self._slots_of = slots_of
         self._driver = driver
         self._keys = keys
         self._node_bytes = node_id.encode()
@@ -136,6 +139,7 @@ class EtcdOutcomeBatcher:
             writes.append(Put(tk.state, value))
             size += len(tk.state) + len(value)
         writes += [Delete(tk.owner), Delete(tk.running)]  # an outcome: no crash
+        writes += [Delete(slot) for slot in self._slots_of(task)]  # its group's slot is free
         return _Item(
             index,
             finish,
@@ -264,9 +268,11 @@ class ClaimOutcomes:
     :class:`EtcdOutcomeBatcher`, concurrent single ones group-committed (:class:`GroupCommit`),
     and the claims held (in the shared :class:`~.node.NodeState`) kept in step."""
 
-    def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState) -> None:
+    def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState,
+                 limits: GroupLimits) -> None:
         self._state = state
-        self._batcher = EtcdOutcomeBatcher(driver, keys, state.node_id, clock)
+        self._limits = limits
+        self._batcher = EtcdOutcomeBatcher(driver, keys, state.node_id, clock, limits.peek_slots)
         self._commit: GroupCommit[Finish, MetaforaError | None] = GroupCommit(
             self._batcher.write, COMMIT_BATCH
         )
@@ -322,6 +328,15 @@ class ClaimOutcomes:
     def _finished(self, finishes: list[Finish], results: list[MetaforaError | None]) -> None:
         """Forget the claims whose outcome was written, or refused (kept while etcd could not
         be reached: the caller retries)."""
+        lost = []
+        for finish, error in zip(finishes, results, strict=True):
+            if not isinstance(error, CoordinatorUnavailable | CoordinatorClosed):
+                if error is None:
+                    self._limits.held_slots(finish.task)  # deleted by the outcome's txn
+                else:
+                    lost.append(finish.task)
+        if lost:
+            self._limits.free_lost_later(lost)
         with self._state.lock:
             for finish, error in zip(finishes, results, strict=True):
                 if isinstance(error, CoordinatorUnavailable | CoordinatorClosed):

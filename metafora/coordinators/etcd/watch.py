@@ -324,8 +324,7 @@ class NamespaceWatch:
         return None if counts is None or found is None else (counts, found)
 
     def cached_claimable(self, now: datetime) -> int | None:
-        """Tasks claimable now as the watch cache sees them; None while no watch stream
-        follows the store."""
+        """Tasks claimable now as the watch cache sees them; None before its first re-list."""
         with self._state.lock:
             return self._cache.claimable(now)
 

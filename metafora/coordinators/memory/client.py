@@ -16,12 +16,14 @@ from metafora.coordinator import (
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.errors import (
     CoordinatorClosed,
+    LimitNotFound,
     NodeNotFound,
     ScheduleExists,
     ScheduleNotFound,
     TaskExists,
     TaskNotFound,
 )
+from metafora.limits import GroupUsage, Limit
 from metafora.schedule import Schedule
 from metafora.task import (
     Task,
@@ -223,6 +225,30 @@ class MemoryClient(Client):
                 return
             cursor = found.cursor if paused else max(found.cursor, now)
             s.schedule_changed(dataclasses.replace(found, paused=paused, cursor=cursor), name)
+
+    def group_usage(self) -> dict[str, GroupUsage]:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            now = s.clock.now()
+            found = {group: s.group_usage(group, now) for group in s.limits}
+            return {group: usage for group, usage in found.items() if usage is not None}
+
+    def _limit_put(self, limit: Limit) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            s.limits[limit.group] = limit
+            s.bump()  # a raised limit lets waiting tasks in
+
+    def _limit_delete(self, group: str) -> None:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            if s.limits.pop(group, None) is None:
+                raise LimitNotFound(f"no limit is set on group {group!r}")
+            s.rate_log.pop(group, None)
+            s.bump()
 
     def close(self) -> None:
         self._closed = True

@@ -137,6 +137,8 @@ class MemoryCoordinator(Coordinator):
                 row.finished_at = now
                 s.bump()
                 return None
+            if not s.take_slot(row.group, now):
+                return None  # the task's group is at its limit
             s.token_seq += 1
             row.state = TaskState.CLAIMED
             row.owner = self._node_id
@@ -144,6 +146,14 @@ class MemoryCoordinator(Coordinator):
             row.claimed_at = now
             row.attempts += 1
             return row.task()
+
+    def claimable(self, tasks: Sequence[Task]) -> list[Task]:
+        """Those of ``tasks`` that are still claimable, in order (no claim is made)."""
+        s = self._store
+        with s.cond:
+            now = s.clock.now()
+            return [t for t in tasks if (row := s.tasks.get(t.id)) is not None
+                    and s.claimable(row, now)]
 
     def _fenced(self, task: Task) -> Row:
         self._check_open()

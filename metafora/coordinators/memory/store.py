@@ -9,7 +9,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from metafora.clock import SYSTEM_CLOCK, Clock
@@ -20,6 +20,7 @@ from metafora.coordinator import (
 from metafora.errors import (
     ConfigError,
 )
+from metafora.limits import GroupUsage, Limit
 from metafora.schedule import Schedule
 from metafora.task import (
     Task,
@@ -51,16 +52,18 @@ class Row:
     priority: int = 0
     prefer: dict[str, str] = field(default_factory=dict)
     spread: str | None = None
+    group: str | None = None
 
     @classmethod
     def new(cls, task: Task, now: datetime) -> Row:
         return cls(task.id, dict(task.props), TaskState.PENDING, now,
                    selector=dict(task.selector), priority=task.priority,
-                   prefer=dict(task.prefer), spread=task.spread)
+                   prefer=dict(task.prefer), spread=task.spread, group=task.group)
 
     def task(self) -> Task:
         return Task(self.task_id, self.props, self.token, selector=self.selector,
-                    priority=self.priority, prefer=self.prefer, spread=self.spread)
+                    priority=self.priority, prefer=self.prefer, spread=self.spread,
+                    group=self.group)
 
     def info(self) -> TaskInfo:
         return TaskInfo(
@@ -78,6 +81,7 @@ class Row:
             priority=self.priority,
             prefer=dict(self.prefer),
             spread=self.spread,
+            group=self.group,
         )
 
 
@@ -112,6 +116,38 @@ class MemoryStore:
         # coordinator keeps where it lives, as SQL's metafora_state and etcd's state/<id>
         # do; what it means is the state machine's (metafora.statemachine.stores.memory).
         self.task_states: dict[str, tuple[int, str, weakref.ref[Row]]] = {}
+        self.limits: dict[str, Limit] = {}
+        self.rate_log: dict[str, deque[datetime]] = {}  # claim times per rate-limited group
+
+    def group_usage(self, group: str, now: datetime) -> GroupUsage | None:
+        """The usage of a limited group now (None: no limit); prunes its rate log."""
+        limit = self.limits.get(group)
+        if limit is None:
+            return None
+        running = sum(1 for row in self.tasks.values() if row.group == group
+                      and row.state is TaskState.CLAIMED and row.owner in self.nodes)
+        recent = 0
+        if limit.rate is not None:
+            log_ = self.rate_log.setdefault(group, deque())
+            edge = now - timedelta(seconds=limit.rate.window)
+            while log_ and log_[0] <= edge:
+                log_.popleft()
+            recent = len(log_)
+        return GroupUsage(limit, running, recent)
+
+    def take_slot(self, group: str | None, now: datetime) -> bool:
+        """Whether a claim of a task of ``group`` fits its limit now; if so, it is counted
+        (the caller holds ``cond`` and makes the claim)."""
+        if group is None:
+            return True
+        usage = self.group_usage(group, now)
+        if usage is None:
+            return True
+        if usage.full() is not None:
+            return False
+        if usage.limit.rate is not None:
+            self.rate_log[group].append(now)
+        return True
 
     def task_state(self, task_id: str) -> tuple[int, str] | None:
         """(token, body) of the task's stored state-machine state, or None (the caller

@@ -24,7 +24,7 @@ from metafora.coordinators.sql.lease import Lease, release_untracked
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database, HotCursor
 from metafora.errors import ClaimLost, MetaforaError
-from metafora.task import Task, decode_labels, decode_placement, decode_props
+from metafora.task import Task, decode_labels, decode_props, decode_soft
 
 __all__ = ["ClaimOutcomes", "Claims", "FusedClaim"]
 
@@ -61,8 +61,11 @@ class Claims:
         self._contended = False  # the last claim_many lost most of its offers (SQLite)
 
     def claim(self, task: Task) -> Task | None:
-        """Claim one task (one statement); None when it is not claimable by this node."""
-        got = self._claim([task.id], 1)
+        """Claim one task (one statement); None when it is not claimable by this node.
+
+        The statement that minds group limits, whatever ``task.group`` says: a task built
+        by hand may not carry its stored group."""
+        got = self._claim([task.id], 1, {task.id: task.group or ""})
         return got[0] if got else None
 
     def claim_many(self, tasks: Sequence[Task], limit: int) -> list[Task]:
@@ -83,7 +86,8 @@ class Claims:
             ids = self._still_claimable(ids)
             if not ids:
                 return []
-        claimed = self._claim(ids, limit)
+        groups: dict[str, str | None] = {t.id: t.group for t in tasks if t.group is not None}
+        claimed = self._claim(ids, limit, groups or None)
         self._contended = len(claimed) < min(limit, offered) * (1 - _CONTENDED)
         return claimed
 
@@ -111,9 +115,11 @@ class Claims:
         """Whether this node holds ``task`` already (no I/O)."""
         return self._lease.holds(task.id)
 
-    def _claim(self, ids: list[str], limit: int) -> list[Task]:
+    def _claim(self, ids: list[str], limit: int,
+               groups: dict[str, str | None] | None = None) -> list[Task]:
         """Claim up to ``limit`` of ``ids`` in one transaction (one: the single-row
-        statement; more: ``claim_many``, 100 ids per statement)."""
+        statement; more: ``claim_many``, 100 ids per statement). ``groups`` (offered task id ->
+        its group) given: the statements that mind the groups' limits (see limits.py)."""
         max_crashes = self._context().max_crashes
         started = self._lease.begin_claim(ids)
         if started is None:
@@ -125,7 +131,7 @@ class Claims:
         try:
             params = self._params(session)
             with self._db.hot() as cur:
-                rows, _ = self._claim_rows(cur, ids, limit, params, None)
+                rows, _ = self._claim_rows(cur, ids, limit, params, None, groups)
             claimed = self._parse_rows(ids, rows, max_crashes)
         finally:
             kept = self._lease.end_claim(ids, epoch, claimed)
@@ -142,6 +148,7 @@ class Claims:
         if limit <= 0 or not ids:
             self._context()
             return outcomes.finish_many(finishes), []
+        groups: dict[str, str | None] = {t.id: t.group for t in tasks if t.group is not None}
         max_crashes = self._context().max_crashes
         started = self._lease.begin_claim(ids)
         if started is None:
@@ -155,7 +162,7 @@ class Claims:
 
         def claim(cur: HotCursor, done_rows: str | None) -> list[tuple[Any, ...]]:
             nonlocal rows
-            rows, done = self._claim_rows(cur, ids, limit, params, done_rows)
+            rows, done = self._claim_rows(cur, ids, limit, params, done_rows, groups or None)
             return done
 
         try:
@@ -170,18 +177,25 @@ class Claims:
                 "labels": self._lease.labels_json() or "{}"}
 
     def _claim_rows(self, cur: HotCursor, ids: list[str], limit: int, params: dict[str, Any],
-                    done_rows: str | None) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+                    done_rows: str | None, groups: dict[str, str | None] | None,
+                    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         """The claim statements (one: the single-row statement; more: ``claim_many``, 100 ids
-        per statement): the claimed rows, and with ``done_rows`` (PostgreSQL) the rows its
-        first statement (``claim_done_many``) recorded done."""
+        per statement; ``groups`` (offered task id -> its group) given: the statements that
+        mind the groups' limits, see limits.py): the claimed rows, and with ``done_rows``
+        (PostgreSQL) the rows recorded done -- by the first claim statement
+        (``claim_done_many``), or with groups by ``done_many`` just before."""
         rows: list[tuple[Any, ...]] = []
         done: list[tuple[Any, ...]] = []
-        if len(ids) == 1 and done_rows is None:
+        if len(ids) == 1 and done_rows is None and groups is None:
             row = cur.one("claim", dict(params, id=ids[0]))
             rows = [] if row is None else [(ids[0], *row)]
             if rows:
                 cur.token_used(int(rows[0][1]))
             return rows, done
+        if done_rows is not None and groups is not None:
+            done = cur.all("done_many", {"node": self._node_id, "rows": done_rows})
+            done_rows = None
+        many = "claim_many" if groups is None else "claim_many_grouped"
         for start in range(0, len(ids), _CLAIM_MANY_MAX):
             if len(rows) >= limit:
                 break
@@ -194,10 +208,12 @@ class Claims:
                     (done if row[-1] else got).append(row[:-1])
                 done_rows = None
             else:
-                got = cur.all("claim_many", chunk)
+                got = cur.all(many, chunk)
             if got:
                 # SQLite: the next chunk's tokens are counted from the counter row.
                 cur.token_used(max(int(r[1]) for r in got))
+                if groups is not None and self._db.dialect.name == "sqlite":
+                    self._log_rates(cur, [groups.get(str(r[0])) for r in got])
             rows += got
         return rows, done
 
@@ -222,16 +238,26 @@ class Claims:
             return []
         return claimed
 
+    @staticmethod
+    def _log_rates(cur: HotCursor, groups: list[str | None]) -> None:
+        """SQLite: log the claims of rate-limited groups in the claim's transaction (PostgreSQL
+        logs them in the claim statement itself)."""
+        named = [g for g in groups if g]
+        if named:
+            text = json.dumps(named)
+            cur.all("rate_log_prune", {"groups": text})
+            cur.all("rate_log_add", {"groups": text})
+
     def _parse_claimed(self, task_id: str, props_text: str, token: int, crashes: int,
                        max_crashes: int | None, selector: str | None = None,
                        priority: int | None = 0,
                        placement: str | None = None) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            prefer, spread = decode_placement(placement, task_id)
+            prefer, spread, group = decode_soft(placement, task_id)
             task = Task(task_id, decode_props(props_text, task_id), token,
                         selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread)
+                        priority=int(priority or 0), prefer=prefer, spread=spread, group=group)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:

@@ -14,6 +14,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.members import stored_weight
+from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
@@ -26,14 +27,15 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.limits import GroupUsage, Limit
 from metafora.schedule import Schedule
 from metafora.task import (
     Task,
     TaskInfo,
     TaskState,
     decode_labels,
-    decode_placement,
     decode_props,
+    decode_soft,
     validate_schedule,
     validate_task_id,
 )
@@ -77,11 +79,11 @@ def _selector(raw: str | None, task_id: str) -> dict[str, str]:
 
 def _placement(raw: str | None, task_id: str) -> dict[str, Any]:
     try:
-        prefer, spread = decode_placement(raw, task_id)
+        prefer, spread, group = decode_soft(raw, task_id)
     except InvalidProps as exc:  # written around metafora: listed without it
         log.warning("%s", exc, extra={"task": task_id})
         return {}
-    return {"prefer": prefer, "spread": spread}
+    return {"prefer": prefer, "spread": spread, "group": group}
 
 
 def _labels(raw: str | None, node_id: str) -> dict[str, str]:
@@ -391,6 +393,15 @@ class SQLClient(Client):
 
     def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
         _schedules.set_paused(self._ready(), name, paused, now)
+
+    def group_usage(self) -> dict[str, GroupUsage]:
+        return _limits.group_usage(self._ready())
+
+    def _limit_put(self, limit: Limit) -> None:
+        _limits.put_limit(self._ready(), limit)
+
+    def _limit_delete(self, group: str) -> None:
+        _limits.delete_limit(self._ready(), group)
 
     def close(self) -> None:
         if not self._closed.is_set():

@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 
+from metafora.coordinators.sql.limits import PG_ROOM_FUNCTION, pg_fragments, sqlite_fragments
 from metafora.coordinators.sql.options import SQLConfig
 
 __all__ = ["Dialect", "PostgresDialect", "SQLiteDialect", "channel_name", "make_dialect"]
@@ -112,6 +113,10 @@ class Dialect(abc.ABC):
         """Whether taking a token needs :meth:`bump_counter` in the same transaction."""
         return False
 
+    def limits_ddl(self) -> list[str]:
+        """Statements the limits migration adds for this database (PostgreSQL: a function)."""
+        return []
+
 
 class PostgresDialect(Dialect):
     """PostgreSQL through psycopg 3: a SEQUENCE for tokens, LISTEN/NOTIFY for wake-ups."""
@@ -157,7 +162,11 @@ class PostgresDialect(Dialect):
                 "(metafora_tasks.selector IS NULL OR CAST(metafora_tasks.selector AS jsonb)"
                 " <@ CAST(:labels AS jsonb))"
             ),
+            **pg_fragments(),
         }
+
+    def limits_ddl(self) -> list[str]:
+        return [PG_ROOM_FUNCTION]
 
     def ddl_types(self) -> dict[str, str]:
         return {
@@ -284,6 +293,7 @@ class SQLiteDialect(Dialect):
                 " json_each(metafora_tasks.selector) s WHERE NOT EXISTS (SELECT 1 FROM"
                 " json_each(:labels) l WHERE l.key = s.key AND l.value = s.value)))"
             ),
+            **sqlite_fragments(),
         }
 
     @property

@@ -25,6 +25,11 @@ Tables (all prefixed ``metafora_``):
 - ``schedules`` (v5): one row per periodic schedule: ``every_secs`` or ``cron``, props, the
   ``missed`` policy, ``paused``, ``tick_cursor`` (every tick at or before it is settled) and
   ``version`` (the compare-and-set token materialising a tick checks).
+- ``limits`` (v8): one row per limited
+  group: ``max_running`` and/or ``rate_count`` per ``rate_secs``. ``tasks.grp`` (v8) is the
+  task's group; ``rate_log`` (v8) holds the claim times of rate-limited groups inside their
+  window (older rows are pruned by the next claim of the group). PostgreSQL also gets the
+  function ``metafora_group_room(ns, grp)`` the claim statements call (see ``Dialect.limits_ddl``).
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
 """
 
@@ -158,6 +163,38 @@ def _v7_node_weight(conn: Connection, dialect: Dialect) -> None:
                       " DEFAULT 1.0"))
 
 
+_V8_LIMITS = [
+    "ALTER TABLE metafora_tasks ADD COLUMN grp {key}",
+    # A group's live claims are counted through this index (claimed rows of the group only).
+    "CREATE INDEX metafora_tasks_group ON metafora_tasks (namespace, grp, owner)"
+    " WHERE state = 'claimed' AND grp IS NOT NULL",
+    """CREATE TABLE metafora_limits (
+        namespace {key} NOT NULL,
+        grp {key} NOT NULL,
+        max_running INTEGER CHECK (max_running IS NULL OR max_running >= 1),
+        rate_count INTEGER CHECK (rate_count IS NULL OR rate_count >= 1),
+        rate_secs INTEGER CHECK (rate_secs IS NULL OR rate_secs >= 1),
+        updated_at {ts} NOT NULL,
+        PRIMARY KEY (namespace, grp),
+        CHECK ((rate_count IS NULL) = (rate_secs IS NULL))
+    )""",
+    """CREATE TABLE metafora_rate_log (
+        namespace {key} NOT NULL,
+        grp {key} NOT NULL,
+        at {ts} NOT NULL
+    )""",
+    "CREATE INDEX metafora_rate_log_at ON metafora_rate_log (namespace, grp, at)",
+]
+
+
+def _v8_limits(conn: Connection, dialect: Dialect) -> None:
+    types = dialect.ddl_types()
+    for ddl in _V8_LIMITS:
+        conn.execute(text(ddl.format(**types)))
+    for ddl in dialect.limits_ddl():
+        conn.execute(text(ddl))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
@@ -167,6 +204,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("schedules: masterless periodic tasks", _v5_schedules),
     ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
     ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
+    ("tasks.grp, limits and rate_log: cluster-wide limits per task group", _v8_limits),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

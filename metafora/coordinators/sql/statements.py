@@ -11,6 +11,7 @@ from __future__ import annotations
 from sqlalchemy import TextClause, bindparam, text
 
 from metafora.coordinators.sql.dialect import Dialect
+from metafora.coordinators.sql.limits import SQL as LIMIT_SQL
 
 __all__ = ["BATCH", "INFO_COLUMNS", "Statements"]
 
@@ -89,7 +90,8 @@ _SQL: dict[str, str] = {
         "UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
         + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
-        " AND id = :id AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE + "{lock})"
+        " AND id = :id AND grp IS NULL AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
+        + "{lock})"
         " RETURNING token, props, crashes, selector, priority, placement"
     ),
     # Several offered tasks at once, in one statement: whichever are still claimable, up to
@@ -100,7 +102,7 @@ _SQL: dict[str, str] = {
     # since the last ANALYZE) scan the whole namespace once per claimed row.
     "claim_many": (
         "WITH picked AS MATERIALIZED (SELECT id, {offered_pos} AS pos FROM {offered_tasks}"
-        " AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
+        " AND metafora_tasks.grp IS NULL AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
         + " ORDER BY {offered_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
         " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
@@ -327,9 +329,9 @@ _SQL: dict[str, str] = {
     # -- the client -------------------------------------------------------------------------
     "submit": (
         "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-        " expires_at, attempts, created_at, updated_at, selector, priority, placement)"
+        " expires_at, attempts, created_at, updated_at, selector, priority, placement, grp)"
         " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
-        " {now}, {now}, :selector, :priority, :placement)"
+        " {now}, {now}, :selector, :priority, :placement, :grp)"
         " ON CONFLICT (namespace, id) DO NOTHING"
         " RETURNING ready, {notify_task}"
     ),
@@ -447,6 +449,17 @@ def _claim_done(claim_many: str) -> str:
 
 _SQL["claim_done_many"] = _claim_done(_SQL["claim_many"])
 
+_CLAIM_SET = (
+    "state = 'claimed', owner = :node, token = {next_token_at}, claimed_at = {now},"
+    " updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+)
+# Claims of tasks with a group, the limits and their log (see limits.py).
+_SQL.update({
+    name: sql.replace("CLAIMABLE", _CLAIMABLE).replace("ME_LIVE", _ME_LIVE)
+    .replace("CLAIM_SET", _CLAIM_SET)
+    for name, sql in LIMIT_SQL.items()
+})
+
 _EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 
 # Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N,
@@ -454,13 +467,14 @@ _EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 # the rows of a batch share one ready value.
 _SUBMIT_MANY = (
     "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-    " expires_at, attempts, created_at, updated_at, selector, priority, placement) VALUES {rows}"
+    " expires_at, attempts, created_at, updated_at, selector, priority, placement, grp)"
+    " VALUES {rows}"
     " ON CONFLICT (namespace, id) DO NOTHING RETURNING id, ready"
 )
 _SUBMIT_ROW = (
     "(:ns, :id_ROWNUM, :props_ROWNUM, 'pending', 0, {next_token}, :launch_at_ROWNUM,"
     " :expires_at_ROWNUM, 0, {now}, {now}, :selector_ROWNUM, :priority_ROWNUM,"
-    " :placement_ROWNUM)"
+    " :placement_ROWNUM, :grp_ROWNUM)"
 )
 
 

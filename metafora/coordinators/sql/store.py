@@ -365,4 +365,5 @@ def task_params(task: Task, db: Database, suffix: str = "") -> dict[str, Any]:
         f"selector{suffix}": task.selector_json(),
         f"priority{suffix}": task.priority,
         f"placement{suffix}": task.placement_json(),
+        f"grp{suffix}": task.group,
     }

@@ -38,8 +38,8 @@ from metafora.task import (
     MAX_TASK_ID_LENGTH,
     Task,
     decode_labels,
-    decode_placement,
     decode_props,
+    decode_soft,
     validate_task_id,
 )
 
@@ -363,10 +363,10 @@ class OfferShapes:
         key = (props, selector, priority, placement)
         shape = self._shapes.get(key)
         if shape is None:
-            prefer, spread = decode_placement(placement, task_id)
+            prefer, spread, group = decode_soft(placement, task_id)
             task = Task(task_id, decode_props(props, task_id),
                         selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread)
+                        priority=int(priority or 0), prefer=prefer, spread=spread, group=group)
             if all(v is None or len(v) <= _SHAPE_TEXT for v in (props, selector, placement)):
                 if len(self._shapes) >= _SHAPES:
                     self._shapes.clear()
