@@ -86,7 +86,6 @@ __all__ = ["Consumer"]
 log = logging.getLogger("metafora.consumer")
 
 _DRAIN_MAX = 1000  # events taken per pass of the loop, so deadlines are not starved
-_FUSE_LINGER = 0.005  # seconds an outcome waits for a claim to take it along (finish_and_claim)
 
 
 class _Context(CoordinatorContext):
@@ -218,10 +217,7 @@ class Consumer:
             max_tasks=options.max_tasks, back_off=self._offers.back_off,
             forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
             clock=clock, log=self._log)
-        self._offers.outcomes = self._finisher.writer  # claims take queued outcomes along
-        if self._offers.fuses_outcomes():
-            self._finisher.writer.linger = _FUSE_LINGER
-            self._finisher.writer.claim_soon = self._offers.claim_soon
+        self._offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
         self._handoffs = Handoffs(
             running=self._running, lock=self._lock, runner=self._runner,
             handoff_timeout=options.handoff_timeout, back_off=self._offers.back_off,

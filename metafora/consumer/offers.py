@@ -47,6 +47,7 @@ WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvo
 MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
 DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
 FUSED_OUTCOMES = 256  # queued outcomes sent along with one claim (finish_and_claim)
+FUSE_LINGER = 0.005  # seconds an outcome waits for a due claim to take it along
 
 
 def by_priority(task: Task) -> int:
@@ -500,9 +501,13 @@ class OfferRouter:
         finally:
             self._claiming = False
 
-    def fuses_outcomes(self) -> bool:
-        """Whether claims take queued outcomes along (the coordinator can)."""
-        return self.outcomes is not None and hasattr(self._coord, "finish_and_claim")
+    def fuse_outcomes(self, writer: OutcomeWriter) -> None:
+        """Where the coordinator can (``finish_and_claim``), claims take the outcomes queued
+        on ``writer`` along, and the writer leaves them to a due claim for ``FUSE_LINGER``."""
+        if hasattr(self._coord, "finish_and_claim"):
+            self.outcomes = writer
+            writer.linger = FUSE_LINGER
+            writer.claim_soon = self.claim_soon
 
     def claim_soon(self) -> bool:
         """Whether a claim is in flight or due (offers wait for a slot): the outcome writer

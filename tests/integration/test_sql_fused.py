@@ -69,9 +69,9 @@ def _sent(coord: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     original = claims._claim_rows
 
     def spy(cur: Any, ids: list[str], limit: int, params: dict[str, Any],
-            done_rows: str | None) -> Any:
+            done_rows: str | None, groups: Any) -> Any:
         sent.append(done_rows is not None)
-        return original(cur, ids, limit, params, done_rows)
+        return original(cur, ids, limit, params, done_rows, groups)
 
     monkeypatch.setattr(claims, "_claim_rows", spy)
     return sent
