@@ -103,3 +103,21 @@ def test_a_zombies_fused_outcome_and_claim_are_refused_whole(
     results, claimed = b.finish_and_claim([Finish(stolen, Outcome.DONE)], [Task("u")], 1)
     assert results == [None] and [t.id for t in claimed] == ["u"]
     assert _state(nodes, "t")[0] is TaskState.DONE
+
+
+def test_a_bulk_submit_refreshes_the_statistics_the_claims_are_planned_on(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    from metafora.coordinators.sql.client import ANALYZE_AFTER, SQLClient
+
+    client = nodes.client
+    assert isinstance(client, SQLClient)
+    calls: list[int] = []
+    original = SQLClient._analyze
+    monkeypatch.setattr(SQLClient, "_analyze", lambda self: (calls.append(1), original(self)))
+    client.submit_tasks(Task(f"s{i:05d}") for i in range(ANALYZE_AFTER - 1))
+    assert calls == []
+    client.submit_tasks(Task(f"b{i:05d}") for i in range(ANALYZE_AFTER))
+    assert calls == [1]  # and it ran (PostgreSQL) or was skipped (SQLite) without an error
+    if nodes.url.startswith("postgresql"):
+        (row,) = nodes.raw("SELECT reltuples FROM pg_class WHERE oid = 'metafora_tasks'::regclass")
+        assert row[0] >= 2 * ANALYZE_AFTER - 1
