@@ -299,7 +299,13 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     if not go.wait(120):
         raise SystemExit("no go from the benchmark in 120 s")
     if system.startswith("metafora"):
-        _metafora_worker(url, node, report)
+        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # benchmarks/hotpath.py
+        if trace:
+            from benchmarks.hotpath import count_statements
+            with count_statements(Path(trace) / f"{node}.json"):
+                _metafora_worker(url, node, report)
+        else:
+            _metafora_worker(url, node, report)
     elif system == "pgqueuer":
         asyncio.run(_pgqueuer_worker(url, report))
     elif system == "procrastinate":
@@ -310,6 +316,7 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
 
 def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
     from metafora import Consumer, Task, open_coordinator, simple_handler
+    from metafora.balancers import DumbBalancer
 
     async def noop(task: Task, stop: asyncio.Event) -> bool:
         report(task.id)
@@ -318,8 +325,10 @@ def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
             return False
         return True
 
+    # DumbBalancer, as SETTINGS say (and as the peers do: every worker takes what it can);
+    # FairBalancer, the Consumer's default since, waits out a cold start first.
     consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop),
-                        max_tasks=CONCURRENCY, shutdown_timeout=5)
+                        balancer=DumbBalancer(), max_tasks=CONCURRENCY, shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
 
     def announce() -> None:

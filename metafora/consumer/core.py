@@ -217,6 +217,7 @@ class Consumer:
             max_tasks=options.max_tasks, back_off=self._offers.back_off,
             forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
             clock=clock, log=self._log)
+        self._offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
         self._handoffs = Handoffs(
             running=self._running, lock=self._lock, runner=self._runner,
             handoff_timeout=options.handoff_timeout, back_off=self._offers.back_off,

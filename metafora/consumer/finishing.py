@@ -117,11 +117,15 @@ class Finisher:
                     self._let_go.append(entry.task)
             self._ended(entry, outcome)
             return None
-        return lambda: self._queue_outcome(entry, outcome, error)
+        return _OutcomeWrite(self, entry, outcome, error)
 
-    def _queue_outcome(self, entry: Running, outcome: Outcome,
-                       error: BaseException | None) -> None:
-        """Hand the outcome to the group commit (runs in the run's context, off the loop)."""
+    def _queue_outcome(self, entry: Running, outcome: Outcome, error: BaseException | None,
+                       *, queue_only: bool = False) -> bool:
+        """Hand the outcome to the group commit (runs in the run's context).
+
+        ``queue_only``: never block (the event loop calls it): False, with nothing done, when
+        the writer has stopped and the outcome would have to be written right here.
+        """
         end_span = tracing.start_outcome_span(outcome.value)
 
         def settle(result: MetaforaError | None) -> None:
@@ -131,8 +135,14 @@ class Finisher:
                 end_span()
                 self._ended(entry, outcome)
 
-        self._write(Finish(entry.task, outcome, None if error is None else error_text(error)),
-                    settle)
+        finish = Finish(entry.task, outcome, None if error is None else error_text(error))
+        if queue_only:
+            if self.writer.put(Pending(finish, settle)):
+                return True
+            end_span()
+            return False
+        self._write(finish, settle)
+        return True
 
     def _ended(self, entry: Running, outcome: Outcome) -> None:
         with self._lock:
@@ -191,3 +201,29 @@ class Finisher:
         """Handlers that returned and whose outcome is still being written."""
         with self._lock:
             return list(self._finishing)
+
+
+class _OutcomeWrite:
+    """The store write of one handler's outcome, as :meth:`Finisher.finish` returns it.
+
+    Calling it queues the outcome for the group commit (or, once the writer stopped, writes
+    it: that blocks). :meth:`queue` never blocks, so the runner calls it on the event loop
+    itself and saves async handlers a hop through a writer thread for every short task.
+    """
+
+    __slots__ = ("_entry", "_error", "_finisher", "_outcome")
+
+    def __init__(self, finisher: Finisher, entry: Running, outcome: Outcome,
+                 error: BaseException | None) -> None:
+        self._finisher = finisher
+        self._entry = entry
+        self._outcome = outcome
+        self._error = error
+
+    def __call__(self) -> None:
+        self._finisher._queue_outcome(self._entry, self._outcome, self._error)
+
+    def queue(self) -> bool:
+        """Queue it without blocking; False (nothing done) when only a blocking write is left."""
+        return self._finisher._queue_outcome(self._entry, self._outcome, self._error,
+                                             queue_only=True)

@@ -21,6 +21,7 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from metafora import tracing
 from metafora.balancer import Balancer
@@ -28,6 +29,7 @@ from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.options import ConsumerOptions
+from metafora.consumer.outcomes import OutcomeWriter
 from metafora.consumer.preference import Preference
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator
@@ -44,6 +46,8 @@ OVERFETCH = 4
 WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvous preference)
 MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
 DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
+FUSED_OUTCOMES = 256  # queued outcomes sent along with one claim (finish_and_claim)
+FUSE_LINGER = 0.005  # seconds an outcome waits for a due claim to take it along
 
 
 def by_priority(task: Task) -> int:
@@ -250,6 +254,9 @@ class OfferRouter:
         self._rng = rng
         self._log = log
         self.frozen = False  # claims nothing new (set by the freeze commands)
+        # The group commit, whose queued outcomes a claim takes along (set by the consumer).
+        self.outcomes: OutcomeWriter | None = None
+        self._claiming = False  # a claim is in flight
         self.approved = 0  # offers the balancer approved in this pass, not claimed yet
         self.ignores = Ignores()
         self.deferred = Deferred()
@@ -453,7 +460,7 @@ class OfferRouter:
         began = SYSTEM_CLOCK.monotonic()
         try:
             with tracing.claim_span(self._coord.node_id, len(tasks)) as span:
-                claimed = self._coord.claim_many(tasks, limit)
+                claimed = self._claim_with_outcomes(tasks, limit)
                 span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
@@ -486,6 +493,42 @@ class OfferRouter:
             # did not win (or did not start) leave slots free, and no handler may ever finish
             # to retry the deferred offers: retry them now (through the loop, not recursively).
             self._post(Signal.ROOM)
+
+    def _claim_with_outcomes(self, tasks: list[Task], limit: int) -> list[Task]:
+        """``claim_many``; where the coordinator can (``finish_and_claim``), the outcomes
+        waiting for the group commit go along in the same request (one round trip)."""
+        fused: Any = getattr(self._coord, "finish_and_claim", None)
+        writer = self.outcomes
+        if fused is None or writer is None:
+            return self._coord.claim_many(tasks, limit)
+        self._claiming = True
+        try:
+            taken = writer.take(FUSED_OUTCOMES)
+            if not taken:
+                return self._coord.claim_many(tasks, limit)
+            try:
+                results, claimed = fused([p.finish for p in taken], tasks, limit)
+            except BaseException:
+                writer.give_back(taken)  # the group commit writes them on its own
+                raise
+            writer.written(taken, list(results))
+            return list(claimed)
+        finally:
+            self._claiming = False
+
+    def fuse_outcomes(self, writer: OutcomeWriter) -> None:
+        """Where the coordinator can (``finish_and_claim``), claims take the outcomes queued
+        on ``writer`` along, and the writer leaves them to a due claim for ``FUSE_LINGER``."""
+        if hasattr(self._coord, "finish_and_claim"):
+            self.outcomes = writer
+            writer.linger = FUSE_LINGER
+            writer.claim_soon = self.claim_soon
+
+    def claim_soon(self) -> bool:
+        """Whether a claim is in flight or due (offers wait for a slot): the outcome writer
+        then leaves queued outcomes to it for a moment (called from the writer's thread)."""
+        return self._claiming or (bool(self.deferred) and not self.frozen
+                                  and not self._stopping.is_set())
 
     # -- limit groups -----------------------------------------------------------------
 

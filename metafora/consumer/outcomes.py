@@ -18,8 +18,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import Coordinator, Finish
@@ -36,10 +37,12 @@ Settle = Callable[[MetaforaError | None], None]
 
 @dataclass(eq=False)
 class Pending:
-    """One outcome waiting to be written, and whom to tell how it ended."""
+    """One outcome waiting to be written, and whom to tell how it ended (``queued``: when,
+    ``time.monotonic()``)."""
 
     finish: Finish
     settle: Settle
+    queued: float = field(default_factory=time.monotonic)
 
 
 class OutcomeWriter:
@@ -72,6 +75,11 @@ class OutcomeWriter:
         self._stop = threading.Event()
         self._writing = 0  # outcomes taken off the queue and not settled yet
         self._exited = False
+        # Set by the consumer when its claims take queued outcomes along (see take): while
+        # claim_soon() says a claim is on its way, an outcome waits up to ``linger`` seconds
+        # for it before this thread writes it on its own.
+        self.linger = 0.0
+        self.claim_soon: Callable[[], bool] = lambda: False
 
     def put(self, item: Pending) -> bool:
         """Queue one outcome (never blocks on the store); False once :meth:`run` has returned
@@ -99,13 +107,56 @@ class OutcomeWriter:
         """Write batches until :meth:`stop` was called and nothing is left."""
         while True:
             with self._cond:
-                while not self._queue and not self._stop.is_set():
+                # After stop, outcomes another thread took (see take) are waited for: those
+                # it could not write come back here.
+                while not self._queue and not (self._stop.is_set() and not self._writing):
                     self._cond.wait(1.0)  # never wait without a timeout
                 if not self._queue:
                     self._exited = True
                     return
+                if self._lingering():
+                    continue  # a claim took them along, or more may have come
                 batch = self._take(self._max_batch)
             self._write(batch)
+
+    def _lingering(self) -> bool:
+        """Wait (holding the condition) while a claim that takes the outcomes along is due;
+        True when the wait ended before the oldest outcome's ``linger`` was up."""
+        if not self.linger or self._stop.is_set():
+            return False
+        left = self._queue[0].queued + self.linger - time.monotonic()
+        if left <= 0 or not self.claim_soon():
+            return False
+        self._cond.wait(left)
+        return True
+
+    def take(self, count: int) -> list[Pending]:
+        """Up to ``count`` queued outcomes, for another thread to write with its own request
+        (the claim loop sends them along with its next claim); they must be handed back with
+        :meth:`written` or :meth:`give_back`. Nothing once :meth:`stop` was called."""
+        with self._cond:
+            if self._stop.is_set() or self._exited:
+                return []
+            return self._take(count)
+
+    def written(self, batch: list[Pending], results: list[MetaforaError | None]) -> None:
+        """How the outcomes of :meth:`take` ended (one result each, in order): settled, except
+        those the store could not be reached for, which go back to the writer to retry."""
+        retry: list[Pending] = []
+        for item, result in zip(batch, results, strict=True):
+            if isinstance(result, CoordinatorUnavailable):
+                retry.append(item)
+            else:
+                self._settle(item, result)
+        if retry:
+            self.give_back(retry)
+
+    def give_back(self, batch: list[Pending]) -> None:
+        """Outcomes of :meth:`take` that were not written: the writer writes them (first)."""
+        with self._cond:
+            self._writing -= len(batch)
+            self._queue.extendleft(reversed(batch))
+            self._cond.notify()
 
     def _take(self, count: int) -> list[Pending]:
         """Up to ``count`` queued outcomes (called holding the condition's lock)."""
@@ -146,6 +197,8 @@ class OutcomeWriter:
     def _settle(self, item: Pending, result: MetaforaError | None) -> None:
         with self._cond:
             self._writing -= 1
+            if not self._writing and self._stop.is_set():
+                self._cond.notify_all()
         try:
             item.settle(result)
         except Exception:

@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from metafora.handler import AsyncHandler, Handler, is_async
 
@@ -48,7 +48,9 @@ Finish = Callable[[bool | None, BaseException | None, Any], Write | None]
 raised; ``scope`` is what the ``around`` context manager of the run yielded (a tracing span).
 
 It must not block (it may run on the event loop); it returns the blocking part (the store
-write of the outcome), if any, which the runner runs off the loop, in the run's context."""
+write of the outcome), if any, which the runner runs off the loop, in the run's context. A
+write with a ``queue()`` method that only queues it (True) or would block (False, nothing
+done) is queued on the loop itself; only a False sends the write to a writer thread."""
 Around = Callable[[], AbstractContextManager[Any]]
 """Entered around a handler's run and its ``finish`` (on the handler's thread, or inside its
 asyncio task), e.g. a tracing span that the handler's own spans then hang under."""
@@ -123,7 +125,10 @@ def _call_stop(run: Run) -> None:
         log.exception("stop() of handler %s raised", run.name)
 
 
-def _logged(name: str, fn: Callable[[], Write | None]) -> Write | None:
+_T = TypeVar("_T")
+
+
+def _logged(name: str, fn: Callable[[], _T | None]) -> _T | None:
     """Run ``fn``, logging (not raising) a bug in the outcome path."""
     try:
         return fn()
@@ -290,6 +295,11 @@ class _EventLoop:
         run.finished = True
         write = _logged(run.name, lambda: run.finish(result, error, scope))
         if write is None:
+            return
+        # A write that can only queue (the group commit) is queued right here: no hop.
+        queue = getattr(write, "queue", None)
+        if queue is not None and _logged(
+                run.name, queue if context is None else (lambda: context.run(queue))) is not False:
             return
         job = write if context is None else (lambda: context.run(write))
         try:

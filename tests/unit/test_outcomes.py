@@ -198,3 +198,69 @@ def test_deferred_offers_are_not_rewalked_per_finished_task(harness: Harness) ->
     # free slot, deferred again while the slots fill first);
     # re-walking every deferred offer after each finished task would be ~n*n/2 (45,000).
     assert consumer.walked < 10 * n
+
+
+# -- outcomes a claim takes along (finish_and_claim, issue 26) ---------------------------
+
+
+def test_a_claim_takes_queued_outcomes_and_hands_back_what_it_could_not_write(
+        harness: Harness) -> None:
+    coord = BatchRecorder(harness.coordinator("a"))
+    coord.init(harness_context())
+    one, two, three = _claimed(harness, coord, 3)
+    results = Results()
+    writer = OutcomeWriter(coord)
+    for task in (one, two, three):
+        writer.put(Pending(Finish(task, Outcome.DONE), results.settle(task.id)))  # type: ignore[arg-type]
+    taken = writer.take(2)
+    assert [p.finish.task.id for p in taken] == [one.id, two.id]
+    assert writer.pending() == 3  # taken ones count until settled or given back
+    coord.done(one)  # the claim's request wrote the first; the second met an outage
+    writer.written(taken, [None, CoordinatorUnavailable("away")])
+    assert results.got == {one.id: None}
+    thread = _writer_thread(writer)  # the writer writes what came back, first
+    wait_until(lambda: results.count() == 3, message="the rest written by the writer")
+    assert coord.batches == [2] and set(results.got.values()) == {None}
+    writer.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_stop_waits_for_outcomes_a_claim_took(harness: Harness) -> None:
+    coord = harness.coordinator("a")
+    coord.init(harness_context())
+    (task,) = _claimed(harness, coord, 1)
+    results = Results()
+    writer = OutcomeWriter(coord)
+    writer.put(Pending(Finish(task, Outcome.DONE), results.settle(task.id)))  # type: ignore[arg-type]
+    taken = writer.take(10)
+    thread = _writer_thread(writer)
+    writer.stop()
+    assert writer.take(10) == []  # nothing more is taken once stopping
+    thread.join(0.3)
+    assert thread.is_alive(), "the writer left while a claim held an outcome"
+    writer.give_back(taken)  # the claim failed: the writer writes it before it leaves
+    thread.join(10)
+    assert not thread.is_alive() and results.got == {task.id: None}
+    assert harness.client.get_task(task.id).state is TaskState.DONE
+
+
+def test_an_outcome_waits_for_a_due_claim_at_most_linger(harness: Harness) -> None:
+    coord = BatchRecorder(harness.coordinator("a"))
+    coord.init(harness_context())
+    first, second = _claimed(harness, coord, 2)
+    results = Results()
+    writer = OutcomeWriter(coord)
+    writer.linger = 0.5
+    writer.claim_soon = lambda: True
+    thread = _writer_thread(writer)
+    writer.put(Pending(Finish(first, Outcome.DONE), results.settle(first.id)))  # type: ignore[arg-type]
+    taken = writer.take(10)  # the due claim: the writer left it there
+    assert [p.finish.task.id for p in taken] == [first.id]
+    writer.written(taken, [None])
+    writer.put(Pending(Finish(second, Outcome.DONE), results.settle(second.id)))  # type: ignore[arg-type]
+    # No claim came for it: the writer writes it once its linger is up.
+    wait_until(lambda: results.count() == 2, message="written after the linger")
+    assert coord.batches == [1]
+    writer.stop()
+    thread.join(10)

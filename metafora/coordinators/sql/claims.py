@@ -26,7 +26,11 @@ from metafora.coordinators.sql.store import Database, HotCursor
 from metafora.errors import ClaimLost, MetaforaError
 from metafora.task import Task, decode_labels, decode_props, decode_soft
 
-__all__ = ["ClaimOutcomes", "Claims"]
+__all__ = ["ClaimOutcomes", "Claims", "FusedClaim"]
+
+FusedClaim = Callable[["HotCursor", "str | None"], "list[tuple[Any, ...]]"]
+"""The claim half of :meth:`Claims.with_outcomes`, run by :meth:`ClaimOutcomes.finish_many` on
+its connection: given the done outcomes' ``:rows`` JSON (PostgreSQL, one statement) or None."""
 
 log = logging.getLogger(__name__)
 
@@ -125,38 +129,108 @@ class Claims:
         epoch, session = started
         claimed: list[Task] = []
         try:
-            params: dict[str, Any] = {"node": self._node_id, "session": session,
-                                      "labels": self._lease.labels_json() or "{}"}
-            rows: list[tuple[Any, ...]] = []
-            many = "claim_many" if groups is None else "claim_many_grouped"
-            single = len(ids) == 1 and groups is None
+            params = self._params(session)
             with self._db.hot() as cur:
-                if single:
-                    row = cur.one("claim", dict(params, id=ids[0]))
-                    rows = [] if row is None else [(ids[0], *row)]
-                    if rows:
-                        cur.token_used(int(rows[0][1]))
-                for start in range(0, 0 if single else len(ids), _CLAIM_MANY_MAX):
-                    if len(rows) >= limit:
-                        break
-                    chunk = ids[start:start + _CLAIM_MANY_MAX]
-                    got = cur.all(many, dict(params, ids=self._db.dialect.ids_param(chunk),
-                                             limit=limit - len(rows)))
-                    if got:
-                        # SQLite: the next chunk's tokens are counted from the counter row.
-                        cur.token_used(max(int(r[1]) for r in got))
-                        if groups is not None and self._db.dialect.name == "sqlite":
-                            self._log_rates(cur, [groups.get(str(r[0])) for r in got])
-                    rows += got
-            place = {task_id: i for i, task_id in enumerate(ids)}
-            for task_id, token, props_text, crashes, *placed in sorted(
-                    rows, key=lambda r: place[str(r[0])]):
-                task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
-                                           max_crashes, *placed)
-                if task is not None:
-                    claimed.append(task)
+                rows, _ = self._claim_rows(cur, ids, limit, params, None, groups)
+            claimed = self._parse_rows(ids, rows, max_crashes)
         finally:
             kept = self._lease.end_claim(ids, epoch, claimed)
+        return self._kept(claimed, kept)
+
+    def with_outcomes(self, outcomes: ClaimOutcomes, finishes: Sequence[Finish],
+                      tasks: Sequence[Task], limit: int,
+                      ) -> tuple[list[MetaforaError | None], list[Task]]:
+        """Write ``finishes`` and claim up to ``limit`` of ``tasks`` in one request: on
+        PostgreSQL the done outcomes and the first 100 offers in one statement
+        (``claim_done_many``), on SQLite everything in one transaction. Each part is fenced
+        as on its own (see :meth:`ClaimOutcomes.finish_many` and :meth:`claim_many`)."""
+        ids = list(dict.fromkeys(t.id for t in tasks if not self.seen_taken(t)))
+        if limit <= 0 or not ids:
+            self._context()
+            return outcomes.finish_many(finishes), []
+        groups: dict[str, str | None] = {t.id: t.group for t in tasks if t.group is not None}
+        max_crashes = self._context().max_crashes
+        started = self._lease.begin_claim(ids)
+        if started is None:
+            log.debug("node %s is not live; not claiming %s", self._node_id, ", ".join(ids),
+                      extra=self._extra)
+            return outcomes.finish_many(finishes), []
+        epoch, session = started
+        params = self._params(session)
+        rows: list[tuple[Any, ...]] = []
+        claimed: list[Task] = []
+
+        def claim(cur: HotCursor, done_rows: str | None) -> list[tuple[Any, ...]]:
+            nonlocal rows
+            rows, done = self._claim_rows(cur, ids, limit, params, done_rows, groups or None)
+            return done
+
+        try:
+            results = outcomes.finish_many(finishes, claim)
+            claimed = self._parse_rows(ids, rows, max_crashes)
+        finally:
+            kept = self._lease.end_claim(ids, epoch, claimed)
+        return results, self._kept(claimed, kept)
+
+    def _params(self, session: str) -> dict[str, Any]:
+        return {"node": self._node_id, "session": session,
+                "labels": self._lease.labels_json() or "{}"}
+
+    def _claim_rows(self, cur: HotCursor, ids: list[str], limit: int, params: dict[str, Any],
+                    done_rows: str | None, groups: dict[str, str | None] | None,
+                    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """The claim statements (one: the single-row statement; more: ``claim_many``, 100 ids
+        per statement; ``groups`` (offered task id -> its group) given: the statements that
+        mind the groups' limits, see limits.py): the claimed rows, and with ``done_rows``
+        (PostgreSQL) the rows recorded done -- by the first claim statement
+        (``claim_done_many``), or with groups by ``done_many`` just before."""
+        rows: list[tuple[Any, ...]] = []
+        done: list[tuple[Any, ...]] = []
+        if len(ids) == 1 and done_rows is None and groups is None:
+            row = cur.one("claim", dict(params, id=ids[0]))
+            rows = [] if row is None else [(ids[0], *row)]
+            if rows:
+                cur.token_used(int(rows[0][1]))
+            return rows, done
+        if done_rows is not None and groups is not None:
+            done = cur.all("done_many", {"node": self._node_id, "rows": done_rows})
+            done_rows = None
+        many = "claim_many" if groups is None else "claim_many_grouped"
+        for start in range(0, len(ids), _CLAIM_MANY_MAX):
+            if len(rows) >= limit:
+                break
+            chunk = dict(params, ids=self._db.dialect.ids_param(ids[start:start + _CLAIM_MANY_MAX]),
+                         limit=limit - len(rows))
+            got: list[tuple[Any, ...]]
+            if done_rows is not None:
+                got = []
+                for row in cur.all("claim_done_many", dict(chunk, rows=done_rows)):
+                    (done if row[-1] else got).append(row[:-1])
+                done_rows = None
+            else:
+                got = cur.all(many, chunk)
+            if got:
+                # SQLite: the next chunk's tokens are counted from the counter row.
+                cur.token_used(max(int(r[1]) for r in got))
+                if groups is not None and self._db.dialect.name == "sqlite":
+                    self._log_rates(cur, [groups.get(str(r[0])) for r in got])
+            rows += got
+        return rows, done
+
+    def _parse_rows(self, ids: list[str], rows: list[tuple[Any, ...]],
+                    max_crashes: int | None) -> list[Task]:
+        """The claimed tasks of ``rows``, in the order offered (``ids``)."""
+        claimed: list[Task] = []
+        place = {task_id: i for i, task_id in enumerate(ids)}
+        for task_id, token, props_text, crashes, *placed in sorted(
+                rows, key=lambda r: place[str(r[0])]):
+            task = self._parse_claimed(str(task_id), str(props_text), int(token), int(crashes),
+                                       max_crashes, *placed)
+            if task is not None:
+                claimed.append(task)
+        return claimed
+
+    def _kept(self, claimed: list[Task], kept: bool) -> list[Task]:
         if claimed and not kept:
             # The lease was lost (or the node closed) while the claim was in flight.
             for task in claimed:
@@ -239,14 +313,22 @@ class ClaimOutcomes:
         if row is None:
             raise self._claim_lost(task)
 
-    def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
+    def finish_many(self, finishes: Sequence[Finish],
+                    claim: FusedClaim | None = None) -> list[MetaforaError | None]:
         """Group commit: one fenced statement per outcome kind (and per 500 outcomes).
 
         PostgreSQL runs each statement in autocommit, SQLite all of them in one transaction.
         A second finish of the same claim in one batch is refused as ``ClaimLost``, as it
-        would be if it came after the first.
+        would be if it came after the first. ``claim`` (see :meth:`Claims.with_outcomes`)
+        runs the claim statements on the same connection after the outcomes: in the same
+        transaction (SQLite), or (PostgreSQL) in one statement with up to 500 done outcomes,
+        which it is given as the ``:rows`` JSON and answers the rows recorded done.
         """
         self._check_open()
+        if claim is not None and not finishes:
+            with self._db.hot() as cur:
+                claim(cur, None)
+            return []
         results: list[MetaforaError | None] = [None] * len(finishes)
         first: dict[tuple[str, int], int] = {}
         for i, finish in enumerate(finishes):
@@ -262,6 +344,8 @@ class ClaimOutcomes:
         for finish in unique:
             self._lease.begin_finish(finish.task.id)
         settled = False
+        # PostgreSQL: up to 500 done outcomes go in the claim's statement.
+        fuse = self._db.config.kind == "postgresql"
         try:
             with self._db.hot() as cur:
                 for outcome, name in _FINISH_STATEMENTS:
@@ -271,10 +355,15 @@ class ClaimOutcomes:
                             {"fid": f.task.id, "ftoken": f.task.token, "ferror": f.error or "failed"}
                             for f in group[start:start + _FINISH_MANY_MAX]
                         ])
-                        got = cur.all(name, {"node": self._node_id, "rows": rows})
+                        if claim is not None and fuse and outcome is Outcome.DONE:
+                            got, claim = claim(cur, rows), None
+                        else:
+                            got = cur.all(name, {"node": self._node_id, "rows": rows})
                         if got and outcome is Outcome.RELEASE:
                             cur.token_used(max(int(r[2]) for r in got))
                         written.update((str(r[0]), int(r[1])) for r in got)
+                if claim is not None:
+                    claim(cur, None)
             settled = True
         finally:
             for finish in unique:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,6 +23,7 @@ from metafora.errors import (
     CoordinatorClosed,
     InvalidProps,
     InvalidTaskState,
+    MetaforaError,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
@@ -44,6 +45,9 @@ from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 __all__ = ["SQLClient"]
 
 log = logging.getLogger(__name__)
+
+ANALYZE_AFTER = 1000
+"""Tasks one ``submit_tasks`` call adds before it refreshes PostgreSQL's statistics."""
 
 _FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
 # Stored states that may show as a given state (a pending task past expires_at shows expired
@@ -160,6 +164,33 @@ class SQLClient(Client):
             raise TaskExists(f"task {task.id!r} already exists in {self.name}")
         log.debug("submitted task %s", task.id, extra={"task": task.id})
 
+    def submit_tasks(self, tasks: Iterable[Task]) -> None:
+        """As :meth:`Client.submit_tasks`; on PostgreSQL, after adding ``ANALYZE_AFTER`` tasks
+        or more, the tasks table's statistics are refreshed (``ANALYZE``, best effort).
+
+        The claim statements are planned once, generically: on statistics taken before a
+        backlog was added, the planner believed the namespace held a handful of rows and
+        read all of it for every claim (1.1 ms a claim with 3,000 tasks, against 0.26 ms
+        probing the offered ids); autovacuum analyzes a minute later at best.
+        """
+        before = self._added
+        try:
+            super().submit_tasks(tasks)
+        finally:
+            if self._added - before >= ANALYZE_AFTER:
+                self._analyze()
+
+    def _analyze(self) -> None:
+        db = self._ready()
+        if db.config.kind != "postgresql":
+            return  # SQLite plans every statement afresh, by the ids given
+        try:
+            with db.write() as conn:
+                conn.exec_driver_sql("ANALYZE metafora_tasks")
+        except MetaforaError as exc:
+            log.debug("could not refresh the statistics of %s: %s", self.name, exc)
+
+    _added = 0  # tasks added by submit_tasks (a hint for _analyze; races only delay it)
     _batch_size = BATCH
     _batch_bytes = 16 * 1024 * 1024  # one statement stays a reasonable size with large props
 
@@ -178,6 +209,7 @@ class SQLClient(Client):
                 db.execute(conn, "notify_batch", {"ready": min(added.values())})
         except _Existing as refused:  # rolled back: the batch added nothing
             return refused.ids
+        self._added += len(batch)
         return []
 
     def delete_task(self, task_id: str) -> None:

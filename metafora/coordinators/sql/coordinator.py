@@ -165,11 +165,14 @@ class SQLCoordinator(Coordinator):
 
     def _notified(self, payload: str) -> None:
         kind, name = payload[:1], payload[1:]
-        if kind == "t":
+        if kind in ("t", "p"):
+            props: str | None = None
+            if kind == "p":  # a plain task: id US props (see the dialect's notify_task)
+                name, _, props = name.partition("\x1f")
             with self._lock:
                 watches = list(self._watches)
             for watch in watches:
-                watch.task_notified(name)
+                watch.task_notified(name, props)
         elif kind == "b" and name.isdigit():  # a bulk submit: one notification per batch
             with self._lock:
                 watches = list(self._watches)
@@ -348,6 +351,16 @@ class SQLCoordinator(Coordinator):
     def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
         """Group commit: one fenced statement per outcome kind (and per 500 outcomes)."""
         return self._outcomes.finish_many(finishes)
+
+    def finish_and_claim(self, finishes: Sequence[Finish], tasks: Sequence[Task], limit: int,
+                         ) -> tuple[list[MetaforaError | None], list[Task]]:
+        """``finish_many(finishes)`` and ``claim_many(tasks, limit)`` in one request: the
+        outcomes of finished tasks and the claim of the next batch in one round trip
+        (PostgreSQL: one statement; SQLite: one transaction), each fenced as on its own. The
+        consumer sends the outcomes waiting for the group commit along with its claims."""
+        if not finishes:
+            return [], self.claim_many(tasks, limit)
+        return self._claims.with_outcomes(self._outcomes, finishes, tasks, limit)
 
     # -- commands ---------------------------------------------------------------------------
 

@@ -40,6 +40,10 @@ def channel_name(namespace: str) -> str:
     return "metafora_" + hashlib.sha1(namespace.encode()).hexdigest()[:16]
 
 
+PLAIN_PROPS_MAX = 2000
+"""Props (JSON text) at most this long go in a plain task's notification (limit: 8000 bytes)."""
+
+
 class Dialect(abc.ABC):
     """The SQL fragments, engine set-up and value conversions of one database kind."""
 
@@ -127,7 +131,14 @@ class PostgresDialect(Dialect):
             "lease_until": "(now() + make_interval(secs => :ttl))",
             "next_token": "nextval('metafora_token_seq')",
             "lock": " FOR UPDATE SKIP LOCKED",
-            "notify_task": f"pg_notify('{chan}', 't' || id)",
+            # 'p' id US props: a plain task (no priority, selector, placement, group or launch
+            # time; short props): the payload is the whole offer, made without reading the
+            # row. US (chr(31)) is a control character, which task ids never contain.
+            "notify_task": (
+                f"pg_notify('{chan}', CASE WHEN priority = 0 AND selector IS NULL AND placement"
+                f" IS NULL AND launch_at IS NULL AND length(props) <= {PLAIN_PROPS_MAX}"
+                " THEN 'p' || id || chr(31) || props ELSE 't' || id END)"
+            ),
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",

@@ -423,6 +423,32 @@ _SQL: dict[str, str] = {
     ),
 }
 
+
+
+def _claim_done(claim_many: str) -> str:
+    """PostgreSQL: ``done_many`` and ``claim_many`` as one statement, one round trip.
+
+    Each part keeps its own fence: the outcomes are written where owner, token and state
+    still match (``v``/``fin``, as ``done_many``), the claim takes rows only while this node's
+    lease is live (``picked``/``got``, as ``claim_many``). All sub-statements see one
+    snapshot, so a row finished here is not claimable here. Rows: the claimed ones (``id,
+    token, props, crashes, selector, priority, placement``, FALSE) and the finished ones
+    (``id, token``, NULLs, TRUE).
+    """
+    ctes, marker, update = claim_many.partition(" UPDATE metafora_tasks SET state = 'claimed'")
+    if not marker or not ctes.startswith("WITH "):
+        raise AssertionError("claim_many is no longer WITH ... UPDATE: rewrite _claim_done")
+    return (
+        _FINISH_ROWS.rstrip() + ", fin AS (UPDATE metafora_tasks SET state = 'done', owner = NULL,"
+        " finished_at = {now}, updated_at = {now} WHERE " + _FENCED_MANY + " RETURNING id, token), "
+        + ctes[len("WITH "):] + ", got AS (" + marker.lstrip() + update + ")"
+        " SELECT id, token, props, crashes, selector, priority, placement, FALSE FROM got"
+        " UNION ALL SELECT id, token, NULL, NULL, NULL, NULL, NULL, TRUE FROM fin"
+    )
+
+
+_SQL["claim_done_many"] = _claim_done(_SQL["claim_many"])
+
 _CLAIM_SET = (
     "state = 'claimed', owner = :node, token = {next_token_at}, claimed_at = {now},"
     " updated_at = {now}, attempts = attempts + 1, " + _CRASHED

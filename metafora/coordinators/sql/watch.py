@@ -75,7 +75,8 @@ class Watch:
         self._grace = db.config.lease_ttl
         self.wake = threading.Event()
         self._lock = threading.Lock()
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Notified ids -> a plain task's props (offered without reading the row), or None.
+        self._ids: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._full = True
         self._next_full = 0.0
         self._ready = (0, _AFTER_ALL)
@@ -89,10 +90,12 @@ class Watch:
 
     # -- called by the notification listener ---------------------------------------------------
 
-    def task_notified(self, task_id: str) -> None:
-        """A notification says ``task_id`` became claimable."""
+    def task_notified(self, task_id: str, props: str | None = None) -> None:
+        """A notification says ``task_id`` became claimable; ``props`` (its props' JSON text)
+        when it is a plain task (no priority, selector, placement, group or launch time),
+        offered from the notification alone, without reading its row."""
         with self._lock:
-            self._ids[task_id] = None
+            self._ids[task_id] = props  # the newest word on the row counts
         self.wake.set()
 
     def pending_from(self, ready: int) -> None:
@@ -132,12 +135,14 @@ class Watch:
         db = self._db
         self._this_round.clear()
         with self._lock:
-            notified = [] if self._full else list(self._ids)
+            notified = [] if self._full else list(self._ids.items())
             self._ids.clear()
-        # Notified tasks first, before the clock read: a submit on an idle cluster is offered
-        # after one round trip (the scan of its row), not three.
-        for i in range(0, len(notified), BATCH):
-            self._scan_ids(notified[i : i + BATCH])
+        # Notified tasks first, before the clock read: a plain task is offered at once (its
+        # claim reads the row), any other after one round trip (the scan of its row).
+        scan = [task_id for task_id, props in notified
+                if props is None or not self._offer_plain(task_id, props)]
+        for i in range(0, len(scan), BATCH):
+            self._scan_ids(scan[i : i + BATCH])
         if notified:
             now = time.monotonic()
             with self._lock:
@@ -215,6 +220,19 @@ class Watch:
             self._fail_invalid(task_id, f"invalid props: {exc}")
             return
         self._sink(task)
+
+    def _offer_plain(self, task_id: str, props: str) -> bool:
+        """Offer a plain task from its notification. False: an id or props that are not
+        valid (a row written around metafora), left to the scan (which fails the task)."""
+        if task_id in self._this_round:
+            return True
+        try:
+            task = self._shapes.task(task_id, props, None, 0, None)
+        except MetaforaError:
+            return False
+        self._this_round.add(task_id)
+        self._sink(task)
+        return True
 
     def _fail_invalid(self, task_id: str, error: str) -> None:
         """A row written around metafora that can never run: failed, not pending forever."""

@@ -1,0 +1,146 @@
+"""Statements per short task, and where the worker spends its time (issue 26).
+
+``python -m benchmarks.hotpath [--store postgresql|sqlite] [--tasks 2000] [--profile DIR]``
+
+Runs the throughput workload of :mod:`benchmarks.peers` (2 worker processes, max_tasks 10,
+no-op async handler, tasks submitted first) with every driver statement of the workers
+counted by kind (a wrapper around ``psycopg.Cursor.execute`` / the sqlite3 trace callback in
+each worker process; LISTEN notifications are not statements). ``--profile DIR`` also runs
+``py-spy record`` on both workers (by pid) and writes ``DIR/w0.svg``, ``DIR/w1.svg`` and a
+text summary of each (``--format raw``: collapsed stacks). Prints tasks/s, statements per task
+and the count of each statement kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+_WORD = re.compile(r"[A-Za-z_]+")
+
+
+def _kind(sql: str) -> str:
+    """A short name of one statement: its verb and first table, or its CTE's first words."""
+    text = " ".join(sql.split())
+    words = _WORD.findall(text)
+    if not words:
+        return "?"
+    verb = words[0].upper()
+    table = next((w for w in words if w.startswith("metafora_")), "")
+    if "fin AS (UPDATE" in text:
+        return "claim + done (one statement)"
+    tag = ""
+    for marker in ("'done'", "'failed'", "'claimed'", "'pending'", "lease_until =", "RETURNING"):
+        if marker in text:
+            tag = marker
+            break
+    return f"{verb} {table} {tag}".strip()
+
+
+@contextlib.contextmanager
+def count_statements(out: Path) -> Iterator[None]:
+    """Count every driver statement of this process by kind; written to ``out`` at the end."""
+    counts: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+
+    def note(sql: Any) -> None:
+        kind = _kind(sql if isinstance(sql, str) else str(sql))
+        with lock:
+            counts[kind] += 1
+
+    import psycopg
+
+    original = psycopg.Cursor.execute
+
+    def execute(self: Any, query: Any, params: Any = None, **kw: Any) -> Any:
+        note(query)
+        return original(self, query, params, **kw)
+
+    psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    import sqlite3
+
+    connect = sqlite3.connect
+
+    def traced(*args: Any, **kw: Any) -> Any:
+        conn = connect(*args, **kw)
+        conn.set_trace_callback(note)
+        return conn
+
+    sqlite3.connect = sqlite3.dbapi2.connect = traced
+    try:
+        yield
+    finally:
+        psycopg.Cursor.execute = original  # type: ignore[method-assign]
+        sqlite3.connect = sqlite3.dbapi2.connect = connect
+        out.write_text(json.dumps(dict(counts)))
+
+
+def main() -> None:
+    """Run the workload once and print the figures."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hotpath", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", default="postgresql", choices=("postgresql", "sqlite"))
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--profile", default=None, help="py-spy both workers into this directory")
+    args = parser.parse_args()
+    from benchmarks import peers
+
+    system = f"metafora-{args.store}"
+    trace = Path(tempfile.mkdtemp(prefix="metafora-hotpath-"))
+    os.environ["METAFORA_BENCH_STATEMENTS"] = str(trace)
+    spies: list[subprocess.Popen[bytes]] = []
+    if args.profile:
+        _spy_on_workers(peers, Path(args.profile), spies)
+    workdir = Path(tempfile.mkdtemp(prefix="metafora-hotpath-db-"))
+    with peers.fresh_database(system, workdir) as url:
+        result = peers.throughput(system, url, args.tasks)
+    for spy in spies:
+        spy.wait(60)
+    counts: collections.Counter[str] = collections.Counter()
+    for path in trace.glob("*.json"):
+        counts.update(json.loads(path.read_text()))
+    total = sum(counts.values())
+    print(f"{system}: {result.get('tasks_per_s', float('nan')):,.0f} tasks/s, {args.tasks} tasks, "
+          f"{total} statements = {total / args.tasks:.2f} per task")
+    for kind, n in counts.most_common():
+        print(f"  {n / args.tasks:6.3f}  {n:7d}  {kind}")
+
+
+def _spy_on_workers(peers: Any, out: Path, spies: list[subprocess.Popen[bytes]]) -> None:
+    """Start py-spy on each worker process as soon as it says it has loaded (by pid)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spy = str(Path(sys.executable).with_name("py-spy"))
+    original = peers._Workers.start_together
+
+    def start_together(self: Any) -> None:
+        seen = 0
+        while seen < len(self.procs):
+            event = self.next(120)
+            if event[0] == "loaded":
+                seen += 1
+                for fmt, ext in (("flamegraph", "svg"), ("raw", "txt")):
+                    spies.append(subprocess.Popen(
+                        [spy, "record", "--pid", str(event[2]), "--rate", "200", "--format", fmt,
+                         "-o", str(out / f"{event[1]}.{ext}"), "--nonblocking"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.go.set()
+
+    peers._Workers.start_together = start_together
+    del original
+
+
+if __name__ == "__main__":
+    main()
