@@ -132,9 +132,8 @@ class Consumer:
     :class:`~metafora.consumer.options.ConsumerOptions`, which documents each of them (the
     defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`), and:
 
-    - ``balancer``: decides what this node claims and gives back; a
-      :class:`~metafora.balancers.FairBalancer` by default (each node near its fair share;
-      ``DumbBalancer()`` claims whatever it is offered and never gives anything back);
+    - ``balancer``: what this node claims and gives back; a :class:`~metafora.balancers.FairBalancer`
+      by default (each node near its fair share; ``DumbBalancer()`` never gives back);
     - ``clock``, ``rng``: injectable time and randomness (see :mod:`metafora.testing`).
     """
 
