@@ -1,7 +1,9 @@
 """Run benchmarks: ``python -m benchmarks all --quick``, or one by name (see BENCHMARKS).
 
 ``peers`` (metafora beside pgqueuer and procrastinate, needs the ``bench`` extra) is not part of
-``all``: ``python -m benchmarks peers [--quick] [--rounds 3] [--systems ...]``.
+``all``: ``python -m benchmarks peers [--quick] [--rounds 3] [--systems ...]``. Nor is ``simulate``
+(a one-process simulation of 100 and 1,000 nodes; PostgreSQL, if in ``--stores``, only to measure a
+count read): ``python -m benchmarks simulate [--quick]``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "s
 def main() -> None:
     """Parse arguments and run the chosen benchmarks."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("which", choices=("all", *BENCHMARKS, "peers"))
+    parser.add_argument("which", choices=("all", *BENCHMARKS, "peers", "simulate"))
     parser.add_argument("--quick", action="store_true", help="smaller runs (minutes, not tens)")
     parser.add_argument("--stores", default=",".join(STORES),
                         help=f"comma-separated subset of {','.join(STORES)}")
@@ -38,6 +40,11 @@ def main() -> None:
         peers.run_peers(args.quick, args.rounds, peers.parse_systems(args.systems))
         return
     kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
+    if args.which == "simulate":  # no cluster of processes: no stores to provision
+        from benchmarks import simulate
+
+        simulate.run_simulate(args.quick, kinds)
+        return
     names = BENCHMARKS if args.which == "all" else (args.which,)
     if args.etcd_members is not None and args.etcd_members < 1:
         parser.error("--etcd-members must be at least 1")

@@ -157,6 +157,10 @@ def main() -> None:
         out.append("")
     if (data := _load("gates")) is not None:
         out += ["Gates: see `benchmarks/results/gates.json`.", ""]
+    if (data := _load("simulate")) is not None:
+        from benchmarks.simulate import markdown
+
+        out += [markdown(data), ""]
     machine = next((d["machine"] for n in ("claims", "latency", "failover") if (d := _load(n))), None)
     if machine:
         out.append(
