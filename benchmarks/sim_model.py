@@ -12,11 +12,12 @@ Counts are kept incrementally (the memory coordinator recounts, which is quadrat
 big backlog). Each node reads it through its own :class:`ClusterState` view, which counts
 that node's store requests.
 
-**A node** (:class:`benchmarks.sim_node.SimNode`) follows the consumer's loop (``metafora/consumer``) where it
-matters for balance: offers are tried in a shuffled order and asked ``balancer.can_claim``; a
-refusal ignores the offer until the deadline the balancer gave (``refuse_retry`` if none);
-approved offers are claimed ``claim_burst`` per request, and the node's count (the balancer's
-``ctx.task_count()``) grows only when a burst is claimed, as in ``OfferRouter.offer``; the
+**A node** (:class:`benchmarks.sim_node.SimNode`) follows the consumer's loop
+(``metafora/consumer``) where it matters for balance: offers are tried in a shuffled order and
+asked ``balancer.can_claim``; a refusal ignores the offer until the deadline the balancer gave
+(``refuse_retry`` if none); approved offers are claimed ``claim_burst`` per request, and the
+node's count (the balancer's ``ctx.task_count()``) counts the offers approved for the burst being filled, as
+``OfferRouter.offer`` does (``count_approved=False``: only once the burst is claimed); the
 balancer runs every ``balance_every`` (jittered), after a membership change within
 ``rebalance_window`` and once more a few seconds later (``consumer.balancing.Rebalancer``); a
 released task is written back after ``handoff`` seconds and ignored by its old owner for the
@@ -30,10 +31,13 @@ Where the model is cheaper than the consumer (so a million tasks fit in minutes)
   still drawn (the watch lags by that much: a claim of it is a lost race), older ones are not
   (a real node also tries those, and loses the race inside the same claim request);
 - **passes**: a node tries at most ``offers_per_tick`` offers and ``claims_per_tick`` claim
-  requests per tick, and ends a tick's pass of new offers at its first refusal (the rest of
-  that pass would be refused too: same snapshot, same count); offers whose ignore ran out are
-  all tried again;
-- **handlers** return at once when stopped (``handoff`` seconds later), tasks never finish.
+  requests per tick; after its first refusal a pass puts at most ``refusals_per_pass`` more
+  offers to the balancer, and the node tries no new offer until that refusal's deadline (the
+  consumer refuses every offer of the pass: same snapshot, same count); offers whose ignore ran
+  out are all tried again, and a membership change ends the quiet;
+- **the store** serves every request at once (no capacity limit, no latency but the tick);
+- **handlers** return at once when stopped (``handoff`` seconds later), tasks never finish;
+  nodes do not crash, leases do not expire, rendezvous preference is not modelled.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ class SimConfig:
     shutdown: float = 0.2
     """Seconds from a graceful leave's announcement to its claims released and deregistered."""
     count_approved: bool = True
-    """Count the offers approved for the claim burst being filled in ``ctx.task_count()``
-    (the consumer does not: its count grows when the burst is claimed)."""
+    """Count the offers approved for the claim burst being filled in ``ctx.task_count()``, as
+    the consumer does (False: only once the burst is claimed, as it did before)."""
 
 
 class SimClock(FakeClock):

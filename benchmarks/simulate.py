@@ -30,7 +30,8 @@ release writes), and :mod:`benchmarks.sim_load` extrapolates them to PostgreSQL 
 1,000,000 tasks. With PostgreSQL in ``--stores`` (the default) the cost of a count read at
 the simulated sizes is measured on it. Environment: ``METAFORA_SIM_SEED`` (default 1),
 ``METAFORA_SIM_COUNT_APPROVED=0`` (do not count the offers approved for a claim burst in the
-balancer's ``task_count``, as the consumer did before this round; it counts them now), ``METAFORA_SIM_BALANCE_EVERY``
+balancer's ``task_count``, as the consumer did before this round; it counts them now),
+``METAFORA_SIM_BALANCE_EVERY``
 (seconds, default 60: the consumer's), ``METAFORA_SIM_ROLLING`` (nodes restarted in the rolling
 scenario at 1,000 nodes; ``all`` for every one).
 """
@@ -309,9 +310,10 @@ def markdown(data: dict[str, Any]) -> str:
             f" {roll['extrapolated_per_task']:.2f} ({roll['restarted']:,} of {roll['of']:,}) |"
             f" {r['wall_s']:,.0f} |")
     costs = data.get("count_read_cost_ms") or {}
-    out += ["", "Store load per node and extrapolated cluster-wide (see `benchmarks/sim_load.py`; a count"
-            " read measured at " + ", ".join(f"{_size(k)}: {v:,.0f} ms" for k, v in costs.items())
-            + "):", "",
+    measured = ("a count read measured at " + ", ".join(f"{_size(k)}: {v:,.0f} ms" for k, v in costs.items())
+                if costs else "count reads not measured: no PostgreSQL busy time")
+    out += ["", "Store load per node and extrapolated cluster-wide"
+            f" (see `benchmarks/sim_load.py`; {measured}):", "",
             "| nodes x tasks | scenario | window s | claim req/node/s | count reads/node/s |"
             " release req/node/s | PostgreSQL tx/s | PostgreSQL busy s/s | etcd req/s |"
             " etcd watch events/s |",
