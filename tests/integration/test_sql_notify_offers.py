@@ -18,10 +18,8 @@ from tests.integration.test_sql_coordinator import Nodes, next_offer
 
 
 @pytest.fixture
-def nodes(sql_url: str) -> Iterator[Nodes]:
-    if not sql_url.startswith("postgresql"):
-        pytest.skip("notifications carry offers on PostgreSQL only")
-    n = Nodes(sql_url)
+def nodes(postgres_url: str) -> Iterator[Nodes]:
+    n = Nodes(postgres_url)
     with n.stack:
         yield n
 
