@@ -216,7 +216,7 @@ def test_a_rate_limit_is_never_exceeded_in_any_window(cluster: Cluster) -> None:
             for task in won:
                 coord.done(task)
             if not won:
-                time.sleep(0.02)  # polling the store, not synchronising
+                time.sleep(0.02)  # noqa: sleep-ok pacing a poll of the store (claims refused by the rate), not synchronisation
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in nodes]
     for t in threads:
