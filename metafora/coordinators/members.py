@@ -53,8 +53,9 @@ def stored_weight(value: Any, node_id: str) -> float:
 
 
 class SeenWithCounts:
-    """The weights and frozen nodes the last count read saw, for the next ``node_weights()``
-    and ``frozen_nodes()`` (each answered once from it, within :data:`SEEN_MAX_AGE`).
+    """The weights, frozen nodes and claimable count the last count read saw, for the next
+    ``node_weights()``, ``frozen_nodes()`` and ``claimable_count()`` (each answered once from
+    it, within :data:`SEEN_MAX_AGE`).
 
     A store whose count read returns them too records them here (:meth:`seen`); the calls
     that follow it take them (:meth:`weights`, :meth:`frozen`) instead of reading again.
@@ -68,13 +69,25 @@ class SeenWithCounts:
         self._lock = threading.Lock()
         self._weights: tuple[float, dict[str, float]] | None = None
         self._frozen: tuple[float, frozenset[str]] | None = None
+        self._claimable: tuple[float, int] | None = None
 
-    def seen(self, weights: Mapping[str, float], frozen: frozenset[str]) -> None:
-        """What a read of the live nodes returned."""
+    def seen(self, weights: Mapping[str, float], frozen: frozenset[str],
+             claimable: int | None = None) -> None:
+        """What a read of the live nodes returned (``claimable``: the tasks claimable, when the
+        read counted them too)."""
         now = self._monotonic()
         with self._lock:
             self._weights = (now, dict(weights))
             self._frozen = (now, frozen)
+            self._claimable = None if claimable is None else (now, claimable)
+
+    def claimable(self) -> int | None:
+        """The claimable count seen by the last read, once and while recent; else None."""
+        with self._lock:
+            seen, self._claimable = self._claimable, None
+        if seen is None or self._monotonic() - seen[0] > self._max_age:
+            return None
+        return seen[1]
 
     def weights(self) -> dict[str, float] | None:
         """The weights seen by the last read, once and while recent; else None."""

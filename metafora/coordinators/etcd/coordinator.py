@@ -109,7 +109,6 @@ class EtcdCoordinator(Coordinator):
         self._keys = Keys(config.namespace)
         self._driver = EtcdDriver(config.connection)
         self._cache = TaskCache()
-        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._commands = NodeCommands(self._driver, self._keys, config, clock, self._state)
         self._lease = NodeLease(self._driver, self._keys, config, clock, self._state,
                                 on_registered_again=self._reoffer_all)
@@ -357,20 +356,20 @@ class EtcdCoordinator(Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         view = self._watch.cached_members(active=True)
-        self._claimable = self._watch.cached_claimable(self._clock.now())
         counts, found = view if view is not None else active_task_count(self._driver, self._keys)
-        self._remember(found)
+        self._remember(found, self._watch.cached_claimable(self._clock.now()))
         return counts
 
     def claimable_count(self) -> int | None:
-        """Tasks claimable at the last :meth:`active_task_count`, from the watch cache (None
-        before its first re-list)."""
-        return self._claimable
+        """Tasks claimable at the last :meth:`active_task_count` (within a second), from the
+        watch cache (None before its first re-list)."""
+        return self._seen.claimable()
 
-    def _remember(self, found: dict[str, Member]) -> dict[str, Member]:
-        """Keep the weights and frozen nodes of ``found`` for the next asks (see members.py)."""
+    def _remember(self, found: dict[str, Member], claimable: int | None = None) -> dict[str, Member]:
+        """Keep the weights and frozen nodes of ``found`` (and the claimable count read with
+        them) for the next asks (see members.py)."""
         self._seen.seen({node: m.weight for node, m in found.items()},
-                        frozenset(node for node, m in found.items() if m.frozen))
+                        frozenset(node for node, m in found.items() if m.frozen), claimable)
         return found
 
     def _members_now(self) -> dict[str, Member]:

@@ -75,7 +75,6 @@ class SQLCoordinator(Coordinator):
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
         self._seen = SeenWithCounts()  # weights and frozen nodes the last count read saw
-        self._claimable: int | None = None  # claimable tasks at the last active_task_count
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
         self._commands = NodeCommands(db, self._node_id, closed=self._closed,
@@ -403,16 +402,17 @@ class SQLCoordinator(Coordinator):
         with self._db.read() as conn:
             rows = list(self._db.execute(conn, statement, {}).fetchall())
         nodes = [r for r in rows if r[0] is not None]
-        if len(nodes) < len(rows):  # active_counts: its NULL-id row counts the claimable tasks
-            self._claimable = next(int(r[1]) for r in rows if r[0] is None)
+        # active_counts: its NULL-id row counts the claimable tasks
+        claimable = next((int(r[1]) for r in rows if r[0] is None), None)
         weights = {str(r[0]): stored_weight(r[-2], str(r[0])) for r in nodes}
         frozen = frozenset(str(r[0]) for r in nodes if r[-1])
-        self._seen.seen(weights, frozen)
+        self._seen.seen(weights, frozen, claimable)
         return nodes, weights, frozen
 
     def claimable_count(self) -> int | None:
-        """Tasks claimable at the last :meth:`active_task_count` (read with the counts)."""
-        return self._claimable
+        """Tasks claimable at the last :meth:`active_task_count` (read with the counts, within
+        a second; None otherwise)."""
+        return self._seen.claimable()
 
     def node_weights(self) -> dict[str, float]:
         """Live node -> its weight: what the last count read saw (within a second), else read
