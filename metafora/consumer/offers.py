@@ -250,12 +250,13 @@ class OfferRouter:
         if due:
             self.offer(*due)
 
-    def _still_open(self, tasks: list[Task], what: str) -> list[Task]:
+    def _still_open(self, tasks: list[Task], what: str, *, check: bool = False) -> list[Task]:
         """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
-        view, then (for a wave) one read per 500 where it has one (``claimable``, SQL)."""
+        view, then (for a wave, or when ``check``) one read per 500 where it has one
+        (``claimable``, SQL)."""
         tasks = [t for t in tasks if not self._coord.seen_taken(t)]
         claimable = getattr(self._coord, "claimable", None)
-        if len(tasks) >= WAVE and claimable is not None:
+        if tasks and (check or len(tasks) >= WAVE) and claimable is not None:
             try:
                 return list(claimable(tasks))
             except CoordinatorClosed:
@@ -270,11 +271,11 @@ class OfferRouter:
         with self._lock:
             due = self.ignores.pop_due(now)
             retry = self.capacity.retry_due(now, len(self._running))
-        if due and self._grouped:
-            due = self._still_waiting(due)
+        with self._lock:  # offers that waited on a full group: most were taken meanwhile
+            grouped = sum(self._grouped.pop(t.id, None) is not None for t in due) if self._grouped else 0
         # A storm's refused offers come back by the thousand, most taken by others meanwhile:
         # judging and claiming each again would be the node's main work.
-        due = self._still_open(due, "ignored")
+        due = self._still_open(due, "ignored", check=grouped > 0)
         due.sort(key=by_priority)
         self.offer(*due)
         if retry:  # a reduced capacity rose: try a waiting offer
@@ -503,27 +504,6 @@ class OfferRouter:
                 if waiting_group == group and entry is not None:
                     self.ignores.put(entry[1], now)
         self._wake.set()
-
-    def _still_waiting(self, due: list[Task]) -> list[Task]:
-        """Of due offers, those waiting on a group that the store still calls claimable
-        (one read where the coordinator can tell, ``claimable``); the others go."""
-        with self._lock:
-            grouped = [t for t in due if self._grouped.pop(t.id, None) is not None]
-        if not grouped:
-            return due
-        claimable = getattr(self._coord, "claimable", None)
-        if claimable is None:
-            return due
-        try:
-            kept = {t.id for t in claimable(grouped)}
-        except CoordinatorClosed:
-            raise
-        except MetaforaError as exc:
-            self._log.warning("could not check %d waiting offers: %s", len(grouped), exc,
-                              extra={"action": "claim"})
-            return due
-        gone = {t.id for t in grouped} - kept
-        return [t for t in due if t.id not in gone]
 
     # -- ignoring ---------------------------------------------------------------------
 
