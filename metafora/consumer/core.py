@@ -335,6 +335,7 @@ class Consumer:
             self._supervisor.start("schedules", self._scheduler.run)
             self._supervisor.start("risk", self._risk.run)
             self._balancing.schedule_first(pushed)
+            self._status.serving = True
             self._loop()
         except BaseException as exc:
             self._supervisor.keep(exc)

@@ -33,6 +33,7 @@ class NodeStatus:
         self._stopping, self._done, self._labels = stopping, done, labels
         self.started_at: datetime | None = None  # set once registered
         self.run_thread: threading.Thread | None = None  # the thread in Consumer.run()
+        self.serving = False  # set once every side thread is up and the loop is about to run
 
     def info(self) -> dict[str, Any]:
         """What ``/info`` shows: the node, its state and its running tasks."""
@@ -71,7 +72,7 @@ class NodeStatus:
                  and thread is not None and thread.is_alive())
         left = self._coord.lease_time_left()
         stopping = self._stopping.is_set()
-        ready = alive and not stopping and (left is None or left > 0)
+        ready = alive and self.serving and not stopping and (left is None or left > 0)
         return {"alive": alive, "ready": ready, "node": self._coord.node_id,
                 "registered": self.started_at is not None, "stopping": stopping,
                 "lease_left_s": None if left is None else round(left, 3),

@@ -47,13 +47,21 @@ class Supervisor:
                 self._fatal = exc
 
     def start(self, name: str, target: Callable[[], None]) -> None:
-        """Run ``target`` in a named, supervised daemon thread."""
+        """Run ``target`` in a named, supervised daemon thread.
+
+        A thread that cannot start (the process is out of threads or memory) is a fatal error
+        that names the loop; it is not kept for :meth:`join`, which could not join it.
+        """
         thread = threading.Thread(
             target=self._supervised, args=(name, target),
             name=f"metafora-{name}-{self._node_id}", daemon=True,
         )
+        try:
+            thread.start()
+        except (RuntimeError, MemoryError) as exc:
+            raise MetaforaError(f"cannot start the {name} loop of consumer {self._node_id}: "
+                                f"{exc}") from exc
         self._threads.append(thread)
-        thread.start()
 
     def _supervised(self, name: str, target: Callable[[], None]) -> None:
         try:

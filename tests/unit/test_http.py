@@ -176,3 +176,27 @@ def test_a_dead_loop_is_not_alive() -> None:
         consumer.shutdown()
         runner.join(30)
     assert [str(e) for e in raised] == ["the watch died"]
+
+
+def test_a_side_loop_that_cannot_start_stops_the_consumer_with_a_named_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of threads at start: run() raises an error naming the loop, shutdown still completes,
+    and the node was never reported ready (ready means every side loop is up)."""
+    from metafora.errors import MetaforaError
+
+    consumer = Consumer(open_coordinator("memory://probes-no-thread"),
+                        simple_handler(lambda t, s: True))
+    real_start = threading.Thread.start
+    seen_ready: list[bool] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("metafora-schedules-"):
+            seen_ready.append(consumer.ready())
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(MetaforaError, match=r"cannot start the schedules loop .*can.t start new"):
+        consumer.run()
+    assert seen_ready == [False]
+    assert not consumer.ready()
