@@ -58,8 +58,8 @@ class MemoryClient(Client):
             if task.id in s.tasks:
                 raise TaskExists(f"task {task.id!r} already exists")
             row = Row.new(task, s.clock.now())
-            s.tasks[task.id] = row
-            row.ready = s.bump()
+            s.add(row)
+            s.make_ready(row, s.bump())
 
     _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
 
@@ -75,8 +75,9 @@ class MemoryClient(Client):
                 return existing
             now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
             for task in batch:
-                row = s.tasks[task.id] = Row.new(task, now)
-                row.ready = ready
+                row = Row.new(task, now)
+                s.add(row)
+                s.make_ready(row, ready)
         return []
 
     def _row(self, task_id: str) -> Row:
@@ -91,6 +92,7 @@ class MemoryClient(Client):
             self._check_open()
             row = self._row(task_id)
             del s.tasks[task_id]
+            s.ready_rows.pop(task_id, None)
             owner = s.nodes.get(row.owner) if row.state is TaskState.CLAIMED and row.owner else None
             s.bump()
         if owner is not None:
@@ -114,7 +116,8 @@ class MemoryClient(Client):
             row.error = None
             row.finished_at = None
             row.crashes = 0
-            row.ready = s.bump()
+            s.add(row)  # timed again, if it has a launch or expiry time
+            s.make_ready(row, s.bump())
 
     def get_task(self, task_id: str) -> TaskInfo:
         s = self._store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -69,6 +69,7 @@ class MemoryCoordinator(Coordinator):
             self._check_open()
             if self._node_id in s.nodes:
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
+            s.members_seq += 1
             s.nodes[self._node_id] = NodeRecord(self._node_id, ctx, s.clock.now(), labels=dict(ctx.labels),
                                                 weight=weight)
             self._ctx = ctx
@@ -85,6 +86,7 @@ class MemoryCoordinator(Coordinator):
             raise CoordinatorClosed("init(ctx) must be called before using the coordinator")
         if self._node_id not in self._store.nodes:
             # The lease was lost (expire_lease): come back as a fresh registration.
+            self._store.members_seq += 1
             self._store.nodes[self._node_id] = NodeRecord(self._node_id, self._ctx, self._store.clock.now(),
                                                           labels=dict(self._ctx.labels),
                                                           weight=context_weight(self._ctx))
@@ -94,15 +96,21 @@ class MemoryCoordinator(Coordinator):
         sink = as_sink(out)
         s = self._store
         offered: dict[str, int] = {}
+        seen_version, seen_members = -1, -1
         while True:
             with s.cond:
                 if self._closed:
                     return
                 now = s.clock.now()
                 s.sweep(now)
+                # Every row after a membership change (a dead owner's claims are claimable);
+                # else only those made ready since the last round, and those launched now.
+                rows: Iterable[Row] = s.tasks.values() if s.members_seq != seen_members else [
+                    *reversed(s.ready_since(seen_version)), *s.launched(now)]
+                seen_members, seen_version = s.members_seq, s.version
                 batch = [
                     row.task()
-                    for row in s.tasks.values()
+                    for row in rows
                     if s.claimable(row, now) and offered.get(row.task_id) != row.ready
                 ]
                 for task in batch:
@@ -135,11 +143,13 @@ class MemoryCoordinator(Coordinator):
             if verdict is not None:
                 row.state, row.owner, row.error = TaskState.FAILED, None, verdict
                 row.finished_at = now
+                s.ready_rows.pop(row.task_id, None)
                 s.bump()
                 return None
             if not s.take_slot(row.group, now):
                 return None  # the task's group is at its limit
             s.token_seq += 1
+            s.ready_rows.pop(row.task_id, None)
             row.state = TaskState.CLAIMED
             row.owner = self._node_id
             row.token = s.token_seq
@@ -177,7 +187,7 @@ class MemoryCoordinator(Coordinator):
             row.owner = None
             row.claimed_at = None
             row.crashes = 0
-            row.ready = s.bump()
+            s.make_ready(row, s.bump())
 
     def done(self, task: Task) -> None:
         self._finish(task, TaskState.DONE, None)
@@ -194,6 +204,7 @@ class MemoryCoordinator(Coordinator):
         s = self._store
         with s.cond:
             row = self._fenced(task)
+            s.ready_rows.pop(row.task_id, None)
             row.state = state
             row.owner = None
             row.error = error
@@ -277,6 +288,7 @@ class MemoryCoordinator(Coordinator):
             if self._ctx is not None and self._node_id in s.nodes:
                 s.free_claims(self._node_id)
                 del s.nodes[self._node_id]
+                s.members_seq += 1
                 s.members_changed()
             s.bump()
 
@@ -295,6 +307,7 @@ class MemoryCoordinator(Coordinator):
         with s.cond:
             freed = s.free_claims(self._node_id, crashed=True)
             if s.nodes.pop(self._node_id, None) is not None:
+                s.members_seq += 1
                 s.members_changed()
             ctx = self._ctx
         if ctx is not None:
@@ -318,8 +331,9 @@ class MemoryCoordinator(Coordinator):
             added = False
             for task in tasks:
                 if task.id not in s.tasks:
-                    row = s.tasks[task.id] = Row(task.id, dict(task.props), TaskState.PENDING, now)
-                    row.ready = s.bump()
+                    row = Row.new(task, now)  # its selector, priority, group... too
+                    s.add(row)
+                    s.make_ready(row, s.bump())
                     added = True
             s.schedule_seq += 1
             s.schedules[schedule.name] = dataclasses.replace(stored, cursor=cursor,

@@ -53,6 +53,7 @@ class Row:
     prefer: dict[str, str] = field(default_factory=dict)
     spread: str | None = None
     group: str | None = None
+    _times: tuple[datetime | None, datetime | None] | None = field(default=None, repr=False)
 
     @classmethod
     def new(cls, task: Task, now: datetime) -> Row:
@@ -64,6 +65,14 @@ class Row:
         return Task(self.task_id, self.props, self.token, selector=self.selector,
                     priority=self.priority, prefer=self.prefer, spread=self.spread,
                     group=self.group)
+
+    def times(self) -> tuple[datetime | None, datetime | None]:
+        """(launch_at, expires_at) of its props, parsed once (a row's props never change:
+        a resubmit makes a new row): sweeps and claims ask this for every row."""
+        if self._times is None:
+            task = self.task()
+            self._times = (task.launch_at, task.expires_at)
+        return self._times
 
     def info(self) -> TaskInfo:
         return TaskInfo(
@@ -118,6 +127,41 @@ class MemoryStore:
         self.task_states: dict[str, tuple[int, str, weakref.ref[Row]]] = {}
         self.limits: dict[str, Limit] = {}
         self.rate_log: dict[str, deque[datetime]] = {}  # claim times per rate-limited group
+        # Rows with a launch_at or expires_at: the only ones a sweep or a launch wait reads.
+        self.timed: dict[str, Row] = {}
+        # Rows that became claimable, in that order (id -> their ``ready`` version): a watch
+        # reads only those newer than its last round, not every row. A claim, an end or a
+        # delete takes a row out.
+        self.ready_rows: dict[str, int] = {}
+        self.members_seq = 0  # bumped when a node joins or leaves: a watch then reads all
+
+    def make_ready(self, row: Row, version: int) -> None:
+        """``row`` became claimable at ``version`` (a submit, a release, a retry...)."""
+        row.ready = version
+        self.ready_rows.pop(row.task_id, None)
+        self.ready_rows[row.task_id] = version
+
+    def ready_since(self, version: int) -> list[Row]:
+        """Rows that became claimable after ``version`` (newest first)."""
+        rows = []
+        for task_id, ready in reversed(self.ready_rows.items()):
+            if ready <= version:
+                break
+            row = self.tasks.get(task_id)
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    def launched(self, now: datetime) -> list[Row]:
+        """Pending rows whose launch time has come (a watch offers them when it does)."""
+        return [r for r in self._timed_rows() if r.state is TaskState.PENDING
+                and (launch := r.times()[0]) is not None and launch <= now]
+
+    def add(self, row: Row) -> None:
+        """Store a new row (the caller checked its id is free, or replaces the old row)."""
+        self.tasks[row.task_id] = row
+        if row.times() != (None, None):
+            self.timed[row.task_id] = row
 
     def group_usage(self, group: str, now: datetime) -> GroupUsage | None:
         """The usage of a limited group now (None: no limit); prunes its rate log."""
@@ -195,24 +239,35 @@ class MemoryStore:
             return row.owner not in self.nodes
         if row.state is not TaskState.PENDING:
             return False
-        launch = row.task().launch_at
+        launch = row.times()[0]
         return launch is None or launch <= now
+
+    def _timed_rows(self) -> list[Row]:
+        """The timed rows still stored and not finished (others are dropped from ``timed``)."""
+        rows = []
+        for task_id, row in list(self.timed.items()):
+            if self.tasks.get(task_id) is not row or row.finished_at is not None:
+                del self.timed[task_id]
+            else:
+                rows.append(row)
+        return rows
 
     def sweep(self, now: datetime) -> None:
         """Move pending tasks past their expires_at to expired."""
-        for row in self.tasks.values():
+        for row in self._timed_rows():
             if row.state is TaskState.PENDING:
-                expires = row.task().expires_at
+                expires = row.times()[1]
                 if expires is not None and expires <= now:
                     row.state = TaskState.EXPIRED
                     row.finished_at = now
+                    self.ready_rows.pop(row.task_id, None)
 
     def next_launch(self, now: datetime) -> float | None:
         """Seconds until the earliest future launch_at, if any."""
         soonest: float | None = None
-        for row in self.tasks.values():
+        for row in self._timed_rows():
             if row.state is TaskState.PENDING:
-                launch = row.task().launch_at
+                launch = row.times()[0]
                 if launch is not None and launch > now:
                     wait = (launch - now).total_seconds()
                     soonest = wait if soonest is None else min(soonest, wait)
@@ -231,7 +286,7 @@ class MemoryStore:
                 row.owner = None
                 row.claimed_at = None
                 row.crashes = row.crashes + 1 if crashed else 0
-                row.ready = version
+                self.make_ready(row, version)
         return freed
 
     def counts(self, *, active: bool = False) -> dict[str, int]:
