@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
@@ -44,6 +45,31 @@ except ImportError:  # pragma: no cover - exercised where the API is absent
     _propagate = None  # type: ignore[assignment]
 
 _SCOPE = "metafora"
+
+try:
+    from opentelemetry.metrics import _internal as _metrics_state
+except ImportError:  # pragma: no cover - exercised where the API is absent
+    _metrics_state = None  # type: ignore[assignment]
+
+# A provider named by the environment is loaded by the API on first use: then always ask it.
+_PROVIDERS_FROM_ENV = bool(os.environ.get("OTEL_PYTHON_TRACER_PROVIDER")
+                           or os.environ.get("OTEL_PYTHON_METER_PROVIDER"))
+
+
+def _tracing_off() -> bool:
+    """True while no tracer provider is set: the API would only make non-recording spans, and
+    each lookup of the global provider reads the environment (on every claim, run and outcome).
+    Where the API's global is not where we look (another version), spans are always made."""
+    if _trace is None:
+        return True
+    return not _PROVIDERS_FROM_ENV and getattr(_trace, "_TRACER_PROVIDER", True) is None
+
+
+def _metrics_off() -> bool:
+    """True while no meter provider is set (as :func:`_tracing_off`, for the histograms)."""
+    if _metrics is None:
+        return True
+    return not _PROVIDERS_FROM_ENV and getattr(_metrics_state, "_METER_PROVIDER", True) is None
 
 
 def enabled() -> bool:
@@ -107,7 +133,7 @@ SpanLike = _Noop | _Span
 @contextlib.contextmanager
 def claim_span(node_id: str, offered: int) -> Iterator[SpanLike]:
     """Around one ``claim_many``: a ``metafora.claim`` span and the claim latency."""
-    if _trace is None:
+    if _tracing_off() and _metrics_off():
         yield _Noop()
         return
     import time
@@ -138,7 +164,7 @@ def _parent(props: Mapping[str, Any]) -> Any:
 @contextlib.contextmanager
 def run_span(task_id: str, token: int, node_id: str, props: Mapping[str, Any]) -> Iterator[SpanLike]:
     """Around one handler run and its outcome: a ``metafora.task.run`` span."""
-    if _trace is None:
+    if _tracing_off():
         yield _Noop()
         return
     attributes = {"metafora.task.id": task_id, "metafora.task.token": token, "metafora.node": node_id}
@@ -152,7 +178,7 @@ def run_span(task_id: str, token: int, node_id: str, props: Mapping[str, Any]) -
 @contextlib.contextmanager
 def outcome_span(outcome: str) -> Iterator[SpanLike]:
     """Around the store write of a run's outcome: a ``metafora.task.outcome`` span."""
-    if _trace is None:
+    if _tracing_off():
         yield _Noop()
         return
     with _tracer().start_as_current_span("metafora.task.outcome",
@@ -166,7 +192,7 @@ def start_outcome_span(outcome: str) -> Callable[[], None]:
     For an outcome written later by another thread (the group commit): the span covers the
     wait in the queue and the write, and keeps the run's span as its parent.
     """
-    if _trace is None:
+    if _tracing_off():
         return _nothing
     span = _tracer().start_span("metafora.task.outcome", attributes={"metafora.outcome": outcome})
     return cast(Callable[[], None], span.end)
@@ -178,7 +204,7 @@ def _nothing() -> None:
 
 def record_renewal(node_id: str, seconds: float) -> None:
     """Record one lease renewal's latency (``metafora.lease.renewal.duration``)."""
-    if _metrics is None:
+    if _metrics_off():
         return
     _histogram("metafora.lease.renewal.duration", "Time to renew a node's lease").record(
         seconds, {"metafora.node": node_id})

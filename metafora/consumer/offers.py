@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import itertools
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +63,9 @@ class Deferred:
     """
 
     def __init__(self) -> None:
-        self._levels: dict[int, dict[str, Task]] = {}
+        # OrderedDict: taking the oldest is O(1) (a dict's front fills with holes as it is
+        # taken from, and each walk from the front skips them all).
+        self._levels: dict[int, collections.OrderedDict[str, Task]] = {}
         self._level_of: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -79,7 +80,7 @@ class Deferred:
             del self._levels[level][task.id]
             if not self._levels[level]:
                 del self._levels[level]
-        self._levels.setdefault(task.priority, {})[task.id] = task
+        self._levels.setdefault(task.priority, collections.OrderedDict())[task.id] = task
         self._level_of[task.id] = task.priority
 
     def take(self, count: int | None) -> list[Task]:
@@ -88,8 +89,9 @@ class Deferred:
         for level in sorted(self._levels, reverse=True):
             tasks = self._levels[level]
             want = len(tasks) if count is None else min(len(tasks), count - len(taken))
-            for task_id in list(itertools.islice(tasks, want)):
-                taken.append(tasks.pop(task_id))
+            for _ in range(want):
+                task_id, task = tasks.popitem(last=False)
+                taken.append(task)
                 del self._level_of[task_id]
             if not tasks:
                 del self._levels[level]

@@ -20,7 +20,45 @@ from metafora.consumer.runner import Run
 from metafora.handler import AsyncHandler, Handler
 from metafora.task import Task
 
-__all__ = ["NodeLog", "Running", "handler_state"]
+__all__ = ["Flag", "NodeLog", "Running", "handler_state"]
+
+
+class Flag:
+    """A flag set once and never cleared, that threads can wait for: ``threading.Event``'s
+    ``set``/``is_set``/``wait`` at a fraction of its making cost (one lock, held while
+    unset, instead of a Condition). Every running task has two, made on the hot path."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        """Whether it was set."""
+        return self._set
+
+    def set(self) -> None:
+        """Set it and wake every waiter (setting it again does nothing)."""
+        if self._set:
+            return
+        self._set = True
+        self._release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set or ``timeout`` seconds (None: no limit) passed; whether it is set."""
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._release()  # pass the wake-up on to the next waiter
+        return self._set
+
+    def _release(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # two setters (or a setter and a waiter) raced: already free
+            pass
 
 
 @dataclass(eq=False)
@@ -34,8 +72,8 @@ class Running:
     stopped: datetime | None = None
     lost: bool = False
     abandoned: bool = False
-    returned: threading.Event = field(default_factory=threading.Event)  # run() ended
-    finished: threading.Event = field(default_factory=threading.Event)  # outcome written
+    returned: Flag = field(default_factory=Flag)  # run() ended
+    finished: Flag = field(default_factory=Flag)  # outcome written
 
     def view(self) -> RunningTask:
         """What the balancer sees of it."""
