@@ -59,8 +59,15 @@ def count_statements(out: Path) -> Iterator[None]:
     counts: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
 
+    kinds: dict[str, str] = {}  # the same few statement texts again and again: name each once
+
     def note(sql: Any) -> None:
-        kind = _kind(sql if isinstance(sql, str) else str(sql))
+        text = sql if isinstance(sql, str) else str(sql)
+        kind = kinds.get(text)
+        if kind is None:
+            if len(kinds) > 10_000:  # SQLite's trace has the values bound in: keep it bounded
+                kinds.clear()
+            kind = kinds[text] = _kind(text)
         with lock:
             counts[kind] += 1
 

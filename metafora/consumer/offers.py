@@ -39,10 +39,13 @@ from metafora.task import Task, matches
 
 __all__ = ["Deferred", "Ignores", "OfferRouter", "Placement", "by_priority"]
 
-# With max_tasks, one claim_many gets this many offers per free slot (and a limit of the free
-# slots): offers another node took meanwhile are skipped inside the statement instead of
-# costing a round trip each.
+# With max_tasks, one claim_many gets up to this many offers per free slot (and a limit of the
+# free slots): offers another node took meanwhile are skipped inside the statement instead of
+# costing a round trip each. How many it gets follows the share of offers recently lost to
+# other nodes (see OfferRouter.extra_offers): uncontended, each spare offer is only taken from
+# the waiting ones, judged, and put back.
 OVERFETCH = 4
+LOSS_MEMORY = 0.8  # weight of the past in the moving share of offers lost to other nodes
 WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvous preference)
 MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
 DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
@@ -204,6 +207,7 @@ class OfferRouter:
         self.outcomes: OutcomeWriter | None = None
         self._claiming = False  # a claim is in flight
         self.approved = 0  # offers the balancer approved in this pass, not claimed yet
+        self.loss = 1.0  # moving share of tried offers lost to other nodes (start: assume many)
         self.ignores = Ignores()
         self.deferred = Deferred()
         self._releases: dict[str, int] = {}
@@ -314,7 +318,7 @@ class OfferRouter:
                 slots = self.free_slots()
                 if slots is not None and slots <= 0:
                     return
-                waiting = self.deferred.take(None if slots is None else slots * OVERFETCH)
+                waiting = self.deferred.take(None if slots is None else self.offers_for(slots))
             self.offer(*waiting)
 
     # -- the pipeline -----------------------------------------------------------------
@@ -369,7 +373,7 @@ class OfferRouter:
             approved_ids.add(task.id)
             self.approved = len(approved)
             burst = self._claim_burst if slots is None else min(self._claim_burst,
-                                                                 slots * OVERFETCH)
+                                                                 self.offers_for(slots))
             if len(approved) >= burst:
                 self.claim(approved, len(approved) if slots is None else slots)
                 approved = []
@@ -398,6 +402,24 @@ class OfferRouter:
             self.ignore(task, until)
         return ok
 
+    def offers_for(self, slots: int) -> int:
+        """Offers to try for ``slots`` free slots: one spare, plus as many as the recent share
+        of lost offers says will be lost, up to ``OVERFETCH`` per slot."""
+        return min(slots * OVERFETCH, slots + 1 + int(slots * OVERFETCH * self.loss))
+
+    def _note_losses(self, tasks: list[Task], claimed: list[Task], limit: int) -> None:
+        """Update the moving share of offers lost: of those the claim tried (all of them, or,
+        when it stopped at ``limit``, those up to the last one it won)."""
+        if not tasks:
+            return
+        if len(claimed) < limit:
+            tried = len(tasks)
+        else:
+            won = {t.id for t in claimed}
+            tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
+        share = (tried - len(claimed)) / tried if tried else 0.0
+        self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
+
     def free_slots(self) -> int | None:
         """Handlers this node may still start (None: no bound). Called holding the lock."""
         return self.capacity.free_slots(len(self._running))
@@ -418,6 +440,7 @@ class OfferRouter:
                 self.ignore(task, self._options.refuse_retry)
             return
         self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        self._note_losses(tasks, claimed, limit)
         if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
             self._group_waits(tasks, claimed)
         if len(claimed) < limit:  # every offer was tried: those not won went to others

@@ -88,7 +88,11 @@ class OutcomeWriter:
             if self._exited:
                 return False
             self._queue.append(item)
-            self._cond.notify()
+            if len(self._queue) == 1:
+                # The writer waits only for an empty queue (or for its oldest outcome's
+                # linger, which a newer one does not change): one wake-up per batch, not
+                # per outcome.
+                self._cond.notify()
             return True
 
     def pending(self) -> int:

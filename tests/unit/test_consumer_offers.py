@@ -291,3 +291,31 @@ def test_prefer_holds_back_only_while_a_live_node_has_the_labels(rig_of: Any) ->
         other.close()
     off = Placement(rig.coord, ConsumerOptions(placement_wait=0.0), rig.clock)
     assert off.hold_back(Task("p3", prefer={"gpu": "1"}), [], None) is None
+
+
+def test_spare_offers_follow_the_share_lost_to_other_nodes(rig_of: Any) -> None:
+    """Uncontended, a claim for 2 free slots tries 3 offers, not 8 (each spare one is taken
+    from the waiting offers, judged and put back); offers lost to another node bring the
+    spares back, up to OVERFETCH per slot."""
+    from metafora.consumer.offers import OVERFETCH
+
+    rig = rig_of(max_tasks=2)
+    assert rig.router.offers_for(2) == 2 * OVERFETCH  # at first: assume contention
+    tasks = rig.submit(*(Task(f"t{i:02d}") for i in range(40)))
+    for task in tasks:
+        rig.router.deferred.put(task)
+    for _ in range(15):  # claim two, finish them, again: nothing is lost
+        rig.router.retry_deferred()
+        rig.running.clear()
+    assert len(rig.started) == 30
+    assert rig.router.offers_for(2) == 3
+    other = rig.other_node()
+    try:
+        waiting = rig.router.deferred.take(None)
+        for task in waiting:
+            other.claim(task)  # another node took every waiting offer
+            rig.router.deferred.put(task)
+        rig.router.retry_deferred()  # all lost
+        assert rig.router.offers_for(2) > 3
+    finally:
+        other.close()
