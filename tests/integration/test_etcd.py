@@ -159,6 +159,32 @@ def test_claim_race_between_two_coordinators(nodes: Nodes) -> None:
         assert (info.state, info.owner, info.token) == (TaskState.CLAIMED, owner, token)
 
 
+def test_a_free_task_is_not_dropped_when_its_claim_txns_keep_losing_to_neighbours(
+        nodes: Nodes) -> None:
+    """A claim txn of many tasks fails whole when one of them was taken. Another node takes
+    one task of each of a's multi-task txns just before it is sent (a real claim on the real
+    store): every task still free must end claimed by a in the same claim_many, not left
+    pending until the watch's safety-net re-list 30 s later (the claims benchmark's outlier)."""
+    a, b = nodes.node("a"), nodes.node("b")
+    tasks = [Task(f"nb-{i:03d}") for i in range(64)]
+    nodes.client.submit_tasks(tasks)
+    stolen: list[str] = []
+    build = a._claims._claim_request
+
+    def neighbour_first(chunk: list[Any], lease: int) -> Any:
+        if len(chunk) > 1:  # b takes the first task of every multi-task txn
+            task = chunk[0][0]
+            if b.claim(Task(task.id)) is not None:
+                stolen.append(task.id)
+        return build(chunk, lease)
+
+    a._claims._claim_request = neighbour_first  # type: ignore[method-assign]
+    won = a.claim_many(tasks, len(tasks))
+    assert stolen and not set(stolen) & {t.id for t in won}
+    assert len(won) + len(stolen) == len(tasks)  # no free task left behind
+    assert not nodes.client.tasks(TaskState.PENDING)
+
+
 def test_tokens_strictly_increase_and_are_never_reused(nodes: Nodes) -> None:
     a, b = nodes.node("a"), nodes.node("b")
     tokens: list[int] = []
