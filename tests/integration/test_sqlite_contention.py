@@ -10,6 +10,8 @@ while another connection converts the file).
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, open_client, open_coordinator
+from metafora.errors import CoordinatorUnavailable
 from metafora.testing import RecordingContext
 
 pytestmark = [pytest.mark.slow]
@@ -54,3 +57,67 @@ def test_processes_starting_together_on_a_fresh_file_all_start(tmp_path: Path) -
             client.submit_task(Task("t"))
             assert [i.id for i in client.tasks()] == ["t"]
     assert failures == []
+
+
+def _hold_write_lock(path: Path, held: threading.Event, release: threading.Event) -> None:
+    """Another writer (a plain sqlite3 connection, as another process's would be) holds the
+    file's write lock until ``release``."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(60)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def test_a_hot_write_waits_out_another_writer_and_goes_on_once_it_commits(tmp_path: Path) -> None:
+    """The hot path's BEGIN IMMEDIATE retries in short steps while another connection holds
+    the write lock, and gets it once that one commits: the claim succeeds."""
+    path = tmp_path / "hot.db"
+    url = f"sqlite:///{path}"
+    with open_client(url) as client:
+        client.submit_task(Task("t1"))
+    coord = open_coordinator(url, node_id="n1")
+    coord.init(RecordingContext())
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_write_lock, args=(path, held, release))
+    holder.start()
+    try:
+        assert held.wait(30)
+        claimed: list[Any] = []
+        claimer = threading.Thread(target=lambda: claimed.append(coord.claim(Task("t1"))))
+        claimer.start()
+        claimer.join(0.3)  # a window to be inside the wait (it cannot end while the lock is held)
+        assert claimer.is_alive() and not claimed
+        release.set()
+        claimer.join(30)
+        assert claimed and claimed[0] is not None and claimed[0].id == "t1"
+    finally:
+        release.set()
+        holder.join(30)
+        coord.close()
+
+
+def test_a_hot_write_gives_up_after_the_busy_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "busy.db"
+    url = f"sqlite:///{path}?busy_timeout=0.5"
+    with open_client(url) as client:
+        client.submit_task(Task("t1"))
+    coord = open_coordinator(url, node_id="n1")
+    coord.init(RecordingContext())
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_write_lock, args=(path, held, release))
+    holder.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(CoordinatorUnavailable, match=r"locked|busy"):
+            coord.claim(Task("t1"))
+    finally:
+        release.set()
+        holder.join(30)
+        coord.close()
+    # The connection's own busy timeout was put back: a later write waits as configured.
+    with open_client(url) as client:
+        assert client.get_task("t1").state.value == "pending"
