@@ -210,6 +210,8 @@ class _EventLoop:
         # Runs spawned but not created yet, which a loop that dies must end too.
         self._spawn_lock = threading.Lock()
         self._spawning: set[AsyncRun] = set()
+        # Spawned runs waiting for the loop, in order: a burst of claims wakes it once.
+        self._queued: list[AsyncRun] = []
         self._stopped = False  # run_forever returned
         self._writers = concurrent.futures.ThreadPoolExecutor(
             _OUTCOME_WRITERS, thread_name_prefix=f"metafora-outcome-{node_id}"
@@ -245,12 +247,22 @@ class _EventLoop:
             if self._stopped or self._closing.is_set():
                 raise CannotStart("async", RuntimeError("the event loop is not running"))
             self._spawning.add(run)
+            self._queued.append(run)
+            if len(self._queued) > 1:
+                return  # the loop is told already: it creates the whole queue at once
         try:
-            self._loop.call_soon_threadsafe(lambda: self._create(run))
+            self._loop.call_soon_threadsafe(self._create_queued)
         except RuntimeError as exc:  # closed
             with self._spawn_lock:
                 self._spawning.discard(run)
+                self._queued.remove(run)
             raise CannotStart("async", exc) from exc
+
+    def _create_queued(self) -> None:
+        with self._spawn_lock:
+            runs, self._queued = self._queued, []
+        for run in runs:
+            self._create(run)
 
     def _create(self, run: AsyncRun) -> None:
         with self._spawn_lock:
