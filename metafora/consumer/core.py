@@ -492,6 +492,8 @@ class Consumer:
                 self._log.warning("could not publish frozen=%s: %s", frozen, exc, extra=extra)
             if not frozen:
                 self._offers.redo_deferred()
+            elif self._offers.outcomes is not None:  # no claim will take queued outcomes along
+                self._offers.outcomes.nudge()
         elif command.name == cmds.BALANCE:
             self._balancing.balance()
         elif command.name == cmds.STOP_TASK:

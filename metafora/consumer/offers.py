@@ -329,6 +329,8 @@ class OfferRouter:
             self._offer(tasks)
         finally:
             self.approved = 0
+            if self.outcomes is not None:  # outcomes left to a claim that is not coming
+                self.outcomes.nudge()
 
     def _offer(self, tasks: Sequence[Task]) -> None:
         approved: list[Task] = []

@@ -88,12 +88,19 @@ class OutcomeWriter:
             if self._exited:
                 return False
             self._queue.append(item)
-            if len(self._queue) == 1:
+            if len(self._queue) == 1 and not (self.linger and self.claim_soon()):
                 # The writer waits only for an empty queue (or for its oldest outcome's
                 # linger, which a newer one does not change): one wake-up per batch, not
-                # per outcome.
+                # per outcome; none while a claim is due to take it along (the claim loop
+                # nudges the writer when a pass ends with none due).
                 self._cond.notify()
             return True
+
+    def nudge(self) -> None:
+        """Wake the writer if outcomes wait and no claim is due to take them along."""
+        if self._queue and not self.claim_soon():
+            with self._cond:
+                self._cond.notify()
 
     def pending(self) -> int:
         """Outcomes queued or being written."""
