@@ -196,6 +196,7 @@ def _spy_on_workers(peers: Any, out: Path, spies: list[subprocess.Popen[bytes]])
     """Start py-spy on each worker process as soon as it says it has loaded (by pid)."""
     out.mkdir(parents=True, exist_ok=True)
     spy = str(Path(sys.executable).with_name("py-spy"))
+    gil = ["--gil"] if os.environ.get("HOTPATH_GIL") else []  # only samples holding the GIL: CPU
     original = peers._Workers.start_together
 
     def start_together(self: Any) -> None:
@@ -206,7 +207,7 @@ def _spy_on_workers(peers: Any, out: Path, spies: list[subprocess.Popen[bytes]])
                 seen += 1
                 for fmt, ext in (("flamegraph", "svg"), ("raw", "txt")):
                     spies.append(subprocess.Popen(
-                        [spy, "record", "--pid", str(event[2]), "--rate", "200", "--format", fmt, *(["--gil"] if os.environ.get("HOTPATH_GIL") else []),
+                        [spy, "record", "--pid", str(event[2]), "--rate", "200", "--format", fmt, *gil,
                          "-o", str(out / f"{event[1]}.{ext}"), "--nonblocking"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.go.set()

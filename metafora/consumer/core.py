@@ -485,15 +485,13 @@ class Consumer:
         extra = {"action": f"command:{command.name}"}
         self._log.info("command %s %s", command.name, dict(command.params), extra=extra)
         if command.name in (cmds.FREEZE, cmds.UNFREEZE):
-            frozen = self._offers.frozen = command.name == cmds.FREEZE
+            self._offers.freeze(frozen := command.name == cmds.FREEZE)
             try:
                 self._coord.report_frozen(frozen)
             except MetaforaError as exc:
                 self._log.warning("could not publish frozen=%s: %s", frozen, exc, extra=extra)
             if not frozen:
                 self._offers.redo_deferred()
-            elif self._offers.outcomes is not None:  # no claim will take queued outcomes along
-                self._offers.outcomes.nudge()
         elif command.name == cmds.BALANCE:
             self._balancing.balance()
         elif command.name == cmds.STOP_TASK:

@@ -233,6 +233,12 @@ class OfferRouter:
         """A wave: this node tries its own share first and holds the others' share back."""
         self.offer(*self._preference.split(offers, self._clock.monotonic()))
 
+    def freeze(self, frozen: bool) -> None:
+        """Claim nothing new (True) or claim again (False)."""
+        self.frozen = frozen
+        if frozen and self.outcomes is not None:  # no claim will take queued outcomes along
+            self.outcomes.nudge()
+
     def members(self, members: set[str]) -> None:
         """The live nodes changed: rendezvous preference ranks over these."""
         self._preference.members(members)

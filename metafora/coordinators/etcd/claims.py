@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from typing import TypeVar
 
 from metafora.clock import Clock
 from metafora.coordinator import crash_limit_error
@@ -41,6 +42,22 @@ CLAIM_TXN_TASKS = 32
 """Tasks per claim txn: 4 compares, 3 puts and 4 failure reads each, within etcd's default
 limit of 128 operations per txn branch."""
 _ROUND_TXN_TASKS = (CLAIM_TXN_TASKS, 4, 1)  # tasks per claim txn in each round of _claim_known
+
+
+_T = TypeVar("_T")
+
+
+def _chunks(items: list[_T], round_: int) -> list[list[_T]]:
+    """The claim txns of one round of :meth:`Claims._claim_known`.
+
+    A multi-task txn fails whole when any one of its tasks was taken. Retried in such txns, a
+    free task could lose every round to its neighbours and be left unclaimed until the watch's
+    safety-net re-list (``poll_interval``, 30 s): the claims benchmark's 2-process outlier.
+    Retries go in smaller txns, the last round one task each, which fails only when that task
+    itself was taken or changed.
+    """
+    size = _ROUND_TXN_TASKS[round_]
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 class Claims:
@@ -133,15 +150,7 @@ class Claims:
             items = [(t, k) for t, k in items if self._claimable(t.id, k)]
             if not items:
                 break
-            plain = [(t, k) for t, k in items if _group(k) is None]
-            # A multi-task txn fails whole when any one of its tasks was taken. Retried in
-            # such txns, a free task could lose three rounds to its neighbours and be left
-            # unclaimed until the watch's safety-net re-list (poll_interval, 30 s): the
-            # 2-process outlier of the claims benchmark. Retries go in smaller txns, the last
-            # round one task per txn, which fails only when that task itself was taken or
-            # changed.
-            size = _ROUND_TXN_TASKS[_round]
-            chunks = [plain[i:i + size] for i in range(0, len(plain), size)]
+            chunks = _chunks([(t, k) for t, k in items if _group(k) is None], _round)
             requests = [self._claim_request(chunk, lease) for chunk in chunks]
             slots: list[list[bytes] | None] = [None] * len(chunks)  # None: no group
             skipped: list[tuple[Task, Known]] = []  # not tried: their group's view is full
