@@ -47,8 +47,10 @@ except ImportError:  # pragma: no cover - exercised where the API is absent
 _SCOPE = "metafora"
 
 try:
+    from opentelemetry import context as _context
     from opentelemetry.metrics import _internal as _metrics_state
 except ImportError:  # pragma: no cover - exercised where the API is absent
+    _context = None  # type: ignore[assignment]
     _metrics_state = None  # type: ignore[assignment]
 
 # A provider named by the environment is loaded by the API on first use: then always ask it.
@@ -165,7 +167,17 @@ def _parent(props: Mapping[str, Any]) -> Any:
 def run_span(task_id: str, token: int, node_id: str, props: Mapping[str, Any]) -> Iterator[SpanLike]:
     """Around one handler run and its outcome: a ``metafora.task.run`` span."""
     if _tracing_off():
-        yield _Noop()
+        # No span, but the submitter's trace context (if the props carry one) is current in
+        # the run, as a non-recording span would make it: the handler's outgoing calls carry it.
+        parent = _parent(props) if TRACE_PROP in props else None
+        if parent is None:
+            yield _Noop()
+            return
+        attached = _context.attach(parent)
+        try:
+            yield _Noop()
+        finally:
+            _context.detach(attached)
         return
     attributes = {"metafora.task.id": task_id, "metafora.task.token": token, "metafora.node": node_id}
     with _tracer().start_as_current_span(

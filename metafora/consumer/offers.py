@@ -503,10 +503,16 @@ class OfferRouter:
             writer.claim_soon = self.claim_soon
 
     def claim_soon(self) -> bool:
-        """Whether a claim is in flight or due (offers wait for a slot): the outcome writer
-        then leaves queued outcomes to it for a moment (called from the writer's thread)."""
-        return self._claiming or (bool(self.deferred) and not self.frozen
-                                  and not self._stopping.is_set())
+        """Whether a claim is in flight, or due: offers wait and a slot is free for them. The
+        outcome writer then leaves queued outcomes to it for a moment (called from the
+        writer's thread and where handlers end: reads only, no lock). Offers waiting while
+        every slot is taken are no claim due: an outcome left to one would wait for nothing."""
+        if self._claiming:
+            return True
+        if not self.deferred or self.frozen or self._stopping.is_set():
+            return False
+        slots = self.capacity.free_slots(len(self._running))
+        return slots is None or slots > 0
 
     # -- limit groups -----------------------------------------------------------------
 

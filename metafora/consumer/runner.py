@@ -261,8 +261,18 @@ class _EventLoop:
     def _create_queued(self) -> None:
         with self._spawn_lock:
             runs, self._queued = self._queued, []
-        for run in runs:
-            self._create(run)
+        for i, run in enumerate(runs):
+            try:
+                self._create(run)
+            except BaseException:
+                # Not this burst's fault (the loop or the process is failing): the rest of the
+                # burst still gets its turn, as each run had its own callback before.
+                rest = runs[i + 1:]
+                if rest:
+                    with self._spawn_lock:
+                        self._queued[:0] = rest
+                    self._loop.call_soon(self._create_queued)
+                raise
 
     def _create(self, run: AsyncRun) -> None:
         with self._spawn_lock:
@@ -336,7 +346,8 @@ class _EventLoop:
         # Nothing will run these handlers again: end them as released (the node's close()
         # gives their tasks back), or shutdown would wait for them until its timeout.
         for run in [*self._tasks.values(), *spawned]:
-            self._hand_off(run, False, None, None, None)
+            if not run.finished:  # a run that ended as the loop died was handed off already
+                self._hand_off(run, False, None, None, None)
         self._tasks.clear()
 
     def _watch(self) -> None:

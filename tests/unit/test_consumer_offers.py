@@ -319,3 +319,18 @@ def test_spare_offers_follow_the_share_lost_to_other_nodes(rig_of: Any) -> None:
         assert rig.router.offers_for(2) > 3
     finally:
         other.close()
+
+
+def test_no_claim_is_due_while_every_slot_is_taken(rig_of: Any) -> None:
+    """Offers waiting for a slot are a claim due only while a slot is free: the outcome writer
+    leaves a finished task's outcome to a due claim, and a full node would make it wait for
+    nothing (until the writer's own 1 s wake-up)."""
+    rig = rig_of(max_tasks=1)
+    first, second = rig.submit(Task("first", priority=1), Task("second"))
+    rig.router.offer(first, second)
+    assert rig.started == ["first"] and len(rig.router.deferred) == 1
+    assert not rig.router.claim_soon()  # the only slot is taken
+    del rig.running["first"]  # its handler ended: the slot is free, the waiting offer is due
+    assert rig.router.claim_soon()
+    rig.router.freeze(True)
+    assert not rig.router.claim_soon()

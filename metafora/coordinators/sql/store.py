@@ -160,8 +160,8 @@ def _begin_immediate(cursor: Any, busy_timeout: float) -> None:
     second each lost a millisecond or more at every contended start. The connection's busy
     timeout is 0 during the tries (and restored after): a try answers at once.
     """
-    cursor.execute("PRAGMA busy_timeout = 0")
     try:
+        cursor.execute("PRAGMA busy_timeout = 0")
         deadline = time.monotonic() + busy_timeout
         step = _SPIN_FIRST
         while True:
