@@ -37,7 +37,7 @@ from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.metrics import ConsumerStats
 from metafora.task import Task, matches
 
-__all__ = ["Deferred", "Ignores", "OfferRouter", "Placement", "by_priority"]
+__all__ = ["Deferred", "Ignores", "OfferRouter", "Placement", "Spares", "by_priority"]
 
 # With max_tasks, one claim_many gets up to this many offers per free slot (and a limit of the
 # free slots): offers another node took meanwhile are skipped inside the statement instead of
@@ -101,6 +101,32 @@ class Deferred:
             if count is not None and len(taken) >= count:
                 break
         return taken
+
+
+class Spares:
+    """How many offers to try for the free slots: one spare, plus as many as the moving share
+    of tried offers recently lost to other nodes says will be lost, up to ``OVERFETCH`` per
+    slot (it starts by assuming contention)."""
+
+    def __init__(self) -> None:
+        self.loss = 1.0
+
+    def offers_for(self, slots: int) -> int:
+        """Offers to try for ``slots`` free slots."""
+        return min(slots * OVERFETCH, slots + 1 + int(slots * OVERFETCH * self.loss))
+
+    def note(self, tasks: list[Task], claimed: list[Task], limit: int) -> None:
+        """After a claim: of the offers it tried (all of them, or, when it stopped at
+        ``limit``, those up to the last one it won), the share lost."""
+        if not tasks:
+            return
+        if len(claimed) < limit:
+            tried = len(tasks)
+        else:
+            won = {t.id for t in claimed}
+            tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
+        share = (tried - len(claimed)) / tried if tried else 0.0
+        self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
 
 
 class Ignores:
@@ -207,7 +233,7 @@ class OfferRouter:
         self.outcomes: OutcomeWriter | None = None
         self._claiming = False  # a claim is in flight
         self.approved = 0  # offers the balancer approved in this pass, not claimed yet
-        self.loss = 1.0  # moving share of tried offers lost to other nodes (start: assume many)
+        self.spares = Spares()
         self.ignores = Ignores()
         self.deferred = Deferred()
         self._releases: dict[str, int] = {}
@@ -324,7 +350,7 @@ class OfferRouter:
                 slots = self.free_slots()
                 if slots is not None and slots <= 0:
                     return
-                waiting = self.deferred.take(None if slots is None else self.offers_for(slots))
+                waiting = self.deferred.take(None if slots is None else self.spares.offers_for(slots))
             self.offer(*waiting)
 
     # -- the pipeline -----------------------------------------------------------------
@@ -381,7 +407,7 @@ class OfferRouter:
             approved_ids.add(task.id)
             self.approved = len(approved)
             burst = self._claim_burst if slots is None else min(self._claim_burst,
-                                                                 self.offers_for(slots))
+                                                                 self.spares.offers_for(slots))
             if len(approved) >= burst:
                 self.claim(approved, len(approved) if slots is None else slots)
                 approved = []
@@ -410,24 +436,6 @@ class OfferRouter:
             self.ignore(task, until)
         return ok
 
-    def offers_for(self, slots: int) -> int:
-        """Offers to try for ``slots`` free slots: one spare, plus as many as the recent share
-        of lost offers says will be lost, up to ``OVERFETCH`` per slot."""
-        return min(slots * OVERFETCH, slots + 1 + int(slots * OVERFETCH * self.loss))
-
-    def _note_losses(self, tasks: list[Task], claimed: list[Task], limit: int) -> None:
-        """Update the moving share of offers lost: of those the claim tried (all of them, or,
-        when it stopped at ``limit``, those up to the last one it won)."""
-        if not tasks:
-            return
-        if len(claimed) < limit:
-            tried = len(tasks)
-        else:
-            won = {t.id for t in claimed}
-            tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
-        share = (tried - len(claimed)) / tried if tried else 0.0
-        self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
-
     def free_slots(self) -> int | None:
         """Handlers this node may still start (None: no bound). Called holding the lock."""
         return self.capacity.free_slots(len(self._running))
@@ -448,7 +456,7 @@ class OfferRouter:
                 self.ignore(task, self._options.refuse_retry)
             return
         self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
-        self._note_losses(tasks, claimed, limit)
+        self.spares.note(tasks, claimed, limit)
         if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
             self._group_waits(tasks, claimed)
         if len(claimed) < limit:  # every offer was tried: those not won went to others

@@ -300,7 +300,7 @@ def test_spare_offers_follow_the_share_lost_to_other_nodes(rig_of: Any) -> None:
     from metafora.consumer.offers import OVERFETCH
 
     rig = rig_of(max_tasks=2)
-    assert rig.router.offers_for(2) == 2 * OVERFETCH  # at first: assume contention
+    assert rig.router.spares.offers_for(2) == 2 * OVERFETCH  # at first: assume contention
     tasks = rig.submit(*(Task(f"t{i:02d}") for i in range(40)))
     for task in tasks:
         rig.router.deferred.put(task)
@@ -308,7 +308,7 @@ def test_spare_offers_follow_the_share_lost_to_other_nodes(rig_of: Any) -> None:
         rig.router.retry_deferred()
         rig.running.clear()
     assert len(rig.started) == 30
-    assert rig.router.offers_for(2) == 3
+    assert rig.router.spares.offers_for(2) == 3
     other = rig.other_node()
     try:
         waiting = rig.router.deferred.take(None)
@@ -316,7 +316,7 @@ def test_spare_offers_follow_the_share_lost_to_other_nodes(rig_of: Any) -> None:
             other.claim(task)  # another node took every waiting offer
             rig.router.deferred.put(task)
         rig.router.retry_deferred()  # all lost
-        assert rig.router.offers_for(2) > 3
+        assert rig.router.spares.offers_for(2) > 3
     finally:
         other.close()
 
