@@ -9,10 +9,12 @@ while another connection converts the file).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import sqlite3
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +74,10 @@ def _hold_write_lock(path: Path, held: threading.Event, release: threading.Event
         conn.close()
 
 
-def test_a_hot_write_waits_out_another_writer_and_goes_on_once_it_commits(tmp_path: Path) -> None:
-    """The hot path's BEGIN IMMEDIATE retries in short steps while another connection holds
-    the write lock, and gets it once that one commits: the claim succeeds."""
-    path = tmp_path / "hot.db"
-    url = f"sqlite:///{path}"
+@contextlib.contextmanager
+def _locked_by_another_writer(url: str, path: Path) -> Iterator[tuple[Any, threading.Event]]:
+    """A node ``n1`` on a store with task ``t1`` pending, while another connection holds the
+    file's write lock until the event it yields is set (or the block ends)."""
     with open_client(url) as client:
         client.submit_task(Task("t1"))
     coord = open_coordinator(url, node_id="n1")
@@ -86,6 +87,18 @@ def test_a_hot_write_waits_out_another_writer_and_goes_on_once_it_commits(tmp_pa
     holder.start()
     try:
         assert held.wait(30)
+        yield coord, release
+    finally:
+        release.set()
+        holder.join(30)
+        coord.close()
+
+
+def test_a_hot_write_waits_out_another_writer_and_goes_on_once_it_commits(tmp_path: Path) -> None:
+    """The hot path's BEGIN IMMEDIATE retries in short steps while another connection holds
+    the write lock, and gets it once that one commits: the claim succeeds."""
+    path = tmp_path / "hot.db"
+    with _locked_by_another_writer(f"sqlite:///{path}", path) as (coord, release):
         claimed: list[Any] = []
         claimer = threading.Thread(target=lambda: claimed.append(coord.claim(Task("t1"))))
         claimer.start()
@@ -94,30 +107,14 @@ def test_a_hot_write_waits_out_another_writer_and_goes_on_once_it_commits(tmp_pa
         release.set()
         claimer.join(30)
         assert claimed and claimed[0] is not None and claimed[0].id == "t1"
-    finally:
-        release.set()
-        holder.join(30)
-        coord.close()
 
 
 def test_a_hot_write_gives_up_after_the_busy_timeout(tmp_path: Path) -> None:
     path = tmp_path / "busy.db"
     url = f"sqlite:///{path}?busy_timeout=0.5"
-    with open_client(url) as client:
-        client.submit_task(Task("t1"))
-    coord = open_coordinator(url, node_id="n1")
-    coord.init(RecordingContext())
-    held, release = threading.Event(), threading.Event()
-    holder = threading.Thread(target=_hold_write_lock, args=(path, held, release))
-    holder.start()
-    try:
-        assert held.wait(30)
-        with pytest.raises(CoordinatorUnavailable, match=r"locked|busy"):
-            coord.claim(Task("t1"))
-    finally:
-        release.set()
-        holder.join(30)
-        coord.close()
+    with _locked_by_another_writer(url, path) as (coord, _), pytest.raises(
+            CoordinatorUnavailable, match=r"locked|busy"):
+        coord.claim(Task("t1"))
     # The connection's own busy timeout was put back: a later write waits as configured.
     with open_client(url) as client:
         assert client.get_task("t1").state.value == "pending"

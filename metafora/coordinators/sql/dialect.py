@@ -331,7 +331,7 @@ class SQLiteDialect(Dialect):
             cur = dbapi_conn.cursor()
             try:
                 cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
-                _wait_out_busy(lambda: cur.execute("PRAGMA journal_mode = WAL"), cfg.busy_timeout)
+                wait_out_busy(lambda: cur.execute("PRAGMA journal_mode = WAL"), cfg.busy_timeout)
                 cur.execute("PRAGMA synchronous = NORMAL")
             finally:
                 cur.close()
@@ -372,16 +372,19 @@ class SQLiteDialect(Dialect):
         pass  # BEGIN IMMEDIATE already holds the only write lock
 
 
-def _wait_out_busy(step: Callable[[], object], timeout: float) -> None:
-    """Run ``step``, retrying while SQLite answers "locked"/"busy", for up to ``timeout`` seconds.
+def wait_out_busy(step: Callable[[], object], timeout: float, *, first: float = 0.002,
+                  most: float = 0.05) -> None:
+    """Run ``step``, retrying while SQLite answers "locked"/"busy", for up to ``timeout`` seconds:
+    after ``first`` seconds, doubling up to ``most`` (each with jitter).
 
     Switching a new file to WAL needs an exclusive lock and SQLite answers SQLITE_BUSY at once,
     without its busy handler, while another connection converts the file: several processes
     opening one fresh file at the same instant (the embedded default's normal start) must wait
-    that out, not report the store unavailable.
+    that out, not report the store unavailable. The hot path's ``BEGIN IMMEDIATE`` waits out
+    another process's write lock the same way, in far shorter steps.
     """
     deadline = time.monotonic() + timeout
-    pause = 0.002
+    pause = first
     while True:
         try:
             step()
@@ -391,7 +394,7 @@ def _wait_out_busy(step: Callable[[], object], timeout: float) -> None:
             if ("locked" not in text_ and "busy" not in text_) or time.monotonic() >= deadline:
                 raise
         time.sleep(pause * (1 + random.random()))  # jitter: racing processes do not retry in step
-        pause = min(pause * 2, 0.05)
+        pause = min(pause * 2, most)
 
 
 def make_dialect(config: SQLConfig) -> Dialect:

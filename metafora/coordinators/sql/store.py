@@ -24,10 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import sqlite3
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -35,7 +33,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, PoolProxiedConnection
 from sqlalchemy import exc as sa_exc
 
-from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect
+from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect, wait_out_busy
 from metafora.coordinators.sql.options import SQLConfig
 from metafora.coordinators.sql.schema import migrate, needs_migration
 from metafora.coordinators.sql.statements import Statements
@@ -162,18 +160,8 @@ def _begin_immediate(cursor: Any, busy_timeout: float) -> None:
     """
     try:
         cursor.execute("PRAGMA busy_timeout = 0")
-        deadline = time.monotonic() + busy_timeout
-        step = _SPIN_FIRST
-        while True:
-            try:
-                cursor.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                text_ = str(exc).lower()
-                if ("locked" not in text_ and "busy" not in text_) or time.monotonic() >= deadline:
-                    raise
-            time.sleep(step * (1 + random.random()))  # jitter: waiters do not retry in step
-            step = min(step * 2, _SPIN_MAX)
+        wait_out_busy(lambda: cursor.execute("BEGIN IMMEDIATE"), busy_timeout,
+                      first=_SPIN_FIRST, most=_SPIN_MAX)
     finally:
         cursor.execute(f"PRAGMA busy_timeout = {_millis(busy_timeout)}")
 
