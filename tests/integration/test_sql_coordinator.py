@@ -248,6 +248,13 @@ def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
     assert next_offer(offers, "pushed", 10).id == "pushed"
 
 
+_SILENT_ROW = (  # pending, with a fresh ready value, and no NOTIFY
+    "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
+    " updated_at) VALUES (:ns, :id, '{}', 'pending', 0, nextval('metafora_token_seq'),"
+    " now(), now())"
+)
+
+
 def test_a_stream_of_notifications_does_not_starve_the_ready_scan(postgres_url: str) -> None:
     # A notified round offers the notified tasks and puts the rest of its quick check off a
     # little (so it does not slow the claim down): under a steady stream of notifications
@@ -274,12 +281,31 @@ def test_a_stream_of_notifications_does_not_starve_the_ready_scan(postgres_url: 
         stack.callback(stop.set)
         wait_for(lambda: offers.qsize() > 5, 10, "notified offers to flow")
         ns = parse_store_url(postgres_url).query.get("namespace", "metafora")
-        nodes.raw(  # pending, with a fresh ready value, and no NOTIFY
-            "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, created_at,"
-            " updated_at) VALUES (:ns, 'silent', '{}', 'pending', 0,"
-            " nextval('metafora_token_seq'), now(), now())", ns=ns)
+        nodes.raw(_SILENT_ROW, ns=ns, id="silent")
         assert next_offer(offers, "silent", 20).id == "silent"
         assert streamer.is_alive(), "the stream ended before the silent row was offered"
+
+
+def test_a_ready_value_committed_behind_later_ones_is_still_offered(postgres_url: str) -> None:
+    # PostgreSQL hands out ready values in one order and commits in another: a row that took
+    # its value first but commits after the ready scan read a later row is behind the scan's
+    # position. It is offered when the stretch settles, not after the full scan (a minute).
+    with ExitStack() as stack:
+        nodes = Nodes(postgres_url)
+        stack.enter_context(nodes.stack)
+        a = nodes.node("a", poll_interval=60)
+        offers = nodes.watch(a)
+        nodes.client.submit_task(Task("warm-up"))
+        next_offer(offers, "warm-up", 10)
+        ns = parse_store_url(postgres_url).query.get("namespace", "metafora")
+        db = Database(parse_config(parse_store_url(postgres_url), {}))
+        stack.callback(db.close)
+        with db.transaction() as conn:
+            conn.execute(text(_SILENT_ROW), {"ns": ns, "id": "late"})  # its value comes first
+            nodes.raw(_SILENT_ROW, ns=ns, id="early")  # a higher value, committed first
+            nodes.client.submit_task(Task("wake-up"))  # a quick check runs...
+            next_offer(offers, "early", 10)  # ...and its ready scan passes the late value
+        assert next_offer(offers, "late", 20).id == "late"
 
 
 def test_watch_offers_in_bounded_batches_and_returns_on_close(nodes: Nodes) -> None:

@@ -267,6 +267,13 @@ _SQL: dict[str, str] = {
         " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING
         + " ORDER BY ready, id LIMIT :limit"
     ),
+    # The settle check (PostgreSQL): ids and ready values only; the few rows not seen before
+    # are read in full by id.
+    "scan_settled": (
+        "SELECT id, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+        " AND (ready, id) > (:ready, :after) AND ready <= :until AND " + _CLAIMABLE_PENDING
+        + " ORDER BY ready, id LIMIT :limit"
+    ),
     "scan_launched": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND state = 'pending' AND launch_at > :since AND launch_at <= :until"

@@ -13,7 +13,9 @@ falls due (the earliest future ``launch_at``, the earliest live lease expiry) an
   to it), tasks that became
   pending since the last look (the ``ready`` counter; exact on SQLite, where writers are
   serialized), tasks whose ``launch_at`` passed since the last round, and the claims of
-  registrations that expired since.
+  registrations that expired since. On PostgreSQL, whose sequence hands out ready values in
+  one order while transactions commit in another, each stretch of ready values is read once
+  more a second after the scan passed it (ids only; see ``Settling``).
 
 It then sleeps until a notification, ``close()``, the poll interval, or the next due time,
 whichever comes first: a crashed owner's tasks are offered right after its lease expires.
@@ -43,7 +45,7 @@ from metafora.task import (
     validate_task_id,
 )
 
-__all__ = ["OfferShapes", "Watch"]
+__all__ = ["OfferShapes", "Settling", "Watch"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ _RESCAN_ROWS_PER_S = 5000  # a full scan comes no more often than backlog / this
 # so it does not compete with the claim the offer is about to cause (on a 2-core machine it
 # added ~1 ms to submit->start), and a wave of notifications pays for it once, not per wake-up.
 _COALESCE = 0.02
+# How long after the ready scan passed a ready value a transaction that took a lower one is
+# given to commit before the stretch is read again (longer ones wait for the full scan).
+_SETTLE = 1.0
 _SHAPES = 64  # validated offer shapes kept (see Watch._task)
 _SHAPE_TEXT = 512  # props / selector / placement texts longer than this are not kept
 
@@ -87,6 +92,7 @@ class Watch:
         # When the rest of a notified round is due (None: no notified round is waiting for it).
         self._quick_due: float | None = None
         self._shapes = OfferShapes()
+        self._settling = Settling() if db.config.kind == "postgresql" else None
 
     # -- called by the notification listener ---------------------------------------------------
 
@@ -178,12 +184,15 @@ class Watch:
             # consumer's own re-offers of refused tasks and dead-owner scans go on meanwhile.
             self._next_full = time.monotonic() + max(self._rescan, backlog / _RESCAN_ROWS_PER_S)
             self._ready = (int(max_ready), _AFTER_ALL)
+            if self._settling is not None:
+                self._settling.reset(int(max_ready))
         else:
             for i in range(0, len(ids), BATCH):
                 self._scan_ids(ids[i : i + BATCH])
             if rewind is not None:  # rows of a batch may commit behind ready values seen
                 self._ready = min(self._ready, (rewind - 1, _AFTER_ALL))
             self._scan_ready()
+            self._scan_settled()
             if self._last_now is not None:
                 self._scan_launched(self._last_now, db_now)
             if n_dead:
@@ -193,6 +202,8 @@ class Watch:
         for due in (secs_launch, secs_lease):
             if due is not None:
                 timeout = min(timeout, float(due) + _MIN_WAIT)
+        if self._settling is not None and self._settling.next_due is not None:
+            timeout = min(timeout, self._settling.next_due - time.monotonic())
         return max(timeout, _MIN_WAIT)
 
     # -- scans ----------------------------------------------------------------------------------
@@ -318,8 +329,32 @@ class Watch:
             if rows:
                 ready, after = int(rows[-1][2]), rows[-1][0]
                 self._ready = (ready, after)
+                if self._settling is not None:
+                    self._settling.saw(rows)
             if len(rows) < BATCH:
                 break
+        if self._settling is not None:
+            self._settling.mark(time.monotonic(), self._ready[0])
+
+    def _scan_settled(self) -> None:
+        """Offer the pending rows that committed behind the ready scan (see ``Settling``)."""
+        settling = self._settling
+        until = None if settling is None else settling.due(time.monotonic())
+        if settling is None or until is None:
+            return
+        ready, after = settling.settled, _AFTER_ALL
+        while not self._closed.is_set():
+            rows = self._query("scan_settled", {"ready": ready, "after": after, "until": until})
+            late = settling.unseen(rows)
+            if late:
+                log.debug("%d pending rows committed behind the ready scan", len(late),
+                          extra=self._extra)
+            for i in range(0, len(late), BATCH):
+                self._scan_ids(late[i : i + BATCH])
+            if len(rows) < BATCH:
+                break
+            ready, after = int(rows[-1][1]), rows[-1][0]
+        settling.done(until)
 
     def _scan_launched(self, since: Any, until: Any) -> None:
         rows = self._query("scan_launched", {"since": since, "until": until})
@@ -383,3 +418,59 @@ class OfferShapes:
         fields["selector"] = dict(shape.selector)
         fields["prefer"] = dict(shape.prefer)
         return task
+
+
+class Settling:
+    """The ready values the watch's ready scan passed, to be read once more when settled.
+
+    PostgreSQL's sequence hands out ready values in one order, and transactions commit in
+    another: a row whose transaction took its value before a later row's, but committed after
+    the ready scan had read that later row, lies behind the scan's position, and nothing but
+    the full scan (``poll_interval``: a minute, say) would find it. So each scan marks how far
+    it got and when; once a mark is ``_SETTLE`` old, the stretch up to it is read again (ids
+    and ready values only) and the rows the scan never saw are offered. Each stretch is read
+    twice at most, and the ids kept are those of the last second or two of scans.
+    """
+
+    def __init__(self) -> None:
+        self.settled = 0  # ready values up to this one have been read again
+        self._marks: collections.deque[tuple[float, int]] = collections.deque()
+        self._seen: dict[str, int] = {}  # ids the ready scan offered past ``settled``
+
+    @property
+    def next_due(self) -> float | None:
+        """When (monotonic) the oldest mark settles; None without marks."""
+        return self._marks[0][0] + _SETTLE if self._marks else None
+
+    def reset(self, ready: int) -> None:
+        """A full scan read everything up to ``ready``."""
+        self.settled = ready
+        self._marks.clear()
+        self._seen.clear()
+
+    def saw(self, rows: Sequence[Any]) -> None:
+        """The ready scan read ``rows`` (id, props, ready, ...)."""
+        for row in rows:
+            self._seen[row[0]] = int(row[2])
+
+    def mark(self, now: float, ready: int) -> None:
+        """The ready scan got to ``ready`` at ``now``."""
+        last = self._marks[-1][1] if self._marks else self.settled
+        if ready > last:
+            self._marks.append((now, ready))
+
+    def due(self, now: float) -> int | None:
+        """The ready value up to which to read again now (None: nothing has settled yet)."""
+        until = None
+        while self._marks and self._marks[0][0] + _SETTLE <= now:
+            until = self._marks.popleft()[1]
+        return until
+
+    def unseen(self, rows: Sequence[Any]) -> list[str]:
+        """The ids of ``rows`` (id, ready) the ready scan never read."""
+        return [row[0] for row in rows if self._seen.get(row[0]) != int(row[1])]
+
+    def done(self, until: int) -> None:
+        """Everything up to ``until`` was read again."""
+        self.settled = max(self.settled, until)
+        self._seen = {k: v for k, v in self._seen.items() if v > self.settled}
