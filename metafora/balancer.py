@@ -62,6 +62,17 @@ class ClusterState(abc.ABC):
         """
         return {}
 
+    def node_capacities(self) -> dict[str, int]:
+        """Live node id -> the most tasks it said it can run now (its ``max_tasks``, thread
+        cap, or a capacity reduced after a failed start).
+
+        A node's share never exceeds its capacity: what it cannot take is shared by the
+        others, and nobody gives tasks back for a node that is full. A node missing from the
+        answer has no bound: this default (``{}``) knows none. Read with the counts, like
+        :meth:`node_weights`.
+        """
+        return {}
+
     def claimable_count(self) -> int | None:
         """How many tasks were claimable in the whole store at the last count read, or None
         when the store does not say (this default).

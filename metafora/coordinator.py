@@ -177,6 +177,13 @@ class CoordinatorContext(abc.ABC):
         its fair share of the work is proportional to it (validated by the coordinator)."""
         return 1.0
 
+    @property
+    def capacity(self) -> int | None:
+        """The most tasks the node can run now (None: no bound), published with its
+        registration and kept current by its heartbeat (``ClusterState.node_capacities``):
+        no share exceeds it. Read at every renewal, so it must be cheap."""
+        return None
+
 
 class Coordinator(ClusterState, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.

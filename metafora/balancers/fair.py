@@ -61,6 +61,17 @@ class _Snapshot:
     claimable: int | None = None  # claimable in the store at the read (None: not told)
     labels: dict[str, dict[str, str]] | None = None
     pools: dict[_SelectorKey, _Pool] = field(default_factory=dict)
+    capacities: dict[str, int] = field(default_factory=dict)  # published capacities
+
+    def capacity(self, node: str) -> int | None:
+        """The most tasks ``node`` said it can run (None: no bound, or not a valid number)."""
+        c = self.capacities.get(node)
+        return c if isinstance(c, int) and not isinstance(c, bool) and c >= 0 else None
+
+    def full(self, node: str, held: int) -> bool:
+        """Whether ``node`` holds as many tasks as it can run: it takes no more."""
+        c = self.capacity(node)
+        return c is not None and held >= c
 
     def weight(self, node: str) -> float:
         """The node's published weight; 1.0 if none or not a positive finite number."""
@@ -81,7 +92,7 @@ class _Snapshot:
     def members(self, me: str, held: int, selector: Mapping[str, str]) -> list[Member]:
         """The peers of ``selector`` as :class:`Member`, this node holding ``held``."""
         counts = {**self.counts, me: held}
-        return [Member(node, max(0, int(n)), self.weight(node))
+        return [Member(node, max(0, int(n)), self.weight(node), capacity=self.capacity(node))
                 for node, n in counts.items() if self.is_peer(node, me, selector)]
 
     def pool(self, me: str, selector: Mapping[str, str]) -> _Pool:
@@ -89,8 +100,11 @@ class _Snapshot:
         key = tuple(sorted(selector.items()))
         found = self.pools.get(key)
         if found is None:
+            # A full peer (at its published capacity) takes no more: it and its tasks are left
+            # out, and the rest of the work is shared by the others (as capped_shares does).
             others = [(max(0, int(n)), self.weight(node)) for node, n in self.counts.items()
-                      if node != me and self.is_peer(node, me, selector)]
+                      if node != me and self.is_peer(node, me, selector)
+                      and not self.full(node, max(0, int(n)))]
             lightest = min(others, key=lambda hw: hw[0] / hw[1]) if others else None
             found = _Pool(len(others), sum(h for h, _ in others), sum(w for _, w in others),
                           lightest)
@@ -454,7 +468,8 @@ class FairBalancer(ContextBalancer):
             counts = dict(state.active_task_count())
             claimable = state.claimable_count()  # from the same read as the counts
             snap = _Snapshot(mono, counts, dict(state.node_weights()), state.frozen_nodes(),
-                             None if claimable is None else max(0, int(claimable)))
+                             None if claimable is None else max(0, int(claimable)),
+                             capacities=dict(state.node_capacities()))
             with self._lock:
                 self._snap = snap
         if selector and snap.labels is None:

@@ -16,6 +16,12 @@ up to at least the work (nothing is left without a taker) and a node with a weig
 share of at least one task as soon as there is any work; it overshoots by less than one task
 per node. A claim may go ``slack`` tasks above the share.
 
+**Capacity.** A node that cannot run more than ``capacity`` tasks (its ``max_tasks``, its
+thread cap, or a capacity reduced after a failed start, as it publishes them) gets at most
+that as its exact share, and the rest of the work is split among the others in proportion to
+their weights (water-filling): so a full node is not *under-loaded* for want of a share it
+cannot take, and nobody gives tasks back for it.
+
 **Even, under, over.** A node is *even* when it holds within ``band`` of its exact share
 (``exact * (1 - band) <= held <= exact * (1 + band)``) or within one task of it. A node is
 *under-loaded* when it is not even and holds less than its exact share divided by the
@@ -47,8 +53,10 @@ __all__ = [
     "Member",
     "ReleasePlan",
     "Standing",
+    "capped_shares",
     "ceil_share",
     "check_band",
+    "check_capacity",
     "check_threshold",
     "check_weight",
     "exact_shares",
@@ -119,11 +127,21 @@ class Member:
     weight: float = 1.0
     labels: Mapping[str, str] | None = field(default=None, compare=False)
     active: bool = True
+    capacity: int | None = None  # the most tasks it can run (None: no bound)
 
     def __post_init__(self) -> None:
         if not isinstance(self.held, int) or isinstance(self.held, bool) or self.held < 0:
             raise ConfigError(f"held must be a non-negative integer, got {self.held!r}")
         object.__setattr__(self, "weight", check_weight(self.weight))
+        if self.capacity is not None:
+            object.__setattr__(self, "capacity", check_capacity(self.capacity))
+
+
+def check_capacity(value: object, name: str = "capacity") -> int:
+    """``value`` if it is a non-negative integer, else :class:`ConfigError`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def peers(members: Iterable[Member], selector: Mapping[str, str] | None = None) -> list[Member]:
@@ -204,9 +222,30 @@ def standings(members: Iterable[Member], claimable: int = 0,
     group = peers(members, selector)
     if not group:
         return []
-    total = sum(m.held for m in group) + claimable
-    weight = sum(m.weight for m in group)
-    return [Standing(m.node_id, m.held, total * m.weight / weight) for m in group]
+    exact = capped_shares(sum(m.held for m in group) + claimable, group)
+    return [Standing(m.node_id, m.held, exact[m.node_id]) for m in group]
+
+
+def capped_shares(total: float, group: Sequence[Member]) -> dict[str, float]:
+    """``total`` split among ``group`` in proportion to weight, none above its capacity: a
+    node whose part would exceed its capacity gets the capacity, and the rest is split among
+    the others again (water-filling; what no node has room for is left unassigned)."""
+    exact: dict[str, float] = {}
+    rest = list(group)
+    left = float(total)
+    while rest:
+        weight = sum(m.weight for m in rest)
+        capped = [m for m in rest
+                  if m.capacity is not None and left * m.weight / weight > m.capacity + EPS]
+        if not capped:
+            exact.update((m.node_id, left * m.weight / weight) for m in rest)
+            break
+        for m in capped:
+            assert m.capacity is not None
+            exact[m.node_id] = float(m.capacity)
+            left -= m.capacity
+        rest = [m for m in rest if m.node_id not in exact]
+    return exact
 
 
 def fair_share(node_id: str, members: Iterable[Member], claimable: int = 0, *,

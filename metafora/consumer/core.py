@@ -121,6 +121,10 @@ class _Context(CoordinatorContext):
     def weight(self) -> float:
         return self._consumer.weight
 
+    @property
+    def capacity(self) -> int | None:
+        return self._consumer._offers.capacity.limit()
+
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ConsumerOptions))
 

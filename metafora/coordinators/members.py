@@ -1,9 +1,11 @@
-"""What balancers learn of the live nodes besides their counts: weights and frozen flags.
+"""What balancers learn of the live nodes besides their counts: weights, capacities and
+frozen flags.
 
-A node publishes its weight (``Consumer(weight=...)``) and whether it is frozen with its
-registration. :class:`~metafora.balancer.ClusterState` answers them through
-``node_weights()`` and ``frozen_nodes()``, which a balancer asks right after
-``active_task_count()``: a store answers all three from the SAME read by keeping what the
+A node publishes its weight (``Consumer(weight=...)``), its capacity (the most tasks it can
+run now; see ``context_capacity``) and whether it is frozen with its registration.
+:class:`~metafora.balancer.ClusterState` answers them through ``node_weights()``,
+``node_capacities()`` and ``frozen_nodes()``, which a balancer asks right after
+``active_task_count()``: a store answers them all from the SAME read by keeping what the
 count read saw in a :class:`SeenWithCounts`, so a balancer pays no extra round trip.
 """
 
@@ -18,7 +20,15 @@ from typing import Any
 
 from metafora.balancers.shares import check_weight
 
-__all__ = ["DEFAULT_WEIGHT", "SEEN_MAX_AGE", "SeenWithCounts", "context_weight", "stored_weight"]
+__all__ = [
+    "DEFAULT_WEIGHT",
+    "SEEN_MAX_AGE",
+    "SeenWithCounts",
+    "context_capacity",
+    "context_weight",
+    "stored_capacity",
+    "stored_weight",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +46,24 @@ def context_weight(ctx: object) -> float:
     Raises :class:`~metafora.errors.ConfigError` for a weight that is not a positive number.
     """
     return check_weight(getattr(ctx, "weight", DEFAULT_WEIGHT), "weight")
+
+
+def context_capacity(ctx: object) -> int | None:
+    """The capacity a coordinator context asks its node to publish now: the most tasks it can
+    run (None: no bound, or a context that does not say). Read at each heartbeat, so it is
+    cheap; a value that is not a non-negative integer is taken as no bound."""
+    value = getattr(ctx, "capacity", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def stored_capacity(value: Any) -> int | None:
+    """A capacity as read from the store (None: no bound, and for anything not a
+    non-negative integer, which only a write around metafora leaves)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def stored_weight(value: Any, node_id: str) -> float:
@@ -70,16 +98,26 @@ class SeenWithCounts:
         self._weights: tuple[float, dict[str, float]] | None = None
         self._frozen: tuple[float, frozenset[str]] | None = None
         self._claimable: tuple[float, int] | None = None
+        self._capacities: tuple[float, dict[str, int]] | None = None
 
     def seen(self, weights: Mapping[str, float], frozen: frozenset[str],
-             claimable: int | None = None) -> None:
+             claimable: int | None = None, capacities: Mapping[str, int] | None = None) -> None:
         """What a read of the live nodes returned (``claimable``: the tasks claimable, when the
-        read counted them too)."""
+        read counted them too; ``capacities``: the nodes' published capacities)."""
         now = self._monotonic()
         with self._lock:
             self._weights = (now, dict(weights))
             self._frozen = (now, frozen)
             self._claimable = None if claimable is None else (now, claimable)
+            self._capacities = None if capacities is None else (now, dict(capacities))
+
+    def capacities(self) -> dict[str, int] | None:
+        """The capacities seen by the last read, once and while recent; else None."""
+        with self._lock:
+            seen, self._capacities = self._capacities, None
+        if seen is None or self._monotonic() - seen[0] > self._max_age:
+            return None
+        return seen[1]
 
     def claimable(self) -> int | None:
         """The claimable count seen by the last read, once and while recent; else None."""

@@ -193,6 +193,9 @@ def test_a_node_that_cannot_start_threads_releases_and_others_take_the_rest(
     assert len([v for v in held.values() if v == "b"]) == 6 and len(b.tasks()) == 6
     info = a.info()["capacity"]
     assert info["cause"] == "RuntimeError: can't start new thread" and info["limit"] == 2
+    # published, so that b's share leaves a out instead of giving tasks back for it
+    wait_until(lambda: b._coord.node_capacities().get("a") == 2, 30,
+               message="b sees a's reduced capacity")
     assert a.healthy() and not cluster.errors  # the consumer survived
     warnings = [r for r in caplog.records if getattr(r, "action", None) == "capacity"
                 and r.levelno == logging.WARNING]

@@ -19,6 +19,7 @@ from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
     Standing,
+    capped_shares,
     ceil_share,
     check_band,
     check_threshold,
@@ -287,6 +288,7 @@ class Cluster(ClusterState):
         self.weights = dict(weights or {})
         self.frozen = frozen
         self.claimable: int | None = None  # the store's claimable count (None: not told)
+        self.capacities: dict[str, int] = {}
         self.reads = {"counts": 0, "weights": 0, "frozen": 0}
 
     def node_task_count(self) -> dict[str, int]:
@@ -303,6 +305,9 @@ class Cluster(ClusterState):
 
     def claimable_count(self) -> int | None:
         return self.claimable
+
+    def node_capacities(self) -> dict[str, int]:
+        return dict(self.capacities)
 
 
 def held_tasks(n: int, started: datetime = CLOCK_START, prefix: str = "t") -> list[RunningTask]:
@@ -553,3 +558,48 @@ def test_fair_an_old_refusal_does_not_make_a_released_task_claimable_above_the_s
     clock.advance(60.0)  # claimed elsewhere meanwhile; released and offered again now
     ok, until = balancer.can_claim(Task("x"))
     assert ok is False and until == clock.now() + timedelta(seconds=1)  # a new refusal
+
+
+# -- capacities ------------------------------------------------------------------------------
+
+
+def test_a_capacity_caps_the_share_and_the_rest_is_shared_by_the_others() -> None:
+    group = [Member("small", 2, capacity=2), Member("a", 10), Member("b", 8, weight=2.0)]
+    exact = capped_shares(30, group)
+    assert exact == {"small": 2.0, "a": pytest.approx(28 / 3), "b": pytest.approx(56 / 3)}
+    # a capacity above the share does not bind
+    assert capped_shares(30, [Member("x", 0, capacity=20), Member("y", 0)]) == {"x": 15, "y": 15}
+    # water-filling goes on while caps bind: 30 over 3 is 10 > 4, then 26 over 2 is 13 > 12
+    assert capped_shares(30, [Member("p", 0, capacity=4), Member("q", 0, capacity=12),
+                              Member("r", 0)]) == {"p": 4, "q": 12, "r": 14}
+    # nobody has room for all of it: what is left is nobody's share
+    assert capped_shares(10, [Member("p", 0, capacity=1), Member("q", 0, capacity=2)]) == {
+        "p": 1, "q": 2}
+
+
+def test_a_full_node_is_not_under_loaded_and_nobody_releases_for_it() -> None:
+    capped = standings([Member("small", 2, capacity=2), Member("big", 18)])
+    assert {s.node_id: s.exact for s in capped} == {"small": 2, "big": 18}
+    assert release_plan(capped, threshold=1.2).releases == {}
+    uncapped = standings([Member("small", 2), Member("big", 18)])
+    assert release_plan(uncapped, threshold=1.2).releases == {"big": 8}  # what used to move
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_a_capacity_is_a_non_negative_integer(bad: object) -> None:
+    with pytest.raises(ConfigError, match="capacity must be a non-negative integer"):
+        Member("n", 0, capacity=bad)  # type: ignore[arg-type]
+
+
+def test_fair_leaves_a_full_node_out_of_releases_and_claims() -> None:
+    cluster = Cluster({"small": 2})
+    cluster.capacities = {"small": 2}
+    assert fair(cluster, held_tasks(18), min_age=0).balance() == []
+    cluster.capacities = {}
+    assert len(fair(cluster, held_tasks(18), min_age=0).balance()) == 8
+    # at claim time a full peer is not the lighter one to leave work for
+    cluster.capacities = {"small": 2}
+    cluster.claimable = 10
+    assert fair(cluster, held_tasks(18), counts_ttl=0).can_claim(Task("next"))[0]
+    cluster.capacities = {}  # 30 of work over two: a share of 15, and 18 held already
+    assert not fair(cluster, held_tasks(18), counts_ttl=0).can_claim(Task("next"))[0]

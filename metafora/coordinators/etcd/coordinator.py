@@ -73,7 +73,7 @@ from metafora.coordinators.etcd.queries import (
 )
 from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.fencing import LeaseTiming
-from metafora.coordinators.members import SeenWithCounts, context_weight
+from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import MetaforaError
 from metafora.schedule import Schedule
 from metafora.task import Task, validate_task_id
@@ -167,6 +167,7 @@ class EtcdCoordinator(Coordinator):
                 raise MetaforaError(f"coordinator {state.node_id!r} is already initialised")
             state.labels = dict(ctx.labels)
             state.weight = context_weight(ctx)
+        self._lease.capacity = context_capacity(ctx)  # registered with it, then followed
         self._driver.connect()
         self._lease.register()
         with state.lock:
@@ -369,7 +370,8 @@ class EtcdCoordinator(Coordinator):
         """Keep the weights and frozen nodes of ``found`` (and the claimable count read with
         them) for the next asks (see members.py)."""
         self._seen.seen({node: m.weight for node, m in found.items()},
-                        frozenset(node for node, m in found.items() if m.frozen), claimable)
+                        frozenset(node for node, m in found.items() if m.frozen), claimable,
+                        {node: m.capacity for node, m in found.items() if m.capacity is not None})
         return found
 
     def _members_now(self) -> dict[str, Member]:
@@ -385,6 +387,16 @@ class EtcdCoordinator(Coordinator):
         if weights is None:
             weights = {node: m.weight for node, m in self._members_now().items()}
         return weights
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live nodes whose registration gives a capacity -> it (found as :meth:`node_weights`
+        is)."""
+        self._state.check_open()
+        capacities = self._seen.capacities()
+        if capacities is None:
+            capacities = {node: m.capacity for node, m in self._members_now().items()
+                          if m.capacity is not None}
+        return capacities
 
     def frozen_nodes(self) -> frozenset[str]:
         """Live nodes whose registration says frozen (found as :meth:`node_weights` is)."""

@@ -19,6 +19,7 @@ from metafora.coordinators.etcd.layout import Keys, encode_json, iso
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
 from metafora.coordinators.fencing import ETCD_FENCING, report_renewal_failure
+from metafora.coordinators.members import context_capacity
 from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
 
 __all__ = ["NodeLease"]
@@ -52,6 +53,7 @@ class NodeLease:
         self._started_at = clock.now()
         self._frozen = False
         self._leaving = False
+        self.capacity: int | None = None  # as published (see _publish_capacity)
 
     def register(self) -> None:
         """Grant a lease and create the node's registration key if absent."""
@@ -89,6 +91,7 @@ class NodeLease:
                 "leaving": self._leaving,
                 **({"labels": self._state.labels} if self._state.labels else {}),
                 **({"weight": self._state.weight} if self._state.weight != 1.0 else {}),
+                **({"capacity": self.capacity} if self.capacity is not None else {}),
             }
         )
 
@@ -104,6 +107,16 @@ class NodeLease:
         with self._state.lock:
             self._leaving = True
         self._republish("leaving", logging.WARNING)
+
+    def _publish_capacity(self, ctx: object) -> None:
+        """Republish the registration when the node's capacity changed (rare: a failed
+        handler start, or the capacity rising again)."""
+        capacity = context_capacity(ctx)
+        with self._state.lock:
+            if capacity == self.capacity:
+                return
+            self.capacity = capacity
+        self._republish(f"capacity={capacity}", logging.DEBUG)
 
     def _republish(self, what: str, level: int) -> None:
         with self._state.lock:
@@ -189,6 +202,7 @@ class NodeLease:
                     ctx = self._state.ctx
                 if ctx is not None:
                     ctx.renewed(took)
+                    self._publish_capacity(ctx)
                 if failing:
                     log.info("node %s: lease renewal recovered", self._state.node_id, extra=self._state.extra)
                     failing = False

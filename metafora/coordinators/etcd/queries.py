@@ -17,7 +17,7 @@ from metafora.coordinators.etcd.layout import (
     labels_of,
 )
 from metafora.coordinators.etcd.ops import KeyValue, Put, Range, absent, modified_at, prefix_end
-from metafora.coordinators.members import stored_weight
+from metafora.coordinators.members import stored_capacity, stored_weight
 from metafora.task import parse_time
 
 __all__ = [
@@ -137,6 +137,7 @@ class Member(NamedTuple):
     leaving: bool = False
     frozen: bool = False
     weight: float = 1.0
+    capacity: int | None = None  # the most tasks it can run now (None: no bound)
 
 
 def member_of(value: bytes, node_id: str) -> Member:
@@ -145,7 +146,7 @@ def member_of(value: bytes, node_id: str) -> Member:
     if not isinstance(data, dict):
         return Member()
     return Member(bool(data.get("leaving")), data.get("frozen") is True,
-                  stored_weight(data.get("weight"), node_id))
+                  stored_weight(data.get("weight"), node_id), stored_capacity(data.get("capacity")))
 
 
 def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Member]:

@@ -20,7 +20,7 @@ from metafora.coordinator import (
     crash_limit_error,
     error_text,
 )
-from metafora.coordinators.members import context_weight
+from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.memory.store import POLL_SECONDS, MemoryStore, NodeRecord, Row, store_for
 from metafora.errors import (
     ClaimLost,
@@ -268,6 +268,13 @@ class MemoryCoordinator(Coordinator):
         """Live node -> its weight (in-process: no read to share with the counts)."""
         with self._store.cond:
             return {n.node_id: n.weight for n in self._store.nodes.values()}
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live nodes whose context gives a capacity -> it (read from the node at once: in
+        process, nothing to publish)."""
+        with self._store.cond:
+            nodes = list(self._store.nodes.values())
+        return {n.node_id: c for n in nodes if (c := context_capacity(n.ctx)) is not None}
 
     def frozen_nodes(self) -> frozenset[str]:
         """Live nodes that reported themselves frozen."""

@@ -30,7 +30,13 @@ from metafora.coordinator import (
     as_sink,
 )
 from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
-from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
+from metafora.coordinators.members import (
+    SeenWithCounts,
+    context_capacity,
+    context_weight,
+    stored_capacity,
+    stored_weight,
+)
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
 from metafora.coordinators.sql.commands import NodeCommands
@@ -74,6 +80,7 @@ class SQLCoordinator(Coordinator):
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
+        self._capacities: dict[str, int] = {}  # what the last read of the nodes said
         self._seen = SeenWithCounts()  # weights and frozen nodes the last count read saw
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
@@ -96,6 +103,7 @@ class SQLCoordinator(Coordinator):
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
             weight = context_weight(ctx)
+            self._lease.capacity = lambda: context_capacity(ctx)
             self._db.ensure_schema()
             if not self._lease.register(first=True, labels=ctx.labels, weight=weight):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
@@ -394,9 +402,10 @@ class SQLCoordinator(Coordinator):
         return {str(r[0]): int(r[1]) for r in self._read_nodes("active_counts")[0]}
 
     def _read_nodes(self, statement: str) -> tuple[list[Any], dict[str, float], frozenset[str]]:
-        """The node rows of ``statement`` (id, [count,] weight, frozen), and the weights and
-        frozen nodes they say, kept for the :meth:`node_weights` and :meth:`frozen_nodes` that
-        follow a count read (no second read)."""
+        """The node rows of ``statement`` (id, [count,] weight, frozen, capacity), and the
+        weights and frozen nodes they say, kept (with the capacities) for the
+        :meth:`node_weights`, :meth:`frozen_nodes` and :meth:`node_capacities` that follow a
+        count read (no second read)."""
         self._check_open()
         self._db.ensure_schema()
         with self._db.read() as conn:
@@ -404,9 +413,11 @@ class SQLCoordinator(Coordinator):
         nodes = [r for r in rows if r[0] is not None]
         # active_counts: its NULL-id row counts the claimable tasks
         claimable = next((int(r[1]) for r in rows if r[0] is None), None)
-        weights = {str(r[0]): stored_weight(r[-2], str(r[0])) for r in nodes}
-        frozen = frozenset(str(r[0]) for r in nodes if r[-1])
-        self._seen.seen(weights, frozen, claimable)
+        weights = {str(r[0]): stored_weight(r[-3], str(r[0])) for r in nodes}
+        frozen = frozenset(str(r[0]) for r in nodes if r[-2])
+        capacities = {str(r[0]): c for r in nodes if (c := stored_capacity(r[-1])) is not None}
+        self._seen.seen(weights, frozen, claimable, capacities)
+        self._capacities = capacities
         return nodes, weights, frozen
 
     def claimable_count(self) -> int | None:
@@ -426,6 +437,15 @@ class SQLCoordinator(Coordinator):
         self._check_open()
         frozen = self._seen.frozen()
         return frozen if frozen is not None else self._read_nodes("node_members")[2]
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live nodes that published a capacity -> it (read as :meth:`node_weights` is)."""
+        self._check_open()
+        capacities = self._seen.capacities()
+        if capacities is None:
+            self._read_nodes("node_members")
+            capacities = self._capacities
+        return capacities
 
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()

@@ -68,6 +68,8 @@ class Lease:
         self._frozen: bool | None = None  # published with every registration
         self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
         self._weight = 1.0  # likewise (the node's weight, from register)
+        # The most tasks the node can run now (None: no bound), published at every renewal.
+        self.capacity: Callable[[], int | None] = lambda: None
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -123,6 +125,7 @@ class Lease:
             "frozen": self._frozen,
             "labels": self.labels_json(),
             "weight": self._weight,
+            "capacity": self.capacity(),
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:
@@ -367,7 +370,7 @@ class Lease:
             session, epoch = self._session, self._epoch
         before = self._snapshot()
         params = {"node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
-                  "count": before[1][0]}
+                  "count": before[1][0], "capacity": self.capacity()}
         with self._db.hot() as cur:
             row = cur.one("heartbeat", params)
         if row is None:

@@ -163,6 +163,11 @@ def _v7_node_weight(conn: Connection, dialect: Dialect) -> None:
                       " DEFAULT 1.0"))
 
 
+def _v9_node_capacity(conn: Connection, dialect: Dialect) -> None:
+    # NULL: no bound (a node of an earlier release, or one that runs without a cap).
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN capacity INTEGER"))
+
+
 _V8_LIMITS = [
     "ALTER TABLE metafora_tasks ADD COLUMN grp {key}",
     # A group's live claims are counted through this index (claimed rows of the group only).
@@ -205,6 +210,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("nodes.leaving: a node shutting down, not counted by balancers", _v6_node_leaving),
     ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
     ("tasks.grp, limits and rate_log: cluster-wide limits per task group", _v8_limits),
+    ("nodes.capacity: no share above what a node can run", _v9_node_capacity),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

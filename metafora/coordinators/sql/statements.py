@@ -152,14 +152,14 @@ _SQL: dict[str, str] = {
     # Takes over a missing or expired registration only; returns nothing if the id is live.
     "register": (
         "INSERT INTO metafora_nodes (namespace, node_id, session, lease_until, started_at,"
-        " renewed_at, host, pid, task_count, frozen, labels, weight)"
+        " renewed_at, host, pid, task_count, frozen, labels, weight, capacity)"
         " VALUES (:ns, :node, :session, {lease_until}, {now}, {now}, :host, :pid, 0, :frozen,"
-        " :labels, :weight)"
+        " :labels, :weight, :capacity)"
         " ON CONFLICT (namespace, node_id) DO UPDATE SET session = excluded.session,"
         " lease_until = excluded.lease_until, started_at = excluded.started_at,"
         " renewed_at = excluded.renewed_at, host = excluded.host, pid = excluded.pid,"
         " task_count = 0, frozen = excluded.frozen, labels = excluded.labels, leaving = NULL,"
-        " weight = excluded.weight"
+        " weight = excluded.weight, capacity = excluded.capacity"
         " WHERE metafora_nodes.lease_until <= {now}"
         " RETURNING session, {notify_members}"
     ),
@@ -184,7 +184,8 @@ _SQL: dict[str, str] = {
     # token sum of the claims the store says this node holds, to check against the local set.
     "heartbeat": (
         "UPDATE metafora_nodes SET lease_until = {lease_until}, renewed_at = {now},"
-        " task_count = :count WHERE namespace = :ns AND node_id = :node AND session = :session"
+        " task_count = :count, capacity = :capacity"
+        " WHERE namespace = :ns AND node_id = :node AND session = :session"
         " AND lease_until > {now} RETURNING"
         " (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns AND t.owner = :node"
         " AND t.state = 'claimed'),"
@@ -399,24 +400,25 @@ _SQL: dict[str, str] = {
     "node_labels": (
         "SELECT node_id, labels FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
     ),
-    # The counts carry each node's weight and frozen flag: a balancer asks for them right
-    # after the counts, and the coordinator answers from this same read (members.py).
+    # The counts carry each node's weight, frozen flag and capacity: a balancer asks for them
+    # right after the counts, and the coordinator answers from this same read (members.py).
     "node_members": (
-        "SELECT node_id, weight, frozen FROM metafora_nodes WHERE namespace = :ns"
+        "SELECT node_id, weight, frozen, capacity FROM metafora_nodes WHERE namespace = :ns"
         " AND lease_until > {now}"
     ),
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
-        " WHERE n.namespace = :ns AND n.lease_until > {now}"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
+        " FROM metafora_nodes n WHERE n.namespace = :ns AND n.lease_until > {now}"
     ),
     # The active nodes' counts and, in a row with a NULL node id, how many tasks are claimable:
     # one statement, so the two add up to the cluster's work as of one snapshot.
     "active_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen FROM metafora_nodes n"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
+        " FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
-        " UNION ALL SELECT NULL, count(*), NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
+        " UNION ALL SELECT NULL, count(*), NULL, NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
         " AND " + _CLAIMABLE_PENDING
     ),
     "purge_state": (
