@@ -10,6 +10,7 @@ See docs/limits.md.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from metafora.errors import ConfigError
@@ -116,18 +117,24 @@ class GroupUsage:
     running: int = 0
     recent: int = 0
 
-    def full(self) -> str | None:
-        """Why the group's pending tasks wait now (None: they do not)."""
+    def condition(self) -> str | None:
+        """What holds the group's pending tasks now, without the group's name (``at its limit
+        (5/5)``, ``at its rate limit (100/100 per 1m)``); None: nothing does."""
         lim = self.limit
         if lim.max is not None and self.running >= lim.max:
-            return f"group {lim.group} at its limit ({self.running}/{lim.max})"
+            return f"at its limit ({self.running}/{lim.max})"
         if lim.rate is not None and self.recent >= lim.rate.count:
-            return (f"group {lim.group} at its rate limit ({self.recent}/{lim.rate.count}"
+            return (f"at its rate limit ({self.recent}/{lim.rate.count}"
                     f" per {format_duration(lim.rate.window)})")
         return None
 
+    def full(self) -> str | None:
+        """Why the group's pending tasks wait now (None: they do not)."""
+        condition = self.condition()
+        return None if condition is None else f"group {self.limit.group} {condition}"
 
-def waiting_reason(group: str | None, usage: dict[str, GroupUsage]) -> str | None:
+
+def waiting_reason(group: str | None, usage: Mapping[str, GroupUsage]) -> str | None:
     """Why a pending task of ``group`` waits, given every group's usage (None: it does not)."""
     if group is None:
         return None

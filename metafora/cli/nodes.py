@@ -160,7 +160,8 @@ def stop(ctx: click.Context, node: str, task_id: str) -> None:
               help="Stop after this many refreshes (for scripts and tests).")
 @click.pass_context
 def top(ctx: click.Context, interval: float, frames: int | None) -> None:
-    """A live view of the cluster: nodes, tasks by state, claims and releases per second.
+    """A live view of the cluster: nodes, tasks by state, claims and releases per second,
+    and the groups at their limit with how many pending tasks wait on each.
 
     Press q or Ctrl-C to quit.
     """

@@ -23,9 +23,7 @@ from metafora.cli._common import (
     scrub,
     store_client,
 )
-from metafora.coordinator import Client
 from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.limits import waiting_reason
 from metafora.task import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -34,11 +32,11 @@ from metafora.task import (
     TaskState,
     label_text,
     parse_time,
-    placement_reason,
     validate_labels,
     validate_schedule,
     validate_task_id,
 )
+from metafora.waiting import pending_reasons
 
 __all__ = [
     "delete",
@@ -345,32 +343,6 @@ def tasks(ctx: click.Context, state: str | None, as_json: bool) -> None:
         cells.append(cell(reason, "yellow") if reason else _error_cell(info.error))
         table.add_row(*cells)
     out.print(table)
-
-
-def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
-    """Task id -> why a pending task cannot be claimed now (no live node matches its
-    selector; its group is at its limit); the node labels are read only when a pending task
-    has a selector, the limits only when one has a group."""
-    pending = [i for i in infos if i.state is TaskState.PENDING]
-    reasons: dict[str, str] = {}
-    waiting = [i for i in pending if i.selector]
-    if waiting:
-        labels = list(client.node_labels().values())
-        for info in waiting:
-            reason = placement_reason(info.selector, labels)
-            if reason is not None:
-                reasons[info.id] = reason
-    grouped = [i for i in pending if i.group is not None and i.id not in reasons]
-    if grouped:
-        try:
-            usage = client.group_usage()
-        except NotImplementedError:
-            usage = {}
-        for info in grouped:
-            reason = waiting_reason(info.group, usage)
-            if reason is not None:
-                reasons[info.id] = "waiting: " + reason
-    return reasons
 
 
 @click.command()

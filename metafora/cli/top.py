@@ -1,4 +1,5 @@
-"""``metafora top``: a live terminal view of a cluster (nodes, tasks by state, claim rates)."""
+"""``metafora top``: a live terminal view of a cluster (nodes, tasks by state, claim rates,
+the groups at their limit and how many pending tasks wait on each)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.coordinator import Client, NodeInfo
+from metafora.limits import GroupUsage
 from metafora.masking import escape_controls, for_terminal
 from metafora.task import TaskInfo, TaskState, label_text, placement_reason
+from metafora.waiting import read_usage, waiting_groups
 
 __all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
 
@@ -33,6 +36,8 @@ class Snapshot:
     now: datetime
     nodes: list[NodeInfo]
     tasks: dict[str, TaskInfo] = field(repr=False)
+    usage: dict[str, GroupUsage] = field(default_factory=dict)
+    """The limited groups' usage, read only when a pending task has a group."""
 
     def by_state(self) -> dict[TaskState, int]:
         """How many tasks are in each state."""
@@ -48,12 +53,19 @@ class Snapshot:
                    if info.state is TaskState.PENDING and info.selector
                    and placement_reason(info.selector, labels) is not None)
 
+    def waiting(self) -> list[tuple[GroupUsage, int]]:
+        """Each group at its limit, with how many pending tasks wait on it (by group name)."""
+        return waiting_groups(self.tasks.values(), self.usage, [n.labels for n in self.nodes])
+
 
 def take_snapshot(client: Client) -> Snapshot:
-    """Read nodes and tasks from the store."""
+    """Read nodes and tasks from the store, and the groups' usage when a pending task has a
+    group (no more reads otherwise)."""
     nodes = client.node_infos()
     tasks = {t.id: t for t in client.tasks()}
-    return Snapshot(time.monotonic(), datetime.now(UTC), nodes, tasks)
+    grouped = any(t.state is TaskState.PENDING and t.group is not None for t in tasks.values())
+    usage = read_usage(client) if grouped else {}
+    return Snapshot(time.monotonic(), datetime.now(UTC), nodes, tasks, usage)
 
 
 def rates(prev: Snapshot | None, cur: Snapshot) -> tuple[float, float]:
@@ -113,7 +125,24 @@ def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = Tru
     stuck = cur.unplaceable()
     if stuck:
         footer.append(f"   pending with no matching node {stuck}", style="yellow")
-    return Group(header, nodes, states, footer)
+    waiting = _waiting_table(cur)
+    return Group(header, nodes, states, *((waiting,) if waiting is not None else ()), footer)
+
+
+def _waiting_table(cur: Snapshot) -> Table | None:
+    """The groups at their limit and their waiting pending tasks; None when no group is full."""
+    full = cur.waiting()
+    if not full:
+        return None
+    table = Table(title="waiting", expand=False)
+    table.add_column("group")
+    table.add_column("reason")
+    table.add_column("pending", justify="right")
+    for usage, count in full:
+        # Text, not str: a group name is stored text (see the nodes table).
+        table.add_row(Text(for_terminal(usage.limit.group)),
+                      Text(usage.condition() or "", style="yellow"), str(count))
+    return table
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
 from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id
+from metafora.waiting import pending_reasons
 from metafora.web import charts as chart
 from metafora.web.security import (
     LOOPBACK_NAMES,
@@ -444,7 +445,9 @@ def _tasks_view(dash: Dashboard, request: Request) -> Response:
                               "limit": str(limit)}.items() if v}
     next_url = Ident(f"/tasks?{urlencode({**base, 'after': page[-1].id})}") if more and page else None
     first_url = Ident(f"/tasks?{urlencode(base)}") if after else None
-    return dash.render(request, "tasks.html", tasks=page, counts=dash.task_counts(),
+    # Why each pending task of the page waits (the CLI's text); read only when one needs it.
+    reasons = pending_reasons(dash.client, page)
+    return dash.render(request, "tasks.html", tasks=page, reasons=reasons, counts=dash.task_counts(),
                        state=state or "", owner=owner or "", prefix=prefix, limit=limit,
                        next_url=next_url, first_url=first_url, title="Tasks")
 
@@ -471,8 +474,9 @@ def _task_view(dash: Dashboard, request: Request) -> Response:
     props = json.dumps(dict(info.props), indent=2, sort_keys=True, default=str)
     if len(props) > 65536:
         props = props[:65536] + "\n... (cut)"
+    reason = pending_reasons(dash.client, [info]).get(info.id)
     return dash.render(request, "task.html", task=info, props=props, sm=state, gates=gates,
-                       title=_id_text(f"Task {task_id}"))
+                       reason=reason, title=_id_text(f"Task {task_id}"))
 
 
 async def _act(dash: Dashboard, request: Request) -> Response:

@@ -32,6 +32,7 @@ from metafora.coordinator import Client, NodeInfo
 from metafora.limits import GroupUsage, waiting_reason
 from metafora.masking import escape_controls
 from metafora.task import TaskInfo, TaskState, matches
+from metafora.waiting import read_usage
 
 __all__ = [
     "CHART_READ",
@@ -221,10 +222,8 @@ def read_charts(client: Client, now: datetime, counts: Mapping[TaskState, int],
     infos = client.node_infos()
     extra: dict[str, Any] = {}
     if any(info.group is not None for info in read[TaskState.PENDING]):
-        try:  # the groups' limits are read only when a pending task has a group
-            extra["group_usage"] = client.group_usage()
-        except NotImplementedError:
-            pass
+        # the groups' limits are read only when a pending task has a group
+        extra["group_usage"] = read_usage(client)
     ctx = WaitContext(now, [dict(getattr(i, "labels", None) or {}) for i in infos], extra)
     finished = [*read[TaskState.CLAIMED], *read[TaskState.DONE], *read[TaskState.FAILED]]
     got = {s: len(tasks) for s, tasks in read.items()}

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 
 from metafora import Task, TaskState, simple_handler
-from metafora.cli.tasks import pending_reasons
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError, InvalidProps, LimitNotFound
 from metafora.limits import Limit, Rate
 from metafora.testing import LocalCluster, wait_for
+from metafora.waiting import pending_reasons
 from tests.conformance.test_coordinator import Cluster, _opened
 from tests.helpers import wait_until
 

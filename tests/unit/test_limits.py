@@ -7,6 +7,8 @@ import pytest
 from metafora import Task
 from metafora.errors import ConfigError, InvalidProps
 from metafora.limits import GroupUsage, Limit, Rate, parse_rate, validate_limit, waiting_reason
+from metafora.task import TaskInfo, TaskState
+from metafora.waiting import group_reasons, waiting_groups
 
 
 @pytest.mark.parametrize(("text", "rate"), [
@@ -46,6 +48,24 @@ def test_usage_says_why_a_task_waits() -> None:
     assert waiting_reason("b", usage) == "group b at its rate limit (3/3 per 1m)"
     assert waiting_reason("c", usage) is None
     assert waiting_reason("zzz", usage) is None and waiting_reason(None, usage) is None
+    assert [u.condition() for u in usage.values()] == [
+        "at its limit (2/2)", "at its rate limit (3/3 per 1m)", None]
+
+
+def test_waiting_groups_count_the_tasks_each_full_group_holds_back() -> None:
+    usage = {"a": GroupUsage(Limit("a", 1), running=1), "c": GroupUsage(Limit("c", 5))}
+    infos = [TaskInfo("a1", {}, TaskState.PENDING, group="a"),
+             TaskInfo("a2", {}, TaskState.PENDING, group="a"),
+             TaskInfo("a3", {}, TaskState.CLAIMED, group="a"),
+             TaskInfo("a4", {}, TaskState.PENDING, group="a", selector={"gpu": "yes"}),
+             TaskInfo("c1", {}, TaskState.PENDING, group="c"),
+             TaskInfo("free", {}, TaskState.PENDING)]
+    # a4 waits for a node (that reason comes first), c has room, a3 runs
+    assert waiting_groups(infos, usage, [{}]) == [(usage["a"], 2)]
+    assert waiting_groups(infos, usage, [{"gpu": "yes"}]) == [(usage["a"], 3)]
+    assert group_reasons(infos, usage) == {
+        f"a{i}": "waiting: group a at its limit (1/1)" for i in (1, 2, 4)}
+    assert waiting_groups(infos, {}, [{}]) == []
 
 
 def test_a_task_keeps_its_group() -> None:
