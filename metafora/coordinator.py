@@ -144,7 +144,8 @@ class NodeInfo:
 
 
 class CoordinatorContext(abc.ABC):
-    """What a coordinator may call back into its consumer."""
+    """What a coordinator may call back into its consumer (and an optional ``capacity``: see
+    :func:`metafora.coordinators.members.context_capacity`)."""
 
     @abc.abstractmethod
     def lost(self, task: Task) -> None:
@@ -176,13 +177,6 @@ class CoordinatorContext(abc.ABC):
         """The node's weight, published with its registration (``ClusterState.node_weights``):
         its fair share of the work is proportional to it (validated by the coordinator)."""
         return 1.0
-
-    @property
-    def capacity(self) -> int | None:
-        """The most tasks the node can run now (None: no bound), published with its
-        registration and kept current by its heartbeat (``ClusterState.node_capacities``):
-        no share exceeds it. Read at every renewal, so it must be cheap."""
-        return None
 
 
 class Coordinator(ClusterState, abc.ABC):

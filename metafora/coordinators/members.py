@@ -95,50 +95,42 @@ class SeenWithCounts:
         self._max_age = max_age
         self._monotonic = monotonic
         self._lock = threading.Lock()
-        self._weights: tuple[float, dict[str, float]] | None = None
-        self._frozen: tuple[float, frozenset[str]] | None = None
-        self._claimable: tuple[float, int] | None = None
-        self._capacities: tuple[float, dict[str, int]] | None = None
+        self._kept: dict[str, tuple[float, Any]] = {}  # what -> (when seen, value)
 
     def seen(self, weights: Mapping[str, float], frozen: frozenset[str],
              claimable: int | None = None, capacities: Mapping[str, int] | None = None) -> None:
         """What a read of the live nodes returned (``claimable``: the tasks claimable, when the
         read counted them too; ``capacities``: the nodes' published capacities)."""
         now = self._monotonic()
+        kept = {"weights": dict(weights), "frozen": frozen, "claimable": claimable,
+                "capacities": None if capacities is None else dict(capacities)}
         with self._lock:
-            self._weights = (now, dict(weights))
-            self._frozen = (now, frozen)
-            self._claimable = None if claimable is None else (now, claimable)
-            self._capacities = None if capacities is None else (now, dict(capacities))
+            self._kept = {what: (now, value) for what, value in kept.items() if value is not None}
+
+    def _take(self, what: str) -> Any:
+        """``what`` as the last read saw it, once and while recent; else None."""
+        with self._lock:
+            seen = self._kept.pop(what, None)
+        if seen is None or self._monotonic() - seen[0] > self._max_age:
+            return None
+        return seen[1]
 
     def capacities(self) -> dict[str, int] | None:
         """The capacities seen by the last read, once and while recent; else None."""
-        with self._lock:
-            seen, self._capacities = self._capacities, None
-        if seen is None or self._monotonic() - seen[0] > self._max_age:
-            return None
-        return seen[1]
+        found: dict[str, int] | None = self._take("capacities")
+        return found
 
     def claimable(self) -> int | None:
         """The claimable count seen by the last read, once and while recent; else None."""
-        with self._lock:
-            seen, self._claimable = self._claimable, None
-        if seen is None or self._monotonic() - seen[0] > self._max_age:
-            return None
-        return seen[1]
+        found: int | None = self._take("claimable")
+        return found
 
     def weights(self) -> dict[str, float] | None:
         """The weights seen by the last read, once and while recent; else None."""
-        with self._lock:
-            seen, self._weights = self._weights, None
-        if seen is None or self._monotonic() - seen[0] > self._max_age:
-            return None
-        return seen[1]
+        found: dict[str, float] | None = self._take("weights")
+        return found
 
     def frozen(self) -> frozenset[str] | None:
         """The frozen nodes seen by the last read, once and while recent; else None."""
-        with self._lock:
-            seen, self._frozen = self._frozen, None
-        if seen is None or self._monotonic() - seen[0] > self._max_age:
-            return None
-        return seen[1]
+        found: frozenset[str] | None = self._take("frozen")
+        return found

@@ -57,6 +57,32 @@ def test_claims_and_watch_rounds_do_not_rebuild_every_row(monkeypatch: pytest.Mo
     drop_store(name)
 
 
+def test_the_watch_forgets_offers_of_rows_no_longer_pending() -> None:
+    """What the watch remembers to not offer a row twice is bounded by the rows still pending,
+    not by every task it ever offered."""
+    name = "memory-offered"
+    drop_store(name)
+    url = f"memory://{name}"
+    with open_client(url) as client:
+        coord = open_coordinator(url, "n1")
+        offers: queue.Queue[Task] = queue.Queue()
+        try:
+            coord.init(_context())
+            watcher = threading.Thread(target=coord.watch, args=(offers,), daemon=True)
+            watcher.start()
+            for wave in range(10):  # 5,000 tasks offered, claimed and done, 500 at a time
+                client.submit_tasks([Task(f"w{wave}-{i:03d}") for i in range(500)])
+                got = [offers.get(timeout=30) for _ in range(500)]
+                for task in coord.claim_many(got, 500):
+                    coord.done(task)
+            client.submit_tasks([Task("last")])
+            assert offers.get(timeout=30).id == "last"
+            assert coord._offered <= 2048, coord._offered  # type: ignore[attr-defined]
+        finally:
+            coord.close()
+    drop_store(name)
+
+
 def test_launch_and_expiry_times_still_apply() -> None:
     """Only rows with a launch or expiry time are swept, and they still are."""
     name = "memory-cost-times"

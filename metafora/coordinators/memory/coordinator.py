@@ -40,6 +40,8 @@ from metafora.task import (
 
 log = logging.getLogger(__name__)
 
+_OFFERED_MIN = 1024  # a watch forgets what it offered of rows no longer pending past this size
+
 
 class MemoryCoordinator(Coordinator):
     """A node's coordinator on an in-process :class:`MemoryStore`."""
@@ -51,6 +53,7 @@ class MemoryCoordinator(Coordinator):
         self._node_id = validate_task_id(node_id)
         self._ctx: CoordinatorContext | None = None
         self._closed = False
+        self._offered = 0  # how many offers the watch remembers (see watch)
         self._schedule_wakes: list[Callable[[], None]] = []
         self._listening: list[Callable[[], None]] = []
 
@@ -95,7 +98,8 @@ class MemoryCoordinator(Coordinator):
     def watch(self, out: TaskSink | queue.Queue[Task]) -> None:
         sink = as_sink(out)
         s = self._store
-        offered: dict[str, int] = {}
+        offered: dict[str, int] = {}  # task id -> the ready value offered (no repeats)
+        prune_at = _OFFERED_MIN
         seen_version, seen_members = -1, -1
         while True:
             with s.cond:
@@ -115,6 +119,12 @@ class MemoryCoordinator(Coordinator):
                 ]
                 for task in batch:
                     offered[task.id] = s.tasks[task.id].ready
+                if len(offered) > prune_at:  # amortised: keep only rows still pending
+                    offered = {i: r for i, r in offered.items()
+                               if (row := s.tasks.get(i)) is not None and row.ready == r
+                               and row.state is TaskState.PENDING}
+                    prune_at = max(_OFFERED_MIN, 2 * len(offered))
+                self._offered = len(offered)  # for tests: what the watch remembers
                 version = s.version
             batch.sort(key=lambda t: -t.priority)  # higher priority offered first
             for task in batch:

@@ -30,18 +30,13 @@ from metafora.coordinator import (
     as_sink,
 )
 from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
-from metafora.coordinators.members import (
-    SeenWithCounts,
-    context_capacity,
-    context_weight,
-    stored_capacity,
-    stored_weight,
-)
+from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
 from metafora.coordinators.sql.commands import NodeCommands
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
+from metafora.coordinators.sql.nodes import NodeReads
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
@@ -50,7 +45,7 @@ from metafora.errors import (
     NodeExists,
 )
 from metafora.schedule import Schedule
-from metafora.task import Task, decode_labels, validate_task_id
+from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -80,8 +75,7 @@ class SQLCoordinator(Coordinator):
         self._listener: ChangeFeed | None = None  # wake-ups, started on first need
         self._member_listeners: list[Callable[[], None]] = []
         self._member_print: tuple[Any, ...] | None = None  # last membership fingerprint seen
-        self._capacities: dict[str, int] = {}  # what the last read of the nodes said
-        self._seen = SeenWithCounts()  # weights and frozen nodes the last count read saw
+        self._nodes = NodeReads(db)
         self._claims = Claims(db, self._node_id, self._lease, self._initialised)
         self._outcomes = ClaimOutcomes(db, self._node_id, self._lease, self._check_open)
         self._commands = NodeCommands(db, self._node_id, closed=self._closed,
@@ -393,65 +387,39 @@ class SQLCoordinator(Coordinator):
             log.debug("could not publish the frozen state of node %s: %s", self._node_id, exc,
                       extra=self._extra)
 
-    # -- cluster state ----------------------------------------------------------------------
+    # -- cluster state (one read of the nodes answers the asks that follow: NodeReads) -------
 
     def node_task_count(self) -> dict[str, int]:
-        return {str(r[0]): int(r[1]) for r in self._read_nodes("node_counts")[0]}
+        self._check_open()
+        return self._nodes.counts("node_counts")
 
     def active_task_count(self) -> dict[str, int]:
-        return {str(r[0]): int(r[1]) for r in self._read_nodes("active_counts")[0]}
-
-    def _read_nodes(self, statement: str) -> tuple[list[Any], dict[str, float], frozenset[str]]:
-        """The node rows of ``statement`` (id, [count,] weight, frozen, capacity), and the
-        weights and frozen nodes they say, kept (with the capacities) for the
-        :meth:`node_weights`, :meth:`frozen_nodes` and :meth:`node_capacities` that follow a
-        count read (no second read)."""
         self._check_open()
-        self._db.ensure_schema()
-        with self._db.read() as conn:
-            rows = list(self._db.execute(conn, statement, {}).fetchall())
-        nodes = [r for r in rows if r[0] is not None]
-        # active_counts: its NULL-id row counts the claimable tasks
-        claimable = next((int(r[1]) for r in rows if r[0] is None), None)
-        weights = {str(r[0]): stored_weight(r[-3], str(r[0])) for r in nodes}
-        frozen = frozenset(str(r[0]) for r in nodes if r[-2])
-        capacities = {str(r[0]): c for r in nodes if (c := stored_capacity(r[-1])) is not None}
-        self._seen.seen(weights, frozen, claimable, capacities)
-        self._capacities = capacities
-        return nodes, weights, frozen
+        return self._nodes.counts("active_counts")
 
     def claimable_count(self) -> int | None:
         """Tasks claimable at the last :meth:`active_task_count` (read with the counts, within
         a second; None otherwise)."""
-        return self._seen.claimable()
+        return self._nodes.claimable()
 
     def node_weights(self) -> dict[str, float]:
-        """Live node -> its weight: what the last count read saw (within a second), else read
-        (with the frozen flags, for the :meth:`frozen_nodes` that follows)."""
+        """Live node -> its weight (from the last count read within a second, else read)."""
         self._check_open()
-        weights = self._seen.weights()
-        return weights if weights is not None else self._read_nodes("node_members")[1]
+        return self._nodes.weights()
 
     def frozen_nodes(self) -> frozenset[str]:
         """Live nodes that reported themselves frozen (read as :meth:`node_weights` is)."""
         self._check_open()
-        frozen = self._seen.frozen()
-        return frozen if frozen is not None else self._read_nodes("node_members")[2]
+        return self._nodes.frozen()
 
     def node_capacities(self) -> dict[str, int]:
         """Live nodes that published a capacity -> it (read as :meth:`node_weights` is)."""
         self._check_open()
-        capacities = self._seen.capacities()
-        if capacities is None:
-            self._read_nodes("node_members")
-            capacities = self._capacities
-        return capacities
+        return self._nodes.capacities()
 
     def node_labels(self) -> dict[str, dict[str, str]]:
         self._check_open()
-        self._db.ensure_schema()
-        with self._db.read() as conn:
-            return _labels_of(self._db.execute(conn, "node_labels", {}).fetchall())
+        return self._nodes.labels()
 
     # -- test hooks -------------------------------------------------------------------------
 
@@ -485,15 +453,3 @@ def _deregister(db: Database, node_id: str, session: str) -> None:
         return
     if freed:
         log.info("node %s released %d claim(s) on close", node_id, len(freed), extra=extra)
-
-
-def _labels_of(rows: Sequence[Any]) -> dict[str, dict[str, str]]:
-    """Node id -> labels of ``node_labels`` rows (labels written around metafora: none)."""
-    labels: dict[str, dict[str, str]] = {}
-    for node_id, raw in rows:
-        try:
-            labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
-        except MetaforaError as exc:
-            log.warning("%s", exc, extra={"node": str(node_id)})
-            labels[str(node_id)] = {}
-    return labels

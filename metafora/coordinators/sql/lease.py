@@ -68,8 +68,7 @@ class Lease:
         self._frozen: bool | None = None  # published with every registration
         self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
         self._weight = 1.0  # likewise (the node's weight, from register)
-        # The most tasks the node can run now (None: no bound), published at every renewal.
-        self.capacity: Callable[[], int | None] = lambda: None
+        self.capacity: Callable[[], int | None] = lambda: None  # published at every renewal
         cfg = db.config
         self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
@@ -117,15 +116,9 @@ class Lease:
         session = uuid.uuid4().hex
         started = time.monotonic()
         params: dict[str, Any] = {
-            "node": self._node_id,
-            "session": session,
-            "ttl": self._db.config.lease_ttl,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "frozen": self._frozen,
-            "labels": self.labels_json(),
-            "weight": self._weight,
-            "capacity": self.capacity(),
+            "node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
+            "host": socket.gethostname(), "pid": os.getpid(), "frozen": self._frozen,
+            "labels": self.labels_json(), "weight": self._weight, "capacity": self.capacity(),
         }
         with self._db.transaction() as conn:
             if self._db.execute(conn, "register", params).first() is None:

@@ -1,0 +1,95 @@
+"""What a SQL coordinator tells balancers of the live nodes: counts, weights, frozen flags,
+capacities, labels and the claimable count.
+
+A balancer asks ``active_task_count()`` and then the weights, frozen nodes, capacities and
+claimable count: the count statements return those columns too, and :class:`NodeReads`
+keeps what they said (:class:`~metafora.coordinators.members.SeenWithCounts`) so the asks
+that follow cost no second read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from metafora.coordinators.members import SeenWithCounts, stored_capacity, stored_weight
+from metafora.coordinators.sql.store import Database
+from metafora.errors import MetaforaError
+from metafora.task import decode_labels
+
+__all__ = ["NodeReads"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeReads:
+    """The live nodes as one SQL store says them, read together and kept a moment."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._seen = SeenWithCounts()
+        self._last: tuple[dict[str, float], frozenset[str], dict[str, int]] = ({}, frozenset(), {})
+
+    def counts(self, statement: str) -> dict[str, int]:
+        """Node id -> tasks it holds, by ``statement`` (``node_counts``, ``active_counts``)."""
+        return {str(r[0]): int(r[1]) for r in self._read(statement)}
+
+    def _read(self, statement: str) -> list[Any]:
+        """The node rows of ``statement`` (id, [count,] weight, frozen, capacity); what they
+        say is kept for the asks that follow."""
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows = list(self._db.execute(conn, statement, {}).fetchall())
+        nodes = [r for r in rows if r[0] is not None]
+        # active_counts: its NULL-id row counts the claimable tasks
+        claimable = next((int(r[1]) for r in rows if r[0] is None), None)
+        weights = {str(r[0]): stored_weight(r[-3], str(r[0])) for r in nodes}
+        frozen = frozenset(str(r[0]) for r in nodes if r[-2])
+        capacities = {str(r[0]): c for r in nodes if (c := stored_capacity(r[-1])) is not None}
+        self._seen.seen(weights, frozen, claimable, capacities)
+        self._last = (weights, frozen, capacities)
+        return nodes
+
+    def claimable(self) -> int | None:
+        """Tasks claimable at the last ``active_counts`` read (within a second; else None)."""
+        return self._seen.claimable()
+
+    def weights(self) -> dict[str, float]:
+        """Live node -> its weight: what the last count read saw (within a second), else read
+        (with the frozen flags and capacities, for the asks that follow)."""
+        found = self._seen.weights()
+        if found is None:
+            self._read("node_members")
+            found = self._last[0]
+        return found
+
+    def frozen(self) -> frozenset[str]:
+        """Live nodes that reported themselves frozen (read as :meth:`weights` is)."""
+        found = self._seen.frozen()
+        if found is None:
+            self._read("node_members")
+            found = self._last[1]
+        return found
+
+    def capacities(self) -> dict[str, int]:
+        """Live nodes that published a capacity -> it (read as :meth:`weights` is)."""
+        found = self._seen.capacities()
+        if found is None:
+            self._read("node_members")
+            found = self._last[2]
+        return found
+
+    def labels(self) -> dict[str, dict[str, str]]:
+        """Live node -> its placement labels (labels written around metafora: none)."""
+        self._db.ensure_schema()
+        with self._db.read() as conn:
+            rows: Sequence[Any] = self._db.execute(conn, "node_labels", {}).fetchall()
+        labels: dict[str, dict[str, str]] = {}
+        for node_id, raw in rows:
+            try:
+                labels[str(node_id)] = decode_labels(raw, f"stored labels of node {node_id!r}")
+            except MetaforaError as exc:
+                log.warning("%s", exc, extra={"node": str(node_id)})
+                labels[str(node_id)] = {}
+        return labels
