@@ -72,6 +72,15 @@ def _spread(counts: dict[str, int]) -> float:
     return max(counts.values()) / avg if avg else float("nan")
 
 
+def _timeline_text(timeline: list[tuple[float, int]], n: int) -> str:
+    """When the held count first reached 10 %, 25 %, 50 %, 75 %, 90 %, 99 % and 100 %."""
+    marks = []
+    for part in (0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0):
+        at = next((t for t, held in timeline if held >= part * n), None)
+        marks.append(f"{part:.0%} at {at:.1f}s" if at is not None else f"{part:.0%} never")
+    return ", ".join(marks)
+
+
 def _pause(seconds: float) -> None:
     threading.Event().wait(seconds)
 
@@ -100,6 +109,7 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
                 fleet.spawn(WorkerSpec(url, f"n{i:02d}", mode=MODE, balancer=BALANCER,
                                        balance_every=BALANCE_EVERY))
             polls, held = 0, 0
+            timeline: list[tuple[float, int]] = []
             while time.monotonic() - began < timeout:
                 try:
                     held = _held(kind, client)
@@ -108,10 +118,16 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
                     _pause(0.5)
                     continue
                 polls += 1
+                timeline.append((round(time.monotonic() - began, 1), held))
+                if os.environ.get("METAFORA_STORM_NODES") and polls % 4 == 0:
+                    counts_now = sorted(client.node_task_count().values())
+                    print(f"  {time.monotonic() - began:5.1f}s held {held}: {counts_now}")
                 if held >= n:
                     break
                 _pause(0.5)
             result["held"] = held
+            result["timeline"] = timeline
+            print(f"{kind}: held over time: " + _timeline_text(timeline, n))
             result["seconds_to_all_held"] = time.monotonic() - began if held >= n else float("nan")
             after = _requests(kind, url, stores)
             counts = client.node_task_count()
