@@ -48,6 +48,22 @@ class _Pool:
     held: int  # tasks they hold
     weight: float  # their total weight
     lightest: tuple[int, float] | None  # (held, weight) of the one holding least per weight
+    others: tuple[tuple[int, float], ...] = ()  # (held, weight) of each
+    _needs: dict[tuple[int, float], int] = field(default_factory=dict, compare=False)
+
+    def under_need(self, work: int, whole: float, threshold: float, band: float) -> int:
+        """What the under-loaded peers miss to reach their share rounded down, with ``work``
+        shared over ``whole`` weight (computed once per snapshot and amount of work)."""
+        key = (work, whole)
+        need = self._needs.get(key)
+        if need is None:
+            need = 0
+            for held, weight in self.others:
+                peer = Standing("", held, work * weight / whole)
+                if peer.under(threshold, band):
+                    need += max(0, math.floor(peer.exact + EPS) - held)
+            self._needs[key] = need
+        return need
 
 
 @dataclass
@@ -107,7 +123,7 @@ class _Snapshot:
                       and not self.full(node, max(0, int(n)))]
             lightest = min(others, key=lambda hw: hw[0] / hw[1]) if others else None
             found = _Pool(len(others), sum(h for h, _ in others), sum(w for _, w in others),
-                          lightest)
+                          lightest, tuple(others))
             self.pools[key] = found
         return found
 
@@ -129,8 +145,10 @@ class FairBalancer(ContextBalancer):
     second old still gives the right share; else the consumer's claimable count
     (``ctx.claimable_count()``); else Metafora's limit, ``threshold`` times the share of the
     tasks held. While a peer is *under-loaded*, a node that is not under-loaded itself
-    leaves every offer to it (and one that is claims without slack): that is how released
-    tasks reach the node they were released for. A refused offer is ignored for
+    leaves offers to it as long as no more is claimable than the under-loaded peers miss
+    (and one that is under-loaded claims without slack): that is how released tasks reach
+    the node they were released for, while at a cold start nobody stops short of its share
+    to wait for the slowest node. A refused offer is ignored for
     ``refuse_for``; offered again while a lighter peer still has room below its share, it
     waits again (up to twice ``refuse_for`` at a time), but never more than five ``refuse_for`` in all:
     then nobody lighter took it (the others may be frozen, full or unable to run it), so it
@@ -451,8 +469,13 @@ class FairBalancer(ContextBalancer):
             lightest = Standing("", other_held, work * other_weight / whole)
             room = lightest.held < lightest.share
             if self._both_sides and lightest.under(self._threshold, self._band):
-                if not mine.under(self._threshold, self._band):
-                    return True, True  # leave the task to the under-loaded peer
+                # Leave the task to the under-loaded peers, unless more is claimable than they
+                # miss: then taking it takes nothing from them (at a cold start every node but
+                # the slowest stopped at the band's edge and waited for it).
+                claimable = work - pool.held - held
+                if not mine.under(self._threshold, self._band) and claimable <= pool.under_need(
+                        work, whole, self._threshold, self._band):
+                    return True, True
                 slack = 0
         return held >= mine.share + slack, room
 

@@ -394,12 +394,13 @@ def test_fair_can_claim_up_to_its_share_when_the_consumer_says_what_is_claimable
         tasks.append(RunningTask(Task(f"t{i}"), CLOCK_START))
         claimable["n"] -= 1
         taken += 1
-    # up to the band (within one task of its share of 10) and no further while the others
-    # hold nothing yet (under-loaded): the rest stays pending for them
-    assert taken == 9
+    # its share of 10 and no further while the others hold nothing yet (under-loaded): the
+    # rest, what they miss, stays pending for them
+    assert taken == 10
     assert balancer.share() == 10
     cluster.counts.update({"a": 10, "b": 9})  # b within one task of 10: even, slack again
     claimable["n"] = 1
+    tasks.pop()  # this node at 9
     assert balancer.can_claim(Task("eleventh")) == (True, None)
 
 
@@ -428,8 +429,12 @@ def test_fair_leaves_offers_to_an_under_loaded_peer_unless_under_loaded_itself()
     # work 30 over 3 nodes, exact share 10 each; b holds 2 (under-loaded)
     cluster = Cluster({"a": 10, "b": 2})
     # this node holds 9: even (within one task), so it leaves the task to b, however far
-    # it is from its share plus slack
-    assert fair(cluster, held_tasks(9), claimable=9).can_claim(Task("x"))[0] is False
+    # it is from its share plus slack, while what is claimable is no more than b misses
+    # (work 28, exact 9.33: b misses 7)
+    assert fair(cluster, held_tasks(9), claimable=7).can_claim(Task("x"))[0] is False
+    # more claimable than b misses (work 30: b misses 8, 9 claimable): taking one takes
+    # nothing from b (a cold start used to stop every node but the slowest at the band's edge)
+    assert fair(Cluster({"a": 10, "b": 2}), held_tasks(9), claimable=9).can_claim(Task("x"))[0]
     # this node holds 5: under-loaded itself, so it claims too (up to its share, no slack)
     assert fair(cluster, held_tasks(5), claimable=13).can_claim(Task("x")) == (True, None)
 
@@ -471,7 +476,8 @@ def test_fair_share_from_the_stores_counts_does_not_grow_with_this_nodes_claims(
             break
         tasks.append(RunningTask(Task(f"t{i}"), CLOCK_START))
         taken += 1
-    assert taken == 9  # even (one task from 10) while a and b hold nothing yet
+    assert taken == 10  # its share; the other 20 are what a and b miss, left to them
+    tasks.pop()
     cluster.counts.update({"a": 10, "b": 10, ME: 9})
     cluster.claimable = 1
     balancer.nodes_changed(left=False)  # forget the snapshot
