@@ -255,18 +255,24 @@ _SILENT_ROW = (  # pending, with a fresh ready value, and no NOTIFY
 )
 
 
+def _watched_with_a_long_poll(stack: ExitStack, url: str) -> tuple[Nodes, queue.Queue[Task]]:
+    """Node "a" watching with a minute's safety poll (only pushes and quick checks explain a
+    prompt offer), its first offer seen."""
+    nodes = Nodes(url)
+    stack.enter_context(nodes.stack)
+    offers = nodes.watch(nodes.node("a", poll_interval=60))
+    nodes.client.submit_task(Task("warm-up"))
+    next_offer(offers, "warm-up", 10)
+    return nodes, offers
+
+
 def test_a_stream_of_notifications_does_not_starve_the_ready_scan(postgres_url: str) -> None:
     # A notified round offers the notified tasks and puts the rest of its quick check off a
     # little (so it does not slow the claim down): under a steady stream of notifications
     # that check must still run, or a pending row nobody notified would wait for the full
     # scan (poll_interval 60 here: a minute).
     with ExitStack() as stack:
-        nodes = Nodes(postgres_url)
-        stack.enter_context(nodes.stack)
-        a = nodes.node("a", poll_interval=60)
-        offers = nodes.watch(a)
-        nodes.client.submit_task(Task("warm-up"))
-        next_offer(offers, "warm-up", 10)
+        nodes, offers = _watched_with_a_long_poll(stack, postgres_url)
         stop = threading.Event()
 
         def stream() -> None:
@@ -291,12 +297,7 @@ def test_a_ready_value_committed_behind_later_ones_is_still_offered(postgres_url
     # its value first but commits after the ready scan read a later row is behind the scan's
     # position. It is offered when the stretch settles, not after the full scan (a minute).
     with ExitStack() as stack:
-        nodes = Nodes(postgres_url)
-        stack.enter_context(nodes.stack)
-        a = nodes.node("a", poll_interval=60)
-        offers = nodes.watch(a)
-        nodes.client.submit_task(Task("warm-up"))
-        next_offer(offers, "warm-up", 10)
+        nodes, offers = _watched_with_a_long_poll(stack, postgres_url)
         ns = parse_store_url(postgres_url).query.get("namespace", "metafora")
         db = Database(parse_config(parse_store_url(postgres_url), {}))
         stack.callback(db.close)

@@ -14,12 +14,21 @@ from datetime import timedelta
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import CoordinatorContext
+from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.coordinators.memory import store as memory_store
 from metafora.coordinators.memory.store import drop_store
 from metafora.testing import FakeClock
 
 ROWS = 20_000
+
+
+def _watching(url: str) -> tuple[Coordinator, queue.Queue[Task]]:
+    """Node n1 on ``url``, its watch offering into a queue (closing the node ends it)."""
+    coord = open_coordinator(url, "n1")
+    offers: queue.Queue[Task] = queue.Queue()
+    coord.init(_context())
+    threading.Thread(target=coord.watch, args=(offers,), daemon=True).start()
+    return coord, offers
 
 
 def test_claims_and_watch_rounds_do_not_rebuild_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,12 +45,8 @@ def test_claims_and_watch_rounds_do_not_rebuild_every_row(monkeypatch: pytest.Mo
             return real(row)
 
         monkeypatch.setattr(memory_store.Row, "task", counted)
-        coord = open_coordinator(url, "n1")
-        offers: queue.Queue[Task] = queue.Queue()
+        coord, offers = _watching(url)
         try:
-            coord.init(_context())
-            watcher = threading.Thread(target=coord.watch, args=(offers,), daemon=True)
-            watcher.start()
             first = [offers.get(timeout=30) for _ in range(ROWS)]  # the first round: every row
             claimed = coord.claim_many(first[:200], 200)
             assert len(claimed) == 200
@@ -64,12 +69,8 @@ def test_the_watch_forgets_offers_of_rows_no_longer_pending() -> None:
     drop_store(name)
     url = f"memory://{name}"
     with open_client(url) as client:
-        coord = open_coordinator(url, "n1")
-        offers: queue.Queue[Task] = queue.Queue()
+        coord, offers = _watching(url)
         try:
-            coord.init(_context())
-            watcher = threading.Thread(target=coord.watch, args=(offers,), daemon=True)
-            watcher.start()
             for wave in range(10):  # 5,000 tasks offered, claimed and done, 500 at a time
                 client.submit_tasks([Task(f"w{wave}-{i:03d}") for i in range(500)])
                 got = [offers.get(timeout=30) for _ in range(500)]

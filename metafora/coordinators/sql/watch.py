@@ -434,13 +434,16 @@ class Settling:
 
     def __init__(self) -> None:
         self.settled = 0  # ready values up to this one have been read again
+        self._last = float("-inf")  # when (monotonic) a stretch was last read again
         self._marks: collections.deque[tuple[float, int]] = collections.deque()
         self._seen: dict[str, int] = {}  # ids the ready scan offered past ``settled``
 
     @property
     def next_due(self) -> float | None:
         """When (monotonic) the oldest mark settles; None without marks."""
-        return self._marks[0][0] + _SETTLE if self._marks else None
+        if not self._marks:
+            return None
+        return max(self._marks[0][0] + _SETTLE, self._last + _SETTLE / 2)
 
     def reset(self, ready: int) -> None:
         """A full scan read everything up to ``ready``."""
@@ -460,10 +463,16 @@ class Settling:
             self._marks.append((now, ready))
 
     def due(self, now: float) -> int | None:
-        """The ready value up to which to read again now (None: nothing has settled yet)."""
+        """The ready value up to which to read again now (None: nothing has settled yet, or
+        the last read again was less than half ``_SETTLE`` ago: under a stream of submits a
+        round comes every few ms, and one read per stretch of half a second is enough)."""
+        if now - self._last < _SETTLE / 2:
+            return None
         until = None
         while self._marks and self._marks[0][0] + _SETTLE <= now:
             until = self._marks.popleft()[1]
+        if until is not None:
+            self._last = now
         return until
 
     def unseen(self, rows: Sequence[Any]) -> list[str]:
