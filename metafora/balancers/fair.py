@@ -17,6 +17,7 @@ from metafora.balancers.shares import (
     EPS,
     Member,
     Standing,
+    capacity_or_none,
     ceil_share,
     check_band,
     check_threshold,
@@ -81,8 +82,7 @@ class _Snapshot:
 
     def capacity(self, node: str) -> int | None:
         """The most tasks ``node`` said it can run (None: no bound, or not a valid number)."""
-        c = self.capacities.get(node)
-        return c if isinstance(c, int) and not isinstance(c, bool) and c >= 0 else None
+        return capacity_or_none(self.capacities.get(node))
 
     def full(self, node: str, held: int) -> bool:
         """Whether ``node`` holds as many tasks as it can run: it takes no more."""

@@ -53,6 +53,7 @@ __all__ = [
     "Member",
     "ReleasePlan",
     "Standing",
+    "capacity_or_none",
     "capped_shares",
     "ceil_share",
     "check_band",
@@ -137,11 +138,19 @@ class Member:
             object.__setattr__(self, "capacity", check_capacity(self.capacity))
 
 
+def capacity_or_none(value: object) -> int | None:
+    """``value`` if it is a non-negative integer (a capacity), else None (no bound)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 def check_capacity(value: object, name: str = "capacity") -> int:
     """``value`` if it is a non-negative integer, else :class:`ConfigError`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    capacity = capacity_or_none(value)
+    if capacity is None:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
+    return capacity
 
 
 def peers(members: Iterable[Member], selector: Mapping[str, str] | None = None) -> list[Member]:

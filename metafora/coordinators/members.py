@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from metafora.balancers.shares import check_weight
+from metafora.balancers.shares import capacity_or_none, check_weight
 
 __all__ = [
     "DEFAULT_WEIGHT",
@@ -52,18 +52,13 @@ def context_capacity(ctx: object) -> int | None:
     """The capacity a coordinator context asks its node to publish now: the most tasks it can
     run (None: no bound, or a context that does not say). Read at each heartbeat, so it is
     cheap; a value that is not a non-negative integer is taken as no bound."""
-    value = getattr(ctx, "capacity", None)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    return capacity_or_none(getattr(ctx, "capacity", None))
 
 
 def stored_capacity(value: Any) -> int | None:
     """A capacity as read from the store (None: no bound, and for anything not a
     non-negative integer, which only a write around metafora leaves)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    return capacity_or_none(value)
 
 
 def stored_weight(value: Any, node_id: str) -> float:

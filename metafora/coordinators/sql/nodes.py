@@ -59,26 +59,22 @@ class NodeReads:
         """Live node -> its weight: what the last count read saw (within a second), else read
         (with the frozen flags and capacities, for the asks that follow)."""
         found = self._seen.weights()
-        if found is None:
-            self._read("node_members")
-            found = self._last[0]
-        return found
+        return found if found is not None else self._read_members()[0]
 
     def frozen(self) -> frozenset[str]:
         """Live nodes that reported themselves frozen (read as :meth:`weights` is)."""
         found = self._seen.frozen()
-        if found is None:
-            self._read("node_members")
-            found = self._last[1]
-        return found
+        return found if found is not None else self._read_members()[1]
 
     def capacities(self) -> dict[str, int]:
         """Live nodes that published a capacity -> it (read as :meth:`weights` is)."""
         found = self._seen.capacities()
-        if found is None:
-            self._read("node_members")
-            found = self._last[2]
-        return found
+        return found if found is not None else self._read_members()[2]
+
+    def _read_members(self) -> tuple[dict[str, float], frozenset[str], dict[str, int]]:
+        """Read the live nodes (no counts): their weights, frozen flags and capacities."""
+        self._read("node_members")
+        return self._last
 
     def labels(self) -> dict[str, dict[str, str]]:
         """Live node -> its placement labels (labels written around metafora: none)."""
