@@ -161,6 +161,7 @@ class WorkerSpec:
     balance_every: float = 60.0
     max_tasks: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    count_sql: bool = False  # report ("sql", node, statements so far) every second (SQLite)
 
 
 class Fleet:

@@ -52,10 +52,27 @@ def _handler_func(spec: Any, events: Any) -> Any:
     return lambda task: _Handler(task, spec.node, spec.mode, events)
 
 
+def _report_sql_statements(node: str, events: Any) -> None:
+    """Count this process's SQL statements (not BEGIN/COMMIT/PRAGMA) and report the running
+    total on ``events`` every second, as ``("sql", node, count)``."""
+    from benchmarks.idle import _count_sqlite_statements
+
+    count = _count_sqlite_statements()
+
+    def report() -> None:
+        while True:
+            time.sleep(1.0)
+            events.put(("sql", node, count[0]))
+
+    threading.Thread(target=report, name="sql-count", daemon=True).start()
+
+
 def main(spec: Any, events: Any) -> None:
     """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
                         format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
+    if getattr(spec, "count_sql", False):
+        _report_sql_statements(spec.node, events)
     coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
     balancers: dict[str, Balancer] = {"dumb": DumbBalancer(), "fair": FairBalancer()}
     chosen: dict[str, Any] = {} if spec.balancer == "default" else {"balancer": balancers[spec.balancer]}

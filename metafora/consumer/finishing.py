@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, MutableMapping
 
 from metafora import tracing
+from metafora.balancer import RunTimes
 from metafora.clock import Clock
 from metafora.consumer.events import Event, Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
@@ -63,6 +64,8 @@ class Finisher:
         self._post = post
         self._stats = stats
         self._log = log
+        self._clock = clock
+        self.run_times = RunTimes()  # what the balancer reads to tell short tasks from long
         self._finishing: set[Running] = set()  # returned, outcome not written yet
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
         # Handlers' outcomes are group-committed by one writer thread.
@@ -88,6 +91,9 @@ class Finisher:
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
+        if not entry.lost and not entry.abandoned:
+            self.run_times.record((self._clock.now() - entry.started).total_seconds(),
+                                  self._clock.monotonic())
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]

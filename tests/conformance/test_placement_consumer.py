@@ -162,6 +162,9 @@ def test_fair_balancer_balances_among_the_nodes_that_can_run_the_tasks(store_url
         assert len(g1.tasks()) == 3 and cpu.tasks() == []
         wait_for(lambda: cluster.client.node_task_count() == {"g1": 3, "g2": 3, "cpu": 0}, 30,
                  "the store's counts settled")
+        # The balancers read the counts the nodes published (a quarter second behind at most).
+        wait_for(lambda: g1._coord.active_task_count() == {"g1": 3, "g2": 3, "cpu": 0}, 30,
+                 "the published counts settled")
         # Nothing moves back or on (no ping-pong): neither balancer would release a task now.
         # (g1's claim_delay window would make it answer [] anyway: ask a fresh balancer.)
         assert fair2.balance() == []

@@ -128,13 +128,15 @@ class Claims:
             return []
         epoch, session = started
         claimed: list[Task] = []
+        failed = True  # until the statement answered: it may have claimed without saying
         try:
             params = self._params(session)
             with self._db.hot() as cur:
                 rows, _ = self._claim_rows(cur, ids, limit, params, None, groups)
             claimed = self._parse_rows(ids, rows, max_crashes)
+            failed = False
         finally:
-            kept = self._lease.end_claim(ids, epoch, claimed)
+            kept = self._lease.end_claim(ids, epoch, claimed, failed)
         return self._kept(claimed, kept)
 
     def with_outcomes(self, outcomes: ClaimOutcomes, finishes: Sequence[Finish],
@@ -165,11 +167,13 @@ class Claims:
             rows, done = self._claim_rows(cur, ids, limit, params, done_rows, groups or None)
             return done
 
+        failed = True
         try:
             results = outcomes.finish_many(finishes, claim)
             claimed = self._parse_rows(ids, rows, max_crashes)
+            failed = False
         finally:
-            kept = self._lease.end_claim(ids, epoch, claimed)
+            kept = self._lease.end_claim(ids, epoch, claimed, failed)
         return results, self._kept(claimed, kept)
 
     def _params(self, session: str) -> dict[str, Any]:

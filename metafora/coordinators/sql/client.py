@@ -219,6 +219,8 @@ class SQLClient(Client):
             row = db.execute(conn, "delete", {"id": task_id}).first()
             if row is not None:
                 db.execute(conn, "delete_state", {"id": task_id})
+                if row[0] == "claimed" and row[1] is not None:  # its owner checks its claims
+                    db.execute(conn, "poke_owner", {"owner": row[1]})
         if row is None:
             raise TaskNotFound(f"no task {task_id!r} in {self.name}")
         log.info("deleted task %s (was %s on %s)", task_id, row[0], row[1],

@@ -3,13 +3,19 @@
 The lease is the node's row in ``metafora_nodes``; ``lease_until`` is set from the database
 clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. Two threads:
 
-- **heartbeat** renews every ``lease_ttl / 3`` with ONE ``UPDATE`` (whatever the number of
-  tasks), which also returns the count and token sum of the claims the store says this node
-  holds; a mismatch with the local set triggers a reconcile that reports vanished claims
-  (deleted by a client, taken over) as lost and releases claims nobody here tracks. Between
-  renewals, while tasks are held, it checks the same summary at once on a PostgreSQL
-  ``n<node>`` notification (SQLite, which has none: every ``poll_interval``), so a deleted
-  task stops promptly.
+- **heartbeat** renews every ``lease_ttl / 3`` with ONE ``UPDATE`` of the node's row that
+  reads no task: it publishes the node's count of claims (and, between renewals, a changed
+  count within ``PUBLISH_DELAY``) and returns the row's *pokes*, which a client bumps when it
+  changes one of this node's claims (deleting a claimed task). The node checks its claims --
+  the count and token sum the store has for it, against the local set -- only when something
+  says they may differ: the pokes changed, a PostgreSQL ``n<node>`` notification came, a
+  claim or outcome failed without a clear answer (it may have committed), or the store came
+  back. A mismatch triggers a reconcile that reports vanished claims as lost and releases
+  claims nobody here tracks. Between renewals the pokes are looked at every ``poll_interval``
+  on SQLite (which has no notifications) and every ``command_recheck`` on PostgreSQL: one
+  row, whatever the number of claims. So an idle node's store traffic never grows with what
+  it holds (guarantee 7). Claims taken over by another node need no check: that takes an
+  expired lease, and then the renewal finds the registration gone and the node fences.
 - **watchdog** self-fences: when ``2/3 * lease_ttl`` (lease_ttl minus a margin of a third)
   has passed on this host's monotonic clock since the START of the last successful renewal,
   it calls ``ctx.lost`` for every held claim. The store keeps the lease for ``lease_ttl``
@@ -39,9 +45,14 @@ from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import Task
 
-__all__ = ["Lease", "reconcile", "release_untracked"]
+__all__ = ["PUBLISH_DELAY", "Lease", "reconcile", "release_untracked"]
 
 log = logging.getLogger(__name__)
+
+PUBLISH_DELAY = 0.25
+"""Seconds a changed count of claims waits before it is published: a burst of claims and
+outcomes costs one UPDATE of the node's row, and balancers see it a quarter second late."""
+_RECHECK_AFTER = 0.5  # seconds before a check spoiled by claims in flight is done again
 
 
 class Lease:
@@ -91,7 +102,10 @@ class Lease:
         self._wake = threading.Event()  # heartbeat: check now / re-evaluate
         self._watchdog_wake = threading.Event()
         self._paused = threading.Event()
-        self._check_requested = False
+        self._check_at: float | None = None  # when to check the claims (None: no need)
+        self._pokes_seen: int | None = None  # None: check at the next look (a new registration)
+        self._published: int | None = None  # the count of claims the node's row says
+        self._publish_due: float | None = None  # monotonic time of the next publish
         self._threads: list[threading.Thread] = []
 
     # -- registration -------------------------------------------------------------------
@@ -136,6 +150,8 @@ class Lease:
             self._epoch += 1
             self._deadline = started + self._fence_after
             self._held.clear()
+            self._pokes_seen = None
+            self._published = 0  # the registration wrote task_count = 0
         self._watchdog_wake.set()
         return True
 
@@ -175,19 +191,25 @@ class Lease:
             self._changes += 1
             return self._epoch, self._session
 
-    def end_claim(self, task_ids: list[str], epoch: int, claimed: list[Task]) -> bool:
-        """After a claim statement: keep ``claimed`` if the lease held throughout."""
+    def end_claim(self, task_ids: list[str], epoch: int, claimed: list[Task],
+                  failed: bool = False) -> bool:
+        """After a claim statement: keep ``claimed`` if the lease held throughout.
+        ``failed``: the statement raised, so it may have claimed without saying: check."""
         with self._lock:
             for task_id in task_ids:
                 self._busy[task_id] -= 1
                 if self._busy[task_id] <= 0:
                     del self._busy[task_id]
             self._changes += 1
+            if failed:
+                self._check_at = time.monotonic()
+                self._wake.set()
             if not claimed:
                 return False
             if self._live and self._epoch == epoch and time.monotonic() < self._deadline:
                 for task in claimed:
                     self._held[task.id] = task
+                self._count_changed()
                 return True
             return False
 
@@ -219,7 +241,8 @@ class Lease:
             self._changes += 1
 
     def end_finish(self, task: Task, settled: bool) -> None:
-        """After the fenced write; ``settled``: the claim is over (written or refused)."""
+        """After the fenced write; ``settled``: the claim is over (written or refused). Not
+        settled: the write failed without a clear answer (it may have committed): check."""
         with self._lock:
             self._busy[task.id] -= 1
             self._changes += 1
@@ -228,6 +251,16 @@ class Lease:
             held = self._held.get(task.id)
             if settled and held is not None and held.token == task.token:
                 del self._held[task.id]
+                self._count_changed()
+            if not settled:
+                self._check_at = time.monotonic()
+                self._wake.set()
+
+    def _count_changed(self) -> None:
+        """The count of claims changed (caller holds the lock): publish it soon."""
+        if self._publish_due is None:
+            self._publish_due = time.monotonic() + PUBLISH_DELAY
+            self._wake.set()
 
     def session(self) -> str | None:
         """The current registration's session id (None before the first)."""
@@ -242,7 +275,7 @@ class Lease:
     def request_check(self) -> None:
         """Check the held claims against the store soon (a claim may be gone)."""
         with self._lock:
-            self._check_requested = True
+            self._check_at = time.monotonic()
         self._wake.set()
 
     # -- test hooks -----------------------------------------------------------------------
@@ -309,20 +342,24 @@ class Lease:
             try:
                 with self._lock:
                     live = self._live
-                    check = self._check_requested
+                    check = self._check_at is not None and now >= self._check_at
+                    publish = self._publish_due is not None and now >= self._publish_due
                 if not live:
                     if not self.register(first=False):
                         raise _NotYet("its earlier registration is still live")
                     next_renew = time.monotonic() + self._renew_every
                 elif now >= next_renew:
                     next_renew = self._renew() + self._renew_every
-                elif check or now >= next_check:
+                elif check:
+                    renewing = False
+                    self._check_held()
+                elif publish:
+                    renewing = False
+                    self._publish()
+                elif now >= next_check:
                     renewing = False
                     next_check = now + self._check_every
-                    with self._lock:
-                        self._check_requested = False
-                    if check or self._snapshot()[1][0]:
-                        self._check_held()
+                    self._look()
                 if retry:
                     log.info("lease of node %s on %s works again", self._node_id, self._db.name,
                              extra=self._extra)
@@ -344,17 +381,62 @@ class Lease:
                     next_renew = again
                 else:
                     next_check = again
-            self._wake.wait(max(min(next_renew, next_check) - time.monotonic(), 0.0))
+            with self._lock:
+                due = min(next_renew, next_check, self._publish_due or next_renew)
+                if self._check_at is not None and not retry:
+                    due = min(due, self._check_at)
+            self._wake.wait(max(due - time.monotonic(), 0.0))
 
     def _backoff(self, retry: float) -> float:
         return min(max(retry * 2, 0.05), max(self._renew_every / 2, 0.1))
 
     def _check_held(self) -> None:
+        """Compare the claims the store has for this node with the local set (O(claims):
+        only when something says they may differ, see the module docstring)."""
+        with self._lock:
+            self._check_at = None  # a request made from now on asks again
         before = self._snapshot()
-        with self._db.read() as conn:
-            row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
+        try:
+            with self._db.read() as conn:
+                row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
+        except BaseException:
+            with self._lock:
+                self._check_at = time.monotonic()  # still to do once the store answers
+            raise
         self._hook(self._on_members, tuple(row[2:]), "membership")
-        self._compare(before, (int(row[0]), int(row[1])))
+        if not self._compare(before, (int(row[0]), int(row[1]))):
+            with self._lock:  # changes in flight spoiled it: look again a little later
+                self._check_at = time.monotonic() + _RECHECK_AFTER
+
+    def _look(self) -> None:
+        """Between renewals: the node's pokes and the membership (one row, no task read)."""
+        with self._db.read() as conn:
+            row = self._db.execute(conn, "node_pokes", {"node": self._node_id}).first()
+        if row is None:
+            return  # the registration is gone: the next renewal finds out and fences
+        self._hook(self._on_members, tuple(row[1:]), "membership")
+        self._poked(int(row[0]))
+
+    def _poked(self, pokes: int) -> None:
+        """The store says the node's pokes are ``pokes``: check the claims if they changed."""
+        with self._lock:
+            if pokes != self._pokes_seen:
+                self._pokes_seen = pokes
+                self._check_at = time.monotonic()
+                self._wake.set()
+
+    def _publish(self) -> None:
+        """Publish the node's count of claims if it changed since it was last published."""
+        with self._lock:
+            self._publish_due = None
+            count, session = len(self._held), self._session
+            if count == self._published or session is None:
+                return
+        with self._db.write() as conn:
+            self._db.execute(conn, "publish_count", {"node": self._node_id, "session": session,
+                                                     "count": count})
+        with self._lock:
+            self._published = count
 
     def _renew(self) -> float:
         """One renewal; returns its (monotonic) start time."""
@@ -364,6 +446,8 @@ class Lease:
         before = self._snapshot()
         params = {"node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
                   "count": before[1][0], "capacity": self.capacity()}
+        with self._lock:
+            self._publish_due = None  # the renewal publishes the count
         with self._db.hot() as cur:
             row = cur.one("heartbeat", params)
         if row is None:
@@ -386,8 +470,10 @@ class Lease:
                 self._on_renewed(elapsed)
             except Exception:
                 log.exception("the renewal hook raised", extra=self._extra)
-        self._hook(self._on_members, tuple(row[2:]), "membership")
-        self._compare(before, (int(row[0]), int(row[1])))
+        with self._lock:
+            self._published = before[1][0]
+        self._hook(self._on_members, tuple(row[1:]), "membership")
+        self._poked(int(row[0]))
         return started
 
     def _hook(self, hook: Callable[[Any], None] | None, value: Any, what: str) -> None:
@@ -398,8 +484,9 @@ class Lease:
             except Exception:
                 log.exception("the %s hook raised", what, extra=self._extra)
 
-    def _compare(self, before: tuple[int, tuple[int, int], bool], store: tuple[int, int]) -> None:
-        """Reconcile if the store's (count, token sum) of our claims differs from ours.
+    def _compare(self, before: tuple[int, tuple[int, int], bool], store: tuple[int, int]) -> bool:
+        """Reconcile if the store's (count, token sum) of our claims differs from ours; False
+        when the check was inconclusive (to be done again).
 
         A claim or done in flight during the check can explain a difference: then the check
         is inconclusive, and only the fourth inconclusive one in a row reconciles anyway
@@ -408,14 +495,15 @@ class Lease:
         after = self._snapshot()
         if store in (before[1], after[1]):
             self._inconclusive = 0
-            return
+            return True
         quiet = before[0] == after[0] and not before[2] and not after[2]
         if not quiet:
             self._inconclusive += 1
             if self._inconclusive < 4:
-                return
+                return False
         self._inconclusive = 0
         self._reconcile()
+        return True
 
     def _reconcile(self) -> None:
         """Find claims that vanished under us (lost) and claims nobody here tracks (release)."""

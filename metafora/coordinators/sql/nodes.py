@@ -1,6 +1,11 @@
 """What a SQL coordinator tells balancers of the live nodes: counts, weights, frozen flags,
 capacities, labels and the claimable count.
 
+The balancers' counts are what each node published with its heartbeat (and within a quarter
+of a second of a change, see :class:`~metafora.coordinators.sql.lease.Lease`): one row per
+node, so their cost follows the number of nodes, never the tasks held. Exact counts from the
+claims (``node_counts``) are read on demand only (operators' views).
+
 A balancer asks ``active_task_count()`` and then the weights, frozen nodes, capacities and
 claimable count: the count statements return those columns too, and :class:`NodeReads`
 keeps what they said (:class:`~metafora.coordinators.members.SeenWithCounts`) so the asks
@@ -18,9 +23,23 @@ from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import decode_labels
 
-__all__ = ["NodeReads"]
+__all__ = ["CLAIMABLE_CAP_MIN", "NodeReads", "claimable_cap"]
 
 log = logging.getLogger(__name__)
+
+CLAIMABLE_CAP_MIN = 10_000
+"""The claimable count is read up to at least this many rows (see :func:`claimable_cap`)."""
+
+
+def claimable_cap(held: int) -> int:
+    """How many claimable rows the balancers' read counts at most, ``held`` tasks being held.
+
+    Shares depend on the claimable count only while it is comparable with what the cluster
+    holds: beyond twice that (or ``CLAIMABLE_CAP_MIN``) every node's share is far above what
+    it holds whatever the exact number, and claiming raises ``held`` (so the cap) before the
+    next read. An idle cluster has no pending rows to count at all.
+    """
+    return max(CLAIMABLE_CAP_MIN, 2 * held)
 
 
 class NodeReads:
@@ -37,13 +56,17 @@ class NodeReads:
 
     def _read(self, statement: str) -> list[Any]:
         """The node rows of ``statement`` (id, [count,] weight, frozen, capacity); what they
-        say is kept for the asks that follow."""
+        say is kept for the asks that follow. ``active_counts`` also counts the claimable
+        tasks, in the same read transaction (see :func:`claimable_cap`)."""
         self._db.ensure_schema()
+        claimable = None
         with self._db.read() as conn:
-            rows = list(self._db.execute(conn, statement, {}).fetchall())
-        nodes = [r for r in rows if r[0] is not None]
-        # active_counts: its NULL-id row counts the claimable tasks
-        claimable = next((int(r[1]) for r in rows if r[0] is None), None)
+            nodes = [r for r in self._db.execute(conn, statement, {}).fetchall()
+                     if r[0] is not None]
+            if statement == "active_counts":
+                cap = claimable_cap(sum(max(0, int(r[1] or 0)) for r in nodes))
+                claimable = int(self._db.execute(conn, "claimable_capped", {"cap": cap}).scalar()
+                                or 0)
         weights = {str(r[0]): stored_weight(r[-3], str(r[0])) for r in nodes}
         frozen = frozenset(str(r[0]) for r in nodes if r[-2])
         capacities = {str(r[0]): c for r in nodes if (c := stored_capacity(r[-1])) is not None}

@@ -168,6 +168,12 @@ def _v9_node_capacity(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN capacity INTEGER"))
 
 
+def _v10_node_pokes(conn: Connection, dialect: Dialect) -> None:
+    # Bumped by whoever changes a live node's claim from outside (a client deleting a claimed
+    # task): the node compares it at each renewal instead of counting its claims.
+    conn.execute(text("ALTER TABLE metafora_nodes ADD COLUMN pokes INTEGER NOT NULL DEFAULT 0"))
+
+
 _V8_LIMITS = [
     "ALTER TABLE metafora_tasks ADD COLUMN grp {key}",
     # A group's live claims are counted through this index (claimed rows of the group only).
@@ -211,6 +217,8 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
     ("tasks.grp, limits and rate_log: cluster-wide limits per task group", _v8_limits),
     ("nodes.capacity: no share above what a node can run", _v9_node_capacity),
+    ("nodes.pokes: claims changed from outside, checked without counting the claims",
+     _v10_node_pokes),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

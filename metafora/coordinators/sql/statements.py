@@ -180,18 +180,28 @@ _SQL: dict[str, str] = {
         " RETURNING ready, {notify_task}"
     ),
     "drop_commands": "DELETE FROM metafora_commands WHERE namespace = :ns AND node_id = :node",
-    # One UPDATE per renewal, whatever the number of tasks; it also returns the count and
-    # token sum of the claims the store says this node holds, to check against the local set.
+    # One UPDATE per renewal, whatever the number of tasks, and no read of the tasks: it
+    # publishes the node's count and returns its pokes (bumped by a client that changed one of
+    # its claims: then, and only then, the node checks its claims) and the membership.
     "heartbeat": (
         "UPDATE metafora_nodes SET lease_until = {lease_until}, renewed_at = {now},"
         " task_count = :count, capacity = :capacity"
         " WHERE namespace = :ns AND node_id = :node AND session = :session"
-        " AND lease_until > {now} RETURNING"
-        " (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns AND t.owner = :node"
-        " AND t.state = 'claimed'),"
-        " (SELECT coalesce(sum(t.token), 0) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = :node AND t.state = 'claimed'),"
-        + _MEMBERS
+        " AND lease_until > {now} RETURNING pokes," + _MEMBERS
+    ),
+    # Between renewals: the node's pokes and the membership (one row of metafora_nodes).
+    "node_pokes": (
+        "SELECT pokes," + _MEMBERS + " FROM metafora_nodes"
+        " WHERE namespace = :ns AND node_id = :node"
+    ),
+    # The node's count of claims, published as it changes (at most a few times a second).
+    "publish_count": (
+        "UPDATE metafora_nodes SET task_count = :count WHERE namespace = :ns AND node_id = :node"
+        " AND session = :session"
+    ),
+    # A client changed a claim of :owner: the owner checks its claims at its next look.
+    "poke_owner": (
+        "UPDATE metafora_nodes SET pokes = pokes + 1 WHERE namespace = :ns AND node_id = :owner"
     ),
     "held_summary": (
         "SELECT count(*), coalesce(sum(token), 0)," + _MEMBERS + " FROM metafora_tasks"
@@ -406,20 +416,21 @@ _SQL: dict[str, str] = {
         "SELECT node_id, weight, frozen, capacity FROM metafora_nodes WHERE namespace = :ns"
         " AND lease_until > {now}"
     ),
+    # Exact counts from the claims themselves (operators' views and tests; on demand only).
     "node_counts": (
         "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
         " FROM metafora_nodes n WHERE n.namespace = :ns AND n.lease_until > {now}"
     ),
-    # The active nodes' counts and, in a row with a NULL node id, how many tasks are claimable:
-    # one statement, so the two add up to the cluster's work as of one snapshot.
+    # The balancers' periodic read: the counts the active nodes published (one row per node,
+    # no read of the tasks), then how many tasks are claimable, counted up to :cap rows.
     "active_counts": (
-        "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
-        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
-        " FROM metafora_nodes n"
+        "SELECT n.node_id, n.task_count, n.weight, n.frozen, n.capacity FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
-        " UNION ALL SELECT NULL, count(*), NULL, NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
-        " AND " + _CLAIMABLE_PENDING
+    ),
+    "claimable_capped": (
+        "SELECT count(*) FROM (SELECT 1 FROM metafora_tasks WHERE namespace = :ns"
+        " AND " + _CLAIMABLE_PENDING + " LIMIT :cap) c"
     ),
     "purge_state": (
         "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"

@@ -6,8 +6,9 @@ falls due (the earliest future ``launch_at``, the earliest live lease expiry) an
 - a **full scan** (the first round, after a lost LISTEN connection or an error, and every
   ``max(poll_interval, 5 s)``): sweeps pending tasks past ``expires_at`` to ``expired``,
   offers every claimable pending task (ordered by id, ``BATCH`` at a time) and every task
-  claimed by a node whose registration has expired or vanished, and deletes long-dead
-  registrations that hold nothing;
+  claimed by a node whose registration has expired, and deletes long-dead registrations
+  that hold nothing; claims whose owner vanished altogether (written around metafora) are
+  looked for at the first scan and after an error only (they walk every claimed row);
 - otherwise a **quick check**: tasks named by notifications (PostgreSQL; a bulk submit
   notifies once per batch with its lowest ``ready`` value, and the ``ready`` scan steps back
   to it), tasks that became
@@ -83,6 +84,13 @@ class Watch:
         # Notified ids -> a plain task's props (offered without reading the row), or None.
         self._ids: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._full = True
+        # Claims with no live owner at all (rows written around metafora: a registration
+        # deleted by hand, a NULL owner) are looked for by walking every claimed row: at the
+        # first full scan and after a store error or lost notifications, never periodically
+        # (an idle cluster's safety net must not grow with the tasks it holds). Claims of
+        # expired registrations -- the way a crashed node leaves them -- are found through the
+        # dead registrations at every scan.
+        self._orphans = True
         self._next_full = 0.0
         self._ready = (0, _AFTER_ALL)
         self._rewind: int | None = None  # the lowest ready value a bulk submit notified
@@ -114,6 +122,7 @@ class Watch:
         """Do a full scan next (notifications may have been missed)."""
         with self._lock:
             self._full = True
+            self._orphans = True
         self.wake.set()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -133,6 +142,7 @@ class Watch:
                             backoff, exc, extra=self._extra)
                 with self._lock:
                     self._full = True
+                    self._orphans = True
                 timeout = backoff * random.uniform(0.8, 1.2)
                 backoff = min(backoff * 2, 5.0)
             self.wake.wait(timeout)
@@ -266,10 +276,16 @@ class Watch:
             backlog += self._scan_range(int(priority), pivot, _AFTER_ALL)
             if pivot:
                 backlog += self._scan_range(int(priority), "", pivot)
-        offered: dict[str, int] = {}
-        self._scan_claims("scan_orphans", offered)
-        self._scan_claims("scan_unowned", offered)
-        self._offered_dead = offered
+        with self._lock:
+            orphans, self._orphans = self._orphans, False
+        if orphans:
+            offered: dict[str, int] = {}
+            self._scan_claims("scan_orphans", offered)
+            self._scan_claims("scan_unowned", offered)
+            self._offered_dead = offered
+        elif n_dead:
+            self._offered_dead = {}  # the safety net offers every dead claim again
+            self._scan_dead()
         if n_dead:
             with self._db.write() as conn:
                 self._db.execute(conn, "clean_nodes", {"secs": -self._grace})
