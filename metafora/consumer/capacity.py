@@ -9,6 +9,13 @@ stack size), keeps a quarter of it for everything else on the machine (other con
 their side threads), and never exceeds :data:`THREAD_CAP_CEILING`. Async handlers share one
 event loop thread and are not counted. An explicit ``max_tasks`` replaces the cap.
 
+**What the machine has left.** Several nodes on one host each see the same kernel limits, so
+each cap alone could add up to more than the machine has. :class:`MachineThreads` reads the
+threads in use on the whole machine (``/proc/loadavg``) and in the cgroup (``pids.current``)
+against their limits, and a node starts a thread handler only while a quarter of the tighter
+limit is still free: together the nodes of a host stop there, each with what it got, and the
+capacity they publish says so (the shares follow). Read at most every half second.
+
 **A reduced capacity.** When a handler cannot be started (no thread, no memory, the event
 loop gone), its task is released at once and the node's capacity becomes the number of tasks
 it runs then: it claims nothing more, and logs the cause once per episode. It climbs back
@@ -32,7 +39,9 @@ __all__ = [
     "CAPACITY_RETRY",
     "THREAD_CAP_CEILING",
     "Capacity",
+    "MachineThreads",
     "default_thread_cap",
+    "machine_threads",
     "thread_cap_from",
     "thread_limits",
 ]
@@ -45,6 +54,8 @@ machine's other threads and processes)."""
 CAPACITY_RETRY = 30.0
 """Seconds after a failed start before a node at its reduced capacity tries one more task."""
 _DEFAULT_STACK = 8 * 1024 * 1024  # glibc's default thread stack when threading sets none
+
+_MACHINE_TTL = 0.5  # seconds a reading of the machine's threads in use is kept
 
 _PROC_LIMITS = {
     "threads-max": "/proc/sys/kernel/threads-max",
@@ -96,6 +107,54 @@ def default_thread_cap() -> int:
     return thread_cap_from(thread_limits())
 
 
+def machine_threads() -> list[tuple[int, int]]:
+    """(threads in use, limit) of the machine (``/proc/loadavg`` against the kernel's
+    ``threads-max`` and ``pid_max``) and of the cgroup (``pids.current`` against ``pids.max``),
+    for those this process can read."""
+    found: list[tuple[int, int]] = []
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            in_use = int(f.read().split()[3].split("/")[1])
+    except (OSError, ValueError, IndexError):
+        in_use = None
+    kernel = [v for v in (_read_limit(_PROC_LIMITS["threads-max"]),
+                          _read_limit(_PROC_LIMITS["pid_max"])) if v is not None]
+    if in_use is not None and kernel:
+        found.append((in_use, min(kernel)))
+    cgroup_max = _read_limit(_PROC_LIMITS["pids.max"])
+    cgroup_now = _read_limit("/sys/fs/cgroup/pids.current")
+    if cgroup_max is not None and cgroup_now is not None:
+        found.append((cgroup_now, cgroup_max))
+    return found
+
+
+class MachineThreads:
+    """How many more threads this node may start before the machine (or its cgroup) has
+    only a quarter of its limit left; read at most every :data:`_MACHINE_TTL` seconds."""
+
+    def __init__(self, monotonic: Callable[[], float],
+                 read: Callable[[], list[tuple[int, int]]] = machine_threads) -> None:
+        self._monotonic = monotonic
+        self._read = read
+        self._at = -_MACHINE_TTL
+        self._left: int | None = None
+
+    def left(self) -> int | None:
+        """Threads that may still start (None: nothing to read)."""
+        now = self._monotonic()
+        if now - self._at >= _MACHINE_TTL:
+            self._at = now
+            readings = self._read()
+            self._left = (min(limit - limit // THREAD_CAP_SHARE - used for used, limit in readings)
+                          if readings else None)
+        return None if self._left is None else max(0, self._left)
+
+    def took(self, n: int = 1) -> None:
+        """``n`` threads started since the last reading (so a burst does not overshoot)."""
+        if self._left is not None:
+            self._left -= n
+
+
 class Capacity:
     """The node's bounds on running tasks; every method is called holding the consumer's lock.
 
@@ -106,7 +165,7 @@ class Capacity:
 
     def __init__(self, *, max_tasks: int | None, thread_cap: int | None,
                  busy_threads: Callable[[], int], monotonic: Callable[[], float],
-                 log: NodeLog) -> None:
+                 log: NodeLog, machine: MachineThreads | None = None) -> None:
         self.max_tasks = max_tasks
         # An explicit max_tasks wins; thread_cap 0 turns the cap off.
         if max_tasks is not None or thread_cap == 0:
@@ -115,6 +174,8 @@ class Capacity:
             self.thread_cap = default_thread_cap() if thread_cap is None else thread_cap
         self._busy_threads = busy_threads
         self._monotonic = monotonic
+        self._machine = (machine if machine is not None else MachineThreads(monotonic)) \
+            if self.thread_cap is not None else None
         self._log = log
         self.reduced: int | None = None
         self.cause: str | None = None
@@ -127,7 +188,7 @@ class Capacity:
         if self.max_tasks is not None:
             slots = self.max_tasks - running
         if self.thread_cap is not None:
-            threads = self.thread_cap - self._busy_threads()
+            threads = self._thread_room()
             slots = threads if slots is None else min(slots, threads)
         if self.reduced is not None:
             slots = self.reduced - running if slots is None else min(slots, self.reduced - running)
@@ -136,9 +197,19 @@ class Capacity:
     def limit(self) -> int | None:
         """The most tasks this node runs now (None: no bound). The thread cap bounds thread
         handlers only: it counts once this node started one."""
-        thread_cap = self.thread_cap if self.ran_threads else None
+        thread_cap = None
+        if self.thread_cap is not None and self.ran_threads:
+            thread_cap = self._busy_threads() + self._thread_room()
         bounds = [b for b in (self.max_tasks, thread_cap, self.reduced) if b is not None]
         return min(bounds) if bounds else None
+
+    def _thread_room(self) -> int:
+        """Thread handlers this node may still start: under its cap and what the machine
+        has left (see the module docstring)."""
+        assert self.thread_cap is not None
+        room = self.thread_cap - self._busy_threads()
+        left = self._machine.left() if self._machine is not None else None
+        return room if left is None else min(room, left)
 
     def start_failed(self, running: int, kind: str, error: BaseException, task_id: str) -> None:
         """A handler could not be started: the capacity becomes ``running`` (logged once)."""
@@ -162,6 +233,8 @@ class Capacity:
         by one."""
         if kind == "thread":
             self.ran_threads = True
+            if self._machine is not None:
+                self._machine.took()
         if self.reduced is not None and running >= self.reduced:
             self._raise()
 

@@ -21,7 +21,9 @@ from metafora.consumer.capacity import (
     CAPACITY_RETRY,
     THREAD_CAP_CEILING,
     Capacity,
+    MachineThreads,
     default_thread_cap,
+    machine_threads,
     thread_cap_from,
     thread_limits,
 )
@@ -51,6 +53,40 @@ def test_the_limits_of_this_process_are_read() -> None:
     assert "pid_max" in limits  # Linux: /proc/sys/kernel/pid_max
     assert 1 <= default_thread_cap() <= THREAD_CAP_CEILING
     assert default_thread_cap() == thread_cap_from(limits)
+
+
+def test_the_machine_keeps_a_quarter_of_its_threads_free_for_every_node_together() -> None:
+    now = [0.0]
+    reading = [(20_000, 32_768)]  # 20,000 threads in use on a machine of 32,768
+    machine = MachineThreads(lambda: now[0], lambda: list(reading))
+    assert machine.left() == 32_768 - 8_192 - 20_000  # 4,576 before a quarter is left
+    machine.took(576)
+    assert machine.left() == 4_000  # a burst of starts counts before the next reading
+    reading[0] = (24_600, 32_768)  # other nodes started threads meanwhile
+    assert machine.left() == 4_000  # kept half a second
+    now[0] = 0.5
+    assert machine.left() == 0  # under a quarter left: no node starts more
+    reading.append((900, 1_000))  # a cgroup limit, tighter still
+    now[0] = 1.0
+    assert machine.left() == 0
+    assert MachineThreads(lambda: 0.0, lambda: []).left() is None  # nothing to read
+
+
+def test_a_nodes_thread_cap_follows_what_the_machine_has_left() -> None:
+    busy = [10]
+    machine = MachineThreads(lambda: 0.0, lambda: [(24_000, 32_768)])  # 576 left
+    capped = Capacity(max_tasks=None, thread_cap=4096, busy_threads=lambda: busy[0],
+                      monotonic=lambda: 0.0, log=NodeLog(logging.getLogger("t"), {}),
+                      machine=machine)
+    assert capped.free_slots(10) == 576
+    capped.started(11, "thread")
+    assert capped.free_slots(11) == 575
+    assert capped.limit() == 10 + 575  # published: the shares see the machine's bound
+
+
+def test_the_machines_threads_are_read() -> None:
+    readings = machine_threads()
+    assert readings and all(0 < used < limit for used, limit in readings)
 
 
 def test_thread_cap_is_validated() -> None:
