@@ -48,8 +48,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer", "procrastinate")
+SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer", "procrastinate",
+           "metafora-postgresql-dumb", "metafora-sqlite-dumb")
+# metafora as a user starts it (the Consumer's default balancer); the -dumb rows are an extra,
+# labelled: DumbBalancer, which claims everything and never releases (issue 33's yardstick).
 BASE_SYSTEMS = ("metafora-postgresql", "metafora-sqlite")
+EXTRA_SYSTEMS = ("metafora-postgresql-dumb", "metafora-sqlite-dumb")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in EXTRA_SYSTEMS)
 PROCESSES = 2
 CONCURRENCY = 10
 PGQ_BATCH = 5
@@ -59,9 +64,11 @@ POLL = 0.01
 #: What each system runs with (printed under the table and saved with the results).
 SETTINGS = {
     "metafora-postgresql": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
-                           " (lease_ttl 30 s, poll_interval 5 s, pool_size 10, DumbBalancer); psycopg 3",
+                           " (FairBalancer, lease_ttl 30 s, poll_interval 15 s, pool_size 10); psycopg 3",
     "metafora-sqlite": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
-                       " (lease_ttl 30 s, poll_interval 0.25 s, DumbBalancer)",
+                       " (FairBalancer, lease_ttl 30 s, poll_interval 0.25 s)",
+    "metafora-postgresql-dumb": "extra row: as metafora-postgresql with balancer=DumbBalancer()",
+    "metafora-sqlite-dumb": "extra row: as metafora-sqlite with balancer=DumbBalancer()",
     "pgqueuer": f"QueueManager.run(batch_size={PGQ_BATCH}, max_concurrent_tasks={CONCURRENCY}),"
                 " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver, defaults otherwise",
     "procrastinate": f"run_worker_async(concurrency={CONCURRENCY}), async no-op task, LISTEN/NOTIFY,"
@@ -72,6 +79,8 @@ CRASH_TTL = 3
 CRASH_SETTINGS = {
     "metafora-postgresql": f"lease_ttl {CRASH_TTL} s",
     "metafora-sqlite": f"lease_ttl {CRASH_TTL} s",
+    "metafora-postgresql-dumb": f"lease_ttl {CRASH_TTL} s",
+    "metafora-sqlite-dumb": f"lease_ttl {CRASH_TTL} s",
     "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
                 " the default 30 s made recovery take 30 s)",
     "procrastinate": f"update_heartbeat_interval 1 s, stalled_worker_timeout {CRASH_TTL} s,"
@@ -193,7 +202,7 @@ def ratio_rows(summary: dict[str, dict[str, Spread]]) -> list[tuple[str, str, fl
     """``(metafora system, peer, throughput ratio, p50 ratio, p99 ratio)`` for every pair measured."""
     rows = []
     for ours in (s for s in summary if s in BASE_SYSTEMS):
-        for theirs in (s for s in summary if s not in BASE_SYSTEMS):
+        for theirs in (s for s in summary if s not in BASE_SYSTEMS and not s.startswith(ours)):
             a, b = summary[ours], summary[theirs]
             rows.append((ours, theirs, ratio(a["tasks_per_s"].median, b["tasks_per_s"].median),
                          ratio(a["p50_ms"].median, b["p50_ms"].median),
@@ -206,7 +215,7 @@ def labels_for(systems: Sequence[str], versions: dict[str, str]) -> dict[str, st
     out = {}
     for system in systems:
         name = system.replace("metafora-", "metafora, ").replace("postgresql", "PostgreSQL")
-        name = name.replace("sqlite", "SQLite")
+        name = name.replace("sqlite", "SQLite").replace("-dumb", " (DumbBalancer, extra)")
         out[system] = f"{name} {versions[system]}" if system in versions else name
     return out
 
@@ -214,7 +223,7 @@ def labels_for(systems: Sequence[str], versions: dict[str, str]) -> dict[str, st
 def parse_systems(text: str | None) -> list[str]:
     """The ``--systems`` list (comma-separated; all by default), validated."""
     if not text:
-        return list(SYSTEMS)
+        return list(DEFAULT_SYSTEMS)
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SYSTEMS]
     if unknown or not chosen:
@@ -234,7 +243,7 @@ def _pg_base() -> str:
 @contextlib.contextmanager
 def fresh_database(system: str, workdir: Path) -> Iterator[str]:
     """A throw-away PostgreSQL database (or, for metafora-sqlite, a fresh SQLite file): its URL."""
-    if system == "metafora-sqlite":
+    if system.startswith("metafora-sqlite"):
         path = workdir / f"peers-{uuid.uuid4().hex[:8]}.db"
         try:
             yield f"sqlite:///{path}"
@@ -303,9 +312,9 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
         if trace:
             from benchmarks.hotpath import count_statements
             with count_statements(Path(trace) / f"{node}.json"):
-                _metafora_worker(url, node, report)
+                _metafora_worker(url, node, report, system.endswith("-dumb"))
         else:
-            _metafora_worker(url, node, report)
+            _metafora_worker(url, node, report, system.endswith("-dumb"))
     elif system == "pgqueuer":
         asyncio.run(_pgqueuer_worker(url, report))
     elif system == "procrastinate":
@@ -314,7 +323,7 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
         raise SystemExit(f"unknown system {system!r}")
 
 
-def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
+def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False) -> None:
     from metafora import Consumer, Task, open_coordinator, simple_handler
     from metafora.balancers import DumbBalancer
 
@@ -325,10 +334,10 @@ def _metafora_worker(url: str, node: str, report: _Reporter) -> None:
             return False
         return True
 
-    # DumbBalancer, as SETTINGS say (and as the peers do: every worker takes what it can);
-    # FairBalancer, the Consumer's default since, waits out a cold start first.
-    consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop),
-                        balancer=DumbBalancer(), max_tasks=CONCURRENCY, shutdown_timeout=5)
+    # The Consumer's default balancer, as a user gets it; DumbBalancer only for the -dumb rows.
+    chosen: dict[str, Any] = {"balancer": DumbBalancer()} if dumb else {}
+    consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop), **chosen,
+                        max_tasks=CONCURRENCY, shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
 
     def announce() -> None:
@@ -741,6 +750,10 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool
 
     found = versions(systems)
     tasks, submits = (1000, 50) if quick else (5000, 200)
+    tasks = int(os.environ.get("METAFORA_PEERS_TASKS", tasks))  # issue 33 also runs 20,000
+    workloads_wanted = os.environ.get("METAFORA_PEERS_WORKLOADS",
+                                      "throughput,latency,crash").split(",")
+    with_crash = with_crash and "crash" in workloads_wanted
     workdir = Path(tempfile.mkdtemp(prefix="metafora-peers-"))
     runs: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
@@ -751,6 +764,7 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool
                 ("throughput", lambda url, s=system: throughput(s, url, tasks)),
                 ("latency", lambda url, s=system: latency(s, url, submits)),
             ]
+            workloads = [w for w in workloads if w[0] in workloads_wanted]
             if with_crash:
                 workloads.append(("crash", lambda url, s=system: crash(s, url)))
             for name, workload in workloads:

@@ -1,0 +1,209 @@
+"""Issue 33: an idle cluster's store work follows its nodes, never the tasks it holds (SQL stores).
+
+- In a window of several renewals, an idle cluster runs no statement that reads claimed rows
+  (the statements are recorded by name at the two places the SQL store executes them), and on
+  PostgreSQL the server's own counters show no row of ``metafora_tasks`` read at all.
+- The counts the nodes publish (what balancers read) agree with the claims in the table after a
+  start-up storm, after a node is killed and its tasks are taken over, and after a join
+  rebalanced the cluster.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from metafora import Task, open_client, simple_handler
+from metafora.config import parse_store_url
+from metafora.coordinators.sql.options import parse_config
+from metafora.coordinators.sql.store import Database, HotCursor
+from metafora.testing import LocalCluster, wait_for
+from tests.helpers import stop_processes
+
+# Statements that read the claimed rows of a node or of the whole namespace: none may run
+# periodically on an idle cluster.
+READS_CLAIMS = frozenset({"held_summary", "held_list", "node_counts", "node_infos",
+                          "scan_orphans", "scan_unowned"})
+LEASE_TTL = 3.0  # a renewal every second: the window sees several of each node's
+
+
+def _hold(task: Task, stop: threading.Event) -> bool:
+    stop.wait(120)
+    return False
+
+
+async def _park(task: Task, stop: Any) -> bool:
+    await stop.wait()
+    return False
+
+
+class Recorder:
+    """Names of the statements the SQL store runs while ``on`` (observation only)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.names: list[str] = []
+        self._lock = threading.Lock()
+
+    def seen(self, name: str) -> None:
+        if self.on:
+            with self._lock:
+                self.names.append(name)
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    rec = Recorder()
+    execute, run = Database.execute, HotCursor._run
+
+    def recorded_execute(self: Database, conn: Any, name: str, params: dict[str, Any]) -> Any:
+        rec.seen(name)
+        return execute(self, conn, name, params)
+
+    def recorded_run(self: HotCursor, name: str, params: dict[str, Any]) -> None:
+        rec.seen(name)
+        run(self, name, params)
+
+    monkeypatch.setattr(Database, "execute", recorded_execute)
+    monkeypatch.setattr(HotCursor, "_run", recorded_run)
+    return rec
+
+
+def _task_rows_read(url: str) -> int | None:
+    """PostgreSQL: rows of metafora_tasks read so far (sequential + index); None on SQLite."""
+    if not url.startswith("postgresql"):
+        return None
+    db = Database(parse_config(parse_store_url(url), {}))
+    try:
+        with db.transaction() as conn:
+            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            row = conn.execute(text(
+                "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)"
+                " FROM pg_stat_user_tables WHERE relname = 'metafora_tasks'")).one()
+            return int(row[0])
+    finally:
+        db.close()
+
+
+def _analyze(url: str) -> None:
+    """What autovacuum does within a minute after a storm: the planner learns the rows are
+    claimed now (its statistics said pending, and a pending count may walk the table then)."""
+    if url.startswith("postgresql"):
+        db = Database(parse_config(parse_store_url(url), {}))
+        try:
+            with db.write() as conn:
+                conn.execute(text("ANALYZE metafora_tasks"))
+        finally:
+            db.close()
+
+
+def _pause(seconds: float) -> None:
+    threading.Event().wait(seconds)  # a measurement window, not synchronisation
+
+
+def test_an_idle_cluster_reads_no_claimed_rows(sql_url: str, recorder: Recorder) -> None:
+    # Enough held rows that PostgreSQL's planner uses its indexes (a table of a few pages is
+    # read whole by a sequential scan, whatever the query, and would count every row).
+    held = 3000
+    with LocalCluster(sql_url) as cluster:
+        for node in ("a", "b", "c"):
+            cluster.add(simple_handler(_park), node, coordinator_options={"lease_ttl": LEASE_TTL})
+        cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
+        wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
+                 "every task held")
+        _analyze(sql_url)
+        # PostgreSQL backends report their counters up to ~10 s late: a quiet margin before the
+        # first reading and after the window, so only idle time is counted.
+        _pause(11.0 if sql_url.startswith("postgresql") else 1.0)
+        before = _task_rows_read(sql_url)
+        recorder.on = True
+        _pause(4 * LEASE_TTL / 3)  # four renewals of each node
+        recorder.on = False
+        seen = set(recorder.names)
+        assert "heartbeat" in seen  # the window did see the renewals
+        assert not seen & READS_CLAIMS, f"idle statements reading claimed rows: {seen & READS_CLAIMS}"
+        if before is not None:
+            _pause(11.0)
+            after = _task_rows_read(sql_url)
+            assert after is not None and after - before == 0, (
+                f"{after - before} rows of metafora_tasks read by an idle cluster")  # type: ignore[operator]
+        assert not cluster.errors
+
+
+# -- the published counts against the table --------------------------------------------------
+
+
+def _worker(url: str, node_id: str) -> None:
+    """A consumer process (defaults) holding its tasks until stopped."""
+    from metafora import Consumer, open_coordinator
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    consumer = Consumer(open_coordinator(url, node_id=node_id, lease_ttl=6),
+                        simple_handler(_hold), rebalance_window=1.0)
+    runner = threading.Thread(target=consumer.run, name="consumer")
+    runner.start()
+    signal.sigwait({signal.SIGTERM})
+    consumer.shutdown(timeout=10)
+    runner.join(30)
+
+
+@pytest.fixture
+def procs(sql_url: str) -> Iterator[dict[str, BaseProcess]]:
+    started: dict[str, BaseProcess] = {}
+    try:
+        yield started
+    finally:
+        stop_processes(started.values(), 30)
+
+
+def _start(url: str, procs: dict[str, BaseProcess], node: str) -> None:
+    proc = multiprocessing.get_context("spawn").Process(target=_worker, args=(url, node),
+                                                          name=f"worker-{node}", daemon=True)
+    proc.start()
+    procs[node] = proc
+
+
+def _published(url: str) -> dict[str, int]:
+    """What the live nodes published (the balancers' counts), read from their rows."""
+    db = Database(parse_config(parse_store_url(url), {}))
+    try:
+        with db.read() as conn:
+            rows = db.execute(conn, "active_counts", {}).fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+    finally:
+        db.close()
+
+
+def _agree(url: str, client: Any, total: int, nodes: set[str]) -> bool:
+    exact = client.node_task_count()
+    return (set(exact) == nodes and sum(exact.values()) == total
+            and _published(url) == exact)
+
+
+def test_published_counts_agree_with_the_claims_after_a_storm_a_kill_and_a_join(
+        sql_url: str, procs: dict[str, BaseProcess]) -> None:
+    total = 300
+    with open_client(sql_url) as client:
+        client.submit_tasks(Task(f"p{i:03d}") for i in range(total))
+        for node in ("a", "b", "c"):
+            _start(sql_url, procs, node)
+        wait_for(lambda: _agree(sql_url, client, total, {"a", "b", "c"}), 120,
+                 "the storm held everything and the published counts agree")
+        victim = procs["c"]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(30)
+        wait_for(lambda: _agree(sql_url, client, total, {"a", "b"}), 120,
+                 "the killed node's tasks taken over and the published counts agree")
+        _start(sql_url, procs, "d")
+        wait_for(lambda: client.node_task_count().get("d", 0) > 0, 120, "the join took tasks")
+        wait_for(lambda: _agree(sql_url, client, total, {"a", "b", "d"}), 120,
+                 "the rebalance settled and the published counts agree")
