@@ -91,7 +91,9 @@ class Finisher:
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
-        if not entry.lost and not entry.abandoned:
+        if entry.stopped is None and not entry.lost and not entry.abandoned:
+            # Only runs that ended on their own: one this node stopped (a move, a shutdown)
+            # says nothing of how long its tasks run, and moves must not look like short tasks.
             self.run_times.record((self._clock.now() - entry.started).total_seconds(),
                                   self._clock.monotonic())
         with self._lock:
