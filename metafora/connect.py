@@ -10,8 +10,9 @@ import uuid
 from types import ModuleType
 from typing import Any, Protocol, cast
 
+from metafora.client import Client
 from metafora.config import StoreURL, parse_store_url
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError, InvalidTaskId
 from metafora.task import validate_task_id
 

@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metafora.coordinator import Client, NodeInfo
+from metafora.client import Client, NodeInfo
 from metafora.limits import GroupUsage
 from metafora.masking import escape_controls, for_terminal
 from metafora.task import TaskInfo, TaskState, label_text, placement_reason

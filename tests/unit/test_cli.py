@@ -27,7 +27,7 @@ from metafora.cli import (
     _common,
     cli,
 )
-from metafora.coordinator import Client
+from metafora.client import Client
 from metafora.coordinators.memory import drop_store
 from metafora.errors import CoordinatorUnavailable
 from metafora.testing import RecordingContext

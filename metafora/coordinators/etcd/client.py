@@ -13,9 +13,9 @@ import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
