@@ -31,7 +31,16 @@ from metafora.errors import ConfigError, MetaforaError, TaskExists
 from metafora.submitting import IfExists
 from metafora.task import Task
 
-__all__ = ["Steps", "SubmitStatements", "check_conn", "rows_of", "run_steps", "statements", "submit_steps", "translate"]
+__all__ = [
+    "Steps",
+    "SubmitStatements",
+    "check_conn",
+    "rows_of",
+    "run_steps",
+    "statements",
+    "submit_steps",
+    "translate",
+]
 
 BATCH_BYTES = 16 * 1024 * 1024
 """About how many bytes of ids and props one INSERT carries (as the client's own batches)."""
