@@ -31,7 +31,16 @@ from metafora.errors import ConfigError, MetaforaError, TaskExists
 from metafora.submitting import IfExists
 from metafora.task import Task
 
-__all__ = ["Steps", "SubmitStatements", "run_steps", "statements", "submit_steps", "translate"]
+__all__ = [
+    "Steps",
+    "SubmitStatements",
+    "check_conn",
+    "rows_of",
+    "run_steps",
+    "statements",
+    "submit_steps",
+    "translate",
+]
 
 BATCH_BYTES = 16 * 1024 * 1024
 """About how many bytes of ids and props one INSERT carries (as the client's own batches)."""
@@ -196,15 +205,20 @@ def _psycopg_sql(clause: TextClause) -> str:
     return sql
 
 
+def rows_of(result: Any) -> list[tuple[Any, ...]]:
+    """The rows of a SQLAlchemy result ([] for a statement that returns none)."""
+    return [tuple(r) for r in result] if result.returns_rows else []
+
+
 def run_steps(conn: Any, db: Database, steps: Steps) -> int:
     """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
     check_conn(conn, db)
     execute: Any
-    if isinstance(conn, Session):
-        sa_conn = conn.connection()
-        execute = lambda clause, params: [tuple(r) for r in sa_conn.execute(clause, params)]  # noqa: E731
-    elif isinstance(conn, Connection):
-        execute = lambda clause, params: [tuple(r) for r in conn.execute(clause, params)]  # noqa: E731
+    if isinstance(conn, (Session, Connection)):
+        sa_conn = conn.connection() if isinstance(conn, Session) else conn
+
+        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(sa_conn.execute(clause, params))
     else:
         def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             cursor = conn.execute(_psycopg_sql(clause), params)
