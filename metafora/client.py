@@ -18,6 +18,7 @@ from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.limits import ClientLimits
+from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
@@ -45,7 +46,7 @@ class NodeInfo:
     """The node's weight: its fair share is proportional to it (see ``Consumer(weight=...)``)."""
 
 
-class Client(ClusterState, ClientLimits, abc.ABC):
+class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 

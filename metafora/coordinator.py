@@ -22,6 +22,7 @@ from metafora.balancer import ClusterState
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.masking import scrub
+from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule
 from metafora.task import Task
 
@@ -159,7 +160,7 @@ class CoordinatorContext(abc.ABC):
         return 1.0
 
 
-class Coordinator(ClusterState, abc.ABC):
+class Coordinator(ClusterState, RetentionOps, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.
 
     All methods are thread-safe. Claims are leases held by this node; every write about a
