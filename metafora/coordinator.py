@@ -24,6 +24,7 @@ from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.limits import ClientLimits
 from metafora.masking import scrub
+from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
@@ -180,7 +181,7 @@ class CoordinatorContext(abc.ABC):
         return 1.0
 
 
-class Coordinator(ClusterState, abc.ABC):
+class Coordinator(ClusterState, RetentionOps, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.
 
     All methods are thread-safe. Claims are leases held by this node; every write about a
@@ -391,7 +392,7 @@ class Coordinator(ClusterState, abc.ABC):
         self.close()
 
 
-class Client(ClusterState, ClientLimits, abc.ABC):
+class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 

@@ -55,6 +55,7 @@ from metafora.coordinators.etcd.queries import (
     read_task,
     read_task_page,
 )
+from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.members import stored_weight
 from metafora.errors import (
     CoordinatorClosed,
@@ -64,6 +65,7 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
@@ -82,7 +84,7 @@ _PAGE_KEYS_MAX = 20_000
 """The most task keys :meth:`EtcdClient.task_page` reads in one request."""
 
 
-class EtcdClient(Client):
+class EtcdClient(EtcdRetention, Client):
     """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
 
     def __init__(self, config: EtcdConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -340,35 +342,12 @@ class EtcdClient(Client):
 
     def purge(self, older_than: timedelta | None = None) -> int:
         self._check_open()
-        now = self._clock.now()
-        cutoff = now - (older_than or timedelta(0))
-        records, _ = read_all_tasks(self._driver, self._keys)
-        count = 0
-        for task_id in sorted(records):
-            rec = records[task_id]
-            info = self._sweep(task_id, rec, now)
-            if info is None or info.state not in _FINISHED:
-                continue
-            finished: datetime | None = info.finished_at
-            if finished is None or finished > cutoff:
-                continue
-            tk = self._keys.task(task_id)
-            guard = (
-                modified_at(tk.state, rec.state.mod_revision)
-                if rec.state is not None
-                else exists(tk.state)
-            )
-            result = self._driver.txn(
-                [guard, absent(tk.owner)],
-                [
-                    Delete(tk.prefix, prefix=True),
-                    Delete(tk.machine),
-                    Delete(tk.commands, prefix=True),
-                ],
-            )
-            if result.succeeded:
-                count += 1
-        return count
+        self.tasks()  # moves pending tasks past their expires_at to expired first
+        return self.prune(purge_policy(older_than))
+
+    def _retention_parts(self) -> tuple[EtcdDriver, Keys, Clock]:
+        self._check_open()
+        return self._driver, self._keys, self._clock
 
     # -- nodes ------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from metafora.coordinator import (
     Client,
     NodeInfo,
 )
+from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.errors import (
     CoordinatorClosed,
@@ -24,6 +25,7 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import (
@@ -47,7 +49,7 @@ def _replace(row: Row, task: Task) -> None:
     row._times = None  # parsed again from the new props
 
 
-class MemoryClient(Client):
+class MemoryClient(MemoryRetention, Client):
     """Operator client on an in-process :class:`MemoryStore`."""
 
     def __init__(self, store: MemoryStore) -> None:
@@ -202,21 +204,12 @@ class MemoryClient(Client):
             s.bump()
 
     def purge(self, older_than: timedelta | None = None) -> int:
-        s = self._store
-        with s.cond:
-            self._check_open()
-            now = s.clock.now()
-            s.sweep(now)
-            cutoff = now - (older_than or timedelta(0))
-            finished = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
-            doomed = [
-                r.task_id
-                for r in s.tasks.values()
-                if r.state in finished and r.finished_at is not None and r.finished_at <= cutoff
-            ]
-            for task_id in doomed:
-                del s.tasks[task_id]
-            return len(doomed)
+        self._check_open()
+        return self.prune(purge_policy(older_than))
+
+    def _retention_store(self) -> MemoryStore:
+        self._check_open()
+        return self._store
 
     def schedules(self) -> list[Schedule]:
         with self._store.cond:

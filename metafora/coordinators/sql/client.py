@@ -17,6 +17,7 @@ from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql import submit as _submit
+from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database, task_params
@@ -30,6 +31,7 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
 from metafora.submitting import IfExists, check_if_exists
 from metafora.task import (
@@ -108,7 +110,7 @@ class _Existing(Exception):
         self.ids = ids
 
 
-class SQLClient(Client):
+class SQLClient(SQLRetention, Client):
     """Operator client on a SQL store. Build it with :func:`metafora.open_client`.
 
     Nothing touches the store until the first call; the schema is created then if needed.
@@ -423,14 +425,15 @@ class SQLClient(Client):
 
     def purge(self, older_than: timedelta | None = None) -> int:
         db = self._ready()
-        secs = -(older_than or timedelta(0)).total_seconds()
-        with db.transaction() as conn:
+        with db.write() as conn:
             db.execute(conn, "sweep_expired", {})
-            db.execute(conn, "purge_state", {"secs": secs})
-            count = int(db.execute(conn, "purge", {"secs": secs}).rowcount)
+        count = self.prune(purge_policy(older_than))
         log.info("purged %d finished task(s) from %s", count, self.name,
                  extra={"action": "purge"})
         return count
+
+    def _retention_db(self) -> Database:
+        return self._ready()
 
     def schedules(self) -> list[Schedule]:
         return _schedules.list_schedules(self._ready())
