@@ -11,7 +11,7 @@ from metafora import commands, errors
 from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.client import Client
 from metafora.commands import Command
-from metafora.connect import default_url, open_client, open_coordinator
+from metafora.connect import default_url, open_async_client, open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
@@ -40,6 +40,7 @@ __all__ = [
     "commands",
     "default_url",
     "errors",
+    "open_async_client",
     "open_client",
     "open_coordinator",
     "simple_handler",
