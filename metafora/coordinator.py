@@ -24,7 +24,9 @@ from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.limits import ClientLimits
 from metafora.masking import scrub
+from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
+from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options, state_reset
 
@@ -179,7 +181,7 @@ class CoordinatorContext(abc.ABC):
         return 1.0
 
 
-class Coordinator(ClusterState, abc.ABC):
+class Coordinator(ClusterState, RetentionOps, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.
 
     All methods are thread-safe. Claims are leases held by this node; every write about a
@@ -390,7 +392,7 @@ class Coordinator(ClusterState, abc.ABC):
         self.close()
 
 
-class Client(ClusterState, ClientLimits, abc.ABC):
+class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 
@@ -400,27 +402,48 @@ class Client(ClusterState, ClientLimits, abc.ABC):
         """A printable name of the store (its URL without password)."""
 
     @abc.abstractmethod
-    def submit_task(self, task: Task) -> None:
-        """Add a pending task. Raises TaskExists if the id is taken (in any state)."""
+    def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
+        """Add a pending task; True if it was added (or replaced), False if left as it was.
 
-    def submit_tasks(self, tasks: Iterable[Task]) -> None:
-        """Add many pending tasks in batched writes (one statement or txn per batch).
+        ``if_exists`` (see :mod:`metafora.submitting`): ``"error"`` raises TaskExists if the id
+        is taken (in any state), ``"ignore"`` leaves the existing task, ``"replace"`` gives a
+        pending one the new props, priority, times, selector, placement and group (never a
+        claimed or finished one). ``conn``: the application's open transaction (a SQLAlchemy
+        ``Connection`` or ``Session``, or a psycopg ``Connection``) on SQLite and PostgreSQL
+        stores: the task exists only if it commits (docs/submit.md); ConfigError elsewhere.
+        """
+
+    def submit_tasks(
+        self, tasks: Iterable[Task], *, conn: Any = None, if_exists: IfExists = "error"
+    ) -> int:
+        """Add many pending tasks in batched writes (one statement or txn per batch); the
+        number added or replaced.
 
         All-or-nothing per batch: a batch holding an id that already exists adds nothing and
         raises TaskExists naming those ids (``.ids``); the batches before it stay added
-        (``.submitted`` says how many tasks). An id given twice in ``tasks`` is refused
+        (``.submitted`` says how many tasks). With ``if_exists="ignore"`` or ``"replace"``
+        existing ids are left (or replaced, if pending) and the rest added, decided per task in
+        the batch's own statement or txn. An id given twice in ``tasks`` is refused
         before anything is written, and so is a task that could never be claimed
         (``InvalidProps``, see :func:`~metafora.task.validate_schedule`). One wake-up per
-        batch, not per task.
+        batch, not per task. ``conn``: as :meth:`submit_task` (every task in that transaction).
         """
+        mode = check_if_exists(if_exists)
         todo = bulk.checked(tasks, self._now())
+        if conn is not None:
+            return self._submit_in(conn, todo, mode)
         added = 0
         for batch in bulk.batches(todo, self._batch_size, self._batch_bytes):
-            existing = self._submit_batch(batch)
-            if existing:
-                raise bulk.exists_error(existing, added, len(todo), self.name)
-            added += len(batch)
+            left = self._submit_batch(batch, mode)
+            if left and mode == "error":
+                raise bulk.exists_error(left, added, len(todo), self.name)
+            added += len(batch) - len(left)
         log.debug("submitted %d tasks to %s", added, self.name)
+        return added
+
+    def _submit_in(self, conn: Any, tasks: Sequence[Task], if_exists: IfExists) -> int:
+        """Write ``tasks`` in the application's transaction ``conn`` (SQL stores only)."""
+        raise no_transactions(self.name)
 
     def _now(self) -> datetime:
         """The time a submitted task's schedule is judged by (this machine's clock; a store
@@ -433,8 +456,11 @@ class Client(ClusterState, ClientLimits, abc.ABC):
     """About how many bytes of ids and props one batch may carry (None: no limit)."""
 
     @abc.abstractmethod
-    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
-        """Add ``batch`` (ids distinct) atomically; or add nothing and return the ids that exist."""
+    def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
+        """Add ``batch`` (ids distinct) atomically; the ids it left as they were.
+
+        ``"error"``: add all or nothing (then return the ids that exist); ``"ignore"`` /
+        ``"replace"``: add the new ones (and replace the pending ones) and return the rest."""
 
     @abc.abstractmethod
     def delete_task(self, task_id: str) -> None:

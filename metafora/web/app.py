@@ -224,7 +224,7 @@ class Dashboard:
             return None
         with self._items_lock:
             if self._items is None:
-                from metafora.statemachine.gates import ItemStore
+                from metafora.gates import ItemStore
 
                 self._items = ItemStore(self.items_url)
             return self._items
@@ -414,7 +414,7 @@ def _task_action(dash: Dashboard, verb: str, task_id: str) -> str:
         store = dash.item_store()
         if store is None:
             raise InvalidTaskState("items live in SQL: start the dashboard with --items-url")
-        from metafora.statemachine.gates import retry_partition
+        from metafora.gates import retry_partition
 
         count = retry_partition(store, task_id, client)
         return f"{count} failed item{'s' if count != 1 else ''} of {task_id} made pending again"

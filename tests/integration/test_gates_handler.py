@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora.gates import Item, ItemStatus, ItemStore, NewItem, PermanentError, Response
 from metafora.statemachine import ErrorPolicy, Message, StateCode, gates, get_state, send_task_command
-from metafora.statemachine.gates import Item, ItemStatus, ItemStore, NewItem, PermanentError, Response
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 
