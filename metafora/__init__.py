@@ -10,7 +10,7 @@ from __future__ import annotations
 from metafora import commands, errors
 from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.commands import Command
-from metafora.connect import default_url, open_client, open_coordinator
+from metafora.connect import default_url, open_async_client, open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import Client, Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
@@ -41,6 +41,7 @@ __all__ = [
     "commands",
     "default_url",
     "errors",
+    "open_async_client",
     "open_client",
     "open_coordinator",
     "simple_handler",
