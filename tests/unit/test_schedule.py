@@ -11,11 +11,11 @@ import pytest
 from metafora import open_client, open_coordinator
 from metafora.coordinators.memory import drop_store
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
-from metafora.schedule import (
+from metafora.schedule import Scheduler
+from metafora.schedule_model import (
     LATE_AFTER,
     MAX_CATCH_UP,
     Schedule,
-    Scheduler,
     due,
     format_duration,
     new_schedule,

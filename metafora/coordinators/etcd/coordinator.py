@@ -76,7 +76,7 @@ from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.fencing import LeaseTiming
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["EtcdCoordinator", "new_command_name"]

@@ -21,7 +21,7 @@ from metafora.errors import (
     ConfigError,
 )
 from metafora.limits import GroupUsage, Limit
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskInfo,

@@ -45,7 +45,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
