@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from metafora.balancers.shares import check_weight
-from metafora.config import seconds
 from metafora.coordinator import DEFAULT_MAX_CRASHES
+from metafora.durations import seconds
 from metafora.errors import ConfigError, InvalidProps
 from metafora.http import parse_addr
 from metafora.task import validate_labels
