@@ -17,7 +17,6 @@ from metafora.balancers.shares import (
     EPS,
     Member,
     Standing,
-    capacity_or_none,
     ceil_share,
     check_band,
     check_threshold,
@@ -27,6 +26,7 @@ from metafora.balancers.shares import (
 from metafora.clock import Clock
 from metafora.durations import seconds
 from metafora.errors import ConfigError
+from metafora.node import capacity_or_none
 from metafora.task import Task, matches
 
 __all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]

@@ -65,7 +65,7 @@ from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import (
-    Member,
+    Registration,
     active_task_count,
     live_members,
     node_labels,
@@ -372,7 +372,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         watch cache (None before its first re-list)."""
         return self._seen.claimable()
 
-    def _remember(self, found: dict[str, Member], claimable: int | None = None) -> dict[str, Member]:
+    def _remember(self, found: dict[str, Registration],
+                  claimable: int | None = None) -> dict[str, Registration]:
         """Keep the weights and frozen nodes of ``found`` (and the claimable count read with
         them) for the next asks (see members.py)."""
         self._seen.seen({node: m.weight for node, m in found.items()},
@@ -380,7 +381,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
                         {node: m.capacity for node, m in found.items() if m.capacity is not None})
         return found
 
-    def _members_now(self) -> dict[str, Member]:
+    def _members_now(self) -> dict[str, Registration]:
         """Live node -> what its registration says: from the watch cache, else read."""
         view = self._watch.cached_members(active=False)
         return self._remember(view[1] if view is not None else live_members(self._driver, self._keys))
