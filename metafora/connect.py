@@ -22,21 +22,33 @@ __all__ = [
     "new_node_id",
     "open_client",
     "open_coordinator",
+    "storage_for_url",
+    "storage_of",
     "validate_node_id",
 ]
 
 DEFAULT_URL = "sqlite:///metafora.db"
 ENV_URL = "METAFORA_URL"
 
-# scheme -> (module, pip extra that provides its driver)
-_BACKENDS: dict[str, tuple[str, str | None]] = {
-    "memory": ("metafora.coordinators.memory", None),
-    "sqlite": ("metafora.coordinators.sql", None),
-    "postgresql": ("metafora.coordinators.sql", "postgres"),
-    "postgres": ("metafora.coordinators.sql", "postgres"),
-    "postgresql+psycopg": ("metafora.coordinators.sql", "postgres"),
-    "etcd": ("metafora.coordinators.etcd", "etcd"),
-    "etcds": ("metafora.coordinators.etcd", "etcd"),
+# The backend table: store -> the module of its hooks (its package). Each store package owns
+# all of its storage and offers it through these hooks: open_coordinator, open_client, and for
+# the features state_store, task_commands (the state machine) and item_store_type (the gated
+# partitions' items, SQL only).
+_STORES: dict[str, str] = {
+    "memory": "metafora.coordinators.memory",
+    "sql": "metafora.coordinators.sql",
+    "etcd": "metafora.coordinators.etcd",
+}
+
+# scheme -> (store, pip extra that provides its driver)
+_SCHEMES: dict[str, tuple[str, str | None]] = {
+    "memory": ("memory", None),
+    "sqlite": ("sql", None),
+    "postgresql": ("sql", "postgres"),
+    "postgres": ("sql", "postgres"),
+    "postgresql+psycopg": ("sql", "postgres"),
+    "etcd": ("etcd", "etcd"),
+    "etcds": ("etcd", "etcd"),
 }
 
 # pip extra -> the driver module a store module imports only when it connects
@@ -71,13 +83,13 @@ def validate_node_id(node_id: object) -> str:
 
 
 def _backend(url: StoreURL) -> _Backend:
-    entry = _BACKENDS.get(url.scheme)
+    entry = _SCHEMES.get(url.scheme)
     if entry is None:
-        known = ", ".join(sorted(_BACKENDS))
+        known = ", ".join(sorted(_SCHEMES))
         raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
-    module_name, extra = entry
+    store, extra = entry
     try:
-        module: ModuleType = importlib.import_module(module_name)
+        module = _load(store)
         driver = _DRIVERS.get(extra or "")
         if driver is not None and importlib.util.find_spec(driver) is None:
             raise ModuleNotFoundError(f"No module named {driver!r}")
@@ -87,6 +99,28 @@ def _backend(url: StoreURL) -> _Backend:
             f"the {url.scheme} store is not available: {exc}{hint}"
         ) from exc
     return cast(_Backend, module)
+
+
+def _load(store: str) -> ModuleType:
+    return importlib.import_module(_STORES[store])
+
+
+def storage_of(owner: object) -> ModuleType:
+    """The hooks of the store a coordinator or client belongs to (its
+    :attr:`~metafora.coordinator.Coordinator.backend` in the backend table): the features call
+    them for their storage beside it. ConfigError for one of no built-in store."""
+    store = type(owner).backend if isinstance(owner, Coordinator | Client) else ""
+    if store not in _STORES:
+        raise ConfigError(f"{type(owner).__name__} belongs to no built-in store (metafora.connect "
+                          f"knows {', '.join(_STORES)})")
+    return _load(store)
+
+
+def storage_for_url(url: str | None) -> tuple[StoreURL, ModuleType]:
+    """The parsed ``url`` (default: :func:`default_url`) and the hooks of its store (as
+    :func:`storage_of`); ConfigError for an unknown scheme or a store not installed."""
+    parsed = parse_store_url(url or default_url())
+    return parsed, cast(ModuleType, _backend(parsed))
 
 
 def open_coordinator(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -190,6 +190,11 @@ class Coordinator(ClusterState, abc.ABC):
     claim_burst: int = 32
     """At most this many offered tasks go to one :meth:`claim_many` call from the consumer (a
     store that claims a burst in one statement sets more; etcd's txn limit wants fewer)."""
+
+    backend: ClassVar[str] = ""
+    """The store this coordinator belongs to: its key in :mod:`metafora.connect`'s backend table
+    (``"memory"``, ``"sql"``, ``"etcd"``): the features find their storage beside it there
+    (state machine states, task commands). Empty for a coordinator of no built-in store."""
 
     @property
     @abc.abstractmethod
@@ -393,6 +398,10 @@ class Coordinator(ClusterState, abc.ABC):
 class Client(ClusterState, ClientLimits, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
+
+    backend: ClassVar[str] = ""
+    """The store this client belongs to: its key in :mod:`metafora.connect`'s backend table (as
+    :attr:`Coordinator.backend`)."""
 
     @property
     @abc.abstractmethod

@@ -94,6 +94,8 @@ class EtcdCoordinator(Coordinator):
     id is live) and starts the lease and watch threads.
     """
 
+    backend = "etcd"
+
     claim_burst = CLAIM_TXN_TASKS
     """Offers the consumer hands to one :meth:`claim_many` (one txn).
 
@@ -146,7 +148,7 @@ class EtcdCoordinator(Coordinator):
     @property
     def driver(self) -> EtcdDriver:
         """This node's etcd connection (for stores that keep their data beside the tasks,
-        such as :mod:`metafora.statemachine.stores.etcd`)."""
+        such as :mod:`metafora.coordinators.etcd.states`)."""
         return self._driver
 
     @property

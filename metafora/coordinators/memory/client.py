@@ -38,6 +38,8 @@ from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 class MemoryClient(Client):
     """Operator client on an in-process :class:`MemoryStore`."""
 
+    backend = "memory"
+
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self._closed = False

@@ -1,7 +1,7 @@
 """What the SQL coordinator shares with packages that keep tables beside its own.
 
 The gated partitions' items (:mod:`metafora.gates`) and the state machine's
-states and commands (:mod:`metafora.statemachine.stores.sql`) live in a SQL coordinator's
+states and commands (:mod:`metafora.coordinators.sql.states`) live in a SQL coordinator's
 database, or in a SQL database of their own. This module is their one seam into this
 package: a database handle and its typed configuration, error translation at the boundary,
 push wake-ups on PostgreSQL, and the one SQL condition that says a claim is held -- so
