@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from metafora.connect import storage_for_url
+from metafora.connect import implementation, store_of_url
 from metafora.errors import ConfigError
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
@@ -50,16 +50,15 @@ class ItemStore:
     def __new__(cls, url: str | None = None, **options: Any) -> ItemStore:
         if cls is not ItemStore:
             return super().__new__(cls)
-        parsed, storage = storage_for_url(url)
-        kind = getattr(storage, "item_store_type", None)
+        parsed, store = store_of_url(url)
+        kind = implementation(store, "item_store")
         if kind is None:
             raise ConfigError(
                 f"items live in SQL (sqlite:///PATH.db or postgresql://...), not {parsed}; with an "
                 "etcd coordinator give the item store a SQL URL of its own"
             )
-        implementation = kind()
-        assert issubclass(implementation, ItemStore)
-        return cast(ItemStore, super().__new__(implementation))
+        assert issubclass(kind, ItemStore)
+        return cast(ItemStore, super().__new__(kind))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
-from metafora.connect import storage_of
+from metafora.connect import implementation, store_of
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
@@ -233,28 +233,31 @@ class TaskCommands(abc.ABC):
 
 def state_store_for(coordinator_or_client: object) -> StateStore:
     """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
-    store package's ``state_store`` hook, found in :mod:`metafora.connect`'s backend table."""
-    store = _storage(coordinator_or_client).state_store(coordinator_or_client)
+    store package's own, from :mod:`metafora.connect`'s backend table."""
+    store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store
 
 
 def commands_for(coordinator_or_client: object) -> TaskCommands:
-    """The task command channel in the same store as a coordinator or client (its store
-    package's ``task_commands`` hook)."""
-    channel = _storage(coordinator_or_client).task_commands(coordinator_or_client)
+    """The task command channel in the same store as a coordinator or client (the store
+    package's own, as :func:`state_store_for`)."""
+    channel = _implementation(coordinator_or_client, "task_commands").of(coordinator_or_client)
     assert isinstance(channel, TaskCommands)
     return channel
 
 
-def _storage(owner: object) -> Any:
+def _implementation(owner: object, feature: str) -> Any:
     try:
-        return storage_of(owner)
+        kind = implementation(store_of(owner), feature)
     except ConfigError:
+        kind = None
+    if kind is None:
         raise ConfigError(
             f"no state store for {type(owner).__name__}; pass state_store= and task_commands= "
             "to metafora.statemachine.handler_func"
-        ) from None
+        )
+    return kind
 
 
 def _decoded(task_id: str, timeout: float | None,

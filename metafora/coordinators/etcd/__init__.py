@@ -12,18 +12,14 @@ Key layout: :mod:`metafora.coordinators.etcd.layout`. Lease, watch and self-fenc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from metafora.config import StoreURL
 from metafora.coordinators.etcd.client import EtcdClient
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import EtcdCoordinator
 
-if TYPE_CHECKING:
-    from metafora.statemachine.store import StateStore, TaskCommands
-
-__all__ = ["EtcdClient", "EtcdConfig", "EtcdCoordinator", "open_client", "open_coordinator",
-           "state_store", "task_commands"]
+__all__ = ["EtcdClient", "EtcdConfig", "EtcdCoordinator", "open_client", "open_coordinator"]
 
 
 def open_coordinator(url: StoreURL, node_id: str, options: dict[str, Any]) -> EtcdCoordinator:
@@ -34,19 +30,3 @@ def open_coordinator(url: StoreURL, node_id: str, options: dict[str, Any]) -> Et
 def open_client(url: StoreURL, options: dict[str, Any]) -> EtcdClient:
     """Backend hook for :func:`metafora.open_client` (connects on first use)."""
     return EtcdClient(EtcdConfig.from_url(url, dict(options)))
-
-
-def state_store(owner: EtcdCoordinator | EtcdClient) -> StateStore:
-    """Backend hook for :func:`metafora.statemachine.state_store_for`: the states of the
-    state machine's tasks, kept in this store (:mod:`metafora.coordinators.etcd.states`)."""
-    from metafora.coordinators.etcd.states import EtcdStateStore
-
-    return EtcdStateStore.of(owner)
-
-
-def task_commands(owner: EtcdCoordinator | EtcdClient) -> TaskCommands:
-    """Backend hook for :func:`metafora.statemachine.commands_for`: the task command channel
-    kept in this store (:mod:`metafora.coordinators.etcd.states`)."""
-    from metafora.coordinators.etcd.states import EtcdTaskCommands
-
-    return EtcdTaskCommands.of(owner)

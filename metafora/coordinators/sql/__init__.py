@@ -22,7 +22,7 @@ connections. Modules:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from metafora.config import StoreURL
 from metafora.coordinators.sql.client import SQLClient
@@ -31,21 +31,7 @@ from metafora.coordinators.sql.options import SQLConfig, parse_config
 from metafora.coordinators.sql.schema import SCHEMA_VERSION
 from metafora.coordinators.sql.store import Database
 
-if TYPE_CHECKING:
-    from metafora.gates.store import ItemStore
-    from metafora.statemachine.store import StateStore, TaskCommands
-
-__all__ = [
-    "SCHEMA_VERSION",
-    "SQLClient",
-    "SQLConfig",
-    "SQLCoordinator",
-    "item_store_type",
-    "open_client",
-    "open_coordinator",
-    "state_store",
-    "task_commands",
-]
+__all__ = ["SCHEMA_VERSION", "SQLClient", "SQLConfig", "SQLCoordinator", "open_client", "open_coordinator"]
 
 
 def open_coordinator(url: StoreURL, node_id: str, options: dict[str, Any]) -> SQLCoordinator:
@@ -56,27 +42,3 @@ def open_coordinator(url: StoreURL, node_id: str, options: dict[str, Any]) -> SQ
 def open_client(url: StoreURL, options: dict[str, Any]) -> SQLClient:
     """Backend hook for :func:`metafora.open_client` (connects on first use)."""
     return SQLClient(Database(parse_config(url, dict(options))))
-
-
-def state_store(owner: SQLCoordinator | SQLClient) -> StateStore:
-    """Backend hook for :func:`metafora.statemachine.state_store_for`: the states of the
-    state machine's tasks, kept in this store (:mod:`metafora.coordinators.sql.states`)."""
-    from metafora.coordinators.sql.states import SQLStateStore
-
-    return SQLStateStore.of(owner)
-
-
-def task_commands(owner: SQLCoordinator | SQLClient) -> TaskCommands:
-    """Backend hook for :func:`metafora.statemachine.commands_for`: the task command channel
-    kept in this store (:mod:`metafora.coordinators.sql.states`)."""
-    from metafora.coordinators.sql.states import SQLTaskCommands
-
-    return SQLTaskCommands.of(owner)
-
-
-def item_store_type() -> type[ItemStore]:
-    """Backend hook for :class:`metafora.gates.ItemStore`: the gated partitions' items are
-    kept in SQL (:mod:`metafora.coordinators.sql.gates`)."""
-    from metafora.coordinators.sql.gates.store import SQLItemStore
-
-    return SQLItemStore
