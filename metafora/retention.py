@@ -54,6 +54,7 @@ __all__ = [
     "KILLED_MARKS",
     "PRUNE_BATCH",
     "PRUNE_INTERVAL",
+    "UNCHANGED",
     "Cutoffs",
     "Pruner",
     "Retention",

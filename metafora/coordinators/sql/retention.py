@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, inspect, text
 
+from metafora.coordinators.members import stored_capacity
 from metafora.coordinators.sql.store import Database
 from metafora.retention import (
     DEFAULT_RETENTION,
@@ -70,6 +71,10 @@ _CHILDREN = (
 )
 # The pending rows, through the partial index of pending rows (work, not held tasks).
 _PENDING = "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
+
+_CAPACITIES = (
+    "SELECT node_id, capacity FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
+)
 
 _tables: weakref.WeakKeyDictionary[Database, set[str]] = weakref.WeakKeyDictionary()
 
@@ -183,6 +188,14 @@ class SQLRetention(RetentionOps):
 
     def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
         return prune_batch(self._retention_db(), cutoffs, limit)
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live node -> its published capacity (the client's read; coordinators have their
+        own, shared with the counts)."""
+        db = self._retention_db()
+        with db.read() as conn:
+            rows = conn.execute(_sql(db, _CAPACITIES), {"ns": db.config.namespace}).fetchall()
+        return {str(r[0]): c for r in rows if (c := stored_capacity(r[1])) is not None}
 
     def namespace_label(self) -> str:
         return self._retention_db().config.namespace
