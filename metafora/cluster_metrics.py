@@ -27,7 +27,8 @@ from metafora.clock import Clock
 from metafora.errors import CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
-    from metafora.coordinator import Client, Coordinator
+    from metafora.client import Client
+    from metafora.coordinator import Coordinator
     from metafora.retention import Retention
 
 __all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "backlog_line", "read_backlog",

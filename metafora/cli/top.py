@@ -19,8 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
-from metafora.coordinator import Client, NodeInfo
 from metafora.limits import GroupUsage
 from metafora.masking import escape_controls, for_terminal
 from metafora.retention import Retention

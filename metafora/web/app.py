@@ -36,10 +36,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from metafora import commands
+from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import backlog_line, read_backlog
 from metafora.config import parse_store_url
 from metafora.connect import open_client
-from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
 from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id

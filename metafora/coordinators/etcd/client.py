@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig

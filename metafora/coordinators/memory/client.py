@@ -7,12 +7,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.commands import Command
 from metafora.config import StoreURL
-from metafora.coordinator import (
-    Client,
-    NodeInfo,
-)
 from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.errors import (

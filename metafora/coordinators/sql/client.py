@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules

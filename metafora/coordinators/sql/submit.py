@@ -35,8 +35,10 @@ __all__ = [
     "Steps",
     "SubmitStatements",
     "check_conn",
+    "drive_async",
     "rows_of",
     "run_steps",
+    "run_steps_async",
     "statements",
     "submit_steps",
     "translate",
@@ -227,6 +229,59 @@ def run_steps(conn: Any, db: Database, steps: Steps) -> int:
         step = next(steps)
         while True:
             step = steps.send(execute(*step))
+    except StopIteration as done:
+        return int(done.value)
+    except TaskExists:
+        raise
+    except _DRIVER_ERRORS as exc:
+        raise translate(exc, db) from exc
+
+
+def _async_kind(conn: Any) -> str | None:
+    """The database kind of an async application connection (None: not one)."""
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(conn, AsyncSession):
+        return str(conn.sync_session.get_bind().dialect.name)
+    if isinstance(conn, AsyncConnection):
+        return str(conn.dialect.name)
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        return "postgresql"
+    return None
+
+
+async def run_steps_async(conn: Any, db: Database, steps: Steps) -> int:
+    """Drive ``steps`` on the application's async connection ``conn`` (a SQLAlchemy
+    ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection``)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    kind = _async_kind(conn)
+    if kind is None:
+        raise ConfigError(
+            "the async client's conn= takes a SQLAlchemy AsyncConnection or AsyncSession, or a"
+            f" psycopg AsyncConnection, in an open transaction; got {type(conn).__name__}"
+        )
+    if kind != db.config.kind:
+        raise ConfigError(f"conn= is a {kind} connection but the store {db.name} is {db.config.kind}")
+    execute: Any
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            cursor = await conn.execute(_psycopg_sql(clause), params)
+            return [tuple(r) for r in await cursor.fetchall()] if cursor.description else []
+    else:
+        sa_conn = await conn.connection() if isinstance(conn, AsyncSession) else conn
+
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(await sa_conn.execute(clause, params))
+    return await drive_async(execute, db, steps)
+
+
+async def drive_async(execute: Any, db: Database, steps: Steps) -> int:
+    """Drive ``steps`` with ``await execute(clause, params) -> rows``, errors translated."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(await execute(*step))
     except StopIteration as done:
         return int(done.value)
     except TaskExists:
