@@ -200,5 +200,10 @@ class SQLRetention(RetentionOps):
     def namespace_label(self) -> str:
         return self._retention_db().config.namespace
 
+    def _prune_pause(self, elapsed: float) -> float:
+        # SQLite has one writer: a batch holds off every claim while it runs. PostgreSQL
+        # claims skip the locked rows, but the batch's I/O is shared: rest as long as it ran.
+        return elapsed * (4.0 if self._retention_db().config.kind == "sqlite" else 1.0)
+
     def pending_count(self) -> int:
         return pending_count(self._retention_db())
