@@ -243,7 +243,7 @@ class RetentionOps:
     def _prune_pause(self, elapsed: float) -> float:
         """Seconds to rest after a full batch that took ``elapsed``: the share of the store's
         time a prune may take (SQLite: one writer at a time, so claims wait while a batch
-        runs; resting 4x the batch keeps a prune to a fifth of the write lock)."""
+        runs; see ``coordinators/sql/retention.py`` for the factors)."""
         return 0.0
 
     def _retention_get(self) -> Retention:

@@ -72,6 +72,11 @@ _CHILDREN = (
 # The pending rows, through the partial index of pending rows (work, not held tasks).
 _PENDING = "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
 
+PAUSE_SQLITE = 5.0
+"""Rest after a full batch, in multiples of the batch's time, on SQLite."""
+PAUSE_POSTGRES = 3.0
+"""Rest after a full batch, in multiples of the batch's time, on PostgreSQL."""
+
 _CAPACITIES = (
     "SELECT node_id, capacity FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
 )
@@ -201,9 +206,10 @@ class SQLRetention(RetentionOps):
         return self._retention_db().config.namespace
 
     def _prune_pause(self, elapsed: float) -> float:
-        # SQLite has one writer: a batch holds off every claim while it runs. PostgreSQL
-        # claims skip the locked rows, but the batch's I/O is shared: rest as long as it ran.
-        return elapsed * (4.0 if self._retention_db().config.kind == "sqlite" else 1.0)
+        # SQLite has one writer: a batch holds off every claim while it runs (a prune takes at
+        # most a sixth of the write lock). PostgreSQL claims skip the locked rows, but the
+        # batch's CPU and I/O are the claims' too (a prune takes at most a quarter of them).
+        return elapsed * (PAUSE_SQLITE if self._retention_db().config.kind == "sqlite" else PAUSE_POSTGRES)
 
     def pending_count(self) -> int:
         return pending_count(self._retention_db())
