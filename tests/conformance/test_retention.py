@@ -169,9 +169,14 @@ def test_cluster_view_matches_the_store(cluster: Cluster) -> None:
     view = read_cluster(c)
     assert (view.pending, view.held, view.nodes) == (6, 4, 2)
     assert "6 pending, 4 held" in view.describe()
-    # A storm of submits, then b dies holding t3: its claim is claimable work again.
+    # A storm of submits, then b goes away holding t3 (its lease ended as a crash would on
+    # memory://; closed elsewhere, as a SQL or etcd kill test's node keeps renewing): its claim
+    # is claimable work again, and b is no longer counted.
     c.submit_tasks([Task(f"storm{n:03d}") for n in range(200)])
-    _kill(b)
+    if type(b).__name__ == "MemoryCoordinator":
+        _kill(b)
+    else:
+        b.close()
 
     def after_kill() -> bool:
         view = read_cluster(a)
