@@ -41,8 +41,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from metafora.client import Client
 from metafora.clock import Clock
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, MetaforaError, TaskNotFound
 from metafora.gates.model import (
     Item,
