@@ -87,6 +87,8 @@ _PAGE_KEYS_MAX = 20_000
 class EtcdClient(EtcdRetention, Client):
     """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
 
+    backend = "etcd"
+
     def __init__(self, config: EtcdConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._cfg = config
         self._keys = Keys(config.namespace)

@@ -95,6 +95,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
     id is live) and starts the lease and watch threads.
     """
 
+    backend = "etcd"
+
     claim_burst = CLAIM_TXN_TASKS
     """Offers the consumer hands to one :meth:`claim_many` (one txn).
 
@@ -147,7 +149,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
     @property
     def driver(self) -> EtcdDriver:
         """This node's etcd connection (for stores that keep their data beside the tasks,
-        such as :mod:`metafora.statemachine.stores.etcd`)."""
+        such as :mod:`metafora.coordinators.etcd.states`)."""
         return self._driver
 
     @property

@@ -49,6 +49,8 @@ def _replace(row: Row, task: Task) -> None:
 class MemoryClient(MemoryRetention, Client):
     """Operator client on an in-process :class:`MemoryStore`."""
 
+    backend = "memory"
+
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self._closed = False

@@ -47,6 +47,8 @@ _OFFERED_MIN = 1024  # a watch forgets what it offered of rows no longer pending
 class MemoryCoordinator(MemoryRetention, Coordinator):
     """A node's coordinator on an in-process :class:`MemoryStore`."""
 
+    backend = "memory"
+
     claim_burst = 256  # claims are in-process: no round trip to save, no limit to mind
 
     def __init__(self, store: MemoryStore, node_id: str) -> None:

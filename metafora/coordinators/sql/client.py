@@ -116,6 +116,8 @@ class SQLClient(SQLRetention, Client):
     Nothing touches the store until the first call; the schema is created then if needed.
     """
 
+    backend = "sql"
+
     def __init__(self, db: Database) -> None:
         self._db = db
         self._closed = threading.Event()

@@ -58,6 +58,8 @@ class SQLCoordinator(SQLRetention, Coordinator):
     Nothing touches the store until :meth:`init`. Thread-safe.
     """
 
+    backend = "sql"
+
     claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
 
     def __init__(self, db: Database, node_id: str) -> None:
