@@ -341,7 +341,8 @@ class Pruner:
             if count < self._batch:
                 break
             self._clock.wait(self._stop, self._store._prune_pause(self._clock.monotonic() - batch_started))
-        self._log.info("pruned %d finished task(s) in %.1fs (%s)", total,
-                       self._clock.monotonic() - started, policy.describe(),
-                       extra={"action": "prune"})
+        self._log.log(logging.INFO if total else logging.DEBUG,
+                      "pruned %d finished task(s) in %.1fs (%s)", total,
+                      self._clock.monotonic() - started, policy.describe(),
+                      extra={"action": "prune"})
         return total

@@ -84,10 +84,18 @@ _CAPACITIES = (
 _tables: weakref.WeakKeyDictionary[Database, set[str]] = weakref.WeakKeyDictionary()
 
 
+_built: dict[tuple[str, str], Any] = {}
+
+
 def _sql(db: Database, template: str) -> Any:
-    fragments = dict(db.dialect.fragments())
-    fragments.update(db.dialect.ddl_types())
-    return text(template.format(**fragments))
+    """``template`` with the dialect's fragments and types, compiled once per dialect."""
+    key = (db.config.kind, template)
+    found = _built.get(key)
+    if found is None:
+        fragments = dict(db.dialect.fragments())
+        fragments.update(db.dialect.ddl_types())
+        found = _built[key] = text(template.format(**fragments))
+    return found
 
 
 def _params(db: Database, policy: Retention) -> dict[str, Any]:
