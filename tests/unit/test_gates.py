@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from metafora import Task, open_coordinator
+from metafora import gates as metafora_gates
 from metafora.coordinators.memory import drop_store
+from metafora.coordinators.sql.gates import items_channel
 from metafora.errors import ConfigError
-from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode, gates
-from metafora.statemachine.gates import (
+from metafora.gates import (
     GateError,
     Item,
     ItemResult,
@@ -24,6 +25,7 @@ from metafora.statemachine.gates import (
     PermanentError,
     Response,
 )
+from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode, gates
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -147,6 +149,20 @@ def test_the_error_handler_fails_at_once_when_only_permanent_failures_remain(ite
 
 
 def test_items_channel_is_a_short_stable_identifier() -> None:
-    channel = gates.items_channel("metafora")
-    assert channel == gates.items_channel("metafora") != gates.items_channel("other")
+    channel = items_channel("metafora")
+    assert channel == items_channel("metafora") != items_channel("other")
     assert channel.isidentifier() and len(channel) < 63
+
+
+def test_the_old_module_name_gives_the_same_names() -> None:
+    """``metafora.statemachine.gates`` (the first release's name) re-exports metafora.gates."""
+    import metafora.gates
+    import metafora.statemachine.gates as old
+
+    assert old.__all__ == metafora.gates.__all__
+    assert all(getattr(old, name) is getattr(metafora.gates, name) for name in old.__all__)
+
+
+def test_a_moved_name_says_where_it_went() -> None:
+    with pytest.raises(AttributeError, match=r"moved to metafora\.coordinators\.sql\.gates\.items_channel"):
+        _ = metafora_gates.items_channel

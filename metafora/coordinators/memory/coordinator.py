@@ -21,6 +21,7 @@ from metafora.coordinator import (
     error_text,
 )
 from metafora.coordinators.members import context_capacity, context_weight
+from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import POLL_SECONDS, MemoryStore, NodeRecord, Row, store_for
 from metafora.errors import (
     ClaimLost,
@@ -30,7 +31,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskState,
@@ -43,8 +44,10 @@ log = logging.getLogger(__name__)
 _OFFERED_MIN = 1024  # a watch forgets what it offered of rows no longer pending past this size
 
 
-class MemoryCoordinator(Coordinator):
+class MemoryCoordinator(MemoryRetention, Coordinator):
     """A node's coordinator on an in-process :class:`MemoryStore`."""
+
+    backend = "memory"
 
     claim_burst = 256  # claims are in-process: no round trip to save, no limit to mind
 
@@ -247,6 +250,9 @@ class MemoryCoordinator(Coordinator):
     def active_task_count(self) -> dict[str, int]:
         with self._store.cond:
             return self._store.counts(active=True)
+
+    def _retention_store(self) -> MemoryStore:
+        return self._store
 
     def claimable_count(self) -> int | None:
         """Tasks claimable now (in process: no read to share with the counts)."""

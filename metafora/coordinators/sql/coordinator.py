@@ -29,7 +29,6 @@ from metafora.coordinator import (
     TaskSink,
     as_sink,
 )
-from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
 from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
@@ -37,6 +36,7 @@ from metafora.coordinators.sql.commands import NodeCommands
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.nodes import NodeReads
+from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
@@ -44,18 +44,21 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.schedule import Schedule
+from metafora.leases import LeaseTiming, report_renewal_failure
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
 log = logging.getLogger(__name__)
 
-class SQLCoordinator(Coordinator):
+class SQLCoordinator(SQLRetention, Coordinator):
     """A node's coordinator on a SQL store. Build it with :func:`metafora.open_coordinator`.
 
     Nothing touches the store until :meth:`init`. Thread-safe.
     """
+
+    backend = "sql"
 
     claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
 
@@ -128,6 +131,10 @@ class SQLCoordinator(Coordinator):
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise CoordinatorClosed(f"coordinator {self._node_id!r} on {self.name} is closed")
+
+    def _retention_db(self) -> Database:
+        self._check_open()
+        return self._db
 
     def _initialised(self) -> CoordinatorContext:
         """The context; CoordinatorClosed when closed or not initialised yet."""
@@ -336,7 +343,7 @@ class SQLCoordinator(Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.coordinators.fencing`)."""
+        :mod:`metafora.leases`)."""
         cfg = self._db.config
         return LeaseTiming(renew_every=cfg.renew_interval, fence_after=cfg.fence_after)
 

@@ -11,28 +11,28 @@ the current gate has no available items and none failed, the gate jumps to the l
 that still has work (a fenced checkpoint); when no work is left the partition completes
 (``auto_close``) or waits for more items. Every item write is fenced by the claim token.
 
->>> from metafora.statemachine import gates
+>>> from metafora import gates
 >>> items = gates.ItemStore("sqlite:///metafora.db")                   # doctest: +SKIP
 >>> items.add("job-42", [gates.NewItem(gate=0, data=b"...")] * 100
 ...                     + [gates.NewItem(gate=1, data=b"rank")])         # doctest: +SKIP
 >>> client.submit_task(Task("job-42"))                                   # doctest: +SKIP
 >>> consumer = Consumer(coord, gates.handler_func(step, coord, items))   # doctest: +SKIP
 
-Modules: :mod:`~metafora.statemachine.gates.model` (values and errors),
-:mod:`~metafora.statemachine.gates.store` (:class:`ItemStore`),
-:mod:`~metafora.statemachine.gates.lease` (the fenced :class:`PartitionLease`),
-:mod:`~metafora.statemachine.gates.statements` (their SQL),
-:mod:`~metafora.statemachine.gates.wakeups` (news of partitions),
-:mod:`~metafora.statemachine.gates.processor`,
-:mod:`~metafora.statemachine.gates.run` (one claim's step loop),
-:mod:`~metafora.statemachine.gates.handler` (:func:`handler_func`),
-:mod:`~metafora.statemachine.gates.schema` (the tables). The SQL coordinator is reached only
-through its seam, :mod:`metafora.coordinators.sql.shared`.
+The items are kept by a store: ``ItemStore(url)`` opens the implementation of the store
+``url`` names (items live in SQL: :mod:`metafora.coordinators.sql.gates`), found in
+:mod:`metafora.connect`'s backend table; this package owns the model and the interfaces and
+imports no store's internals. Modules: :mod:`~metafora.gates.model` (values and errors),
+:mod:`~metafora.gates.store` (the :class:`ItemStore` interface),
+:mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease` interface),
+:mod:`~metafora.gates.processor`, :mod:`~metafora.gates.flush` (the results' group commit),
+:mod:`~metafora.gates.run` (one claim's step loop), :mod:`~metafora.gates.handler`
+(:func:`handler_func`). First shipped as ``metafora.statemachine.gates``, a name that still
+works.
 """
 
 from __future__ import annotations
 
-from metafora.statemachine.gates.handler import (
+from metafora.gates.handler import (
     GateHandlerFunc,
     GateOptions,
     GateTaskHandler,
@@ -40,8 +40,8 @@ from metafora.statemachine.gates.handler import (
     handler_func,
     retry_partition,
 )
-from metafora.statemachine.gates.lease import PartitionLease
-from metafora.statemachine.gates.model import (
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import (
     MAX_GATE,
     Advance,
     GateError,
@@ -61,18 +61,15 @@ from metafora.statemachine.gates.model import (
     ProcessingError,
     Response,
 )
-from metafora.statemachine.gates.processor import (
+from metafora.gates.processor import (
     CallableProcessor,
     HTTPProcessor,
     Processor,
     callable_processor,
 )
-from metafora.statemachine.gates.schema import GATES_SCHEMA_VERSION
-from metafora.statemachine.gates.store import ItemStore
-from metafora.statemachine.gates.wakeups import items_channel
+from metafora.gates.store import ItemStore
 
 __all__ = [
-    "GATES_SCHEMA_VERSION",
     "MAX_GATE",
     "Advance",
     "CallableProcessor",
@@ -102,6 +99,16 @@ __all__ = [
     "callable_processor",
     "gate_error_handler",
     "handler_func",
-    "items_channel",
     "retry_partition",
 ]
+
+# Names of the SQL store's item tables, moved to the store package that owns them.
+_MOVED = {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
+          "items_channel": "metafora.coordinators.sql.gates"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(f"metafora.gates.{name} moved to {_MOVED[name]}.{name} (the SQL store "
+                             "owns the item tables)")
+    raise AttributeError(f"module 'metafora.gates' has no attribute {name!r}")

@@ -1,9 +1,10 @@
-"""A claim's fenced handle on its partition's items (see :mod:`metafora.statemachine.gates.store`).
+"""The SQL :class:`~metafora.gates.PartitionLease`: a claim's fenced handle on its partition's
+items (see :mod:`metafora.coordinators.sql.gates.store`).
 
 Every write is one transaction that ends with the **guard** (a fenced ``UPDATE`` of the
-partition row); :meth:`PartitionLease.take_over` raises the partition's token to the
+partition row); :meth:`SQLPartitionLease.take_over` raises the partition's token to the
 claim's, which shuts every older claim out. The statements are
-:mod:`metafora.statemachine.gates.statements`'.
+:mod:`metafora.coordinators.sql.gates.statements`'.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, TextClause
 
 from metafora.errors import ClaimLost
-from metafora.statemachine.gates.model import Advance, Item, ItemResult, ItemStatus, PartitionStatus
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import Advance, Item, ItemResult, ItemStatus, PartitionStatus
 from metafora.statemachine.store import LeaseBound
 from metafora.task import Task
 
-__all__ = ["LeaseStore", "PartitionLease"]
+__all__ = ["LeaseStore", "SQLPartitionLease"]
 
 log = logging.getLogger(__name__)
 
 
 class LeaseStore(Protocol):
-    """What a lease needs of its item store (:class:`~metafora.statemachine.gates.store.ItemStore`)."""
+    """What a lease needs of its item store (:class:`~metafora.coordinators.sql.gates.store.SQLItemStore`)."""
 
     @property
     def namespace(self) -> str:
@@ -49,9 +51,9 @@ class LeaseStore(Protocol):
         """An item from a row of the item columns."""
 
 
-class PartitionLease:
-    """A claim's fenced access to its partition's items (built by
-    :meth:`~metafora.statemachine.gates.store.ItemStore.lease`).
+class SQLPartitionLease(PartitionLease):
+    """A claim's fenced access to its partition's items in SQL (built by
+    :meth:`~metafora.coordinators.sql.gates.store.SQLItemStore.lease`).
 
     Every write is refused with :class:`~metafora.errors.ClaimLost` once the claim is gone:
     a newer claim opened the partition, or (same-database mode) the coordinator no longer

@@ -1,9 +1,10 @@
-"""The item store: partitions' items in SQL (SQLite or PostgreSQL), fenced by claim tokens.
+"""The SQL item store: partitions' items in SQL (SQLite or PostgreSQL), fenced by claim tokens.
 
-:class:`ItemStore` is the user's and the operator's handle (add, list, retry, move a gate);
-:class:`~metafora.statemachine.gates.lease.PartitionLease` is the owner's: every item write
-it makes is **fenced** by the partition's claim token, so a zombie owner (paused past its
-lease, its partition claimed elsewhere) cannot commit anything.
+:class:`SQLItemStore` is the SQL :class:`~metafora.gates.ItemStore` (the user's and the
+operator's handle: add, list, retry, move a gate);
+:class:`~metafora.coordinators.sql.gates.lease.SQLPartitionLease` the owner's: every item
+write it makes is **fenced** by the partition's claim token, so a zombie owner (paused past
+its lease, its partition claimed elsewhere) cannot commit anything.
 
 Fencing, in every write statement of a lease::
 
@@ -12,23 +13,23 @@ Fencing, in every write statement of a lease::
                     [AND <the claim is held>])
 
 ``metafora_partitions.token`` is the highest claim token that has opened the partition: a
-new owner raises it (:meth:`~.PartitionLease.take_over`, ``token <= :token``) before its
+new owner raises it (:meth:`~.SQLPartitionLease.take_over`, ``token <= :token``) before its
 first item write, which shuts every older token out. When the items live in the
 coordinator's own SQL database (same URL and namespace), ``<the claim is held>`` is also
 checked against the coordinator's tables -- ``metafora_tasks`` row claimed under this token
 by this node, whose lease is live by the database clock -- so a zombie is refused even
 before anyone re-claims. Multi-statement writes end with a fenced ``UPDATE`` of the
 partition row (the **guard**): nothing in the transaction commits unless the fence holds at
-its end, and a newer claim's :meth:`~.PartitionLease.take_over` either waits for that row
+its end, and a newer claim's :meth:`~.SQLPartitionLease.take_over` either waits for that row
 lock or makes the guard fail. Lock order, everywhere: item rows first, then the partition
 row (results and reopened items before the guard; a new claim's orphans before its open;
-:meth:`ItemStore.delete` items before the row), so no two of them can deadlock. A gate move
-locks only the partition row (first, as :meth:`ItemStore.add` does) and reads the items, so
+:meth:`SQLItemStore.delete` items before the row), so no two of them can deadlock. A gate move
+locks only the partition row (first, as :meth:`SQLItemStore.add` does) and reads the items, so
 an item can never slip in below a gate that is moving.
 
 Crashes: the transaction that takes a batch also records it on the partition row
 (``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops
-the record; a new claim's :meth:`~.PartitionLease.take_over` turns the items of an older
+the record; a new claim's :meth:`~.SQLPartitionLease.take_over` turns the items of an older
 claim's record that have no result from it into **orphans** (``taken = 1``, an attempt
 counted). Orphans run one at a time (``taken = 2``, recorded on the item) once the rest of
 the gate is done, and an orphan that already died that way ``max_deaths`` claims in a row
@@ -54,18 +55,20 @@ from sqlalchemy import exc as sa_exc
 
 from metafora.config import parse_store_url
 from metafora.connect import default_url
-from metafora.coordinators.sql.shared import (
-    SQL_SCHEMES,
-    Database,
-    SQLConfig,
-    is_postgres,
-    listen,
-    parse_config,
-    translate_error,
+from metafora.coordinators.sql.gates.lease import SQLPartitionLease
+from metafora.coordinators.sql.gates.schema import (
+    GATES_SCHEMA_VERSION,
+    check_version,
+    current_version,
+    migrate,
 )
+from metafora.coordinators.sql.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
+from metafora.coordinators.sql.gates.wakeups import hub_for, items_channel
+from metafora.coordinators.sql.options import SQLConfig, parse_config
+from metafora.coordinators.sql.shared import database_of, is_postgres, listen
+from metafora.coordinators.sql.store import Database, translate_error
 from metafora.errors import ConfigError, MetaforaError
-from metafora.statemachine.gates.lease import PartitionLease
-from metafora.statemachine.gates.model import (
+from metafora.gates.model import (
     GateError,
     GateMoveRefused,
     Item,
@@ -78,18 +81,11 @@ from metafora.statemachine.gates.model import (
     PartitionStatus,
     check_gate,
 )
-from metafora.statemachine.gates.schema import (
-    GATES_SCHEMA_VERSION,
-    check_version,
-    current_version,
-    migrate,
-)
-from metafora.statemachine.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
-from metafora.statemachine.gates.wakeups import hub_for, items_channel
+from metafora.gates.store import ItemStore
 from metafora.statemachine.store import LeaseBound
 from metafora.task import Task, validate_task_id
 
-__all__ = ["ItemStore"]
+__all__ = ["SQLItemStore"]
 
 log = logging.getLogger(__name__)
 
@@ -100,24 +96,12 @@ try:  # psycopg is optional (PostgreSQL only)
 except ImportError:  # pragma: no cover - depends on the installation
     _DRIVER_ERRORS = (sa_exc.SQLAlchemyError,)
 
-class ItemStore:
-    """Items of gated partitions in a SQL database (SQLite or PostgreSQL).
-
-    ``url`` is the SQL coordinator's own URL (then the items live beside its tasks and item
-    writes are also fenced by the coordinator's claims), or a SQL URL of their own (when the
-    coordinator is etcd); None means ``$METAFORA_URL`` or the embedded SQLite default.
-    ``options`` are the SQL store's URL options (``namespace``, ``poll_interval``,
-    ``pool_size``, ...). Nothing is touched until the first call, which creates the item
-    tables if needed. Thread-safe; :meth:`close` releases the connections.
-    """
+class SQLItemStore(ItemStore):
+    """Items of gated partitions in a SQL database (SQLite or PostgreSQL): what
+    ``ItemStore(url)`` opens for a SQL URL (see :class:`~metafora.gates.ItemStore`)."""
 
     def __init__(self, url: str | None = None, **options: Any) -> None:
         parsed = parse_store_url(url or default_url())
-        if parsed.scheme not in SQL_SCHEMES:
-            raise ConfigError(
-                f"items live in SQL (sqlite:///PATH.db or postgresql://...), not {parsed}; with an "
-                "etcd coordinator give the item store a SQL URL of its own"
-            )
         self._db = Database(parse_config(parsed, dict(options)))
         self._config = self._db.config
         fragments = self._db.dialect.fragments()
@@ -153,6 +137,15 @@ class ItemStore:
     def poll_interval(self) -> float:
         """Seconds between looks for new items when push notifications are not available."""
         return self._config.poll_interval
+
+    def beside(self, coordinator: object) -> bool:
+        """Whether ``coordinator`` is a SQL coordinator keeping its tasks in this database and
+        namespace."""
+        try:
+            config = database_of(coordinator).config
+        except ConfigError:
+            return False
+        return self.same_database(config)
 
     def same_database(self, config: SQLConfig) -> bool:
         """Whether a SQL coordinator with ``config`` keeps its tasks in this database and namespace."""
@@ -426,7 +419,7 @@ class ItemStore:
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
-        many. See :func:`metafora.statemachine.gates.retry_partition` to also revive the
+        many. See :func:`metafora.gates.retry_partition` to also revive the
         partition's task."""
         validate_task_id(partition)
         self.ensure_schema()
@@ -456,7 +449,7 @@ class ItemStore:
     # -- owners -----------------------------------------------------------------------------
 
     def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,
-              bound: LeaseBound | None = None) -> PartitionLease:
+              bound: LeaseBound | None = None) -> SQLPartitionLease:
         """The fenced handle of the claim ``task`` (carrying its token) on the partition.
 
         ``claim_fence`` also checks every write against the coordinator's own tables (only
@@ -466,7 +459,7 @@ class ItemStore:
         """
         if claim_fence and node_id is None:
             raise ConfigError("claim_fence needs the node id of the claim's owner")
-        return PartitionLease(self, task, node_id, claim_fence, bound)
+        return SQLPartitionLease(self, task, node_id, claim_fence, bound)
 
     def read(self) -> Any:
         """A connection for autocommit reads (context manager; errors translated)."""
@@ -491,14 +484,3 @@ class ItemStore:
         if listener is not None:
             listener.stop()
         self._db.close()
-
-    def __enter__(self) -> ItemStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"ItemStore({self.name!r})"
-
-

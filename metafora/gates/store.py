@@ -1,0 +1,195 @@
+"""The item store: the interface of partitions' items, kept beside the tasks they belong to.
+
+:class:`ItemStore` is the user's and the operator's handle (add, list, retry, move a gate);
+:class:`~metafora.gates.lease.PartitionLease` is the owner's, every item write of which is
+**fenced** by the partition's claim token, so a zombie owner (paused past its lease, its
+partition claimed elsewhere) cannot commit anything.
+
+``ItemStore(url)`` opens the item store of the store ``url`` names: :mod:`metafora.connect`'s
+backend table gives each store its implementation, and each store package owns it (items
+live in SQL, SQLite or PostgreSQL: :mod:`metafora.coordinators.sql.gates`, which documents the
+tables, the fencing and what a crash leaves behind).
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from metafora.connect import implementation, store_of_url
+from metafora.errors import ConfigError
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
+from metafora.statemachine.store import LeaseBound
+from metafora.task import Task
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+__all__ = ["ItemStore"]
+
+
+class ItemStore:
+    """Items of gated partitions, in the store ``url`` names (SQLite or PostgreSQL).
+
+    ``url`` is the SQL coordinator's own URL (then the items live beside its tasks and item
+    writes are also fenced by the coordinator's claims), or a SQL URL of their own (when the
+    coordinator is etcd); None means ``$METAFORA_URL`` or the embedded SQLite default.
+    ``options`` are the store's URL options (``namespace``, ``poll_interval``,
+    ``pool_size``, ...). Nothing is touched until the first call, which creates the item
+    tables if needed. Thread-safe; :meth:`close` releases the connections.
+
+    ``ItemStore(url)`` gives the store's own implementation, a subclass; ConfigError for a
+    store that keeps no items. This class is the interface: a subclass must implement every
+    method that raises NotImplementedError here (checked when the subclass is defined). It
+    is no ``abc.ABC`` so that ``ItemStore(url)`` type-checks as the constructor it is.
+    """
+
+    def __new__(cls, url: str | None = None, **options: Any) -> ItemStore:
+        if cls is not ItemStore:
+            return super().__new__(cls)
+        parsed, store = store_of_url(url)
+        kind = implementation(store, "item_store")
+        if kind is None:
+            raise ConfigError(
+                f"items live in SQL (sqlite:///PATH.db or postgresql://...), not {parsed}; with an "
+                "etcd coordinator give the item store a SQL URL of its own"
+            )
+        assert issubclass(kind, ItemStore)
+        return cast(ItemStore, super().__new__(kind))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in _INTERFACE if getattr(cls, name) is getattr(ItemStore, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} does not implement ItemStore.{', '.join(missing)}")
+
+    @property
+    def name(self) -> str:
+        """The store URL without its password."""
+        raise NotImplementedError
+
+    @property
+    def namespace(self) -> str:
+        """The namespace the items live in (the URL's ``namespace`` option)."""
+        raise NotImplementedError
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between looks for new items when push notifications are not available."""
+        raise NotImplementedError
+
+    def beside(self, coordinator: object) -> bool:
+        """Whether ``coordinator`` keeps its tasks in this store and namespace (then the
+        owners' item writes are also fenced by its claims)."""
+        raise NotImplementedError
+
+    def subscribe(self, partition: str, event: threading.Event) -> Callable[[], None]:
+        """Set ``event`` whenever items are added to ``partition``, retried or its gate is
+        moved (by anyone where the store pushes; in this process at once elsewhere, whose
+        handlers also poll every :attr:`poll_interval`). Returns the function that
+        unsubscribes."""
+        raise NotImplementedError
+
+    def wait_listening(self, timeout: float = 10.0) -> bool:
+        """Block until push notifications are in place (True at once where there are none)."""
+        raise NotImplementedError
+
+    def add(self, partition: str, items: Sequence[NewItem], *, conn: Connection | None = None) -> list[int]:
+        """Add ``items`` to ``partition`` in one transaction; returns their ids in order.
+
+        With ``conn`` (a SQLAlchemy Connection in the caller's transaction, on this store's
+        database) the items are written in that transaction and appear with the caller's
+        other writes, or not at all. Raises :class:`~metafora.gates.ItemBelowGate` (nothing
+        is written) if an item's gate is below the partition's current gate -- it would
+        never run -- and :class:`~metafora.gates.PartitionClosed` if the partition is
+        completed.
+        """
+        raise NotImplementedError
+
+    def list(self, partition: str, *, gate: int | None = None,
+             status: ItemStatus | str | None = None, limit: int | None = None,
+             after: int | None = None) -> builtins.list[Item]:
+        """The partition's items (at ``gate``, in ``status``), ordered by id; ``after`` an id
+        to page from, ``limit`` the most to return."""
+        raise NotImplementedError
+
+    def get(self, partition: str, item_id: int) -> Item:
+        """One item. Raises :class:`~metafora.gates.ItemNotFound`."""
+        raise NotImplementedError
+
+    def info(self, partition: str) -> PartitionInfo:
+        """The partition's gate, status, owner token and item counts (by gate and status)."""
+        raise NotImplementedError
+
+    def failures(self, partition: str) -> tuple[int, int]:
+        """How many items of the partition are failed, and how many of those permanently."""
+        raise NotImplementedError
+
+    def set_gate(self, partition: str, gate: int, *, force: bool = False) -> int:
+        """Move the partition's gate to ``gate`` (``manual_checkpoint`` partitions wait for
+        this); returns the previous gate.
+
+        Refused (:class:`~metafora.gates.GateMoveRefused`) if items below ``gate`` are still
+        available or failed -- they would be stranded -- unless ``force``; and for a
+        completed partition (:class:`~metafora.gates.PartitionClosed`). The owner picks the
+        new gate up at once.
+        """
+        raise NotImplementedError
+
+    def retry(self, partition: str) -> int:
+        """Make the partition's failed items available again (error cleared); returns how
+        many. See :func:`metafora.gates.retry_partition` to also revive the partition's
+        task."""
+        raise NotImplementedError
+
+    def delete(self, partition: str) -> int:
+        """Delete the partition's items and its gate record; returns how many items."""
+        raise NotImplementedError
+
+    def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,
+              bound: LeaseBound | None = None) -> PartitionLease:
+        """The fenced handle of the claim ``task`` (carrying its token) on the partition.
+
+        ``claim_fence`` also checks every write against the coordinator's own claims (only
+        when :meth:`beside` it; needs ``node_id``). ``bound``
+        (:func:`~metafora.statemachine.store.lease_bound_of` the coordinator) limits every
+        fenced write to the time the node still holds the claim (else ClaimLost).
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop listening and release the store's connections. Idempotent."""
+        raise NotImplementedError
+
+    def __enter__(self) -> ItemStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ItemStore({self.name!r})"
+
+
+_INTERFACE = (
+    "name",
+    "namespace",
+    "poll_interval",
+    "beside",
+    "subscribe",
+    "wait_listening",
+    "add",
+    "list",
+    "get",
+    "info",
+    "failures",
+    "set_gate",
+    "retry",
+    "delete",
+    "lease",
+    "close",
+)
+"""What an implementation must define (see :class:`ItemStore`)."""
