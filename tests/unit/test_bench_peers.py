@@ -127,7 +127,10 @@ def test_readme_text_from_saved_results() -> None:
 
 
 def test_parse_systems() -> None:
-    assert peers.parse_systems(None) == list(peers.SYSTEMS)
+    assert peers.parse_systems(None) == list(peers.DEFAULT_SYSTEMS)  # the Consumer's defaults
+    assert "metafora-postgresql-dumb" not in peers.DEFAULT_SYSTEMS  # an extra, asked for by name
+    assert peers.parse_systems("metafora-sqlite-dumb") == ["metafora-sqlite-dumb"]
+    assert "DumbBalancer, extra" in peers.labels_for(["metafora-sqlite-dumb"], {})["metafora-sqlite-dumb"]
     assert peers.parse_systems(" pgqueuer , metafora-sqlite") == ["pgqueuer", "metafora-sqlite"]
     with pytest.raises(SystemExit, match="unknown system"):
         peers.parse_systems("celery")

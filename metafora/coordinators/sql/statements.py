@@ -240,19 +240,21 @@ _SQL: dict[str, str] = {
         " RETURNING id, {notify_cmd}"
     ),
     # -- the watch --------------------------------------------------------------------------
-    # The database clock, when the next launch_at and the next lease expiry fall due, and how
-    # many pending tasks are past expires_at and how many registrations are dead.
+    # The database clock, when the next launch_at and the next lease expiry fall due, whether a
+    # pending task is past expires_at, how many registrations are dead, and the highest ready
+    # value of a pending row (NULL: none pending). Each task subquery is a min/max, read from
+    # one end of a pending index: a round reads no task row when nothing is pending, whatever
+    # the table holds and whatever the planner believes of it.
     "watch_state": (
         "SELECT {now},"
         " (SELECT {secs_until_launch} FROM metafora_tasks WHERE namespace = :ns"
         " AND state = 'pending' AND launch_at > {now}),"
         " (SELECT {secs_until_lease} FROM metafora_nodes WHERE namespace = :ns"
         " AND lease_until > {now}),"
-        " (SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
-        " AND expires_at <= {now}),"
+        " CASE WHEN (SELECT min(expires_at) FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending' AND expires_at IS NOT NULL) <= {now} THEN 1 ELSE 0 END,"
         " (SELECT count(*) FROM metafora_nodes WHERE namespace = :ns AND lease_until <= {now}),"
-        " (SELECT coalesce(max(ready), 0) FROM metafora_tasks WHERE namespace = :ns"
-        " AND state = 'pending')"
+        " (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending')"
     ),
     # Selects of offered tasks end with (selector, priority, placement): see Watch._offer.
     "scan_pending": (
@@ -429,8 +431,10 @@ _SQL: dict[str, str] = {
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
     ),
     "claimable_capped": (
-        "SELECT count(*) FROM (SELECT 1 FROM metafora_tasks WHERE namespace = :ns"
-        " AND " + _CLAIMABLE_PENDING + " LIMIT :cap) c"
+        "SELECT CASE WHEN (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending') IS NULL THEN 0 ELSE (SELECT count(*) FROM (SELECT 1"
+        " FROM metafora_tasks WHERE namespace = :ns AND " + _CLAIMABLE_PENDING
+        + " LIMIT :cap) c) END"
     ),
     "purge_state": (
         "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"

@@ -172,7 +172,8 @@ class Watch:
         self._quick_due = None
         with db.read() as conn:
             state = db.execute(conn, "watch_state", {}).one()
-        db_now, secs_launch, secs_lease, n_expired, n_dead, max_ready = state
+        db_now, secs_launch, secs_lease, n_expired, n_dead, top_ready = state
+        max_ready = 0 if top_ready is None else int(top_ready)  # None: nothing pending
         if n_expired:
             with db.write() as conn:
                 db.execute(conn, "sweep_expired", {})
@@ -187,7 +188,7 @@ class Watch:
             self._ids.clear()
             rewind, self._rewind = self._rewind, None
         if full:
-            backlog = self._scan_all(n_dead)
+            backlog = self._scan_all(n_dead, pending=top_ready is not None)
             # The safety net re-offers the whole backlog; spacing it by the backlog's size keeps
             # its cost per second bounded (100,000 pending rows re-parsed every 5 s by every node
             # starved a start-up storm). Progress never waits for it: notifications, the
@@ -262,10 +263,13 @@ class Watch:
         with self._db.write() as conn:
             self._db.execute(conn, "fail_invalid", {"id": task_id, "error": error})
 
-    def _scan_all(self, n_dead: int) -> int:
-        """Offer every claimable task (and stale claims); returns how many were pending."""
-        with self._db.read() as conn:
-            levels = self._db.execute(conn, "pending_levels", {}).fetchall()
+    def _scan_all(self, n_dead: int, pending: bool = True) -> int:
+        """Offer every claimable task (and stale claims); returns how many were pending.
+        ``pending`` False: the round's clock read found no pending row (none to walk)."""
+        levels: Sequence[Any] = []
+        if pending:
+            with self._db.read() as conn:
+                levels = self._db.execute(conn, "pending_levels", {}).fetchall()
         backlog = 0
         # One priority at a time, highest first; within one, page by page (bounded memory)
         # from just after a random pending id to the end, then from the start up to it.
