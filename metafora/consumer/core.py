@@ -224,7 +224,7 @@ class Consumer:
             stats=self.stats, clock=clock, rng=self._rng, log=self._log)
         self._finisher = Finisher(
             coord, running=self._running, lock=self._lock, stopping=self._stopping,
-            max_tasks=options.max_tasks, back_off=self._offers.back_off,
+            capacity=capacity, back_off=self._offers.back_off,
             forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
             clock=clock, log=self._log)
         self._offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
