@@ -23,14 +23,25 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.limits import ClientLimits
-from metafora.masking import scrub
+from metafora.masking import cut_text, scrub
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options, state_reset
 
 __all__ = [
-    "DEFAULT_MAX_CRASHES", "Client", "Coordinator", "CoordinatorContext", "Finish", "NodeInfo",
-    "Outcome", "TaskCommandListener", "TaskSink", "as_sink", "crash_limit_error", "error_text",
+    "DEFAULT_MAX_CRASHES",
+    "MAX_ERROR_BYTES",
+    "Client",
+    "Coordinator",
+    "CoordinatorContext",
+    "Finish",
+    "NodeInfo",
+    "Outcome",
+    "TaskCommandListener",
+    "TaskSink",
+    "as_sink",
+    "crash_limit_error",
+    "error_text",
     "rotated",
 ]
 
@@ -62,15 +73,25 @@ def rotated(items: list[T], rng: random.Random | None = None) -> list[T]:
     return items[start:] + items[:start]
 
 
+MAX_ERROR_BYTES = 4096
+"""The most of a failed task's error a store keeps (UTF-8 bytes): its type and the first
+part of its message, then ``… cut, N bytes``. A handler's error may be any size; a page or
+a table showing it must not cost more for that."""
+
+
 def error_text(error: BaseException | str) -> str:
-    """The text stored for a failed task: ``Type: message`` for exceptions, masked.
+    """The text stored for a failed task: ``Type: message`` for exceptions, cut to
+    :data:`MAX_ERROR_BYTES` (:func:`~metafora.masking.cut_text`) and masked.
 
     Every store writes its failed tasks' errors through this function, so a password in an
-    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`).
+    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`)
+    and no stored error is longer than the limit. The cut comes first, so masking costs
+    little; what is left of a URL cut in its middle is masked by the same positional rule.
     """
     if isinstance(error, BaseException):
-        return scrub(f"{type(error).__name__}: {error}")
-    return scrub(str(error))
+        kind = f"{type(error).__name__}: "
+        return scrub(kind + cut_text(str(error), MAX_ERROR_BYTES - len(kind.encode())))
+    return scrub(cut_text(str(error), MAX_ERROR_BYTES))
 
 
 class TaskCommandListener(Protocol):
@@ -478,9 +499,11 @@ class Client(ClusterState, ClientLimits, abc.ABC):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
+        props: bool = True,
     ) -> list[TaskInfo]:
         """Up to ``limit`` tasks ordered by id, after id ``after`` (keyset paging), filtered by
-        ``state``, ``owner`` and id ``prefix``.
+        ``state``, ``owner`` and id ``prefix``. ``props=False`` lets a store leave props out
+        (empty) and cut long errors (a list that does not show them).
 
         The default pages in memory over :meth:`tasks`; the SQL store overrides it with one
         indexed query that never reads more than one page of rows.
