@@ -9,6 +9,8 @@ import os
 import platform
 import queue
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -68,12 +70,29 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown``."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/NAME.json`` with the machine description."""
+    """Write ``benchmarks/results/NAME.json`` with the machine, the command and the commit (which
+    ``python -m benchmarks.tables`` prints under each table made from the file)."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
+    script = os.path.relpath(sys.argv[0], Path(__file__).resolve().parent.parent)
+    command = " ".join(["python -m benchmarks" if script == "benchmarks/__main__.py" else f"python {script}",
+                        *sys.argv[1:]])
     payload = {"benchmark": name, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), **data}
+               "machine": machine(), "command": command, "commit": commit(), **data}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
 

@@ -27,8 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/gates.py
 
 from benchmarks.common import Stores, save, table
-from metafora import Consumer, Task, TaskState, open_client, open_coordinator
-from metafora.statemachine import gates
+from metafora import Consumer, Task, TaskState, gates, open_client, open_coordinator
 
 SPAWN = multiprocessing.get_context("spawn")
 SQL_STORES = ("sqlite", "postgresql")

@@ -8,18 +8,23 @@ import os
 import socket
 import uuid
 from types import ModuleType
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from metafora.client import Client
 from metafora.config import StoreURL, parse_store_url
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError, InvalidTaskId
 from metafora.task import validate_task_id
+
+if TYPE_CHECKING:
+    from metafora.aio import AsyncClient
 
 __all__ = [
     "DEFAULT_URL",
     "ENV_URL",
     "default_url",
     "new_node_id",
+    "open_async_client",
     "open_client",
     "open_coordinator",
     "validate_node_id",
@@ -106,3 +111,17 @@ def open_client(url: str | None = None, **options: Any) -> Client:
     """Open an operator client for ``url`` (default: :func:`default_url`)."""
     parsed = parse_store_url(url or default_url())
     return _backend(parsed).open_client(parsed, options)
+
+
+def open_async_client(url: str | None = None, **options: Any) -> AsyncClient:
+    """Open an async client for ``url`` (default: :func:`default_url`): the client's verbs as
+    coroutines, ``async with open_async_client(url) as client:``.
+
+    PostgreSQL runs on an async driver end to end; SQLite, etcd and memory run the sync
+    client's calls on a bounded pool of ``threads`` worker threads (option, default 8). See
+    :mod:`metafora.aio` and docs/submit.md.
+    """
+    from metafora.aio import DEFAULT_THREADS, open_async
+
+    threads = options.pop("threads", DEFAULT_THREADS)
+    return open_async(open_client(url, **options), threads)

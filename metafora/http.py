@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from metafora.cluster_metrics import ClusterSnapshot
 from metafora.errors import ConfigError
 from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
@@ -87,8 +88,10 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
-def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
-    """The consumer's metrics in Prometheus text format."""
+def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int = 0,
+                   cluster: ClusterSnapshot | None = None) -> bytes:
+    """The consumer's metrics in Prometheus text format (``pruned``: finished tasks this node
+    pruned; ``cluster``: the last read of :mod:`metafora.cluster_metrics`, if any)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -115,6 +118,20 @@ def render_metrics(node: str, stats: ConsumerStats, running: int) -> bytes:
             gauge = GaugeMetricFamily("metafora_running_tasks", "Tasks running now", labels=["node"])
             gauge.add_metric([node], running)
             yield gauge
+            fam = CounterMetricFamily("metafora_pruned_tasks",
+                                      "Finished tasks this node pruned (retention)", labels=["node"])
+            fam.add_metric([node], pruned)
+            yield fam
+            if cluster is not None:
+                for name, value, doc in (
+                    ("pending_tasks", cluster.pending, "Tasks claimable now in the cluster"),
+                    ("held_tasks", cluster.held, "Tasks held by the live nodes"),
+                    ("capacity", cluster.capacity, "Sum of the live nodes' published capacities"),
+                    ("nodes", cluster.nodes, "Live nodes"),
+                ):
+                    gauge = GaugeMetricFamily(f"metafora_cluster_{name}", doc, labels=["namespace"])
+                    gauge.add_metric([cluster.namespace], value)
+                    yield gauge
             yield histogram("metafora_claim_latency_seconds", "Time of one claim round trip",
                             stats.claim_latency.snapshot())
             yield histogram("metafora_lease_renewal_latency_seconds",

@@ -6,6 +6,8 @@ import importlib.util
 
 import pytest
 
+from metafora.testing.pytest_plugin import AllowedSkip, fail_skips_in_ci
+
 # Each store's fixtures live in their own plugin module; a module not written yet is skipped.
 pytest_plugins = [
     name
@@ -31,3 +33,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for server, names in _SERVER_FIXTURES.items():
             if fixtures & names or server in params:
                 item.add_marker(getattr(pytest.mark, server))
+
+
+# Under CI=true every skip is a failure (the hook is metafora's pytest plugin, enabled below),
+# except these, which are right on every machine. Add one only with its reason: a skip that
+# hides a missing server, extra or binary in CI is a test that did not run.
+ALLOWED_SKIPS = [
+    # The test reads a thread limit from /proc/self/status, which only Linux has; on macOS the
+    # skip is the truth, not a missing dependency.
+    AllowedSkip("tests/unit/test_capacity_limit.py::", "reads /proc/self/status",
+                "Linux only (/proc)"),
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fail every skip under CI=true, but for ALLOWED_SKIPS."""
+    fail_skips_in_ci(config, ALLOWED_SKIPS)

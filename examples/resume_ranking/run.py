@@ -24,9 +24,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from metafora import Consumer, Task, TaskState, open_client, open_coordinator
+from metafora import Consumer, Task, TaskState, gates, open_client, open_coordinator
 from metafora.connect import default_url
-from metafora.statemachine import gates
 
 SKILLS = ["python", "go", "sql", "postgres", "etcd", "kubernetes", "rust", "distributed-systems",
           "kafka", "terraform", "react", "statistics"]

@@ -21,8 +21,8 @@ import click
 from rich.console import Console
 from rich.text import Text
 
+from metafora.client import Client
 from metafora.connect import open_client
-from metafora.coordinator import Client
 from metafora.errors import (
     ConfigError,
     CoordinatorUnavailable,

@@ -23,7 +23,7 @@ from rich.text import Text
 from metafora.cli._common import cell, console, format_time, print_json, settings, store_client
 from metafora.cli.tool import check_url
 from metafora.errors import TaskExists, TaskNotFound
-from metafora.statemachine.gates import (
+from metafora.gates import (
     MAX_GATE,
     Item,
     ItemStatus,

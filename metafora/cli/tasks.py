@@ -27,6 +27,7 @@ from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import load_value
 from metafora.masking import MAX_MASKED, cut_text, one_line
+from metafora.submitting import IF_EXISTS, IfExists
 from metafora.task import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -205,11 +206,16 @@ def _task_line(line: str, number: int) -> Task:
               help='Submit many tasks instead: JSON lines {"id": ..., "props": {...}, '
                    '"selector": {...}, "priority": N} ("-": stdin), in batches, all-or-nothing '
                    "per batch.")
+@click.option("--if-exists", "if_exists", type=click.Choice(IF_EXISTS), default="error",
+              show_default=True,
+              help="An existing id: error (exit 1), ignore (leave it), or replace (a pending "
+                   "task takes the new props, priority, times, selector and group; a claimed "
+                   "or finished one is left).")
 @click.pass_context
 def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], props_json: str | None,
            launch_at: str | None, expires_at: str | None, select: tuple[str, ...],
            priority: int | None, prefer: tuple[str, ...], spread: str | None,
-           group: str | None, from_file: IO[str] | None) -> None:
+           group: str | None, from_file: IO[str] | None, if_exists: IfExists = "error") -> None:
     """Submit a new task ID (pending until a consumer claims it), or many with --from-file."""
     if from_file is not None:
         if (task_id is not None or pairs or props_json or launch_at or expires_at or select
@@ -219,8 +225,11 @@ def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], prop
                                    "--group (put them in the file's lines)")
         tasks = read_task_lines(from_file)
         with store_client(ctx) as client:
-            client.submit_tasks(tasks)
-        click.echo(f"submitted {len(tasks)} task(s)")
+            added = client.submit_tasks(tasks, if_exists=if_exists)
+        if if_exists == "error":
+            click.echo(f"submitted {len(tasks)} task(s)")
+        else:
+            click.echo(f"submitted {added} task(s), left {len(tasks) - added} existing")
         return
     if task_id is None:
         raise click.UsageError("give a task ID, or --from-file FILE|-")
@@ -231,8 +240,13 @@ def submit(ctx: click.Context, task_id: str | None, pairs: tuple[str, ...], prop
                 prefer=parse_select(prefer, "--prefer"), spread=spread, group=group)
     validate_schedule(task, datetime.now(UTC))  # refused before the store is touched
     with store_client(ctx) as client:
-        client.submit_task(task)
-    click.echo(f"submitted task {task.id}")
+        added = client.submit_task(task, if_exists=if_exists)
+    if not added:
+        click.echo(f"task {task.id} exists: left as it was")
+    elif if_exists == "replace":
+        click.echo(f"submitted task {task.id} (added, or replaced while pending)")
+    else:
+        click.echo(f"submitted task {task.id}")
 
 
 @click.command()

@@ -33,6 +33,7 @@ from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.cluster_metrics import ClusterGauges
 from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
@@ -46,6 +47,7 @@ from metafora.consumer.options import (
     DEFAULT_BALANCE_JITTER,
     DEFAULT_HANDOFF_TIMEOUT,
     DEFAULT_PLACEMENT_WAIT,
+    DEFAULT_PRUNE_EVERY,
     DEFAULT_REBALANCE_WINDOW,
     DEFAULT_REFUSE_RETRY,
     DEFAULT_RELEASE_BACKOFF,
@@ -77,6 +79,7 @@ from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
 from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
+from metafora.retention import Pruner
 from metafora.schedule import Scheduler
 from metafora.task import Task
 
@@ -168,6 +171,7 @@ class Consumer:
         weight: float = 1.0,
         placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
         rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
+        prune_every: float | timedelta = DEFAULT_PRUNE_EVERY,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -194,6 +198,9 @@ class Consumer:
         self.stats = ConsumerStats()
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log)
+        # Any node may take the prune turn of the retention policy (metafora.retention).
+        self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log)
+        self._cluster = ClusterGauges(coord, clock, logger=self._log)
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -337,6 +344,9 @@ class Consumer:
             pushed = self._balancing.listen(self._post)
             self._supervisor.start("commands", self._command_feed)
             self._supervisor.start("schedules", self._scheduler.run)
+            self._supervisor.start("prune", self._pruner.run)
+            if self._http is not None:
+                self._supervisor.start("cluster-metrics", self._cluster.run)
             self._supervisor.start("risk", self._risk.run)
             self._balancing.schedule_first(pushed)
             self._status.serving = True
@@ -412,7 +422,8 @@ class Consumer:
         self._http = InfoServer(
             self._options.http_addr,
             self.info,
-            lambda: render_metrics(self.node_id, self.stats, len(self._running)),
+            lambda: render_metrics(self.node_id, self.stats, len(self._running),
+                                   pruned=self._pruner.pruned, cluster=self._cluster.last),
             self.probes,
         )
         self._http.start()
@@ -518,6 +529,8 @@ class Consumer:
         self._risk.close()
         self._shutdown.announce_leaving()
         self._scheduler.stop()
+        self._pruner.stop()
+        self._cluster.stop()
         timeout = self._timeout_override
         if timeout is None:
             timeout = self._options.shutdown_timeout

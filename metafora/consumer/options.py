@@ -56,6 +56,8 @@ DEFAULT_SLOW_CALLBACK = 0.25
 """Seconds an async handler may hold the node's event loop before a warning."""
 DEFAULT_PLACEMENT_WAIT = 2.0
 """Seconds a node holds back, once, a task whose soft placement it does not fit."""
+DEFAULT_PRUNE_EVERY = 60.0
+"""Seconds between two prune runs of the namespace (one node's; see metafora.retention)."""
 DEFAULT_RENDEZVOUS_WAIT = 0.0
 """Seconds a node leaves a wave's offer to its preferred node (0: off, every node races)."""
 
@@ -71,6 +73,7 @@ _SECONDS = {
     "release_backoff": True,
     "release_backoff_max": True,
     "refuse_retry": False,
+    "prune_every": False,
 }
 
 
@@ -137,6 +140,9 @@ class ConsumerOptions:
       soft placement it does not fit (``Task.prefer`` names labels it lacks while a live
       node has them, or it already runs a task of the task's ``spread`` group), so a better
       placed node may take it first (0 ignores soft placement).
+    - ``prune_every``: seconds between two tries to take the namespace's prune turn (default
+      60): one node per interval deletes the finished tasks the retention policy allows (see
+      :mod:`metafora.retention`).
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     """
@@ -159,6 +165,7 @@ class ConsumerOptions:
     weight: float = 1.0
     placement_wait: float = DEFAULT_PLACEMENT_WAIT
     rendezvous_wait: float = DEFAULT_RENDEZVOUS_WAIT
+    prune_every: float = DEFAULT_PRUNE_EVERY
 
     def __post_init__(self) -> None:
         max_tasks, max_crashes = self.max_tasks, self.max_crashes

@@ -6,7 +6,7 @@ Installed with metafora, it gives every test suite these fixtures:
   kind chosen with ``--metafora-stores memory,sqlite,postgresql,etcd`` (or
   ``$METAFORA_TEST_STORES``; default ``memory``), or per the kinds of a
   ``@pytest.mark.metafora_stores(...)`` marker.
-- ``metafora_client``: an operator :class:`~metafora.coordinator.Client` on that store.
+- ``metafora_client``: an operator :class:`~metafora.client.Client` on that store.
 - ``metafora_cluster``: a :class:`~metafora.testing.LocalCluster` on that store (consumers in
   threads), shut down after the test.
 - ``metafora_store_url``: ``make(kind) -> url`` for tests that pick the kind themselves.
@@ -21,26 +21,37 @@ ports for the session and stopped by pid). With none, the test is skipped with t
 after the test); a session gets one throw-away PostgreSQL database. The session fixtures
 ``metafora_postgres_server``, ``metafora_postgres_database`` and ``metafora_etcd_server`` give
 the servers' base URLs to tests that need them.
+
+Skips in CI: with ``CI=true`` and the ini option ``metafora_ci_fail_skips = true`` (or after
+:func:`fail_skips_in_ci` from a ``conftest.py``), every skipped test, and every module skipped at
+collection, is reported as a failure instead: a suite that silently skips its PostgreSQL tests
+in CI has not tested PostgreSQL. Skips that are right on every machine (a Linux-only test on
+macOS) are allowed one by one with :func:`allow_skip`: a node id prefix, a piece of the skip's
+reason, and why it is right.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 if TYPE_CHECKING:  # the fixtures import them when they run
-    from metafora.coordinator import Client
+    from metafora.client import Client
     from metafora.testing import LocalCluster
 
 __all__ = [
     "ENV_STORES",
     "STORE_KINDS",
+    "AllowedSkip",
+    "allow_skip",
+    "fail_skips_in_ci",
     "metafora_client",
     "metafora_cluster",
     "metafora_etcd_server",
@@ -62,6 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--metafora-stores", default=None, metavar="KINDS",
                     help="Comma-separated store kinds the metafora_url fixture runs each test on: "
                          f"{', '.join(STORE_KINDS)} or all (default: ${ENV_STORES}, else memory).")
+    parser.addini("metafora_ci_fail_skips", type="bool", default=False,
+                  help="With CI=true, report every skipped test as a failure (metafora plugin).")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,6 +84,79 @@ def pytest_configure(config: pytest.Config) -> None:
     text = config.getoption("--metafora-stores") or os.environ.get(ENV_STORES)
     if text:
         parse_kinds(text)  # a typo is a usage error at once, not a collection error per module
+    if config.getini("metafora_ci_fail_skips"):
+        fail_skips_in_ci(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowedSkip:
+    """A skip that is right on every machine, so ``CI=true`` lets it through.
+
+    ``nodeid`` is a prefix of the test's node id (``tests/unit/test_x.py::test_y`` or a whole
+    file), ``reason`` a piece of the skip's reason (both must match), ``why`` says why the skip
+    is right (for the reader of the allow-list; it is shown beside the skip)."""
+
+    nodeid: str
+    reason: str
+    why: str
+
+
+_FAIL_SKIPS = pytest.StashKey[list[AllowedSkip]]()
+
+
+def fail_skips_in_ci(config: pytest.Config, allowed: Iterable[AllowedSkip] = ()) -> None:
+    """Under ``CI=true``, turn every skip of this session into a failure, except ``allowed``.
+
+    Call it from a ``conftest.py``'s ``pytest_configure`` (or set the ini option
+    ``metafora_ci_fail_skips = true``). Without ``CI=true`` it only records the allow-list."""
+    config.stash.setdefault(_FAIL_SKIPS, []).extend(allowed)
+
+
+def allow_skip(config: pytest.Config, nodeid: str, reason: str, why: str) -> None:
+    """Allow one skip under :func:`fail_skips_in_ci` (see :class:`AllowedSkip`)."""
+    fail_skips_in_ci(config, [AllowedSkip(nodeid, reason, why)])
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _fail_a_skip(config: pytest.Config, report: pytest.TestReport | pytest.CollectReport) -> None:
+    allowed = config.stash.get(_FAIL_SKIPS, None)
+    if allowed is None or not _in_ci() or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    for entry in allowed:
+        if report.nodeid.startswith(entry.nodeid) and entry.reason in reason:
+            return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI=true, which fails every skip not in the allow-list "
+                       f"(metafora.testing.pytest_plugin.allow_skip): {reason}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+        None, pytest.TestReport, pytest.TestReport]:
+    """Under ``CI=true`` (when enabled), a skipped test's report becomes a failure."""
+    report = yield
+    _fail_a_skip(item.config, report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[
+        None, pytest.CollectReport, pytest.CollectReport]:
+    """Under ``CI=true`` (when enabled), a module skipped at collection is an error."""
+    report = yield
+    _fail_a_skip(collector.config, report)
+    return report
 
 
 def parse_kinds(text: str) -> list[str]:

@@ -29,19 +29,6 @@ from tests.helpers import wait_until
 SECRET = "s3cr3t-pw"
 
 
-def _sql_missing() -> str | None:
-    try:
-        import metafora.coordinators.sql as sql
-    except ImportError as exc:
-        return f"metafora.coordinators.sql is not importable yet: {exc}"
-    if not hasattr(sql, "open_client") or not hasattr(sql, "open_coordinator"):
-        return "metafora.coordinators.sql does not provide open_client/open_coordinator yet"
-    return None
-
-
-needs_sql = pytest.mark.skipif(_sql_missing() is not None, reason=_sql_missing() or "")
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("METAFORA_")}
     env.update(extra)
@@ -87,7 +74,6 @@ def test_usage_errors_in_a_subprocess(tmp_path: Path) -> None:
 # -- on SQLite ------------------------------------------------------------------------------
 
 
-@needs_sql
 def test_submit_tasks_delete_retry_on_sqlite(tmp_path: Path, db: str) -> None:
     proc = metafora("--url", db, "submit", "a", "--prop", "n=3", "--props", '{"who": "me"}', cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -129,7 +115,6 @@ def test_submit_tasks_delete_retry_on_sqlite(tmp_path: Path, db: str) -> None:
     assert metafora("--url", db, "purge", cwd=tmp_path).stdout.strip() == "purged 0 tasks"
 
 
-@needs_sql
 def test_url_from_environment_and_embedded_default(tmp_path: Path) -> None:
     env_db = tmp_path / "env.db"
     proc = metafora("submit", "via-env", cwd=tmp_path, env=_env(METAFORA_URL=f"sqlite:///{env_db}"))
@@ -142,7 +127,6 @@ def test_url_from_environment_and_embedded_default(tmp_path: Path) -> None:
     assert [t["id"] for t in listed] == ["via-default"]
 
 
-@needs_sql
 def test_unreachable_postgresql_exits_3(tmp_path: Path) -> None:
     pytest.importorskip("psycopg")
     proc = metafora("--url", f"postgresql://user:{SECRET}@127.0.0.1:1/db?connect_timeout=1", "tasks",
@@ -175,7 +159,6 @@ def worker(tmp_path: Path, db: str) -> Iterator[subprocess.Popen[bytes]]:
         log.close()
 
 
-@needs_sql
 def test_nodes_and_node_commands_on_sqlite(tmp_path: Path, db: str,
                                            worker: subprocess.Popen[bytes]) -> None:
     with open_client(db) as client:
@@ -202,7 +185,6 @@ def test_nodes_and_node_commands_on_sqlite(tmp_path: Path, db: str,
     assert metafora("--url", db, "stop", "w1", "bad\x01", cwd=tmp_path).returncode == 2
 
 
-@needs_sql
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
     started = time.monotonic()
@@ -232,7 +214,6 @@ def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-@needs_sql
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 import metafora
 from metafora import Task, TaskState, open_client
-from metafora.coordinator import Client
+from metafora.client import Client
 from tests.helpers import wait_until
 
 REPO = Path(metafora.__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora.gates import Item, ItemStatus, ItemStore, NewItem, PermanentError, Response
 from metafora.statemachine import ErrorPolicy, Message, StateCode, gates, get_state, send_task_command
-from metafora.statemachine.gates import Item, ItemStatus, ItemStore, NewItem, PermanentError, Response
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 
@@ -413,10 +413,7 @@ def _memory_stores(cluster: LocalCluster) -> dict[str, Any]:
 def test_an_etcd_coordinator_with_items_in_their_own_sql_store(request: pytest.FixtureRequest,
                                                                sqlite_url: str) -> None:
     """The partition is an etcd task; its items live in SQL, token-fenced; state in etcd."""
-    try:
-        etcd_url = request.getfixturevalue("etcd_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("no etcd fixture")
+    etcd_url = request.getfixturevalue("etcd_url")
     items = ItemStore(sqlite_url)
     try:
         items.add("p", [NewItem(0, f"{n}") for n in range(20)] + [NewItem(4, b"last")])

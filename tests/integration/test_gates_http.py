@@ -16,8 +16,7 @@ import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator
 from metafora.errors import ConfigError
-from metafora.statemachine import ErrorPolicy, gates
-from metafora.statemachine.gates import (
+from metafora.gates import (
     HTTPProcessor,
     Item,
     ItemStatus,
@@ -26,6 +25,7 @@ from metafora.statemachine.gates import (
     PermanentError,
     ProcessingError,
 )
+from metafora.statemachine import ErrorPolicy, gates
 from metafora.testing import LocalCluster
 
 pytestmark = pytest.mark.integration

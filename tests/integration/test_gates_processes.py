@@ -22,9 +22,8 @@ from typing import Any
 
 import pytest
 
-from metafora import Consumer, Task, TaskState, open_client, open_coordinator
-from metafora.statemachine import gates
-from metafora.statemachine.gates import Item, ItemStatus, ItemStore, NewItem, Response
+from metafora import Consumer, Task, TaskState, gates, open_client, open_coordinator
+from metafora.gates import Item, ItemStatus, ItemStore, NewItem, Response
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

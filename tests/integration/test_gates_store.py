@@ -14,11 +14,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import create_engine, text
 
-from metafora import Task, open_client, open_coordinator
+from metafora import Task, gates, open_client, open_coordinator
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, StoreError
-from metafora.statemachine import gates
-from metafora.statemachine.gates import (
+from metafora.gates import (
     GateMoveRefused,
     Item,
     ItemBelowGate,

@@ -166,7 +166,7 @@ def test_sqlite_write_lock_held_by_another_connection(sqlite_url: str) -> None:
 
 
 def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: str) -> None:
-    from metafora.statemachine import gates
+    from metafora import gates
     from metafora.statemachine.store import lease_bound_of
 
     url = postgres_url + f"&lease_ttl=3&connect_timeout={STORE_TIMEOUT:g}"

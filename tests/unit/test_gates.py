@@ -12,8 +12,7 @@ import pytest
 from metafora import Task, open_coordinator
 from metafora.coordinators.memory import drop_store
 from metafora.errors import ConfigError
-from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode, gates
-from metafora.statemachine.gates import (
+from metafora.gates import (
     GateError,
     Item,
     ItemResult,
@@ -24,6 +23,7 @@ from metafora.statemachine.gates import (
     PermanentError,
     Response,
 )
+from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode, gates
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -150,3 +150,12 @@ def test_items_channel_is_a_short_stable_identifier() -> None:
     channel = gates.items_channel("metafora")
     assert channel == gates.items_channel("metafora") != gates.items_channel("other")
     assert channel.isidentifier() and len(channel) < 63
+
+
+def test_the_old_module_name_gives_the_same_names() -> None:
+    """``metafora.statemachine.gates`` (the first release's name) re-exports metafora.gates."""
+    import metafora.gates
+    import metafora.statemachine.gates as old
+
+    assert old.__all__ == metafora.gates.__all__
+    assert all(getattr(old, name) is getattr(metafora.gates, name) for name in old.__all__)

@@ -11,8 +11,8 @@ from click.testing import CliRunner, Result
 
 from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, cli
+from metafora.gates import ItemResult, ItemStatus, ItemStore, NewItem
 from metafora.statemachine import State, StateCode, get_state, state_store_for
-from metafora.statemachine.gates import ItemResult, ItemStatus, ItemStore, NewItem
 from metafora.testing import RecordingContext
 
 

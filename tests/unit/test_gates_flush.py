@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from metafora.errors import ClaimLost
-from metafora.statemachine.gates import ItemResult, ItemStatus
-from metafora.statemachine.gates.flush import ResultFlusher
+from metafora.gates import ItemResult, ItemStatus
+from metafora.gates.flush import ResultFlusher
 from tests.helpers import wait_until
 
 

@@ -118,7 +118,7 @@ def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
     from metafora.testservers import find_etcd
 
     if find_etcd() is None:
-        pytest.skip("no etcd binary")  # CI installs etcd-server; the marker makes a skip fail there
+        pytest.skip("no etcd binary")  # CI installs etcd-server; under CI=true this skip fails
     pytester.makepyfile(test_user=SERVER_TESTS)
     result = pytester.runpytest_subprocess(
         "-v", "-p", "no:cacheprovider", "--metafora-stores", "postgresql,etcd", timeout=600)

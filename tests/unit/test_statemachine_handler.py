@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Client
+from metafora.client import Client
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine import (

@@ -215,8 +215,8 @@ def test_fast_with_100000_tasks(tmp_path: Path) -> None:
 def test_task_detail_with_state_machine_and_gates(sqlite_url: str) -> None:
     from metafora import open_coordinator
     from metafora.coordinator import CoordinatorContext
+    from metafora.gates import ItemStore, NewItem
     from metafora.statemachine import State, StateCode, state_store_for
-    from metafora.statemachine.gates import ItemStore, NewItem
 
     class Ctx(CoordinatorContext):
         def lost(self, task: Task) -> None:

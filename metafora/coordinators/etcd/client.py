@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import new_command_name
 from metafora.coordinators.etcd.driver import (
+    Compare,
     Delete,
     EtcdDriver,
     KeyValue,
@@ -53,6 +55,7 @@ from metafora.coordinators.etcd.queries import (
     read_task,
     read_task_page,
 )
+from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.members import stored_weight
 from metafora.errors import (
     CoordinatorClosed,
@@ -62,7 +65,9 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
+from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
@@ -79,7 +84,7 @@ _PAGE_KEYS_MAX = 20_000
 """The most task keys :meth:`EtcdClient.task_page` reads in one request."""
 
 
-class EtcdClient(Client):
+class EtcdClient(EtcdRetention, Client):
     """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
 
     def __init__(self, config: EtcdConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -112,12 +117,18 @@ class EtcdClient(Client):
 
     # -- tasks ------------------------------------------------------------------------
 
-    def submit_task(self, task: Task) -> None:
+    def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
+        mode = check_if_exists(if_exists)
+        if conn is not None:
+            raise no_transactions(self.name)
         self._check_open()
         validate_schedule(task, self._clock.now())
-        if self._submit_batch([task]):
-            raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
+        if self._submit_batch([task], mode):
+            if mode == "error":
+                raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
+            return False
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+        return True
 
     def _now(self) -> datetime:
         return self._clock.now()
@@ -125,8 +136,10 @@ class EtcdClient(Client):
     _batch_size = _TXN_OPS // 4  # four ops per task
     _batch_bytes = 1024 * 1024  # etcd refuses requests over 1.5 MiB by default
 
-    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+    def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
         self._check_open()
+        if if_exists != "error":
+            return self._submit_or_keep(batch, if_exists == "replace")
         keys = [self._keys.task(task.id) for task in batch]
         created = iso(self._clock.now())
         records = [task_record(t, created) for t in batch]
@@ -146,6 +159,58 @@ class EtcdClient(Client):
                 return existing
             # The ids that failed the compare were deleted since: try again.
         raise StoreError(f"could not submit {len(batch)} task(s) to {self.name}: the store kept changing")
+
+    def _submit_or_keep(self, batch: Sequence[Task], replace: bool) -> list[str]:
+        """``if_exists`` ignore / replace: one txn adds every absent id and (``replace``)
+        rewrites every pending task's props key, each compared on the revision read (props
+        unchanged, no state key, no owner key: still pending); a failed compare reads again."""
+        keys = [self._keys.task(task.id) for task in batch]
+        created = iso(self._clock.now())
+        records = [task_record(t, created) for t in batch]
+        todo = list(range(len(batch)))
+        pending: dict[int, tuple[int, bytes]] = {}  # index -> (props revision, new record)
+        left: list[int] = []
+        for _ in range(_RETRIES):
+            compares: list[Compare] = []
+            ops: list[Put | Delete] = []
+            reads: list[Range] = []
+            for i in todo:
+                k = keys[i]
+                if i in pending:
+                    revision, record = pending[i]
+                    compares += [modified_at(k.props, revision), absent(k.state), absent(k.owner)]
+                    ops.append(Put(k.props, record))
+                else:
+                    compares.append(absent(k.props))
+                    ops += [Put(k.props, records[i]), Delete(k.state), Delete(k.claim),
+                            Delete(k.running)]
+                reads += [Range(k.props), Range(k.state), Range(k.owner)]
+            result = self._driver.txn(compares, ops, reads, repeatable=True)
+            if result.succeeded:
+                break
+            again = []
+            for n, i in enumerate(todo):
+                props_kvs, state_kvs, owner_kvs = result.ranges[3 * n:3 * n + 3]
+                if not props_kvs:
+                    pending.pop(i, None)  # deleted since: add it
+                    again.append(i)
+                elif result.retried and props_kvs[0].value in (records[i], pending.get(i, (0, b""))[1]):
+                    continue  # our first attempt was applied
+                elif not replace or state_kvs or owner_kvs:
+                    left.append(i)  # kept as it is (claimed or finished, for replace)
+                else:
+                    old = decode_json(props_kvs[0].value)
+                    was = old.get("created_at") if isinstance(old, dict) else None
+                    pending[i] = (props_kvs[0].mod_revision,
+                                  task_record(batch[i], was if isinstance(was, str) else created))
+                    again.append(i)
+            todo = again
+            if not todo:
+                break
+        else:
+            raise StoreError(f"could not submit {len(batch)} task(s) to {self.name}: "
+                             "the store kept changing")
+        return [batch[i].id for i in sorted(left)]
 
     def delete_task(self, task_id: str) -> None:
         self._check_open()
@@ -279,35 +344,12 @@ class EtcdClient(Client):
 
     def purge(self, older_than: timedelta | None = None) -> int:
         self._check_open()
-        now = self._clock.now()
-        cutoff = now - (older_than or timedelta(0))
-        records, _ = read_all_tasks(self._driver, self._keys)
-        count = 0
-        for task_id in sorted(records):
-            rec = records[task_id]
-            info = self._sweep(task_id, rec, now)
-            if info is None or info.state not in _FINISHED:
-                continue
-            finished: datetime | None = info.finished_at
-            if finished is None or finished > cutoff:
-                continue
-            tk = self._keys.task(task_id)
-            guard = (
-                modified_at(tk.state, rec.state.mod_revision)
-                if rec.state is not None
-                else exists(tk.state)
-            )
-            result = self._driver.txn(
-                [guard, absent(tk.owner)],
-                [
-                    Delete(tk.prefix, prefix=True),
-                    Delete(tk.machine),
-                    Delete(tk.commands, prefix=True),
-                ],
-            )
-            if result.succeeded:
-                count += 1
-        return count
+        self.tasks()  # moves pending tasks past their expires_at to expired first
+        return self.prune(purge_policy(older_than))
+
+    def _retention_parts(self) -> tuple[EtcdDriver, Keys, Clock]:
+        self._check_open()
+        return self._driver, self._keys, self._clock
 
     # -- nodes ------------------------------------------------------------------------
 

@@ -71,10 +71,11 @@ from metafora.coordinators.etcd.queries import (
     node_labels,
     node_task_count,
 )
+from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.fencing import LeaseTiming
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
-from metafora.errors import MetaforaError
+from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.schedule import Schedule
 from metafora.task import Task, validate_task_id
 
@@ -87,7 +88,7 @@ _CLOSE_BATCH = 64
 """Claims per txn clearing running keys on close: 2 compares and 1 delete each (128 compares)."""
 
 
-class EtcdCoordinator(Coordinator):
+class EtcdCoordinator(EtcdRetention, Coordinator):
     """A node's coordinator on an etcd v3 cluster (``etcd://host:2379/NAMESPACE``).
 
     Construction touches nothing; :meth:`init` registers the node (``NodeExists`` if its
@@ -360,6 +361,11 @@ class EtcdCoordinator(Coordinator):
         counts, found = view if view is not None else active_task_count(self._driver, self._keys)
         self._remember(found, self._watch.cached_claimable(self._clock.now()))
         return counts
+
+    def _retention_parts(self) -> tuple[EtcdDriver, Keys, Clock]:
+        if self._state.closed:
+            raise CoordinatorClosed(f"coordinator {self._state.node_id!r} on {self.name} is closed")
+        return self._driver, self._keys, self._clock
 
     def claimable_count(self) -> int | None:
         """Tasks claimable at the last :meth:`active_task_count` (within a second), from the

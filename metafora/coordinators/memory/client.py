@@ -7,12 +7,10 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.commands import Command
 from metafora.config import StoreURL
-from metafora.coordinator import (
-    Client,
-    NodeInfo,
-)
+from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.errors import (
     CoordinatorClosed,
@@ -24,7 +22,9 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
+from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import (
     Task,
     TaskInfo,
@@ -35,7 +35,18 @@ from metafora.task import (
 from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 
-class MemoryClient(Client):
+def _replace(row: Row, task: Task) -> None:
+    """A pending row takes what ``task`` says (its id, state, token and history stay)."""
+    row.props = dict(task.props)
+    row.selector = dict(task.selector)
+    row.priority = task.priority
+    row.prefer = dict(task.prefer)
+    row.spread = task.spread
+    row.group = task.group
+    row._times = None  # parsed again from the new props
+
+
+class MemoryClient(MemoryRetention, Client):
     """Operator client on an in-process :class:`MemoryStore`."""
 
     def __init__(self, store: MemoryStore) -> None:
@@ -50,35 +61,48 @@ class MemoryClient(Client):
         if self._closed:
             raise CoordinatorClosed(f"client on {self.name} is closed")
 
-    def submit_task(self, task: Task) -> None:
+    def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
+        mode = check_if_exists(if_exists)
+        if conn is not None:
+            raise no_transactions(self.name)
         s = self._store
         with s.cond:
             self._check_open()
             validate_schedule(task, s.clock.now())
-            if task.id in s.tasks:
-                raise TaskExists(f"task {task.id!r} already exists")
-            row = Row.new(task, s.clock.now())
-            s.add(row)
-            s.make_ready(row, s.bump())
+            left = self._submit_batch([task], mode)
+        if left and mode == "error":
+            raise TaskExists(f"task {task.id!r} already exists", ids=[task.id])
+        return not left
 
     _batch_size = 1 << 62  # in-process: the whole call is one batch, all-or-nothing
 
     def _now(self) -> datetime:
         return self._store.clock.now()
 
-    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+    def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
         s = self._store
         with s.cond:
             self._check_open()
+            now = s.clock.now()
             existing = [task.id for task in batch if task.id in s.tasks]
-            if existing:
+            if existing and if_exists == "error":
                 return existing
-            now, ready = s.clock.now(), s.bump()  # one wake-up for the batch
+            if existing and if_exists == "replace":
+                s.sweep(now)  # a pending task past its expiry is expired: left alone
+            ready = s.bump()  # one wake-up for the batch
+            left = []
             for task in batch:
-                row = Row.new(task, now)
+                row = s.tasks.get(task.id)
+                if row is None:
+                    row = Row.new(task, now)
+                elif if_exists == "replace" and row.state is TaskState.PENDING:
+                    _replace(row, task)  # in place: a stored state-machine state stays its own
+                else:
+                    left.append(task.id)
+                    continue
                 s.add(row)
                 s.make_ready(row, ready)
-        return []
+        return left
 
     def _row(self, task_id: str) -> Row:
         row = self._store.tasks.get(validate_task_id(task_id))
@@ -177,21 +201,12 @@ class MemoryClient(Client):
             s.bump()
 
     def purge(self, older_than: timedelta | None = None) -> int:
-        s = self._store
-        with s.cond:
-            self._check_open()
-            now = s.clock.now()
-            s.sweep(now)
-            cutoff = now - (older_than or timedelta(0))
-            finished = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
-            doomed = [
-                r.task_id
-                for r in s.tasks.values()
-                if r.state in finished and r.finished_at is not None and r.finished_at <= cutoff
-            ]
-            for task_id in doomed:
-                del s.tasks[task_id]
-            return len(doomed)
+        self._check_open()
+        return self.prune(purge_policy(older_than))
+
+    def _retention_store(self) -> MemoryStore:
+        self._check_open()
+        return self._store
 
     def schedules(self) -> list[Schedule]:
         with self._store.cond:

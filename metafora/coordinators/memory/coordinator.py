@@ -21,6 +21,7 @@ from metafora.coordinator import (
     error_text,
 )
 from metafora.coordinators.members import context_capacity, context_weight
+from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import POLL_SECONDS, MemoryStore, NodeRecord, Row, store_for
 from metafora.errors import (
     ClaimLost,
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 _OFFERED_MIN = 1024  # a watch forgets what it offered of rows no longer pending past this size
 
 
-class MemoryCoordinator(Coordinator):
+class MemoryCoordinator(MemoryRetention, Coordinator):
     """A node's coordinator on an in-process :class:`MemoryStore`."""
 
     claim_burst = 256  # claims are in-process: no round trip to save, no limit to mind
@@ -247,6 +248,9 @@ class MemoryCoordinator(Coordinator):
     def active_task_count(self) -> dict[str, int]:
         with self._store.cond:
             return self._store.counts(active=True)
+
+    def _retention_store(self) -> MemoryStore:
+        return self._store
 
     def claimable_count(self) -> int | None:
         """Tasks claimable now (in process: no read to share with the counts)."""

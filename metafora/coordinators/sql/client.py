@@ -10,12 +10,15 @@ from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.coordinator import MAX_ERROR_BYTES, Client, NodeInfo
+from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
+from metafora.coordinators.sql import submit as _submit
+from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database, task_params
@@ -29,7 +32,9 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import GroupUsage, Limit
+from metafora.retention import purge_policy
 from metafora.schedule import Schedule
+from metafora.submitting import IfExists, check_if_exists
 from metafora.task import (
     Task,
     TaskInfo,
@@ -109,7 +114,7 @@ class _Existing(Exception):
         self.ids = ids
 
 
-class SQLClient(Client):
+class SQLClient(SQLRetention, Client):
     """Operator client on a SQL store. Build it with :func:`metafora.open_client`.
 
     Nothing touches the store until the first call; the schema is created then if needed.
@@ -155,19 +160,33 @@ class SQLClient(Client):
             **_placement(row[12], str(row[0])),
         )
 
-    def submit_task(self, task: Task) -> None:
+    def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
+        mode = check_if_exists(if_exists)
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
+        if conn is not None:
+            return self._submit_in(conn, [task], mode) == 1
         db = self._ready()
         params = task_params(task, db)
-        with db.write() as conn:
-            row = db.execute(conn, "submit", params).first()
+        params["ns"] = db.config.namespace
+        with db.write() as own:
+            row = own.execute(_submit.statements(db).one(mode), params).first()
             if row is not None:
-                db.next_token_used(conn, int(row[0]))
+                db.next_token_used(own, int(row[0]))
         if row is None:
-            raise TaskExists(f"task {task.id!r} already exists in {self.name}")
+            if mode == "error":
+                raise TaskExists(f"task {task.id!r} already exists in {self.name}", ids=[task.id])
+            return False
         log.debug("submitted task %s", task.id, extra={"task": task.id})
+        return True
 
-    def submit_tasks(self, tasks: Iterable[Task]) -> None:
+    def _submit_in(self, conn: Any, tasks: Sequence[Task], if_exists: IfExists) -> int:
+        """In the application's transaction (see :mod:`metafora.coordinators.sql.submit`)."""
+        db = self._ready()  # the schema, on metafora's own connection (never in the caller's)
+        return _submit.run_steps(conn, db, _submit.submit_steps(db, tasks, if_exists))
+
+    def submit_tasks(
+        self, tasks: Iterable[Task], *, conn: Any = None, if_exists: IfExists = "error"
+    ) -> int:
         """As :meth:`Client.submit_tasks`; on PostgreSQL, after adding ``ANALYZE_AFTER`` tasks
         or more, the tasks table's statistics are refreshed (``ANALYZE``, best effort).
 
@@ -178,7 +197,7 @@ class SQLClient(Client):
         """
         before = self._added
         try:
-            super().submit_tasks(tasks)
+            return super().submit_tasks(tasks, conn=conn, if_exists=if_exists)
         finally:
             if self._added - before >= ANALYZE_AFTER:
                 self._analyze()
@@ -197,23 +216,25 @@ class SQLClient(Client):
     _batch_size = BATCH
     _batch_bytes = 16 * 1024 * 1024  # one statement stays a reasonable size with large props
 
-    def _submit_batch(self, batch: Sequence[Task]) -> list[str]:
+    def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
         db = self._ready()
         params: dict[str, Any] = {"ns": db.config.namespace}
         for n, task in enumerate(batch):
             params.update(task_params(task, db, f"_{n}"))
+        clause = _submit.statements(db).many(if_exists, len(batch))
         try:
             with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
-                added = {str(row[0]): int(row[1])
-                         for row in conn.execute(db.sql.submit_many(len(batch)), params)}
-                if len(added) < len(batch):
-                    raise _Existing([task.id for task in batch if task.id not in added])
-                db.next_token_used(conn, max(added.values()))
-                db.execute(conn, "notify_batch", {"ready": min(added.values())})
+                added = {str(row[0]): int(row[1]) for row in conn.execute(clause, params)}
+                left = [task.id for task in batch if task.id not in added]
+                if left and if_exists == "error":
+                    raise _Existing(left)
+                if added:
+                    db.next_token_used(conn, max(added.values()))
+                    db.execute(conn, "notify_batch", {"ready": min(added.values())})
         except _Existing as refused:  # rolled back: the batch added nothing
             return refused.ids
-        self._added += len(batch)
-        return []
+        self._added += len(added)
+        return left
 
     def delete_task(self, task_id: str) -> None:
         validate_task_id(task_id)
@@ -408,14 +429,15 @@ class SQLClient(Client):
 
     def purge(self, older_than: timedelta | None = None) -> int:
         db = self._ready()
-        secs = -(older_than or timedelta(0)).total_seconds()
-        with db.transaction() as conn:
+        with db.write() as conn:
             db.execute(conn, "sweep_expired", {})
-            db.execute(conn, "purge_state", {"secs": secs})
-            count = int(db.execute(conn, "purge", {"secs": secs}).rowcount)
+        count = self.prune(purge_policy(older_than))
         log.info("purged %d finished task(s) from %s", count, self.name,
                  extra={"action": "purge"})
         return count
+
+    def _retention_db(self) -> Database:
+        return self._ready()
 
     def schedules(self) -> list[Schedule]:
         return _schedules.list_schedules(self._ready())

@@ -37,6 +37,7 @@ from metafora.coordinators.sql.commands import NodeCommands
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.nodes import NodeReads
+from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
 from metafora.errors import (
@@ -51,7 +52,7 @@ __all__ = ["SQLCoordinator"]
 
 log = logging.getLogger(__name__)
 
-class SQLCoordinator(Coordinator):
+class SQLCoordinator(SQLRetention, Coordinator):
     """A node's coordinator on a SQL store. Build it with :func:`metafora.open_coordinator`.
 
     Nothing touches the store until :meth:`init`. Thread-safe.
@@ -128,6 +129,10 @@ class SQLCoordinator(Coordinator):
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise CoordinatorClosed(f"coordinator {self._node_id!r} on {self.name} is closed")
+
+    def _retention_db(self) -> Database:
+        self._check_open()
+        return self._db
 
     def _initialised(self) -> CoordinatorContext:
         """The context; CoordinatorClosed when closed or not initialised yet."""

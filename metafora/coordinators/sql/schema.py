@@ -30,6 +30,9 @@ Tables (all prefixed ``metafora_``):
   task's group; ``rate_log`` (v8) holds the claim times of rate-limited groups inside their
   window (older rows are pruned by the next claim of the group). PostgreSQL also gets the
   function ``metafora_group_room(ns, grp)`` the claim statements call (see ``Dialect.limits_ddl``).
+- ``retention`` (v10): one row per namespace: how long finished tasks are kept
+  (``done_secs``, ``failed_secs``, ``killed_secs``; NULL: for ever) and ``next_prune``, the
+  time before which no node takes the prune turn (see ``coordinators/sql/retention.py``).
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
 """
 
@@ -200,6 +203,20 @@ def _v8_limits(conn: Connection, dialect: Dialect) -> None:
         conn.execute(text(ddl))
 
 
+_V10_RETENTION = """CREATE TABLE metafora_retention (
+    namespace {key} NOT NULL PRIMARY KEY,
+    done_secs BIGINT,
+    failed_secs BIGINT,
+    killed_secs BIGINT,
+    next_prune {ts} NOT NULL,
+    updated_at {ts} NOT NULL
+)"""
+
+
+def _v10_retention(conn: Connection, dialect: Dialect) -> None:
+    conn.execute(text(_V10_RETENTION.format(**dialect.ddl_types())))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
@@ -211,6 +228,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("nodes.weight: a node's fair share is proportional to it", _v7_node_weight),
     ("tasks.grp, limits and rate_log: cluster-wide limits per task group", _v8_limits),
     ("nodes.capacity: no share above what a node can run", _v9_node_capacity),
+    ("retention: how long finished tasks are kept, and the prune turn", _v10_retention),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

@@ -1,6 +1,6 @@
 """What the SQL coordinator shares with packages that keep tables beside its own.
 
-The gated partitions' items (:mod:`metafora.statemachine.gates`) and the state machine's
+The gated partitions' items (:mod:`metafora.gates`) and the state machine's
 states and commands (:mod:`metafora.statemachine.stores.sql`) live in a SQL coordinator's
 database, or in a SQL database of their own. This module is their one seam into this
 package: a database handle and its typed configuration, error translation at the boundary,

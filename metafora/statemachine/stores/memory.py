@@ -42,7 +42,8 @@ class _Tables:
         if entry is None:
             return None
         row = store.tasks.get(task_id)
-        if entry[0] is not None and entry[0]() is not row:
+        # A row gone (deleted or pruned, perhaps collected already) takes its queue with it.
+        if entry[0] is not None and (row is None or entry[0]() is not row):
             del self.commands[task_id]
             return None
         return entry[1]

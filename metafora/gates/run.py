@@ -3,8 +3,8 @@
 A :class:`PartitionRun` takes the partition over for its claim, then, step by step, takes
 batches of the current gate's items, processes them with the :class:`Processor` (retries,
 back-off, ``concurrency`` at once), has their results written by the group commit
-(:mod:`~metafora.statemachine.gates.flush`) and moves the gate when it is empty -- as
-described in :mod:`metafora.statemachine.gates.handler`, which builds it for each claim.
+(:mod:`~metafora.gates.flush`) and moves the gate when it is empty -- as
+described in :mod:`metafora.gates.handler`, which builds it for each claim.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import error_text
 from metafora.errors import ConfigError, CoordinatorUnavailable
-from metafora.statemachine.gates.flush import ResultFlusher
-from metafora.statemachine.gates.lease import PartitionLease
-from metafora.statemachine.gates.model import (
+from metafora.gates.flush import ResultFlusher
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import (
     Item,
     ItemResult,
     ItemsFailed,
@@ -31,15 +31,15 @@ from metafora.statemachine.gates.model import (
     ProcessingError,
     Response,
 )
-from metafora.statemachine.gates.processor import Processor
-from metafora.statemachine.gates.store import ItemStore
+from metafora.gates.processor import Processor
+from metafora.gates.store import ItemStore
 from metafora.statemachine.handler import Commands
 from metafora.statemachine.machine import MAX_ERROR_TEXT, Message
 from metafora.task import Task
 
 __all__ = ["GateOptions", "PartitionRun", "short_error"]
 
-log = logging.getLogger("metafora.statemachine.gates.handler")  # the handler's log, as before
+log = logging.getLogger("metafora.gates.handler")  # the handler's log, as before
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class GateOptions:
     """The validated settings of a gate handler (see
-    :func:`~metafora.statemachine.gates.handler.handler_func`)."""
+    :func:`~metafora.gates.handler.handler_func`)."""
 
     auto_close: bool = True
     manual_checkpoint: bool = False

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
-from metafora.statemachine.gates.model import ItemResult
+from metafora.gates.model import ItemResult
 
 __all__ = ["ResultFlusher"]
 

@@ -1,7 +1,7 @@
 """The item store: partitions' items in SQL (SQLite or PostgreSQL), fenced by claim tokens.
 
 :class:`ItemStore` is the user's and the operator's handle (add, list, retry, move a gate);
-:class:`~metafora.statemachine.gates.lease.PartitionLease` is the owner's: every item write
+:class:`~metafora.gates.lease.PartitionLease` is the owner's: every item write
 it makes is **fenced** by the partition's claim token, so a zombie owner (paused past its
 lease, its partition claimed elsewhere) cannot commit anything.
 
@@ -64,8 +64,8 @@ from metafora.coordinators.sql.shared import (
     translate_error,
 )
 from metafora.errors import ConfigError, MetaforaError
-from metafora.statemachine.gates.lease import PartitionLease
-from metafora.statemachine.gates.model import (
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import (
     GateError,
     GateMoveRefused,
     Item,
@@ -78,14 +78,14 @@ from metafora.statemachine.gates.model import (
     PartitionStatus,
     check_gate,
 )
-from metafora.statemachine.gates.schema import (
+from metafora.gates.schema import (
     GATES_SCHEMA_VERSION,
     check_version,
     current_version,
     migrate,
 )
-from metafora.statemachine.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
-from metafora.statemachine.gates.wakeups import hub_for, items_channel
+from metafora.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
+from metafora.gates.wakeups import hub_for, items_channel
 from metafora.statemachine.store import LeaseBound
 from metafora.task import Task, validate_task_id
 
@@ -426,7 +426,7 @@ class ItemStore:
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
-        many. See :func:`metafora.statemachine.gates.retry_partition` to also revive the
+        many. See :func:`metafora.gates.retry_partition` to also revive the
         partition's task."""
         validate_task_id(partition)
         self.ensure_schema()

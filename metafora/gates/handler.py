@@ -4,7 +4,7 @@
 :class:`~metafora.Consumer`. For each claim of a partition (a task) it builds a
 :class:`GateTaskHandler`, which runs the state machine
 (:class:`~metafora.statemachine.StatefulTaskHandler`) around one step function (a
-:class:`~metafora.statemachine.gates.run.PartitionRun`):
+:class:`~metafora.gates.run.PartitionRun`):
 
 1. take the partition for this claim (raise its fencing token in the item store);
 2. loop: take a batch of the current gate's available items (in id order; the batch is
@@ -12,7 +12,7 @@
    with the :class:`Processor` (up to ``concurrency`` at once, each retried up to
    ``max_attempts`` times with back-off); each result is written within ``flush_interval``
    of finishing, or with the next batch's take, whichever comes first (a group commit,
-   :mod:`~metafora.statemachine.gates.flush`, fenced like every item write);
+   :mod:`~metafora.gates.flush`, fenced like every item write);
 3. when the gate has no available items and none failed: jump to the lowest gate that has
    work (a checkpoint: persisted and fenced, the gate also saved as the state's cursor);
    when no work is left: complete the partition (``auto_close``) or sleep until items are
@@ -41,22 +41,23 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from metafora.client import Client
 from metafora.clock import Clock
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
 from metafora.coordinators.sql.shared import SQLConfig, database_of
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, MetaforaError, TaskNotFound
-from metafora.handler import Handler
-from metafora.statemachine.errors import ErrorHandler, default_error_handler
-from metafora.statemachine.gates.model import (
+from metafora.gates.model import (
     Item,
     ItemsFailed,
     ItemStatus,
     PartitionFailed,
     Response,
 )
-from metafora.statemachine.gates.processor import Processor, callable_processor
-from metafora.statemachine.gates.run import GateOptions, PartitionRun, short_error
-from metafora.statemachine.gates.store import ItemStore
+from metafora.gates.processor import Processor, callable_processor
+from metafora.gates.run import GateOptions, PartitionRun, short_error
+from metafora.gates.store import ItemStore
+from metafora.handler import Handler
+from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.store import (

@@ -11,28 +11,28 @@ the current gate has no available items and none failed, the gate jumps to the l
 that still has work (a fenced checkpoint); when no work is left the partition completes
 (``auto_close``) or waits for more items. Every item write is fenced by the claim token.
 
->>> from metafora.statemachine import gates
+>>> from metafora import gates
 >>> items = gates.ItemStore("sqlite:///metafora.db")                   # doctest: +SKIP
 >>> items.add("job-42", [gates.NewItem(gate=0, data=b"...")] * 100
 ...                     + [gates.NewItem(gate=1, data=b"rank")])         # doctest: +SKIP
 >>> client.submit_task(Task("job-42"))                                   # doctest: +SKIP
 >>> consumer = Consumer(coord, gates.handler_func(step, coord, items))   # doctest: +SKIP
 
-Modules: :mod:`~metafora.statemachine.gates.model` (values and errors),
-:mod:`~metafora.statemachine.gates.store` (:class:`ItemStore`),
-:mod:`~metafora.statemachine.gates.lease` (the fenced :class:`PartitionLease`),
-:mod:`~metafora.statemachine.gates.statements` (their SQL),
-:mod:`~metafora.statemachine.gates.wakeups` (news of partitions),
-:mod:`~metafora.statemachine.gates.processor`,
-:mod:`~metafora.statemachine.gates.run` (one claim's step loop),
-:mod:`~metafora.statemachine.gates.handler` (:func:`handler_func`),
-:mod:`~metafora.statemachine.gates.schema` (the tables). The SQL coordinator is reached only
+Modules: :mod:`~metafora.gates.model` (values and errors),
+:mod:`~metafora.gates.store` (:class:`ItemStore`),
+:mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease`),
+:mod:`~metafora.gates.statements` (their SQL),
+:mod:`~metafora.gates.wakeups` (news of partitions),
+:mod:`~metafora.gates.processor`,
+:mod:`~metafora.gates.run` (one claim's step loop),
+:mod:`~metafora.gates.handler` (:func:`handler_func`),
+:mod:`~metafora.gates.schema` (the tables). The SQL coordinator is reached only
 through its seam, :mod:`metafora.coordinators.sql.shared`.
 """
 
 from __future__ import annotations
 
-from metafora.statemachine.gates.handler import (
+from metafora.gates.handler import (
     GateHandlerFunc,
     GateOptions,
     GateTaskHandler,
@@ -40,8 +40,8 @@ from metafora.statemachine.gates.handler import (
     handler_func,
     retry_partition,
 )
-from metafora.statemachine.gates.lease import PartitionLease
-from metafora.statemachine.gates.model import (
+from metafora.gates.lease import PartitionLease
+from metafora.gates.model import (
     MAX_GATE,
     Advance,
     GateError,
@@ -61,15 +61,15 @@ from metafora.statemachine.gates.model import (
     ProcessingError,
     Response,
 )
-from metafora.statemachine.gates.processor import (
+from metafora.gates.processor import (
     CallableProcessor,
     HTTPProcessor,
     Processor,
     callable_processor,
 )
-from metafora.statemachine.gates.schema import GATES_SCHEMA_VERSION
-from metafora.statemachine.gates.store import ItemStore
-from metafora.statemachine.gates.wakeups import items_channel
+from metafora.gates.schema import GATES_SCHEMA_VERSION
+from metafora.gates.store import ItemStore
+from metafora.gates.wakeups import items_channel
 
 __all__ = [
     "GATES_SCHEMA_VERSION",

@@ -1,9 +1,9 @@
-"""A claim's fenced handle on its partition's items (see :mod:`metafora.statemachine.gates.store`).
+"""A claim's fenced handle on its partition's items (see :mod:`metafora.gates.store`).
 
 Every write is one transaction that ends with the **guard** (a fenced ``UPDATE`` of the
 partition row); :meth:`PartitionLease.take_over` raises the partition's token to the
 claim's, which shuts every older claim out. The statements are
-:mod:`metafora.statemachine.gates.statements`'.
+:mod:`metafora.gates.statements`'.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, TextClause
 
 from metafora.errors import ClaimLost
-from metafora.statemachine.gates.model import Advance, Item, ItemResult, ItemStatus, PartitionStatus
+from metafora.gates.model import Advance, Item, ItemResult, ItemStatus, PartitionStatus
 from metafora.statemachine.store import LeaseBound
 from metafora.task import Task
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class LeaseStore(Protocol):
-    """What a lease needs of its item store (:class:`~metafora.statemachine.gates.store.ItemStore`)."""
+    """What a lease needs of its item store (:class:`~metafora.gates.store.ItemStore`)."""
 
     @property
     def namespace(self) -> str:
@@ -51,7 +51,7 @@ class LeaseStore(Protocol):
 
 class PartitionLease:
     """A claim's fenced access to its partition's items (built by
-    :meth:`~metafora.statemachine.gates.store.ItemStore.lease`).
+    :meth:`~metafora.gates.store.ItemStore.lease`).
 
     Every write is refused with :class:`~metafora.errors.ClaimLost` once the claim is gone:
     a newer claim opened the partition, or (same-database mode) the coordinator no longer

@@ -1,7 +1,7 @@
-"""Processors: what turns an item into a :class:`~metafora.statemachine.gates.Response`.
+"""Processors: what turns an item into a :class:`~metafora.gates.Response`.
 
 A :class:`Processor` has one method, ``process(item) -> Response``. Raising
-:class:`~metafora.statemachine.gates.PermanentError` fails the item at once; any other
+:class:`~metafora.gates.PermanentError` fails the item at once; any other
 exception is retryable (the handler tries up to ``max_attempts`` times, with back-off).
 Its optional ``concurrency`` attribute is how many items of one partition it may process
 at the same time (the handler's default).
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 from metafora.errors import ConfigError
-from metafora.statemachine.gates.model import Item, PermanentError, ProcessingError, Response
+from metafora.gates.model import Item, PermanentError, ProcessingError, Response
 
 __all__ = ["CallableProcessor", "HTTPProcessor", "Processor", "callable_processor"]
 

@@ -231,7 +231,7 @@ class Item:
         }
 
     def to_wire(self) -> dict[str, Any]:
-        """What :class:`~metafora.statemachine.gates.HTTPProcessor` posts for this item."""
+        """What :class:`~metafora.gates.HTTPProcessor` posts for this item."""
         return {
             "partition": self.partition,
             "id": self.id,
@@ -332,7 +332,7 @@ class PartitionInfo:
 @dataclass(frozen=True)
 class ItemResult:
     """What to write for one processed item (see
-    :meth:`~metafora.statemachine.gates.lease.PartitionLease.finish`).
+    :meth:`~metafora.gates.lease.PartitionLease.finish`).
 
     ``status`` available (moved, or retried later), complete or failed; ``gate`` the item's
     gate afterwards; ``data`` None keeps the stored data; ``tries`` the attempts made.
@@ -350,7 +350,7 @@ class ItemResult:
 
 @dataclass(frozen=True)
 class Advance:
-    """What :meth:`~metafora.statemachine.gates.lease.PartitionLease.advance` found or did.
+    """What :meth:`~metafora.gates.lease.PartitionLease.advance` found or did.
 
     ``kind``: ``work`` (items are available at the current gate), ``failed`` (failed items
     block the gate), ``moved`` (the gate jumped to ``gate``), ``waiting`` (work exists at

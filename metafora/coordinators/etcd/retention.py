@@ -1,0 +1,158 @@
+"""Retention on etcd (see :mod:`metafora.retention`), shared by the etcd client and coordinator.
+
+Keys (under the namespace's root):
+
+- ``retention``: the policy, ``{"done": secs|null, "failed": ..., "killed": ...}`` (absent:
+  :data:`~metafora.retention.DEFAULT_RETENTION`);
+- ``retention-turn``: the ISO time before which no node takes the prune turn. A node takes
+  the turn with a txn comparing the key's ``mod_revision`` (or its absence) to what it read:
+  of nodes racing, one txn succeeds -- the compare-and-set a schedule's tick takes.
+
+A prune batch reads the tasks (one range, as ``purge`` always did) and the state-machine
+states, and deletes each chosen task in a txn of its own, guarded by the task's state key
+revision and the absence of an owner: its prefix, its state-machine state and its command
+queue go together or not at all, so a node dying mid-batch leaves whole tasks. Gate items
+live in a SQL database of their own with an etcd coordinator and are not pruned here.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+
+from metafora.clock import Clock
+from metafora.coordinators.etcd.driver import EtcdDriver
+from metafora.coordinators.etcd.layout import Keys, iso, parse_iso, task_info
+from metafora.coordinators.etcd.ops import (
+    Delete,
+    Put,
+    Range,
+    TxnRequest,
+    absent,
+    exists,
+    modified_at,
+)
+from metafora.coordinators.etcd.queries import live_members, read_all_tasks
+from metafora.errors import MetaforaError
+from metafora.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
+
+__all__ = ["EtcdRetention"]
+
+_IN_FLIGHT = 100  # txns of one batch sent at once
+
+
+def _policy_key(keys: Keys) -> bytes:
+    return keys.root + b"retention"
+
+
+def _turn_key(keys: Keys) -> bytes:
+    return keys.root + b"retention-turn"
+
+
+def get(driver: EtcdDriver, keys: Keys) -> Retention:
+    """The stored policy (the default when none)."""
+    kvs = driver.txn([], [Range(_policy_key(keys))]).ranges[0]
+    if not kvs:
+        return DEFAULT_RETENTION
+    raw = json.loads(kvs[0].value)
+    return Retention.from_seconds(raw.get("done"), raw.get("failed"), raw.get("killed"))
+
+
+def put(driver: EtcdDriver, keys: Keys, policy: Retention) -> None:
+    """Store the policy."""
+    body = json.dumps(policy.to_json(), sort_keys=True).encode()
+    driver.txn([], [Put(_policy_key(keys), body)])
+
+
+def turn(driver: EtcdDriver, keys: Keys, clock: Clock,
+         interval: float) -> tuple[Retention, Cutoffs] | None:
+    """Take the prune turn, or None (another node has it within ``interval``)."""
+    key = _turn_key(keys)
+    result = driver.txn([], [Range(key), Range(_policy_key(keys))], repeatable=True)
+    now = clock.now()
+    found = result.ranges[0]
+    if found:
+        due = parse_iso(found[0].value.decode())
+        if due is not None and due > now:
+            return None
+        guard = modified_at(key, found[0].mod_revision)
+    else:
+        guard = absent(key)
+    nxt = iso(now + timedelta(seconds=interval)).encode()
+    if not driver.txn([guard], [Put(key, nxt)]).succeeded:
+        return None
+    policy = get(driver, keys)
+    return policy, Cutoffs.at(policy, now)
+
+
+def prune_batch(driver: EtcdDriver, keys: Keys, cutoffs: Cutoffs, limit: int) -> int:
+    """Delete up to ``limit`` finished tasks past ``cutoffs``, a txn per task; how many."""
+    if cutoffs.oldest() is None:
+        return 0
+    records, _ = read_all_tasks(driver, keys)
+    machines = {kv.key: kv.value.decode(errors="replace")
+                for kv in driver.txn([], [Range(keys.states, prefix=True)]).ranges[0]}
+    requests: list[TxnRequest] = []
+    for task_id in sorted(records):
+        rec = records[task_id]
+        info = task_info(task_id, rec)
+        if info is None or rec.state is None or rec.owner is not None:
+            continue
+        tk = keys.task(task_id)
+        if not prunable(info, machines.get(tk.machine), cutoffs):
+            continue
+        requests.append((
+            [modified_at(tk.state, rec.state.mod_revision), exists(tk.state), absent(tk.owner)],
+            [Delete(tk.prefix, prefix=True), Delete(tk.machine), Delete(tk.commands, prefix=True)],
+            [],
+        ))
+        if len(requests) >= limit:
+            break
+    count = 0
+    for start in range(0, len(requests), _IN_FLIGHT):
+        for result in driver.txns(requests[start:start + _IN_FLIGHT]):
+            if isinstance(result, MetaforaError):
+                raise result
+            count += int(result.succeeded)
+    return count
+
+
+class EtcdRetention(RetentionOps):
+    """The retention hooks of the etcd client and coordinator."""
+
+    def _retention_parts(self) -> tuple[EtcdDriver, Keys, Clock]:
+        raise NotImplementedError
+
+    def _retention_get(self) -> Retention:
+        driver, keys, _ = self._retention_parts()
+        return get(driver, keys)
+
+    def _retention_put(self, policy: Retention) -> None:
+        driver, keys, _ = self._retention_parts()
+        put(driver, keys, policy)
+
+    def _prune_now(self) -> datetime:
+        return self._retention_parts()[2].now()
+
+    def _prune_turn(self, interval: float) -> tuple[Retention, Cutoffs] | None:
+        driver, keys, clock = self._retention_parts()
+        return turn(driver, keys, clock, interval)
+
+    def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
+        driver, keys, _ = self._retention_parts()
+        return prune_batch(driver, keys, cutoffs, limit)
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live node -> its published capacity (the client's read)."""
+        driver, keys, _ = self._retention_parts()
+        return {node: m.capacity for node, m in live_members(driver, keys).items()
+                if m.capacity is not None}
+
+    def namespace_label(self) -> str:
+        return self._retention_parts()[1].namespace
+
+    def pending_count(self) -> int:
+        driver, keys, _ = self._retention_parts()
+        records, _ = read_all_tasks(driver, keys)
+        return sum(1 for task_id, rec in records.items()
+                   if (info := task_info(task_id, rec)) is not None and info.state.value == "pending")

@@ -1,0 +1,290 @@
+"""Submits on a SQL store: the duplicate modes and the application's own transaction.
+
+The statements are the store's own (``submit`` and ``submit_many`` of
+:mod:`~metafora.coordinators.sql.statements`) with the conflict clause each ``if_exists`` mode
+needs, built once per store and mode: ``error`` and ``ignore`` keep ``ON CONFLICT DO NOTHING``,
+``replace`` updates the existing row in the same statement only while it is pending and not
+past its expiry. The insert and the decision are one statement, so concurrent submitters of
+one id never both add it.
+
+:func:`submit_steps` is the work of a submit as a sequence of statements (a generator that
+yields ``(clause, params)`` and is sent each statement's rows back): the sync path
+(:func:`run_steps`, on a SQLAlchemy ``Connection``/``Session`` or a psycopg ``Connection``)
+and the async client (:mod:`metafora.aio`) drive the same steps, so no SQL is written twice.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import weakref
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
+
+from metafora import bulk
+from metafora.coordinators.sql.statements import BATCH
+from metafora.coordinators.sql.store import Database, task_params, translate_error
+from metafora.errors import ConfigError, MetaforaError, TaskExists
+from metafora.submitting import IfExists
+from metafora.task import Task
+
+__all__ = [
+    "Steps",
+    "SubmitStatements",
+    "check_conn",
+    "drive_async",
+    "rows_of",
+    "run_steps",
+    "run_steps_async",
+    "statements",
+    "submit_steps",
+    "translate",
+]
+
+BATCH_BYTES = 16 * 1024 * 1024
+"""About how many bytes of ids and props one INSERT carries (as the client's own batches)."""
+
+_NOTHING = " ON CONFLICT (namespace, id) DO NOTHING"
+_REPLACE = (
+    " ON CONFLICT (namespace, id) DO UPDATE SET props = excluded.props,"
+    " launch_at = excluded.launch_at, expires_at = excluded.expires_at,"
+    " selector = excluded.selector, priority = excluded.priority,"
+    " placement = excluded.placement, grp = excluded.grp, ready = excluded.ready,"
+    " updated_at = excluded.updated_at"
+    " WHERE metafora_tasks.state = 'pending'"
+    " AND (metafora_tasks.expires_at IS NULL OR metafora_tasks.expires_at > {now})"
+)
+
+Steps = Generator[tuple[TextClause, dict[str, Any]], list[tuple[Any, ...]], int]
+"""A submit as statements: yields ``(clause, params)``, is sent the rows, returns the count."""
+
+
+class SubmitStatements:
+    """The submit statements of one store, per ``if_exists`` mode (built once, cached)."""
+
+    def __init__(self, db: Database) -> None:
+        fragments = db.dialect.fragments()
+        self._db = db
+        self._conflict = {"error": _NOTHING, "ignore": _NOTHING,
+                          "replace": _REPLACE.format(**fragments)}
+        self._one: dict[str, TextClause] = {}
+        self._many: dict[tuple[str, int], TextClause] = {}
+        # Undoes this transaction's own inserts when an "error" submit found an id taken.
+        self.undo = text("DELETE FROM metafora_tasks WHERE namespace = :ns AND id {in_ids}"
+                         .format(**fragments))
+        self.bump = text("UPDATE metafora_counter SET value = :v WHERE name = 'token' AND value < :v")
+
+    def _with(self, clause: TextClause, mode: IfExists) -> TextClause:
+        if mode != "replace":
+            return clause
+        sql = clause.text
+        if _NOTHING not in sql:
+            raise AssertionError("the submit statement lost its ON CONFLICT clause: update submit.py")
+        return text(sql.replace(_NOTHING, self._conflict[mode]))
+
+    def one(self, mode: IfExists) -> TextClause:
+        """The single-task INSERT (returns ``ready`` and the PostgreSQL wake-up) for ``mode``."""
+        clause = self._one.get(mode)
+        if clause is None:
+            clause = self._one[mode] = self._with(self._db.sql["submit"], mode)
+        return clause
+
+    def many(self, mode: IfExists, rows: int) -> TextClause:
+        """The multi-row INSERT of ``rows`` tasks (returns ``id, ready``) for ``mode``."""
+        clause = self._many.get((mode, rows))
+        if clause is None:
+            clause = self._many[mode, rows] = self._with(self._db.sql.submit_many(rows), mode)
+        return clause
+
+
+_BUILT: weakref.WeakKeyDictionary[Database, SubmitStatements] = weakref.WeakKeyDictionary()
+
+
+def statements(db: Database) -> SubmitStatements:
+    """The submit statements of ``db`` (built on first use)."""
+    found = _BUILT.get(db)
+    if found is None:
+        found = _BUILT[db] = SubmitStatements(db)
+    return found
+
+
+def submit_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps:
+    """Submit ``tasks`` (checked, ids distinct) in one transaction the caller holds.
+
+    Per batch: one INSERT deciding every id (``mode``), SQLite's token counter moved past
+    the ``ready`` values taken, and one wake-up (PostgreSQL: ``pg_notify``, delivered when the
+    transaction commits; SQLite: the commit itself, seen by the consumers' ``data_version``
+    check). ``"error"``: a batch with a taken id deletes what it inserted (rows only this
+    transaction can see) and raises TaskExists, so the transaction holds no part of it.
+    Returns how many tasks were added or replaced.
+    """
+    built = statements(db)
+    ns = db.config.namespace
+    added = 0
+    for batch in bulk.batches(tasks, BATCH, BATCH_BYTES):
+        got: dict[str, int]
+        if len(batch) == 1:  # one statement: its RETURNING sends the wake-up
+            rows = yield built.one(mode), {"ns": ns, **task_params(batch[0], db)}
+            got = {batch[0].id: int(rows[0][0])} if rows else {}
+        else:
+            params: dict[str, Any] = {"ns": ns}
+            for n, task in enumerate(batch):
+                params.update(task_params(task, db, f"_{n}"))
+            rows = yield built.many(mode, len(batch)), params
+            got = {str(row[0]): int(row[1]) for row in rows}
+        if mode == "error" and len(got) < len(batch):
+            if got:
+                yield built.undo, {"ns": ns, "ids": db.dialect.ids_param(list(got))}
+            existing = [task.id for task in batch if task.id not in got]
+            raise bulk.exists_error(existing, added, len(tasks), db.name)
+        if got:
+            if db.dialect.counter_in_row:
+                yield built.bump, {"v": max(got.values())}
+            if len(batch) > 1 and db.config.kind == "postgresql":
+                yield db.sql["notify_batch"], {"ns": ns, "ready": min(got.values())}
+        added += len(got)
+    return added
+
+
+def translate(exc: BaseException, db: Database) -> MetaforaError:
+    """A metafora error for a driver error met in the application's transaction: a missing
+    schema is said plainly (how to create it); others as the store's errors."""
+    message = str(getattr(exc, "orig", None) or exc)
+    if "metafora_" in message and ("does not exist" in message or "no such table" in message):
+        return ConfigError(
+            f"the metafora schema is not in the database of this connection (store {db.name}):"
+            " it is created by the first Consumer or Client call on the store (for example"
+            " `metafora tasks` or open_client(url).tasks()); check that the connection and the"
+            " store URL name the same database"
+        )
+    return translate_error(exc, db.config)
+
+
+_DRIVER_ERRORS: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, sqlite3.Error)
+try:
+    import psycopg
+
+    _DRIVER_ERRORS += (psycopg.Error,)
+except ImportError:  # pragma: no cover - depends on the installation
+    psycopg = None  # type: ignore[assignment]
+
+
+def _kind(conn: Any) -> str:
+    """The database kind of an application connection ("postgresql", "sqlite")."""
+    if isinstance(conn, Session):
+        bind = conn.get_bind()
+        return str(bind.dialect.name)
+    if isinstance(conn, Connection):
+        return str(conn.dialect.name)
+    if psycopg is not None and isinstance(conn, psycopg.Connection):
+        return "postgresql"
+    raise ConfigError(
+        "conn= takes a SQLAlchemy Connection or Session, or a psycopg Connection, in an open"
+        f" transaction; got {type(conn).__name__}"
+    )
+
+
+def check_conn(conn: Any, db: Database) -> None:
+    """Refuse a connection to another kind of database than the store's."""
+    kind = _kind(conn)
+    if kind != db.config.kind:
+        raise ConfigError(f"conn= is a {kind} connection but the store {db.name} is {db.config.kind}")
+
+
+_COMPILED: dict[TextClause, str] = {}  # the clauses are built once per store and mode
+
+
+def _psycopg_sql(clause: TextClause) -> str:
+    """``clause`` as psycopg's SQL (named ``%(name)s`` parameters), compiled once."""
+    sql = _COMPILED.get(clause)
+    if sql is None:
+        from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
+
+        sql = _COMPILED[clause] = str(clause.compile(dialect=pg_psycopg.dialect()))  # type: ignore[no-untyped-call]
+    return sql
+
+
+def rows_of(result: Any) -> list[tuple[Any, ...]]:
+    """The rows of a SQLAlchemy result ([] for a statement that returns none)."""
+    return [tuple(r) for r in result] if result.returns_rows else []
+
+
+def run_steps(conn: Any, db: Database, steps: Steps) -> int:
+    """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
+    check_conn(conn, db)
+    execute: Any
+    if isinstance(conn, (Session, Connection)):
+        sa_conn = conn.connection() if isinstance(conn, Session) else conn
+
+        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(sa_conn.execute(clause, params))
+    else:
+        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            cursor = conn.execute(_psycopg_sql(clause), params)
+            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(execute(*step))
+    except StopIteration as done:
+        return int(done.value)
+    except TaskExists:
+        raise
+    except _DRIVER_ERRORS as exc:
+        raise translate(exc, db) from exc
+
+
+def _async_kind(conn: Any) -> str | None:
+    """The database kind of an async application connection (None: not one)."""
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(conn, AsyncSession):
+        return str(conn.sync_session.get_bind().dialect.name)
+    if isinstance(conn, AsyncConnection):
+        return str(conn.dialect.name)
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        return "postgresql"
+    return None
+
+
+async def run_steps_async(conn: Any, db: Database, steps: Steps) -> int:
+    """Drive ``steps`` on the application's async connection ``conn`` (a SQLAlchemy
+    ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection``)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    kind = _async_kind(conn)
+    if kind is None:
+        raise ConfigError(
+            "the async client's conn= takes a SQLAlchemy AsyncConnection or AsyncSession, or a"
+            f" psycopg AsyncConnection, in an open transaction; got {type(conn).__name__}"
+        )
+    if kind != db.config.kind:
+        raise ConfigError(f"conn= is a {kind} connection but the store {db.name} is {db.config.kind}")
+    execute: Any
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            cursor = await conn.execute(_psycopg_sql(clause), params)
+            return [tuple(r) for r in await cursor.fetchall()] if cursor.description else []
+    else:
+        sa_conn = await conn.connection() if isinstance(conn, AsyncSession) else conn
+
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(await sa_conn.execute(clause, params))
+    return await drive_async(execute, db, steps)
+
+
+async def drive_async(execute: Any, db: Database, steps: Steps) -> int:
+    """Drive ``steps`` with ``await execute(clause, params) -> rows``, errors translated."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(await execute(*step))
+    except StopIteration as done:
+        return int(done.value)
+    except TaskExists:
+        raise
+    except _DRIVER_ERRORS as exc:
+        raise translate(exc, db) from exc

@@ -1,0 +1,335 @@
+"""Retention of finished tasks: the policy every store keeps, and the leaderless pruner.
+
+A namespace's :class:`Retention` says how long a finished task is kept, per kind of end:
+
+- **done**: the coordinator state ``done`` -- except a stateful task whose stored
+  state-machine state is ``killed`` or ``failed`` (a state-machine task always ends ``done``
+  in the coordinator; its stored state says how);
+- **failed**: the coordinator state ``failed`` (the handler raised, or too many crashes) or
+  ``expired`` (never claimed before its ``expires_at``), and a ``done`` task whose stored
+  state-machine state is ``failed``;
+- **killed**: a ``done`` task whose stored state-machine state is ``killed`` (``metafora
+  kill ID`` or ``Message.kill()``): the state machine stores its state in the store's state
+  record of the task (SQL ``metafora_state.body``, etcd ``state/<id>``, the memory store's
+  ``task_states``) as ``{"state": "killed", ...}``.
+
+Each is a :class:`~datetime.timedelta` (a task finished longer ago than that is deleted) or
+``None`` (never). Pending, claimed and sleeping tasks (a sleeping state-machine task is
+claimed, or pending again after a release) are never pruned: only the three finished states
+are candidates.
+
+The default (:data:`DEFAULT_RETENTION`): done 7 days, failed and killed 30 days. A finished
+task is an operator's evidence -- what ran, when, with which error -- and failures are the
+ones looked at days later (after a weekend, in a post-mortem), so they stay a month; the
+successes are the bulk of the rows (a cluster of short tasks adds millions a week) and are
+rarely read after a few days, so a week bounds the tables without losing what anyone needs.
+
+Pruning needs no leader: every consumer runs a :class:`Pruner`; once per ``interval`` one of
+them wins the store's compare-and-set on the namespace's retention record (the same kind of
+step that settles a schedule's tick exactly once) and deletes what the policy allows, in
+batches of at most :data:`PRUNE_BATCH` tasks. Each batch deletes its tasks with their
+state, commands and gate items in one transaction (SQL) or one txn per task (etcd), so a
+node dying mid-prune leaves whole tasks or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Final
+
+from metafora.clock import Clock
+from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError
+from metafora.schedule_model import format_duration, parse_duration
+
+if TYPE_CHECKING:
+    from metafora.task import TaskInfo
+
+__all__ = [
+    "DEFAULT_RETENTION",
+    "FAILED_MARKS",
+    "KILLED_MARKS",
+    "PRUNE_BATCH",
+    "PRUNE_INTERVAL",
+    "UNCHANGED",
+    "Cutoffs",
+    "Pruner",
+    "Retention",
+    "RetentionOps",
+    "kind_of",
+    "parse_keep",
+    "prunable",
+    "purge_policy",
+]
+
+log = logging.getLogger(__name__)
+
+PRUNE_BATCH: Final = 1000
+"""Most tasks one prune statement (SQL) or one round of txns (etcd) deletes."""
+PRUNE_INTERVAL: Final = 60.0
+"""Seconds between two prune runs of a namespace (whichever node wins the turn)."""
+
+KILLED_MARKS: Final = ('"state":"killed"', '"state": "killed"')
+"""How a stored state-machine state says ``killed`` in its JSON text (canonical, spaced)."""
+FAILED_MARKS: Final = ('"state":"failed"', '"state": "failed"')
+
+
+class _Unchanged:
+    """The default of :meth:`RetentionOps.set_retention`: keep the current value."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Final = _Unchanged()
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long finished tasks are kept, per kind of end (None: for ever)."""
+
+    done: timedelta | None = timedelta(days=7)
+    failed: timedelta | None = timedelta(days=30)
+    killed: timedelta | None = timedelta(days=30)
+
+    def describe(self) -> str:
+        """``done 7d, failed 30d, killed never`` as ``top`` and ``retention show`` print it."""
+        return ", ".join(f"{name} {_text(getattr(self, name))}" for name in ("done", "failed", "killed"))
+
+    def seconds(self) -> tuple[int | None, int | None, int | None]:
+        """(done, failed, killed) in whole seconds, None for never (as the stores keep it)."""
+        return (_secs(self.done), _secs(self.failed), _secs(self.killed))
+
+    @classmethod
+    def from_seconds(cls, done: object, failed: object, killed: object) -> Retention:
+        """From stored seconds (None: never)."""
+        return cls(*(None if v is None else timedelta(seconds=int(v))  # type: ignore[call-overload]
+                     for v in (done, failed, killed)))
+
+    def to_json(self) -> dict[str, int | None]:
+        """``{"done": secs|null, "failed": ..., "killed": ...}``."""
+        done, failed, killed = self.seconds()
+        return {"done": done, "failed": failed, "killed": killed}
+
+
+DEFAULT_RETENTION: Final = Retention()
+"""done 7 days, failed 30 days, killed 30 days (see the module docstring for why)."""
+
+
+def _secs(value: timedelta | None) -> int | None:
+    return None if value is None else int(value.total_seconds())
+
+
+def _text(value: timedelta | None) -> str:
+    return "never" if value is None else format_duration(int(value.total_seconds()))
+
+
+def purge_policy(older_than: timedelta | None) -> Retention:
+    """``metafora purge --older-than``: every finished kind kept ``older_than`` (0: none)."""
+    keep = older_than or timedelta(0)
+    return Retention(keep, keep, keep)
+
+
+def parse_keep(value: object, what: str = "retention") -> timedelta | None:
+    """A retention value: ``"never"``/None (keep for ever), a duration (``"1s"``, ``"7d"``,
+    seconds, a :class:`~datetime.timedelta` of whole seconds, at least 1 s). ConfigError."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "never"):
+        return None
+    try:
+        return timedelta(seconds=parse_duration(value))
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc} (or 'never')") from None
+
+
+@dataclass(frozen=True)
+class Cutoffs:
+    """The finish times at or before which a task of each kind is pruned (None: never)."""
+
+    done: datetime | None
+    failed: datetime | None
+    killed: datetime | None
+
+    @classmethod
+    def at(cls, policy: Retention, now: datetime) -> Cutoffs:
+        """The cut-offs of ``policy`` at ``now``."""
+        return cls(*(None if keep is None else now - keep
+                     for keep in (policy.done, policy.failed, policy.killed)))
+
+    def oldest(self) -> datetime | None:
+        """The latest of the cut-offs (no task finished after it is pruned); None: none."""
+        given = [c for c in (self.done, self.failed, self.killed) if c is not None]
+        return max(given) if given else None
+
+    def of(self, kind: str) -> datetime | None:
+        """The cut-off of ``done``, ``failed`` or ``killed``."""
+        found: datetime | None = getattr(self, kind)
+        return found
+
+
+def kind_of(state: str, machine_state: str | None) -> str | None:
+    """``done``, ``failed`` or ``killed`` for a finished task (coordinator ``state`` and the
+    stored state-machine state's JSON text, if any); None for a task that is not finished."""
+    if state in ("failed", "expired"):
+        return "failed"
+    if state != "done":
+        return None
+    if machine_state is not None:
+        if any(mark in machine_state for mark in KILLED_MARKS):
+            return "killed"
+        if any(mark in machine_state for mark in FAILED_MARKS):
+            return "failed"
+    return "done"
+
+
+def prunable(info: TaskInfo, machine_state: str | None, cutoffs: Cutoffs) -> bool:
+    """Whether the finished task ``info`` is past its kind's cut-off."""
+    kind = kind_of(info.state.value, machine_state)
+    if kind is None or info.finished_at is None:
+        return False
+    cut = cutoffs.of(kind)
+    return cut is not None and info.finished_at <= cut
+
+
+class RetentionOps:
+    """The retention verbs of clients and coordinators (one of their bases); a store overrides
+    :meth:`_retention_get`, :meth:`_retention_put`, :meth:`_prune_turn` and
+    :meth:`_prune_batch`."""
+
+    def retention(self) -> Retention:
+        """The namespace's retention policy (:data:`DEFAULT_RETENTION` until one is set)."""
+        return self._retention_get()
+
+    def set_retention(
+        self,
+        done: timedelta | str | _Unchanged | None = UNCHANGED,
+        failed: timedelta | str | _Unchanged | None = UNCHANGED,
+        killed: timedelta | str | _Unchanged | None = UNCHANGED,
+    ) -> Retention:
+        """Set how long finished tasks are kept: a :class:`~datetime.timedelta` (or ``"7d"``)
+        or None for never; a kind not given keeps its current value. Every node's next prune
+        run uses it. Returns the new policy. ConfigError."""
+        current = self._retention_get()
+        values = []
+        for name, given in (("done", done), ("failed", failed), ("killed", killed)):
+            if isinstance(given, _Unchanged):
+                values.append(getattr(current, name))
+            else:
+                values.append(parse_keep(given, f"retention of {name} tasks"))
+        policy = Retention(*values)
+        self._retention_put(policy)
+        log.info("retention set: %s", policy.describe(), extra={"action": "retention"})
+        return policy
+
+    def prune(self, policy: Retention | None = None, batch: int = PRUNE_BATCH) -> int:
+        """Delete every finished task ``policy`` (default: the stored one) allows now, in
+        batches of ``batch``; how many were deleted. No turn is taken (:class:`Pruner` does)."""
+        if policy is None:
+            policy = self._retention_get()
+        cutoffs = Cutoffs.at(policy, self._prune_now())
+        total = 0
+        while True:
+            count = self._prune_batch(cutoffs, batch)
+            total += count
+            if count < batch:
+                return total
+
+    def _retention_get(self) -> Retention:
+        """The stored policy (the default if none)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
+
+    def _retention_put(self, policy: Retention) -> None:
+        """Store ``policy``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
+
+    def _prune_now(self) -> datetime:
+        """The store's clock (the database's, for SQL), which finish times are compared to."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
+
+    def _prune_turn(self, interval: float) -> tuple[Retention, Cutoffs] | None:
+        """Take the namespace's prune turn if the last one is ``interval`` seconds old (one
+        atomic compare-and-set in the store: of the nodes racing, one wins); the policy and
+        its cut-offs at the store's now, or None (another node had the turn)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
+
+    def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
+        """Delete up to ``limit`` finished tasks past ``cutoffs`` with everything keyed by them
+        (atomically per task at least); how many."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
+
+    def namespace_label(self) -> str:
+        """The namespace, as the ``namespace`` label of the cluster metrics."""
+        return "default"
+
+    def pending_count(self) -> int:
+        """How many tasks are pending (due or not): the backlog the cluster metrics show."""
+        raise NotImplementedError(f"{type(self).__name__} does not count pending tasks")
+
+
+class Pruner:
+    """A consumer's side loop: every ``interval`` it tries to take the prune turn and, if it
+    won, prunes in batches, counting into ``on_pruned`` and logging once per run."""
+
+    def __init__(
+        self,
+        store: RetentionOps,
+        clock: Clock,
+        *,
+        interval: float = PRUNE_INTERVAL,
+        batch: int = PRUNE_BATCH,
+        on_pruned: Callable[[int], None] | None = None,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self.interval = interval
+        self._batch = batch
+        self._on_pruned = on_pruned
+        self._log = logger or log
+        self._stop = threading.Event()
+        self.pruned = 0
+        """Tasks this node pruned (final once :meth:`run` returned)."""
+        self.runs = 0
+        """Prune runs this node won."""
+
+    def stop(self) -> None:
+        """End :meth:`run` soon (between two batches)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Loop until :meth:`stop`; store errors are logged and tried again next interval."""
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except CoordinatorClosed:
+                return
+            except NotImplementedError:
+                return  # a store without retention: nothing to do
+            except MetaforaError as exc:
+                self._log.warning("prune: %s (trying again in %.0fs)", exc, self.interval,
+                                  extra={"action": "prune"})
+            self._clock.wait(self._stop, self.interval)
+
+    def step(self) -> int | None:
+        """One try: take the turn and prune; how many were pruned (None: not our turn)."""
+        taken = self._store._prune_turn(self.interval)
+        if taken is None:
+            return None
+        policy, cutoffs = taken
+        self.runs += 1
+        total = 0
+        started = self._clock.monotonic()
+        while not self._stop.is_set():
+            count = self._store._prune_batch(cutoffs, self._batch)
+            total += count
+            self.pruned += count
+            if count and self._on_pruned is not None:
+                self._on_pruned(count)
+            if count < self._batch:
+                break
+        self._log.info("pruned %d finished task(s) in %.1fs (%s)", total,
+                       self._clock.monotonic() - started, policy.describe(),
+                       extra={"action": "prune"})
+        return total

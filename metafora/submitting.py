@@ -1,0 +1,43 @@
+"""What every store's submit shares: the duplicate modes and the refusal of ``conn=``.
+
+``if_exists`` (``Client.submit_task`` / ``submit_tasks``, the async client, ``metafora submit
+--if-exists``):
+
+- ``"error"`` (the default): an existing id raises :class:`~metafora.errors.TaskExists`;
+- ``"ignore"``: an existing task is left as it is (the call says it added nothing);
+- ``"replace"``: an existing *pending* task takes the new props, priority, launch and expiry
+  times, selector, placement and group; a claimed, finished or failed one is left alone.
+
+Each store decides in the same statement or txn that inserts, so two submitters of one id
+never both add it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from metafora.errors import ConfigError
+
+__all__ = ["IF_EXISTS", "IfExists", "check_if_exists", "no_transactions"]
+
+IfExists = Literal["error", "ignore", "replace"]
+"""What a submit does with an id that exists."""
+
+IF_EXISTS: tuple[IfExists, ...] = ("error", "ignore", "replace")
+
+
+def check_if_exists(value: object) -> IfExists:
+    """``value`` as an :data:`IfExists`; ConfigError for anything else."""
+    if value not in IF_EXISTS:
+        raise ConfigError(f"if_exists must be one of {', '.join(map(repr, IF_EXISTS))}, "
+                          f"not {value!r}")
+    return value
+
+
+def no_transactions(store: str) -> ConfigError:
+    """The refusal of ``conn=`` on a store that cannot share the application's transaction."""
+    return ConfigError(
+        f"submit(conn=...) needs a SQL store (SQLite or PostgreSQL): {store} shares no "
+        "transaction with your application; submit after your own transaction commits, or "
+        "with if_exists='ignore' so a retried submit is harmless"
+    )

@@ -1,0 +1,215 @@
+"""Issue 35: the async client on every store -- the submit conformance bodies of
+``test_submit_if_exists`` run through it, its other verbs, and ``conn=`` in the application's
+async transaction (SQLAlchemy ``AsyncConnection`` / ``AsyncSession``, psycopg
+``AsyncConnection``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+from metafora import Task, TaskState, commands, open_async_client, open_client, simple_handler
+from metafora.aio import AsyncClient, PostgresAsyncClient, ThreadedAsyncClient
+from metafora.errors import (
+    ConfigError,
+    InvalidTaskState,
+    LimitNotFound,
+    NodeNotFound,
+    TaskExists,
+    TaskNotFound,
+)
+from metafora.testing import LocalCluster
+from tests.conformance.test_submit_if_exists import (
+    check_error_is_the_default,
+    check_ignore_leaves_the_existing_task,
+    check_replace_changes_a_pending_task_only,
+)
+from tests.conformance.test_submit_in_transaction import conninfo, sqlalchemy_url
+from tests.helpers import RanIds
+
+T = TypeVar("T")
+
+
+class Blocking:
+    """An async client driven from sync test code: its coroutines run on a loop in a thread
+    (so the shared sync test bodies run unchanged through it)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        verb = getattr(self.client, name)
+        return lambda *args, **kwargs: self.run(verb(*args, **kwargs))
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def blocking(store_url: str) -> Iterator[Blocking]:
+    made = Blocking(open_async_client(store_url))
+    yield made
+    made.close()
+
+
+def test_the_store_decides_the_kind_of_async_client(store_url: str) -> None:
+    client = open_async_client(store_url)
+    expected = PostgresAsyncClient if store_url.startswith("postgresql") else ThreadedAsyncClient
+    assert isinstance(client, expected)
+    asyncio.run(client.close())
+
+
+def test_error_is_the_default(blocking: Blocking) -> None:
+    check_error_is_the_default(blocking)  # type: ignore[arg-type]
+
+
+def test_ignore_leaves_the_existing_task(blocking: Blocking) -> None:
+    check_ignore_leaves_the_existing_task(blocking)  # type: ignore[arg-type]
+
+
+def test_replace_changes_a_pending_task_only(blocking: Blocking, store_url: str) -> None:
+    check_replace_changes_a_pending_task_only(blocking, store_url)  # type: ignore[arg-type]
+
+
+def test_the_other_verbs(store_url: str) -> None:
+    async def body() -> None:
+        async with open_async_client(store_url) as client:
+            await client.submit_task(Task("t", {"v": 1}))
+            assert (await client.task("t")).props == {"v": 1}
+            assert [i.id for i in await client.tasks()] == ["t"]
+            assert await client.tasks(TaskState.DONE) == []
+            with pytest.raises(InvalidTaskState):
+                await client.retry_task("t")  # pending: nothing to retry
+            with pytest.raises(TaskNotFound):
+                await client.task("nope")
+            await client.delete_task("t")
+            with pytest.raises(TaskNotFound):
+                await client.delete_task("t")
+            with pytest.raises(NodeNotFound):
+                await client.submit_command("no-such-node", commands.freeze())
+            limit = await client.set_limit("g", max=2, rate="5/1m")
+            assert await client.limits() == [limit]
+            await client.delete_limit("g")
+            assert await client.limits() == []
+            with pytest.raises(LimitNotFound):
+                await client.delete_limit("g")
+            with pytest.raises(TaskExists):
+                await client.submit_tasks([Task("a"), Task("a")])
+        with pytest.raises(Exception, match="closed"):
+            await client.tasks()
+
+    asyncio.run(body())
+
+
+def test_fifty_coroutines_submit_and_a_consumer_runs_them(store_url: str) -> None:
+    async def body() -> None:
+        async with open_async_client(store_url) as client:
+            added = await asyncio.gather(*(client.submit_task(Task(f"c-{n:02d}")) for n in range(50)))
+            assert added == [True] * 50
+
+    asyncio.run(body())
+    ran = RanIds()
+    with LocalCluster(store_url) as cluster:
+        cluster.add(simple_handler(ran), "runner")
+        for n in range(50):
+            cluster.wait_for_state(f"c-{n:02d}", "done", 60)
+        assert len(ran.ids) == 50
+
+
+ASYNC_KINDS = [("sqlite", "connection"), ("sqlite", "session"), ("postgresql", "connection"),
+               ("postgresql", "session"), ("postgresql", "psycopg")]
+
+
+@pytest.mark.parametrize(("store", "kind"), ASYNC_KINDS, ids=["-".join(k) for k in ASYNC_KINDS])
+def test_conn_in_the_applications_async_transaction(
+    store: str, kind: str, metafora_store_url: Callable[[str], str]
+) -> None:
+    url = metafora_store_url(store)
+    table = f"app_orders_{uuid.uuid4().hex[:8]}"
+    with open_client(url) as client:
+        client.tasks()  # the schema (the application's engine never creates it)
+    sa_url = sqlalchemy_url(url).replace("sqlite:", "sqlite+aiosqlite:", 1)
+
+    class Boom(Exception):
+        pass
+
+    async def body() -> list[str]:
+        engine = create_async_engine(sa_url)
+        async with engine.begin() as conn:
+            await conn.execute(text(f"CREATE TABLE {table} (id TEXT PRIMARY KEY)"))
+        insert = text(f"INSERT INTO {table} (id) VALUES (:id)")
+
+        async def in_txn(client: AsyncClient, order: str, fail: bool) -> None:
+            if kind == "psycopg":
+                pconn = await psycopg.AsyncConnection.connect(conninfo(url))
+                async with pconn, pconn.transaction():
+                    await pconn.execute(f"INSERT INTO {table} (id) VALUES (%s)", (order,))  # type: ignore[arg-type]
+                    await client.submit_task(Task(f"ship-{order}"), conn=pconn)
+                    await client.submit_tasks([Task(f"more-{order}-{n}") for n in range(2)],
+                                              conn=pconn)
+                    if fail:
+                        raise Boom
+                return
+            if kind == "session":
+                async with AsyncSession(engine) as session, session.begin():
+                    await session.execute(insert, {"id": order})
+                    await client.submit_task(Task(f"ship-{order}"), conn=session)
+                    await client.submit_tasks([Task(f"more-{order}-{n}") for n in range(2)],
+                                              conn=session)
+                    if fail:
+                        raise Boom
+                return
+            async with engine.begin() as conn:
+                await conn.execute(insert, {"id": order})
+                await client.submit_task(Task(f"ship-{order}"), conn=conn)
+                await client.submit_tasks([Task(f"more-{order}-{n}") for n in range(2)], conn=conn)
+                if fail:
+                    raise Boom
+
+        async with open_async_client(url) as client:
+            await in_txn(client, "o1", fail=False)
+            with pytest.raises(Boom):
+                await in_txn(client, "o2", fail=True)
+            async with engine.connect() as conn:
+                orders = [str(r[0]) for r in await conn.execute(text(f"SELECT id FROM {table}"))]
+        await engine.dispose()
+        return orders
+
+    assert asyncio.run(body()) == ["o1"]
+    ran = RanIds()
+    with LocalCluster(url) as cluster:
+        assert sorted(i.id for i in cluster.client.tasks()) == ["more-o1-0", "more-o1-1", "ship-o1"]
+        cluster.add(simple_handler(ran), "runner")
+        cluster.wait_for_state("ship-o1", "done", 30)
+        assert "ship-o2" not in ran.ids
+
+
+@pytest.mark.parametrize("kind", ["memory", "etcd"])
+def test_async_conn_is_a_config_error_on_memory_and_etcd(
+    kind: str, metafora_store_url: Callable[[str], str], tmp_path: Any
+) -> None:
+    async def body() -> None:
+        engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+        async with open_async_client(metafora_store_url(kind)) as client, engine.begin() as conn:
+            with pytest.raises(ConfigError, match="needs a SQL store"):
+                await client.submit_task(Task("t"), conn=conn)
+        await engine.dispose()
+
+    asyncio.run(body())
