@@ -277,7 +277,8 @@ def test_the_terminal_sees_controls_and_bidi_escaped() -> None:
 def test_bidi_controls_are_refused_in_ids(bidi: str) -> None:
     with pytest.raises(InvalidTaskId, match="bidi"):
         validate_task_id(f"invoice{bidi}txt.exe")
-    assert validate_task_id("zwj\u200dok") == "zwj\u200dok"  # other format characters stay allowed
+    with pytest.raises(InvalidTaskId, match="invisible"):  # issue 34: every format character
+        validate_task_id("zwj\u200dok")
 
 
 # -- issue 25: the fast pattern against the rule, and adversarial shapes -------------------------
