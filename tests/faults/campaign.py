@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from metafora import Task, open_client
+from metafora.client import Client
 from metafora.commands import stop_task
-from metafora.coordinator import Client
 from metafora.errors import MetaforaError, TaskExists
 from metafora.task import TaskState
 from tests.faults.ledger import FaultLog, Ledger, Report, Run, analyze, runs_of, stalls

@@ -28,6 +28,7 @@ from metafora.coordinators.etcd.driver import (
     WatchFailure,
 )
 from metafora.coordinators.etcd.layout import Keys
+from metafora.coordinators.etcd.states import EtcdStateStore
 from metafora.errors import (
     ClaimLost,
     ConfigError,
@@ -36,7 +37,6 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.statemachine import State, StateCode
-from metafora.statemachine.stores.etcd import EtcdStateStore
 from metafora.testing import RecordingContext
 from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files
 from tests.helpers import wait_until

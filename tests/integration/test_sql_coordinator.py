@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, TaskState, commands, open_client, open_coordinator
+from metafora.client import Client
 from metafora.config import parse_store_url
-from metafora.coordinator import Client
 from metafora.coordinators.sql import SQLClient, SQLCoordinator
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database

@@ -92,7 +92,7 @@ def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
 
 def test_etcd_command_take_on_frozen_etcd_is_bounded_by_the_lease(etcd_factory: Any) -> None:
     """A fenced take from the task's command queue is bounded like a state write."""
-    from metafora.statemachine.stores.etcd import EtcdTaskCommands
+    from metafora.coordinators.etcd.states import EtcdTaskCommands
 
     server = etcd_factory()
     url = server.url() + f"?lease_ttl=2&timeout={STORE_TIMEOUT:g}"

@@ -21,7 +21,7 @@ from metafora.errors import (
     ConfigError,
 )
 from metafora.limits import GroupUsage, Limit
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskInfo,
@@ -123,7 +123,7 @@ class MemoryStore:
         self.member_listeners: list[Callable[[], None]] = []
         # Each task's state-machine state: (claim token, body, the row it belongs to). The
         # coordinator keeps where it lives, as SQL's metafora_state and etcd's state/<id>
-        # do; what it means is the state machine's (metafora.statemachine.stores.memory).
+        # do; what it means is the state machine's (metafora.coordinators.memory.states).
         self.task_states: dict[str, tuple[int, str, weakref.ref[Row]]] = {}
         self.limits: dict[str, Limit] = {}
         self.rate_log: dict[str, deque[datetime]] = {}  # claim times per rate-limited group

@@ -17,7 +17,10 @@ connections. Modules:
 - :mod:`~metafora.coordinators.sql.claims`: claims and their fenced outcomes;
 - :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
 - :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
-- :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`.
+- :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`;
+- the features' storage: :mod:`~metafora.coordinators.sql.states` (the state machine's states
+  and task commands), :mod:`~metafora.coordinators.sql.gates` (the gated partitions' items),
+  through the seam :mod:`~metafora.coordinators.sql.shared`.
 """
 
 from __future__ import annotations

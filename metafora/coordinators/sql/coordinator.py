@@ -45,7 +45,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
@@ -57,6 +57,8 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     Nothing touches the store until :meth:`init`. Thread-safe.
     """
+
+    backend = "sql"
 
     claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
 
