@@ -43,8 +43,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
 from metafora.clock import Clock
+from metafora.durations import format_duration, whole_seconds
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError
-from metafora.schedule_model import format_duration, parse_duration
 
 if TYPE_CHECKING:
     from metafora.task import TaskInfo
@@ -140,7 +140,7 @@ def parse_keep(value: object, what: str = "retention") -> timedelta | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "never"):
         return None
     try:
-        return timedelta(seconds=parse_duration(value))
+        return timedelta(seconds=whole_seconds(value, "a duration"))
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc} (or 'never')") from None
 

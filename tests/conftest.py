@@ -13,7 +13,7 @@ pytest_plugins = [
     name
     for name in ("tests.fixtures.postgres", "tests.fixtures.etcd", "tests.fixtures.faults")
     if importlib.util.find_spec(name) is not None
-] + ["pytester"]  # metafora's own pytest plugin (metafora.pytest_plugin) is tested with pytester
+] + ["pytester"]  # metafora's own pytest plugin (metafora.testing.pytest_plugin) is tested with pytester
 
 # Tests that need a store server get a marker of its name, so `-m "not postgresql and not etcd"`
 # selects the memory and SQLite tests (CI runs those on every supported Python).

@@ -10,7 +10,6 @@ released at once, the node deregistered) and exits 0; a second one exits at once
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import threading
@@ -30,6 +29,7 @@ from metafora.cli._load import Kind, Target, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
 from metafora.masking import mask_url
+from metafora.node import check_weight
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "worker"]
 
@@ -82,13 +82,6 @@ def _option(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callab
     """An option read from ``$METAFORA_WORKER_<NAME>`` too, shown in --help."""
     env = ENV_PREFIX + decls[0].lstrip("-").replace("-", "_").upper()
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
-
-
-def check_weight(weight: float) -> float:
-    """``--weight`` as the Consumer's ``weight=``; not a positive finite number: usage error."""
-    if not math.isfinite(weight) or weight <= 0:
-        raise CliError.make(f"--weight must be a positive finite number, got {weight!r}", ExitCode.USAGE)
-    return weight
 
 
 def make_balancer(name: str) -> Balancer:
@@ -183,7 +176,7 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
            prune_every: timedelta) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     # Everything that can be refused is checked before the store is touched.
-    node_weight = check_weight(weight)
+    node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
     node_labels = parse_select(labels, "--labels")
     target = load_target(target_spec, Kind(kind) if kind is not None else None)
     chosen = make_balancer(balancer)

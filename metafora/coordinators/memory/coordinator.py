@@ -31,7 +31,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskState,
