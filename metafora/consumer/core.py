@@ -109,7 +109,7 @@ class _Context(CoordinatorContext):
 
     def renewal_failed(self, error: BaseException) -> None:
         """A renewal of the node's lease failed (the optional hook of
-        :mod:`metafora.coordinators.fencing`): its handlers may be warned early."""
+        :mod:`metafora.leases`): its handlers may be warned early."""
         self._consumer._risk.failed(error)
 
     @property

@@ -14,7 +14,7 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
     old one first, in case etcd still has it) and carries on.
     etcd expires a lease ``lease_ttl`` after it *received* the last renewal, which is later
     than when we sent it, so everyone else can claim only after we have fenced; the margin
-    (:data:`~metafora.coordinators.fencing.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
+    (:data:`~metafora.leases.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
     the time handlers get to notice ``stop()``.
 
 ``metafora-etcd-watch[<node>]``
@@ -73,9 +73,9 @@ from metafora.coordinators.etcd.queries import (
 )
 from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.etcd.watch import NamespaceWatch
-from metafora.coordinators.fencing import LeaseTiming
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.leases import LeaseTiming, renew_every
 from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
@@ -316,8 +316,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.coordinators.fencing`)."""
-        return LeaseTiming(renew_every=self._cfg.lease_ttl / 3, fence_after=self._lease.fence_after)
+        :mod:`metafora.leases`)."""
+        return LeaseTiming(renew_every=renew_every(self._cfg.lease_ttl), fence_after=self._lease.fence_after)
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""

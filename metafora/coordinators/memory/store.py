@@ -20,6 +20,7 @@ from metafora.coordinator import (
 from metafora.errors import (
     ConfigError,
 )
+from metafora.leases import read_lease_ttl
 from metafora.limits import GroupUsage, Limit
 from metafora.schedule_model import Schedule
 from metafora.task import (
@@ -324,7 +325,7 @@ def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
     reader = OptionReader(url, options)
     namespace = reader.namespace()
     # Accepted for parity with the real stores; memory nodes hold claims until close().
-    reader.number("lease_ttl", 30.0, minimum=0.1)
+    read_lease_ttl(reader, "memory")
     reader.number("poll_interval", 1.0, minimum=0.01)
     reader.finish()
     if len(url.hosts) != 1 or url.path not in ("", "/"):

@@ -13,7 +13,7 @@ connections. Modules:
 - :mod:`~metafora.coordinators.sql.statements`: every statement, written once;
 - :mod:`~metafora.coordinators.sql.store`: the engine, error translation at the boundary;
 - :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing
-  (:mod:`metafora.coordinators.fencing` says when);
+  (:mod:`metafora.leases` says when);
 - :mod:`~metafora.coordinators.sql.claims`: claims and their fenced outcomes;
 - :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
 - :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
