@@ -16,7 +16,7 @@ from metafora.consumer import Consumer
 from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
 from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task, TaskInfo, TaskState
 
 __all__ = [

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -49,6 +49,10 @@ class NodeInfo:
 class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
+
+    backend: ClassVar[str] = ""
+    """The store this client belongs to: its key in :mod:`metafora.connect`'s backend table (as
+    :attr:`~metafora.coordinator.Coordinator.backend`)."""
 
     @property
     @abc.abstractmethod

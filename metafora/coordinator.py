@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import Protocol, Self, TypeVar
+from typing import ClassVar, Protocol, Self, TypeVar
 
 from metafora.balancer import ClusterState
 from metafora.commands import Command
@@ -181,6 +181,11 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     claim_burst: int = 32
     """At most this many offered tasks go to one :meth:`claim_many` call from the consumer (a
     store that claims a burst in one statement sets more; etcd's txn limit wants fewer)."""
+
+    backend: ClassVar[str] = ""
+    """The store this coordinator belongs to: its key in :mod:`metafora.connect`'s backend table
+    (``"memory"``, ``"sql"``, ``"etcd"``): the features find their storage beside it there
+    (state machine states, task commands). Empty for a coordinator of no built-in store."""
 
     @property
     @abc.abstractmethod

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from metafora.durations import format_duration
 from metafora.errors import ConfigError
-from metafora.schedule_model import format_duration
 from metafora.task import validate_group
 
 __all__ = [

@@ -18,12 +18,12 @@ from metafora.cli._common import (
     cell,
     console,
     format_time,
-    parse_duration,
     print_json,
     scrub,
     store_client,
 )
 from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.durations import parse_duration
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import load_value
 from metafora.masking import MAX_MASKED, cut_text, one_line
@@ -112,7 +112,7 @@ def parse_when(text: str, option: str) -> str:
         return datetime.now(UTC).isoformat()
     if stripped.startswith("+"):
         try:
-            delta = parse_duration(stripped[1:])
+            delta = timedelta(seconds=parse_duration(stripped[1:]))
         except ValueError as exc:
             raise InvalidProps(f"{option}: {exc}; expected {_TIME_FORMS}") from None
         return (datetime.now(UTC) + delta).isoformat()

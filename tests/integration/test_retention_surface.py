@@ -85,3 +85,22 @@ def test_retention_cli(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "never" in bad.output
     none = runner.invoke(cli, ["--url", url, "retention", "set"])
     assert none.exit_code == 2
+
+
+def test_dashboard_shows_backlog_and_retention(tmp_path: Path) -> None:
+    from metafora import open_client
+    from metafora.web.app import create_app
+    from tests.web.test_web_http import TestClient
+
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    with open_client(url) as client:
+        client.submit_tasks([Task("a"), Task("b")])
+        client.set_retention(failed="2d")
+    app = create_app(url)
+    try:
+        with TestClient(app) as http:
+            page = http.get("/nodes").text
+        assert "backlog 2 pending, 0 held / capacity 0 on 0 nodes" in page
+        assert "retention done 7d, failed 2d, killed 30d" in page
+    finally:
+        app.state.dashboard.close()

@@ -23,7 +23,7 @@ from metafora.errors import (
 )
 from metafora.limits import GroupUsage, Limit
 from metafora.retention import purge_policy
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import (
     Task,
@@ -48,6 +48,8 @@ def _replace(row: Row, task: Task) -> None:
 
 class MemoryClient(MemoryRetention, Client):
     """Operator client on an in-process :class:`MemoryStore`."""
+
+    backend = "memory"
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store

@@ -33,7 +33,7 @@ from metafora.errors import (
 )
 from metafora.limits import GroupUsage, Limit
 from metafora.retention import purge_policy
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists
 from metafora.task import (
     Task,
@@ -119,6 +119,8 @@ class SQLClient(SQLRetention, Client):
 
     Nothing touches the store until the first call; the schema is created then if needed.
     """
+
+    backend = "sql"
 
     def __init__(self, db: Database) -> None:
         self._db = db
