@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
+import importlib.util
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -82,7 +83,11 @@ class AsyncClient(abc.ABC):
         validate_schedule(task, SYSTEM_CLOCK.now())
         if conn is not None:
             db = await self._sql_db()
-            return await _submit.run_steps_async(conn, db, _submit.submit_steps(db, [task], mode)) == 1
+            try:
+                return await _submit.run_steps_async(conn, db, _submit.submit_steps(db, [task], mode)) == 1
+            except TaskExists:
+                raise TaskExists(f"task {task.id!r} already exists in {self.name}",
+                                 ids=[task.id]) from None
         return await self._submit_one(task, mode)
 
     async def submit_tasks(
@@ -416,5 +421,9 @@ class PostgresAsyncClient(AsyncClient):
 def open_async(client: Client, threads: int = DEFAULT_THREADS) -> AsyncClient:
     """The async client over the store of ``client`` (see :func:`metafora.open_async_client`)."""
     if isinstance(client, SQLClient) and client._db.config.kind == "postgresql":
+        if importlib.util.find_spec("greenlet") is None:
+            client.close()
+            raise ConfigError("the async client on PostgreSQL needs SQLAlchemy's asyncio support"
+                              " (greenlet): pip install 'metafora-cluster[async]'")
         return PostgresAsyncClient(client._db)
     return ThreadedAsyncClient(client, threads)
