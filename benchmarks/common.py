@@ -129,7 +129,7 @@ class Stores:
             if binary is None:
                 raise SystemExit("no etcd binary: apt-get install etcd-server")
             if self.etcd_members > 1:
-                from metafora.testservers import start_etcd_cluster
+                from metafora.testing.servers import start_etcd_cluster
 
                 cluster = start_etcd_cluster(binary, self.workdir / "etcd-cluster", self.etcd_members)
                 self.etcd_servers.extend(cluster.members)

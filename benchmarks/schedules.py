@@ -31,7 +31,8 @@ from benchmarks.common import Stores, percentile, save, table
 from metafora import open_client, open_coordinator
 from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import Coordinator
-from metafora.schedule import Schedule, Scheduler
+from metafora.schedule import Scheduler
+from metafora.schedule_model import Schedule
 from metafora.task import Task, parse_time
 from metafora.testing import RecordingContext
 

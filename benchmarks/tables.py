@@ -173,6 +173,18 @@ def check(pages: Iterable[Path] = PAGES, write: bool = False) -> list[str]:
 
 @table("claims", command="python -m benchmarks claims")
 def _claims(data: dict[str, Any]) -> list[str]:
+    if all("batch_claims_per_s" in r for r in data["results"]):
+        return [
+            "Claim throughput (consumer: claim + handler + fenced done per task; the limit: the"
+            " store's own batch claim path in bare loops, same processes, same run):",
+            "",
+            *header("store", "processes", "tasks", "one by one claims/s", "batch claims/s (the limit)",
+                    "consumer tasks/s", "consumer / limit"),
+            *(row(r["store"], r["procs"], r["tasks"], r["raw_claims_per_s"], r["batch_claims_per_s"],
+                  r["consumer_tasks_per_s"], f"{r['ratio']:.0%}") for r in data["results"]),
+        ]
+    # Results saved before the batch loop was measured: the raw loop claimed one task per
+    # statement, not the store's batch path, so it was not the limit it was called.
     return [
         "Claim throughput (consumer: claim + handler + fenced done per task; raw: the bare claim"
         " statement/txn loop, same processes, same run):",

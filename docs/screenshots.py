@@ -21,7 +21,8 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from metafora import Task, TaskState, commands, open_coordinator, simple_handler
-from metafora.coordinator import Client, CoordinatorContext
+from metafora.client import Client
+from metafora.coordinator import CoordinatorContext
 from metafora.gates import ItemStore, NewItem
 from metafora.statemachine import State, StateCode, state_store_for
 from metafora.testing import LocalCluster, wait_for

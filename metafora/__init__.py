@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from metafora import commands, errors
 from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
+from metafora.client import Client
 from metafora.commands import Command
 from metafora.connect import default_url, open_async_client, open_client, open_coordinator
 from metafora.consumer import Consumer
-from metafora.coordinator import Client, Coordinator, CoordinatorContext
+from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.errors import MetaforaError
 from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
-from metafora.schedule import Schedule
-from metafora.statemachine.retry import reset_and_retry
+from metafora.schedule_model import Schedule
 from metafora.task import Task, TaskInfo, TaskState
-from metafora.task_retry import install_state_reset
 
 __all__ = [
     "AsyncHandler",
@@ -49,6 +48,3 @@ __all__ = [
 
 __version__ = "0.2.0"
 
-# Client.retry_task(reset_state=True) resets a stateful task's state: the rules are the state
-# machine's, which sits above the coordinators, so the package wires them together here.
-install_state_reset(reset_and_retry)

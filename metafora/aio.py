@@ -35,9 +35,9 @@ from sqlalchemy import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from metafora import bulk
+from metafora.client import Client
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.coordinator import Client
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
 from metafora.coordinators.sql.schema import migrate, needs_migration

@@ -27,9 +27,12 @@ from metafora.clock import Clock
 from metafora.errors import CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
-    from metafora.coordinator import Client, Coordinator
+    from metafora.client import Client
+    from metafora.coordinator import Coordinator
+    from metafora.retention import Retention
 
-__all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "read_cluster"]
+__all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "backlog_line", "read_backlog",
+           "read_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,30 @@ def read_cluster(store: Coordinator | Client) -> ClusterSnapshot:
     capacity = sum(cap for node, cap in capacities.items() if node in held)
     return ClusterSnapshot(store.namespace_label(), pending, sum(held.values()), capacity,
                            len(held))
+
+
+def read_backlog(client: Client | Coordinator) -> tuple[ClusterSnapshot | None, Retention | None]:
+    """The cluster's backlog and capacity, and the retention policy (None where the store
+    does not keep them)."""
+    try:
+        cluster: ClusterSnapshot | None = read_cluster(client)
+    except NotImplementedError:
+        cluster = None
+    try:
+        retention: Retention | None = client.retention()
+    except NotImplementedError:
+        retention = None
+    return cluster, retention
+
+
+def backlog_line(cluster: ClusterSnapshot | None, retention: Retention | None) -> str:
+    """``backlog 6 pending, 4 held / capacity 64 on 2 nodes — retention done 7d, ...``."""
+    parts = []
+    if cluster is not None:
+        parts.append(cluster.describe())
+    if retention is not None:
+        parts.append(f"retention {retention.describe()}")
+    return " — ".join(parts)
 
 
 class ClusterGauges:

@@ -6,7 +6,6 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -20,7 +19,7 @@ from metafora.masking import (
     split_url,
 )
 
-__all__ = ["DEFAULT_NAMESPACE", "OptionReader", "StoreURL", "parse_store_url", "seconds",
+__all__ = ["DEFAULT_NAMESPACE", "OptionReader", "StoreURL", "parse_store_url",
            "validate_namespace"]
 
 DEFAULT_NAMESPACE = "metafora"
@@ -206,12 +205,3 @@ class OptionReader:
 def _shown(name: str, value: object) -> str:
     """How an option's value appears in an error: never, for a credential-like option."""
     return MASK if is_secret_option(name) else repr(value)
-
-
-def seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) -> float:
-    """``value`` (a number of seconds or a ``timedelta``) as seconds, or a :class:`ConfigError`
-    naming ``name`` (zero only with ``allow_zero``)."""
-    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(result) or result < 0 or (result == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    return result

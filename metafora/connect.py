@@ -1,4 +1,6 @@
-"""Open a coordinator or a client from a store URL (dispatch on the scheme)."""
+"""Open a coordinator or a client from a store URL (dispatch on the scheme), and the backend
+table: which store package implements what (:func:`implementation`), for the stores and for
+the features that keep their storage in them (the state machine, the gated partitions)."""
 
 from __future__ import annotations
 
@@ -7,40 +9,66 @@ import importlib.util
 import os
 import socket
 import uuid
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from metafora.client import Client
 from metafora.config import StoreURL, parse_store_url
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
+from metafora.errors import ConfigError, InvalidTaskId
+from metafora.task import validate_task_id
 
 if TYPE_CHECKING:
     from metafora.aio import AsyncClient
-from metafora.errors import ConfigError, InvalidTaskId
-from metafora.task import validate_task_id
 
 __all__ = [
     "DEFAULT_URL",
     "ENV_URL",
     "default_url",
+    "implementation",
     "new_node_id",
     "open_async_client",
     "open_client",
     "open_coordinator",
+    "store_of",
+    "store_of_url",
     "validate_node_id",
 ]
 
 DEFAULT_URL = "sqlite:///metafora.db"
 ENV_URL = "METAFORA_URL"
 
-# scheme -> (module, pip extra that provides its driver)
-_BACKENDS: dict[str, tuple[str, str | None]] = {
-    "memory": ("metafora.coordinators.memory", None),
-    "sqlite": ("metafora.coordinators.sql", None),
-    "postgresql": ("metafora.coordinators.sql", "postgres"),
-    "postgres": ("metafora.coordinators.sql", "postgres"),
-    "postgresql+psycopg": ("metafora.coordinators.sql", "postgres"),
-    "etcd": ("metafora.coordinators.etcd", "etcd"),
-    "etcds": ("metafora.coordinators.etcd", "etcd"),
+# The backend table: each store, and where its implementations live ("module:name"): the
+# module of its coordinator and client hooks (open_coordinator, open_client), and the storage
+# of the features, which the store package owns too (each class is built with .of(owner) or,
+# for an item store, from a URL). A store without an entry for a feature does not keep it.
+_STORES: dict[str, dict[str, str]] = {
+    "memory": {
+        "hooks": "metafora.coordinators.memory",
+        "state_store": "metafora.coordinators.memory.states:MemoryStateStore",
+        "task_commands": "metafora.coordinators.memory.states:MemoryTaskCommands",
+    },
+    "sql": {
+        "hooks": "metafora.coordinators.sql",
+        "state_store": "metafora.coordinators.sql.states:SQLStateStore",
+        "task_commands": "metafora.coordinators.sql.states:SQLTaskCommands",
+        "item_store": "metafora.coordinators.sql.gates.store:SQLItemStore",
+    },
+    "etcd": {
+        "hooks": "metafora.coordinators.etcd",
+        "state_store": "metafora.coordinators.etcd.states:EtcdStateStore",
+        "task_commands": "metafora.coordinators.etcd.states:EtcdTaskCommands",
+    },
+}
+
+# scheme -> (store, pip extra that provides its driver)
+_SCHEMES: dict[str, tuple[str, str | None]] = {
+    "memory": ("memory", None),
+    "sqlite": ("sql", None),
+    "postgresql": ("sql", "postgres"),
+    "postgres": ("sql", "postgres"),
+    "postgresql+psycopg": ("sql", "postgres"),
+    "etcd": ("etcd", "etcd"),
+    "etcds": ("etcd", "etcd"),
 }
 
 # pip extra -> the driver module a store module imports only when it connects
@@ -74,14 +102,18 @@ def validate_node_id(node_id: object) -> str:
         raise ConfigError(str(exc).replace("task id", "node id")) from None
 
 
-def _backend(url: StoreURL) -> _Backend:
-    entry = _BACKENDS.get(url.scheme)
+def _scheme(url: StoreURL) -> tuple[str, str | None]:
+    entry = _SCHEMES.get(url.scheme)
     if entry is None:
-        known = ", ".join(sorted(_BACKENDS))
+        known = ", ".join(sorted(_SCHEMES))
         raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
-    module_name, extra = entry
+    return entry
+
+
+def _backend(url: StoreURL) -> _Backend:
+    store, extra = _scheme(url)
     try:
-        module: ModuleType = importlib.import_module(module_name)
+        module = importlib.import_module(_STORES[store]["hooks"])
         driver = _DRIVERS.get(extra or "")
         if driver is not None and importlib.util.find_spec(driver) is None:
             raise ModuleNotFoundError(f"No module named {driver!r}")
@@ -91,6 +123,34 @@ def _backend(url: StoreURL) -> _Backend:
             f"the {url.scheme} store is not available: {exc}{hint}"
         ) from exc
     return cast(_Backend, module)
+
+
+def store_of(owner: object) -> str:
+    """The store a coordinator or client belongs to (its
+    :attr:`~metafora.coordinator.Coordinator.backend`, a key of the backend table); ConfigError
+    for one of no built-in store."""
+    store = type(owner).backend if isinstance(owner, Coordinator | Client) else ""
+    if store not in _STORES:
+        raise ConfigError(f"{type(owner).__name__} belongs to no built-in store (metafora.connect "
+                          f"knows {', '.join(_STORES)})")
+    return store
+
+
+def store_of_url(url: str | None) -> tuple[StoreURL, str]:
+    """The parsed ``url`` (default: :func:`default_url`) and the store it names; ConfigError
+    for an unknown scheme."""
+    parsed = parse_store_url(url or default_url())
+    return parsed, _scheme(parsed)[0]
+
+
+def implementation(store: str, feature: str) -> Any:
+    """The class that implements ``feature`` (``"state_store"``, ``"task_commands"``,
+    ``"item_store"``) in ``store``, from the backend table; None when the store keeps none."""
+    target = _STORES[store].get(feature)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def open_coordinator(

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from metafora.durations import format_duration
 from metafora.errors import ConfigError
-from metafora.schedule_model import format_duration
 from metafora.task import validate_group
 
 __all__ = [
@@ -143,7 +143,7 @@ def waiting_reason(group: str | None, usage: Mapping[str, GroupUsage]) -> str | 
 
 
 class ClientLimits:
-    """The limit verbs of :class:`~metafora.coordinator.Client` (one of its bases); a store
+    """The limit verbs of :class:`~metafora.client.Client` (one of its bases); a store
     overrides :meth:`group_usage`, :meth:`_limit_put` and :meth:`_limit_delete`."""
 
     def set_limit(self, group: str, max: int | None = None,

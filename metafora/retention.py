@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
 from metafora.clock import Clock
+from metafora.durations import format_duration, whole_seconds
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError
-from metafora.schedule_model import format_duration, parse_duration
 
 if TYPE_CHECKING:
     from metafora.task import TaskInfo
@@ -54,6 +55,7 @@ __all__ = [
     "KILLED_MARKS",
     "PRUNE_BATCH",
     "PRUNE_INTERVAL",
+    "UNCHANGED",
     "Cutoffs",
     "Pruner",
     "Retention",
@@ -138,7 +140,7 @@ def parse_keep(value: object, what: str = "retention") -> timedelta | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "never"):
         return None
     try:
-        return timedelta(seconds=parse_duration(value))
+        return timedelta(seconds=whole_seconds(value, "a duration"))
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc} (or 'never')") from None
 
@@ -229,11 +231,20 @@ class RetentionOps:
             policy = self._retention_get()
         cutoffs = Cutoffs.at(policy, self._prune_now())
         total = 0
+        pause = threading.Event()
         while True:
+            started = time.monotonic()
             count = self._prune_batch(cutoffs, batch)
             total += count
             if count < batch:
                 return total
+            pause.wait(self._prune_pause(time.monotonic() - started))
+
+    def _prune_pause(self, elapsed: float) -> float:
+        """Seconds to rest after a full batch that took ``elapsed``: the share of the store's
+        time a prune may take (SQLite: one writer at a time, so claims wait while a batch
+        runs; see ``coordinators/sql/retention.py`` for the factors)."""
+        return 0.0
 
     def _retention_get(self) -> Retention:
         """The stored policy (the default if none)."""
@@ -321,6 +332,7 @@ class Pruner:
         total = 0
         started = self._clock.monotonic()
         while not self._stop.is_set():
+            batch_started = self._clock.monotonic()
             count = self._store._prune_batch(cutoffs, self._batch)
             total += count
             self.pruned += count
@@ -328,7 +340,9 @@ class Pruner:
                 self._on_pruned(count)
             if count < self._batch:
                 break
-        self._log.info("pruned %d finished task(s) in %.1fs (%s)", total,
-                       self._clock.monotonic() - started, policy.describe(),
-                       extra={"action": "prune"})
+            self._clock.wait(self._stop, self._store._prune_pause(self._clock.monotonic() - batch_started))
+        self._log.log(logging.INFO if total else logging.DEBUG,
+                      "pruned %d finished task(s) in %.1fs (%s)", total,
+                      self._clock.monotonic() - started, policy.describe(),
+                      extra={"action": "prune"})
         return total

@@ -1,17 +1,17 @@
 """Masterless periodic tasks: schedules, their ticks, and the loop that materialises them.
 
-A :class:`Schedule` says when (``every`` N seconds, or a ``cron`` expression, in UTC) a task
-is made from its ``props``. Every consumer runs a :class:`Scheduler`; any of them may
-materialise a due tick. The store's one atomic step
+A :class:`~metafora.schedule_model.Schedule` says when (``every`` N seconds, or a ``cron``
+expression, in UTC) a task is made from its ``props``. Every consumer runs a
+:class:`Scheduler`; any of them may materialise a due tick. The store's one atomic step
 (:meth:`metafora.coordinator.Coordinator.materialise`) advances the schedule's ``cursor``
 with a compare-and-set on its ``version`` and creates the tick's task if absent, in one
 transaction: two nodes racing make one task, and a tick whose task was since purged is never
 made again. No leader is needed, and no tick is lost while at least one node is up.
 
-The values (:class:`Schedule`, tick computation, the missed-tick policy) live in
-:mod:`metafora.schedule_model`, below the coordinator interface that names them; they are
-re-exported here (tick times and the missed policy are described there). This module adds
-the loop, which drives a coordinator.
+The values (:class:`~metafora.schedule_model.Schedule`, tick computation, the missed-tick
+policy) live in :mod:`metafora.schedule_model`, below the coordinator interface that names
+them; the stores and this loop import them from there. This module is the loop, which drives
+a coordinator.
 """
 
 from __future__ import annotations
@@ -23,36 +23,17 @@ from typing import TYPE_CHECKING
 from metafora.clock import Clock
 from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.schedule_model import (
-    LATE_AFTER,
     MAX_CATCH_UP,
     MAX_TICKS_PER_STEP,
-    MISSED_POLICIES,
-    Due,
     Schedule,
     due,
-    format_duration,
-    new_schedule,
-    parse_duration,
     tick_id,
 )
 
 if TYPE_CHECKING:
     from metafora.coordinator import Coordinator
 
-__all__ = [
-    "LATE_AFTER",
-    "MAX_CATCH_UP",
-    "MAX_TICKS_PER_STEP",
-    "MISSED_POLICIES",
-    "Due",
-    "Schedule",
-    "Scheduler",
-    "due",
-    "format_duration",
-    "new_schedule",
-    "parse_duration",
-    "tick_id",
-]
+__all__ = ["Scheduler"]
 
 log = logging.getLogger(__name__)
 

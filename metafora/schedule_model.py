@@ -22,12 +22,12 @@ a warning).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from metafora.durations import format_duration, whole_seconds
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
 from metafora.task import MAX_TASK_ID_LENGTH, Task, validate_task_id
 
@@ -39,9 +39,7 @@ __all__ = [
     "Due",
     "Schedule",
     "due",
-    "format_duration",
     "new_schedule",
-    "parse_duration",
     "tick_id",
 ]
 
@@ -65,42 +63,6 @@ MAX_NAME_LENGTH = MAX_TASK_ID_LENGTH - _TICK_SUFFIX
 """The longest schedule name: its tasks' ids add ``@`` and the tick time."""
 
 _TIME_PROPS = ("launch_at", "expires_at")
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: object) -> int:
-    """Seconds in a schedule period: ``"30s"``, ``"5m"``, ``"1h"``, ``"1d"``, a whole number
-    of seconds, or a :class:`~datetime.timedelta` of whole seconds; at least 1 s."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-        if seconds != int(seconds):
-            raise ConfigError(f"a schedule period must be whole seconds, got {value}")
-        total = int(seconds)
-    elif isinstance(value, bool):
-        raise ConfigError(f"a schedule period must be a duration like 30s, 5m, 1h, 1d, got {value!r}")
-    elif isinstance(value, int):
-        total = value
-    elif isinstance(value, str):
-        match = _DURATION.match(value)
-        if match is None:
-            raise ConfigError(
-                f"bad duration {value!r}: use a number and a unit, like 30s, 5m, 1h or 1d"
-            )
-        total = int(match.group(1)) * _UNITS[match.group(2)]
-    else:
-        raise ConfigError(f"a schedule period must be a duration like 30s, 5m, 1h, 1d, got {value!r}")
-    if total < 1:
-        raise ConfigError(f"a schedule period must be at least 1s, got {value!r}")
-    return total
-
-
-def format_duration(seconds: int) -> str:
-    """The shortest ``30s``/``5m``/``1h``/``1d`` text for ``seconds`` (``90s`` stays seconds)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
 
 
 def _croniter(expr: str, start: datetime) -> Any:
@@ -221,7 +183,7 @@ def new_schedule(
     check_name(name)
     if (every is None) == (cron is None):
         raise ConfigError("give exactly one of every (a duration like 5m) and cron (an expression)")
-    period = None if every is None else parse_duration(every)
+    period = None if every is None else whole_seconds(every, "a schedule period")
     expr = None if cron is None else check_cron(cron)
     if missed not in MISSED_POLICIES:
         raise ConfigError(f"missed must be one of {', '.join(MISSED_POLICIES)}, got {missed!r}")

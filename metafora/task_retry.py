@@ -1,4 +1,4 @@
-"""Retrying a finished task: what every store's client shares, and the hook for state resets.
+"""Retrying a finished task: what every store's client shares.
 
 ``Client.retry_task(id)`` makes a failed or expired task pending again. With
 ``reset_state=True`` it also re-runs a stateful task whose state machine ended ``failed`` or
@@ -10,30 +10,28 @@ text or bytes here: a :class:`RetrySnapshot`), calls ``rewrite``, and writes the
 the state ``rewrite`` returned together -- one SQL transaction, one etcd txn, or under the
 memory store's lock -- or nothing at all when ``rewrite`` raises.
 
-``Client.retry_task(..., reset_state=True)`` reaches the state machine through the hook
-installed with :func:`install_state_reset` (the package's face, ``metafora/__init__``,
-installs :func:`metafora.statemachine.retry.reset_and_retry`), so no coordinator imports
-the state machine.
+``Client.retry_task(..., reset_state=True)`` calls
+:func:`metafora.statemachine.retry.reset_and_retry` explicitly, loading the state machine only
+then: no coordinator imports the state machine, and ``import metafora`` loads none of it.
+:class:`RetryClient` is what the state machine's retry needs of a client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final, Protocol
 
 from metafora.errors import ConfigError, InvalidTaskState
-from metafora.task import TaskState
+from metafora.task import TaskInfo, TaskState
 
 __all__ = [
     "RETRYABLE",
+    "RetryClient",
     "RetrySnapshot",
-    "StateReset",
     "StateRewrite",
     "check_retry_options",
     "check_retryable",
-    "install_state_reset",
-    "state_reset",
 ]
 
 RETRYABLE: Final = frozenset({TaskState.FAILED, TaskState.EXPIRED})
@@ -59,11 +57,17 @@ StateRewrite = Callable[[RetrySnapshot], "str | bytes | None"]
 """Decides a retry: raises to refuse it (nothing is written), or returns the state body to
 store (None: keep the stored state; a task without one keeps none)."""
 
-# The client is typed Any: this module sits below metafora.coordinator, which imports it.
-StateReset = Callable[[Any, str, bool], None]
-"""``(client, task_id, keep_cursor)``: a retry with ``reset_state`` (see the module docstring)."""
 
-_installed: list[StateReset] = []
+class RetryClient(Protocol):
+    """What a retry needs of a :class:`~metafora.client.Client` (every store's client has it)."""
+
+    def get_task(self, task_id: str) -> TaskInfo:
+        """One task's info. Raises TaskNotFound."""
+        ...
+
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
+        """Make a finished task pending again with ``rewrite`` of its stored state, atomically."""
+        ...
 
 
 def check_retry_options(reset_state: bool, keep_cursor: bool) -> None:
@@ -79,17 +83,3 @@ def check_retryable(task_id: str, state: TaskState) -> None:
             f"task {task_id!r} is {state.value}; only failed or expired tasks can be "
             "retried (stateful tasks that ended failed or killed: with reset_state)"
         )
-
-
-def install_state_reset(reset: StateReset) -> None:
-    """Make ``reset`` what ``Client.retry_task(..., reset_state=True)`` calls (the last one
-    installed wins)."""
-    _installed[:] = [reset]
-
-
-def state_reset() -> StateReset:
-    """The installed state reset (ConfigError when none is: ``metafora.statemachine`` was
-    not imported, which ``import metafora`` does)."""
-    if not _installed:
-        raise ConfigError("retry with reset_state needs metafora.statemachine (import metafora)")
-    return _installed[0]

@@ -17,7 +17,7 @@ from metafora.limits import GroupUsage, waiting_reason
 from metafora.task import TaskInfo, TaskState, placement_reason
 
 if TYPE_CHECKING:
-    from metafora.coordinator import Client
+    from metafora.client import Client
 
 __all__ = ["group_reasons", "pending_reasons", "placement_reasons", "read_usage", "waiting_groups"]
 
@@ -30,7 +30,7 @@ def _pending(infos: Iterable[TaskInfo]) -> list[TaskInfo]:
 
 
 def read_usage(client: Client) -> dict[str, GroupUsage]:
-    """Every limited group's usage (:meth:`~metafora.coordinator.Client.group_usage`); empty
+    """Every limited group's usage (:meth:`~metafora.client.Client.group_usage`); empty
     for a store that keeps no limits."""
     try:
         return client.group_usage()

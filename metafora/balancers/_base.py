@@ -1,29 +1,13 @@
-"""Shared plumbing for the bundled balancers: the context they keep and duration checks."""
+"""Shared plumbing for the bundled balancers: the context they keep."""
 
 from __future__ import annotations
 
-import math
 import threading
-from datetime import timedelta
 
 from metafora.balancer import Balancer, BalancerContext
 from metafora.clock import Clock
-from metafora.errors import ConfigError
 
-__all__ = ["ContextBalancer", "seconds"]
-
-
-def seconds(value: float | timedelta, name: str) -> float:
-    """``value`` (seconds or a timedelta) as non-negative finite seconds, else ConfigError."""
-    if isinstance(value, timedelta):
-        result = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-    else:
-        raise ConfigError(f"{name} must be seconds or a timedelta, got {value!r}")
-    if not math.isfinite(result) or result < 0:
-        raise ConfigError(f"{name} must be a non-negative number of seconds, got {value!r}")
-    return result
+__all__ = ["ContextBalancer"]
 
 
 class ContextBalancer(Balancer):

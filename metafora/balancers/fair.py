@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from metafora.balancer import BalancerContext, RunningTask
-from metafora.balancers._base import ContextBalancer, seconds
+from metafora.balancers._base import ContextBalancer
 from metafora.balancers.shares import (
     DEFAULT_BAND,
     EPS,
     Member,
     Standing,
-    capacity_or_none,
     ceil_share,
     check_band,
     check_threshold,
@@ -25,7 +24,9 @@ from metafora.balancers.shares import (
     standings,
 )
 from metafora.clock import Clock
+from metafora.durations import seconds
 from metafora.errors import ConfigError
+from metafora.node import capacity_or_none
 from metafora.task import Task, matches
 
 __all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]
@@ -211,14 +212,14 @@ class FairBalancer(ContextBalancer):
         self._slack = _count(slack, "FairBalancer slack", minimum=0)
         self._max_releases = (None if max_releases is None
                               else _count(max_releases, "FairBalancer max_releases", minimum=1))
-        self._min_age = timedelta(seconds=seconds(min_age, "min_age"))
+        self._min_age = timedelta(seconds=seconds(min_age, "min_age", allow_zero=True))
         self._both_sides = bool(both_sides)
-        self._warmup = seconds(warmup, "warmup")
+        self._warmup = seconds(warmup, "warmup", allow_zero=True)
         self._warmup_backlog = _count(warmup_backlog, "FairBalancer warmup_backlog", minimum=0)
         self._warm_until: float | None = None  # monotonic end of the cold-start wait
-        self._claim_delay = timedelta(seconds=seconds(claim_delay, "claim_delay"))
-        self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for"))
-        self._counts_ttl = seconds(counts_ttl, "counts_ttl")
+        self._claim_delay = timedelta(seconds=seconds(claim_delay, "claim_delay", allow_zero=True))
+        self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for", allow_zero=True))
+        self._counts_ttl = seconds(counts_ttl, "counts_ttl", allow_zero=True)
         self._rng = rng if rng is not None else random.Random()
         self._lock = threading.Lock()
         self._refuse_until: datetime | None = None

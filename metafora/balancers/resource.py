@@ -9,8 +9,9 @@ from datetime import datetime, timedelta
 
 import psutil
 
-from metafora.balancers._base import ContextBalancer, seconds
+from metafora.balancers._base import ContextBalancer
 from metafora.clock import Clock
+from metafora.durations import seconds
 from metafora.errors import ConfigError
 from metafora.task import Task
 
@@ -109,8 +110,8 @@ class ResourceBalancer(ContextBalancer):
         self._reporter = reporter
         self._claim_limit = claim
         self._release_limit = release
-        self._max_claim_delay = seconds(max_claim_delay, "max_claim_delay")
-        self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for"))
+        self._max_claim_delay = seconds(max_claim_delay, "max_claim_delay", allow_zero=True)
+        self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for", allow_zero=True))
 
     @property
     def reporter(self) -> ResourceReporter:

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from metafora.errors import ConfigError
+from metafora.node import check_capacity, check_weight, finite_number
 from metafora.task import matches
 
 __all__ = [
@@ -53,13 +54,10 @@ __all__ = [
     "Member",
     "ReleasePlan",
     "Standing",
-    "capacity_or_none",
     "capped_shares",
     "ceil_share",
     "check_band",
-    "check_capacity",
     "check_threshold",
-    "check_weight",
     "exact_shares",
     "fair_share",
     "peers",
@@ -77,29 +75,13 @@ def ceil_share(value: float) -> int:
     return max(0, math.ceil(value - EPS))
 
 
-def _number(value: object) -> float | None:
-    """``value`` as a finite float if it is an int or float (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    result = float(value)
-    return result if math.isfinite(result) else None
-
-
-def check_weight(value: object, name: str = "weight") -> float:
-    """``value`` as a float if it is a positive finite number, else :class:`ConfigError`."""
-    number = _number(value)
-    if number is None or number <= 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-    return number
-
-
 MAX_THRESHOLD = 10.0  # a ratio: 120 is surely meant as a percentage (1.2)
 
 
 def check_threshold(value: object, name: str = "threshold") -> float:
     """``value`` as a float if it is a number from 1.0 to :data:`MAX_THRESHOLD`, else
     :class:`ConfigError` (a threshold is a ratio to the share: 1.2 is 20 % above it)."""
-    number = _number(value)
+    number = finite_number(value)
     if number is None or not 1.0 <= number <= MAX_THRESHOLD:
         raise ConfigError(f"{name} must be a number from 1.0 to {MAX_THRESHOLD:g} (a ratio to "
                           f"the fair share: 1.2 is 20 % above it), got {value!r}")
@@ -108,7 +90,7 @@ def check_threshold(value: object, name: str = "threshold") -> float:
 
 def check_band(value: object, name: str = "band") -> float:
     """``value`` as a float if it is a number in [0, 1), else :class:`ConfigError`."""
-    number = _number(value)
+    number = finite_number(value)
     if number is None or not 0.0 <= number < 1.0:
         raise ConfigError(f"{name} must be a number in [0, 1), got {value!r}")
     return number
@@ -138,19 +120,6 @@ class Member:
             object.__setattr__(self, "capacity", check_capacity(self.capacity))
 
 
-def capacity_or_none(value: object) -> int | None:
-    """``value`` if it is a non-negative integer (a capacity), else None (no bound)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
-
-
-def check_capacity(value: object, name: str = "capacity") -> int:
-    """``value`` if it is a non-negative integer, else :class:`ConfigError`."""
-    capacity = capacity_or_none(value)
-    if capacity is None:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-    return capacity
 
 
 def peers(members: Iterable[Member], selector: Mapping[str, str] | None = None) -> list[Member]:

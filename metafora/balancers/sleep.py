@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from metafora.balancers._base import ContextBalancer, seconds
+from metafora.balancers._base import ContextBalancer
 from metafora.clock import Clock
+from metafora.durations import seconds
 from metafora.task import Task
 
 __all__ = ["SleepBalancer"]
@@ -22,7 +23,7 @@ class SleepBalancer(ContextBalancer):
 
     def __init__(self, per_task: float | timedelta = 0.030, *, clock: Clock | None = None) -> None:
         super().__init__(clock)
-        self._per_task = seconds(per_task, "per_task")
+        self._per_task = seconds(per_task, "per_task", allow_zero=True)
 
     @property
     def per_task(self) -> float:

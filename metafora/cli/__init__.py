@@ -19,7 +19,18 @@ from typing import Any
 import click
 
 import metafora
-from metafora.cli import demo_cmd, items, limits, nodes, schedules, task_states, tasks, web, worker
+from metafora.cli import (
+    demo_cmd,
+    items,
+    limits,
+    nodes,
+    retention,
+    schedules,
+    task_states,
+    tasks,
+    web,
+    worker,
+)
 from metafora.cli._common import (
     EXIT_INTERNAL,
     EXIT_OK,
@@ -95,6 +106,7 @@ for _command in (
     items.items, items.gate,
     schedules.schedule,
     limits.limit,
+    retention.retention,
     demo_cmd.demo,
     web.web,
     worker.worker,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ import click
 from rich.console import Console
 from rich.text import Text
 
+from metafora.client import Client
 from metafora.connect import open_client
-from metafora.coordinator import Client
+from metafora.durations import parse_duration
 from metafora.errors import (
     ConfigError,
     CoordinatorUnavailable,
@@ -204,22 +204,6 @@ def format_time(dt: datetime | None) -> str:
     return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> timedelta:
-    """``90``, ``90s``, ``1.5m``, ``2h``, ``7d`` or ``250ms`` as a timedelta; ValueError if not."""
-    match = _DURATION_RE.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration (seconds, or a number with ms/s/m/h/d)")
-    seconds = float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "s").lower()]
-    try:
-        return timedelta(seconds=seconds)
-    except OverflowError:
-        raise ValueError(f"{text!r} is too long a duration") from None
-
-
 class Duration(click.ParamType):  # type: ignore[type-arg]
     """A click parameter: a non-negative duration, plain seconds or with a unit."""
 
@@ -230,6 +214,6 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
         if isinstance(value, timedelta):
             return value
         try:
-            return parse_duration(str(value))
+            return timedelta(seconds=parse_duration(str(value)))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)

@@ -13,9 +13,9 @@ from rich.text import Text
 from metafora import commands
 from metafora.cli._common import cell, console, print_json, store_client
 from metafora.cli.top import frozen_text
+from metafora.client import NodeInfo
 from metafora.commands import Command
 from metafora.connect import validate_node_id
-from metafora.coordinator import NodeInfo
 from metafora.errors import InvalidTaskState, NodeNotFound
 from metafora.task import TaskState, label_text
 

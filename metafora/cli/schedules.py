@@ -10,7 +10,7 @@ from rich.table import Table
 
 from metafora.cli._common import cell, console, format_time, print_json, store_client
 from metafora.errors import InvalidProps
-from metafora.schedule import MISSED_POLICIES, Schedule
+from metafora.schedule_model import MISSED_POLICIES, Schedule
 
 __all__ = ["schedule"]
 

@@ -18,11 +18,11 @@ from metafora.cli._common import (
     cell,
     console,
     format_time,
-    parse_duration,
     print_json,
     scrub,
     store_client,
 )
+from metafora.durations import parse_duration
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.submitting import IF_EXISTS, IfExists
 from metafora.task import (
@@ -108,7 +108,7 @@ def parse_when(text: str, option: str) -> str:
         return datetime.now(UTC).isoformat()
     if stripped.startswith("+"):
         try:
-            delta = parse_duration(stripped[1:])
+            delta = timedelta(seconds=parse_duration(stripped[1:]))
         except ValueError as exc:
             raise InvalidProps(f"{option}: {exc}; expected {_TIME_FORMS}") from None
         return (datetime.now(UTC) + delta).isoformat()

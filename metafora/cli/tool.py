@@ -26,7 +26,7 @@ from metafora.cli._common import CliError, ExitCode, Settings, exit_code_for, sc
 from metafora.connect import DEFAULT_URL, ENV_URL
 from metafora.errors import MetaforaError
 
-__all__ = ["MetaforaCommand", "check_url", "invoke_translated", "translate_error", "url_option"]
+__all__ = ["MetaforaCommand", "check_url", "cli_error", "invoke_translated", "url_option"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _url(ctx: click.Context) -> str | None:
     return None
 
 
-def translate_error(ctx: click.Context, exc: Exception) -> CliError:
+def cli_error(ctx: click.Context, exc: Exception) -> CliError:
     """The one-line error and exit code the ``metafora`` command shows for ``exc``."""
     url = _url(ctx)
     if isinstance(exc, MetaforaError):
@@ -81,9 +81,9 @@ def invoke_translated(invoke: Callable[[], Any], ctx: click.Context) -> Any:
     except OSError as exc:
         if exc.errno == errno.EPIPE:  # `... | head`: click handles it quietly
             raise
-        raise translate_error(ctx, exc) from exc
+        raise cli_error(ctx, exc) from exc
     except Exception as exc:
-        raise translate_error(ctx, exc) from exc
+        raise cli_error(ctx, exc) from exc
 
 
 class MetaforaCommand(click.Command):

@@ -19,9 +19,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metafora.coordinator import Client, NodeInfo
+from metafora.client import Client, NodeInfo
+from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
 from metafora.limits import GroupUsage
 from metafora.masking import escape_controls, for_terminal
+from metafora.retention import Retention
 from metafora.task import TaskInfo, TaskState, label_text, placement_reason
 from metafora.waiting import read_usage, waiting_groups
 
@@ -38,6 +40,10 @@ class Snapshot:
     tasks: dict[str, TaskInfo] = field(repr=False)
     usage: dict[str, GroupUsage] = field(default_factory=dict)
     """The limited groups' usage, read only when a pending task has a group."""
+    cluster: ClusterSnapshot | None = None
+    """The backlog and capacity as the nodes' ``/metrics`` show them (None: not read)."""
+    retention: Retention | None = None
+    """The namespace's retention policy (None: the store keeps none)."""
 
     def by_state(self) -> dict[TaskState, int]:
         """How many tasks are in each state."""
@@ -65,7 +71,8 @@ def take_snapshot(client: Client) -> Snapshot:
     tasks = {t.id: t for t in client.tasks()}
     grouped = any(t.state is TaskState.PENDING and t.group is not None for t in tasks.values())
     usage = read_usage(client) if grouped else {}
-    return Snapshot(time.monotonic(), datetime.now(UTC), nodes, tasks, usage)
+    cluster, retention = read_backlog(client)
+    return Snapshot(time.monotonic(), datetime.now(UTC), nodes, tasks, usage, cluster, retention)
 
 
 def rates(prev: Snapshot | None, cur: Snapshot) -> tuple[float, float]:
@@ -126,6 +133,9 @@ def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = Tru
     if stuck:
         footer.append(f"   pending with no matching node {stuck}", style="yellow")
     waiting = _waiting_table(cur)
+    line = backlog_line(cur.cluster, cur.retention)
+    if line:
+        footer.append("\n" + line)
     return Group(header, nodes, states, *((waiting,) if waiting is not None else ()), footer)
 
 

@@ -10,7 +10,6 @@ released at once, the node deregistered) and exits 0; a second one exits at once
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import threading
@@ -30,6 +29,7 @@ from metafora.cli._load import Kind, Target, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
 from metafora.masking import mask_url
+from metafora.node import check_weight
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "worker"]
 
@@ -82,13 +82,6 @@ def _option(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callab
     """An option read from ``$METAFORA_WORKER_<NAME>`` too, shown in --help."""
     env = ENV_PREFIX + decls[0].lstrip("-").replace("-", "_").upper()
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
-
-
-def check_weight(weight: float) -> float:
-    """``--weight`` as the Consumer's ``weight=``; not a positive finite number: usage error."""
-    if not math.isfinite(weight) or weight <= 0:
-        raise CliError.make(f"--weight must be a positive finite number, got {weight!r}", ExitCode.USAGE)
-    return weight
 
 
 def make_balancer(name: str) -> Balancer:
@@ -174,13 +167,16 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
          help="How long a handler asked to give its task up (balance, metafora stop) may take.")
 @_option("--start-timeout", type=Duration(), default="30s", show_default=True,
          help="How long to wait for a store that cannot be reached at start (then exit 3).")
+@_option("--prune-every", type=Duration(), default="60s", show_default=True,
+         help="How often this node tries to take the namespace's prune turn (metafora retention).")
 @click.pass_context
 def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
            weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
-           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta) -> None:
+           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta,
+           prune_every: timedelta) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     # Everything that can be refused is checked before the store is touched.
-    node_weight = check_weight(weight)
+    node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
     node_labels = parse_select(labels, "--labels")
     target = load_target(target_spec, Kind(kind) if kind is not None else None)
     chosen = make_balancer(balancer)
@@ -189,7 +185,8 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
     try:
         consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
                             labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
-                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight)
+                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight,
+                            prune_every=prune_every)
     except BaseException:
         coordinator.close()  # a bad option: leave nothing open behind
         raise

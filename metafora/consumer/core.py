@@ -34,7 +34,6 @@ from metafora.balancer import Balancer, BalancerContext, RunningTask
 from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
-from metafora.config import seconds
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
@@ -69,6 +68,7 @@ from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
 )
+from metafora.durations import seconds
 from metafora.errors import (
     ConfigError,
     CoordinatorUnavailable,
@@ -109,7 +109,7 @@ class _Context(CoordinatorContext):
 
     def renewal_failed(self, error: BaseException) -> None:
         """A renewal of the node's lease failed (the optional hook of
-        :mod:`metafora.coordinators.fencing`): its handlers may be warned early."""
+        :mod:`metafora.leases`): its handlers may be warned early."""
         self._consumer._risk.failed(error)
 
     @property

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from metafora.balancers.shares import check_weight
-from metafora.config import seconds
 from metafora.coordinator import DEFAULT_MAX_CRASHES
+from metafora.durations import seconds
 from metafora.errors import ConfigError, InvalidProps
 from metafora.http import parse_addr
+from metafora.node import check_weight
 from metafora.task import validate_labels
 
 __all__ = [

@@ -10,12 +10,12 @@ Per outcome, the semantics of a single write are kept: an outcome the store refu
 claim is lost: :class:`~metafora.errors.ClaimLost`) is settled with that error; while the
 store is unreachable (:class:`~metafora.errors.CoordinatorUnavailable`) the outcomes are
 retried with a doubling back-off until :meth:`OutcomeWriter.stop`, after which one more try
-is made and what still fails is settled with the error (given up).
+is made and what still fails is settled with the error (given up). The queue is a
+:class:`~metafora.groupcommit.Gathering`, the group commit the store writers share.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import Coordinator, Finish
 from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
+from metafora.groupcommit import Gathering
 
 __all__ = ["OutcomeWriter", "Pending"]
 
@@ -70,8 +71,9 @@ class OutcomeWriter:
         self._retry_max = retry_max
         self._clock = clock or SYSTEM_CLOCK
         self._on_retry = on_retry
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[Pending] = collections.deque()
+        self._waiting: Gathering[Pending] = Gathering()
+        self._cond = self._waiting.cond
+        self._queue = self._waiting.items  # read here; changed only through self._waiting
         self._stop = threading.Event()
         self._writing = 0  # outcomes taken off the queue and not settled yet
         self._exited = False
@@ -87,8 +89,7 @@ class OutcomeWriter:
         with self._cond:
             if self._exited:
                 return False
-            self._queue.append(item)
-            if len(self._queue) == 1 and not (self.linger and self.claim_soon()):
+            if self._waiting.add(item) and not (self.linger and self.claim_soon()):
                 # The writer waits only for an empty queue (or for its oldest outcome's
                 # linger, which a newer one does not change): one wake-up per batch, not
                 # per outcome; none while a claim is due to take it along (the claim loop
@@ -166,12 +167,12 @@ class OutcomeWriter:
         """Outcomes of :meth:`take` that were not written: the writer writes them (first)."""
         with self._cond:
             self._writing -= len(batch)
-            self._queue.extendleft(reversed(batch))
+            self._waiting.give_back(batch)
             self._cond.notify()
 
     def _take(self, count: int) -> list[Pending]:
         """Up to ``count`` queued outcomes (called holding the condition's lock)."""
-        batch = [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+        batch = self._waiting.take(count)
         self._writing += len(batch)
         return batch
 

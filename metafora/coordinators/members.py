@@ -12,16 +12,14 @@ count read saw in a :class:`SeenWithCounts`, so a balancer pays no extra round t
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from metafora.balancers.shares import capacity_or_none, check_weight
+from metafora.node import DEFAULT_WEIGHT, capacity_or_none, check_weight, weight_or_none
 
 __all__ = [
-    "DEFAULT_WEIGHT",
     "SEEN_MAX_AGE",
     "SeenWithCounts",
     "context_capacity",
@@ -31,9 +29,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_WEIGHT = 1.0
-"""The weight of a node that published none."""
 
 SEEN_MAX_AGE = 1.0
 """Seconds the weights and frozen set a count read saw answer the next ask (then read again)."""
@@ -66,10 +61,9 @@ def stored_weight(value: Any, node_id: str) -> float:
     metafora: not a positive finite number), which is logged."""
     if value is None:
         return DEFAULT_WEIGHT
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        weight = float(value)
-        if math.isfinite(weight) and weight > 0:
-            return weight
+    weight = weight_or_none(value)
+    if weight is not None:
+        return weight
     log.warning("stored weight of node %r is not a positive number (%r): taken as 1.0",
                 node_id, value)
     return DEFAULT_WEIGHT

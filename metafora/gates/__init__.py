@@ -18,16 +18,16 @@ that still has work (a fenced checkpoint); when no work is left the partition co
 >>> client.submit_task(Task("job-42"))                                   # doctest: +SKIP
 >>> consumer = Consumer(coord, gates.handler_func(step, coord, items))   # doctest: +SKIP
 
-Modules: :mod:`~metafora.gates.model` (values and errors),
-:mod:`~metafora.gates.store` (:class:`ItemStore`),
-:mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease`),
-:mod:`~metafora.gates.statements` (their SQL),
-:mod:`~metafora.gates.wakeups` (news of partitions),
-:mod:`~metafora.gates.processor`,
-:mod:`~metafora.gates.run` (one claim's step loop),
-:mod:`~metafora.gates.handler` (:func:`handler_func`),
-:mod:`~metafora.gates.schema` (the tables). The SQL coordinator is reached only
-through its seam, :mod:`metafora.coordinators.sql.shared`.
+The items are kept by a store: ``ItemStore(url)`` opens the implementation of the store
+``url`` names (items live in SQL: :mod:`metafora.coordinators.sql.gates`), found in
+:mod:`metafora.connect`'s backend table; this package owns the model and the interfaces and
+imports no store's internals. Modules: :mod:`~metafora.gates.model` (values and errors),
+:mod:`~metafora.gates.store` (the :class:`ItemStore` interface),
+:mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease` interface),
+:mod:`~metafora.gates.processor`, :mod:`~metafora.gates.flush` (the results' group commit),
+:mod:`~metafora.gates.run` (one claim's step loop), :mod:`~metafora.gates.handler`
+(:func:`handler_func`). First shipped as ``metafora.statemachine.gates``, a name that still
+works.
 """
 
 from __future__ import annotations
@@ -67,12 +67,9 @@ from metafora.gates.processor import (
     Processor,
     callable_processor,
 )
-from metafora.gates.schema import GATES_SCHEMA_VERSION
 from metafora.gates.store import ItemStore
-from metafora.gates.wakeups import items_channel
 
 __all__ = [
-    "GATES_SCHEMA_VERSION",
     "MAX_GATE",
     "Advance",
     "CallableProcessor",
@@ -102,6 +99,16 @@ __all__ = [
     "callable_processor",
     "gate_error_handler",
     "handler_func",
-    "items_channel",
     "retry_partition",
 ]
+
+# Names of the SQL store's item tables, moved to the store package that owns them.
+_MOVED = {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
+          "items_channel": "metafora.coordinators.sql.gates"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(f"metafora.gates.{name} moved to {_MOVED[name]}.{name} (the SQL store "
+                             "owns the item tables)")
+    raise AttributeError(f"module 'metafora.gates' has no attribute {name!r}")

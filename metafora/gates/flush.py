@@ -13,7 +13,9 @@ processed. The results wait for one of two writes, whichever comes first:
 A kill -9 therefore re-runs at most the items in work and those finished within the last
 ``flush_interval``. Both writes go through the same lock, one at a time. A background write
 that fails (the claim was lost, or the store stayed unreachable) is kept as :attr:`error`
-and raised to the owner by its next :meth:`commit`; no result is written after it.
+and raised to the owner by its next :meth:`commit`; no result is written after it. The
+waiting results are a :class:`~metafora.groupcommit.Gathering`, the queue of the group
+commit the outcome writers share.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
 from metafora.gates.model import ItemResult
+from metafora.groupcommit import Gathering
 
 __all__ = ["ResultFlusher"]
 
@@ -53,11 +56,10 @@ class ResultFlusher:
         self._interval = interval
         self._name = name
         self._on_error = on_error
-        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock is cheaper
+        self._waiting: Gathering[ItemResult] = Gathering()
+        self._cond = self._waiting.cond
         self._commit_lock = threading.Lock()
         self._gate = 0
-        self._pending: list[ItemResult] = []
-        self._oldest = 0.0
         self._thread: threading.Thread | None = None
         self._closed = False
         # The background thread is woken by add() only from an untimed wait: while results
@@ -72,18 +74,15 @@ class ResultFlusher:
     def pending(self) -> int:
         """How many results wait for their write."""
         with self._cond:
-            return len(self._pending)
+            return len(self._waiting)
 
     def add(self, gate: int, outcome: ItemResult) -> None:
         """A result to write within ``interval`` (thread-safe)."""
         with self._cond:
-            if not self._pending:
-                self._oldest = SYSTEM_CLOCK.monotonic()
-                if self._untimed:
-                    self._cond.notify()
+            if self._waiting.add(outcome) and self._untimed:
+                self._cond.notify()
             self._recent = True
             self._gate = gate
-            self._pending.append(outcome)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -115,15 +114,14 @@ class ResultFlusher:
 
     def _drain(self) -> tuple[int, list[ItemResult]]:
         with self._cond:
-            results, self._pending = self._pending, []
-            return self._gate, results
+            return self._gate, self._waiting.take()
 
     def _due(self) -> bool:
         """Wait until the oldest result is ``interval`` old (True) or closing (False)."""
         with self._cond:
             while not self._closed:
-                if self._pending:
-                    left = self._oldest + self._interval - SYSTEM_CLOCK.monotonic()
+                if self._waiting.items:
+                    left = self._waiting.oldest + self._interval - SYSTEM_CLOCK.monotonic()
                     if left <= 0:
                         return True
                     self._cond.wait(left)

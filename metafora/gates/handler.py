@@ -41,9 +41,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from metafora.client import Client
 from metafora.clock import Clock
-from metafora.coordinator import Client, Coordinator
-from metafora.coordinators.sql.shared import SQLConfig, database_of
+from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, MetaforaError, TaskNotFound
 from metafora.gates.model import (
     Item,
@@ -202,14 +202,6 @@ def gate_error_handler(items: ItemStore, base: ErrorHandler = default_error_hand
     return handle
 
 
-def _sql_config(coordinator: object) -> SQLConfig | None:
-    """The store configuration of a SQL coordinator (None for any other)."""
-    try:
-        return database_of(coordinator).config
-    except ConfigError:
-        return None
-
-
 def handler_func(
     processor: Processor | Callable[[Item], Response],
     coordinator: Coordinator | None,
@@ -276,8 +268,7 @@ def handler_func(
         raise ConfigError(f"poll_interval must be in (0, 60] seconds, got {poll_interval!r}")
     if (state_store is None or task_commands is None) and coordinator is None:
         raise ConfigError("pass a coordinator, or both state_store and task_commands")
-    config = _sql_config(coordinator) if coordinator is not None else None
-    claim_fence = config is not None and items.same_database(config)
+    claim_fence = coordinator is not None and items.beside(coordinator)
     return GateHandlerFunc(
         processor, items,
         state_store if state_store is not None else state_store_for(coordinator),

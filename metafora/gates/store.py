@@ -1,496 +1,168 @@
-"""The item store: partitions' items in SQL (SQLite or PostgreSQL), fenced by claim tokens.
+"""The item store: the interface of partitions' items, kept beside the tasks they belong to.
 
 :class:`ItemStore` is the user's and the operator's handle (add, list, retry, move a gate);
-:class:`~metafora.gates.lease.PartitionLease` is the owner's: every item write
-it makes is **fenced** by the partition's claim token, so a zombie owner (paused past its
-lease, its partition claimed elsewhere) cannot commit anything.
+:class:`~metafora.gates.lease.PartitionLease` is the owner's, every item write of which is
+**fenced** by the partition's claim token, so a zombie owner (paused past its lease, its
+partition claimed elsewhere) cannot commit anything.
 
-Fencing, in every write statement of a lease::
-
-    ... AND EXISTS (SELECT 1 FROM metafora_partitions fp WHERE fp.namespace = :ns
-                    AND fp.partition_id = :p AND fp.token = :token AND fp.status = 'open'
-                    [AND <the claim is held>])
-
-``metafora_partitions.token`` is the highest claim token that has opened the partition: a
-new owner raises it (:meth:`~.PartitionLease.take_over`, ``token <= :token``) before its
-first item write, which shuts every older token out. When the items live in the
-coordinator's own SQL database (same URL and namespace), ``<the claim is held>`` is also
-checked against the coordinator's tables -- ``metafora_tasks`` row claimed under this token
-by this node, whose lease is live by the database clock -- so a zombie is refused even
-before anyone re-claims. Multi-statement writes end with a fenced ``UPDATE`` of the
-partition row (the **guard**): nothing in the transaction commits unless the fence holds at
-its end, and a newer claim's :meth:`~.PartitionLease.take_over` either waits for that row
-lock or makes the guard fail. Lock order, everywhere: item rows first, then the partition
-row (results and reopened items before the guard; a new claim's orphans before its open;
-:meth:`ItemStore.delete` items before the row), so no two of them can deadlock. A gate move
-locks only the partition row (first, as :meth:`ItemStore.add` does) and reads the items, so
-an item can never slip in below a gate that is moving.
-
-Crashes: the transaction that takes a batch also records it on the partition row
-(``batch_token``, ``batch_gate``, ``batch_first``..``batch_last``). A clean release drops
-the record; a new claim's :meth:`~.PartitionLease.take_over` turns the items of an older
-claim's record that have no result from it into **orphans** (``taken = 1``, an attempt
-counted). Orphans run one at a time (``taken = 2``, recorded on the item) once the rest of
-the gate is done, and an orphan that already died that way ``max_deaths`` claims in a row
-fails for good ("process died while processing"): a poison item cannot stall its partition
-or keep killing nodes.
-
-Driver errors are translated at this boundary with the SQL coordinator's
-:func:`~metafora.coordinators.sql.shared.translate_error` (CoordinatorUnavailable,
-StoreError).
+``ItemStore(url)`` opens the item store of the store ``url`` names: :mod:`metafora.connect`'s
+backend table gives each store its implementation, and each store package owns it (items
+live in SQL, SQLite or PostgreSQL: :mod:`metafora.coordinators.sql.gates`, which documents the
+tables, the fencing and what a crash leaves behind).
 """
 
 from __future__ import annotations
 
-import logging
-import os
+import builtins
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Connection, TextClause, text
-from sqlalchemy import exc as sa_exc
-
-from metafora.config import parse_store_url
-from metafora.connect import default_url
-from metafora.coordinators.sql.shared import (
-    SQL_SCHEMES,
-    Database,
-    SQLConfig,
-    is_postgres,
-    listen,
-    parse_config,
-    translate_error,
-)
-from metafora.errors import ConfigError, MetaforaError
+from metafora.connect import implementation, store_of_url
+from metafora.errors import ConfigError
 from metafora.gates.lease import PartitionLease
-from metafora.gates.model import (
-    GateError,
-    GateMoveRefused,
-    Item,
-    ItemBelowGate,
-    ItemNotFound,
-    ItemStatus,
-    NewItem,
-    PartitionClosed,
-    PartitionInfo,
-    PartitionStatus,
-    check_gate,
-)
-from metafora.gates.schema import (
-    GATES_SCHEMA_VERSION,
-    check_version,
-    current_version,
-    migrate,
-)
-from metafora.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
-from metafora.gates.wakeups import hub_for, items_channel
+from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
 from metafora.statemachine.store import LeaseBound
-from metafora.task import Task, validate_task_id
+from metafora.task import Task
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
 
 __all__ = ["ItemStore"]
 
-log = logging.getLogger(__name__)
-
-try:  # psycopg is optional (PostgreSQL only)
-    import psycopg
-
-    _DRIVER_ERRORS: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
-except ImportError:  # pragma: no cover - depends on the installation
-    _DRIVER_ERRORS = (sa_exc.SQLAlchemyError,)
 
 class ItemStore:
-    """Items of gated partitions in a SQL database (SQLite or PostgreSQL).
+    """Items of gated partitions, in the store ``url`` names (SQLite or PostgreSQL).
 
     ``url`` is the SQL coordinator's own URL (then the items live beside its tasks and item
     writes are also fenced by the coordinator's claims), or a SQL URL of their own (when the
     coordinator is etcd); None means ``$METAFORA_URL`` or the embedded SQLite default.
-    ``options`` are the SQL store's URL options (``namespace``, ``poll_interval``,
+    ``options`` are the store's URL options (``namespace``, ``poll_interval``,
     ``pool_size``, ...). Nothing is touched until the first call, which creates the item
     tables if needed. Thread-safe; :meth:`close` releases the connections.
+
+    ``ItemStore(url)`` gives the store's own implementation, a subclass; ConfigError for a
+    store that keeps no items. This class is the interface: a subclass must implement every
+    method that raises NotImplementedError here (checked when the subclass is defined). It
+    is no ``abc.ABC`` so that ``ItemStore(url)`` type-checks as the constructor it is.
     """
 
-    def __init__(self, url: str | None = None, **options: Any) -> None:
-        parsed = parse_store_url(url or default_url())
-        if parsed.scheme not in SQL_SCHEMES:
+    def __new__(cls, url: str | None = None, **options: Any) -> ItemStore:
+        if cls is not ItemStore:
+            return super().__new__(cls)
+        parsed, store = store_of_url(url)
+        kind = implementation(store, "item_store")
+        if kind is None:
             raise ConfigError(
                 f"items live in SQL (sqlite:///PATH.db or postgresql://...), not {parsed}; with an "
                 "etcd coordinator give the item store a SQL URL of its own"
             )
-        self._db = Database(parse_config(parsed, dict(options)))
-        self._config = self._db.config
-        fragments = self._db.dialect.fragments()
-        self._now = fragments["now"]
-        self._is_pg = is_postgres(self._db.dialect)
-        self._sql = user_statements(self._now, self._is_pg)
-        self._owner_sql: dict[bool, dict[str, TextClause]] = {}
-        self._hub = hub_for(self._config)
-        self._channel = items_channel(self._config.namespace)
-        self._lock = threading.Lock()
-        self._schema_ready = False
-        self._listener: Any = None
-        self._closed = False
+        assert issubclass(kind, ItemStore)
+        return cast(ItemStore, super().__new__(kind))
 
-    # -- identity ---------------------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in _INTERFACE if getattr(cls, name) is getattr(ItemStore, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} does not implement ItemStore.{', '.join(missing)}")
 
     @property
     def name(self) -> str:
         """The store URL without its password."""
-        return self._db.name
+        raise NotImplementedError
 
     @property
     def namespace(self) -> str:
         """The namespace the items live in (the URL's ``namespace`` option)."""
-        return self._config.namespace
-
-    @property
-    def config(self) -> SQLConfig:
-        """The validated store configuration."""
-        return self._config
+        raise NotImplementedError
 
     @property
     def poll_interval(self) -> float:
         """Seconds between looks for new items when push notifications are not available."""
-        return self._config.poll_interval
+        raise NotImplementedError
 
-    def same_database(self, config: SQLConfig) -> bool:
-        """Whether a SQL coordinator with ``config`` keeps its tasks in this database and namespace."""
-        mine = self._config
-        if mine.kind != config.kind or mine.namespace != config.namespace:
-            return False
-        if mine.kind == "sqlite":
-            return os.path.realpath(mine.path or "") == os.path.realpath(config.path or "")
-        return (mine.url.hosts, mine.url.path) == (config.url.hosts, config.url.path)
-
-    # -- plumbing ---------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise MetaforaError(f"the item store on {self.name} is closed")
-
-    @contextmanager
-    def _translated(self) -> Iterator[None]:
-        try:
-            yield
-        except MetaforaError:
-            raise
-        except _DRIVER_ERRORS as exc:
-            raise translate_error(exc, self._config) from exc
-
-    def ensure_schema(self, conn: Connection | None = None) -> None:
-        """Create or upgrade the item tables (once per store object; cheap afterwards).
-
-        With ``conn`` (the caller's transaction), a missing schema is created on it, so it
-        commits or rolls back with the caller's work.
-        """
-        self._check_open()
-        if self._schema_ready:
-            return
-        if conn is not None:
-            with self._translated():
-                version = current_version(conn)
-                check_version(version, self.name)
-                if version < GATES_SCHEMA_VERSION:
-                    migrate(conn, self._db.dialect, self.name)
-            return
-        with self._lock:
-            if self._schema_ready:
-                return
-            with self._db.read() as rconn:
-                version = current_version(rconn)
-            check_version(version, self.name)
-            if version < GATES_SCHEMA_VERSION:
-                with self._db.transaction() as wconn:
-                    migrate(wconn, self._db.dialect, self.name)
-                log.info("item tables of %s are ready", self.name, extra={"action": "schema"})
-            self._schema_ready = True
-
-    def _run(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
-        params["ns"] = self._config.namespace
-        return conn.execute(self._sql[name], params)
-
-    @contextmanager
-    def _transaction(self, conn: Connection | None) -> Iterator[Connection]:
-        if conn is None:
-            with self._db.transaction() as own:
-                yield own
-        else:
-            with self._translated():
-                yield conn
-
-    def owner_statements(self, claim_fence: bool) -> dict[str, TextClause]:
-        """The owner's fenced statements (built once per fencing mode)."""
-        with self._lock:
-            built = self._owner_sql.get(claim_fence)
-            if built is None:
-                built = self._owner_sql[claim_fence] = owner_statements(self._now, claim_fence)
-            return built
-
-    def _item(self, partition: str, row: Any) -> Item:
-        conv = self._db.dialect.from_db_time
-        return Item(
-            partition=partition,
-            id=int(row[0]),
-            gate=int(row[1]),
-            status=ItemStatus(row[2]),
-            data=bytes(row[3]) if row[3] is not None else b"",
-            attempts=int(row[4]),
-            error=row[5],
-            permanent=bool(row[6]),
-            token=int(row[7]),
-            created_at=conv(row[8]),
-            updated_at=conv(row[9]),
-        )
-
-    # -- wake-ups ---------------------------------------------------------------------------
-
-    def _notify(self, conn: Connection, partition: str) -> None:
-        if self._is_pg:
-            self._run(conn, "notify", {"channel": self._channel, "payload": "i" + partition})
+    def beside(self, coordinator: object) -> bool:
+        """Whether ``coordinator`` keeps its tasks in this store and namespace (then the
+        owners' item writes are also fenced by its claims)."""
+        raise NotImplementedError
 
     def subscribe(self, partition: str, event: threading.Event) -> Callable[[], None]:
         """Set ``event`` whenever items are added to ``partition``, retried or its gate is
-        moved (by anyone, on PostgreSQL through NOTIFY; in this process at once on SQLite,
-        which has no push: its handlers also poll every ``poll_interval``). Returns the
-        function that unsubscribes."""
-        validate_task_id(partition)
-        self._check_open()
-        self._start_listener()
-        self._hub.subscribe(partition, event)
-        return lambda: self._hub.unsubscribe(partition, event)
-
-    def _start_listener(self) -> None:
-        if not self._is_pg:
-            return
-        with self._lock:
-            if self._listener is not None or self._closed:
-                return
-            hub = self._hub
-
-            def on_notify(payload: str) -> None:
-                if payload.startswith("i"):
-                    hub.notify(payload[1:])
-
-            self._listener = listen(self._config, self._channel, "items", on_notify, hub.notify_all)
-        self._listener.start()
+        moved (by anyone where the store pushes; in this process at once elsewhere, whose
+        handlers also poll every :attr:`poll_interval`). Returns the function that
+        unsubscribes."""
+        raise NotImplementedError
 
     def wait_listening(self, timeout: float = 10.0) -> bool:
-        """Block until push notifications are in place (PostgreSQL; True at once elsewhere)."""
-        if not self._is_pg:
-            return True
-        self._start_listener()
-        return bool(self._listener.wait_listening(timeout))
-
-    # -- adding -----------------------------------------------------------------------------
+        """Block until push notifications are in place (True at once where there are none)."""
+        raise NotImplementedError
 
     def add(self, partition: str, items: Sequence[NewItem], *, conn: Connection | None = None) -> list[int]:
         """Add ``items`` to ``partition`` in one transaction; returns their ids in order.
 
         With ``conn`` (a SQLAlchemy Connection in the caller's transaction, on this store's
         database) the items are written in that transaction and appear with the caller's
-        other writes, or not at all. Raises :class:`ItemBelowGate` (nothing is written) if
-        an item's gate is below the partition's current gate -- it would never run -- and
-        :class:`PartitionClosed` if the partition is completed.
+        other writes, or not at all. Raises :class:`~metafora.gates.ItemBelowGate` (nothing
+        is written) if an item's gate is below the partition's current gate -- it would
+        never run -- and :class:`~metafora.gates.PartitionClosed` if the partition is
+        completed.
         """
-        validate_task_id(partition)
-        batch = list(items)
-        for item in batch:
-            if not isinstance(item, NewItem):
-                raise GateError(f"items must be NewItem values, got {item!r}")
-        if not batch:
-            return []
-        self.ensure_schema(conn)
-        with self._transaction(conn) as tx:
-            self._run(tx, "ensure", {"p": partition})
-            gate, status = self._run(tx, "lock", {"p": partition}).one()
-            if status == PartitionStatus.COMPLETED.value:
-                raise PartitionClosed(f"partition {partition!r} is completed; it takes no more items")
-            low = min(item.gate for item in batch)
-            if low < int(gate):
-                raise ItemBelowGate(
-                    f"cannot add an item at gate {low} to partition {partition!r}: its current gate "
-                    f"is {gate}, so the item would never run; add it at gate {gate} or above"
-                )
-            rows = [
-                {"namespace": self._config.namespace, "partition_id": partition, "gate": item.gate,
-                 "status": ItemStatus.AVAILABLE.value, "data": item.data, "attempts": 0,
-                 "permanent": 0, "token": 0}
-                for item in batch
-            ]
-            result = tx.execute(
-                ITEMS.insert().returning(ITEMS.c.id, sort_by_parameter_order=True), rows)
-            ids = [int(row[0]) for row in result]
-            self._notify(tx, partition)
-        self._hub.notify(partition)
-        log.debug("added %d item(s) to partition %s", len(ids), partition,
-                  extra={"task": partition, "action": "add"})
-        return ids
-
-    # -- reading ----------------------------------------------------------------------------
+        raise NotImplementedError
 
     def list(self, partition: str, *, gate: int | None = None,
              status: ItemStatus | str | None = None, limit: int | None = None,
-             after: int | None = None) -> list[Item]:
+             after: int | None = None) -> builtins.list[Item]:
         """The partition's items (at ``gate``, in ``status``), ordered by id; ``after`` an id
         to page from, ``limit`` the most to return."""
-        validate_task_id(partition)
-        conditions = ["namespace = :ns", "partition_id = :p"]
-        params: dict[str, Any] = {"p": partition, "ns": self._config.namespace}
-        if gate is not None:
-            conditions.append("gate = :gate")
-            params["gate"] = check_gate(gate)
-        if status is not None:
-            conditions.append("status = :status")
-            params["status"] = ItemStatus(status).value
-        if after is not None:
-            conditions.append("id > :after")
-            params["after"] = int(after)
-        sql = f"SELECT {ITEM_COLUMNS} FROM metafora_items WHERE {' AND '.join(conditions)} ORDER BY id"
-        if limit is not None:
-            if limit < 0:
-                raise ConfigError(f"limit must be >= 0, got {limit}")
-            sql += " LIMIT :limit"
-            params["limit"] = int(limit)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            rows = conn.execute(text(sql), params).fetchall()
-        return [self._item(partition, row) for row in rows]
+        raise NotImplementedError
 
     def get(self, partition: str, item_id: int) -> Item:
-        """One item. Raises ItemNotFound."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            row = self._run(conn, "item", {"p": partition, "id": int(item_id)}).first()
-        if row is None:
-            raise ItemNotFound(f"no item {item_id} in partition {partition!r} of {self.name}")
-        return self._item(partition, row)
+        """One item. Raises :class:`~metafora.gates.ItemNotFound`."""
+        raise NotImplementedError
 
     def info(self, partition: str) -> PartitionInfo:
         """The partition's gate, status, owner token and item counts (by gate and status)."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            row = self._run(conn, "partition", {"p": partition}).first()
-            counts_rows = self._run(conn, "counts", {"p": partition}).fetchall()
-        counts: dict[int, dict[ItemStatus, int]] = {}
-        for gate, status, count in counts_rows:
-            counts.setdefault(int(gate), {})[ItemStatus(status)] = int(count)
-        if row is None:
-            return PartitionInfo(partition, counts=counts, exists=bool(counts))
-        return PartitionInfo(
-            partition, gate=int(row[0]), status=PartitionStatus(row[1]), token=int(row[2]),
-            counts=counts, exists=True, updated_at=self._db.dialect.from_db_time(row[3]),
-        )
+        raise NotImplementedError
 
     def failures(self, partition: str) -> tuple[int, int]:
         """How many items of the partition are failed, and how many of those permanently."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            failed, permanent = self._run(conn, "failures", {"p": partition}).one()
-        return int(failed), int(permanent)
-
-    # -- operators --------------------------------------------------------------------------
+        raise NotImplementedError
 
     def set_gate(self, partition: str, gate: int, *, force: bool = False) -> int:
         """Move the partition's gate to ``gate`` (``manual_checkpoint`` partitions wait for
         this); returns the previous gate.
 
-        Refused (:class:`GateMoveRefused`) if items below ``gate`` are still available or failed --
-        they would be stranded -- unless ``force``; and for a completed partition
-        (:class:`PartitionClosed`). The owner picks the new gate up at once.
+        Refused (:class:`~metafora.gates.GateMoveRefused`) if items below ``gate`` are still
+        available or failed -- they would be stranded -- unless ``force``; and for a
+        completed partition (:class:`~metafora.gates.PartitionClosed`). The owner picks the
+        new gate up at once.
         """
-        validate_task_id(partition)
-        check_gate(gate)
-        self.ensure_schema()
-        with self._db.transaction() as tx:
-            self._run(tx, "ensure", {"p": partition})
-            old, status = self._run(tx, "lock", {"p": partition}).one()
-            if status == PartitionStatus.COMPLETED.value:
-                raise PartitionClosed(f"partition {partition!r} is completed; its gate cannot move")
-            if not force:
-                stranded = int(self._run(tx, "unfinished_below", {"p": partition, "gate": gate}).scalar_one())
-                if stranded:
-                    raise GateMoveRefused(
-                        f"cannot move partition {partition!r} to gate {gate}: {stranded} item(s) "
-                        "below it are still available or failed and would never run (force to skip them)"
-                    )
-            self._run(tx, "set_gate", {"p": partition, "gate": gate})
-            self._notify(tx, partition)
-        self._hub.notify(partition)
-        log.info("partition %s: gate moved by hand from %s to %s", partition, old, gate,
-                 extra={"task": partition, "action": "set_gate"})
-        return int(old)
+        raise NotImplementedError
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
-        many. See :func:`metafora.gates.retry_partition` to also revive the
-        partition's task."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.transaction() as tx:
-            count = int(self._run(tx, "retry", {"p": partition}).rowcount)
-            if count:
-                self._notify(tx, partition)
-        if count:
-            self._hub.notify(partition)
-        log.info("partition %s: %d failed item(s) made available again", partition, count,
-                 extra={"task": partition, "action": "retry_items"})
-        return count
+        many. See :func:`metafora.gates.retry_partition` to also revive the partition's
+        task."""
+        raise NotImplementedError
 
     def delete(self, partition: str) -> int:
         """Delete the partition's items and its gate record; returns how many items."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.transaction() as tx:
-            # The owners' lock order, items then the partition row; the second delete takes
-            # the items an add committed while the first ran (add locks the row first).
-            count = int(self._run(tx, "delete_items", {"p": partition}).rowcount)
-            self._run(tx, "lock", {"p": partition}).first()
-            count += int(self._run(tx, "delete_items", {"p": partition}).rowcount)
-            self._run(tx, "delete_partition", {"p": partition})
-        return count
-
-    # -- owners -----------------------------------------------------------------------------
+        raise NotImplementedError
 
     def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,
               bound: LeaseBound | None = None) -> PartitionLease:
         """The fenced handle of the claim ``task`` (carrying its token) on the partition.
 
-        ``claim_fence`` also checks every write against the coordinator's own tables (only
-        when this store is the SQL coordinator's database; needs ``node_id``). ``bound``
+        ``claim_fence`` also checks every write against the coordinator's own claims (only
+        when :meth:`beside` it; needs ``node_id``). ``bound``
         (:func:`~metafora.statemachine.store.lease_bound_of` the coordinator) limits every
         fenced write to the time the node still holds the claim (else ClaimLost).
         """
-        if claim_fence and node_id is None:
-            raise ConfigError("claim_fence needs the node id of the claim's owner")
-        return PartitionLease(self, task, node_id, claim_fence, bound)
-
-    def read(self) -> Any:
-        """A connection for autocommit reads (context manager; errors translated)."""
-        return self._db.read()
-
-    def transaction(self, timeout: float | None = None) -> Any:
-        """A connection in a transaction (context manager; errors translated), waiting at
-        most ``timeout`` seconds for locks when given."""
-        return self._db.bounded(timeout)
-
-    def item_from_row(self, partition: str, row: Any) -> Item:
-        """An :class:`Item` from a row of the item columns."""
-        return self._item(partition, row)
+        raise NotImplementedError
 
     def close(self) -> None:
-        """Stop listening and close pooled connections. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            listener = self._listener
-        if listener is not None:
-            listener.stop()
-        self._db.close()
+        """Stop listening and release the store's connections. Idempotent."""
+        raise NotImplementedError
 
     def __enter__(self) -> ItemStore:
         return self
@@ -502,3 +174,22 @@ class ItemStore:
         return f"ItemStore({self.name!r})"
 
 
+_INTERFACE = (
+    "name",
+    "namespace",
+    "poll_interval",
+    "beside",
+    "subscribe",
+    "wait_listening",
+    "add",
+    "list",
+    "get",
+    "info",
+    "failures",
+    "set_gate",
+    "retry",
+    "delete",
+    "lease",
+    "close",
+)
+"""What an implementation must define (see :class:`ItemStore`)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from metafora.client import Client
 from metafora.connect import open_client
-from metafora.coordinator import Client
 from metafora.errors import InvalidTaskState
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from metafora.config import seconds
+from metafora.durations import seconds
 from metafora.errors import ConfigError, MetaforaError
 from metafora.statemachine.machine import MAX_ERRORS, Message, State
 from metafora.task import Task

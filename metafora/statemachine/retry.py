@@ -4,9 +4,9 @@
 step (``Client.retry_with_state``: one transaction on SQL, one etcd txn, or under the memory
 store's lock) it reads the task's coordinator state and its stored state-machine state, asks
 :func:`plan_retry` what to do, and makes the task pending with the state :func:`plan_retry`
-returned. ``Client.retry_task(id, reset_state=True, keep_cursor=...)`` calls it through
-:func:`reset_and_retry`, the hook ``metafora/__init__`` installs
-(:mod:`metafora.task_retry`): the coordinators never import the state machine. The rules
+returned. ``Client.retry_task(id, reset_state=True, keep_cursor=...)`` calls
+:func:`reset_and_retry` explicitly, importing this module only then (see
+:mod:`metafora.task_retry`): the coordinators never import the state machine. The rules
 live here once, so the stores cannot drift apart:
 
 - without ``reset_state`` (the historical behaviour): a *failed* or *expired* task becomes
@@ -24,12 +24,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from metafora.coordinator import Client
 from metafora.errors import InvalidTaskState
 from metafora.statemachine.machine import InvalidState, State, StateCode
 from metafora.statemachine.store import StateStore, state_store_for
 from metafora.task import TaskState, validate_task_id
-from metafora.task_retry import RETRYABLE, RetrySnapshot, check_retry_options, check_retryable
+from metafora.task_retry import (
+    RETRYABLE,
+    RetryClient,
+    RetrySnapshot,
+    check_retry_options,
+    check_retryable,
+)
 
 __all__ = [
     "RERUNNABLE",
@@ -105,7 +110,7 @@ def _fresh(task_id: str, stored: Stored, keep_cursor: bool) -> State:
     return State(cursor=None if state is None else state.cursor)
 
 
-def retry_task(client: Client, states: StateStore, task_id: str, *,
+def retry_task(client: RetryClient, states: StateStore, task_id: str, *,
                reset_state: bool = False, keep_cursor: bool = False) -> None:
     """``Client.retry_task`` with the task's state kept in ``states`` (the state store beside
     ``client``): the task is made pending and its state reset (or kept) atomically, by the
@@ -126,9 +131,9 @@ def retry_task(client: Client, states: StateStore, task_id: str, *,
     client.retry_with_state(task_id, rewrite)
 
 
-def reset_and_retry(client: Client, task_id: str, keep_cursor: bool) -> None:
+def reset_and_retry(client: RetryClient, task_id: str, keep_cursor: bool) -> None:
     """``client.retry_task(task_id, reset_state=True, keep_cursor=...)``: :func:`retry_task`
-    on the state store beside the client (the hook of :mod:`metafora.task_retry`)."""
+    on the state store beside the client."""
     states = state_store_for(client)
     try:
         retry_task(client, states, task_id, reset_state=True, keep_cursor=keep_cursor)
@@ -141,7 +146,7 @@ def would_end_at_once(state: State | None) -> bool:
     return state is not None and state.code.terminal
 
 
-def retry_advice(client: Client, task_id: str) -> str | None:
+def retry_advice(client: RetryClient, task_id: str) -> str | None:
     """Why a plain ``retry_task(task_id)`` would end the task at once, and what to do
     instead (None when it would run). Reads the task and its stored state (TaskNotFound).
 

@@ -8,14 +8,15 @@
   :class:`~metafora.statemachine.mailbox.Mailbox` for its claim and receives from it: on a
   channel built from a coordinator, commands are pushed (no store I/O while none arrived).
 
-:func:`state_store_for` and :func:`commands_for` pick the implementation that lives in the
-same store as a coordinator or client (memory, SQL, etcd).
+:func:`state_store_for` and :func:`commands_for` give the implementation that lives in the
+same store as a coordinator or client (memory, SQL, etcd): each store package owns it
+(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.connect`'s backend table
+says which package a coordinator or client belongs to.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 import logging
 import threading
 import weakref
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from metafora.clock import SYSTEM_CLOCK
+from metafora.connect import implementation, store_of
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
@@ -229,36 +231,33 @@ class TaskCommands(abc.ABC):
         return
 
 
-def _backend_of(obj: object) -> str:
-    module = type(obj).__module__
-    if module.startswith("metafora.coordinators.memory"):
-        return "memory"
-    if module.startswith("metafora.coordinators.sql"):
-        return "sql"
-    if module.startswith("metafora.coordinators.etcd"):
-        return "etcd"
-    raise ConfigError(
-        f"no state store for {type(obj).__name__}; pass state_store= and task_commands= "
-        "to metafora.statemachine.handler_func"
-    )
-
-
-def _module(coordinator_or_client: object) -> Any:
-    return importlib.import_module(f"metafora.statemachine.stores.{_backend_of(coordinator_or_client)}")
-
-
 def state_store_for(coordinator_or_client: object) -> StateStore:
-    """The state store in the same store as a coordinator or client (memory, SQL, etcd)."""
-    store = _module(coordinator_or_client).state_store(coordinator_or_client)
+    """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
+    store package's own, from :mod:`metafora.connect`'s backend table."""
+    store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store
 
 
 def commands_for(coordinator_or_client: object) -> TaskCommands:
-    """The task command channel in the same store as a coordinator or client."""
-    channel = _module(coordinator_or_client).task_commands(coordinator_or_client)
+    """The task command channel in the same store as a coordinator or client (the store
+    package's own, as :func:`state_store_for`)."""
+    channel = _implementation(coordinator_or_client, "task_commands").of(coordinator_or_client)
     assert isinstance(channel, TaskCommands)
     return channel
+
+
+def _implementation(owner: object, feature: str) -> Any:
+    try:
+        kind = implementation(store_of(owner), feature)
+    except ConfigError:
+        kind = None
+    if kind is None:
+        raise ConfigError(
+            f"no state store for {type(owner).__name__}; pass state_store= and task_commands= "
+            "to metafora.statemachine.handler_func"
+        )
+    return kind
 
 
 def _decoded(task_id: str, timeout: float | None,

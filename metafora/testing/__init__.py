@@ -11,9 +11,6 @@
 - :mod:`metafora.testing.servers`: real PostgreSQL and etcd servers on loopback, found or started.
 - :mod:`metafora.testing.pytest_plugin`: the pytest plugin (entry point ``pytest11``) whose
   fixtures give a test a fresh store of each kind.
-
-``metafora.testservers`` and ``metafora.pytest_plugin``, the modules' former names, still
-import.
 """
 
 from __future__ import annotations

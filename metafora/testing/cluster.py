@@ -15,9 +15,10 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from metafora.balancer import Balancer
+from metafora.client import Client
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
-from metafora.coordinator import DEFAULT_MAX_CRASHES, Client, CoordinatorContext
+from metafora.coordinator import DEFAULT_MAX_CRASHES, CoordinatorContext
 from metafora.errors import CoordinatorUnavailable
 from metafora.handler import HandlerFunc
 from metafora.task import Task, TaskState, validate_labels

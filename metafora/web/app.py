@@ -36,9 +36,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from metafora import commands
+from metafora.client import Client, NodeInfo
+from metafora.cluster_metrics import backlog_line, read_backlog
 from metafora.config import parse_store_url
 from metafora.connect import open_client
-from metafora.coordinator import Client, NodeInfo
 from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
 from metafora.masking import escape_controls, scrub
 from metafora.task import TaskState, validate_task_id
@@ -237,6 +238,16 @@ class Dashboard:
                 self._counts = (now, self.client.task_counts())
             return self._counts[1]
 
+    def backlog(self) -> str:
+        """The backlog, capacity and retention in one line (as ``metafora top`` shows it),
+        read at most once per refresh interval (shared by every viewer)."""
+        with self._counts_lock:
+            now = time.monotonic()
+            found = getattr(self, "_backlog", None)
+            if found is None or now - found[0] >= self.refresh_ms / 1000:
+                found = self._backlog = (now, backlog_line(*read_backlog(self.client)))
+            return str(found[1])
+
     def charts(self) -> chart.Charts:
         """The charts' data, read at most once per ``charts_every`` seconds (shared by every
         viewer), each state's read capped at :data:`~metafora.web.charts.CHART_READ` tasks."""
@@ -306,7 +317,8 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         now = datetime.now(UTC)
         rows = [_node_row(i, now) for i in sorted(dash.client.node_infos(), key=lambda n: n.id)]
         counts = dash.task_counts()
-        return dash.render(request, "nodes.html", nodes=rows, counts=counts, title="Nodes")
+        return dash.render(request, "nodes.html", nodes=rows, counts=counts, title="Nodes",
+                           backlog=dash.backlog())
 
     def tasks_page(request: Request) -> Response:
         return _tasks_view(dash, request)

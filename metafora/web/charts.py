@@ -28,7 +28,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from metafora.coordinator import Client, NodeInfo
+from metafora.client import Client, NodeInfo
 from metafora.limits import GroupUsage, waiting_reason
 from metafora.masking import escape_controls
 from metafora.task import TaskInfo, TaskState, matches

@@ -11,7 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Task, TaskState, commands, open_client, open_coordinator
-from metafora.coordinator import Client, Coordinator
+from metafora.client import Client
+from metafora.coordinator import Coordinator
 from metafora.errors import (
     ClaimLost,
     InvalidProps,

@@ -8,7 +8,8 @@ from contextlib import ExitStack
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Client, Coordinator, Finish, Outcome
+from metafora.client import Client
+from metafora.coordinator import Coordinator, Finish, Outcome
 from metafora.errors import ClaimLost
 from metafora.testing import RecordingContext
 

@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, open_client, open_coordinator, simple_handler
+from metafora.client import Client
 from metafora.config import parse_store_url
-from metafora.coordinator import Client, Coordinator
+from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
 from metafora.testing import LocalCluster, RecordingContext, wait_for
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from metafora.retention import DEFAULT_RETENTION, Pruner, Retention
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.store import commands_for, state_store_for
 from tests.conformance.test_coordinator import Cluster, _opened
+from tests.conformance.test_limits import _kill
 from tests.helpers import wait_until
 
 
@@ -168,3 +170,40 @@ def test_cluster_view_matches_the_store(cluster: Cluster) -> None:
     view = read_cluster(c)
     assert (view.pending, view.held, view.nodes) == (6, 4, 2)
     assert "6 pending, 4 held" in view.describe()
+    # A storm of submits, then b goes away holding t3 (its lease ended as a crash would on
+    # memory://; closed elsewhere, as a SQL or etcd kill test's node keeps renewing): its claim
+    # is claimable work again, and b is no longer counted.
+    c.submit_tasks([Task(f"storm{n:03d}") for n in range(200)])
+    if type(b).__name__ == "MemoryCoordinator":
+        _kill(b)
+    else:
+        b.close()
+
+    def after_kill() -> bool:
+        view = read_cluster(a)
+        return (view.pending, view.held, view.nodes) == (207, 3, 1)
+
+    wait_until(after_kill, timeout=20)
+    counts = c.task_counts()  # t3: pending again, or still claimed by the dead node
+    assert counts[TaskState.PENDING] + counts[TaskState.CLAIMED] == 207 + 3
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_prune_takes_gate_items_and_partitions(kind: str, metafora_store_url: Any) -> None:
+    from metafora.gates import ItemStore, NewItem
+
+    url = metafora_store_url(kind)
+    cluster = Cluster(url)
+    items = ItemStore(url)
+    with cluster.stack:
+        cluster.stack.callback(items.close)
+        coord = cluster.node("n1")
+        cluster.client.submit_tasks([Task("job-old"), Task("job-live")])
+        items.add("job-old", [NewItem(gate=0, data=b"x")] * 5)
+        items.add("job-live", [NewItem(gate=0, data=b"y")] * 3)
+        _finish(coord, "job-old", "done", StateCode.COMPLETED)
+        cluster.client.set_retention(done="1s")
+        wait_until(lambda: cluster.client.prune() == 1 or not items.list("job-old"), timeout=10)
+        assert items.list("job-old") == []
+        assert len(items.list("job-live")) == 3
+        assert _alive(cluster) == {"job-live"}

@@ -11,7 +11,8 @@ import pytest
 
 from metafora import Coordinator, Task, open_client, open_coordinator
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId, ScheduleExists, ScheduleNotFound
-from metafora.schedule import Schedule, Scheduler, due, tick_id
+from metafora.schedule import Scheduler
+from metafora.schedule_model import Schedule, due, tick_id
 from metafora.task import TaskState
 from metafora.testing import FakeClock, RecordingContext, wait_for
 

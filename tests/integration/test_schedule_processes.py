@@ -14,7 +14,7 @@ from multiprocessing.process import BaseProcess
 import pytest
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
-from metafora.schedule import tick_id
+from metafora.schedule_model import tick_id
 from metafora.task import parse_time
 from metafora.testing import wait_for
 from tests.helpers import stop_processes

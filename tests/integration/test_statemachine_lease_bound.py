@@ -92,7 +92,7 @@ def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
 
 def test_etcd_command_take_on_frozen_etcd_is_bounded_by_the_lease(etcd_factory: Any) -> None:
     """A fenced take from the task's command queue is bounded like a state write."""
-    from metafora.statemachine.stores.etcd import EtcdTaskCommands
+    from metafora.coordinators.etcd.states import EtcdTaskCommands
 
     server = etcd_factory()
     url = server.url() + f"?lease_ttl=2&timeout={STORE_TIMEOUT:g}"
@@ -194,7 +194,7 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
 
 def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etcd_factory: Any) -> None:
     """The symptom of issue 13: after a lost lease the handler stayed in a state write."""
-    from metafora.coordinators.fencing import ETCD_FENCING
+    from metafora.leases import ETCD_FENCING
     from metafora.statemachine import Commands, Message, handler_func
 
     ttl = 4

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Client, Coordinator
+from metafora.client import Client
+from metafora.coordinator import Coordinator
 from metafora.coordinators.memory import drop_store
 from metafora.errors import ClaimLost, TaskNotFound
 from metafora.statemachine import (

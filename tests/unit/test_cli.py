@@ -26,8 +26,9 @@ from metafora.cli import (
     _common,
     cli,
 )
-from metafora.coordinator import Client
+from metafora.client import Client
 from metafora.coordinators.memory import drop_store
+from metafora.durations import parse_duration
 from metafora.errors import CoordinatorUnavailable
 from metafora.testing import RecordingContext
 from tests.helpers import wait_until
@@ -500,10 +501,10 @@ def test_scrub() -> None:
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("1.5m", 90), ("2h", 7200), ("7d", 604800),
                                                 ("250ms", 0.25), (" 3 s ", 3)])
 def test_parse_duration(text: str, seconds: float) -> None:
-    assert _common.parse_duration(text).total_seconds() == seconds
+    assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "-1", "1w", "abc", "1e999"])
 def test_parse_duration_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        _common.parse_duration(text)
+        parse_duration(text)

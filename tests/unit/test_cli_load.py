@@ -12,7 +12,8 @@ import pytest
 from metafora import Handler, Task
 from metafora.balancers import FairBalancer
 from metafora.cli._load import Kind, TargetError, classify, load_balancer
-from metafora.cli.worker import check_weight, make_balancer
+from metafora.cli.worker import make_balancer
+from metafora.node import check_weight
 from metafora.statemachine import AsyncCommands, Commands, Message
 
 

@@ -8,9 +8,9 @@ from datetime import timedelta
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
-from metafora.config import seconds
 from metafora.consumer import ConsumerOptions
 from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES
+from metafora.durations import seconds
 from metafora.errors import ConfigError
 
 
@@ -34,7 +34,7 @@ def test_a_timedelta_becomes_seconds_and_the_value_is_frozen() -> None:
     [
         ({"balance_every": 0}, "balance_every must be a positive number of seconds, got 0"),
         ({"refuse_retry": float("nan")}, "refuse_retry must be a positive number of seconds"),
-        ({"shutdown_timeout": -1}, "shutdown_timeout must be a positive number of seconds, got -1"),
+        ({"shutdown_timeout": -1}, "shutdown_timeout must be a non-negative number of seconds, got -1"),
         ({"slow_callback": 0}, "slow_callback must be a positive number of seconds"),
         ({"max_tasks": 0}, "max_tasks must be a positive integer or None, got 0"),
         ({"max_crashes": True}, "max_crashes must be a non-negative integer or None, got True"),

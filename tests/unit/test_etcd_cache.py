@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
 from metafora.coordinators.etcd.layout import Keys, TaskRecord, task_record
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.coordinators.etcd.queries import Member
+from metafora.coordinators.etcd.queries import Registration
 from metafora.task import Task
 
 KEYS = Keys("ns")
@@ -57,29 +57,29 @@ def test_counts_follow_owner_keys_and_members() -> None:
     assert cache.counts(active=False) is None  # not ready, no watch
     assert cache.members(active=False) is None
     a, b = Entry(), Entry()
-    cache.replace({"a": a, "b": b}, {"n1": Member(weight=2.0), "n2": Member(leaving=True)}, 10)
+    cache.replace({"a": a, "b": b}, {"n1": Registration(weight=2.0), "n2": Registration(leaving=True)}, 10)
     cache.live = True
     assert cache.counts(active=False) == {"n1": 0, "n2": 0}
     cache.set_owner(a, kv(b"o", b"n1", 11, 11))
     cache.set_owner(b, kv(b"o", b"n2", 12, 12))
     assert cache.counts(active=False) == {"n1": 1, "n2": 1}
     assert cache.counts(active=True) == {"n1": 1}  # n2 is leaving
-    assert cache.members(active=True) == {"n1": Member(weight=2.0)}
+    assert cache.members(active=True) == {"n1": Registration(weight=2.0)}
     assert cache.seen_taken("a") and not cache.seen_taken("c")
     cache.set_owner(b, kv(b"o", b"n1", 13, 13))  # taken over by n1
     cache.set_owner(a, None)
     assert (a.owner, a.owner_rev) == (None, 0)
     assert cache.counts(active=False) == {"n1": 1, "n2": 0}
-    cache.member_put("n3", Member(frozen=True))
+    cache.member_put("n3", Registration(frozen=True))
     cache.member_gone("n2")
     assert cache.counts(active=False) == {"n1": 1, "n3": 0}
-    assert cache.members(active=False) == {"n1": Member(weight=2.0), "n3": Member(frozen=True)}
+    assert cache.members(active=False) == {"n1": Registration(weight=2.0), "n3": Registration(frozen=True)}
 
 
 def test_a_re_list_counts_the_owners_it_read() -> None:
     cache = TaskCache()
     owned = Entry(owner="n1", owner_rev=3)
-    cache.replace({"x": owned, "y": Entry(finished=True)}, {"n1": Member()}, 4)
+    cache.replace({"x": owned, "y": Entry(finished=True)}, {"n1": Registration()}, 4)
     cache.live = True
     assert cache.ready and cache.revision == 4
     assert cache.counts(active=True) == {"n1": 1}

@@ -12,7 +12,8 @@ import pytest
 
 from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.coordinators.etcd.outcomes import GroupCommit, applied_before
+from metafora.coordinators.etcd.outcomes import applied_before
+from metafora.groupcommit import GroupCommit
 from metafora.task import Task
 
 TASK = Task("t", token=7)
@@ -71,7 +72,7 @@ def test_items_queued_during_a_write_go_in_the_next_one() -> None:
         thread = threading.Thread(target=submit, args=(item,))
         threads.append(thread)
         thread.start()
-    wait_for(lambda: len(commit._queue) == 3, "three items queued behind the write")
+    wait_for(lambda: commit.pending == 3, "three items queued behind the write")
     release.set()
     for thread in threads:
         thread.join(10)

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.coordinators.etcd.queries import Member, launch_and_expiry, member_of, members
+from metafora.coordinators.etcd.queries import Registration, launch_and_expiry, member_of, members
 
 
 def test_launch_and_expiry_of_stored_props() -> None:
@@ -30,8 +30,8 @@ def test_members_and_what_their_registration_says() -> None:
 
     kvs = [alive("a", b'{"leaving": true}'), alive("b", b'{"frozen": true, "weight": 2.5}'),
            alive("c", b"junk"), KeyValue(keys.node_commands("a") + b"x", b"{}", 1, 1, 1, 7)]
-    assert members(keys, kvs) == {"a": Member(leaving=True), "b": Member(frozen=True, weight=2.5),
-                                  "c": Member()}
+    assert members(keys, kvs) == {"a": Registration(leaving=True), "b": Registration(frozen=True, weight=2.5),
+                                  "c": Registration()}
     assert member_of(b'{"leaving": 1}', "n").leaving and not member_of(b'{"leaving": false}', "n").leaving
     assert member_of(b'{"frozen": "yes"}', "n").frozen is False  # only a JSON true says frozen
 

@@ -1,12 +1,12 @@
-"""The self-fencing rule (:mod:`metafora.coordinators.fencing`) and the stores' margins."""
+"""The self-fencing rule (:mod:`metafora.leases`) and the stores' margins."""
 
 from __future__ import annotations
 
 import pytest
 
 from metafora.config import parse_store_url
-from metafora.coordinators.fencing import ETCD_FENCING, SQL_FENCING, Fencing
 from metafora.coordinators.sql.options import parse_config
+from metafora.leases import ETCD_FENCING, SQL_FENCING, Fencing
 
 
 def test_the_rule_is_the_ttl_less_the_margin() -> None:
@@ -31,3 +31,25 @@ def test_handlers_get_time_to_stop_before_the_lease_can_expire() -> None:
     for rule, ttls in ((ETCD_FENCING, range(2, 120)), (SQL_FENCING, range(1, 120))):
         for ttl in ttls:
             assert 0 < rule.fence_after(ttl) < ttl
+
+
+def test_every_store_reads_lease_ttl_by_one_rule_with_its_bounds() -> None:
+    from metafora.config import OptionReader, parse_store_url
+    from metafora.errors import ConfigError
+    from metafora.leases import LEASE_TTL, read_lease_ttl, renew_every
+
+    def read(store: str, value: object) -> float:
+        return read_lease_ttl(OptionReader(parse_store_url("memory://x"), {"lease_ttl": value}), store)
+
+    assert renew_every(30) == 10.0
+    assert {s: (b.minimum, b.maximum, b.whole) for s, b in LEASE_TTL.items()} == {
+        "sql": (1.0, 86400.0, False), "etcd": (2.0, None, True), "memory": (0.1, None, False)}
+    assert read("sql", 1.5) == 1.5 and read("etcd", 3) == 3 and read("memory", 0.1) == 0.1
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        read("sql", 0.5)
+    with pytest.raises(ConfigError, match="must be <= 86400"):
+        read("sql", 86401)
+    with pytest.raises(ConfigError, match=r"whole number of seconds for etcd, got 2\.5"):
+        read("etcd", 2.5)
+    with pytest.raises(ConfigError, match="must be >= 2"):
+        read("etcd", 1)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from metafora import Task, open_coordinator
+from metafora import gates as metafora_gates
 from metafora.coordinators.memory import drop_store
+from metafora.coordinators.sql.gates import items_channel
 from metafora.errors import ConfigError
 from metafora.gates import (
     GateError,
@@ -147,8 +149,8 @@ def test_the_error_handler_fails_at_once_when_only_permanent_failures_remain(ite
 
 
 def test_items_channel_is_a_short_stable_identifier() -> None:
-    channel = gates.items_channel("metafora")
-    assert channel == gates.items_channel("metafora") != gates.items_channel("other")
+    channel = items_channel("metafora")
+    assert channel == items_channel("metafora") != items_channel("other")
     assert channel.isidentifier() and len(channel) < 63
 
 
@@ -159,3 +161,8 @@ def test_the_old_module_name_gives_the_same_names() -> None:
 
     assert old.__all__ == metafora.gates.__all__
     assert all(getattr(old, name) is getattr(metafora.gates, name) for name in old.__all__)
+
+
+def test_a_moved_name_says_where_it_went() -> None:
+    with pytest.raises(AttributeError, match=r"moved to metafora\.coordinators\.sql\.gates\.items_channel"):
+        _ = metafora_gates.items_channel

@@ -324,6 +324,7 @@ _MEGABYTE = 1_000_000
     "a://@ ", "a://h:x ", "a://h:x,", "?pwd=&", "a://h/?pas=&", "a://h/?pwd=x ", "ü€漢😀", "a://ü:€@漢/😀 ",
     "postgresql://a:SECRET@h/db ",
 ])
+@pytest.mark.timing
 def test_adversarial_megabytes_mask_and_finish(unit: str) -> None:
     # The time itself is the benchmark's (benchmarks/security.py); here a generous liveness bound.
     secret = "postgresql://app:SECRET@db/prod"

@@ -115,7 +115,7 @@ def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
     # PostgreSQL (here the machine's on :5432, else initdb) and starts etcd from its binary.
     for name in ("METAFORA_TEST_POSTGRES_URL", "METAFORA_TEST_ETCD_URL"):
         monkeypatch.delenv(name, raising=False)
-    from metafora.testservers import find_etcd
+    from metafora.testing.servers import find_etcd
 
     if find_etcd() is None:
         pytest.skip("no etcd binary")  # CI installs etcd-server; under CI=true this skip fails
@@ -127,12 +127,12 @@ def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
 
 
 def test_server_unavailable_says_what_was_tried(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metafora import testservers  # the former name still imports
+    from metafora.testing import servers
     from metafora.testing.servers import etcd
 
     monkeypatch.delenv("METAFORA_TEST_ETCD_URL", raising=False)
     monkeypatch.setenv("METAFORA_TEST_ETCD", "/nonexistent/etcd")
     monkeypatch.setattr(etcd, "docker_answers", lambda: False)  # where etcd_server looks it up
-    with pytest.raises(testservers.ServerUnavailable, match="no etcd binary"), \
-            testservers.etcd_server():
+    with pytest.raises(servers.ServerUnavailable, match="no etcd binary"), \
+            servers.etcd_server():
         pass

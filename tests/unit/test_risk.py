@@ -21,8 +21,8 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.consumer.risk import Change, RiskEpisode, RiskRule
-from metafora.coordinators.fencing import ETCD_FENCING, SQL_FENCING, LeaseTiming
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
+from metafora.leases import ETCD_FENCING, SQL_FENCING, LeaseTiming
 from metafora.statemachine import AsyncCommands, Commands, Message, MessageKind, StateCode, handler_func
 from metafora.statemachine.aio import AsyncStatefulTaskHandler
 from metafora.testing import FakeClock, RecordingContext

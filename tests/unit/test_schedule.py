@@ -10,16 +10,15 @@ import pytest
 
 from metafora import open_client, open_coordinator
 from metafora.coordinators.memory import drop_store
+from metafora.durations import format_duration, whole_seconds
 from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
-from metafora.schedule import (
+from metafora.schedule import Scheduler
+from metafora.schedule_model import (
     LATE_AFTER,
     MAX_CATCH_UP,
     Schedule,
-    Scheduler,
     due,
-    format_duration,
     new_schedule,
-    parse_duration,
     tick_id,
 )
 from metafora.testing import FakeClock, wait_for
@@ -38,14 +37,14 @@ def cron(expr: str, missed: str = "skip", cursor: datetime = T0) -> Schedule:
 @pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("5m", 300), ("1h", 3600), ("1d", 86400),
                                                (" 2m ", 120), (7, 7), (timedelta(minutes=2), 120)])
 def test_parse_duration(text: object, seconds: int) -> None:
-    assert parse_duration(text) == seconds
+    assert whole_seconds(text, "a schedule period") == seconds
 
 
 @pytest.mark.parametrize("bad", ["", "5", "5 minutes", "1.5s", "0s", 0, -3, True, 1.5,
                                  timedelta(seconds=1.5)])
 def test_parse_duration_refuses(bad: object) -> None:
     with pytest.raises(ConfigError):
-        parse_duration(bad)
+        whole_seconds(bad, "a schedule period")
 
 
 def test_format_duration() -> None:

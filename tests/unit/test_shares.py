@@ -23,7 +23,6 @@ from metafora.balancers.shares import (
     ceil_share,
     check_band,
     check_threshold,
-    check_weight,
     exact_shares,
     fair_share,
     peers,
@@ -32,6 +31,7 @@ from metafora.balancers.shares import (
     standings,
 )
 from metafora.errors import ConfigError
+from metafora.node import check_weight
 from metafora.task import Task
 from metafora.testing import FakeClock
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 
 from metafora import Task, TaskState
+from metafora.coordinators.memory.states import MemoryTaskCommands
 from metafora.errors import InvalidTaskState, TaskNotFound
 from metafora.statemachine import (
     Commands,
@@ -21,7 +22,6 @@ from metafora.statemachine import (
     get_state,
     send_task_command,
 )
-from metafora.statemachine.stores.memory import MemoryTaskCommands
 from metafora.testing import FakeClock, LocalCluster
 from tests.helpers import start_stateful as start
 from tests.helpers import state_code as code

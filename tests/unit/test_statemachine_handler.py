@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Client
+from metafora.client import Client
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
+from metafora.coordinators.memory.states import MemoryStateStore, MemoryTaskCommands
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine import (
     Commands,
@@ -32,7 +33,6 @@ from metafora.statemachine import (
     StateStore,
     handler_func,
 )
-from metafora.statemachine.stores.memory import MemoryStateStore, MemoryTaskCommands
 from metafora.testing import FakeClock, RecordingContext
 from tests.helpers import wait_until
 

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("starlette", reason="the dashboard needs the extra metafora-cluster[web]")
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import CoordinatorContext, NodeInfo
+from metafora.client import NodeInfo
+from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.memory import drop_store
 from metafora.limits import GroupUsage, Limit
 from metafora.task import TaskInfo, TaskState

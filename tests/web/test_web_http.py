@@ -186,6 +186,7 @@ def test_cli_refuses_a_public_bind_without_token(sqlite_url: str) -> None:
     assert result.exit_code == 2 and "HOST:PORT" in result.output
 
 
+@pytest.mark.timing
 def test_fast_with_100000_tasks(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'big.db'}"
     insert_tasks(url, [{"id": f"job-{i:06d}", "state": "failed" if i % 10 == 0 else "pending",

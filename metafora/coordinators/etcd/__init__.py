@@ -7,7 +7,8 @@ default 5 s), ``namespace`` (the URL path wins). Needs ``pip install 'metafora-c
 (``etcd-sdk-python`` and ``protobuf>=5.27.2``).
 
 Key layout: :mod:`metafora.coordinators.etcd.layout`. Lease, watch and self-fencing:
-:mod:`metafora.coordinators.etcd.coordinator`.
+:mod:`metafora.coordinators.etcd.coordinator`. The state machine's states and task commands:
+:mod:`metafora.coordinators.etcd.states`.
 """
 
 from __future__ import annotations

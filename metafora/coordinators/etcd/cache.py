@@ -16,7 +16,7 @@ from typing import Any
 
 from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.coordinators.etcd.queries import Member, launch_and_expiry
+from metafora.coordinators.etcd.queries import Registration, launch_and_expiry
 from metafora.errors import InvalidProps
 from metafora.task import Task
 
@@ -116,10 +116,10 @@ class TaskCache:
         self.live = False  # a watch stream is confirmed: the cache follows the store
         # Who holds what, as the cache saw it: the balancers' counts without reading every
         # owner key (a read that grows with the tasks held, made every second by every node).
-        self._live_nodes: dict[str, Member] = {}  # live node -> what its registration says
+        self._live_nodes: dict[str, Registration] = {}  # live node -> what its registration says
         self._held_by: Counter[str] = Counter()  # node -> owner keys naming it
 
-    def replace(self, entries: dict[str, Entry], members: dict[str, Member], revision: int) -> None:
+    def replace(self, entries: dict[str, Entry], members: dict[str, Registration], revision: int) -> None:
         """Take a re-list's view (``members``: live node -> what its registration says)."""
         self.entries = entries
         self._live_nodes = members
@@ -132,7 +132,7 @@ class TaskCache:
         entry = self.entries.get(task_id)
         return entry is not None and (entry.owner is not None or entry.finished)
 
-    def member_put(self, node_id: str, member: Member) -> None:
+    def member_put(self, node_id: str, member: Registration) -> None:
         """A node's registration key was put (``member``: what its record says)."""
         self._live_nodes[node_id] = member
 
@@ -164,7 +164,7 @@ class TaskCache:
         return {node: self._held_by.get(node, 0)
                 for node, m in sorted(self._live_nodes.items()) if not (active and m.leaving)}
 
-    def members(self, active: bool) -> dict[str, Member] | None:
+    def members(self, active: bool) -> dict[str, Registration] | None:
         """Live node -> what its registration says (without ``leaving`` nodes when
         ``active``); None while no watch stream follows the store."""
         if not (self.live and self.ready):

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
@@ -66,7 +66,7 @@ from metafora.errors import (
 )
 from metafora.limits import GroupUsage, Limit
 from metafora.retention import purge_policy
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
 from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
@@ -86,6 +86,8 @@ _PAGE_KEYS_MAX = 20_000
 
 class EtcdClient(EtcdRetention, Client):
     """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
+
+    backend = "etcd"
 
     def __init__(self, config: EtcdConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._cfg = config

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from metafora.config import DEFAULT_NAMESPACE, OptionReader, StoreURL, validate_namespace
 from metafora.coordinators.etcd.driver import ConnectionSettings
 from metafora.errors import ConfigError
+from metafora.leases import read_lease_ttl
 
-__all__ = ["DEFAULT_PORT", "MIN_LEASE_TTL", "EtcdConfig"]
+__all__ = ["DEFAULT_PORT", "EtcdConfig"]
 
 DEFAULT_PORT = 2379
-MIN_LEASE_TTL = 2  # etcd's own minimum lease TTL with default election settings is ~1.5 s
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class EtcdConfig:
 
     - ``namespace``: the URL path (``etcd://host/NAMESPACE``) or the ``namespace`` option
       (the path wins), default ``metafora``. Keys live under ``/metafora/<namespace>/``.
-    - ``lease_ttl``: whole seconds, >= 2 (default 30). One lease per node.
+    - ``lease_ttl``: whole seconds, >= 2 (default 30; :data:`metafora.leases.LEASE_TTL`). One lease per node.
     - ``poll_interval``: seconds between safety-net re-lists of the watch (default 30; at
       least one second per 1,000 tasks in the namespace).
     - ``timeout``: seconds for one etcd request (default 5).
@@ -58,9 +57,7 @@ class EtcdConfig:
             namespace = validate_namespace(path)
         elif not namespace:
             namespace = DEFAULT_NAMESPACE
-        ttl = reader.number("lease_ttl", 30, minimum=MIN_LEASE_TTL)
-        if ttl != math.floor(ttl):
-            raise ConfigError(f"option 'lease_ttl' must be a whole number of seconds for etcd, got {ttl:g}")
+        ttl = read_lease_ttl(reader, "etcd")
         poll = reader.number("poll_interval", 30.0, minimum=0.05)
         timeout = reader.number("timeout", 5.0, minimum=0.05, maximum=600)
         ca_cert = reader.string("ca_cert")

@@ -14,7 +14,7 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
     old one first, in case etcd still has it) and carries on.
     etcd expires a lease ``lease_ttl`` after it *received* the last renewal, which is later
     than when we sent it, so everyone else can claim only after we have fenced; the margin
-    (:data:`~metafora.coordinators.fencing.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
+    (:data:`~metafora.leases.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
     the time handlers get to notice ``stop()``.
 
 ``metafora-etcd-watch[<node>]``
@@ -65,7 +65,7 @@ from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import (
-    Member,
+    Registration,
     active_task_count,
     live_members,
     node_labels,
@@ -73,10 +73,10 @@ from metafora.coordinators.etcd.queries import (
 )
 from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.etcd.watch import NamespaceWatch
-from metafora.coordinators.fencing import LeaseTiming
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.schedule import Schedule
+from metafora.leases import LeaseTiming, renew_every
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["EtcdCoordinator", "new_command_name"]
@@ -94,6 +94,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
     Construction touches nothing; :meth:`init` registers the node (``NodeExists`` if its
     id is live) and starts the lease and watch threads.
     """
+
+    backend = "etcd"
 
     claim_burst = CLAIM_TXN_TASKS
     """Offers the consumer hands to one :meth:`claim_many` (one txn).
@@ -147,7 +149,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
     @property
     def driver(self) -> EtcdDriver:
         """This node's etcd connection (for stores that keep their data beside the tasks,
-        such as :mod:`metafora.statemachine.stores.etcd`)."""
+        such as :mod:`metafora.coordinators.etcd.states`)."""
         return self._driver
 
     @property
@@ -314,8 +316,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.coordinators.fencing`)."""
-        return LeaseTiming(renew_every=self._cfg.lease_ttl / 3, fence_after=self._lease.fence_after)
+        :mod:`metafora.leases`)."""
+        return LeaseTiming(renew_every=renew_every(self._cfg.lease_ttl), fence_after=self._lease.fence_after)
 
     def held(self) -> list[Task]:
         """The claims this node holds now (as it believes)."""
@@ -372,7 +374,8 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         watch cache (None before its first re-list)."""
         return self._seen.claimable()
 
-    def _remember(self, found: dict[str, Member], claimable: int | None = None) -> dict[str, Member]:
+    def _remember(self, found: dict[str, Registration],
+                  claimable: int | None = None) -> dict[str, Registration]:
         """Keep the weights and frozen nodes of ``found`` (and the claimable count read with
         them) for the next asks (see members.py)."""
         self._seen.seen({node: m.weight for node, m in found.items()},
@@ -380,7 +383,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
                         {node: m.capacity for node, m in found.items() if m.capacity is not None})
         return found
 
-    def _members_now(self) -> dict[str, Member]:
+    def _members_now(self) -> dict[str, Registration]:
         """Live node -> what its registration says: from the watch cache, else read."""
         view = self._watch.cached_members(active=False)
         return self._remember(view[1] if view is not None else live_members(self._driver, self._keys))

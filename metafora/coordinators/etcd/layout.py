@@ -21,7 +21,7 @@ exactly one path segment::
     nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
                             taken in create-revision order and deleted when taken
     state/<id>              state-machine state of the task (fenced by the claim; written by
-                            :mod:`metafora.statemachine.stores.etcd`)
+                            :mod:`metafora.coordinators.etcd.states`)
     taskcmds/<id>/<...>     state-machine commands to the task (same module)
     limits/<group>          {"max": N, "rate": [count, seconds]}: a group's limit (docs/limits.md)
     slots/<group>/<i>       "<task id>": concurrency slot i of the group (0 <= i < max), held by a

@@ -1,7 +1,7 @@
 """A node's lease: registration, renewal, self-fencing and re-registration.
 
 See :mod:`metafora.coordinators.etcd.coordinator` for the lease thread's contract, and
-:mod:`metafora.coordinators.fencing` for when the node fences.
+:mod:`metafora.leases` for when the node fences.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, encode_json, iso
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
-from metafora.coordinators.fencing import ETCD_FENCING, report_renewal_failure
 from metafora.coordinators.members import context_capacity
 from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
+from metafora.leases import ETCD_FENCING, renew_every, report_renewal_failure
 
 __all__ = ["NodeLease"]
 
@@ -137,7 +137,7 @@ class NodeLease:
             log.debug("could not revoke lease %x", lease, exc_info=True, extra=self._state.extra)
 
     def run(self) -> None:
-        interval = self._cfg.lease_ttl / 3
+        interval = renew_every(self._cfg.lease_ttl)
         next_beat = self._clock.monotonic() + interval
         backoff = BACKOFF_START
         failing = False

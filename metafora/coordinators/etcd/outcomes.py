@@ -12,19 +12,17 @@ failure branch tells which claims still hold (their owner key is as fenced), so 
 written again without the stale ones; a stale one whose txn was retried after a lost answer
 is judged by what the lost attempt left (:func:`applied_before`), as a single write is.
 
-:class:`GroupCommit` lets threads that each record one outcome (the consumer's handler
-threads calling ``done``) share those txns: the first caller writes at once; callers that
-arrive while a write is in flight are written together by the next one.
+:class:`~metafora.groupcommit.GroupCommit` lets threads that each record one outcome (the
+consumer's handler threads calling ``done``) share those txns: the first caller writes at
+once; callers that arrive while a write is in flight are written together by the next one.
 :class:`ClaimOutcomes` is the coordinator's part that does both.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from metafora.clock import Clock
 from metafora.coordinator import Finish, Outcome, error_text
@@ -52,6 +50,7 @@ from metafora.errors import (
     RequestTooLarge,
     StoreError,
 )
+from metafora.groupcommit import GroupCommit
 from metafora.task import Task
 
 __all__ = [
@@ -60,7 +59,6 @@ __all__ = [
     "TXN_BYTES",
     "ClaimOutcomes",
     "EtcdOutcomeBatcher",
-    "GroupCommit",
     "applied_before",
 ]
 
@@ -77,8 +75,6 @@ COMMIT_BATCH = 4 * ITEMS_PER_TXN
 
 _STATE = {Outcome.DONE: "done", Outcome.FAIL: "failed", Outcome.RELEASE: "release"}
 
-ItemT = TypeVar("ItemT")
-R = TypeVar("R")
 
 
 def applied_before(finish: Finish, ranges: Sequence[list[KeyValue]]) -> bool:
@@ -265,7 +261,8 @@ def _copy(error: MetaforaError) -> MetaforaError:
 
 class ClaimOutcomes:
     """done, release and fail of this node's claims: each written by an
-    :class:`EtcdOutcomeBatcher`, concurrent single ones group-committed (:class:`GroupCommit`),
+    :class:`EtcdOutcomeBatcher`, concurrent single ones group-committed
+    (:class:`~metafora.groupcommit.GroupCommit`),
     and the claims held (in the shared :class:`~.node.NodeState`) kept in step."""
 
     def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState,
@@ -349,62 +346,3 @@ class ClaimOutcomes:
                 task = finish.task
                 log.debug("node %s: %s %s (token %d)", self._state.node_id, finish.outcome.value,
                           task.id, task.token, extra={"node": self._state.node_id, "task": task.id})
-
-
-@dataclass
-class _Slot(Generic[ItemT, R]):
-    item: ItemT
-    done: bool = False
-    result: R | None = None
-    error: BaseException | None = None
-
-
-class GroupCommit(Generic[ItemT, R]):
-    """Coalesce items submitted by many threads into calls of ``write`` (group commit).
-
-    A caller that finds no write in flight writes its item (and any queued) at once: no
-    added latency when idle. Callers that arrive meanwhile queue up, and the next of them
-    to run writes the whole queue (up to ``max_batch``) in one call.
-    """
-
-    def __init__(self, write: Callable[[list[ItemT]], list[R]], max_batch: int) -> None:
-        self._write = write
-        self._max = max_batch
-        self._cond = threading.Condition()
-        self._queue: list[_Slot[ItemT, R]] = []
-        self._busy = False
-
-    def submit(self, item: ItemT) -> R:
-        """Write ``item`` (with whatever else is queued); its result, or raise its error."""
-        slot: _Slot[ItemT, R] = _Slot(item)
-        with self._cond:
-            self._queue.append(slot)
-            while not slot.done and self._busy:
-                self._cond.wait()
-            while not slot.done:
-                self._busy = True
-                batch = self._queue[: self._max]
-                del self._queue[: self._max]
-                self._cond.release()
-                try:
-                    self._run(batch)
-                finally:
-                    self._cond.acquire()
-                    self._busy = False
-                    self._cond.notify_all()
-        if slot.error is not None:
-            raise slot.error
-        return slot.result  # type: ignore[return-value]  # R may itself be Optional
-
-    def _run(self, batch: list[_Slot[ItemT, R]]) -> None:
-        try:
-            results = self._write([s.item for s in batch])
-        except BaseException as exc:  # each waiter gets the error, none waits forever
-            for slot in batch:
-                slot.error = exc if slot is batch[0] else StoreError(f"outcome write failed: {exc}")
-                slot.done = True
-            log.debug("group commit of %d item(s) failed: %s", len(batch), exc)
-            return
-        for slot, result in zip(batch, results, strict=True):
-            slot.result = result
-            slot.done = True

@@ -21,7 +21,7 @@ from metafora.coordinators.members import stored_capacity, stored_weight
 from metafora.task import parse_time
 
 __all__ = [
-    "Member",
+    "Registration",
     "expire_task",
     "fail_unclaimed",
     "launch_and_expiry",
@@ -120,7 +120,7 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     return {node: held.get(node, 0) for node in sorted(nodes)}
 
 
-def active_task_count(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, int], dict[str, Member]]:
+def active_task_count(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, int], dict[str, Registration]]:
     """Like :func:`node_task_count`, without nodes whose registration says ``leaving``; and
     what the registrations of those nodes say (weights, frozen), from the same read."""
     result = driver.txn(
@@ -131,7 +131,7 @@ def active_task_count(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, int], d
     return {node: held.get(node, 0) for node in sorted(active)}, active
 
 
-class Member(NamedTuple):
+class Registration(NamedTuple):
     """What a live node's registration record says of it to the balancers."""
 
     leaving: bool = False
@@ -140,18 +140,18 @@ class Member(NamedTuple):
     capacity: int | None = None  # the most tasks it can run now (None: no bound)
 
 
-def member_of(value: bytes, node_id: str) -> Member:
-    """The :class:`Member` a registration record describes (damaged: the defaults)."""
+def member_of(value: bytes, node_id: str) -> Registration:
+    """The :class:`Registration` a registration record describes (damaged: the defaults)."""
     data = decode_json(value)
     if not isinstance(data, dict):
-        return Member()
-    return Member(bool(data.get("leaving")), data.get("frozen") is True,
+        return Registration()
+    return Registration(bool(data.get("leaving")), data.get("frozen") is True,
                   stored_weight(data.get("weight"), node_id), stored_capacity(data.get("capacity")))
 
 
-def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Member]:
-    """Live node -> what its registration says (:class:`Member`), from keys under ``nodes/``."""
-    found: dict[str, Member] = {}
+def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Registration]:
+    """Live node -> what its registration says (:class:`Registration`), from keys under ``nodes/``."""
+    found: dict[str, Registration] = {}
     for kv in kvs:
         parsed = keys.parse(kv.key)
         if parsed is not None and parsed[0] == "alive":
@@ -159,7 +159,7 @@ def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Member]:
     return found
 
 
-def live_members(driver: EtcdDriver, keys: Keys) -> dict[str, Member]:
+def live_members(driver: EtcdDriver, keys: Keys) -> dict[str, Registration]:
     """Live node -> what its registration says, in one range read."""
     kvs, _ = driver.range(Range(keys.nodes, prefix=True))
     return members(keys, kvs)
@@ -170,9 +170,9 @@ SNAPSHOT_PAGE = 20_000
 
 
 def read_snapshot(driver: EtcdDriver, keys: Keys, page: int = SNAPSHOT_PAGE
-                  ) -> tuple[dict[str, TaskRecord], dict[str, Member], int]:
+                  ) -> tuple[dict[str, TaskRecord], dict[str, Registration], int]:
     """What a watch cache starts from, read at one revision (returned too): every task and
-    owner key, and the live nodes with what their registrations say (:class:`Member`).
+    owner key, and the live nodes with what their registrations say (:class:`Registration`).
 
     Read in pages of ``page`` keys pinned to the first page's revision: one read of a large
     backlog held etcd for seconds, met the request deadline while many nodes started at

@@ -32,7 +32,7 @@ from metafora.coordinators.etcd.ops import (
     exists,
     modified_at,
 )
-from metafora.coordinators.etcd.queries import read_all_tasks
+from metafora.coordinators.etcd.queries import live_members, read_all_tasks
 from metafora.errors import MetaforaError
 from metafora.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
 
@@ -141,6 +141,12 @@ class EtcdRetention(RetentionOps):
     def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
         driver, keys, _ = self._retention_parts()
         return prune_batch(driver, keys, cutoffs, limit)
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live node -> its published capacity (the client's read)."""
+        driver, keys, _ = self._retention_parts()
+        return {node: m.capacity for node, m in live_members(driver, keys).items()
+                if m.capacity is not None}
 
     def namespace_label(self) -> str:
         return self._retention_parts()[1].namespace

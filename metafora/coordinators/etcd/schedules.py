@@ -26,7 +26,7 @@ from metafora.coordinators.etcd.driver import (
 )
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso, parse_iso, unescape
 from metafora.errors import ScheduleExists, ScheduleNotFound, StoreError
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task
 
 __all__ = ["delete", "insert", "list_schedules", "materialise", "set_paused"]

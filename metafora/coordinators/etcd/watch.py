@@ -19,7 +19,7 @@ from metafora.coordinators.etcd.driver import EtcdDriver, WatchHandle
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchEvent, WatchFailure
-from metafora.coordinators.etcd.queries import Member, member_of, read_snapshot
+from metafora.coordinators.etcd.queries import Registration, member_of, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
 from metafora.task import Task, validate_task_id
 
@@ -316,7 +316,7 @@ class NamespaceWatch:
         with self._state.lock:
             return self._cache.counts(active)
 
-    def cached_members(self, active: bool) -> tuple[dict[str, int], dict[str, Member]] | None:
+    def cached_members(self, active: bool) -> tuple[dict[str, int], dict[str, Registration]] | None:
         """Like :meth:`cached_task_count`, with what the nodes' registrations say (weights,
         frozen), both as of the same revision of the cache; None while no stream follows."""
         with self._state.lock:

@@ -2,7 +2,8 @@
 
 A product feature for users' tests and single-process programs, with the same semantics
 as the real stores (see docs/coordinators.md). Nodes hold their claims until ``close()``;
-:meth:`MemoryCoordinator.expire_lease` simulates a lost lease.
+:meth:`MemoryCoordinator.expire_lease` simulates a lost lease. The state machine's states and
+task commands: :mod:`metafora.coordinators.memory.states`.
 """
 
 from __future__ import annotations

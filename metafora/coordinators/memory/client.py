@@ -7,12 +7,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from metafora.client import Client, NodeInfo
 from metafora.commands import Command
 from metafora.config import StoreURL
-from metafora.coordinator import (
-    Client,
-    NodeInfo,
-)
 from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.errors import (
@@ -26,7 +23,7 @@ from metafora.errors import (
 )
 from metafora.limits import GroupUsage, Limit
 from metafora.retention import purge_policy
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import (
     Task,
@@ -51,6 +48,8 @@ def _replace(row: Row, task: Task) -> None:
 
 class MemoryClient(MemoryRetention, Client):
     """Operator client on an in-process :class:`MemoryStore`."""
+
+    backend = "memory"
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store

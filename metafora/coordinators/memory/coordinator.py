@@ -31,7 +31,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskState,
@@ -46,6 +46,8 @@ _OFFERED_MIN = 1024  # a watch forgets what it offered of rows no longer pending
 
 class MemoryCoordinator(MemoryRetention, Coordinator):
     """A node's coordinator on an in-process :class:`MemoryStore`."""
+
+    backend = "memory"
 
     claim_burst = 256  # claims are in-process: no round trip to save, no limit to mind
 

@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from metafora.coordinators.members import context_capacity
 from metafora.coordinators.memory.store import MemoryStore
 from metafora.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
 from metafora.task import TaskState
@@ -79,6 +80,13 @@ class MemoryRetention(RetentionOps):
                 s.timed.pop(task_id, None)
                 s.ready_rows.pop(task_id, None)
             return len(doomed)
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live node -> the capacity its context gives (the client's read)."""
+        s = self._retention_store()
+        with s.cond:
+            nodes = list(s.nodes.values())
+        return {n.node_id: c for n in nodes if (c := context_capacity(n.ctx)) is not None}
 
     def namespace_label(self) -> str:
         return self._retention_store().name

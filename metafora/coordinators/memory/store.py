@@ -20,8 +20,9 @@ from metafora.coordinator import (
 from metafora.errors import (
     ConfigError,
 )
+from metafora.leases import read_lease_ttl
 from metafora.limits import GroupUsage, Limit
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
     TaskInfo,
@@ -123,7 +124,7 @@ class MemoryStore:
         self.member_listeners: list[Callable[[], None]] = []
         # Each task's state-machine state: (claim token, body, the row it belongs to). The
         # coordinator keeps where it lives, as SQL's metafora_state and etcd's state/<id>
-        # do; what it means is the state machine's (metafora.statemachine.stores.memory).
+        # do; what it means is the state machine's (metafora.coordinators.memory.states).
         self.task_states: dict[str, tuple[int, str, weakref.ref[Row]]] = {}
         self.limits: dict[str, Limit] = {}
         self.rate_log: dict[str, deque[datetime]] = {}  # claim times per rate-limited group
@@ -324,7 +325,7 @@ def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
     reader = OptionReader(url, options)
     namespace = reader.namespace()
     # Accepted for parity with the real stores; memory nodes hold claims until close().
-    reader.number("lease_ttl", 30.0, minimum=0.1)
+    read_lease_ttl(reader, "memory")
     reader.number("poll_interval", 1.0, minimum=0.01)
     reader.finish()
     if len(url.hosts) != 1 or url.path not in ("", "/"):

@@ -13,11 +13,14 @@ connections. Modules:
 - :mod:`~metafora.coordinators.sql.statements`: every statement, written once;
 - :mod:`~metafora.coordinators.sql.store`: the engine, error translation at the boundary;
 - :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing
-  (:mod:`metafora.coordinators.fencing` says when);
+  (:mod:`metafora.leases` says when);
 - :mod:`~metafora.coordinators.sql.claims`: claims and their fenced outcomes;
 - :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
 - :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
-- :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`.
+- :mod:`~metafora.coordinators.sql.coordinator`, :mod:`~metafora.coordinators.sql.client`;
+- the features' storage: :mod:`~metafora.coordinators.sql.states` (the state machine's states
+  and task commands), :mod:`~metafora.coordinators.sql.gates` (the gated partitions' items),
+  through the seam :mod:`~metafora.coordinators.sql.shared`.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 
+from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.coordinator import Client, NodeInfo
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
@@ -32,7 +32,7 @@ from metafora.errors import (
 )
 from metafora.limits import GroupUsage, Limit
 from metafora.retention import purge_policy
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists
 from metafora.task import (
     Task,
@@ -115,6 +115,8 @@ class SQLClient(SQLRetention, Client):
 
     Nothing touches the store until the first call; the schema is created then if needed.
     """
+
+    backend = "sql"
 
     def __init__(self, db: Database) -> None:
         self._db = db

@@ -29,7 +29,6 @@ from metafora.coordinator import (
     TaskSink,
     as_sink,
 )
-from metafora.coordinators.fencing import LeaseTiming, report_renewal_failure
 from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
@@ -45,7 +44,8 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
-from metafora.schedule import Schedule
+from metafora.leases import LeaseTiming, report_renewal_failure
+from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
@@ -57,6 +57,8 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     Nothing touches the store until :meth:`init`. Thread-safe.
     """
+
+    backend = "sql"
 
     claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
 
@@ -341,7 +343,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.coordinators.fencing`)."""
+        :mod:`metafora.leases`)."""
         cfg = self._db.config
         return LeaseTiming(renew_every=cfg.renew_interval, fence_after=cfg.fence_after)
 

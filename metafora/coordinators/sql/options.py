@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from metafora.config import OptionReader, StoreURL
-from metafora.coordinators.fencing import SQL_FENCING
 from metafora.errors import ConfigError
+from metafora.leases import SQL_FENCING, read_lease_ttl, renew_every
 
 __all__ = ["PG_SCHEMES", "SQLConfig", "parse_config"]
 
@@ -48,8 +48,8 @@ class SQLConfig:
 
     @property
     def renew_interval(self) -> float:
-        """Seconds between lease renewals: a third of the TTL."""
-        return self.lease_ttl / 3.0
+        """Seconds between lease renewals (:func:`~metafora.leases.renew_every`)."""
+        return renew_every(self.lease_ttl)
 
     @property
     def command_recheck(self) -> float:
@@ -65,7 +65,7 @@ class SQLConfig:
     def fence_after(self) -> float:
         """Seconds after the start of the last good renewal at which a node self-fences.
 
-        :data:`~metafora.coordinators.fencing.SQL_FENCING`: ``lease_ttl`` minus a margin of
+        :data:`~metafora.leases.SQL_FENCING`: ``lease_ttl`` minus a margin of
         ``lease_ttl / 3`` (the store keeps the lease for ``lease_ttl`` from the renewal's
         database time, so handlers get a third of the TTL to stop).
         """
@@ -82,7 +82,7 @@ def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
         raise ConfigError(f"the SQL store does not handle the scheme {url.scheme!r} ({url})")
     reader = OptionReader(url, options)
     namespace = reader.namespace()
-    lease_ttl = reader.number("lease_ttl", 30.0, minimum=1.0, maximum=86400.0)
+    lease_ttl = read_lease_ttl(reader, "sql")
     # PostgreSQL pushes every change (NOTIFY); its poll is only the safety net for rows
     # written without one (another program), so it can be rare: 15 s keeps an idle node
     # well under one request per second.

@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, inspect, text
 
+from metafora.coordinators.members import stored_capacity
 from metafora.coordinators.sql.store import Database
 from metafora.retention import (
     DEFAULT_RETENTION,
@@ -71,13 +72,30 @@ _CHILDREN = (
 # The pending rows, through the partial index of pending rows (work, not held tasks).
 _PENDING = "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
 
+PAUSE_SQLITE = 5.0
+"""Rest after a full batch, in multiples of the batch's time, on SQLite."""
+PAUSE_POSTGRES = 3.0
+"""Rest after a full batch, in multiples of the batch's time, on PostgreSQL."""
+
+_CAPACITIES = (
+    "SELECT node_id, capacity FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
+)
+
 _tables: weakref.WeakKeyDictionary[Database, set[str]] = weakref.WeakKeyDictionary()
 
 
+_built: dict[tuple[str, str], Any] = {}
+
+
 def _sql(db: Database, template: str) -> Any:
-    fragments = dict(db.dialect.fragments())
-    fragments.update(db.dialect.ddl_types())
-    return text(template.format(**fragments))
+    """``template`` with the dialect's fragments and types, compiled once per dialect."""
+    key = (db.config.kind, template)
+    found = _built.get(key)
+    if found is None:
+        fragments = dict(db.dialect.fragments())
+        fragments.update(db.dialect.ddl_types())
+        found = _built[key] = text(template.format(**fragments))
+    return found
 
 
 def _params(db: Database, policy: Retention) -> dict[str, Any]:
@@ -184,8 +202,22 @@ class SQLRetention(RetentionOps):
     def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
         return prune_batch(self._retention_db(), cutoffs, limit)
 
+    def node_capacities(self) -> dict[str, int]:
+        """Live node -> its published capacity (the client's read; coordinators have their
+        own, shared with the counts)."""
+        db = self._retention_db()
+        with db.read() as conn:
+            rows = conn.execute(_sql(db, _CAPACITIES), {"ns": db.config.namespace}).fetchall()
+        return {str(r[0]): c for r in rows if (c := stored_capacity(r[1])) is not None}
+
     def namespace_label(self) -> str:
         return self._retention_db().config.namespace
+
+    def _prune_pause(self, elapsed: float) -> float:
+        # SQLite has one writer: a batch holds off every claim while it runs (a prune takes at
+        # most a sixth of the write lock). PostgreSQL claims skip the locked rows, but the
+        # batch's CPU and I/O are the claims' too (a prune takes at most a quarter of them).
+        return elapsed * (PAUSE_SQLITE if self._retention_db().config.kind == "sqlite" else PAUSE_POSTGRES)
 
     def pending_count(self) -> int:
         return pending_count(self._retention_db())

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, text
 
 from metafora.coordinators.sql.store import Database, task_params
 from metafora.errors import InvalidProps, ScheduleExists, ScheduleNotFound
-from metafora.schedule import Schedule
+from metafora.schedule_model import Schedule
 from metafora.task import Task, decode_props
 
 __all__ = ["delete", "insert", "list_schedules", "materialise", "set_paused"]

@@ -1,13 +1,12 @@
-"""What the SQL coordinator shares with packages that keep tables beside its own.
+"""What the SQL coordinator shares with the storage of the features kept beside its tables.
 
-The gated partitions' items (:mod:`metafora.gates`) and the state machine's
-states and commands (:mod:`metafora.statemachine.stores.sql`) live in a SQL coordinator's
-database, or in a SQL database of their own. This module is their one seam into this
-package: a database handle and its typed configuration, error translation at the boundary,
-push wake-ups on PostgreSQL, and the one SQL condition that says a claim is held -- so
-nothing outside this package reads ``metafora_tasks`` or ``metafora_nodes`` by name or
-imports the coordinator's internal modules. Everything here is a stable name; what stands
-behind it may be rebuilt.
+The state machine's states and commands (:mod:`metafora.coordinators.sql.states`) and the
+gated partitions' items (:mod:`metafora.coordinators.sql.gates`) live in a SQL coordinator's
+database, or (items) in a SQL database of their own. This module is their one seam into the
+coordinator's modules: a database handle and its typed configuration, error translation at
+the boundary, push wake-ups on PostgreSQL, and the one SQL condition that says a claim is
+held -- so neither reads ``metafora_tasks`` or ``metafora_nodes`` by name. Everything here is
+a stable name; what stands behind it may be rebuilt.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ When none works, :class:`ServerUnavailable` says what was tried. Nothing here sl
 synchronise: readiness is polled against deadlines, and processes are stopped by pid.
 
 :mod:`metafora.testing.servers.postgres` and :mod:`metafora.testing.servers.etcd` hold each
-kind; this module names them all (``metafora.testservers``, its former name, still imports).
+kind; this module names them all.
 """
 
 from __future__ import annotations

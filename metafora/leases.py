@@ -1,6 +1,20 @@
-"""When a node stops its handlers: the self-fencing rule of every store with leases.
+"""A node's lease: the rules every store shares, and each store's bounds in one table.
 
-A node renews its lease every ``lease_ttl / 3``. The store keeps the lease for ``lease_ttl``
+**The TTL.** ``lease_ttl`` (a store URL option, seconds) is read by one rule,
+:func:`read_lease_ttl`, within the bounds :data:`LEASE_TTL` states for each store:
+
+==========  =======  =========  =============  =====================================
+store       default  least      most           why
+==========  =======  =========  =============  =====================================
+``sql``     30       1          86,400         SQLite and PostgreSQL: any seconds
+``etcd``    30       2          (none)         whole seconds; etcd's least TTL ~1.5 s
+``memory``  30       0.1        (none)         accepted for parity, not used
+==========  =======  =========  =============  =====================================
+
+**Renewal.** A node renews its lease every ``lease_ttl / 3`` (:func:`renew_every`), on
+every store with leases.
+
+**Fencing.** The store keeps the lease for ``lease_ttl``
 from when it *received* the renewal (etcd's leader) or stamped it (SQL: the database clock),
 both later than when the node sent it. So a node that counts from the *start* of its last
 good renewal, on its own monotonic clock, and stops its handlers ``margin`` seconds before
@@ -26,9 +40,26 @@ every failed renewal through :func:`report_renewal_failure` (a context without t
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["ETCD_FENCING", "SQL_FENCING", "Fencing", "LeaseTiming", "report_renewal_failure"]
+from metafora.config import OptionReader
+from metafora.errors import ConfigError
+
+__all__ = [
+    "ETCD_FENCING",
+    "LEASE_TTL",
+    "RENEWALS_PER_TTL",
+    "SQL_FENCING",
+    "Fencing",
+    "LeaseTTL",
+    "LeaseTiming",
+    "read_lease_ttl",
+    "renew_every",
+    "report_renewal_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +87,44 @@ SQL_FENCING = Fencing(share=1 / 3)
 
 ETCD_FENCING = Fencing(share=1 / 4, floor=0.5)
 """etcd's margin: a quarter of the TTL, at least half a second."""
+
+
+RENEWALS_PER_TTL: Final = 3
+"""How many times a node renews its lease in one ``lease_ttl``."""
+
+
+def renew_every(lease_ttl: float) -> float:
+    """Seconds between a node's lease renewals: a third of ``lease_ttl``."""
+    return lease_ttl / RENEWALS_PER_TTL
+
+
+@dataclass(frozen=True)
+class LeaseTTL:
+    """A store's bounds on ``lease_ttl`` (a row of :data:`LEASE_TTL`)."""
+
+    minimum: float
+    maximum: float | None = None
+    whole: bool = False
+    """Whole seconds only (etcd grants leases in whole seconds)."""
+    default: float = 30.0
+
+
+LEASE_TTL: Final[Mapping[str, LeaseTTL]] = {
+    "sql": LeaseTTL(minimum=1.0, maximum=86400.0),
+    "etcd": LeaseTTL(minimum=2.0, whole=True),
+    "memory": LeaseTTL(minimum=0.1),
+}
+"""Each store's bounds on ``lease_ttl`` (the table in the module docstring)."""
+
+
+def read_lease_ttl(reader: OptionReader, store: str) -> float:
+    """The ``lease_ttl`` option of a store URL within ``store``'s bounds (:data:`LEASE_TTL`),
+    its default when absent; ConfigError naming the bound it breaks."""
+    bounds = LEASE_TTL[store]
+    ttl = reader.number("lease_ttl", bounds.default, minimum=bounds.minimum, maximum=bounds.maximum)
+    if bounds.whole and ttl != math.floor(ttl):
+        raise ConfigError(f"option 'lease_ttl' must be a whole number of seconds for {store}, got {ttl:g}")
+    return ttl
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,6 @@ __all__ = [
     "EtcdTaskCommands",
     "decode_state",
     "encode_state",
-    "state_store",
-    "task_commands",
 ]
 
 log = logging.getLogger(__name__)
@@ -269,13 +267,3 @@ class EtcdTaskCommands(TaskCommands):
     def clear(self, task_id: str) -> None:
         """Drop every queued command of the task (e.g. after deleting it)."""
         self._driver.txn([], [Delete(self._prefix(task_id), prefix=True)])
-
-
-def state_store(coordinator_or_client: Any) -> EtcdStateStore:
-    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
-    return EtcdStateStore.of(coordinator_or_client)
-
-
-def task_commands(coordinator_or_client: Any) -> EtcdTaskCommands:
-    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
-    return EtcdTaskCommands.of(coordinator_or_client)

@@ -46,7 +46,7 @@ from metafora.statemachine.store import (
 )
 from metafora.task import Task
 
-__all__ = ["SQLStateStore", "SQLTaskCommands", "state_store", "task_commands"]
+__all__ = ["SQLStateStore", "SQLTaskCommands"]
 
 log = logging.getLogger(__name__)
 
@@ -309,13 +309,3 @@ class SQLTaskCommands(TaskCommands):
         self._st.ensure()
         with self._db.write() as conn:
             self._st.run(conn, "cmd_clear", {"id": task_id})
-
-
-def state_store(coordinator_or_client: Any) -> SQLStateStore:
-    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
-    return SQLStateStore.of(coordinator_or_client)
-
-
-def task_commands(coordinator_or_client: Any) -> SQLTaskCommands:
-    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
-    return SQLTaskCommands.of(coordinator_or_client)

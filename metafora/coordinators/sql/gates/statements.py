@@ -1,7 +1,7 @@
 """The item store's SQL: the owners' fenced statements and the users' and operators' ones.
 
 Every owner statement carries the fence of the module docstring of
-:mod:`metafora.gates.store`; ``{claim}`` / ``{fence}`` differ with the fencing
+:mod:`metafora.coordinators.sql.gates.store`; ``{claim}`` / ``{fence}`` differ with the fencing
 mode (same-database mode adds the coordinator's claim check, :func:`claim_held` of the SQL
 coordinator's seam), ``{now}`` is the dialect's clock.
 """
@@ -180,7 +180,7 @@ ITEMS = Table(
     Column("permanent", Integer),
     Column("token", BigInteger),
 )
-"""The item rows, for the bulk insert of :meth:`~metafora.gates.store.ItemStore.add`."""
+"""The item rows, for the bulk insert of :meth:`~metafora.coordinators.sql.gates.store.SQLItemStore.add`."""
 
 
 def owner_statements(now: str, claim_fence: bool) -> dict[str, TextClause]:

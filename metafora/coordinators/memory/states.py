@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metafora.clock import SYSTEM_CLOCK
-from metafora.coordinators.memory import MemoryStore
+from metafora.coordinators.memory.store import MemoryStore
 from metafora.errors import ClaimLost, ConfigError
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import StateStore, TaskCommands
 from metafora.task import Task, TaskState
 
-__all__ = ["MemoryStateStore", "MemoryTaskCommands", "state_store", "task_commands"]
+__all__ = ["MemoryStateStore", "MemoryTaskCommands"]
 
 _SLICE = 0.05  # real seconds between checks of a cancel event while waiting for a command
 _SAFETY = 30.0  # seconds: a memory store's pushes cannot be lost; the net is a formality
@@ -196,13 +196,3 @@ class MemoryTaskCommands(TaskCommands):
     def pending(self, task_id: str) -> int:
         with self._store.cond:
             return len(self._tables.queue(self._store, task_id) or ())
-
-
-def state_store(coordinator_or_client: object) -> MemoryStateStore:
-    """Factory hook for :func:`metafora.statemachine.store.state_store_for`."""
-    return MemoryStateStore.of(coordinator_or_client)
-
-
-def task_commands(coordinator_or_client: object) -> MemoryTaskCommands:
-    """Factory hook for :func:`metafora.statemachine.store.commands_for`."""
-    return MemoryTaskCommands.of(coordinator_or_client)

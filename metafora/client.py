@@ -1,0 +1,287 @@
+"""The Client interface: an operator's handle on a store (submit, inspect, retry, command).
+
+Every store (memory, SQL, etcd) implements it beside its :class:`~metafora.coordinator.Coordinator`,
+and one conformance suite (``tests/conformance``) holds them to the same semantics.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, Self
+
+from metafora import bulk
+from metafora.balancer import ClusterState
+from metafora.clock import SYSTEM_CLOCK
+from metafora.commands import Command
+from metafora.limits import ClientLimits
+from metafora.retention import RetentionOps
+from metafora.schedule_model import Schedule, new_schedule
+from metafora.submitting import IfExists, check_if_exists, no_transactions
+from metafora.task import Task, TaskInfo, TaskState
+from metafora.task_retry import StateRewrite, check_retry_options
+
+__all__ = ["Client", "NodeInfo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A live node as the store sees it (fields a store does not keep are None)."""
+
+    id: str
+    tasks: int
+    host: str | None = None
+    pid: int | None = None
+    started: datetime | None = None
+    heartbeat: datetime | None = None
+    frozen: bool | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The node's placement labels (see ``Consumer(labels=...)``)."""
+    weight: float = 1.0
+    """The node's weight: its fair share is proportional to it (see ``Consumer(weight=...)``)."""
+
+
+class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
+    """An operator's handle on the store: submit and inspect tasks, command nodes, set
+    cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
+
+    backend: ClassVar[str] = ""
+    """The store this client belongs to: its key in :mod:`metafora.connect`'s backend table (as
+    :attr:`~metafora.coordinator.Coordinator.backend`)."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """A printable name of the store (its URL without password)."""
+
+    @abc.abstractmethod
+    def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
+        """Add a pending task; True if it was added (or replaced), False if left as it was.
+
+        ``if_exists`` (see :mod:`metafora.submitting`): ``"error"`` raises TaskExists if the id
+        is taken (in any state), ``"ignore"`` leaves the existing task, ``"replace"`` gives a
+        pending one the new props, priority, times, selector, placement and group (never a
+        claimed or finished one). ``conn``: the application's open transaction (a SQLAlchemy
+        ``Connection`` or ``Session``, or a psycopg ``Connection``) on SQLite and PostgreSQL
+        stores: the task exists only if it commits (docs/submit.md); ConfigError elsewhere.
+        """
+
+    def submit_tasks(
+        self, tasks: Iterable[Task], *, conn: Any = None, if_exists: IfExists = "error"
+    ) -> int:
+        """Add many pending tasks in batched writes (one statement or txn per batch); the
+        number added or replaced.
+
+        All-or-nothing per batch: a batch holding an id that already exists adds nothing and
+        raises TaskExists naming those ids (``.ids``); the batches before it stay added
+        (``.submitted`` says how many tasks). With ``if_exists="ignore"`` or ``"replace"``
+        existing ids are left (or replaced, if pending) and the rest added, decided per task in
+        the batch's own statement or txn. An id given twice in ``tasks`` is refused
+        before anything is written, and so is a task that could never be claimed
+        (``InvalidProps``, see :func:`~metafora.task.validate_schedule`). One wake-up per
+        batch, not per task. ``conn``: as :meth:`submit_task` (every task in that transaction).
+        """
+        mode = check_if_exists(if_exists)
+        todo = bulk.checked(tasks, self._now())
+        if conn is not None:
+            return self._submit_in(conn, todo, mode)
+        added = 0
+        for batch in bulk.batches(todo, self._batch_size, self._batch_bytes):
+            left = self._submit_batch(batch, mode)
+            if left and mode == "error":
+                raise bulk.exists_error(left, added, len(todo), self.name)
+            added += len(batch) - len(left)
+        log.debug("submitted %d tasks to %s", added, self.name)
+        return added
+
+    def _submit_in(self, conn: Any, tasks: Sequence[Task], if_exists: IfExists) -> int:
+        """Write ``tasks`` in the application's transaction ``conn`` (SQL stores only)."""
+        raise no_transactions(self.name)
+
+    def _now(self) -> datetime:
+        """The time a submitted task's schedule is judged by (this machine's clock; a store
+        with an injected clock judges by that)."""
+        return SYSTEM_CLOCK.now()
+
+    _batch_size = 500
+    """Tasks per batch of :meth:`submit_tasks` (a store's limit on one write)."""
+    _batch_bytes: int | None = None
+    """About how many bytes of ids and props one batch may carry (None: no limit)."""
+
+    @abc.abstractmethod
+    def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
+        """Add ``batch`` (ids distinct) atomically; the ids it left as they were.
+
+        ``"error"``: add all or nothing (then return the ids that exist); ``"ignore"`` /
+        ``"replace"``: add the new ones (and replace the pending ones) and return the rest."""
+
+    @abc.abstractmethod
+    def delete_task(self, task_id: str) -> None:
+        """Remove a task in any state; a running one is stopped on its node. TaskNotFound."""
+
+    def retry_task(self, task_id: str, reset_state: bool = False, keep_cursor: bool = False) -> None:
+        """Make a failed or expired task pending again. TaskNotFound, InvalidTaskState.
+
+        With ``reset_state``, also a stateful task that ended ``failed`` or ``killed`` (it
+        is ``done`` in the coordinator): its stored state becomes ``runnable`` again, with no
+        errors, and the cursor of its last checkpoint only with ``keep_cursor``. Atomic:
+        the task and its state change together or not at all. The rules are
+        :func:`metafora.statemachine.retry.plan_retry`'s (see :mod:`metafora.task_retry`).
+        """
+        check_retry_options(reset_state, keep_cursor)
+        if not reset_state:
+            self.retry_with_state(task_id, None)
+            return
+        # The rules of a reset are the state machine's: loaded here, when a reset is asked
+        # for, so that neither `import metafora` nor a plain retry loads the state machine.
+        from metafora.statemachine.retry import reset_and_retry
+
+        reset_and_retry(self, task_id, keep_cursor)
+
+    @abc.abstractmethod
+    def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
+        """Make a finished task pending again in one atomic step with ``rewrite`` of its
+        stored state (see :mod:`metafora.task_retry`); without ``rewrite``, a plain retry
+        (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
+        """
+
+    @abc.abstractmethod
+    def get_task(self, task_id: str) -> TaskInfo:
+        """One task's info. Raises TaskNotFound."""
+
+    @abc.abstractmethod
+    def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
+        """Every task (or those in ``state``), ordered by id."""
+
+    def task_page(
+        self,
+        *,
+        state: TaskState | str | None = None,
+        owner: str | None = None,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskInfo]:
+        """Up to ``limit`` tasks ordered by id, after id ``after`` (keyset paging), filtered by
+        ``state``, ``owner`` and id ``prefix``.
+
+        The default pages in memory over :meth:`tasks`; the SQL store overrides it with one
+        indexed query that never reads more than one page of rows.
+        """
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        page: list[TaskInfo] = []
+        for info in self.tasks(state):
+            if after is not None and info.id <= after:
+                continue
+            if not info.id.startswith(prefix) or (owner is not None and info.owner != owner):
+                continue
+            page.append(info)
+            if len(page) >= limit:
+                break
+        return page
+
+    def task_counts(self) -> dict[TaskState, int]:
+        """How many tasks are in each state (every state is a key).
+
+        The default counts in memory over :meth:`tasks`; the SQL store counts in the database.
+        """
+        counts = dict.fromkeys(TaskState, 0)
+        for info in self.tasks():
+            counts[info.state] += 1
+        return counts
+
+    @abc.abstractmethod
+    def nodes(self) -> list[str]:
+        """Ids of the live nodes, sorted."""
+
+    def node_infos(self) -> list[NodeInfo]:
+        """Details of the live nodes, sorted by id (stores add host, heartbeat, frozen...)."""
+        return [NodeInfo(n, c) for n, c in sorted(self.node_task_count().items())]
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        """Live node id -> its placement labels (from :meth:`node_infos`)."""
+        return {n.id: dict(n.labels) for n in self.node_infos()}
+
+    @abc.abstractmethod
+    def submit_command(self, node_id: str, command: Command) -> None:
+        """Queue ``command`` for a live node. Raises NodeNotFound."""
+
+    @abc.abstractmethod
+    def purge(self, older_than: timedelta | None = None) -> int:
+        """Delete done, failed and expired tasks finished more than ``older_than`` ago.
+
+        Returns how many were deleted.
+        """
+
+    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
+
+    def add_schedule(
+        self,
+        name: str,
+        *,
+        every: str | int | timedelta | None = None,
+        cron: str | None = None,
+        props: dict[str, Any] | None = None,
+        missed: str = "skip",
+    ) -> Schedule:
+        """Add a periodic task: every ``every`` (``"30s"``, ``"5m"``, ``"1h"``, ``"1d"``, seconds
+        or a timedelta; at least 1 s) or at the times of the ``cron`` expression (UTC).
+
+        Any live consumer makes each tick one task ``NAME@<tick time>`` with ``props``; ticks
+        missed while no node was up follow ``missed`` (``skip``, ``once`` or ``all``). The first
+        tick is the first one after now. Raises ConfigError, InvalidTaskId, InvalidProps or
+        ScheduleExists.
+        """
+        schedule = new_schedule(name, every=every, cron=cron, props=props, missed=missed,
+                                now=self._now())
+        self._schedule_insert(schedule)
+        log.info("added schedule %s (%s)", name, schedule.spec, extra={"action": "schedule"})
+        return schedule
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def delete_schedule(self, name: str) -> None:
+        """Remove a schedule; tasks it already made stay. Raises ScheduleNotFound."""
+        self._schedule_delete(name)
+        log.info("deleted schedule %s", name, extra={"action": "schedule"})
+
+    def pause_schedule(self, name: str) -> None:
+        """Stop making tasks of a schedule until resumed (its ticks meanwhile are not made
+        later). Idempotent. Raises ScheduleNotFound."""
+        self._schedule_pause(name, True, self._now())
+
+    def resume_schedule(self, name: str) -> None:
+        """Make tasks of a paused schedule again, from its first tick after now. Idempotent.
+        Raises ScheduleNotFound."""
+        self._schedule_pause(name, False, self._now())
+
+    def _schedule_insert(self, schedule: Schedule) -> None:
+        """Store a new schedule. Raises ScheduleExists."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def _schedule_delete(self, name: str) -> None:
+        """Delete a schedule. Raises ScheduleNotFound."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    def _schedule_pause(self, name: str, paused: bool, now: datetime) -> None:
+        """Set ``paused``; resuming a paused schedule moves its cursor to ``now`` (ticks while
+        paused are not made). Changes the row's version. Raises ScheduleNotFound."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no schedules")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
