@@ -13,6 +13,7 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
+from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
@@ -54,6 +55,9 @@ ANALYZE_AFTER = 1000
 """Tasks one ``submit_tasks`` call adds before it refreshes PostgreSQL's statistics."""
 
 _FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
+# A list's columns: no props, and only the start of a long error (what a list shows).
+_LIST_COLUMNS = _INFO_COLUMNS.replace("id, props,", "id, '{{}}' AS props,", 1).replace(
+    " error,", f" substr(error, 1, {MAX_ERROR_BYTES}) AS error,", 1)
 # Stored states that may show as a given state (a pending task past expires_at shows expired
 # until the next sweep moves it there).
 _STORED_AS = {
@@ -308,15 +312,25 @@ class SQLClient(SQLRetention, Client):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
+        props: bool = True,
     ) -> list[TaskInfo]:
-        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key)."""
+        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key).
+
+        Every filter is in SQL, the expiry too (a pending row past ``expires_at`` is expired):
+        the query never reads a row it does not return. ``props=False`` reads no props and
+        the first :data:`~metafora.coordinator.MAX_ERROR_BYTES` characters of each error.
+        """
         if limit < 1:
             raise ValueError("limit must be at least 1")
         wanted = None if state is None else TaskState(state)
         db = self._ready()
         where = ["namespace = :ns"]
         params: dict[str, Any] = {"ns": db.config.namespace, "limit": limit}
-        if wanted is not None:
+        if wanted is TaskState.PENDING:
+            where.append("state = 'pending' AND (expires_at IS NULL OR expires_at > {now})")
+        elif wanted is TaskState.EXPIRED:
+            where.append("(state = 'expired' OR (state = 'pending' AND expires_at <= {now}))")
+        elif wanted is not None:
             where.append("state IN :states")
             params["states"] = _STORED_AS[wanted]
         if owner is not None:
@@ -334,32 +348,22 @@ class SQLClient(SQLRetention, Client):
         if after is not None:
             where.append("id > :after")
             params["after"] = after
-        infos: list[TaskInfo] = []
         with db.read() as conn:
-            while True:
-                rows = conn.execute(self._page_clause(tuple(where)), params).fetchall()
-                for row in rows:
-                    info = self._info(row)
-                    if wanted is None or info.state is wanted:
-                        infos.append(info)
-                # A pending row past its expiry shows as expired: when a state filter dropped
-                # rows of this page, read on so a page is only short at the end.
-                if len(rows) < limit or len(infos) >= limit or wanted is None:
-                    return infos[:limit]
-                if "id > :after" not in where:
-                    where.append("id > :after")
-                params["after"] = str(rows[-1][0])
+            rows = conn.execute(self._page_clause(tuple(where), props), params).fetchall()
+        return [self._info(row) for row in rows]
 
-    def _page_clause(self, where: tuple[str, ...]) -> TextClause:
+    def _page_clause(self, where: tuple[str, ...], props: bool = True) -> TextClause:
         cache = self._pages
-        clause = cache.get(where)
+        key = (*where, f"props={props}")
+        clause = cache.get(key)
         if clause is None:
-            sql = (f"SELECT {_INFO_COLUMNS} FROM metafora_tasks WHERE {' AND '.join(where)}"
+            columns = _INFO_COLUMNS if props else _LIST_COLUMNS
+            sql = (f"SELECT {columns} FROM metafora_tasks WHERE {' AND '.join(where)}"
                    " ORDER BY id LIMIT :limit").format(**self._db.dialect.fragments())
             clause = text(sql)
             if "state IN :states" in where:
                 clause = clause.bindparams(bindparam("states", expanding=True))
-            cache[where] = clause
+            cache[key] = clause
         return clause
 
     def task_counts(self) -> dict[TaskState, int]:
