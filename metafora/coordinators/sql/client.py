@@ -166,7 +166,11 @@ class SQLClient(SQLRetention, Client):
         mode = check_if_exists(if_exists)
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         if conn is not None:
-            return self._submit_in(conn, [task], mode) == 1
+            try:
+                return self._submit_in(conn, [task], mode) == 1
+            except TaskExists:
+                raise TaskExists(f"task {task.id!r} already exists in {self.name}",
+                                 ids=[task.id]) from None
         db = self._ready()
         params = task_params(task, db)
         params["ns"] = db.config.namespace
