@@ -166,5 +166,6 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
     table(f"submitting {n:,} tasks: submit_tasks (one call) vs submit_task from {THREADS} threads",
           ("store", "tasks", "bulk s", "bulk tasks/s", "single s", "single tasks/s", "speed-up"), rows)
     application = run_application_side(stores, quick)
+    save("submit_application", {"quick": quick, "results": application})  # docs/benchmarks.md's table
     save("submit", {"quick": quick, "results": data, "application_side": application})
     return {"results": data, "application_side": application}

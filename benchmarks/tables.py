@@ -278,6 +278,22 @@ def _capacity(data: dict[str, Any]) -> list[str]:
     return out
 
 
+@table("submit_application", command="python -m benchmarks submit --stores postgresql,sqlite")
+def _submit_application(data: dict[str, Any]) -> list[str]:
+    out = header("store", "path", "tasks", "plain / sync tasks/s", "in the transaction / async tasks/s",
+                 "difference")
+    for v in data["results"]:
+        if v["path"] == "transaction":
+            plain, other = v["plain_tasks_per_s"], v["transaction_tasks_per_s"]
+            out.append(row(v["store"], f"batch of {v['batch']:,}", v["tasks"], plain, other,
+                           f"{plain / other - 1:+.0%} time"))
+        else:
+            sync, other = v["sync_threads_tasks_per_s"], v["async_tasks_per_s"]
+            out.append(row(v["store"], f"{v['concurrency']} concurrent", v["tasks"], sync, other,
+                           f"{other / sync:.2f}x"))
+    return out
+
+
 @table("peers", command="python -m benchmarks peers --rounds 3 --systems "
                         "metafora-postgresql,metafora-sqlite,pgqueuer")
 def _peers(data: dict[str, Any]) -> list[str]:

@@ -547,7 +547,8 @@ class Campaign:
                     if run.node != node or since > stopped or (run.end or _INF) < stopped:
                         continue
                     frozen_runs += 1
-                    superseded += any(o.task == run.task and o.token > run.token for o in runs)
+                    superseded += any(o.task == run.task and o.token > run.token and o.node != node
+                                      for o in runs)
                     late += sum(1 for m0, _ in run.writes if m0 >= resumed)
                     if run.refused:
                         refused += 1
