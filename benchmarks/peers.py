@@ -313,9 +313,9 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     if not go.wait(120):
         raise SystemExit("no go from the benchmark in 120 s")
     if system.startswith("metafora"):
-        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # benchmarks/hotpath.py
+        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # set by benchmarks/hotpath.py
         if trace:
-            from benchmarks.hotpath import count_statements
+            from benchmarks.statements import count_statements
             with count_statements(Path(trace) / f"{node}.json"):
                 _metafora_worker(url, node, report)
         else:

@@ -195,6 +195,24 @@ def _claims(data: dict[str, Any]) -> list[str]:
     ]
 
 
+@table("security", command="python -m benchmarks security --stores sqlite")
+def _security(data: dict[str, Any]) -> list[str]:
+    return [
+        "Costly requests on a `metafora web` process (SQLite), client-side time over one keep-alive"
+        " connection (target: `/tasks` with ten 1 MiB errors under 100 ms):",
+        "",
+        *header("page", "requests", "bytes", "p50 ms", "max ms"),
+        *(row(k, v["requests"], v["bytes"], v["p50_ms"], v["max_ms"]) for k, v in data["pages"].items()),
+        "",
+        "The dashboard's resident memory under a large `POST /login` body (target: grows by less than"
+        " 10 MB):",
+        "",
+        *header("body", "answer", "MiB accepted", "RSS before KiB", "RSS after KiB", "grown MB"),
+        *(row(k, v["answer"], v["mib_accepted"], v["rss_before_kib"], v["rss_after_kib"], v["grown_mb"])
+          for k, v in data.get("memory", {}).items()),
+    ]
+
+
 @table("latency", command="python -m benchmarks latency")
 def _latency(data: dict[str, Any]) -> list[str]:
     return [

@@ -40,8 +40,9 @@ from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import backlog_line, read_backlog
 from metafora.config import parse_store_url
 from metafora.connect import open_client
+from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound
-from metafora.masking import escape_controls, one_line, scrub
+from metafora.masking import cut_text, escape_controls, one_line, scrub
 from metafora.task import TaskState, validate_task_id
 from metafora.waiting import pending_reasons
 from metafora.web import charts as chart
@@ -150,7 +151,11 @@ class Dashboard:
                                autoescape=select_autoescape(default=True), finalize=self._shown)
         self.env.filters["ident"] = Ident
         self.env.filters["id_text"] = _id_text
-        self.env.filters["short"] = one_line  # a list shows one short line of an error
+        # A list shows one short line of an error, masked once (printed as title and cell).
+        self.env.filters["short"] = lambda text: Ident(scrub(one_line(text), self.url))
+        # A task's page shows as much of its error as a store keeps now (rows written by an
+        # older version may hold megabytes).
+        self.env.filters["stored_error"] = lambda text: cut_text(text, MAX_ERROR_BYTES)
         self.env.globals.update(age=_age, time=_time, store=self.store, states=list(TaskState),
                                 refresh_ms=self.refresh_ms, item_statuses=_ITEM_STATUSES)
 

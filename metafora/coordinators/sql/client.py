@@ -15,7 +15,6 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
-from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.retention import SQLRetention
@@ -26,12 +25,13 @@ from metafora.errors import (
     CoordinatorClosed,
     InvalidProps,
     InvalidTaskState,
+    LimitNotFound,
     MetaforaError,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
 )
-from metafora.limits import GroupUsage, Limit
+from metafora.limits import GroupUsage, Limit, Rate
 from metafora.retention import purge_policy
 from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists
@@ -458,13 +458,33 @@ class SQLClient(SQLRetention, Client):
         _schedules.set_paused(self._ready(), name, paused, now)
 
     def group_usage(self) -> dict[str, GroupUsage]:
-        return _limits.group_usage(self._ready())
+        db = self._ready()
+        with db.read() as conn:
+            rows = db.execute(conn, "limit_usage", {}).fetchall()
+        usage = {}
+        for grp, max_running, rate_count, rate_secs, running, recent in rows:
+            rate = None if rate_count is None else Rate(int(rate_count), int(rate_secs))
+            limit = Limit(str(grp), None if max_running is None else int(max_running), rate)
+            usage[limit.group] = GroupUsage(limit, int(running), int(recent))
+        return usage
 
     def _limit_put(self, limit: Limit) -> None:
-        _limits.put_limit(self._ready(), limit)
+        db, rate = self._ready(), limit.rate
+        with db.write() as conn:
+            db.execute(conn, "limit_put", {
+                "grp": limit.group, "max": limit.max,
+                "rate_count": None if rate is None else rate.count,
+                "rate_secs": None if rate is None else rate.window,
+            })
 
     def _limit_delete(self, group: str) -> None:
-        _limits.delete_limit(self._ready(), group)
+        db = self._ready()
+        with db.transaction() as conn:
+            row = db.execute(conn, "limit_delete", {"grp": group}).first()
+            if row is not None:
+                db.execute(conn, "limit_log_clear", {"grp": group})
+        if row is None:
+            raise LimitNotFound(f"no limit is set on group {group!r}")
 
     def close(self) -> None:
         if not self._closed.is_set():
