@@ -346,7 +346,7 @@ class RequestLimits:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         seen = 0
-        started = refused = False
+        started = refused = body_done = False
 
         async def refuse(status: int, text: str) -> MutableMapping[str, Any]:
             nonlocal refused
@@ -356,9 +356,11 @@ class RequestLimits:
             return {"type": "http.disconnect"}  # what the app sees: the client is gone
 
         async def bounded() -> MutableMapping[str, Any]:
-            nonlocal seen
+            nonlocal seen, body_done
             if refused:
                 return {"type": "http.disconnect"}
+            if body_done:  # the body is in: waiting for a disconnect has no deadline
+                return await receive()
             left = deadline - loop.time()
             try:
                 if left <= 0:
@@ -369,6 +371,7 @@ class RequestLimits:
             seen += len(message.get("body", b""))
             if seen > self.max_body:
                 return await refuse(413, f"request body over {self.max_body} bytes\n")
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         async def watched(message: MutableMapping[str, Any]) -> None:
