@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="peers: interleaved rounds (default 3)")
     parser.add_argument("--systems", default=None,
                         help="peers: comma-separated subset of metafora-postgresql,metafora-sqlite,"
+                             "pgqueuer-default,pgqueuer-recommended,"
                              "pgqueuer,procrastinate")
     parser.add_argument("--etcd-members", type=int, default=None,
                         help="etcd members started on loopback (default 1, or $METAFORA_BENCH_ETCD_MEMBERS)")

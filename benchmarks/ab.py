@@ -3,8 +3,9 @@
 Both sides run this checkout's benchmark code (copied into the earlier revision's tree), on the
 same stores and the same machine minute by minute; only the ``metafora`` package differs. The
 earlier revision is checked out into a temporary ``git worktree`` (removed afterwards). Rounds
-alternate base and head, so a change in the machine's load touches both; each figure is the
-median of a side's rounds, and the ratio head / base.
+alternate base and head in ABBA order (base, head; head, base; ...), so a change in the machine's
+load, or a warm-up one side leaves the other, touches both; each figure is the median of a side's
+rounds, and the ratio head / base. Use an even number of rounds for a balanced order.
 
     python benchmarks/ab.py claims --base REV [--rounds 3] [--stores sqlite,postgresql] [--full]
     python benchmarks/ab.py gates|latency|storm|peers --base REV ...
@@ -115,8 +116,14 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
                 shutil.copy2(source, tree / "benchmarks" / source.name)
             sides = {"base": tree, "head": ROOT}
             runs: dict[str, list[Figures]] = {side: [] for side in sides}
+            order: list[list[str]] = []
             for n in range(rounds):
-                for side, root in sides.items():
+                # ABBA: base first in even rounds, head first in odd ones, so neither side always
+                # runs on the machine the other has just warmed (caches, autovacuum, page cache).
+                names = ["base", "head"] if n % 2 == 0 else ["head", "base"]
+                order.append(names)
+                for side in names:
+                    root = sides[side]
                     out = Path(tmp) / side
                     out.mkdir(exist_ok=True)
                     runs[side].append(_run_side(name, root, out, quick, stores))
@@ -131,7 +138,7 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
     table(f"{name}, head vs {base} ({commit[:10]}), medians of {rounds} rounds"
           + (" (quick)" if quick else ""), ("figure", "base", "head", "head / base"), rows)
     data = {"name": name, "base": base, "base_commit": commit, "head_commit": _git("rev-parse", "HEAD"),
-            "rounds": rounds, "quick": quick, "runs": runs,
+            "rounds": rounds, "order": order, "quick": quick, "runs": runs,
             "results": {k: {"base": b, "head": h, "ratio": r} for k, b, h, r in rows}}
     save(save_as or f"ab_{name}", data)
     return data

@@ -1,7 +1,7 @@
 """Group limits: what the limit check costs a claim (docs/limits.md).
 
     python -m benchmarks limits --stores sqlite,postgresql,etcd --quick
-    python benchmarks/limits.py --stores sqlite -n 4000
+    python benchmarks/limits.py --stores sqlite -n 4000 --rounds 5
 
 For each store, one node claims ``n`` offered tasks through ``claim_many`` (batches of 16) and
 marks each batch done before the next, four ways:
@@ -14,12 +14,16 @@ marks each batch done before the next, four ways:
   one txn per task with the slot compare;
 - **max 64 + rate**: also ``n`` claims per hour (the rate log / rate slots are written too).
 
-Tasks per second each way, and the cost against "no group".
+The ways run in interleaved rounds (``--rounds``, default 5; 3 with ``--quick``): each round runs
+every way once on a fresh store namespace, in an order rotated round by round, so no way always
+runs first or last on a machine whose load drifts. Tasks per second each way (the median of the
+rounds, and their range), and the cost against "no group" (medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,19 +64,27 @@ def claim_rate(url: str, n: int, way: str) -> float:
         coord.close()
 
 
-def run(stores: Stores, quick: bool, n: int | None = None) -> dict[str, Any]:
-    """Every store, every way: claims per second; print and save."""
+def run(stores: Stores, quick: bool, n: int | None = None, rounds: int | None = None) -> dict[str, Any]:
+    """Every store, every way, in interleaved rounds: claims per second (medians); print and save."""
     n = n or (800 if quick else 4000)
+    rounds = rounds or (3 if quick else 5)
     rows, data = [], []
     for kind in stores.kinds:
-        rates = {way: claim_rate(stores.url(kind), n, way) for way in WAYS}
+        samples: dict[str, list[float]] = {way: [] for way in WAYS}
+        for r in range(rounds):
+            for k in range(len(WAYS)):  # rotated: round r starts with way r
+                way = WAYS[(r + k) % len(WAYS)]
+                samples[way].append(claim_rate(stores.url(kind), n, way))
+        rates = {way: statistics.median(values) for way, values in samples.items()}
         base = rates["no group"]
-        rows.append((kind, *(f"{rates[w]:.0f}" for w in WAYS),
+        rows.append((kind, *(f"{rates[w]:.0f} ({min(samples[w]):.0f}-{max(samples[w]):.0f})" for w in WAYS),
                      *(f"{(rates[w] / base - 1) * 100:+.0f}%" for w in WAYS[1:])))
-        data.append({"store": kind, "tasks": n, **{f"per_s {w}": rates[w] for w in WAYS}})
-    table(f"claim_many + done of {n:,} tasks (batches of {BATCH}), one node: tasks/s",
-          ("store", *WAYS, *(f"cost: {w}" for w in WAYS[1:])), rows)
-    save("limits", {"quick": quick, "results": data})
+        data.append({"store": kind, "tasks": n, "rounds": rounds,
+                     **{f"per_s {w}": rates[w] for w in WAYS},
+                     "samples": {w: samples[w] for w in WAYS}})
+    table(f"claim_many + done of {n:,} tasks (batches of {BATCH}), one node, median of {rounds} "
+          "interleaved rounds (range): tasks/s", ("store", *WAYS, *(f"cost: {w}" for w in WAYS[1:])), rows)
+    save("limits", {"quick": quick, "rounds": rounds, "results": data})
     return {"results": data}
 
 
@@ -81,9 +93,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stores", default="sqlite,postgresql,etcd")
     parser.add_argument("-n", type=int, default=4000)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every way")
     args = parser.parse_args()
     with Stores([k for k in args.stores.split(",") if k]) as stores:
-        run(stores, quick=False, n=args.n)
+        run(stores, quick=False, n=args.n, rounds=args.rounds)
 
 
 if __name__ == "__main__":

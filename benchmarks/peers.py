@@ -48,8 +48,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer", "procrastinate",
-           "metafora-postgresql-dumb", "metafora-sqlite-dumb")
+SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer", "pgqueuer-default", "pgqueuer-recommended",
+           "procrastinate", "metafora-postgresql-dumb", "metafora-sqlite-dumb")
 # metafora as a user starts it (the Consumer's default balancer); the -dumb rows are an extra,
 # labelled: DumbBalancer, which claims everything and never releases (issue 33's yardstick).
 BASE_SYSTEMS = ("metafora-postgresql", "metafora-sqlite")
@@ -70,7 +70,13 @@ SETTINGS = {
     "metafora-postgresql-dumb": "extra row: as metafora-postgresql with balancer=DumbBalancer()",
     "metafora-sqlite-dumb": "extra row: as metafora-sqlite with balancer=DumbBalancer()",
     "pgqueuer": f"QueueManager.run(batch_size={PGQ_BATCH}, max_concurrent_tasks={CONCURRENCY}),"
-                " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver, defaults otherwise",
+                " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver, defaults otherwise (the"
+                " concurrency cap matched to metafora's max_tasks; pgqueuer wants batch_size at most"
+                " half of it)",
+    "pgqueuer-default": "QueueManager.run() at its defaults (batch_size 10, no max_concurrent_tasks),"
+                        " async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver",
+    "pgqueuer-recommended": "as pgqueuer-default, with the autovacuum settings pgqueuer recommends"
+                            " (`pgq autovac`: Queries.optimize_autovacuum()) applied after install",
     "procrastinate": f"run_worker_async(concurrency={CONCURRENCY}), async no-op task, LISTEN/NOTIFY,"
                      " PsycopgConnector, defaults otherwise (jobs kept, not deleted)",
 }
@@ -83,12 +89,15 @@ CRASH_SETTINGS = {
     "metafora-sqlite-dumb": f"lease_ttl {CRASH_TTL} s",
     "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
                 " the default 30 s made recovery take 30 s)",
+    "pgqueuer-default": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (as pgqueuer)",
+    "pgqueuer-recommended": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (as pgqueuer)",
     "procrastinate": f"update_heartbeat_interval 1 s, stalled_worker_timeout {CRASH_TTL} s,"
                      " fetch_job_polling_interval 1 s (a retried job is found by polling), and a loop in"
                      " each worker that retries get_stalled_jobs(seconds_since_heartbeat="
                      f"{CRASH_TTL}) every 0.5 s (procrastinate does not retry stalled jobs by itself)",
 }
-_DIST = {"pgqueuer": "pgqueuer", "procrastinate": "procrastinate"}
+_DIST = {"pgqueuer": "pgqueuer", "pgqueuer-default": "pgqueuer", "pgqueuer-recommended": "pgqueuer",
+         "procrastinate": "procrastinate"}
 SPAWN = multiprocessing.get_context("spawn")
 
 
@@ -216,7 +225,11 @@ def labels_for(systems: Sequence[str], versions: dict[str, str]) -> dict[str, st
     for system in systems:
         name = system.replace("metafora-", "metafora, ").replace("postgresql", "PostgreSQL")
         name = name.replace("sqlite", "SQLite").replace("-dumb", " (DumbBalancer, extra)")
-        out[system] = f"{name} {versions[system]}" if system in versions else name
+        base, _, variant = name.partition("-")
+        if system.startswith("pgqueuer") and variant:
+            name = base  # pgqueuer 1.6.0, defaults / recommended
+        label = f"{name} {versions[system]}" if system in versions else name
+        out[system] = f"{label}, {variant}" if system.startswith("pgqueuer") and variant else label
     return out
 
 
@@ -299,7 +312,7 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
-    elif system == "pgqueuer":
+    elif system.startswith("pgqueuer"):
         import asyncpg  # noqa: F401
         import pgqueuer  # noqa: F401
     else:
@@ -308,15 +321,15 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     if not go.wait(120):
         raise SystemExit("no go from the benchmark in 120 s")
     if system.startswith("metafora"):
-        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # benchmarks/hotpath.py
+        trace = os.environ.get("METAFORA_BENCH_STATEMENTS")  # set by benchmarks/hotpath.py
         if trace:
-            from benchmarks.hotpath import count_statements
+            from benchmarks.statements import count_statements
             with count_statements(Path(trace) / f"{node}.json"):
                 _metafora_worker(url, node, report, system.endswith("-dumb"))
         else:
             _metafora_worker(url, node, report, system.endswith("-dumb"))
-    elif system == "pgqueuer":
-        asyncio.run(_pgqueuer_worker(url, report))
+    elif system.startswith("pgqueuer"):
+        asyncio.run(_pgqueuer_worker(url, report, system))
     elif system == "procrastinate":
         asyncio.run(_procrastinate_worker(url, node, report))
     else:
@@ -350,7 +363,7 @@ def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False)
     consumer.run()
 
 
-async def _pgqueuer_worker(url: str, report: _Reporter) -> None:
+async def _pgqueuer_worker(url: str, report: _Reporter, system: str = "pgqueuer") -> None:
     import asyncpg
     from pgqueuer import AsyncpgDriver, Queries, QueueManager
     from pgqueuer.models import Job
@@ -366,11 +379,13 @@ async def _pgqueuer_worker(url: str, report: _Reporter) -> None:
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, qm.shutdown.set)
     report.ready()
-    if not report.hold:
-        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY)
-    else:
-        await qm.run(batch_size=PGQ_BATCH, max_concurrent_tasks=CONCURRENCY,
-                     heartbeat_timeout=timedelta(seconds=CRASH_TTL), dequeue_timeout=timedelta(seconds=1))
+    # pgqueuer: the concurrency cap matched to metafora's; -default/-recommended: run()'s defaults.
+    settings: dict[str, Any] = (
+        {"batch_size": PGQ_BATCH, "max_concurrent_tasks": CONCURRENCY} if system == "pgqueuer" else {})
+    if report.hold:
+        settings |= {"heartbeat_timeout": timedelta(seconds=CRASH_TTL),
+                     "dequeue_timeout": timedelta(seconds=1)}
+    await qm.run(**settings)
     await conn.close()
 
 
@@ -518,6 +533,12 @@ class _Pgqueuer(_Async):
         await self.conn.close()
 
 
+class _PgqueuerRecommended(_Pgqueuer):
+    async def _setup(self) -> None:
+        await super()._setup()
+        await self.queries.optimize_autovacuum()  # pgqueuer's recommended autovacuum settings
+
+
 class _Procrastinate(_Async):
     async def _setup(self) -> None:
         self.app = _procrastinate_app(self.url)
@@ -549,7 +570,8 @@ class _Procrastinate(_Async):
 def _system(name: str, url: str) -> _System:
     if name.startswith("metafora"):
         return _Metafora(url)
-    return {"pgqueuer": _Pgqueuer, "procrastinate": _Procrastinate}[name](url)
+    return {"pgqueuer": _Pgqueuer, "pgqueuer-default": _Pgqueuer,
+            "pgqueuer-recommended": _PgqueuerRecommended, "procrastinate": _Procrastinate}[name](url)
 
 
 class _Workers:

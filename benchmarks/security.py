@@ -1,6 +1,17 @@
-"""Issue 25's costly requests, timed against a real ``metafora web`` on SQLite, and masking 1 MB.
+"""Issues 25 and 34's costly requests, timed against a real ``metafora web`` on SQLite, the
+dashboard's memory under a large body, and masking 1 MB.
 
     python -m benchmarks security [--quick]
+
+Issue 34 (targets: ``/tasks`` under 100 ms with ten 1 MiB errors stored; the dashboard's memory
+grows by less than 10 MB under a 64 MiB body):
+
+- ``/tasks`` listing ten failed tasks whose handlers raised 1 MiB errors (the issue's hostile
+  ``a://h/?%=1 `` shape, stored cut as every store does now), and ten whose 1 MiB errors were
+  stored whole by an older version (hostile, and plain ``E``); each task's own page; and
+  ``/tasks?state=expired`` among 100,000 pending tasks (quick: 10,000): p50 and max as below;
+- the dashboard's resident memory (``VmRSS``) before and after ``POST /login`` with a 64 MiB
+  chunked body (answered 413 once past the 64 KiB limit), and with ``Content-Length: 400 MiB``;
 
 - ``/nodes?msg=`` with 60,000 letters and the page of a task whose props hold 65,000 letters
   (before the fix: 16-25 s and 6.7 s of CPU per request, a quadratic URL pattern run over the
@@ -35,11 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, percentile, save, table
 from metafora import Task, open_client
-from metafora.masking import scrub
+from metafora.masking import mask_text
 from metafora.testing import wait_for
 
 _HOSTILE = "ab:/@?=&;#%.+-1 \t'\"\x1b\u202e"
 MEGABYTE = 1_000_000
+MIB = 1024 * 1024
 
 
 def _free_port() -> int:
@@ -53,7 +65,7 @@ def _serve(url: str, port: int) -> subprocess.Popen[str]:
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     return subprocess.Popen([sys.executable, "-m", "metafora", "--url", url, "web", "--bind",
                              f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.DEVNULL, text=True)
 
 
 def _get(conn: http.client.HTTPConnection, path: str) -> tuple[float, int, int]:
@@ -65,12 +77,99 @@ def _get(conn: http.client.HTTPConnection, path: str) -> tuple[float, int, int]:
     return (time.perf_counter() - started) * 1000, reply.status, len(body)
 
 
-def pages(requests: int) -> dict[str, Any]:
-    """Time the two costly pages on a ``metafora web`` process."""
+def _seed(url: str, pending: int) -> None:
+    """Ten failed tasks whose handlers raised 1 MiB errors (stored as every store stores them
+    now: :func:`~metafora.coordinator.error_text`), ten of each shape stored whole (as before
+    issue 34), ``pending`` pending tasks and ten pending tasks past their expiry."""
+    from sqlalchemy import text
+
+    hostile = ("a://h/?%=1 " * 95_400)[:MIB]
+    plain = "E" * MIB
+    stamp = "2026-11-23 10:00:00.000"
+    from metafora.coordinator import error_text
+
+    rows = ([{"id": f"slow-err-{i}", "state": "failed", "error": error_text(ValueError(hostile)), "exp": None}
+             for i in range(10)]
+            + [{"id": f"old-err-{i}", "state": "failed", "error": f"ValueError: {hostile}", "exp": None}
+               for i in range(10)]
+            + [{"id": f"plain-err-{i}", "state": "failed", "error": f"ValueError: {plain}", "exp": None}
+               for i in range(10)]
+            + [{"id": f"p-{i:06d}", "state": "pending", "error": None, "exp": None} for i in range(pending)]
+            + [{"id": f"x-{i}", "state": "pending", "error": None, "exp": "2000-01-01 00:00:00.000"}
+               for i in range(10)])
+    with open_client(url) as client:
+        client.submit_task(Task("long-props", {"text": "m" * 65_000}))
+        with client._db.write() as conn:  # type: ignore[attr-defined]
+            conn.execute(text(
+                "INSERT INTO metafora_tasks (namespace, id, props, state, error, expires_at, created_at,"
+                " updated_at, finished_at) VALUES ('metafora', :id, '{}', :state, :error, :exp, :stamp,"
+                " :stamp, :stamp)"), [{**row, "stamp": stamp} for row in rows])
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return -1
+
+
+def _drain(sock: socket.socket) -> bytes:
+    got = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def body_memory(port: int, pid: int) -> dict[str, Any]:
+    """The dashboard's VmRSS before and after a 64 MiB chunked body and a 400 MiB Content-Length."""
+    import threading
+
+    result: dict[str, Any] = {}
+    head = (b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/x-www-form-urlencoded\r\n")
+    before = _rss_kib(pid)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+    replies: list[bytes] = []
+    reader = threading.Thread(target=lambda: replies.append(_drain(sock)))
+    reader.start()
+    chunk = b"%x\r\n%s\r\n" % (MIB, b"t" * MIB)
+    sent = 0
+    try:
+        for _ in range(64):
+            sock.sendall(chunk)
+            sent += 1
+    except OSError:
+        pass
+    reader.join(60)
+    sock.close()
+    after = _rss_kib(pid)
+    status = replies[0][:12].decode(errors="replace") if replies else "no answer"
+    result["64 MiB chunked body"] = {"rss_before_kib": before, "rss_after_kib": after,
+                                     "grown_mb": (after - before) / 1024, "mib_accepted": sent,
+                                     "answer": status}
+    before = _rss_kib(pid)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(head + b"Content-Length: 419430400\r\n\r\n")
+    answer = _drain(sock)[:12].decode(errors="replace")
+    sock.close()
+    after = _rss_kib(pid)
+    result["Content-Length 400 MiB"] = {"rss_before_kib": before, "rss_after_kib": after,
+                                        "grown_mb": (after - before) / 1024, "mib_accepted": 0,
+                                        "answer": answer}
+    return result
+
+
+def pages(requests: int, pending: int = 100_000) -> dict[str, Any]:
+    """Time the costly pages on a ``metafora web`` process, and its memory under large bodies."""
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{tmp}/web.db"
-        with open_client(url) as client:
-            client.submit_task(Task("long-props", {"text": "m" * 65_000}))
+        _seed(url, pending)
         port = _free_port()
         proc = _serve(url, port)
         try:
@@ -86,7 +185,14 @@ def pages(requests: int) -> dict[str, Any]:
 
             wait_for(up, 60, "metafora web to answer")
             paths = {"/nodes?msg= (60,000 letters)": "/nodes?" + urlencode({"msg": "m" * 60_000}),
-                     "/task props (65,000 letters)": "/task?id=long-props"}
+                     "/task props (65,000 letters)": "/task?id=long-props",
+                     "/tasks: ten 1 MiB hostile errors raised": "/tasks?prefix=slow-err-&limit=10",
+                     "/tasks: ten 1 MiB hostile errors, old rows": "/tasks?prefix=old-err-&limit=10",
+                     "/tasks: ten 1 MiB plain errors, old rows": "/tasks?prefix=plain-err-&limit=10",
+                     "/task: one 1 MiB hostile error raised": "/task?id=slow-err-0",
+                     "/task: one 1 MiB hostile error, old row": "/task?id=old-err-0",
+                     f"/tasks?state=expired ({pending:,} pending)": "/tasks?state=expired&limit=50",
+                     "/tasks?limit=50": "/tasks?limit=50"}
             result: dict[str, Any] = {}
             for name, path in paths.items():
                 _get(conn, path)  # warm-up: templates compiled, schema checked
@@ -96,7 +202,7 @@ def pages(requests: int) -> dict[str, Any]:
                 result[name] = {"requests": requests, "bytes": runs[0][2],
                                 "p50_ms": percentile(times, 50), "max_ms": max(times)}
             conn.close()
-            return result
+            return {"pages": result, "memory": body_memory(port, proc.pid)}
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -139,7 +245,7 @@ def masking() -> dict[str, Any]:
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
-            scrub(text)
+            mask_text(text)  # the algorithm, uncapped (scrub cuts a text over 64 KiB first)
             best = min(best, (time.perf_counter() - started) * 1000)
         result[name] = {"chars": len(text), "best_ms": best}
     return result
@@ -147,10 +253,15 @@ def masking() -> dict[str, Any]:
 
 def run(stores: Stores | None, quick: bool) -> dict[str, Any]:
     """Print the tables and save the JSON (``stores`` is not used: see the module's doc)."""
-    data = {"pages": pages(5 if quick else 20), "masking_1mb": masking()}
+    served = pages(5 if quick else 20, 10_000 if quick else 100_000)
+    data = {"pages": served["pages"], "memory": served["memory"], "masking_1mb": masking()}
     table("security: costly pages on metafora web (SQLite), client-side time",
           ["page", "requests", "bytes", "p50 ms", "max ms"],
           [[name, r["requests"], r["bytes"], r["p50_ms"], r["max_ms"]] for name, r in data["pages"].items()])
+    table("security: the dashboard's memory under a large body (target: grows < 10 MB)",
+          ["body", "answer", "MiB accepted", "RSS before KiB", "RSS after KiB", "grown MB"],
+          [[name, r["answer"], r["mib_accepted"], r["rss_before_kib"], r["rss_after_kib"], r["grown_mb"]]
+           for name, r in data["memory"].items()])
     table("security: masking 1 MB (best of 5)", ["text", "chars", "ms"],
           [[name, r["chars"], r["best_ms"]] for name, r in data["masking_1mb"].items()])
     path = save("security", data)

@@ -166,9 +166,11 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
+        props: bool = True,
     ) -> list[TaskInfo]:
         """Up to ``limit`` tasks ordered by id, after id ``after`` (keyset paging), filtered by
-        ``state``, ``owner`` and id ``prefix``.
+        ``state``, ``owner`` and id ``prefix``. ``props=False`` lets a store leave props out
+        (empty) and cut long errors (a list that does not show them).
 
         The default pages in memory over :meth:`tasks`; the SQL store overrides it with one
         indexed query that never reads more than one page of rows.

@@ -21,13 +21,13 @@ from typing import ClassVar, Protocol, Self, TypeVar
 from metafora.balancer import ClusterState
 from metafora.commands import Command
 from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
-from metafora.masking import scrub
+from metafora.masking import cut_text, scrub
 from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule
 from metafora.task import Task
 
 __all__ = [
-    "DEFAULT_MAX_CRASHES", "Coordinator", "CoordinatorContext", "Finish",
+    "DEFAULT_MAX_CRASHES", "MAX_ERROR_BYTES", "Coordinator", "CoordinatorContext", "Finish",
     "Outcome", "TaskCommandListener", "TaskSink", "as_sink", "crash_limit_error", "error_text",
     "rotated",
 ]
@@ -60,15 +60,25 @@ def rotated(items: list[T], rng: random.Random | None = None) -> list[T]:
     return items[start:] + items[:start]
 
 
+MAX_ERROR_BYTES = 4096
+"""The most of a failed task's error a store keeps (UTF-8 bytes): its type and the first
+part of its message, then ``… cut, N bytes``. A handler's error may be any size; a page or
+a table showing it must not cost more for that."""
+
+
 def error_text(error: BaseException | str) -> str:
-    """The text stored for a failed task: ``Type: message`` for exceptions, masked.
+    """The text stored for a failed task: ``Type: message`` for exceptions, cut to
+    :data:`MAX_ERROR_BYTES` (:func:`~metafora.masking.cut_text`) and masked.
 
     Every store writes its failed tasks' errors through this function, so a password in an
-    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`).
+    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`)
+    and no stored error is longer than the limit. The cut comes first, so masking costs
+    little; what is left of a URL cut in its middle is masked by the same positional rule.
     """
     if isinstance(error, BaseException):
-        return scrub(f"{type(error).__name__}: {error}")
-    return scrub(str(error))
+        kind = f"{type(error).__name__}: "
+        return scrub(kind + cut_text(str(error), MAX_ERROR_BYTES - len(kind.encode())))
+    return scrub(cut_text(str(error), MAX_ERROR_BYTES))
 
 
 class TaskCommandListener(Protocol):

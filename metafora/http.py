@@ -12,14 +12,25 @@ as the shutdown starts, before any claim is released. A non-loopback address is 
 metrics scraper on another machine) but logged as a warning naming what it exposes. Every
 response carries the dashboard's security headers (``nosniff``, a CSP that allows nothing,
 no framing).
+
+Bounds (``docs/security.md``): a request whose ``Host`` is a name other than this machine's
+(loopback names, the bound address, its own names on a wildcard bind; any IP address) gets
+421 -- a DNS-rebinding page cannot read ``/info``; a request must arrive whole within
+:data:`REQUEST_TIMEOUT` seconds of its connection (a client sending a byte at a time is cut
+off); at most :data:`MAX_CLIENTS` are served at once (more get 503); a request body (these
+are GETs) over :data:`MAX_BODY` bytes gets 413 unread; the listen backlog is
+:data:`LISTEN_BACKLOG`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,7 +40,8 @@ from metafora.errors import ConfigError
 from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
-__all__ = ["HEADERS", "InfoServer", "is_loopback", "parse_addr", "render_metrics"]
+__all__ = ["HEADERS", "LISTEN_BACKLOG", "MAX_BODY", "MAX_CLIENTS", "REQUEST_TIMEOUT", "InfoServer",
+           "is_loopback", "parse_addr", "render_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +54,14 @@ HEADERS = (
 """Headers of every response of the info server (it serves data only: nothing may load)."""
 IDLE_TIMEOUT = 10.0
 """Seconds a connection may wait on a request before it is closed."""
+REQUEST_TIMEOUT = 10.0
+"""Seconds from a connection's opening to its response: a slower request is cut off."""
+MAX_CLIENTS = 32
+"""Connections served at once (a thread each); more are answered 503 and closed."""
+MAX_BODY = 1024
+"""The largest request body accepted (bytes; the endpoints are GETs): more gets 413 unread."""
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before they are accepted (capped by ``somaxconn``)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -122,6 +142,71 @@ def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int
     return bytes(generate_latest(registry))
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A threaded server with a deadline per connection, a cap on connections and a large
+    backlog. One reaper thread shuts down the sockets whose deadline passed (a socket timeout
+    alone restarts with every byte received)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 deadline: float = REQUEST_TIMEOUT, max_clients: int = MAX_CLIENTS) -> None:
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(addr, handler)
+        self._deadline = deadline
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, float] = {}
+        self._closing = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="metafora-http-reaper", daemon=True)
+        self._reaper.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve ``request`` in a thread of its own, or answer 503 when all slots are taken."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._open[request] = time.monotonic() + self._deadline
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Serve one connection, then give its slot back."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def _done(self, request: Any) -> None:
+        with self._lock:
+            if self._open.pop(request, None) is None:
+                return
+        self._slots.release()
+
+    def _reap(self) -> None:
+        while not self._closing.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [sock for sock, until in self._open.items() if until <= now]
+            for sock in late:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it cleans up
+
+    def server_close(self) -> None:
+        """Stop the reaper and close the listening socket."""
+        self._closing.set()
+        super().server_close()
+
+
 Probes = Callable[[], dict[str, Any]]
 """What the probes check: ``{"alive": bool, "ready": bool, ...details}`` (one call, no I/O)."""
 
@@ -136,8 +221,11 @@ class InfoServer:
         metrics: Callable[[], bytes],
         probes: Probes,
     ) -> None:
+        from metafora.web.security import allowed_hosts
+
         host, port = parse_addr(addr)
         outer = self
+        self._hosts = allowed_hosts(host, is_loopback(host))
 
         class Handler(BaseHTTPRequestHandler):
             timeout = IDLE_TIMEOUT  # an idle or slow connection is closed, not held forever
@@ -145,15 +233,18 @@ class InfoServer:
             def do_GET(self) -> None:
                 outer._serve(self)
 
+            def handle(self) -> None:
+                with contextlib.suppress(OSError):  # cut off at its deadline, or gone: no traceback
+                    super().handle()
+
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("http: %s", format % args)
 
         self._info, self._metrics, self._probes = info, metrics, probes
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _BoundedServer((host, port), Handler)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {addr}: {exc.strerror or exc}") from exc
-        self._server.daemon_threads = True
         if not is_loopback(host):
             log.warning("the info server listens on %s, beyond this machine, without authentication: "
                         "/info shows the node's task ids and fencing tokens, /metrics its counters; "
@@ -177,10 +268,29 @@ class InfoServer:
         self._server.server_close()
         self._thread.join(5)
 
+    def _refusal(self, req: BaseHTTPRequestHandler) -> tuple[int, bytes] | None:
+        """(status, body) when the request must not be answered, else None."""
+        from metafora.web.security import host_allowed, host_name
+
+        raw = req.headers.get("Host")
+        if raw is None:
+            return 400, b"a Host header is required\n"
+        if not host_allowed(host_name(raw), self._hosts):
+            return 421, b"this info server does not answer to that Host (DNS rebinding)\n"
+        length = req.headers.get("Content-Length")
+        if length is not None and (not length.strip().isdigit() or int(length) > MAX_BODY):
+            return 413, f"request body over {MAX_BODY} bytes\n".encode()
+        return None
+
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
         path = req.path.split("?", 1)[0]
+        refused = self._refusal(req)
         try:
-            if path == "/info":
+            if refused is not None:
+                status, body = refused
+                ctype = "text/plain"
+                req.close_connection = True
+            elif path == "/info":
                 body, ctype, status = json.dumps(self._info(), default=str).encode(), "application/json", 200
             elif path == "/metrics":
                 body, ctype, status = self._metrics(), "text/plain; version=0.0.4; charset=utf-8", 200

@@ -15,7 +15,7 @@ from typing import Any
 
 from metafora.errors import MetaforaError
 
-__all__ = ["MAX_DEPTH", "check_depth", "load_object"]
+__all__ = ["MAX_DEPTH", "check_depth", "load_object", "load_value"]
 
 MAX_DEPTH = 64
 """How deeply JSON objects and arrays may nest (the top-level object is level 1)."""
@@ -50,22 +50,42 @@ def check_depth(
         stack.extend((child, depth + 1) for child in children)
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def load_value(
+    data: str | bytes, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1,
+    *, constants: bool = True, deep: type[MetaforaError] | None = None,
+) -> Any:
+    """Decode ``data`` as any JSON value, bounded as :func:`load_object` is.
+
+    ``constants=False`` refuses ``NaN`` and ``Infinity`` (not JSON, though Python writes
+    them). Nesting deeper than ``limit`` raises ``deep`` (default ``error``): a caller that
+    takes text that is not JSON as plain text (``--prop k=v``) still refuses deep JSON.
+    """
+    too_deep = deep or error
+    try:
+        obj = json.loads(data) if constants else json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise too_deep(f"{what}: nested deeper than {limit} levels") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        raise error(f"{what}: not valid JSON: {exc}") from None
+    check_depth(obj, what, too_deep, limit, top)
+    return obj
+
+
 def load_object(
-    data: str | bytes, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1
+    data: str | bytes, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1,
+    *, constants: bool = True,
 ) -> dict[str, Any]:
     """Decode ``data`` as a JSON object; raise ``error`` naming ``what`` and the problem.
 
     Invalid JSON, invalid UTF-8, nesting deeper than ``limit`` (the object being at level
     ``top``) and a value that is not an object all raise ``error`` (never ``RecursionError``,
-    never a bare ``ValueError``).
+    never a bare ``ValueError``); ``constants=False`` refuses ``NaN`` and ``Infinity`` too.
     """
-    try:
-        obj = json.loads(data)
-    except RecursionError:
-        raise error(f"{what}: nested deeper than {limit} levels") from None
-    except (ValueError, UnicodeDecodeError, TypeError) as exc:
-        raise error(f"{what}: not valid JSON: {exc}") from None
+    obj = load_value(data, what, error, limit, top, constants=constants)
     if not isinstance(obj, dict):
         raise error(f"{what}: must be a JSON object, not {type(obj).__name__}")
-    check_depth(obj, what, error, limit, top)
     return obj

@@ -8,6 +8,11 @@ Masking happens here, at the edge where a record becomes text: :class:`MaskingFi
 and both formatters mask what they write, tracebacks included -- so a handler's error that
 names ``postgresql://app:SECRET@db`` is logged as ``postgresql://app:***@db`` whichever
 module logged it.
+
+Escaping happens there too: every record is one line. The plain format writes the message
+and the traceback with control, format and bidi characters -- the newline included -- as
+escapes (:func:`~metafora.masking.escape_line`), as the JSON format does by being JSON; a
+handler's error cannot clear the terminal, write a link or forge a line of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 from datetime import UTC, datetime
 from typing import TextIO
 
-from metafora.masking import scrub
+from metafora.masking import escape_line, scrub
 
 __all__ = ["EXTRA_FIELDS", "JsonFormatter", "MaskingFilter", "PlainFormatter", "configure"]
 
@@ -58,15 +63,28 @@ class JsonFormatter(logging.Formatter):
 
 
 class PlainFormatter(logging.Formatter):
-    """``time level logger [node task] message`` for people."""
+    """``time level logger [node task] message`` for people, one line per record: the
+    message and the traceback (after `` | ``) masked and escaped."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s%(ctx)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one escaped, masked line."""
         parts = [f"{k}={getattr(record, k)}" for k in ("node", "task") if getattr(record, k, None)]
-        record.ctx = f" [{' '.join(parts)}]" if parts else ""
-        return scrub(super().format(record))
+        record.ctx = escape_line(f" [{' '.join(parts)}]") if parts else ""
+        # Escaped first, then masked (as metafora.masking.for_terminal): an escape joins what a
+        # control character split, so a secret cut by one is masked whole.
+        record.message = scrub(escape_line(record.getMessage()))
+        record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info:
+            line += " | " + scrub(escape_line(self.formatException(record.exc_info)))
+        elif record.exc_text:
+            line += " | " + scrub(escape_line(record.exc_text))
+        if record.stack_info:
+            line += " | " + scrub(escape_line(self.formatStack(record.stack_info)))
+        return line
 
 
 def configure(level: str = "info", *, json_lines: bool = False, stream: TextIO | None = None) -> None:

@@ -31,13 +31,20 @@ from urllib.parse import quote, unquote, unquote_plus
 
 __all__ = [
     "BIDI_CONTROLS",
+    "CUT_NOTE",
     "MASK",
+    "MAX_MASKED",
     "UrlParts",
+    "cut_text",
     "escape_controls",
+    "escape_line",
     "for_terminal",
+    "invisible_char",
     "is_secret_option",
     "mask_hosts",
+    "mask_text",
     "mask_url",
+    "one_line",
     "scrub",
     "secret_option_cut",
     "split_url",
@@ -104,9 +111,63 @@ _MASKABLE_RE = re.compile(
 
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 """Characters that reorder the text around them (an id could read as another)."""
+# Format characters (Unicode category Cf) and default-ignorable code points, as ranges of a
+# character class: invisible, or changing how their neighbours show (zero-width spaces and
+# joiners, the soft hyphen, the BOM, variation selectors, tags, the bidi controls). A test
+# checks the list against unicodedata's Cf category.
+_INVISIBLE = ("\u00ad\u034f\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u115f\u1160"
+              "\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164"
+              "\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f"
+              "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff")
+_INVISIBLE_RE = re.compile(f"[{_INVISIBLE}\u2028\u2029]")
 # C0 controls but the newline, DEL, C1 controls (0x9b is a CSI on some terminals), the line
-# and paragraph separators and the bidi controls.
-_UNSAFE_RE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029" + "".join(sorted(BIDI_CONTROLS)) + "]")
+# and paragraph separators, the bidi controls and every other format or default-ignorable
+# character.
+_UNSAFE_RE = re.compile(f"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029{_INVISIBLE}]")
+# The same and the newline: text that must stay on one line (a log record).
+_LINE_UNSAFE_RE = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_INVISIBLE}]")
+
+CUT_NOTE = "… cut, {size} bytes"
+"""What :func:`cut_text` puts after the part of a text it keeps (``size``: the whole text's)."""
+MAX_MASKED = 64 * 1024
+"""The longest text (UTF-8 bytes) :func:`scrub` masks whole: a longer one is cut first
+(:func:`cut_text`), so masking one value costs a bounded time, whatever its size."""
+# What a cut keeps: masking lengthens a text by at most half ("a://@ " -> "a://***@ ") and
+# must leave it under the cap (a fixed point).
+_MASKED_KEEP = 40 * 1024
+ONE_LINE = 120
+"""Characters of a long text a list shows (:func:`one_line`)."""
+
+
+def invisible_char(text: str) -> str | None:
+    """The first format, default-ignorable or line-separator character of ``text``, or None."""
+    found = _INVISIBLE_RE.search(text)
+    return None if found is None else found.group(0)
+
+
+def cut_text(text: str, limit: int, keep: int | None = None) -> str:
+    """``text`` if its UTF-8 form fits in ``limit`` bytes, else its first bytes (``keep``, by
+    default as many as leave room for the note within ``limit``), never splitting a
+    character, followed by ``… cut, N bytes`` (N: the whole text's size)."""
+    if len(text) * 4 <= limit:
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    note = CUT_NOTE.format(size=len(data))
+    room = max(0, limit - len(note.encode()) if keep is None else min(keep, limit))
+    return data[:room].decode("utf-8", "ignore") + note
+
+
+def one_line(text: str, width: int = ONE_LINE) -> str:
+    """The first line of ``text`` (stripped), cut to ``width`` characters with ``…``: what a
+    list shows of a long text (an error), the whole of it being on its own page."""
+    head = text[: width * 4 + 2].strip()
+    first = head.split("\n", 1)[0].rstrip("\r")
+    more = len(first) > width or "\n" in head or len(text.strip()) > len(head)
+    if not more:
+        return first
+    return first[: width - 1].rstrip() + "…"
 
 
 @dataclass(frozen=True)
@@ -268,8 +329,17 @@ def scrub(text: str, url: str | None = None) -> str:
 
     For messages metafora does not compose itself (driver errors) and for anything the CLI
     prints: the URL's own occurrences are masked first, so the rest of the text is not
-    mangled by the replacement of a secret that happens to be short.
+    mangled by the replacement of a secret that happens to be short. A text over
+    :data:`MAX_MASKED` bytes is cut first (:func:`cut_text`): one value never costs more
+    than a bounded time, whatever its size, and the result is still a fixed point.
     """
+    if len(text) > MAX_MASKED // 4:
+        text = cut_text(text, MAX_MASKED, _MASKED_KEEP)
+    return mask_text(text, url)
+
+
+def mask_text(text: str, url: str | None = None) -> str:
+    """:func:`scrub` without its cap: the whole of ``text`` masked, in time linear in its size."""
     if url:
         text = text.replace(url, mask_url(url))
         for secret in _cached_secrets(url):
@@ -290,17 +360,30 @@ def _mask_match(match: re.Match[str]) -> str:
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with control, line-separator and bidi characters written as escapes.
+    """``text`` with control, line-separator, bidi and other format characters written as
+    escapes.
 
-    ``\\x1b`` for a character below 256, ``\\u202e`` above; the newline is kept. For ids, which
-    are shown exactly (never masked) but must not drive the terminal.
+    ``\\x1b`` for a character below 256, ``\\u202e`` above (``\\U000e0041`` beyond); the
+    newline is kept. For ids, which are shown exactly (never masked) but must not drive the
+    terminal.
     """
     return _UNSAFE_RE.sub(_escape_one, text)
 
 
+def escape_line(text: str) -> str:
+    """``text`` on one line: as :func:`escape_controls`, and the newline written as ``\\n``
+    too. For a log record: no text can start a line of its own."""
+    return _LINE_UNSAFE_RE.sub(_escape_one, text)
+
+
 def _escape_one(match: re.Match[str]) -> str:
-    code = ord(match.group(0))
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    char = match.group(0)
+    code = ord(char)
+    if char == "\n":
+        return "\\n"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def for_terminal(text: str, url: str | None = None) -> str:

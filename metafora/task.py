@@ -12,7 +12,7 @@ from typing import Any
 
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import MAX_DEPTH, check_depth, load_object
-from metafora.masking import BIDI_CONTROLS
+from metafora.masking import BIDI_CONTROLS, invisible_char
 
 __all__ = [
     "MAX_GROUP_LENGTH",
@@ -93,6 +93,13 @@ def validate_task_id(task_id: object) -> str:
         if ch in BIDI_CONTROLS:
             # U+202E and its kin reorder what follows: "abc\u202egpj.exe" would read as another id.
             raise InvalidTaskId(f"task id {task_id!r} contains the bidi control {ch!r}")
+    hidden = invisible_char(task_id)
+    if hidden is None:
+        hidden = next((ch for ch in task_id if unicodedata.category(ch) == "Cf"), None)
+    if hidden is not None:
+        # U+200B, U+2060, U+FEFF, U+00AD, U+034F...: "task\u200b1" shows as "task1".
+        raise InvalidTaskId(f"task id {task_id!r} contains the invisible (format or default-ignorable) "
+                            f"character U+{ord(hidden):04X}")
     return task_id
 
 

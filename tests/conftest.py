@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+from hypothesis import settings
 
 from metafora.testing.pytest_plugin import AllowedSkip, fail_skips_in_ci
 
@@ -24,9 +26,41 @@ _SERVER_FIXTURES = {
 }
 
 
+# CI's stages (.ci/run): `isolated` tests (one process, their own temp dirs, databases and
+# namespaces) run in parallel under pytest-xdist; `timing` tests (marked in their files: they
+# measure wall-clock time) and the rest of integration/acceptance run one at a time; the `soak`
+# modules below (long multi-process fleets and the fault campaign) run last, in a stage of their
+# own, with more hypothesis examples.
+ISOLATED_DIRS = ("tests/unit/", "tests/conformance/", "tests/web/")
+SOAK_MODULES = (
+    "tests/faults/test_campaign.py",  # every fault scenario on PostgreSQL and a 3-member etcd
+    "tests/integration/test_even_cluster.py",  # fleets of processes joining and leaving
+    "tests/integration/test_gates_processes.py",
+    "tests/integration/test_limit_processes.py",
+    "tests/integration/test_placement_processes.py",
+    "tests/integration/test_rebalance_processes.py",
+    "tests/integration/test_schedule_processes.py",
+    "tests/integration/test_statemachine_processes.py",
+    "tests/integration/test_sql_multiprocess.py",
+)
+
+# Hypothesis: HYPOTHESIS_PROFILE=push (CI's first stage: fewer examples, no per-example deadline
+# on a shared 2-core machine), soak (the soak stage: many more), default (hypothesis' own).
+# A test's own @settings(max_examples=...) still wins over the profile.
+settings.register_profile("push", max_examples=25, deadline=None)
+settings.register_profile("soak", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test by the store servers its fixtures or its store parameter need."""
+    """Mark each test by the store servers its fixtures or its store parameter need, and by
+    its CI stage (isolated, soak)."""
     for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path.startswith(ISOLATED_DIRS):
+            item.add_marker(pytest.mark.isolated)
+        if path in SOAK_MODULES:
+            item.add_marker(pytest.mark.soak)
         fixtures = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)
         params = {str(v) for v in callspec.params.values()} if callspec is not None else set()

@@ -35,7 +35,8 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,10 +130,27 @@ def _import_error(module: str, exc: BaseException) -> TargetError:
     return TargetError(f"cannot import {module!r}: {type(exc).__name__}: {exc}{where}")
 
 
+@contextmanager
+def _cwd_searched_last() -> Iterator[None]:
+    """The current directory at the end of ``sys.path`` while the block runs (unless already there)."""
+    cwd = os.getcwd()
+    if cwd in sys.path or "" in sys.path:
+        yield
+        return
+    sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        with suppress(ValueError):
+            sys.path.remove(cwd)
+
+
 def import_object(spec: str, what: str = "MODULE:NAME") -> Any:
     """The object ``spec`` (``pkg.module:name`` or ``pkg.module:Class.attr``) names.
 
-    The current directory is searched first, as ``python -m`` does. Raises :class:`TargetError`
+    The current directory is searched too, after everything else on ``sys.path``, and only
+    for this import (a module planted there cannot shadow an installed one, nor be imported
+    later by a library's own lazy import). Raises :class:`TargetError`
     with the module's own error when the import fails (a missing module or dependency, a
     syntax error, an exception raised at import time) or the name is missing.
     """
@@ -140,10 +158,9 @@ def import_object(spec: str, what: str = "MODULE:NAME") -> Any:
     module_name, attr = module_name.strip(), attr.strip()
     if not sep or not module_name or not attr:
         raise TargetError(f"{what} must look like package.module:name (e.g. myapp.tasks:work), got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        obj: Any = importlib.import_module(module_name)
+        with _cwd_searched_last():
+            obj: Any = importlib.import_module(module_name)
     except Exception as exc:
         raise _import_error(module_name, exc) from None
     walked = module_name

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from metafora.cli._common import cell, console, format_time, print_json, store_client
 from metafora.errors import InvalidProps
+from metafora.jsontext import load_value
 from metafora.schedule_model import MISSED_POLICIES, Schedule
 
 __all__ = ["schedule"]
@@ -18,10 +19,7 @@ __all__ = ["schedule"]
 def _props(text: str | None) -> dict[str, Any]:
     if text is None:
         return {}
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidProps(f"--props is not valid JSON: {exc}") from None
+    loaded = load_value(text, "--props", InvalidProps)  # the API's bounded reader (deep JSON: exit 2)
     if not isinstance(loaded, dict):
         raise InvalidProps(f"--props must be a JSON object, not a JSON {type(loaded).__name__}")
     return loaded

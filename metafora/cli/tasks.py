@@ -22,8 +22,11 @@ from metafora.cli._common import (
     scrub,
     store_client,
 )
+from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.durations import parse_duration
 from metafora.errors import InvalidProps, InvalidTaskId
+from metafora.jsontext import load_value
+from metafora.masking import MAX_MASKED, cut_text, one_line
 from metafora.submitting import IF_EXISTS, IfExists
 from metafora.task import (
     MAX_PRIORITY,
@@ -61,8 +64,8 @@ _STATE_STYLE = {
 }
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+class _NotJson(InvalidProps):
+    """A ``--prop`` value that is not JSON: taken as text."""
 
 
 def parse_prop(pair: str) -> tuple[str, Any]:
@@ -75,8 +78,9 @@ def parse_prop(pair: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="'--prop'")
     try:
-        value: Any = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
+        # The API's bounded reader: JSON nested too deep is a usage error, not a crash.
+        value: Any = load_value(raw, f"--prop {key}", _NotJson, constants=False, deep=InvalidProps)
+    except _NotJson:
         value = raw
     return key, value
 
@@ -122,10 +126,7 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
                 expires_at: str | None) -> dict[str, Any]:
     props: dict[str, Any] = {}
     if props_json is not None:
-        try:
-            loaded = json.loads(props_json, parse_constant=_reject_constant)
-        except ValueError as exc:
-            raise InvalidProps(f"--props is not valid JSON: {exc}") from None
+        loaded = load_value(props_json, "--props", InvalidProps, constants=False)
         if not isinstance(loaded, dict):
             raise InvalidProps(f"--props must be a JSON object, not a JSON {type(loaded).__name__}")
         props.update(loaded)
@@ -158,10 +159,8 @@ def read_task_lines(stream: IO[str]) -> list[Task]:
 
 
 def _task_line(line: str, number: int) -> Task:
-    try:
-        item = json.loads(line, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise InvalidProps(f"--from-file line {number}: not valid JSON: {exc}") from None
+    # The API's bounded reader; a line's props are one level below it (top=0).
+    item = load_value(line, f"--from-file line {number}", InvalidProps, top=0, constants=False)
     if not isinstance(item, dict):
         raise InvalidProps(f"--from-file line {number}: must be a JSON object like "
                            '{"id": "t1", "props": {}}')
@@ -295,15 +294,14 @@ def _state_cell(state: TaskState) -> Text:
 def _error_cell(error: str | None) -> Text:
     if not error:
         return Text("")
-    first = error.strip().splitlines()[0] if error.strip() else ""
-    return cell(first, "red", overflow="ellipsis", no_wrap=True)
+    return cell(one_line(error), "red", overflow="ellipsis", no_wrap=True)
 
 
 def _json_info(info: TaskInfo) -> dict[str, Any]:
     """``info.to_dict()`` with its error masked (an error stored before masking existed)."""
     shown = info.to_dict()
     if shown.get("error"):
-        shown["error"] = scrub(shown["error"])
+        shown["error"] = scrub(cut_text(shown["error"], MAX_ERROR_BYTES))
     return shown
 
 
@@ -389,9 +387,10 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ("created_at", format_time(info.created_at)),
         ("claimed_at", format_time(info.claimed_at)),
         ("finished_at", format_time(info.finished_at)),
-        ("error", cell(info.error or "-", "red" if info.error else "")),
+        ("error", cell(cut_text(info.error or "-", MAX_ERROR_BYTES), "red" if info.error else "")),
         *([("waiting", cell(reason, "yellow"))] if reason else []),
-        ("props", cell(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False))),
+        ("props", cell(cut_text(json.dumps(dict(info.props), sort_keys=True, ensure_ascii=False),
+                                MAX_MASKED))),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -167,10 +167,13 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
          help="How long a handler asked to give its task up (balance, metafora stop) may take.")
 @_option("--start-timeout", type=Duration(), default="30s", show_default=True,
          help="How long to wait for a store that cannot be reached at start (then exit 3).")
+@_option("--prune-every", type=Duration(), default="60s", show_default=True,
+         help="How often this node tries to take the namespace's prune turn (metafora retention).")
 @click.pass_context
 def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
            weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
-           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta) -> None:
+           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta,
+           prune_every: timedelta) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     # Everything that can be refused is checked before the store is touched.
     node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
@@ -182,7 +185,8 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
     try:
         consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
                             labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
-                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight)
+                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight,
+                            prune_every=prune_every)
     except BaseException:
         coordinator.close()  # a bad option: leave nothing open behind
         raise

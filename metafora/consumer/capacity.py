@@ -194,6 +194,11 @@ class Capacity:
             slots = self.reduced - running if slots is None else min(slots, self.reduced - running)
         return slots
 
+    def bounded(self) -> bool:
+        """Whether anything bounds the tasks this node runs now (then a slot a handler frees
+        may let a deferred offer in)."""
+        return self.limit() is not None
+
     def limit(self) -> int | None:
         """The most tasks this node runs now (None: no bound). The thread cap bounds thread
         handlers only: it counts once this node started one."""

@@ -19,7 +19,6 @@ view of the store is gone).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import random
@@ -57,6 +56,7 @@ from metafora.consumer.options import (
     DEFAULT_START_TIMEOUT,
     ConsumerOptions,
 )
+from metafora.consumer.registration import register
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import NodeLog, Running
@@ -71,13 +71,10 @@ from metafora.coordinator import (
 from metafora.durations import seconds
 from metafora.errors import (
     ConfigError,
-    CoordinatorUnavailable,
     MetaforaError,
-    NodeExists,
 )
 from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
-from metafora.masking import mask_url
 from metafora.metrics import ConsumerStats
 from metafora.retention import Pruner
 from metafora.schedule import Scheduler
@@ -129,7 +126,10 @@ class _Context(CoordinatorContext):
         return self._consumer._offers.capacity.limit()
 
 
-_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ConsumerOptions))
+def _plain(value: float | timedelta) -> float:
+    """A duration option as ConsumerOptions takes it: a timedelta as its seconds (the options
+    check the value, whatever its type)."""
+    return value.total_seconds() if isinstance(value, timedelta) else value
 
 
 class Consumer:
@@ -179,10 +179,17 @@ class Consumer:
             raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
         if not callable(handler_func):
             raise ConfigError("handler_func must be callable: Task -> Handler")
-        # The keyword arguments are ConsumerOptions' fields (it checks and normalises them).
-        given = locals()
-        self._options = ConsumerOptions(**{name: given[name] for name in _OPTION_NAMES
-                                           if name != "labels"}, labels=labels or {})
+        # ConsumerOptions checks every option (and makes durations seconds).
+        self._options = ConsumerOptions(
+            balance_every=_plain(balance_every), balance_jitter=balance_jitter,
+            rebalance_window=_plain(rebalance_window), max_tasks=max_tasks, thread_cap=thread_cap,
+            max_crashes=max_crashes, shutdown_timeout=_plain(shutdown_timeout),
+            start_timeout=_plain(start_timeout), handoff_timeout=_plain(handoff_timeout),
+            release_backoff=_plain(release_backoff), release_backoff_max=_plain(release_backoff_max),
+            refuse_retry=_plain(refuse_retry), slow_callback=_plain(slow_callback),
+            http_addr=http_addr, labels=labels or {}, weight=weight,
+            placement_wait=_plain(placement_wait), rendezvous_wait=_plain(rendezvous_wait),
+            prune_every=_plain(prune_every))
         self._coord = coordinator
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else FairBalancer()
@@ -224,7 +231,7 @@ class Consumer:
             stats=self.stats, clock=clock, rng=self._rng, log=self._log)
         self._finisher = Finisher(
             coord, running=self._running, lock=self._lock, stopping=self._stopping,
-            max_tasks=options.max_tasks, back_off=self._offers.back_off,
+            capacity=capacity, back_off=self._offers.back_off,
             forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
             clock=clock, log=self._log)
         self._offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
@@ -322,7 +329,9 @@ class Consumer:
             self._started = True
             self._status.run_thread = threading.current_thread()
         try:
-            registered = self._register()
+            registered = register(
+                self._coord, _Context(self), start_timeout=self._options.start_timeout,
+                stopping=self._stopping, clock=self._clock, rng=self._rng, log=self._log)
         except BaseException:
             self._coord.close()
             self._done.set()
@@ -359,38 +368,6 @@ class Consumer:
             self._shutdown_sequence()
         if self._supervisor.fatal is not None:
             raise self._supervisor.fatal
-
-    def _register(self) -> bool:
-        """``Coordinator.init``, waiting up to ``start_timeout`` for an unreachable store.
-
-        Returns False when ``shutdown()`` came first. A node starting beside a store that is
-        restarting, or overloaded, waits for it instead of exiting. A retried attempt that
-        meets ``NodeExists`` goes on retrying too: the attempt that seemed to fail may have
-        registered this node, and that registration expires with its lease.
-        """
-        deadline = self._clock.monotonic() + self._options.start_timeout
-        pause = 0.1
-        retried = False
-        while True:
-            try:
-                self._coord.init(_Context(self))
-                return True
-            except CoordinatorUnavailable as exc:
-                error: MetaforaError = exc
-            except NodeExists as exc:
-                if not retried:
-                    raise
-                error = exc
-            left = deadline - self._clock.monotonic()
-            if left <= 0:
-                raise error
-            self._log.warning("cannot register on %s yet (%s); retrying for up to %.0fs",
-                              mask_url(self._coord.name, brief=True), error, left,
-                              extra={"action": "start"})
-            if self._clock.wait(self._stopping, min(pause * self._rng.uniform(0.8, 1.2), left)):
-                return False
-            pause = min(pause * 2, 5.0)
-            retried = True
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.

@@ -15,6 +15,7 @@ from collections.abc import Callable, MutableMapping
 from metafora import tracing
 from metafora.balancer import RunTimes
 from metafora.clock import Clock
+from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
 from metafora.consumer.running import NodeLog, Running
@@ -36,7 +37,8 @@ class Finisher:
     """Books handlers' ends and writes their outcomes (``writer`` runs in a side thread).
 
     ``running`` and ``lock`` are the consumer's; ``back_off`` / ``forget_releases`` keep the
-    release back-off of a task, ``post`` tells the loop a slot is free.
+    release back-off of a task, ``post`` tells the loop a slot is free; ``capacity`` (the
+    node's :class:`~metafora.consumer.capacity.Capacity`) says whether a slot can be short.
     """
 
     def __init__(
@@ -46,7 +48,7 @@ class Finisher:
         running: MutableMapping[str, Running],
         lock: threading.RLock,
         stopping: threading.Event,
-        max_tasks: int | None,
+        capacity: Capacity,
         back_off: Callable[[Task], None],
         forget_releases: Callable[[str], None],
         post: Callable[[Event], None],
@@ -58,7 +60,7 @@ class Finisher:
         self._running = running
         self._lock = lock
         self._stopping = stopping
-        self._max_tasks = max_tasks
+        self._capacity = capacity
         self._back_off = back_off
         self._forget_releases = forget_releases
         self._post = post
@@ -102,6 +104,9 @@ class Finisher:
             self._finishing.add(entry)  # shutdown waits for its outcome to be written
             entry.returned.set()
             skip = entry.lost or entry.abandoned
+            # Any bound (max_tasks, the thread cap, a capacity reduced after a failed start):
+            # the slot this handler held may be what a deferred offer waits for.
+            bounded = self._capacity.bounded()
             if stopping:
                 pass  # no more claims: back-offs would only cost time with 10,000 handlers
             elif outcome is Outcome.RELEASE or entry.lost:
@@ -111,7 +116,7 @@ class Finisher:
                 self._forget_releases(entry.task.id)
         if span is not None:
             span.set_attribute("metafora.outcome", "lost" if entry.lost else outcome.value)
-        if not stopping and self._max_tasks is not None:
+        if not stopping and bounded:
             # The slot is free now, not when the outcome is written: claims for it overlap
             # the group commit instead of waiting for it.
             self._post(Signal.ROOM)

@@ -40,15 +40,20 @@ from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import backlog_line, read_backlog
 from metafora.config import parse_store_url
 from metafora.connect import open_client
-from metafora.errors import InvalidTaskState, MetaforaError, TaskNotFound
-from metafora.masking import escape_controls, scrub
+from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound
+from metafora.masking import cut_text, escape_controls, one_line, scrub
 from metafora.task import TaskState, validate_task_id
 from metafora.waiting import pending_reasons
 from metafora.web import charts as chart
 from metafora.web.security import (
     LOOPBACK_NAMES,
+    MAX_BODY,
+    MIN_TOKEN_LENGTH,
+    REQUEST_TIMEOUT,
     HostCheck,
     LoginThrottle,
+    RequestLimits,
     Session,
     Sessions,
     status_for,
@@ -67,6 +72,24 @@ _ITEM_STATUSES = ("available", "complete", "failed")
 _CHARTS_EVERY = 5.0  # seconds: the charts read up to 4 x CHART_READ tasks, so not every refresh
 NODE_VERBS = ("freeze", "unfreeze", "balance")
 TASK_VERBS = ("stop", "delete", "retry", "pause", "resume", "kill", "retry-items")
+MESSAGES: dict[str, str] = {
+    "logged-in": "logged in",
+    "logged-out": "logged out",
+    "freeze": "sent freeze to node {id}",
+    "unfreeze": "sent unfreeze to node {id}",
+    "balance": "sent balance to node {id}",
+    "deleted": "deleted task {id}",
+    "retry": "task {id} is pending again",
+    "stop": "asked the node running task {id} to stop it",
+    "pause": "sent pause to task {id}",
+    "resume": "sent resume to task {id}",
+    "kill": "sent kill to task {id}",
+    "retry-items": "the failed items of {id} are pending again",
+}
+"""What a page may say after an action: ``?msg=CODE`` picks one of these fixed texts (any
+other code shows nothing), ``msg_id`` the id it names, shown as an id. A link cannot make
+the dashboard say anything else in its own voice."""
+_MSG_ID_SHOWN = 200  # characters of msg_id shown
 
 
 def _age(now: datetime, then: datetime | None) -> str:
@@ -118,6 +141,9 @@ class Dashboard:
         self._charts_lock = threading.Lock()
         self.charts_every = max(refresh, _CHARTS_EVERY)
         self.token = token or None
+        if self.token is not None and len(self.token) < MIN_TOKEN_LENGTH:
+            raise ConfigError(f"the dashboard's token must be at least {MIN_TOKEN_LENGTH} characters "
+                              f"long, got {len(self.token)}")
         self.sessions = Sessions()  # held here: they end at logout, when idle, at a restart
         self.throttle = LoginThrottle()
         self.refresh_ms = int(refresh * 1000)
@@ -125,6 +151,11 @@ class Dashboard:
                                autoescape=select_autoescape(default=True), finalize=self._shown)
         self.env.filters["ident"] = Ident
         self.env.filters["id_text"] = _id_text
+        # A list shows one short line of an error, masked once (printed as title and cell).
+        self.env.filters["short"] = lambda text: Ident(scrub(one_line(text), self.url))
+        # A task's page shows as much of its error as a store keeps now (rows written by an
+        # older version may hold megabytes).
+        self.env.filters["stored_error"] = lambda text: cut_text(text, MAX_ERROR_BYTES)
         self.env.globals.update(age=_age, time=_time, store=self.store, states=list(TaskState),
                                 refresh_ms=self.refresh_ms, item_statuses=_ITEM_STATUSES)
 
@@ -202,7 +233,8 @@ class Dashboard:
         session = self.session(request)
         context.update(request=request, read_only=self.token is None, can_act=self.logged_in(request),
                        csrf=Ident(session.csrf if session is not None else ""),
-                       msg=request.query_params.get("msg", ""),
+                       msg=_message(request.query_params.get("msg", ""),
+                                    request.query_params.get("msg_id", "")),
                        here=Ident(str(request.url.path)
                                   + (f"?{request.url.query}" if request.url.query else "")),
                        now=datetime.now(UTC))
@@ -267,19 +299,28 @@ class Dashboard:
             self._items.close()
 
 
+def _message(code: str, ident: str) -> dict[str, str] | None:
+    """The fixed message of ``code`` (:data:`MESSAGES`) as text before and after its id, or None."""
+    text = MESSAGES.get(code)
+    if text is None:
+        return None
+    before, _, after = text.partition("{id}")
+    return {"before": before, "id": ident[:_MSG_ID_SHOWN] if "{id}" in text else "", "after": after}
+
+
 async def _form(request: Request) -> dict[str, str]:
     """An ``application/x-www-form-urlencoded`` body (no multipart parser needed)."""
     body = (await request.body())[:65536].decode("utf-8", "replace")
     return {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
 
 
-def _back(form: dict[str, str], fallback: str, msg: str) -> RedirectResponse:
+def _back(form: dict[str, str], fallback: str, msg: str, ident: str = "") -> RedirectResponse:
     target = form.get("next", "") or fallback
     if not target.startswith("/") or target.startswith(("//", "/\\")) or any(c < " " for c in target):
         target = fallback
     path, _, query = target.partition("?")
-    params = [(k, v) for k, v in parse_qs(query).items() if k not in ("msg", "partial")]
-    flat = [(k, x) for k, vs in params for x in vs] + [("msg", msg)]
+    params = [(k, v) for k, v in parse_qs(query).items() if k not in ("msg", "msg_id", "partial")]
+    flat = [(k, x) for k, vs in params for x in vs] + [("msg", msg)] + ([("msg_id", ident)] if ident else [])
     return RedirectResponse(f"{path}?{urlencode(flat)}", status_code=303)
 
 
@@ -293,11 +334,14 @@ def _node_row(info: NodeInfo, now: datetime) -> dict[str, Any]:
 
 def create_app(url: str, *, token: str | None = None, items_url: str | None = None,
                refresh: float = 2.0, client: Client | None = None,
-               allowed_hosts: Iterable[str] | None = None) -> Starlette:
+               allowed_hosts: Iterable[str] | None = None, max_body: int = MAX_BODY,
+               request_timeout: float = REQUEST_TIMEOUT) -> Starlette:
     """The dashboard for the store ``url``; actions only with ``token``.
 
     ``allowed_hosts`` are the names a request's Host may carry (default: the loopback
-    names); see :func:`metafora.web.security.allowed_hosts`.
+    names); see :func:`metafora.web.security.allowed_hosts`. A request body over
+    ``max_body`` bytes gets 413, one not received within ``request_timeout`` seconds 408
+    (:class:`~metafora.web.security.RequestLimits`).
     """
     dash = Dashboard(url, token=token, items_url=items_url, refresh=refresh, client=client)
 
@@ -353,7 +397,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
     ]
     hosts = frozenset(h.lower().strip("[]") for h in (LOOPBACK_NAMES if allowed_hosts is None
                                                       else allowed_hosts))
-    app = _App(hosts, routes=routes)
+    app = _App(hosts, RequestLimits, {"max_body": max_body, "timeout": request_timeout}, routes=routes)
     app.state.dashboard = dash
     return app
 
@@ -362,13 +406,16 @@ class _App(Starlette):
     """Starlette with the Host check and the security headers outside everything else, so
     that even its own error responses carry the headers."""
 
-    def __init__(self, hosts: frozenset[str], **options: Any) -> None:
-        self._hosts = hosts
+    def __init__(self, hosts: frozenset[str], limits: Any, limit_options: dict[str, Any],
+                 **options: Any) -> None:
+        self._hosts, self._limits, self._limit_options = hosts, limits, limit_options
         super().__init__(**options)
 
     def build_middleware_stack(self) -> Any:
-        """The usual stack inside :class:`~metafora.web.security.HostCheck`."""
-        return HostCheck(super().build_middleware_stack(), self._hosts)
+        """The usual stack inside :class:`~metafora.web.security.RequestLimits` inside
+        :class:`~metafora.web.security.HostCheck`."""
+        inner = self._limits(super().build_middleware_stack(), **self._limit_options)
+        return HostCheck(inner, self._hosts)
 
 
 def _auth_routes(dash: Dashboard) -> list[Route]:
@@ -387,7 +434,7 @@ def _auth_routes(dash: Dashboard) -> list[Route]:
         if not dash.try_token(request, form.get("token", "")):
             return dash.render(request, "login.html", status=403, title="Log in", failed=True)
         sid, _ = dash.sessions.start()
-        response = _back(form, "/nodes", "logged in")
+        response = _back(form, "/nodes", "logged-in")
         response.set_cookie(_SESSION_COOKIE, sid, httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path="/")
         return response
@@ -399,7 +446,7 @@ def _auth_routes(dash: Dashboard) -> list[Route]:
             if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
                 return dash.error(request, 403, "the form's CSRF token is missing or stale")
             dash.sessions.end(request.cookies.get(_SESSION_COOKIE, ""))
-        response = RedirectResponse("/nodes?msg=logged+out", status_code=303)
+        response = RedirectResponse("/nodes?msg=logged-out", status_code=303)
         response.delete_cookie(_SESSION_COOKIE, path="/")
         return response
 
@@ -408,32 +455,33 @@ def _auth_routes(dash: Dashboard) -> list[Route]:
 
 
 def _task_action(dash: Dashboard, verb: str, task_id: str) -> str:
-    """Carry out a task action; the message to show. Raises MetaforaError on refusal."""
+    """Carry out a task action; the code of the message to show (:data:`MESSAGES`). Raises
+    MetaforaError on refusal."""
     client = dash.client
     if verb == "delete":
         client.delete_task(task_id)
-        return f"deleted task {task_id}"
+        return "deleted"
     if verb == "retry":
         client.retry_task(task_id)
-        return f"task {task_id} is pending again"
+        return "retry"
     if verb == "stop":
         info = client.get_task(task_id)
         if info.state is not TaskState.CLAIMED or info.owner is None:
             raise InvalidTaskState(f"task {task_id!r} is {info.state.value}, not running on a node")
         client.submit_command(info.owner, commands.stop_task(task_id))
-        return f"asked node {info.owner} to stop task {task_id}"
+        return "stop"
     if verb == "retry-items":
         store = dash.item_store()
         if store is None:
             raise InvalidTaskState("items live in SQL: start the dashboard with --items-url")
         from metafora.gates import retry_partition
 
-        count = retry_partition(store, task_id, client)
-        return f"{count} failed item{'s' if count != 1 else ''} of {task_id} made pending again"
+        retry_partition(store, task_id, client)
+        return "retry-items"
     from metafora.statemachine import command_message, send_task_command
 
     send_task_command(client, task_id, command_message(verb))
-    return f"sent {verb} to task {task_id}"
+    return verb
 
 
 def _tasks_view(dash: Dashboard, request: Request) -> Response:
@@ -450,7 +498,9 @@ def _tasks_view(dash: Dashboard, request: Request) -> Response:
     except ValueError:
         limit = 50
     limit = min(max(limit, 1), max(_PAGE_SIZES))
-    page = dash.client.task_page(state=state, owner=owner, prefix=prefix, after=after, limit=limit + 1)
+    # The list shows no props and one line of each error: the store reads neither whole.
+    page = dash.client.task_page(state=state, owner=owner, prefix=prefix, after=after, limit=limit + 1,
+                                 props=False)
     more = len(page) > limit
     page = page[:limit]
     base = {k: v for k, v in {"state": state, "owner": owner, "prefix": prefix,
@@ -509,10 +559,10 @@ async def _act(dash: Dashboard, request: Request) -> Response:
             command = {"freeze": commands.freeze, "unfreeze": commands.unfreeze,
                        "balance": commands.balance}[verb]()
             await run_in_threadpool(dash.client.submit_command, ident, command)
-            return _back(form, "/nodes", f"sent {verb} to node {ident}")
+            return _back(form, "/nodes", verb, ident)
         if target == "task" and verb in TASK_VERBS:
             done = await run_in_threadpool(_task_action, dash, verb, ident)
-            return _back(form, "/tasks", done)
+            return _back(form, "/tasks", done, ident)
     except MetaforaError as exc:
         return dash.error(request, status_for(exc), str(exc))
     return dash.error(request, 400, f"unknown action {verb!r} on {target!r}")

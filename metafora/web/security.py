@@ -44,9 +44,15 @@ from metafora.errors import (
 
 __all__ = [
     "HEADERS",
+    "LISTEN_BACKLOG",
+    "MAX_BODY",
+    "MAX_REQUESTS",
     "MIN_TOKEN_LENGTH",
+    "REQUEST_TIMEOUT",
+    "SESSION_LIFETIME_SECONDS",
     "HostCheck",
     "LoginThrottle",
+    "RequestLimits",
     "Session",
     "Sessions",
     "allowed_hosts",
@@ -56,10 +62,25 @@ __all__ = [
 ]
 
 MIN_TOKEN_LENGTH = 16
-"""The shortest token accepted for a dashboard reachable from other machines."""
+"""The shortest token accepted, on every address (loopback too: any local user, and anything
+that can make a request through a local proxy, may try it)."""
 
 SESSION_IDLE_SECONDS = 30 * 60.0
 """A session unused this long is gone (the next request must log in again)."""
+SESSION_LIFETIME_SECONDS = 12 * 3600.0
+"""A session is gone this long after its login, however often it is used (an open tab
+refreshes itself: without this it would never end)."""
+MAX_BODY = 64 * 1024
+"""The largest request body the dashboard reads (bytes): a longer one gets ``413`` at once,
+and no more of it is read (the forms are small)."""
+REQUEST_TIMEOUT = 30.0
+"""Seconds a request's body may take to arrive, from its head: a slower one gets ``408`` and
+its connection is closed (a body sent one byte at a time must not hold a connection)."""
+MAX_REQUESTS = 256
+"""Connections and requests the dashboard holds at once; more get ``503`` at once (uvicorn's
+``limit_concurrency``), so slow clients cannot take every file descriptor."""
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before they are accepted (capped by ``somaxconn``)."""
 MAX_SESSIONS = 1000
 """Sessions kept at most; the least recently used one goes first (bounds the memory a
 stream of logins can take)."""
@@ -104,9 +125,11 @@ def status_for(exc: BaseException, default: int = 500) -> int:
 
 
 def check_token(token: str | None, host: str, loopback: bool) -> None:
-    """Refuse a token too short to resist guessing on a non-loopback bind (ConfigError)."""
-    if token is not None and not loopback and len(token) < MIN_TOKEN_LENGTH:
-        raise ConfigError(f"refusing to serve on {host} (not loopback) with a token of {len(token)} "
+    """Refuse a token too short to resist guessing (ConfigError), on every address: on
+    loopback too, where every local user and every local proxy may try it."""
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        where = "" if loopback else " (not loopback)"
+        raise ConfigError(f"refusing to serve on {host}{where} with a token of {len(token)} "
                           f"characters: use at least {MIN_TOKEN_LENGTH} (e.g. python -c "
                           "'import secrets; print(secrets.token_urlsafe(24))')")
 
@@ -116,18 +139,21 @@ def check_token(token: str | None, host: str, loopback: bool) -> None:
 
 @dataclass
 class Session:
-    """One login: its CSRF value and when it was last used (monotonic seconds)."""
+    """One login: its CSRF value, when it was last used and when it began (monotonic seconds)."""
 
     csrf: str
     used: float
+    started: float = 0.0
 
 
 class Sessions:
-    """Server-side sessions: a random id per login, an idle expiry, ended by :meth:`end`."""
+    """Server-side sessions: a random id per login, an idle expiry, an absolute lifetime,
+    ended by :meth:`end`."""
 
     def __init__(self, idle: float = SESSION_IDLE_SECONDS, limit: int = MAX_SESSIONS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._idle, self._limit, self._clock = idle, limit, clock
+                 clock: Callable[[], float] = time.monotonic,
+                 lifetime: float = SESSION_LIFETIME_SECONDS) -> None:
+        self._idle, self._limit, self._clock, self._lifetime = idle, limit, clock, lifetime
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, Session] = OrderedDict()
 
@@ -135,13 +161,15 @@ class Sessions:
         """A new session: (its id for the cookie, its CSRF value for the forms)."""
         sid, csrf = secrets.token_urlsafe(32), secrets.token_hex(32)
         with self._lock:
-            self._by_id[sid] = Session(csrf, self._clock())
+            now = self._clock()
+            self._by_id[sid] = Session(csrf, now, now)
             while len(self._by_id) > self._limit:
                 self._by_id.popitem(last=False)
         return sid, csrf
 
     def get(self, sid: str) -> Session | None:
-        """The live session of ``sid`` (its idle time restarts), or None."""
+        """The live session of ``sid`` (its idle time restarts), or None (unknown, idle too
+        long, or older than its lifetime)."""
         if not sid:
             return None
         now = self._clock()
@@ -149,7 +177,7 @@ class Sessions:
             session = self._by_id.get(sid)
             if session is None:
                 return None
-            if now - session.used > self._idle:
+            if now - session.used > self._idle or now - session.started > self._lifetime:
                 del self._by_id[sid]
                 return None
             session.used = now
@@ -282,12 +310,85 @@ class HostCheck:
         await self.app(scope, receive, with_headers)
 
 
-async def _plain(send: Send, status: int, text: str) -> None:
+async def _plain(send: Send, status: int, text: str, close: bool = False) -> None:
     body = text.encode()
+    extra = [(b"connection", b"close")] if close else []
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode()), *HEADERS]})
+                            (b"content-length", str(len(body)).encode()), *extra, *HEADERS]})
     await send({"type": "http.response.body", "body": body})
+
+
+class RequestLimits:
+    """ASGI middleware bounding what one request may cost before the app sees it.
+
+    - a body over ``max_body`` bytes gets ``413`` and no more of it is read: at once when its
+      ``Content-Length`` says so, else when what arrived passes the limit;
+    - a body that has not all arrived ``timeout`` seconds after the request began gets
+      ``408`` (a slow body cannot hold a connection);
+    - a client that goes away while its request is served ends it quietly (no traceback).
+
+    Both refusals close the connection; the app then sees the client gone.
+    """
+
+    def __init__(self, app: App, max_body: int = MAX_BODY, timeout: float = REQUEST_TIMEOUT) -> None:
+        self.app, self.max_body, self.timeout = app, max_body, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app with a bounded, deadlined ``receive``."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
+            await _plain(send, 413, f"request body over {self.max_body} bytes\n", close=True)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        seen = 0
+        started = refused = body_done = False
+
+        async def refuse(status: int, text: str) -> MutableMapping[str, Any]:
+            nonlocal refused
+            if not started and not refused:
+                await _plain(send, status, text, close=True)
+            refused = True
+            return {"type": "http.disconnect"}  # what the app sees: the client is gone
+
+        async def bounded() -> MutableMapping[str, Any]:
+            nonlocal seen, body_done
+            if refused:
+                return {"type": "http.disconnect"}
+            if body_done:  # the body is in: waiting for a disconnect has no deadline
+                return await receive()
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), left)
+            except TimeoutError:
+                return await refuse(408, f"request body not received within {self.timeout:g}s\n")
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                return await refuse(413, f"request body over {self.max_body} bytes\n")
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def watched(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # answered already: whatever the app says now is not sent
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        from starlette.requests import ClientDisconnect
+
+        try:
+            await self.app(scope, bounded, watched)
+        except ClientDisconnect:
+            # The client went away (or was refused above): the end of this request, not an
+            # error to print a traceback of.
+            return
 
 
 # --- idle connections -----------------------------------------------------------------------
@@ -327,7 +428,9 @@ def idle_closing_protocol(header_timeout: float) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()  # a request is being served: the app's time is not idle time
+                # A request is being served: the app's time is not idle time (its body has
+                # a deadline of its own: RequestLimits).
+                self._disarm()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -6,12 +6,14 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Self
 
 from metafora.errors import ConfigError
 from metafora.http import is_loopback
 from metafora.masking import mask_url
+from metafora.web.security import LISTEN_BACKLOG
 
 __all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "IDLE_TIMEOUT", "WebServer", "display_url", "is_loopback",
            "parse_bind"]
@@ -52,12 +54,16 @@ class WebServer:
 
     ``start()`` binds first, so an address in use is a clear ConfigError; ``port`` is the bound
     port (``bind`` may ask for port 0). ``stop()`` asks uvicorn to finish and joins the thread.
-    A connection idle for ``idle_timeout`` seconds is closed.
+    A connection idle for ``idle_timeout`` seconds is closed. ``X-Forwarded-For`` and
+    ``X-Forwarded-Proto`` are believed only from the addresses in ``trusted_proxies``
+    (``--trusted-proxy``; none by default, loopback included: any local process could
+    forge them to escape the login throttle).
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 8080,
-                 idle_timeout: float = IDLE_TIMEOUT) -> None:
+                 idle_timeout: float = IDLE_TIMEOUT, trusted_proxies: Iterable[str] = ()) -> None:
         self._app = app
+        self._trusted = [str(addr).strip() for addr in trusted_proxies if str(addr).strip()]
         self._host = host
         self._port = port
         self._idle = idle_timeout
@@ -87,17 +93,20 @@ class WebServer:
         except OSError as exc:
             sock.close()
             raise ConfigError(f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}") from None
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
         return sock
 
     def _config(self) -> Any:
         import uvicorn
 
-        from metafora.web.security import idle_closing_protocol
+        from metafora.web.security import MAX_REQUESTS, idle_closing_protocol
 
         return uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
                               http=idle_closing_protocol(self._idle),
-                              timeout_keep_alive=max(1, round(self._idle)))
+                              timeout_keep_alive=max(1, round(self._idle)),
+                              proxy_headers=bool(self._trusted),
+                              forwarded_allow_ips=self._trusted or [],
+                              limit_concurrency=MAX_REQUESTS, backlog=LISTEN_BACKLOG)
 
     def serve_forever(self) -> None:
         """Serve in this thread until interrupted (Ctrl-C)."""

@@ -186,6 +186,7 @@ def test_nodes_and_node_commands_on_sqlite(tmp_path: Path, db: str,
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_demo_end_to_end(tmp_path: Path) -> None:
     started = time.monotonic()
     proc = metafora("demo", cwd=tmp_path, timeout=90, env=_env(TMPDIR=str(tmp_path)))

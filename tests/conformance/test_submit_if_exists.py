@@ -163,3 +163,23 @@ def test_three_submitters_of_one_id_with_ignore_make_one_task_and_one_run(store_
         cluster.wait_for_state("once", "done", 30)
         assert ran.ids == ["once"] and not cluster.errors
         assert cluster.client.get_task("once").attempts == 1
+
+
+def test_a_replaced_task_runs_with_its_new_props(store_url: str) -> None:
+    """A pending task not yet due is replaced by one due now: a consumer runs it, once, with
+    the new props (the watch offers the new version; a claim of the old one fails its fence)."""
+    seen: list[dict[str, Any]] = []
+
+    def handler(task: Task, stop: threading.Event) -> bool:
+        seen.append(dict(task.props))
+        return True
+
+    with LocalCluster(store_url) as cluster:
+        cluster.add(simple_handler(handler), "runner")
+        client = cluster.client
+        client.submit_task(Task("later", {"v": 1, "launch_at": "2999-01-01T00:00:00+00:00"}))
+        client.submit_task(Task("marker"))
+        cluster.wait_for_state("marker", "done", 30)  # the consumer has seen "later", not due
+        assert client.submit_task(Task("later", {"v": 2}), if_exists="replace") is True
+        cluster.wait_for_state("later", "done", 30)
+        assert seen == [{}, {"v": 2}] and not cluster.errors

@@ -57,7 +57,7 @@ class Fleet:
     """Consumer processes on one store, signalled by pid; always stopped in ``stop_all``."""
 
     def __init__(self, url: str, workdir: Path, ledger: Ledger, faults: FaultLog,
-                 client: Client, max_tasks: int, write_every: float, broken: bool = False) -> None:
+                 client: Client, max_tasks: int, write_every: float, broken: str = "") -> None:
         self.url = url
         self.workdir = workdir
         self.ledger = ledger
@@ -199,9 +199,10 @@ class Campaign:
     SCENARIOS = ("sigkill", "zombie", "store_restart", "network_cut", "malformed")
 
     def __init__(self, store: Store, scenario: str, size: Size, workdir: Path,
-                 seed: int | None = None, *, broken: bool = False) -> None:
-        """``broken``: the negative control, handlers that ignore ``stop()`` and write
-        without fencing; the verdict must then find stale writes."""
+                 seed: int | None = None, *, broken: str = "") -> None:
+        """``broken``: a negative control's broken consumer (tests/faults/worker.py's module
+        doc: ``unfenced``, ``no_self_fence``, ``lose``, ``quiet_malformed``, ``fragile``,
+        ``no_takeover``); the checker it targets must then report a problem."""
         if scenario not in self.SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}")
         self.store = store
@@ -215,7 +216,7 @@ class Campaign:
         self.ledger = Ledger(workdir / "ledger.jsonl")
         self.faults = FaultLog()
         self.broken = broken
-        self.report = Report(store.kind, scenario + (" (unfenced control)" if broken else ""))
+        self.report = Report(store.kind, scenario + (f" ({broken} control)" if broken else ""))
         self.report.notes.append(f"seed {self.seed}")
         self.expected: dict[str, str] = {}  # task id -> "done" | "failed" | "finished"
         self.submitted: dict[str, float] = {}  # task id -> when it was first submitted
@@ -366,9 +367,13 @@ class Campaign:
             self.faults.add("sigstop", victim)
             hold(ttl + 1.0)
             # Keep it frozen until one of its tasks runs under a newer token (a true zombie).
-            with contextlib.suppress(AssertionError):
+            try:
                 poll(functools.partial(self._taken_over, frozen), 3 * ttl + 10,
                      "a frozen task to move")
+            except AssertionError:
+                self.report.problems.append(
+                    f"no task of the frozen {victim} was taken over within {3 * ttl + 10} s: "
+                    "no zombie was made")
             mark = self._done_count()
             resumed = self.fleet.thaw(victim)
             self.faults.frozen.setdefault(victim, []).append((stopped, resumed))
@@ -542,7 +547,8 @@ class Campaign:
                     if run.node != node or since > stopped or (run.end or _INF) < stopped:
                         continue
                     frozen_runs += 1
-                    superseded += any(o.task == run.task and o.token > run.token for o in runs)
+                    superseded += any(o.task == run.task and o.token > run.token and o.node != node
+                                      for o in runs)
                     late += sum(1 for m0, _ in run.writes if m0 >= resumed)
                     if run.refused:
                         refused += 1
@@ -550,6 +556,9 @@ class Campaign:
                         fenced += 1
         if frozen_runs == 0:
             self.report.problems.append("no run was frozen: the zombie scenario proved nothing")
+        elif superseded == 0:
+            self.report.problems.append("no frozen run was re-claimed elsewhere: no takeover was "
+                                        "seen, so no zombie was made")
         self.report.notes.append(
             f"{frozen_runs} frozen runs, {superseded} re-claimed elsewhere; after SIGCONT "
             f"{refused} had a write refused, {fenced} self-fenced, {late} writes accepted")

@@ -5,9 +5,12 @@ a ledger outside it, faults injected under load, then the checks (no overlapping
 no stale write accepted, nothing lost, survivors recovered without a restart). The figures
 of every scenario are printed at the end of the session (``tests/fixtures/faults.py``).
 
-The negative controls run the zombie scenario with fencing switched off on purpose
-(handlers that ignore ``stop()`` and write without the fenced store): the same checks must
-then find stale writes, or they prove nothing.
+The negative controls run a scenario on a consumer broken on purpose (a flag of the test
+worker, tests/faults/worker.py): each checker must then report the breakage, or it proves
+nothing. Fencing off (handlers that ignore ``stop()`` and write without the fenced store): the
+stale-write check; no self-fencing: the cut check; tasks reported done unrun: the lost-task
+check; malformed commands dropped silently: the malformed check; a consumer that dies with its
+store: the survivor check; expired claims never re-claimed: the zombie scenario's takeover check.
 """
 
 from __future__ import annotations
@@ -47,6 +50,29 @@ def test_negative_control_finds_unfenced_zombie_writes(
     """With fencing off, a zombie's writes after SIGCONT are accepted: the checks must say so."""
     store: Store = request.getfixturevalue("pg_store" if kind == "postgresql" else "etcd_store")
     size = Size(tasks=18, writes=(25, 35), faults=1, deadline=60.0)
-    report = Campaign(store, "zombie", size, tmp_path, broken=True).run()
+    report = Campaign(store, "zombie", size, tmp_path, broken="unfenced").run()
     record(report.figures())
     assert report.stale, f"the unfenced zombie's writes went unnoticed:\n{report.explain()}"
+
+
+# (scenario, broken build, what the checker must say): one per checker of the campaign.
+CONTROLS = {
+    "no_self_fence": ("network_cut", "problems", "no self-fencing"),
+    "lose": ("sigkill", "lost", "no run finished it"),
+    "quiet_malformed": ("malformed", "problems", "malformed commands"),
+    "fragile": ("store_restart", "problems", "died (exit 3)"),
+    "no_takeover": ("zombie", "problems", "no zombie was made"),
+}
+
+
+@pytest.mark.parametrize("broken", list(CONTROLS))
+def test_negative_control_each_checker_catches_its_breakage(
+        broken: str, pg_store: PostgresStore, tmp_path: Path) -> None:
+    """A consumer broken on purpose (tests/faults/worker.py): the checker it targets must fire."""
+    scenario, field, said = CONTROLS[broken]
+    size = Size(tasks=16, faults=1, deadline=45.0)
+    report = Campaign(pg_store, scenario, size, tmp_path, broken=broken).run()
+    record(report.figures())
+    found: list[str] = getattr(report, field)
+    assert any(said in line for line in found), (
+        f"the {scenario} checker missed the {broken} build:\n{report.explain()}")

@@ -4,6 +4,19 @@
 handler (:class:`LedgerHandler`) writes the task's state through the fenced state store
 (:func:`metafora.statemachine.store.state_store_for`) several times, pacing the writes, and
 records every start, end and write outcome in the :class:`~tests.faults.ledger.Ledger`.
+
+``WorkerSpec.broken`` builds a broken consumer on purpose, for the campaign's negative
+controls (each shows that one checker fires; never used outside tests/faults/):
+
+- ``unfenced``: handlers ignore ``stop()`` and write without the fenced store (stale writes).
+- ``no_self_fence``: nothing tells a handler its claim is gone (no ``stop()``, writes unfenced):
+  a cut goes unnoticed.
+- ``lose``: tasks whose id ends in ``3`` are reported done without their handler running.
+- ``quiet_malformed``: malformed commands are dropped without the log line.
+- ``fragile``: the first consumer (``n1``) exits when its store is unreachable (instead of
+  riding it out; the others carry the load on).
+- ``no_takeover``: no node claims a task that already ran on another node (expired claims
+  are never taken over).
 """
 
 from __future__ import annotations
@@ -41,15 +54,16 @@ class WorkerSpec:
     log: str
     max_tasks: int
     write_every: float
-    broken: bool = False  # the negative control: handlers ignore stop() and write unfenced
+    broken: str = ""  # a negative control's broken build (see the module doc); "" is the product
 
 
 class PinBalancer(DumbBalancer):
     """Claims everything except tasks pinned (prop ``pin``) to another node."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, ledger: Ledger | None = None) -> None:
         super().__init__()
         self._node = node
+        self._ran_before = ledger  # the no_takeover control: refuse tasks run by another node
 
     def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
         """Refuse a task pinned elsewhere (it is offered again later, never dropped)."""
@@ -57,6 +71,10 @@ class PinBalancer(DumbBalancer):
         log.debug("offered %s", task.id)
         pin = task.props.get("pin")
         if pin is not None and pin != self._node:
+            return False, None
+        if self._ran_before is not None and any(
+                e["e"] == "start" and e["k"] == task.id and e["n"] != self._node
+                for e in self._ran_before.events()):
             return False, None
         return ok, until
 
@@ -97,7 +115,8 @@ class LedgerHandler(Handler):
     """
 
     def __init__(self, task: Task, node: str, ledger: Ledger, store: StateStore,
-                 write_every: float, *, deaf: bool = False) -> None:
+                 write_every: float, *, deaf: bool = False, unheard: bool = False,
+                 fragile: bool = False) -> None:
         self._task = task
         self._node = node
         self._ledger = ledger
@@ -105,6 +124,8 @@ class LedgerHandler(Handler):
         self._every = write_every
         self._stop = threading.Event()
         self._deaf = deaf  # ignores stop() (the negative control)
+        self._unheard = unheard  # stop() never reaches the handler: not even recorded
+        self._fragile = fragile  # the process exits on an unreachable store
 
     def _note(self, kind: str, **fields: Any) -> None:
         self._ledger.append(kind, n=self._node, k=self._task.id, tok=self._task.token, **fields)
@@ -131,6 +152,8 @@ class LedgerHandler(Handler):
                 self._note("end", why="refused")
                 return False
             except MetaforaError as exc:  # unreachable store (or a store error): try again
+                if self._fragile:
+                    os._exit(3)  # the fragile control: gone with its store
                 self._note("unavailable", m0=m0, m1=time.monotonic(), i=done,
                            err=f"{type(exc).__name__}: {exc}"[:200])
                 self._stop.wait(self._every)
@@ -141,10 +164,23 @@ class LedgerHandler(Handler):
 
     def stop(self) -> None:
         """Ask ``run`` to return soon (unless the handler is deaf); the call is recorded."""
+        if self._unheard:
+            return
         if not self._stop.is_set():
             self._note("stop")
         if not self._deaf:
             self._stop.set()
+
+
+class _Skipped(Handler):
+    """The lost-task control's handler: reports done at once, runs nothing, records nothing."""
+
+    def run(self) -> bool:
+        """Done, without any work."""
+        return True
+
+    def stop(self) -> None:
+        """Nothing to stop."""
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -154,16 +190,29 @@ def worker_main(spec: WorkerSpec) -> None:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     ledger = Ledger(spec.ledger)
     coord = open_coordinator(spec.url, node_id=spec.node)
-    store = UnfencedStore(coord) if spec.broken else state_store_for(coord)
+    broken = spec.broken
+    # no_self_fence: nothing tells the handler its claim is gone, neither stop() nor a refused
+    # write (the fenced store refuses locally once the node has fenced itself).
+    unfenced = broken in ("unfenced", "no_self_fence")
+    store = UnfencedStore(coord) if unfenced else state_store_for(coord)
+    if broken == "quiet_malformed":  # on the handler: a logger's filter misses its children
+        for log_handler in logging.getLogger().handlers:
+            log_handler.addFilter(lambda record: "malformed command" not in record.getMessage())
 
     def make(task: Task) -> Handler:
+        if broken == "lose" and task.id.endswith("3"):
+            return _Skipped()  # done without running: the lost-task control
         # Called by the consumer right after a claim succeeded, before the handler starts.
         ledger.append("made", n=spec.node, k=task.id, tok=task.token)
-        return LedgerHandler(task, spec.node, ledger, store, spec.write_every, deaf=spec.broken)
+        return LedgerHandler(task, spec.node, ledger, store, spec.write_every,
+                             deaf=broken in ("unfenced", "no_self_fence"),
+                             unheard=broken == "no_self_fence",
+                             fragile=broken == "fragile" and spec.node == "n1")
 
     # The campaign kills nodes on purpose: the tasks they held are victims, not poison, so
     # the crash limit (tested in tests/integration/test_crash_loops.py) is off here.
-    consumer = Consumer(coord, make, PinBalancer(spec.node), max_tasks=spec.max_tasks,
+    balancer = PinBalancer(spec.node, ledger if broken == "no_takeover" else None)
+    consumer = Consumer(coord, make, balancer, max_tasks=spec.max_tasks,
                         shutdown_timeout=5, release_backoff=0.2, release_backoff_max=2.0,
                         max_crashes=None)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())

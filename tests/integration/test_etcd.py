@@ -41,6 +41,8 @@ from metafora.testing import RecordingContext
 from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files
 from tests.helpers import wait_until
 
+DEFAULT_LEASE_TTL = 30  # etcd's default lease_ttl (metafora.coordinators.etcd.config)
+
 pytestmark = pytest.mark.integration
 
 
@@ -338,13 +340,15 @@ def test_node_id_live_elsewhere_is_refused(nodes: Nodes) -> None:
     assert nodes.client.nodes() == ["same"]
 
 
+@pytest.mark.timing
 def test_close_frees_claims_and_registration_at_once(nodes: Nodes) -> None:
-    a = nodes.node("a", lease_ttl=30)
+    ttl = 30
+    a = nodes.node("a", lease_ttl=ttl)
     nodes.client.submit_task(Task("c"))
     assert a.claim(Task("c")) is not None
     started = time.monotonic()
     a.close()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < ttl / 3  # at once, not when the lease runs out
     assert nodes.client.nodes() == []
     assert nodes.client.get_task("c").state is TaskState.PENDING
     with pytest.raises(Exception, match="closed"):
@@ -355,6 +359,7 @@ def test_close_frees_claims_and_registration_at_once(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- watch
 
 
+@pytest.mark.timing
 def test_delete_of_a_running_task_tells_its_owner(nodes: Nodes) -> None:
     ctx = TimedContext()
     a = nodes.node("a", ctx)
@@ -366,14 +371,16 @@ def test_delete_of_a_running_task_tells_its_owner(nodes: Nodes) -> None:
     nodes.client.delete_task("victim")
     assert ctx.event.wait(10)
     assert [t for t, _ in ctx.lost_at] == ["victim"]
-    assert ctx.lost_at[0][1] - deleted < 2
+    # By the watch, well within the lease (default 30 s), not when a renewal fails.
+    assert ctx.lost_at[0][1] - deleted < DEFAULT_LEASE_TTL / 3
     with pytest.raises(ClaimLost):
         a.done(got)
     assert nodes.client.get_task("victimized").state is TaskState.CLAIMED
 
 
+@pytest.mark.timing
 def test_watch_offers_a_submitted_task_quickly(nodes: Nodes) -> None:
-    a = nodes.node("a")
+    a = nodes.node("a", poll_interval=60)  # only the watch explains a prompt offer
     seen: dict[str, float] = {}
     arrived = threading.Event()
 
@@ -389,9 +396,12 @@ def test_watch_offers_a_submitted_task_quickly(nodes: Nodes) -> None:
     nodes.client.submit_task(Task("fast", {"n": 1}))
     assert arrived.wait(10)
     latency = seen["fast"] - submitted
-    assert latency < 1.0, f"offer took {latency:.3f}s"
+    # Pushed by the watch: a poll would take up to poll_interval (60 s). Its time is the
+    # latency benchmark's (benchmarks/latency.py).
+    assert latency < 60 / 10, f"offer took {latency:.3f}s"
 
 
+@pytest.mark.timing
 def test_watch_returns_promptly_on_close(nodes: Nodes) -> None:
     a = nodes.node("a", poll_interval=60)
     thread = nodes.watch(a, lambda task: None)
@@ -399,7 +409,7 @@ def test_watch_returns_promptly_on_close(nodes: Nodes) -> None:
     started = time.monotonic()
     a.close()
     thread.join(10)
-    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert not thread.is_alive() and time.monotonic() - started < 60 / 10  # not at the next poll
 
 
 def test_expired_pending_task_is_moved_not_offered(nodes: Nodes) -> None:
@@ -424,6 +434,7 @@ def test_expired_pending_task_is_moved_not_offered(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- commands
 
 
+@pytest.mark.timing
 def test_commands_are_fifo_and_malformed_ones_are_dropped(
     nodes: Nodes, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -447,7 +458,7 @@ def test_commands_are_fifo_and_malformed_ones_are_dropped(
     sent = time.monotonic()
     nodes.client.submit_command("a2", commands.balance())
     reader.join(10)
-    assert result == [commands.balance()] and time.monotonic() - sent < 5
+    assert result == [commands.balance()] and time.monotonic() - sent < 60 / 10  # not a 60 s poll
 
 
 def test_commands_of_a_dead_node_disappear_with_it(nodes: Nodes) -> None:
@@ -475,20 +486,21 @@ def test_node_infos_and_frozen_flag(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- failures
 
 
+@pytest.mark.timing
 def test_unreachable_store_fails_fast_without_the_password() -> None:
     [port] = free_ports(1)
     url = f"etcd://root:s3cret@127.0.0.1:{port}/ns"
     started = time.monotonic()
     with pytest.raises(CoordinatorUnavailable) as caught:
         open_client(url).tasks()
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < DEFAULT_LEASE_TTL / 3  # fails, no retries for a lease
     assert "s3cret" not in str(caught.value) and f"127.0.0.1:{port}" in str(caught.value)
     assert caught.value.__cause__ is not None
     coord = open_coordinator(f"etcd://127.0.0.1:{port}/ns", node_id="n")
     started = time.monotonic()
     with pytest.raises(CoordinatorUnavailable):
         coord.init(RecordingContext())
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < DEFAULT_LEASE_TTL / 3  # fails, no retries for a lease
     coord.close()
 
 

@@ -163,9 +163,9 @@ def test_even_from_a_cold_start_and_the_fewest_moves_on_joins_and_leaves(fleet: 
         assert min(counts.values()) > 0
         placed: set[str] = set()
         extra = fleet.moves_since(0, placed)
-        # the common case places every task once; a worker that registered late (a slow
-        # spawn on a busy machine) costs its share once
-        assert extra <= math.ceil(tasks / 3), f"{extra} moves on a cold start: {counts}"
+        # docs/benchmarks.md's target for a cold start: at most 0.05 extra starts per task
+        # (measured 0.00: the nodes wait for each other before claiming)
+        assert extra <= math.floor(0.05 * tasks), f"{extra} moves on a cold start: {counts}"
 
         for cycle in range(3):
             mark = len(fleet.starts)

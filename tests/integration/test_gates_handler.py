@@ -148,6 +148,7 @@ def _add_from_another_process(url: str, partition: str, new: list[NewItem]) -> N
             proc.join(10)
 
 
+@pytest.mark.timing
 def test_without_auto_close_the_partition_waits_and_new_items_wake_it(sql_url: str) -> None:
     rec = Recorder()
 

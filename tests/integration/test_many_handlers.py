@@ -25,6 +25,7 @@ def hold(task: Task, stop: threading.Event) -> bool:
     return False
 
 
+@pytest.mark.timing
 def test_shutdown_of_many_handlers_shares_one_deadline(
     sql_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

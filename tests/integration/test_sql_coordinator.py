@@ -168,9 +168,11 @@ def test_fenced_writes_refuse_stale_tokens(nodes: Nodes) -> None:
         b.done(new)
 
 
+@pytest.mark.timing
 def test_stalled_owner_self_fences_before_anyone_can_claim(nodes: Nodes) -> None:
-    a = nodes.node("a", lease_ttl=1)
-    b = nodes.node("b", lease_ttl=1)
+    ttl = 1
+    a = nodes.node("a", lease_ttl=ttl)
+    b = nodes.node("b", lease_ttl=ttl)
     nodes.client.submit_task(Task("t"))
     held = a.claim(Task("t"))
     assert held is not None
@@ -181,8 +183,8 @@ def test_stalled_owner_self_fences_before_anyone_can_claim(nodes: Nodes) -> None
     ctx = nodes.ctx["a"]
     assert [t.id for t in ctx.lost_tasks] == ["t"], "the stalled owner was not told"
     assert ctx.lost_at[0] < stolen_at, "another node claimed before the owner fenced itself"
-    # Within lease_ttl + one renewal interval (+ slack for a loaded test machine).
-    assert stolen_at - paused_at < 1.0 + 1.0 / 3 + 1.5
+    # Within lease_ttl + one renewal interval (ttl / 3), with as much again for a loaded machine.
+    assert stolen_at - paused_at < 3 * ttl
     assert stolen.token > held.token
     with pytest.raises(ClaimLost):
         a.done(held)
@@ -228,6 +230,7 @@ def test_deleting_a_running_task_tells_its_owner_promptly(nodes: Nodes) -> None:
     a.done(bystander)
 
 
+@pytest.mark.timing
 def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
     # A long safety poll: only the push path (NOTIFY; SQLite's data_version) explains a
     # prompt offer.
@@ -240,7 +243,7 @@ def test_watch_is_woken_by_a_submit(nodes: Nodes) -> None:
     task = next_offer(offers, "pushed", 10)
     latency = time.monotonic() - started
     assert task.props == {"n": 7} and task.token == 0
-    assert latency < 5, f"submit reached the watch after {latency:.3f}s"
+    assert latency < 60 / 10, f"submit reached the watch after {latency:.3f}s"  # not the 60 s poll
     # A release wakes it too.
     claimed = a.claim(task)
     assert claimed is not None

@@ -62,6 +62,7 @@ def test_accepted_schemes_and_options(tmp_path: Path) -> None:
     coord.close()
 
 
+@pytest.mark.timing
 def test_unreachable_postgres_is_unavailable_without_the_password(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -28,6 +28,7 @@ def _claim_and_hang(url: str, claimed: MPEvent) -> None:
     threading.Event().wait(120)  # (not a multiprocessing primitive: we SIGKILL this process)
 
 
+@pytest.mark.timing
 def test_restarted_node_replaces_its_dead_registration_and_retakes_its_tasks(sql_url: str) -> None:
     client = open_client(sql_url)
     client.submit_task(Task("t", {"k": "v"}))
@@ -43,7 +44,8 @@ def test_restarted_node_replaces_its_dead_registration_and_retakes_its_tasks(sql
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         killed_at = time.monotonic()
-        again = open_coordinator(sql_url, node_id="a", lease_ttl=2)
+        ttl = 2
+        again = open_coordinator(sql_url, node_id="a", lease_ttl=ttl)
         with pytest.raises(NodeExists):
             again.init(RecordingContext())  # the dead process's lease is still live
 
@@ -55,7 +57,7 @@ def test_restarted_node_replaces_its_dead_registration_and_retakes_its_tasks(sql
             return True
 
         wait_for(registered, 10, "the dead registration to expire")
-        assert time.monotonic() - killed_at < 2 + 2 / 3 + 2
+        assert time.monotonic() - killed_at < 3 * ttl  # a TTL and a renewal, and slack
         info = client.get_task("t")
         assert (info.state, info.owner) == (TaskState.PENDING, None)
         got = again.claim(Task("t"))
@@ -82,10 +84,12 @@ def _next_offer(offers: queue.Queue[Task], want: str, timeout: float) -> Task:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_postgres_going_away_and_coming_back_loses_nothing(temp_postgres: TempCluster) -> None:
     url = f"{temp_postgres.url}?namespace=outage&connect_timeout=2"
     client = open_client(url)
-    coord = open_coordinator(url, node_id="a", lease_ttl=3, poll_interval=0.5)
+    ttl = 3
+    coord = open_coordinator(url, node_id="a", lease_ttl=ttl, poll_interval=0.5)
     ctx = RecordingContext()
     coord.init(ctx)
     offers: queue.Queue[Task] = queue.Queue()
@@ -108,7 +112,7 @@ def test_postgres_going_away_and_coming_back_loses_nothing(temp_postgres: TempCl
         down_at = time.monotonic()
         # The owner cannot renew: it fences itself within 2/3 of the TTL.
         assert ctx.lost_event.wait(10), "the owner did not fence itself"
-        assert time.monotonic() - down_at < 3
+        assert time.monotonic() - down_at < ttl  # before its lease could lapse in the store
         assert [t.id for t in ctx.lost_tasks] == ["t1"]
         with pytest.raises(CoordinatorUnavailable):
             client.submit_task(Task("t2"))

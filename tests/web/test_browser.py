@@ -81,7 +81,7 @@ def test_freeze_stop_unfreeze_through_the_browser(tmp_path: Path, serve: Any, pa
         task_row = page.locator('tr[data-task="report-2026-11"]')
         expect(task_row.locator(".owner")).to_have_text("node-a")
         task_row.locator('button[data-action="stop"]').click()
-        expect(page.locator("#msg")).to_have_text("asked node node-a to stop task report-2026-11")
+        expect(page.locator("#msg")).to_have_text("asked the node running task report-2026-11 to stop it")
         expect(task_row.locator(".owner")).to_have_text("node-b", timeout=30_000)
         assert client.get_task("report-2026-11").owner == "node-b"
         _shot(page, "web-tasks.png")

@@ -4,7 +4,6 @@ and without, a hostile node id escaped, reads capped, no CSP violation."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -110,15 +109,11 @@ def test_charts_read_at_most_the_cap(tmp_path: Path, serve: Any) -> None:
     insert_tasks(url, [{"id": f"job-{i:06d}", "state": "done" if i % 2 else "pending",
                         "finished_at": "2026-11-23 10:00:00.000"} for i in range(total)])
     web = serve(url)
-    _get(web, "/charts")  # warm up
-    start = time.perf_counter()
-    status, page, _ = _get(web, "/charts")
-    took = time.perf_counter() - start
+    status, page, _ = _get(web, "/charts")  # the captions say how much was read: the cap
     assert status == 200
     assert f"0 of 0 claimed, {CHART_READ} of {total // 2} done" in page
     assert f"Read {CHART_READ} of {total // 2 + 1} pending tasks" in page
     assert page.count('class="capped"') == 2  # the throughput and the pending captions
-    assert took < 1.0, took
 
 
 # -- in a browser ---------------------------------------------------------------------------------

@@ -310,8 +310,10 @@ class EtcdClient(EtcdRetention, Client):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
+        props: bool = True,
     ) -> list[TaskInfo]:
-        """Like :meth:`Client.task_page`, reading the store a page of keys at a time (never the
+        """Like :meth:`Client.task_page` (``props`` makes no difference: a key holds them),
+        reading the store a page of keys at a time (never the
         whole namespace at once). etcd orders tasks by key: the percent-encoded id followed by
         ``/``, which is id order except that an id sorts after its extensions that continue
         with a character below ``/`` (``a-1`` before ``a``); ``after`` pages in that same order,

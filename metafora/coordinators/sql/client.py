@@ -13,8 +13,8 @@ from sqlalchemy import TextClause, bindparam, text
 from metafora.client import Client, NodeInfo
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
+from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
-from metafora.coordinators.sql import limits as _limits
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.retention import SQLRetention
@@ -25,12 +25,13 @@ from metafora.errors import (
     CoordinatorClosed,
     InvalidProps,
     InvalidTaskState,
+    LimitNotFound,
     MetaforaError,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
 )
-from metafora.limits import GroupUsage, Limit
+from metafora.limits import GroupUsage, Limit, Rate
 from metafora.retention import purge_policy
 from metafora.schedule_model import Schedule
 from metafora.submitting import IfExists, check_if_exists
@@ -54,6 +55,9 @@ ANALYZE_AFTER = 1000
 """Tasks one ``submit_tasks`` call adds before it refreshes PostgreSQL's statistics."""
 
 _FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
+# A list's columns: no props, and only the start of a long error (what a list shows).
+_LIST_COLUMNS = _INFO_COLUMNS.replace("id, props,", "id, '{{}}' AS props,", 1).replace(
+    " error,", f" substr(error, 1, {MAX_ERROR_BYTES}) AS error,", 1)
 # Stored states that may show as a given state (a pending task past expires_at shows expired
 # until the next sweep moves it there).
 _STORED_AS = {
@@ -162,7 +166,11 @@ class SQLClient(SQLRetention, Client):
         mode = check_if_exists(if_exists)
         validate_schedule(task, SYSTEM_CLOCK.now())  # this machine's clock: no round trip to refuse
         if conn is not None:
-            return self._submit_in(conn, [task], mode) == 1
+            try:
+                return self._submit_in(conn, [task], mode) == 1
+            except TaskExists:
+                raise TaskExists(f"task {task.id!r} already exists in {self.name}",
+                                 ids=[task.id]) from None
         db = self._ready()
         params = task_params(task, db)
         params["ns"] = db.config.namespace
@@ -310,15 +318,25 @@ class SQLClient(SQLRetention, Client):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
+        props: bool = True,
     ) -> list[TaskInfo]:
-        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key)."""
+        """One page of tasks in one query (``id > :after ORDER BY id LIMIT``, on the primary key).
+
+        Every filter is in SQL, the expiry too (a pending row past ``expires_at`` is expired):
+        the query never reads a row it does not return. ``props=False`` reads no props and
+        the first :data:`~metafora.coordinator.MAX_ERROR_BYTES` characters of each error.
+        """
         if limit < 1:
             raise ValueError("limit must be at least 1")
         wanted = None if state is None else TaskState(state)
         db = self._ready()
         where = ["namespace = :ns"]
         params: dict[str, Any] = {"ns": db.config.namespace, "limit": limit}
-        if wanted is not None:
+        if wanted is TaskState.PENDING:
+            where.append("state = 'pending' AND (expires_at IS NULL OR expires_at > {now})")
+        elif wanted is TaskState.EXPIRED:
+            where.append("(state = 'expired' OR (state = 'pending' AND expires_at <= {now}))")
+        elif wanted is not None:
             where.append("state IN :states")
             params["states"] = _STORED_AS[wanted]
         if owner is not None:
@@ -336,32 +354,22 @@ class SQLClient(SQLRetention, Client):
         if after is not None:
             where.append("id > :after")
             params["after"] = after
-        infos: list[TaskInfo] = []
         with db.read() as conn:
-            while True:
-                rows = conn.execute(self._page_clause(tuple(where)), params).fetchall()
-                for row in rows:
-                    info = self._info(row)
-                    if wanted is None or info.state is wanted:
-                        infos.append(info)
-                # A pending row past its expiry shows as expired: when a state filter dropped
-                # rows of this page, read on so a page is only short at the end.
-                if len(rows) < limit or len(infos) >= limit or wanted is None:
-                    return infos[:limit]
-                if "id > :after" not in where:
-                    where.append("id > :after")
-                params["after"] = str(rows[-1][0])
+            rows = conn.execute(self._page_clause(tuple(where), props), params).fetchall()
+        return [self._info(row) for row in rows]
 
-    def _page_clause(self, where: tuple[str, ...]) -> TextClause:
+    def _page_clause(self, where: tuple[str, ...], props: bool = True) -> TextClause:
         cache = self._pages
-        clause = cache.get(where)
+        key = (*where, f"props={props}")
+        clause = cache.get(key)
         if clause is None:
-            sql = (f"SELECT {_INFO_COLUMNS} FROM metafora_tasks WHERE {' AND '.join(where)}"
+            columns = _INFO_COLUMNS if props else _LIST_COLUMNS
+            sql = (f"SELECT {columns} FROM metafora_tasks WHERE {' AND '.join(where)}"
                    " ORDER BY id LIMIT :limit").format(**self._db.dialect.fragments())
             clause = text(sql)
             if "state IN :states" in where:
                 clause = clause.bindparams(bindparam("states", expanding=True))
-            cache[where] = clause
+            cache[key] = clause
         return clause
 
     def task_counts(self) -> dict[TaskState, int]:
@@ -452,13 +460,33 @@ class SQLClient(SQLRetention, Client):
         _schedules.set_paused(self._ready(), name, paused, now)
 
     def group_usage(self) -> dict[str, GroupUsage]:
-        return _limits.group_usage(self._ready())
+        db = self._ready()
+        with db.read() as conn:
+            rows = db.execute(conn, "limit_usage", {}).fetchall()
+        usage = {}
+        for grp, max_running, rate_count, rate_secs, running, recent in rows:
+            rate = None if rate_count is None else Rate(int(rate_count), int(rate_secs))
+            limit = Limit(str(grp), None if max_running is None else int(max_running), rate)
+            usage[limit.group] = GroupUsage(limit, int(running), int(recent))
+        return usage
 
     def _limit_put(self, limit: Limit) -> None:
-        _limits.put_limit(self._ready(), limit)
+        db, rate = self._ready(), limit.rate
+        with db.write() as conn:
+            db.execute(conn, "limit_put", {
+                "grp": limit.group, "max": limit.max,
+                "rate_count": None if rate is None else rate.count,
+                "rate_secs": None if rate is None else rate.window,
+            })
 
     def _limit_delete(self, group: str) -> None:
-        _limits.delete_limit(self._ready(), group)
+        db = self._ready()
+        with db.transaction() as conn:
+            row = db.execute(conn, "limit_delete", {"grp": group}).first()
+            if row is not None:
+                db.execute(conn, "limit_log_clear", {"grp": group})
+        if row is None:
+            raise LimitNotFound(f"no limit is set on group {group!r}")
 
     def close(self) -> None:
         if not self._closed.is_set():

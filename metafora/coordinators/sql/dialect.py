@@ -15,6 +15,7 @@ import abc
 import hashlib
 import json
 import math
+import os
 import random
 import sqlite3
 import time
@@ -312,6 +313,7 @@ class SQLiteDialect(Dialect):
     def create_engine(self, autocommit: bool = False) -> Engine:
         cfg = self.config
         assert cfg.path is not None
+        create_private(cfg.path)
         engine = create_engine(
             URL.create("sqlite+pysqlite", database=cfg.path),
             pool_size=cfg.pool_size,
@@ -370,6 +372,22 @@ class SQLiteDialect(Dialect):
 
     def lock_schema(self, conn: Connection) -> None:
         pass  # BEGIN IMMEDIATE already holds the only write lock
+
+
+def create_private(path: str) -> None:
+    """Create the SQLite file ``path`` empty with mode 0600 if it does not exist yet, before any
+    data is in it (SQLite gives its -wal and -shm files the database's mode): the store holds
+    the cluster's tasks, props and errors, not for every user of the machine to read."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError:
+        return  # a directory missing or not writable: SQLite's own error says it better
+    os.close(fd)
+    os.chmod(path, 0o600)  # whatever the umask
 
 
 def wait_out_busy(step: Callable[[], object], timeout: float, *, first: float = 0.002,

@@ -1,4 +1,5 @@
-"""Limits per task group on a SQL store: the claim-time check and the client's statements.
+"""Limits per task group on a SQL store: the claim-time check and the client's statements
+(SQL text only: :class:`~metafora.coordinators.sql.client.SQLClient` runs the statements).
 
 A claim of a task with a group goes through the ``*_grouped`` claim statements (tasks with no
 group keep the plain ones, which only gain ``grp IS NULL``): each offered group's **room** --
@@ -27,16 +28,9 @@ group pay nothing but the ``grp IS NULL`` test.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from metafora.limits import NO_ROOM_CAP
 
-from metafora.errors import LimitNotFound
-from metafora.limits import NO_ROOM_CAP, GroupUsage, Limit, Rate
-
-if TYPE_CHECKING:
-    from metafora.coordinators.sql.store import Database
-
-__all__ = ["PG_ROOM_FUNCTION", "SQL", "delete_limit", "group_usage", "pg_fragments", "put_limit",
-           "sqlite_fragments"]
+__all__ = ["PG_ROOM_FUNCTION", "SQL", "pg_fragments", "sqlite_fragments"]
 
 PG_ROOM_FUNCTION = f"""CREATE OR REPLACE FUNCTION metafora_group_room(p_ns text, p_grp text)
 RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
@@ -164,36 +158,3 @@ SQL: dict[str, str] = {
         " AND r.at > {rate_edge}) FROM metafora_limits l WHERE l.namespace = :ns ORDER BY l.grp"
     ),
 }
-
-
-def put_limit(db: Database, limit: Limit) -> None:
-    """Insert or replace the limit row of ``limit.group``."""
-    rate = limit.rate
-    with db.write() as conn:
-        db.execute(conn, "limit_put", {
-            "grp": limit.group, "max": limit.max,
-            "rate_count": None if rate is None else rate.count,
-            "rate_secs": None if rate is None else rate.window,
-        })
-
-
-def delete_limit(db: Database, group: str) -> None:
-    """Delete the limit row of ``group`` and its rate log. Raises LimitNotFound."""
-    with db.transaction() as conn:
-        row = db.execute(conn, "limit_delete", {"grp": group}).first()
-        if row is not None:
-            db.execute(conn, "limit_log_clear", {"grp": group})
-    if row is None:
-        raise LimitNotFound(f"no limit is set on group {group!r}")
-
-
-def group_usage(db: Database) -> dict[str, GroupUsage]:
-    """Every limit with its group's live claims and claims inside its window."""
-    with db.read() as conn:
-        rows = db.execute(conn, "limit_usage", {}).fetchall()
-    usage = {}
-    for grp, max_running, rate_count, rate_secs, running, recent in rows:
-        rate = None if rate_count is None else Rate(int(rate_count), int(rate_secs))
-        limit = Limit(str(grp), None if max_running is None else int(max_running), rate)
-        usage[limit.group] = GroupUsage(limit, int(running), int(recent))
-    return usage

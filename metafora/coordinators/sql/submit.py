@@ -36,6 +36,7 @@ __all__ = [
     "SubmitStatements",
     "check_conn",
     "drive_async",
+    "psycopg_sql",
     "rows_of",
     "run_steps",
     "run_steps_async",
@@ -197,7 +198,7 @@ def check_conn(conn: Any, db: Database) -> None:
 _COMPILED: dict[TextClause, str] = {}  # the clauses are built once per store and mode
 
 
-def _psycopg_sql(clause: TextClause) -> str:
+def psycopg_sql(clause: TextClause) -> str:
     """``clause`` as psycopg's SQL (named ``%(name)s`` parameters), compiled once."""
     sql = _COMPILED.get(clause)
     if sql is None:
@@ -223,7 +224,7 @@ def run_steps(conn: Any, db: Database, steps: Steps) -> int:
             return rows_of(sa_conn.execute(clause, params))
     else:
         def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            cursor = conn.execute(_psycopg_sql(clause), params)
+            cursor = conn.execute(psycopg_sql(clause), params)
             return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
     try:
         step = next(steps)
@@ -266,7 +267,7 @@ async def run_steps_async(conn: Any, db: Database, steps: Steps) -> int:
     execute: Any
     if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
         async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            cursor = await conn.execute(_psycopg_sql(clause), params)
+            cursor = await conn.execute(psycopg_sql(clause), params)
             return [tuple(r) for r in await cursor.fetchall()] if cursor.description else []
     else:
         sa_conn = await conn.connection() if isinstance(conn, AsyncSession) else conn
