@@ -11,9 +11,7 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.testing import RecordingContext
-from tests.acceptance.test_cli_subprocess import metafora, needs_sql
-
-pytestmark = needs_sql
+from tests.acceptance.test_cli_subprocess import metafora
 
 
 @pytest.fixture

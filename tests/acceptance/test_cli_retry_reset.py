@@ -12,9 +12,7 @@ import pytest
 from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.statemachine import ErrorRecord, State, StateCode, get_state, state_store_for
 from metafora.testing import RecordingContext
-from tests.acceptance.test_cli_subprocess import metafora, needs_sql
-
-pytestmark = needs_sql
+from tests.acceptance.test_cli_subprocess import metafora
 
 
 @pytest.fixture

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from metafora import open_client
-from tests.acceptance.test_cli_subprocess import metafora, needs_sql
-
-pytestmark = needs_sql
+from tests.acceptance.test_cli_subprocess import metafora
 
 
 @pytest.fixture
