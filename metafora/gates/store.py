@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from metafora.connect import implementation, store_of_url
+from metafora.backends import implementation, store_of_url
 from metafora.errors import ConfigError
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from metafora.backends import implementation, store_of
 from metafora.clock import SYSTEM_CLOCK
-from metafora.connect import implementation, store_of
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
