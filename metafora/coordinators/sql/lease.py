@@ -13,9 +13,10 @@ clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. T
   back. A mismatch triggers a reconcile that reports vanished claims as lost and releases
   claims nobody here tracks. Between renewals, while it holds claims, a node looks at its
   pokes every ``poll_interval`` on SQLite (which has no notifications) and every
-  ``command_recheck`` on PostgreSQL: one row, whatever the number of claims. So an idle node's store traffic never grows with what
-  it holds (guarantee 7). Claims taken over by another node need no check: that takes an
-  expired lease, and then the renewal finds the registration gone and the node fences.
+  ``command_recheck`` on PostgreSQL: one row, whatever the number of claims. So an idle
+  node's store traffic never grows with what it holds (guarantee 7). Claims taken over by
+  another node need no check: that takes an expired lease, and then the renewal finds the
+  registration gone and the node fences.
 - **watchdog** self-fences: when ``2/3 * lease_ttl`` (lease_ttl minus a margin of a third)
   has passed on this host's monotonic clock since the START of the last successful renewal,
   it calls ``ctx.lost`` for every held claim. The store keeps the lease for ``lease_ttl``
