@@ -11,7 +11,9 @@ no coordinator, client or feature, so anything may import it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+from types import ModuleType
 from typing import Any
 
 from metafora.config import StoreURL, parse_store_url
@@ -24,6 +26,7 @@ __all__ = [
     "SCHEMES",
     "STORES",
     "default_url",
+    "hooks_of",
     "implementation",
     "scheme_of",
     "store_of",
@@ -110,3 +113,18 @@ def implementation(store: str, feature: str) -> Any:
         return None
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def hooks_of(url: StoreURL) -> ModuleType:
+    """The hooks module of the store ``url`` names (its ``open_coordinator`` and
+    ``open_client``); ConfigError naming the pip extra when its driver is not installed."""
+    store, extra = scheme_of(url)
+    try:
+        module = importlib.import_module(STORES[store]["hooks"])
+        driver = DRIVERS.get(extra or "")
+        if driver is not None and importlib.util.find_spec(driver) is None:
+            raise ModuleNotFoundError(f"No module named {driver!r}")
+    except ImportError as exc:
+        hint = f" (pip install 'metafora-cluster[{extra}]')" if extra else ""
+        raise ConfigError(f"the {url.scheme} store is not available: {exc}{hint}") from exc
+    return module

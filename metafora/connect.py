@@ -3,20 +3,16 @@ table, :mod:`metafora.backends`, whose names are re-exported here)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from metafora.backends import (
     DEFAULT_URL,
-    DRIVERS,
     ENV_URL,
-    STORES,
     default_url,
+    hooks_of,
     implementation,
-    scheme_of,
     store_of,
     store_of_url,
 )
@@ -66,18 +62,7 @@ def validate_node_id(node_id: object) -> str:
 
 
 def _backend(url: StoreURL) -> _Backend:
-    store, extra = scheme_of(url)
-    try:
-        module = importlib.import_module(STORES[store]["hooks"])
-        driver = DRIVERS.get(extra or "")
-        if driver is not None and importlib.util.find_spec(driver) is None:
-            raise ModuleNotFoundError(f"No module named {driver!r}")
-    except ImportError as exc:
-        hint = f" (pip install 'metafora-cluster[{extra}]')" if extra else ""
-        raise ConfigError(
-            f"the {url.scheme} store is not available: {exc}{hint}"
-        ) from exc
-    return cast(_Backend, module)
+    return cast(_Backend, hooks_of(url))
 
 
 def open_coordinator(

@@ -10,7 +10,7 @@
 
 :func:`state_store_for` and :func:`commands_for` give the implementation that lives in the
 same store as a coordinator or client (memory, SQL, etcd): each store package owns it
-(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.connect`'s backend table
+(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.backends`' table
 says which package a coordinator or client belongs to.
 """
 
@@ -233,7 +233,7 @@ class TaskCommands(abc.ABC):
 
 def state_store_for(coordinator_or_client: object) -> StateStore:
     """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
-    store package's own, from :mod:`metafora.connect`'s backend table."""
+    store package's own, from :mod:`metafora.backends`' table."""
     store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store
