@@ -25,12 +25,13 @@ The target (issue 33): flat in held tasks, PostgreSQL at most 50 rows/s per node
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from typing import Any
 
-from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
+from benchmarks.common import RESULTS, Fleet, Stores, WorkerSpec, save, table
 from benchmarks.scale import _etcd_calls
 from benchmarks.storm import fill
 
@@ -89,11 +90,12 @@ def _sql_statements(fleet: Fleet, latest: dict[str, int]) -> int:
     return sum(latest.values())
 
 
-def _held(url: str) -> int:
+def _held(kind: str, url: str) -> int:
+    from benchmarks.storm import _held as held
     from metafora import open_client
 
     with open_client(url) as client:
-        return sum(1 for t in client.tasks(state="claimed"))
+        return held(kind, client)  # etcd: a count-only range (a full read timed out at 100,000)
 
 
 def measure(stores: Stores, kind: str, n: int, settle: float, window: float) -> dict[str, Any]:
@@ -111,7 +113,7 @@ def measure(stores: Stores, kind: str, n: int, settle: float, window: float) -> 
                                    options={}, count_sql=kind == "sqlite"))
         deadline = began + 600
         while time.monotonic() < deadline:
-            if _held(url) >= n:
+            if _held(kind, url) >= n:
                 break
             threading.Event().wait(1.0)
         result["seconds_to_all_held"] = time.monotonic() - began
@@ -148,14 +150,20 @@ def measure(stores: Stores, kind: str, n: int, settle: float, window: float) -> 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """Every size on every store; print the table and save the results."""
     sizes = (1_000, 10_000) if quick else SIZES
+    if os.environ.get("METAFORA_IDLE_SIZES"):
+        sizes = tuple(int(x) for x in os.environ["METAFORA_IDLE_SIZES"].split(","))
     settle = float(os.environ.get("METAFORA_IDLE_SETTLE", "20"))
     window = float(os.environ.get("METAFORA_IDLE_WINDOW", "10" if quick else "30"))
-    results = []
+    results: list[dict[str, Any]] = []
     for kind in stores.kinds:
         for n in sizes:
             r = measure(stores, kind, n, settle, window)
+            r.update(settle_s=settle, window_s=window)
             print(kind, n, r)
             results.append(r)
+            # saved after each cell, merged with the saved cells this run did not measure
+            save("idle_cluster", {"results": merged(results), "settle_s": settle, "window_s": window})
+    results = merged(results)
     table(f"idle cluster: {NODES} nodes at defaults, store work per node per second "
           f"({settle:.0f} s after all held, over {window:.0f} s)",
           ("store", "held tasks", "rows/s", "blocks/s", "xacts/s", "statements/s", "requests/s"),
@@ -164,5 +172,18 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
             r["per_node_per_s"].get("xacts", float("nan")),
             r["per_node_per_s"].get("statements", float("nan")),
             r["per_node_per_s"].get("requests", float("nan"))) for r in results])
-    save("idle_cluster", {"results": results, "settle_s": settle, "window_s": window})
     return {"results": results}
+
+
+def merged(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` with the saved cells of other stores and sizes kept, by store then size."""
+    path = RESULTS / "idle_cluster.json"
+    kept: list[dict[str, Any]] = []
+    try:
+        kept = json.loads(path.read_text()).get("results", [])
+    except (OSError, ValueError):
+        pass
+    fresh = {(r["store"], r["tasks"]) for r in results}
+    rows = [r for r in kept if (r.get("store"), r.get("tasks")) not in fresh] + results
+    order = {"postgresql": 0, "sqlite": 1, "etcd": 2}
+    return sorted(rows, key=lambda r: (order.get(r["store"], 9), r["tasks"]))

@@ -333,16 +333,19 @@ def _peers_balancers(data: dict[str, Any]) -> list[str]:
 @table("idle_cluster", command="python -m benchmarks idle_cluster")
 def _idle_cluster(data: dict[str, Any]) -> list[str]:
     out = [f"{data['results'][0]['nodes']} nodes at the Consumer's defaults holding every task (async"
-           f" handlers); the store's work per node per second over {data['window_s']:.0f} s,"
-           f" {data['settle_s']:.0f} s after all were held.", ""]
+           " handlers); the store's work per node per second over the window, which starts"
+           " `settle` seconds after all were held." + (f" Note: {data['note']}." if data.get("note") else ""),
+           ""]
     out += header("store", "held tasks", "rows read /s", "blocks /s", "transactions /s",
-                  "statements /s", "requests /s", "s to all held")
+                  "statements /s", "requests /s", "s to all held", "settle, window (s)")
     for r in data["results"]:
         per = r["per_node_per_s"]
         nan = float("nan")
         out.append(row(r["store"], f"{r['tasks']:,}", per.get("rows", nan), per.get("blocks", nan),
                        per.get("xacts", nan), per.get("statements", nan), per.get("requests", nan),
-                       r["seconds_to_all_held"]))
+                       r["seconds_to_all_held"],
+                       f"{r.get('settle_s', data['settle_s']):.0f}, "
+                       f"{r.get('window_s', data['window_s']):.0f}"))
     return out
 
 
