@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks.common import Stores, save, table
 from benchmarks.scale import _etcd_calls, _pg_xacts
+from benchmarks.statements import count_sqlite_statements
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
 from metafora.statemachine import Commands, Message, handler_func
 
@@ -80,30 +81,13 @@ def _stateful(marks: _Marks) -> Any:
     return wait
 
 
-def _count_sqlite_statements() -> list[int]:
-    """Count every SQL statement of this process's SQLAlchemy connections (not BEGIN/COMMIT)."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    count = [0]
-    skip = ("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE")
-
-    def traced(sql: str) -> None:
-        if not sql.lstrip().upper().startswith(skip):
-            count[0] += 1
-
-    @event.listens_for(Engine, "connect")
-    def connected(dbapi_conn: Any, record: Any) -> None:
-        dbapi_conn.set_trace_callback(traced)
-
-    return count
 
 
 def node_main(url: str, mode: str, expect: int, events: Any, control: Any) -> None:
     """A consumer holding every task of ``url`` until SIGTERM; answers "count" on ``control``."""
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "ERROR"))
     threading.stack_size(_STACK)
-    statements = _count_sqlite_statements() if url.startswith("sqlite") else [0]
+    statements = count_sqlite_statements() if url.startswith("sqlite") else [0]
     coord = open_coordinator(url, node_id="idle")
     marks = _Marks(expect, events)
     handler: Any = _plain(marks) if mode == "plain" else handler_func(_stateful(marks), coord)

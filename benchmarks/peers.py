@@ -808,7 +808,7 @@ def run_peers(quick: bool, rounds: int, systems: Sequence[str], with_crash: bool
     say("\nSettings: " + "; ".join(f"{labels[s]}: {SETTINGS[s]}" for s in systems))
     if with_crash:
         say("Crash workload: " + "; ".join(f"{labels[s]}: {CRASH_SETTINGS[s]}" for s in systems))
-    save("peers", {
+    save(os.environ.get("METAFORA_PEERS_NAME", "peers"), {
         "quick": quick, "rounds": rounds, "tasks": tasks, "submits": submits, "processes": PROCESSES,
         "concurrency": CONCURRENCY, "load_average_at_start": load,
         "load_average_at_end": os.getloadavg()[0], "versions": found,

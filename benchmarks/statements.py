@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["count_statements"]
+__all__ = ["count_sqlite_statements", "count_statements"]
 
 _WORD = re.compile(r"[A-Za-z_]+")
 
@@ -82,3 +82,22 @@ def count_statements(out: Path) -> Iterator[None]:
         psycopg.Cursor.execute = original  # type: ignore[method-assign]
         sqlite3.connect = sqlite3.dbapi2.connect = connect
         out.write_text(json.dumps(dict(counts)))
+
+
+def count_sqlite_statements() -> list[int]:
+    """Count every SQL statement of this process's SQLAlchemy connections (not BEGIN/COMMIT)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    count = [0]
+    skip = ("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE")
+
+    def traced(sql: str) -> None:
+        if not sql.lstrip().upper().startswith(skip):
+            count[0] += 1
+
+    @event.listens_for(Engine, "connect")
+    def connected(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.set_trace_callback(traced)
+
+    return count

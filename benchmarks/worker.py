@@ -55,9 +55,9 @@ def _handler_func(spec: Any, events: Any) -> Any:
 def _report_sql_statements(node: str, events: Any) -> None:
     """Count this process's SQL statements (not BEGIN/COMMIT/PRAGMA) and report the running
     total on ``events`` every second, as ``("sql", node, count)``."""
-    from benchmarks.idle import _count_sqlite_statements
+    from benchmarks.statements import count_sqlite_statements
 
-    count = _count_sqlite_statements()
+    count = count_sqlite_statements()
 
     def report() -> None:
         while True:

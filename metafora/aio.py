@@ -31,7 +31,6 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from sqlalchemy import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from metafora import bulk
@@ -231,16 +230,7 @@ class ThreadedAsyncClient(AsyncClient):
 
 def _async_engine(db: Database, autocommit: bool) -> AsyncEngine:
     """SQLAlchemy's async engine on psycopg for a PostgreSQL store (as the sync engines)."""
-    kwargs = db.dialect.connect_kwargs()  # type: ignore[attr-defined]
-    url = URL.create(
-        "postgresql+psycopg",
-        username=kwargs.pop("user", None),
-        password=kwargs.pop("password", None),
-        host=kwargs.pop("host"),
-        port=kwargs.pop("port"),
-        database=kwargs.pop("dbname"),
-    )
-    kwargs["options"] = "-c timezone=UTC"
+    url, kwargs = db.dialect.engine_url()  # type: ignore[attr-defined]
     size = db.config.pool_size
     return create_async_engine(
         url, pool_size=size, max_overflow=size, pool_timeout=db.config.connect_timeout,

@@ -183,7 +183,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     store that claims a burst in one statement sets more; etcd's txn limit wants fewer)."""
 
     backend: ClassVar[str] = ""
-    """The store this coordinator belongs to: its key in :mod:`metafora.connect`'s backend table
+    """The store this coordinator belongs to: its key in :mod:`metafora.backends`' table
     (``"memory"``, ``"sql"``, ``"etcd"``): the features find their storage beside it there
     (state machine states, task commands). Empty for a coordinator of no built-in store."""
 

@@ -25,7 +25,6 @@ are GETs) over :data:`MAX_BODY` bytes gets 413 unread; the listen backlog is
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 
 from metafora.cluster_metrics import ClusterSnapshot
 from metafora.errors import ConfigError
+from metafora.hosts import is_loopback
 from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
@@ -62,16 +62,6 @@ MAX_BODY = 1024
 """The largest request body accepted (bytes; the endpoints are GETs): more gets 413 unread."""
 LISTEN_BACKLOG = 1024
 """Connections the kernel queues before they are accepted (capped by ``somaxconn``)."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

@@ -5,7 +5,7 @@
 **fenced** by the partition's claim token, so a zombie owner (paused past its lease, its
 partition claimed elsewhere) cannot commit anything.
 
-``ItemStore(url)`` opens the item store of the store ``url`` names: :mod:`metafora.connect`'s
+``ItemStore(url)`` opens the item store of the store ``url`` names: :mod:`metafora.backends`'
 backend table gives each store its implementation, and each store package owns it (items
 live in SQL, SQLite or PostgreSQL: :mod:`metafora.coordinators.sql.gates`, which documents the
 tables, the fencing and what a crash leaves behind).
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from metafora.connect import implementation, store_of_url
+from metafora.backends import implementation, store_of_url
 from metafora.errors import ConfigError
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo

@@ -16,8 +16,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from metafora.backends import default_url, hooks_of
 from metafora.client import Client
-from metafora.connect import open_client
+from metafora.config import parse_store_url
 from metafora.errors import InvalidTaskState
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (
@@ -110,7 +111,9 @@ def command_message(verb: str, until: datetime | str | None = None) -> Message:
 def _with_client(target: str | Client | None, options: dict[str, Any]) -> tuple[Client, bool]:
     if isinstance(target, Client):
         return target, False
-    return open_client(target, **options), True
+    url = parse_store_url(target or default_url())  # as metafora.open_client does
+    client: Client = hooks_of(url).open_client(url, options)
+    return client, True
 
 
 def send_task_command(target: str | Client | None, task_id: str, message: Message,

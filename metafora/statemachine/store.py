@@ -10,7 +10,7 @@
 
 :func:`state_store_for` and :func:`commands_for` give the implementation that lives in the
 same store as a coordinator or client (memory, SQL, etcd): each store package owns it
-(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.connect`'s backend table
+(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.backends`' table
 says which package a coordinator or client belongs to.
 """
 
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from metafora.backends import implementation, store_of
 from metafora.clock import SYSTEM_CLOCK
-from metafora.connect import implementation, store_of
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
@@ -233,7 +233,7 @@ class TaskCommands(abc.ABC):
 
 def state_store_for(coordinator_or_client: object) -> StateStore:
     """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
-    store package's own, from :mod:`metafora.connect`'s backend table."""
+    store package's own, from :mod:`metafora.backends`' table."""
     store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store

@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from metafora.errors import ConfigError
-from metafora.http import is_loopback
+from metafora.hosts import is_loopback
 from metafora.masking import mask_url
 from metafora.web.security import LISTEN_BACKLOG
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from metafora import backends
 from metafora.connect import (
     DEFAULT_URL,
     ENV_URL,
@@ -95,32 +96,30 @@ def test_keyword_options_reach_the_store_over_the_urls() -> None:
 def test_the_backend_table_names_each_stores_own_implementations() -> None:
     """Every entry of the backend table resolves, inside its own store package, to a class of
     the feature's interface (the table is text: this is its check)."""
-    from metafora import connect
     from metafora.gates import ItemStore
     from metafora.statemachine import StateStore, TaskCommands
 
     interfaces = {"state_store": StateStore, "task_commands": TaskCommands, "item_store": ItemStore}
-    for store, entries in connect._STORES.items():
+    for store, entries in backends.STORES.items():
         for feature, interface in interfaces.items():
-            kind = connect.implementation(store, feature)
+            kind = backends.implementation(store, feature)
             if kind is None:
                 continue
             assert issubclass(kind, interface), (store, feature)
             assert kind.__module__.startswith(entries["hooks"] + "."), (store, feature)
-    assert connect.implementation("sql", "item_store") is not None
-    assert connect.implementation("etcd", "item_store") is None
+    assert backends.implementation("sql", "item_store") is not None
+    assert backends.implementation("etcd", "item_store") is None
 
 
 def test_a_coordinator_says_which_store_it_belongs_to() -> None:
-    from metafora import connect
 
     coord = open_coordinator("memory://connect-backend", node_id="n1")
     client = open_client("memory://connect-backend")
     try:
-        assert connect.store_of(coord) == connect.store_of(client) == "memory"
-        assert connect.store_of_url("sqlite:///x.db")[1] == "sql"
+        assert backends.store_of(coord) == backends.store_of(client) == "memory"
+        assert backends.store_of_url("sqlite:///x.db")[1] == "sql"
         with pytest.raises(ConfigError, match="belongs to no built-in store"):
-            connect.store_of(object())
+            backends.store_of(object())
     finally:
         coord.close()
         client.close()

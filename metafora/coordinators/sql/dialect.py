@@ -202,7 +202,9 @@ class PostgresDialect(Dialect):
             kwargs["sslmode"] = cfg.sslmode
         return kwargs
 
-    def create_engine(self, autocommit: bool = False) -> Engine:
+    def engine_url(self) -> tuple[URL, dict[str, Any]]:
+        """The SQLAlchemy URL (psycopg, sync or async) and the connect arguments left over,
+        with the session in UTC."""
         kwargs = self.connect_kwargs()
         url = URL.create(
             "postgresql+psycopg",
@@ -213,6 +215,10 @@ class PostgresDialect(Dialect):
             database=kwargs.pop("dbname"),
         )
         kwargs["options"] = "-c timezone=UTC"
+        return url, kwargs
+
+    def create_engine(self, autocommit: bool = False) -> Engine:
+        url, kwargs = self.engine_url()
         if autocommit:
             # The hot statements are prepared (see store.HotCursor) and planned once for any
             # namespace. A plan for the namespace's value trusts statistics taken before its

@@ -11,11 +11,12 @@ clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. T
   says they may differ: the pokes changed, a PostgreSQL ``n<node>`` notification came, a
   claim or outcome failed without a clear answer (it may have committed), or the store came
   back. A mismatch triggers a reconcile that reports vanished claims as lost and releases
-  claims nobody here tracks. Between renewals the pokes are looked at every ``poll_interval``
-  on SQLite (which has no notifications) and every ``command_recheck`` on PostgreSQL: one
-  row, whatever the number of claims. So an idle node's store traffic never grows with what
-  it holds (guarantee 7). Claims taken over by another node need no check: that takes an
-  expired lease, and then the renewal finds the registration gone and the node fences.
+  claims nobody here tracks. Between renewals, while it holds claims, a node looks at its
+  pokes every ``poll_interval`` on SQLite (which has no notifications) and every
+  ``command_recheck`` on PostgreSQL: one row, whatever the number of claims. So an idle
+  node's store traffic never grows with what it holds (guarantee 7). Claims taken over by
+  another node need no check: that takes an expired lease, and then the renewal finds the
+  registration gone and the node fences.
 - **watchdog** self-fences: when ``2/3 * lease_ttl`` (lease_ttl minus a margin of a third)
   has passed on this host's monotonic clock since the START of the last successful renewal,
   it calls ``ctx.lost`` for every held claim. The store keeps the lease for ``lease_ttl``
@@ -359,7 +360,8 @@ class Lease:
                 elif now >= next_check:
                     renewing = False
                     next_check = now + self._check_every
-                    self._look()
+                    if self._snapshot()[1][0]:  # pokes concern held claims only
+                        self._look()
                 if retry:
                     log.info("lease of node %s on %s works again", self._node_id, self._db.name,
                              extra=self._extra)

@@ -53,8 +53,8 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import exc as sa_exc
 
+from metafora.backends import default_url
 from metafora.config import parse_store_url
-from metafora.connect import default_url
 from metafora.coordinators.sql.gates.lease import SQLPartitionLease
 from metafora.coordinators.sql.gates.schema import (
     GATES_SCHEMA_VERSION,
