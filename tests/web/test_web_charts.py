@@ -149,10 +149,12 @@ def test_charts_render_in_a_browser(busy: str, serve: Any, page: Any) -> None:
     # the bars are drawn by the stylesheet's fill (no inline style), so they are not black
     fill = page.locator("#chart-throughput rect.bar.done").evaluate("e => getComputedStyle(e).fill")
     assert fill not in ("rgb(0, 0, 0)", "none"), fill
-    # Measured in the page in one step: the live refresh swaps the charts in every few seconds,
-    # and a bounding_box() that resolved the old svg just as it was swapped out returned None.
-    width, height = page.locator("svg#chart-nodes").evaluate(
-        "e => { const r = e.getBoundingClientRect(); return [r.width, r.height]; }")
+    # Measured in the page in one step, on the svg in the document at that moment: the live
+    # refresh swaps the charts in every few seconds, and an element the locator resolved just
+    # before it was swapped out measured (0, 0) (detached) or bounding_box() returned None.
+    width, height = page.evaluate(
+        "() => { const r = document.querySelector('svg#chart-nodes').getBoundingClientRect();"
+        " return [r.width, r.height]; }")
     assert width > 100 and height > 10, (width, height)
     assert dialogs == []  # the hostile id's onerror=alert(1) never ran
 
