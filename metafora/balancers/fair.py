@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 _REFUSED_KEEP = timedelta(seconds=60)  # how long a first refusal is remembered past its ignore
 _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
 DEFAULT_FAIR_THRESHOLD = 1.1  # above 110 % of its share a node gives back (the band's edge)
-DEFAULT_WARMUP = 5.0  # the longest a cold start waits for its peers to register (seconds)
-DEFAULT_SETTLE = 1.5  # a cold start ends once the membership it sees held still this long
+DEFAULT_WARMUP = 10.0  # the longest a cold start waits for its peers to register (seconds)
+DEFAULT_SETTLE = 3.0  # a cold start ends once the membership it sees held still this long
 DEFAULT_WARMUP_BACKLOG = 100  # a cold start with fewer claimable tasks does not wait
 # While it waits, a cold node may hold up to this fraction of the backlog (at least one task):
 # no node of a cluster up to this many nodes holds more than its share, and short tasks --
