@@ -129,7 +129,8 @@ class BalancerContext:
     count_source: Callable[[], int] | None = field(default=None, repr=False)
     claimable_source: Callable[[], int] | None = field(default=None, repr=False)
     run_times: RunTimes | None = field(default=None, repr=False)
-    """The durations of this node's recent runs (None: the consumer does not say)."""
+    """The durations of this node's recent runs that ended on their own (None: the consumer
+    does not say), for a balancer that tells short tasks from long ones."""
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""

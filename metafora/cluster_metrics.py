@@ -62,7 +62,8 @@ def read_cluster(store: Coordinator | Client) -> ClusterSnapshot:
     """The cluster's view, through the balancer's reads (see the module docstring)."""
     # The counts the nodes published (a node's count is up to a second late), read with the
     # claimable count; never a count of the claims themselves, which grows with the tasks.
-    held = store.active_task_count()
+    published = getattr(store, "published_task_count", None)  # SQL: one row per node
+    held = published() if published is not None else store.active_task_count()
     pending = store.claimable_count()
     if pending is None:
         pending = store.pending_count()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import statistics
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,26 +29,15 @@ from metafora.errors import ConfigError
 from metafora.node import capacity_or_none
 from metafora.task import Task, matches
 
-__all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_SETTLE", "DEFAULT_SHORT_RUN", "DEFAULT_WARMUP",
-           "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]
+__all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]
 
 logger = logging.getLogger(__name__)
 
 _REFUSED_KEEP = timedelta(seconds=60)  # how long a first refusal is remembered past its ignore
 _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
 DEFAULT_FAIR_THRESHOLD = 1.1  # above 110 % of its share a node gives back (the band's edge)
-DEFAULT_WARMUP = 10.0  # the longest a cold start waits for its peers to register (seconds)
-DEFAULT_SETTLE = 3.0  # a cold start ends once the membership it sees held still this long
+DEFAULT_WARMUP = 3.0  # seconds a node waits for its peers to register on a cold start
 DEFAULT_WARMUP_BACKLOG = 100  # a cold start with fewer claimable tasks does not wait
-# While it waits, a cold node may hold up to this fraction of the backlog (at least one task):
-# no node of a cluster up to this many nodes holds more than its share, and short tasks --
-# which end before a node holds that many -- never wait at all.
-WARMUP_SPREAD = 100
-DEFAULT_SHORT_RUN = 1.0  # runs this short (median) are short tasks: completion evens the cluster
-_SHORT_RUNS_MIN = 8  # runs that must have ended within _SHORT_WINDOW to judge them short
-_SHORT_WINDOW = 10.0  # seconds of ended runs the judgement looks at
-_SHORT_LONG = 10.0  # a held task running this many times short_run makes the work long
-_SHORT_TTL = 0.25  # seconds a judgement is kept (it is asked on every offer)
 MAX_REFUSALS = 5  # refuse_for periods an offer may wait for a lighter node before it is taken
 _SelectorKey = tuple[tuple[str, str], ...]
 
@@ -78,17 +66,6 @@ class _Pool:
                     need += max(0, math.floor(peer.exact + EPS) - held)
             self._needs[key] = need
         return need
-
-
-@dataclass
-class _Warmup:
-    """A cold start in progress: when it began, the backlog then, the membership seen."""
-
-    began: float  # monotonic
-    cold: bool | None = None  # decided at the first look (None: not looked yet)
-    limit: int = 1  # tasks this node may hold while it waits
-    members: frozenset[str] = frozenset()
-    changed: float = 0.0  # monotonic time the membership last changed
 
 
 @dataclass
@@ -179,22 +156,12 @@ class FairBalancer(ContextBalancer):
     claims it rather than leave it waiting. A node alone among the task's peers never
     refuses.
 
-    **Cold start** (``settle``, ``warmup``, ``warmup_backlog``): when nobody holds anything and
-    at least ``warmup_backlog`` tasks are claimable, a node waits for the nodes started with
-    it to register, so each claims only its share: the whole cluster started together claims
-    each task once (Kafka delays a new group's first rebalance the same way; Metafora slept
-    after each claim). The wait ends once the membership it sees has not changed for
-    ``settle`` seconds (``warmup`` at most), and it is not a pause: meanwhile the node may
-    hold up to a hundredth of the backlog (at least one task), which is below its share in
-    any cluster of up to 100 nodes -- short tasks end before a node holds that many, so they
-    never wait. A node joining a running cluster, or a small backlog, does not wait at all.
-
-    **Short tasks** (``short_run``): when the runs that ended on this node lately took less
-    than ``short_run`` seconds (the median of at least eight in the last ten seconds) and it
-    holds no task that has run ten times longer, completion evens the cluster faster than
-    any move: the node claims every offer (no share check, no refusal, no store read) and
-    releases nothing. Long or mixed work is balanced as below; the judgement follows the
-    work as it changes, with no setting to choose.
+    **Cold start** (``warmup``, ``warmup_backlog``): when nobody holds anything and at least
+    ``warmup_backlog`` tasks are claimable, a node that started less than ``warmup`` seconds
+    ago claims nothing yet, so the nodes started with it register and each claims only its
+    share: the whole cluster started together claims each task once (Kafka delays a new
+    group's first rebalance the same way; Metafora slept after each claim). A node joining a
+    running cluster, or a small backlog, does not wait.
 
     **Releasing** (:meth:`balance`, see :func:`~metafora.balancers.shares.release_plan`): a
     node above ``threshold`` times its exact share gives back down to
@@ -236,8 +203,6 @@ class FairBalancer(ContextBalancer):
         both_sides: bool = True,
         warmup: float | timedelta = DEFAULT_WARMUP,
         warmup_backlog: int = DEFAULT_WARMUP_BACKLOG,
-        settle: float | timedelta = DEFAULT_SETTLE,
-        short_run: float | timedelta = DEFAULT_SHORT_RUN,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -251,10 +216,7 @@ class FairBalancer(ContextBalancer):
         self._both_sides = bool(both_sides)
         self._warmup = seconds(warmup, "warmup", allow_zero=True)
         self._warmup_backlog = _count(warmup_backlog, "FairBalancer warmup_backlog", minimum=0)
-        self._settle = seconds(settle, "settle", allow_zero=True)
-        self._short_run = seconds(short_run, "short_run", allow_zero=True)
-        self._warm: _Warmup | None = None  # a cold start in progress
-        self._short: tuple[float, bool] = (-math.inf, False)  # (judged at, short tasks)
+        self._warm_until: float | None = None  # monotonic end of the cold-start wait
         self._claim_delay = timedelta(seconds=seconds(claim_delay, "claim_delay", allow_zero=True))
         self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for", allow_zero=True))
         self._counts_ttl = seconds(counts_ttl, "counts_ttl", allow_zero=True)
@@ -297,8 +259,7 @@ class FairBalancer(ContextBalancer):
         super().init(ctx)
         _, clock = self._context("init")
         with self._lock:
-            self._warm = _Warmup(clock.monotonic()) if self._warmup > 0 else None
-            self._short = (-math.inf, False)
+            self._warm_until = clock.monotonic() + self._warmup if self._warmup > 0 else None
             self._refuse_until = None
             self._joined = False
             self._refused.clear()
@@ -349,8 +310,6 @@ class FairBalancer(ContextBalancer):
         """Claim unless warming up, just released, or above the share while a lighter node
         may take the task (see the class docstring)."""
         ctx, clock = self._context("can_claim")
-        if self._short_tasks(ctx, clock):
-            return True, None  # completion evens the cluster (see the class docstring)
         snap = self._snapshot(ctx, clock, fresh=False, selector=task.selector)
         now = clock.now()
         wait, ended = self._warming(ctx, clock, snap)
@@ -398,8 +357,6 @@ class FairBalancer(ContextBalancer):
     def balance(self) -> list[str]:
         """Ids of randomly chosen tasks to release (see the class docstring)."""
         ctx, clock = self._context("balance")
-        if self._short_tasks(ctx, clock):
-            return []  # short tasks: completion evens the cluster, a move only costs
         now = clock.now()
         with self._lock:
             joined, self._joined = self._joined, False
@@ -453,8 +410,6 @@ class FairBalancer(ContextBalancer):
         with self._lock:
             self._snap = None
             self._joined = self._joined or not left
-            if self._warm is not None and self._clock is not None:
-                self._warm.changed = self._clock.monotonic()  # not settled yet
             if left:
                 if self._refuse_until is not None:
                     logger.debug("a node left: no longer refusing claims after the last release")
@@ -466,55 +421,26 @@ class FairBalancer(ContextBalancer):
 
     def _warming(self, ctx: BalancerContext, clock: Clock,
                  snap: _Snapshot) -> tuple[float | None, bool]:
-        """(seconds left of the cold-start wait when this node may not claim more now, or
-        None; whether the wait just ended).
+        """(seconds left of the cold-start wait or None, whether the wait just ended).
 
-        A cold start -- nobody holds anything and at least ``warmup_backlog`` tasks are
-        claimable at the node's first look -- lasts until the membership it sees has held
-        still for ``settle`` seconds (``warmup`` at most); meanwhile the node holds at most a
-        hundredth of that backlog. A node that finds work already held (it joins a running
-        cluster) or a small backlog does not wait.
+        On a cold start -- nobody holds anything and at least ``warmup_backlog`` tasks are
+        claimable -- a node claims nothing for ``warmup`` seconds after it started, so the
+        nodes starting with it register first and every node claims only its share (Kafka
+        delays a new group's first rebalance the same way). A node that finds work already
+        held (it joins a running cluster) or a small backlog does not wait.
         """
-        mono = clock.monotonic()
         with self._lock:
-            warm = self._warm
-            if warm is None:
-                return None, False
-            if warm.cold is None:
-                claimable = snap.claimable if snap.claimable is not None else ctx.claimable_count()
-                backlog = max(0, claimable or 0)
-                warm.cold = (self._warmup_backlog > 0 and backlog >= self._warmup_backlog
-                             and not any(snap.counts.values()))
-                warm.limit = max(1, backlog // WARMUP_SPREAD)
-                warm.members, warm.changed = frozenset(snap.counts), mono
-            elif frozenset(snap.counts) != warm.members:
-                warm.members, warm.changed = frozenset(snap.counts), mono
-            end = min(warm.began + self._warmup, max(warm.began, warm.changed) + self._settle)
-            if not warm.cold or mono >= end:
-                self._warm = None
-                return None, bool(warm.cold)
-        if ctx.task_count() < warm.limit:
+            end = self._warm_until
+        if end is None:
             return None, False
-        return end - mono, False
-
-    def _short_tasks(self, ctx: BalancerContext, clock: Clock) -> bool:
-        """Whether this node runs short tasks now (see the class docstring); judged from the
-        runs that ended lately and the oldest task it holds, kept a quarter second."""
         mono = clock.monotonic()
+        claimable = snap.claimable if snap.claimable is not None else ctx.claimable_count()
+        cold = not any(snap.counts.values()) and (claimable or 0) >= self._warmup_backlog
+        if mono < end and cold and self._warmup_backlog > 0:
+            return end - mono, False
         with self._lock:
-            at, short = self._short
-            if mono - at < _SHORT_TTL:
-                return short
-        short = False
-        runs = ctx.run_times.since(mono - _SHORT_WINDOW) if ctx.run_times is not None else []
-        if self._short_run > 0 and len(runs) >= _SHORT_RUNS_MIN and \
-                statistics.median(runs) < self._short_run:
-            oldest = ctx.tasks()[:1] if ctx.task_count() else []
-            ran = (clock.now() - oldest[0].started).total_seconds() if oldest else 0.0
-            short = ran < _SHORT_LONG * self._short_run
-        with self._lock:
-            self._short = (mono, short)
-        return short
+            self._warm_until = None
+        return None, mono >= end
 
     def _work(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool, held: int) -> int | None:
         """The work this node and its peers share: what they hold plus what is claimable.

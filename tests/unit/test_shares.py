@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metafora.balancer import BalancerContext, ClusterState, RunningTask, RunTimes
+from metafora.balancer import BalancerContext, ClusterState, RunningTask
 from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
@@ -315,12 +315,11 @@ def held_tasks(n: int, started: datetime = CLOCK_START, prefix: str = "t") -> li
 
 
 def fair(cluster: Cluster, tasks: list[RunningTask], claimable: int | None = None,
-         clock: FakeClock | None = None, run_times: RunTimes | None = None,
-         **kw: object) -> FairBalancer:
+         clock: FakeClock | None = None, **kw: object) -> FairBalancer:
     balancer = FairBalancer(rng=random.Random(7), **kw)  # type: ignore[arg-type]
     source = None if claimable is None else (lambda: claimable)
     balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock or FakeClock(),
-                                  claimable_source=source, run_times=run_times))
+                                  claimable_source=source))
     return balancer
 
 
@@ -485,95 +484,20 @@ def test_fair_share_from_the_stores_counts_does_not_grow_with_this_nodes_claims(
     assert balancer.can_claim(Task("tenth")) == (True, None)
 
 
-def test_fair_cold_start_holds_a_hundredth_of_the_backlog_until_the_membership_settles() -> None:
+def test_fair_cold_start_waits_for_peers_then_claims_its_share() -> None:
     clock = FakeClock()
     cluster = Cluster({ME: 0})
     cluster.claimable = 500
     tasks: list[RunningTask] = []
-    balancer = fair(cluster, tasks, clock=clock, warmup=5.0, settle=1.5)
-    for i in range(5):  # a hundredth of the backlog at once (short tasks end before that)
-        assert balancer.can_claim(Task(f"t{i}")) == (True, None)
-        tasks.append(RunningTask(Task(f"t{i}"), clock.now()))
-    ok, until = balancer.can_claim(Task("t5"))
-    assert ok is False and until == clock.now() + timedelta(seconds=1.5)
+    balancer = fair(cluster, tasks, clock=clock, warmup=3.0)
+    ok, until = balancer.can_claim(Task("t0"))
+    assert ok is False and until == clock.now() + timedelta(seconds=3)
     clock.advance(1.0)
     cluster.counts.update({"b": 0, "c": 0, "d": 0, "e": 0})  # the others register meanwhile
-    ok, until = balancer.can_claim(Task("t5"))
-    assert ok is False and until == clock.now() + timedelta(seconds=1.5)  # not settled yet
-    clock.advance(1.5)
-    assert balancer.can_claim(Task("t5")) == (True, None)  # settled: five nodes counted
+    assert balancer.can_claim(Task("t0"))[0] is False
+    clock.advance(2.0)
+    assert balancer.can_claim(Task("t0")) == (True, None)  # the wait is over, five counted
     assert balancer.share() == 100
-
-
-def test_fair_cold_start_ends_after_warmup_even_while_nodes_keep_joining() -> None:
-    clock = FakeClock()
-    cluster = Cluster({ME: 0})
-    cluster.claimable = 100
-    tasks = held_tasks(1, clock.now())
-    balancer = fair(cluster, tasks, clock=clock, warmup=3.0, settle=1.5, counts_ttl=0)
-    assert balancer.can_claim(Task("x"))[0] is False  # holds its one task of the hundred
-    for i in range(5):  # a node joins every 0.6 s: never settled
-        clock.advance(0.6)
-        cluster.counts[f"n{i}"] = 0
-        assert balancer.can_claim(Task("x"))[0] is (i == 4)  # 3.0 s: warmup is the longest
-
-
-def test_fair_nodes_changed_restarts_the_settling() -> None:
-    clock = FakeClock()
-    cluster = Cluster({ME: 0, "b": 0})
-    cluster.claimable = 200
-    balancer = fair(cluster, held_tasks(2, clock.now()), clock=clock, settle=1.0)
-    assert balancer.can_claim(Task("x"))[0] is False
-    clock.advance(0.9)
-    balancer.nodes_changed(left=False)  # a join pushed by the store
-    clock.advance(0.5)
-    ok, until = balancer.can_claim(Task("x"))
-    assert ok is False and until == clock.now() + timedelta(seconds=0.5)
-
-
-def _short_runs(clock: FakeClock, n: int = 8, secs: float = 0.01) -> RunTimes:
-    runs = RunTimes()
-    for _ in range(n):
-        runs.record(secs, clock.monotonic())
-    return runs
-
-
-def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
-    clock = FakeClock()
-    cluster = Cluster({"b": 0})
-    cluster.claimable = 10_000
-    tasks = held_tasks(50, clock.now())  # 50 | 0: a long-task node would give 25 back
-    balancer = fair(cluster, tasks, clock=clock, run_times=_short_runs(clock))
-    assert all(balancer.can_claim(Task(f"t{i}")) == (True, None) for i in range(100))
-    assert balancer.balance() == []
-    assert cluster.reads == {"counts": 0, "weights": 0, "frozen": 0}  # no store read at all
-
-
-def test_fair_is_not_in_short_mode_with_few_runs_long_runs_or_a_long_held_task() -> None:
-    clock = FakeClock()
-    cluster = Cluster({"b": 0})
-    started = clock.now() - timedelta(seconds=2)  # past min_age: releasable
-    few = fair(cluster, held_tasks(50, started), clock=clock, run_times=_short_runs(clock, n=7))
-    assert len(few.balance()) == 25
-    long_runs = fair(cluster, held_tasks(50, started), clock=clock,
-                     run_times=_short_runs(clock, secs=2.0))
-    assert len(long_runs.balance()) == 25
-    clock2 = FakeClock()
-    old = held_tasks(50, clock2.now())
-    clock2.advance(20.0)  # the held tasks ran 20 s: mixed work, balanced as long
-    runs = _short_runs(clock2)
-    mixed = fair(Cluster({"b": 0}), old, clock=clock2, run_times=runs)
-    assert len(mixed.balance()) == 25
-
-
-def test_fair_short_mode_ends_when_runs_stop_ending() -> None:
-    clock = FakeClock()
-    runs = _short_runs(clock)
-    started = clock.now() - timedelta(seconds=2)
-    balancer = fair(Cluster({"b": 0}), held_tasks(50, started), clock=clock, run_times=runs)
-    assert balancer.balance() == []
-    clock.advance(11.0)  # nothing ended for longer than the window
-    assert len(balancer.balance()) == 25
 
 
 def test_fair_cold_start_does_not_wait_for_a_small_backlog_or_a_running_cluster() -> None:
@@ -609,8 +533,7 @@ def test_fair_refusal_waits_longer_while_a_lighter_peer_has_room_but_not_forever
 
 
 @pytest.mark.parametrize(("name", "bad"), [("warmup", -1), ("warmup", "3"),
-                                           ("warmup_backlog", -1), ("warmup_backlog", 1.5),
-                                           ("settle", -1), ("short_run", "1s")])
+                                           ("warmup_backlog", -1), ("warmup_backlog", 1.5)])
 def test_fair_rejects_bad_warmup_settings(name: str, bad: object) -> None:
     with pytest.raises(ConfigError, match=name):
         FairBalancer(**{name: bad})  # type: ignore[arg-type]

@@ -404,6 +404,12 @@ class SQLCoordinator(SQLRetention, Coordinator):
         self._check_open()
         return self._nodes.counts("active_counts")
 
+    def published_task_count(self) -> dict[str, int]:
+        """The counts the active nodes published with their renewals (one row per node, a
+        moment late; the cluster's view on ``/metrics``), with the claimable count."""
+        self._check_open()
+        return self._nodes.counts("published_counts")
+
     def claimable_count(self) -> int | None:
         """Tasks claimable at the last :meth:`active_task_count` (read with the counts, within
         a second; None otherwise)."""

@@ -61,9 +61,11 @@ class NodeReads:
         self._db.ensure_schema()
         claimable = None
         with self._db.read() as conn:
-            nodes = [r for r in self._db.execute(conn, statement, {}).fetchall()
-                     if r[0] is not None]
-            if statement == "active_counts":
+            rows = list(self._db.execute(conn, statement, {}).fetchall())
+            nodes = [r for r in rows if r[0] is not None]
+            # active_counts: its NULL-id row counts the claimable tasks
+            claimable = next((int(r[1]) for r in rows if r[0] is None), None)
+            if statement == "published_counts":
                 cap = claimable_cap(sum(max(0, int(r[1] or 0)) for r in nodes))
                 claimable = int(self._db.execute(conn, "claimable_capped", {"cap": cap}).scalar()
                                 or 0)

@@ -424,11 +424,23 @@ _SQL: dict[str, str] = {
         " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
         " FROM metafora_nodes n WHERE n.namespace = :ns AND n.lease_until > {now}"
     ),
-    # The balancers' periodic read: the counts the active nodes published (one row per node,
+    # The cluster's view on /metrics: the counts the active nodes published (one row per node,
     # no read of the tasks), then how many tasks are claimable, counted up to :cap rows.
-    "active_counts": (
+    "published_counts": (
         "SELECT n.node_id, n.task_count, n.weight, n.frozen, n.capacity FROM metafora_nodes n"
         " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
+    ),
+    # The balancers' read: the active nodes' counts from the claims themselves and, in a row
+    # with a NULL node id, how many tasks are claimable, as of one snapshot (their sum is the
+    # cluster's work, which no claim changes: counts published a moment late broke that sum,
+    # and a join moved half a share too many).
+    "active_counts": (
+        "SELECT n.node_id, (SELECT count(*) FROM metafora_tasks t WHERE t.namespace = :ns"
+        " AND t.owner = n.node_id AND t.state = 'claimed'), n.weight, n.frozen, n.capacity"
+        " FROM metafora_nodes n"
+        " WHERE n.namespace = :ns AND n.lease_until > {now} AND n.leaving IS NOT TRUE"
+        " UNION ALL SELECT NULL, count(*), NULL, NULL, NULL FROM metafora_tasks WHERE namespace = :ns"
+        " AND " + _CLAIMABLE_PENDING
     ),
     "claimable_capped": (
         "SELECT CASE WHEN (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns"
