@@ -303,33 +303,6 @@ def _peers(data: dict[str, Any]) -> list[str]:
     return markdown(summary, data["labels"], data["rounds"], data["tasks"], data["submits"]).splitlines()
 
 
-@table("peers_balancers", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput "
-                                  "METAFORA_PEERS_NAME=peers_balancers python -m benchmarks peers "
-                                  "--rounds 3 --systems metafora-postgresql,metafora-postgresql-dumb,"
-                                  "metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
-def _peers_balancers(data: dict[str, Any]) -> list[str]:
-    summary = data["summary"]
-    labels = data["labels"]
-
-    def median(system: str) -> float:
-        return float(summary[system]["tasks_per_s"]["median"]) if system in summary else float("nan")
-
-    out = [f"{data['tasks']:,} short tasks (async no-op), {data['processes']} worker processes, "
-           f"max_tasks {data['concurrency']}; medians of {data['rounds']} interleaved rounds "
-           "(low-high).", ""]
-    out += header("system", "tasks/s", "low", "high")
-    for system, figures in summary.items():
-        t = figures["tasks_per_s"]
-        out.append(row(labels.get(system, system), t["median"], t["low"], t["high"]))
-    out += ["", *header("ratio (medians)", "value", "target")]
-    for store in ("postgresql", "sqlite"):
-        default, dumb = median(f"metafora-{store}"), median(f"metafora-{store}-dumb")
-        out.append(row(f"metafora, {store}: default ÷ DumbBalancer", f"{default / dumb:.2f}x", ">= 0.95x"))
-        out.append(row(f"metafora, {store}: default ÷ pgqueuer", f"{default / median('pgqueuer'):.2f}x",
-                       ">= 1.5x"))
-    return out
-
-
 @table("idle_cluster", command="python -m benchmarks idle_cluster")
 def _idle_cluster(data: dict[str, Any]) -> list[str]:
     out = [f"{data['results'][0]['nodes']} nodes at the Consumer's defaults holding every task (async"
