@@ -144,12 +144,13 @@ class _BoundedServer(ThreadingHTTPServer):
                  deadline: float = REQUEST_TIMEOUT, max_clients: int = MAX_CLIENTS) -> None:
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
-        super().__init__(addr, handler)
+        # Set before the bind: a port in use makes TCPServer call server_close(), which uses them.
         self._deadline = deadline
         self._slots = threading.BoundedSemaphore(max_clients)
         self._lock = threading.Lock()
         self._open: dict[socket.socket, float] = {}
         self._closing = threading.Event()
+        super().__init__(addr, handler)
         self._reaper = threading.Thread(target=self._reap, name="metafora-http-reaper", daemon=True)
         self._reaper.start()
 
