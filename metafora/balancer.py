@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import abc
-import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -12,7 +10,7 @@ from datetime import datetime
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.task import Task
 
-__all__ = ["Balancer", "BalancerContext", "ClusterState", "RunTimes", "RunningTask"]
+__all__ = ["Balancer", "BalancerContext", "ClusterState", "RunningTask"]
 
 
 @dataclass(frozen=True)
@@ -27,28 +25,6 @@ class RunningTask:
     def id(self) -> str:
         """The task id."""
         return self.task.id
-
-
-class RunTimes:
-    """How long this node's last runs took, recorded as they end (thread-safe, bounded).
-
-    The consumer records every handler that returned; a balancer reads what ended recently
-    to tell short tasks (completion evens the cluster) from long ones (moves are costly).
-    """
-
-    def __init__(self, keep: int = 64) -> None:
-        self._lock = threading.Lock()
-        self._runs: deque[tuple[float, float]] = deque(maxlen=keep)  # (ended, seconds)
-
-    def record(self, seconds: float, ended: float) -> None:
-        """A run of ``seconds`` ended at monotonic time ``ended``."""
-        with self._lock:
-            self._runs.append((ended, max(0.0, seconds)))
-
-    def since(self, start: float) -> list[float]:
-        """The durations of the kept runs that ended at or after monotonic ``start``."""
-        with self._lock:
-            return [secs for ended, secs in self._runs if ended >= start]
 
 
 class ClusterState(abc.ABC):
@@ -128,9 +104,6 @@ class BalancerContext:
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
     count_source: Callable[[], int] | None = field(default=None, repr=False)
     claimable_source: Callable[[], int] | None = field(default=None, repr=False)
-    run_times: RunTimes | None = field(default=None, repr=False)
-    """The durations of this node's recent runs that ended on their own (None: the consumer
-    does not say), for a balancer that tells short tasks from long ones."""
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""

@@ -346,8 +346,7 @@ class Consumer:
         try:
             self._start_http()
             self._balancer.init(
-                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count,
-                                run_times=self._finisher.run_times)
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
             )
             self._supervisor.start("outcomes", self._finisher.writer.run)
             self._supervisor.start("watch", self._watch)

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable, MutableMapping
 
 from metafora import tracing
-from metafora.balancer import RunTimes
 from metafora.clock import Clock
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Finished, Signal
@@ -66,8 +65,6 @@ class Finisher:
         self._post = post
         self._stats = stats
         self._log = log
-        self._clock = clock
-        self.run_times = RunTimes()  # what the balancer reads to tell short tasks from long
         self._finishing: set[Running] = set()  # returned, outcome not written yet
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
         # Handlers' outcomes are group-committed by one writer thread.
@@ -93,11 +90,6 @@ class Finisher:
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
-        if entry.stopped is None and not entry.lost and not entry.abandoned:
-            # Only runs that ended on their own: one this node stopped (a move, a shutdown)
-            # says nothing of how long its tasks run, and moves must not look like short tasks.
-            self.run_times.record((self._clock.now() - entry.started).total_seconds(),
-                                  self._clock.monotonic())
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]

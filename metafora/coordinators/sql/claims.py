@@ -303,8 +303,6 @@ class ClaimOutcomes:
 
     def _fenced(self, name: str, task: Task, params: dict[str, Any]) -> None:
         self._check_open()
-        if name == "release":
-            self._lease.publish_before_release(1)
         params.update(id=task.id, node=self._node_id, token=task.token)
         self._lease.begin_finish(task.id)
         settled = False
@@ -346,9 +344,6 @@ class ClaimOutcomes:
         if not first:
             return results
         unique = [finishes[i] for i in first.values()]
-        releasing = sum(1 for f in unique if f.outcome is Outcome.RELEASE)
-        if releasing:
-            self._lease.publish_before_release(releasing)
         written: set[tuple[str, int]] = set()
         for finish in unique:
             self._lease.begin_finish(finish.task.id)

@@ -427,28 +427,6 @@ class Lease:
                 self._check_at = time.monotonic()
                 self._wake.set()
 
-    def publish_before_release(self, leaving: int) -> None:
-        """Publish the count of claims as it will be once ``leaving`` of them are released,
-        before they are: a balancer reads the published counts and the claimable rows apart,
-        and a released task counted both as held (a count published late) and as claimable
-        would make a peer's share too big -- it would claim past it, and the tasks would move
-        again. Published lower first, the sum is too small for a moment instead, which costs
-        at most a refusal. Best effort (a failure is left to the next publish)."""
-        with self._lock:
-            count, session = max(0, len(self._held) - leaving), self._session
-            if session is None or count == self._published:
-                return
-        try:
-            with self._db.write() as conn:
-                self._db.execute(conn, "publish_count", {"node": self._node_id,
-                                                         "session": session, "count": count})
-        except MetaforaError as exc:
-            log.debug("could not publish the count before a release: %s", exc, extra=self._extra)
-            return
-        with self._lock:
-            self._published = count
-            self._count_changed()  # the true count once the release is done
-
     def _publish(self) -> None:
         """Publish the node's count of claims if it changed since it was last published."""
         with self._lock:
