@@ -57,6 +57,7 @@ __all__ = [
     "PRUNE_INTERVAL",
     "UNCHANGED",
     "Cutoffs",
+    "PruneAlso",
     "Pruner",
     "Retention",
     "RetentionOps",
@@ -72,6 +73,9 @@ PRUNE_BATCH: Final = 1000
 """Most tasks one prune statement (SQL) or one round of txns (etcd) deletes."""
 PRUNE_INTERVAL: Final = 60.0
 """Seconds between two prune runs of a namespace (whichever node wins the turn)."""
+
+PruneAlso = Callable[[list[str]], object]
+"""A function :meth:`RetentionOps.prune_also` registers: given the ids of pruned tasks."""
 
 KILLED_MARKS: Final = ('"state":"killed"', '"state": "killed"')
 """How a stored state-machine state says ``killed`` in its JSON text (canonical, spaced)."""
@@ -223,6 +227,26 @@ class RetentionOps:
         self._retention_put(policy)
         log.info("retention set: %s", policy.describe(), extra={"action": "retention"})
         return policy
+
+    def prune_also(self, delete: PruneAlso) -> None:
+        """Also delete what is keyed by a pruned task outside this store: ``delete(ids)`` is
+        called with the ids of every batch of tasks a prune (or purge) of this object deleted,
+        after they were deleted. :func:`metafora.gates.handler_func` registers its item
+        store's :meth:`~metafora.gates.ItemStore.delete_partitions` when the items live in
+        another database than the tasks (an etcd coordinator's gate items live in SQL).
+
+        On etcd the batch's ids are recorded in the txns that delete the tasks and dropped
+        once ``delete`` returned, so a node dying in between leaves them to the next batch
+        of any node that has ``delete`` registered; an error of ``delete`` ends the run (the
+        next interval tries again). Registering the same function twice registers it once."""
+        hooks: list[PruneAlso] = self.__dict__.setdefault("_prune_also", [])
+        if delete not in hooks:
+            hooks.append(delete)
+
+    def _prune_extras(self) -> list[PruneAlso]:
+        """What :meth:`prune_also` registered."""
+        found: list[PruneAlso] = self.__dict__.get("_prune_also", [])
+        return found
 
     def prune(self, policy: Retention | None = None, batch: int = PRUNE_BATCH) -> int:
         """Delete every finished task ``policy`` (default: the stored one) allows now, in

@@ -248,6 +248,10 @@ def handler_func(
     :func:`gate_error_handler` around the state machine's default policy).
     ``command_interval`` bounds how long a task command (pause, kill...) waits to be seen;
     ``poll_interval`` is the machine's re-check interval while paused or sleeping.
+
+    When the items live in another database than ``coordinator``'s tasks (an etcd
+    coordinator), the coordinator's pruning of finished tasks also deletes their partitions'
+    items (:meth:`~metafora.retention.RetentionOps.prune_also`).
     """
     if not isinstance(items, ItemStore):
         raise ConfigError(f"items must be a gates.ItemStore, not {type(items).__name__}")
@@ -269,6 +273,10 @@ def handler_func(
     if (state_store is None or task_commands is None) and coordinator is None:
         raise ConfigError("pass a coordinator, or both state_store and task_commands")
     claim_fence = coordinator is not None and items.beside(coordinator)
+    if coordinator is not None and not claim_fence:
+        # The items live in another database than the tasks (an etcd coordinator's): the
+        # coordinator's pruning deletes a pruned partition's items through the item store.
+        coordinator.prune_also(items.delete_partitions)
     return GateHandlerFunc(
         processor, items,
         state_store if state_store is not None else state_store_for(coordinator),

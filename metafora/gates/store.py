@@ -149,6 +149,13 @@ class ItemStore:
         """Delete the partition's items and its gate record; returns how many items."""
         raise NotImplementedError
 
+    def delete_partitions(self, partitions: Sequence[str]) -> int:
+        """Delete the items and gate records of every partition of ``partitions`` that has
+        any, at once; returns how many items. What pruning finished tasks calls when the
+        tasks live in another store (an etcd coordinator's; see
+        :meth:`~metafora.retention.RetentionOps.prune_also`)."""
+        raise NotImplementedError
+
     def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,
               bound: LeaseBound | None = None) -> PartitionLease:
         """The fenced handle of the claim ``task`` (carrying its token) on the partition.
@@ -189,6 +196,7 @@ _INTERFACE = (
     "set_gate",
     "retry",
     "delete",
+    "delete_partitions",
     "lease",
     "close",
 )

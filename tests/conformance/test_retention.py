@@ -207,3 +207,84 @@ def test_prune_takes_gate_items_and_partitions(kind: str, metafora_store_url: An
         assert items.list("job-old") == []
         assert len(items.list("job-live")) == 3
         assert _alive(cluster) == {"job-live"}
+
+
+def _pruned_keys(coord: Coordinator) -> int:
+    """The ``pruned/`` keys of an etcd namespace (ids whose gate items are not deleted yet)."""
+    from metafora.coordinators.etcd.ops import Range
+
+    driver, keys, _ = coord._retention_parts()  # type: ignore[attr-defined]
+    return len(driver.txn([], [Range(keys.root + b"pruned/", prefix=True, keys_only=True)]).ranges[0])
+
+
+@pytest.mark.parametrize("tasks_kind", ["etcd", "memory"])
+def test_prune_takes_gate_items_in_a_database_of_their_own(tasks_kind: str, metafora_store_url: Any) -> None:
+    """An etcd coordinator's gate items live in SQL: pruning a partition's task deletes them
+    through the item store the gate handler registered, with its state and commands."""
+    from metafora.gates import ItemStore, NewItem, Response, handler_func
+
+    url = metafora_store_url(tasks_kind)
+    cluster = Cluster(url)
+    items = ItemStore(metafora_store_url("sqlite"))
+    with cluster.stack:
+        cluster.stack.callback(items.close)
+        coord = cluster.node("n1")
+        handler_func(lambda item: Response(gate=0, done=True), coord, items)
+        handler_func(lambda item: Response(gate=0, done=True), coord, items)  # registered once
+        c = cluster.client
+        c.submit_tasks([Task("job-old"), Task("job-live"), Task("plain-old")])
+        items.add("job-old", [NewItem(gate=0, data=b"x")] * 5 + [NewItem(gate=1, data=b"z")])
+        items.add("job-live", [NewItem(gate=0, data=b"y")] * 3)
+        _finish(coord, "job-old", "done", StateCode.COMPLETED)
+        commands_for(c).send("job-old", Message.pause())
+        _finish(coord, "plain-old", "done")
+        c.set_retention(done="1s")
+        pruner = Pruner(coord, SYSTEM_CLOCK, interval=0.2)
+        thread = threading.Thread(target=pruner.run, daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: _alive(cluster) == {"job-live"}, timeout=20)
+        finally:
+            pruner.stop()
+            thread.join(10)
+        assert items.list("job-old") == []
+        assert not items.info("job-old").exists
+        assert len(items.list("job-live")) == 3
+        assert state_store_for(c).get("job-old") is None
+        assert commands_for(c).pending("job-old") == 0
+        if tasks_kind == "etcd":
+            assert _pruned_keys(coord) == 0
+
+
+def test_etcd_node_dying_before_the_items_leaves_them_to_the_next(metafora_store_url: Any) -> None:
+    """A node that dies after its txns deleted the tasks and before their items were deleted
+    leaves the ids recorded; the next prune of a node with the item store deletes the items."""
+    from metafora.gates import ItemStore, NewItem
+
+    cluster = Cluster(metafora_store_url("etcd"))
+    items = ItemStore(metafora_store_url("sqlite"))
+    with cluster.stack:
+        cluster.stack.callback(items.close)
+        dying, other = cluster.node("dying"), cluster.node("other")
+        c = cluster.client
+        c.submit_tasks([Task(f"job-{n}") for n in range(3)])
+        for n in range(3):
+            items.add(f"job-{n}", [NewItem(gate=0, data=b"x")] * 2)
+            _finish(dying, f"job-{n}", "done")
+
+        class Died(Exception):
+            pass
+
+        def die(ids: list[str]) -> None:
+            raise Died(ids)  # the process ends between the etcd txns and the item store
+
+        dying.prune_also(die)
+        with pytest.raises(Died):
+            dying.prune(Retention(timedelta(0), timedelta(0), timedelta(0)))
+        assert _alive(cluster) == set()
+        assert _pruned_keys(other) == 3
+        assert all(len(items.list(f"job-{n}")) == 2 for n in range(3))
+        other.prune_also(items.delete_partitions)
+        assert other.prune(Retention(timedelta(0), timedelta(0), timedelta(0))) == 0
+        assert all(items.list(f"job-{n}") == [] for n in range(3))
+        assert _pruned_keys(other) == 0

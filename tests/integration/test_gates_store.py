@@ -476,3 +476,21 @@ def test_deleting_a_partition_while_its_owner_writes_results_cannot_deadlock(pos
         assert not owner.is_alive() and not deleter.is_alive()
         assert [i.id for i in taken[0]] == ids[3:]  # the owner committed first ...
         assert deleted == [6] and store.list("p") == []  # ... then every item went
+
+
+def test_delete_partitions_takes_the_named_ones_in_one_call(items: ItemStore) -> None:
+    """What pruning calls when the tasks live elsewhere: items and gate records of the named
+    partitions that have any (an absent one is no error), the others untouched."""
+    for name in ("a", "b", "keep"):
+        items.add(name, [NewItem(gate=0, data=b"x"), NewItem(gate=2, data=b"y")])
+    assert items.delete_partitions(["a", "b", "never-had-items", "a"]) == 4
+    assert items.list("a") == [] and items.list("b") == []
+    assert not items.info("a").exists
+    assert len(items.list("keep")) == 2
+    assert items.delete_partitions([]) == 0
+    # More partitions than one statement takes.
+    many = [f"p{n:04d}" for n in range(1200)]
+    for name in many[::100]:
+        items.add(name, [NewItem(gate=0, data=b"z")])
+    assert items.delete_partitions(many) == 12
+    assert all(items.list(name) == [] for name in many[::100])

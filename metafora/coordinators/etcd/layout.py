@@ -30,6 +30,9 @@ exactly one path segment::
                             that outlives the rate window
     schedules/<name>        a periodic schedule (JSON, see :mod:`metafora.coordinators.etcd.schedules`);
                             mod_revision = its compare-and-set version
+    retention               the namespace's retention policy; ``retention-turn`` its prune turn
+    pruned/<id>             a pruned task whose gate items (in SQL) are not deleted yet (both:
+                            :mod:`metafora.coordinators.etcd.retention`)
 
 Owner keys have their own prefix so that "who holds what" (node_task_count, the balancers'
 view) is one small range read that never carries task props.

@@ -11,18 +11,27 @@ Keys (under the namespace's root):
 A prune batch reads the tasks (one range, as ``purge`` always did) and the state-machine
 states, and deletes each chosen task in a txn of its own, guarded by the task's state key
 revision and the absence of an owner: its prefix, its state-machine state and its command
-queue go together or not at all, so a node dying mid-batch leaves whole tasks. Gate items
-live in a SQL database of their own with an etcd coordinator and are not pruned here.
+queue go together or not at all, so a node dying mid-batch leaves whole tasks.
+
+Gate items live in a SQL database of their own with an etcd coordinator: what
+:meth:`~metafora.retention.RetentionOps.prune_also` registered (the gate handler registers its
+item store's ``delete_partitions``) deletes them. When anything is registered, each task's txn
+also puts ``pruned/<id>``; once the batch's registered functions returned, those keys are
+deleted. A node dying in between leaves the keys, and the next batch of any node with
+something registered calls it for them first (deleting items is idempotent). A task submitted
+again under a pruned id before that next batch would lose the items added for it meanwhile:
+prune turns are an interval apart and a crash is rare, but such an id had better be new.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from metafora.clock import Clock
 from metafora.coordinators.etcd.driver import EtcdDriver
-from metafora.coordinators.etcd.layout import Keys, iso, parse_iso, task_info
+from metafora.coordinators.etcd.layout import Keys, escape, iso, parse_iso, task_info, unescape
 from metafora.coordinators.etcd.ops import (
     Delete,
     Put,
@@ -34,7 +43,14 @@ from metafora.coordinators.etcd.ops import (
 )
 from metafora.coordinators.etcd.queries import live_members, read_all_tasks
 from metafora.errors import MetaforaError
-from metafora.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
+from metafora.retention import (
+    DEFAULT_RETENTION,
+    Cutoffs,
+    PruneAlso,
+    Retention,
+    RetentionOps,
+    prunable,
+)
 
 __all__ = ["EtcdRetention"]
 
@@ -47,6 +63,31 @@ def _policy_key(keys: Keys) -> bytes:
 
 def _turn_key(keys: Keys) -> bytes:
     return keys.root + b"retention-turn"
+
+
+def _pruned(keys: Keys) -> bytes:
+    """The prefix of the ids pruned whose outside keys (gate items) are not deleted yet."""
+    return keys.root + b"pruned/"
+
+
+def _also(driver: EtcdDriver, keys: Keys, ids: list[str], also: Sequence[PruneAlso]) -> None:
+    """Call ``also`` with ``ids``, then drop their ``pruned/`` keys."""
+    for delete in also:
+        delete(ids)
+    done: list[TxnRequest] = [([], [Delete(_pruned(keys) + escape(i).encode())], []) for i in ids]
+    for start in range(0, len(done), _IN_FLIGHT):
+        for result in driver.txns(done[start:start + _IN_FLIGHT]):
+            if isinstance(result, MetaforaError):
+                raise result
+
+
+def _left_over(driver: EtcdDriver, keys: Keys, limit: int,
+               also: Sequence[PruneAlso]) -> None:
+    """What a node that died mid-batch left: ``also`` for the ids it recorded."""
+    kvs = driver.txn([], [Range(_pruned(keys), prefix=True, keys_only=True, limit=limit)]).ranges[0]
+    if kvs:
+        start = len(_pruned(keys))
+        _also(driver, keys, [unescape(kv.key[start:].decode()) for kv in kvs], also)
 
 
 def get(driver: EtcdDriver, keys: Keys) -> Retention:
@@ -85,14 +126,19 @@ def turn(driver: EtcdDriver, keys: Keys, clock: Clock,
     return policy, Cutoffs.at(policy, now)
 
 
-def prune_batch(driver: EtcdDriver, keys: Keys, cutoffs: Cutoffs, limit: int) -> int:
-    """Delete up to ``limit`` finished tasks past ``cutoffs``, a txn per task; how many."""
+def prune_batch(driver: EtcdDriver, keys: Keys, cutoffs: Cutoffs, limit: int,
+                also: Sequence[PruneAlso] = ()) -> int:
+    """Delete up to ``limit`` finished tasks past ``cutoffs``, a txn per task, then call each
+    of ``also`` with their ids (see the module docstring); how many."""
     if cutoffs.oldest() is None:
         return 0
+    if also:
+        _left_over(driver, keys, limit, also)
     records, _ = read_all_tasks(driver, keys)
     machines = {kv.key: kv.value.decode(errors="replace")
                 for kv in driver.txn([], [Range(keys.states, prefix=True)]).ranges[0]}
     requests: list[TxnRequest] = []
+    ids: list[str] = []
     for task_id in sorted(records):
         rec = records[task_id]
         info = task_info(task_id, rec)
@@ -101,20 +147,28 @@ def prune_batch(driver: EtcdDriver, keys: Keys, cutoffs: Cutoffs, limit: int) ->
         tk = keys.task(task_id)
         if not prunable(info, machines.get(tk.machine), cutoffs):
             continue
+        ops: list[Delete | Put] = [Delete(tk.prefix, prefix=True), Delete(tk.machine),
+                                   Delete(tk.commands, prefix=True)]
+        if also:
+            ops.append(Put(_pruned(keys) + escape(task_id).encode(), b""))
         requests.append((
             [modified_at(tk.state, rec.state.mod_revision), exists(tk.state), absent(tk.owner)],
-            [Delete(tk.prefix, prefix=True), Delete(tk.machine), Delete(tk.commands, prefix=True)],
-            [],
+            ops, [],
         ))
+        ids.append(task_id)
         if len(requests) >= limit:
             break
-    count = 0
+    deleted: list[str] = []
     for start in range(0, len(requests), _IN_FLIGHT):
-        for result in driver.txns(requests[start:start + _IN_FLIGHT]):
+        results = driver.txns(requests[start:start + _IN_FLIGHT])
+        for task_id, result in zip(ids[start:start + _IN_FLIGHT], results, strict=True):
             if isinstance(result, MetaforaError):
                 raise result
-            count += int(result.succeeded)
-    return count
+            if result.succeeded:
+                deleted.append(task_id)
+    if deleted and also:
+        _also(driver, keys, deleted, also)
+    return len(deleted)
 
 
 class EtcdRetention(RetentionOps):
@@ -140,7 +194,7 @@ class EtcdRetention(RetentionOps):
 
     def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
         driver, keys, _ = self._retention_parts()
-        return prune_batch(driver, keys, cutoffs, limit)
+        return prune_batch(driver, keys, cutoffs, limit, self._prune_extras())
 
     def node_capacities(self) -> dict[str, int]:
         """Live node -> its published capacity (the client's read)."""

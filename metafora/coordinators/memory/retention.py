@@ -79,7 +79,10 @@ class MemoryRetention(RetentionOps):
                 s.task_states.pop(task_id, None)
                 s.timed.pop(task_id, None)
                 s.ready_rows.pop(task_id, None)
-            return len(doomed)
+        if doomed:
+            for delete in self._prune_extras():  # items in a database of their own
+                delete(doomed)
+        return len(doomed)
 
     def node_capacities(self) -> dict[str, int]:
         """Live node -> the capacity its context gives (the client's read)."""

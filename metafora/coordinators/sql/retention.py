@@ -10,12 +10,15 @@ coordinator: the policy, the prune turn and one prune batch (see :mod:`metafora.
   :limit FOR UPDATE SKIP LOCKED) RETURNING id`` (PostgreSQL: rows another transaction holds
   -- a retry, a delete -- are skipped, never waited for; claims lock only pending and claimed
   rows, which are never candidates), then the same ids' state, task commands and gate items
-  and partitions. A node that dies mid-batch rolls the whole batch back.
+  and partitions. A node that dies mid-batch rolls the whole batch back. What
+  :meth:`~metafora.retention.RetentionOps.prune_also` registered (items in another database)
+  is called with the batch's ids after the commit.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -28,6 +31,7 @@ from metafora.retention import (
     FAILED_MARKS,
     KILLED_MARKS,
     Cutoffs,
+    PruneAlso,
     Retention,
     RetentionOps,
 )
@@ -141,9 +145,11 @@ def _present(db: Database, conn: Connection) -> set[str]:
     return found
 
 
-def prune_batch(db: Database, cutoffs: Cutoffs, limit: int) -> int:
+def prune_batch(db: Database, cutoffs: Cutoffs, limit: int,
+                also: Sequence[PruneAlso] = ()) -> int:
     """Delete up to ``limit`` finished tasks past ``cutoffs`` and what is keyed by them, in
-    one transaction; how many tasks."""
+    one transaction, then call each of ``also`` with their ids (what lives in another
+    database: :meth:`~metafora.retention.RetentionOps.prune_also`); how many tasks."""
     oldest = cutoffs.oldest()
     if oldest is None:
         return 0
@@ -164,6 +170,9 @@ def prune_batch(db: Database, cutoffs: Cutoffs, limit: int) -> int:
                     stmt = text(f"DELETE FROM {table} WHERE namespace = :ns AND {column} IN :ids")
                     conn.execute(stmt.bindparams(bindparam("ids", expanding=True)),
                                  {"ns": db.config.namespace, "ids": ids})
+    if ids:
+        for delete in also:
+            delete(ids)
     return len(ids)
 
 
@@ -200,7 +209,7 @@ class SQLRetention(RetentionOps):
         return turn(self._retention_db(), interval)
 
     def _prune_batch(self, cutoffs: Cutoffs, limit: int) -> int:
-        return prune_batch(self._retention_db(), cutoffs, limit)
+        return prune_batch(self._retention_db(), cutoffs, limit, self._prune_extras())
 
     def node_capacities(self) -> dict[str, int]:
         """Live node -> its published capacity (the client's read; coordinators have their

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Table,
     Text,
     TextClause,
+    bindparam,
     text,
 )
 
@@ -27,6 +28,7 @@ __all__ = ["ITEMS", "ITEM_COLUMNS", "OWNER_SQL", "USER_SQL", "owner_statements",
 
 ITEM_COLUMNS = "id, gate, status, data, attempts, error, permanent, token, created_at, updated_at"
 _WHERE_P = "namespace = :ns AND partition_id = :p"
+_WHERE_PS = "namespace = :ns AND partition_id IN :ps"
 
 # The claim check of same-database mode, from the SQL coordinator's seam (its tables are
 # its own to name).
@@ -163,6 +165,10 @@ USER_SQL: dict[str, str] = {
     ),
     "delete_items": "DELETE FROM metafora_items WHERE " + _WHERE_P,
     "delete_partition": "DELETE FROM metafora_partitions WHERE " + _WHERE_P,
+    # The same over many partitions (:ps expands), for pruning whose tasks live elsewhere.
+    "delete_items_in": "DELETE FROM metafora_items WHERE " + _WHERE_PS,
+    "lock_in": "SELECT partition_id FROM metafora_partitions WHERE " + _WHERE_PS + "{for_update}",
+    "delete_partitions_in": "DELETE FROM metafora_partitions WHERE " + _WHERE_PS,
     "notify": "SELECT pg_notify(:channel, :payload)",
 }
 
@@ -193,4 +199,8 @@ def owner_statements(now: str, claim_fence: bool) -> dict[str, TextClause]:
 def user_statements(now: str, postgres: bool) -> dict[str, TextClause]:
     """The statements of users and operators."""
     for_update = " FOR UPDATE" if postgres else ""
-    return {name: text(sql.format(now=now, for_update=for_update)) for name, sql in USER_SQL.items()}
+    built = {name: text(sql.format(now=now, for_update=for_update)) for name, sql in USER_SQL.items()}
+    for name, stmt in built.items():
+        if name.endswith("_in"):
+            built[name] = stmt.bindparams(bindparam("ps", expanding=True))
+    return built

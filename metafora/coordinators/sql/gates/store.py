@@ -89,6 +89,9 @@ __all__ = ["SQLItemStore"]
 
 log = logging.getLogger(__name__)
 
+_IN_CHUNK = 500
+"""Partitions per statement of :meth:`SQLItemStore.delete_partitions` (bound parameters)."""
+
 try:  # psycopg is optional (PostgreSQL only)
     import psycopg
 
@@ -444,6 +447,27 @@ class SQLItemStore(ItemStore):
             self._run(tx, "lock", {"p": partition}).first()
             count += int(self._run(tx, "delete_items", {"p": partition}).rowcount)
             self._run(tx, "delete_partition", {"p": partition})
+        return count
+
+    def delete_partitions(self, partitions: Sequence[str]) -> int:
+        """Delete the items and gate records of every partition of ``partitions`` that has
+        any, in one transaction; returns how many items."""
+        ids = list(dict.fromkeys(partitions))
+        for partition in ids:
+            validate_task_id(partition)
+        if not ids:
+            return 0
+        self.ensure_schema()
+        count = 0
+        with self._db.transaction() as tx:
+            for start in range(0, len(ids), _IN_CHUNK):
+                params = {"ps": ids[start:start + _IN_CHUNK]}
+                # delete()'s order: items, the partition rows locked, items an add committed
+                # meanwhile, the partition rows.
+                count += int(self._run(tx, "delete_items_in", params).rowcount)
+                self._run(tx, "lock_in", params).fetchall()
+                count += int(self._run(tx, "delete_items_in", params).rowcount)
+                self._run(tx, "delete_partitions_in", params)
         return count
 
     # -- owners -----------------------------------------------------------------------------
