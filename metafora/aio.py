@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import functools
 import importlib.util
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -87,7 +88,7 @@ class AsyncClient(abc.ABC):
             except TaskExists:
                 raise TaskExists(f"task {task.id!r} already exists in {self.name}",
                                  ids=[task.id]) from None
-        return await self._submit_one(task, mode)
+        return await self._coalesced().submit(task, mode)
 
     async def submit_tasks(
         self, tasks: Iterable[Task], *, conn: Any = None, if_exists: IfExists = "error"
@@ -104,9 +105,30 @@ class AsyncClient(abc.ABC):
     async def _sql_db(self) -> Database:
         """The SQL store's handle with its schema ready (ConfigError on other stores)."""
 
+    _coalescer: _Coalescer | None = None
+
+    def _coalesced(self) -> _Coalescer:
+        if self._coalescer is None:
+            self._coalescer = _Coalescer(self, self._group_max())
+        return self._coalescer
+
+    def _group_max(self) -> int:
+        """Most single submits one shared write carries (the store's batch size)."""
+        return BATCH
+
+    async def _drained(self) -> None:
+        """Wait for the single submits in flight (before the connections are released)."""
+        if self._coalescer is not None:
+            await self._coalescer.drained()
+
     @abc.abstractmethod
     async def _submit_one(self, task: Task, mode: IfExists) -> bool:
-        """Submit one checked task on the client's own connection."""
+        """Submit one checked task alone on the client's own connection."""
+
+    @abc.abstractmethod
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+        """Submit checked tasks (ids distinct) deciding each alone (``mode`` ``"ignore"`` or
+        ``"replace"``) on the client's own connection: the ids left as they were."""
 
     @abc.abstractmethod
     async def _submit_many(self, tasks: list[Task], mode: IfExists) -> int:
@@ -157,6 +179,119 @@ class AsyncClient(abc.ABC):
         await self.close()
 
 
+_Waiting = tuple[Task, IfExists, "asyncio.Future[bool]"]
+
+
+class _Coalescer:
+    """Group commit of an async client's concurrent ``submit_task`` calls.
+
+    A caller queues its task and awaits its own future. One writer task (started by the
+    first caller that finds none running) writes what is queued: a lone task by the
+    single-task path (one round trip, as the sync client), several at once by one shared
+    write (:meth:`AsyncClient._submit_group`: PostgreSQL one transaction of a multi-row
+    INSERT and one wake-up; the other stores one ``_submit_batch`` on a worker thread); the
+    calls that arrive meanwhile queue for the next write. No added latency when idle: the
+    first caller's write starts at once. Each caller learns its own fate (added, left, or
+    ``TaskExists`` for ``"error"``); if a shared write fails, its tasks are written alone, so
+    one caller's failure is only its own. The writer is a task of its own: a caller that is
+    cancelled leaves the others' write alone (its queued task is dropped, a task already in
+    a write may be added).
+    """
+
+    def __init__(self, client: AsyncClient, most: int) -> None:
+        self._client = client
+        self._most = most
+        self._queue: collections.deque[_Waiting] = collections.deque()
+        self._writer: asyncio.Task[None] | None = None
+
+    async def submit(self, task: Task, mode: IfExists) -> bool:
+        """Write ``task`` (with the others queued meanwhile): True if added or replaced."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queue.append((task, mode, future))
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._drain(), name="metafora-aio-submit")
+        return await future
+
+    async def drained(self) -> None:
+        """Return once nothing is queued or being written."""
+        while self._writer is not None:
+            await asyncio.wait({self._writer})  # its errors went to its callers
+
+    async def _drain(self) -> None:
+        batch: list[_Waiting] = []
+        try:
+            while self._queue:
+                batch = self._take()
+                if batch:
+                    await self._write(batch)
+        except BaseException as exc:  # cancelled (the loop is closing): no caller waits forever
+            closed = CoordinatorClosed(f"async client on {self._client.name}: submit abandoned ({exc!r})")
+            for _task, _mode, future in [*batch, *self._queue]:
+                if not future.done():
+                    future.set_exception(closed)
+            self._queue.clear()
+            raise
+        finally:
+            self._writer = None
+
+    def _take(self) -> list[_Waiting]:
+        """The oldest waiting calls that can share a write: the same kind of write (replace
+        or not), distinct ids, at most ``most``; the others keep their place in line."""
+        queue, kept, ids = self._queue, [], set()
+        batch: list[_Waiting] = []
+        replace: bool | None = None
+        while queue and len(batch) < self._most:
+            item = queue.popleft()
+            task, mode, future = item
+            if future.done():  # its caller was cancelled
+                continue
+            if replace is None:
+                replace = mode == "replace"
+            if (mode == "replace") != replace or task.id in ids:
+                kept.append(item)
+                continue
+            ids.add(task.id)
+            batch.append(item)
+        queue.extendleft(reversed(kept))
+        return batch
+
+    async def _write(self, batch: list[_Waiting]) -> None:
+        client = self._client
+        if len(batch) == 1:
+            task, mode, future = batch[0]
+            try:
+                added = await client._submit_one(task, mode)
+            except Exception as exc:
+                _settle(future, exc)
+            else:
+                _settle(future, added)
+            return
+        try:
+            each: IfExists = "replace" if batch[0][1] == "replace" else "ignore"
+            left = set(await client._submit_group([task for task, _m, _f in batch], each))
+        except Exception:  # which task failed it? each alone, its error to its own caller
+            await asyncio.gather(*(self._write([item]) for item in batch))
+            return
+        for task, mode, future in batch:
+            if task.id not in left:
+                _settle(future, True)
+            elif mode == "error":
+                _settle(future, TaskExists(f"task {task.id!r} already exists in {client.name}",
+                                           ids=[task.id]))
+            else:
+                _settle(future, False)
+
+
+def _settle(future: asyncio.Future[bool], outcome: bool | Exception) -> None:
+    """Give a waiting caller its outcome (unless it stopped waiting)."""
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 class ThreadedAsyncClient(AsyncClient):
     """A sync :class:`~metafora.Client` whose calls run on a bounded thread pool (SQLite, etcd,
     memory)."""
@@ -195,6 +330,19 @@ class ThreadedAsyncClient(AsyncClient):
     async def _submit_many(self, tasks: list[Task], mode: IfExists) -> int:
         return await self._call(self._client.submit_tasks, tasks, if_exists=mode)
 
+    def _group_max(self) -> int:
+        return min(BATCH, self._client._batch_size)
+
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+        return await self._call(self._group, tasks, mode)
+
+    def _group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+        client = self._client
+        left: list[str] = []
+        for batch in bulk.batches(tasks, client._batch_size, client._batch_bytes):
+            left += client._submit_batch(batch, mode)  # one write per batch, each id decided alone
+        return left
+
     async def task(self, task_id: str) -> TaskInfo:
         return await self._call(self._client.get_task, task_id)
 
@@ -222,6 +370,7 @@ class ThreadedAsyncClient(AsyncClient):
 
     async def close(self) -> None:
         if not self._closed:
+            await self._drained()
             self._closed = True
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._pool.shutdown)
@@ -308,13 +457,17 @@ class PostgresAsyncClient(AsyncClient):
         await self._ready()
         return self._db
 
-    async def _run(self, tasks: list[Task], mode: IfExists, transaction: bool) -> int:
-        db = self._db
-        async with self._conn(transaction) as conn:
+    async def _run(self, steps: _submit.Steps[T]) -> T:
+        """Drive a submit's statements in one transaction on a pooled connection."""
+        async with self._conn(transaction=True) as conn:
             async def execute(clause: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
                 return _submit.rows_of(await conn.execute(clause, params))
 
-            return await _submit.drive_async(execute, db, _submit.submit_steps(db, tasks, mode))
+            return await _submit.drive_async(execute, self._db, steps)
+
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+        # One transaction: a multi-row INSERT, one wake-up, one commit for every caller.
+        return await self._run(_submit.left_steps(self._db, tasks, mode))
 
     async def _submit_one(self, task: Task, mode: IfExists) -> bool:
         # One statement (its RETURNING sends the wake-up) in autocommit, one round trip, run on
@@ -336,7 +489,7 @@ class PostgresAsyncClient(AsyncClient):
         added = 0
         for batch in bulk.batches(tasks, BATCH, _submit.BATCH_BYTES):
             try:  # a transaction per batch, as the sync client: all-or-nothing per batch
-                added += await self._run(list(batch), mode, transaction=True)
+                added += await self._run(_submit.submit_steps(self._db, list(batch), mode))
             except TaskExists as exc:
                 raise bulk.exists_error(exc.ids, added, len(tasks), self.name) from None
         return added
@@ -410,6 +563,7 @@ class PostgresAsyncClient(AsyncClient):
 
     async def close(self) -> None:
         if not self._closed:
+            await self._drained()
             self._closed = True
             for engine in (self._engine, self._auto):
                 if engine is not None:

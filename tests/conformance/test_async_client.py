@@ -133,6 +133,60 @@ def test_fifty_coroutines_submit_and_a_consumer_runs_them(store_url: str) -> Non
         assert len(ran.ids) == 50
 
 
+def test_concurrent_submits_share_writes_and_each_caller_learns_its_own_outcome(store_url: str) -> None:
+    """Concurrent ``submit_task`` calls are written together (group commit); each caller
+    still gets its own answer: added, left (``ignore``/``replace`` of a claimed task),
+    replaced, or TaskExists -- and a caller cancelled while queued adds nothing."""
+
+    async def body() -> None:
+        async with open_async_client(store_url) as client:
+            await client.submit_task(Task("old", {"v": 1}))
+            writes = 0
+            alone, group = client._submit_one, client._submit_group
+
+            async def count_alone(task: Task, mode: Any) -> bool:
+                nonlocal writes
+                writes += 1
+                return await alone(task, mode)
+
+            async def count_group(tasks: list[Task], mode: Any) -> list[str]:
+                nonlocal writes
+                writes += 1
+                return await group(tasks, mode)
+
+            client._submit_one, client._submit_group = count_alone, count_group  # type: ignore[method-assign]
+            fresh = [client.submit_task(Task(f"n-{n:02d}")) for n in range(40)]
+            twice = [client.submit_task(Task("dup")) for _ in range(4)]
+            taken = [client.submit_task(Task("old")) for _ in range(2)]
+            ignored = [client.submit_task(Task("old"), if_exists="ignore") for _ in range(2)]
+            replaced = [client.submit_task(Task("old", {"v": 2}), if_exists="replace")]
+            calls = [*fresh, *twice, *taken, *ignored, *replaced]
+            got = await asyncio.gather(*calls, return_exceptions=True)
+            assert writes < len(calls) // 4  # shared, not one write a call
+            assert got[:40] == [True] * 40
+            dup = got[40:44]
+            assert dup.count(True) == 1 and sum(isinstance(r, TaskExists) for r in dup) == 3
+            assert all(isinstance(r, TaskExists) and r.ids == ("old",) for r in got[44:46])
+            assert got[46:48] == [False, False]
+            assert got[48] is True
+            assert (await client.task("old")).props == {"v": 2}
+            assert len(await client.tasks()) == 42
+
+            # A caller cancelled while its submit waits in line: the others' write goes on
+            # without its task. (The writer task runs after every queued caller has run up
+            # to its await: asyncio runs ready callbacks in order.)
+            queued = [asyncio.ensure_future(client.submit_task(Task(f"q-{n}"))) for n in range(5)]
+            await asyncio.sleep(0)  # one pass of the loop: each caller queued its task
+            queued[2].cancel()
+            outcome = await asyncio.gather(*queued, return_exceptions=True)
+            assert isinstance(outcome[2], asyncio.CancelledError)
+            assert [outcome[n] for n in (0, 1, 3, 4)] == [True] * 4
+            assert sorted(i.id for i in await client.tasks() if i.id.startswith("q-")) == [
+                "q-0", "q-1", "q-3", "q-4"]
+
+    asyncio.run(body())
+
+
 ASYNC_KINDS = [("sqlite", "connection"), ("sqlite", "session"), ("postgresql", "connection"),
                ("postgresql", "session"), ("postgresql", "psycopg")]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlite3
 import weakref
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import exc as sa_exc
@@ -36,6 +36,7 @@ __all__ = [
     "SubmitStatements",
     "check_conn",
     "drive_async",
+    "left_steps",
     "psycopg_sql",
     "rows_of",
     "run_steps",
@@ -59,8 +60,10 @@ _REPLACE = (
     " AND (metafora_tasks.expires_at IS NULL OR metafora_tasks.expires_at > {now})"
 )
 
-Steps = Generator[tuple[TextClause, dict[str, Any]], list[tuple[Any, ...]], int]
-"""A submit as statements: yields ``(clause, params)``, is sent the rows, returns the count."""
+R = TypeVar("R")
+Steps = Generator[tuple[TextClause, dict[str, Any]], list[tuple[Any, ...]], R]
+"""A submit as statements: yields ``(clause, params)``, is sent the rows, returns its result
+(``Steps[int]``: the count)."""
 
 
 class SubmitStatements:
@@ -112,7 +115,32 @@ def statements(db: Database) -> SubmitStatements:
     return found
 
 
-def submit_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps:
+def _insert(db: Database, built: SubmitStatements, batch: Sequence[Task],
+            mode: IfExists) -> Steps[dict[str, int]]:
+    """One INSERT deciding every id of ``batch`` (``mode``): the ``ready`` of each id it added
+    or replaced (a batch of one: the single-task statement, whose RETURNING sends the wake-up)."""
+    ns = db.config.namespace
+    if len(batch) == 1:
+        rows = yield built.one(mode), {"ns": ns, **task_params(batch[0], db)}
+        return {batch[0].id: int(rows[0][0])} if rows else {}
+    params: dict[str, Any] = {"ns": ns}
+    for n, task in enumerate(batch):
+        params.update(task_params(task, db, f"_{n}"))
+    rows = yield built.many(mode, len(batch)), params
+    return {str(row[0]): int(row[1]) for row in rows}
+
+
+def _wake(db: Database, built: SubmitStatements, batch: Sequence[Task], got: dict[str, int]) -> Steps[None]:
+    """After ``batch`` added ``got``: SQLite's token counter moved past the ``ready`` values
+    taken, and one wake-up for a PostgreSQL batch (delivered when the transaction commits)."""
+    if got:
+        if db.dialect.counter_in_row:
+            yield built.bump, {"v": max(got.values())}
+        if len(batch) > 1 and db.config.kind == "postgresql":
+            yield db.sql["notify_batch"], {"ns": db.config.namespace, "ready": min(got.values())}
+
+
+def submit_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps[int]:
     """Submit ``tasks`` (checked, ids distinct) in one transaction the caller holds.
 
     Per batch: one INSERT deciding every id (``mode``), SQLite's token counter moved past
@@ -123,31 +151,31 @@ def submit_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps:
     Returns how many tasks were added or replaced.
     """
     built = statements(db)
-    ns = db.config.namespace
     added = 0
     for batch in bulk.batches(tasks, BATCH, BATCH_BYTES):
-        got: dict[str, int]
-        if len(batch) == 1:  # one statement: its RETURNING sends the wake-up
-            rows = yield built.one(mode), {"ns": ns, **task_params(batch[0], db)}
-            got = {batch[0].id: int(rows[0][0])} if rows else {}
-        else:
-            params: dict[str, Any] = {"ns": ns}
-            for n, task in enumerate(batch):
-                params.update(task_params(task, db, f"_{n}"))
-            rows = yield built.many(mode, len(batch)), params
-            got = {str(row[0]): int(row[1]) for row in rows}
+        got = yield from _insert(db, built, batch, mode)
         if mode == "error" and len(got) < len(batch):
             if got:
-                yield built.undo, {"ns": ns, "ids": db.dialect.ids_param(list(got))}
+                yield built.undo, {"ns": db.config.namespace, "ids": db.dialect.ids_param(list(got))}
             existing = [task.id for task in batch if task.id not in got]
             raise bulk.exists_error(existing, added, len(tasks), db.name)
-        if got:
-            if db.dialect.counter_in_row:
-                yield built.bump, {"v": max(got.values())}
-            if len(batch) > 1 and db.config.kind == "postgresql":
-                yield db.sql["notify_batch"], {"ns": ns, "ready": min(got.values())}
+        yield from _wake(db, built, batch, got)
         added += len(got)
     return added
+
+
+def left_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps[list[str]]:
+    """Submit ``tasks`` (ids distinct) deciding each one alone: ``"error"`` and ``"ignore"``
+    add the new ids, ``"replace"`` also replaces the pending ones. Returns the ids left as they
+    were (the async client's group commit of single submits: each caller learns its own fate)."""
+    built = statements(db)
+    each: IfExists = "replace" if mode == "replace" else "ignore"
+    left: list[str] = []
+    for batch in bulk.batches(tasks, BATCH, BATCH_BYTES):
+        got = yield from _insert(db, built, batch, each)
+        yield from _wake(db, built, batch, got)
+        left += [task.id for task in batch if task.id not in got]
+    return left
 
 
 def translate(exc: BaseException, db: Database) -> MetaforaError:
@@ -213,7 +241,7 @@ def rows_of(result: Any) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in result] if result.returns_rows else []
 
 
-def run_steps(conn: Any, db: Database, steps: Steps) -> int:
+def run_steps(conn: Any, db: Database, steps: Steps[int]) -> int:
     """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
     check_conn(conn, db)
     execute: Any
@@ -251,7 +279,7 @@ def _async_kind(conn: Any) -> str | None:
     return None
 
 
-async def run_steps_async(conn: Any, db: Database, steps: Steps) -> int:
+async def run_steps_async(conn: Any, db: Database, steps: Steps[int]) -> int:
     """Drive ``steps`` on the application's async connection ``conn`` (a SQLAlchemy
     ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection``)."""
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -277,14 +305,15 @@ async def run_steps_async(conn: Any, db: Database, steps: Steps) -> int:
     return await drive_async(execute, db, steps)
 
 
-async def drive_async(execute: Any, db: Database, steps: Steps) -> int:
-    """Drive ``steps`` with ``await execute(clause, params) -> rows``, errors translated."""
+async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` with ``await execute(clause, params) -> rows`` (its result), errors
+    translated."""
     try:
         step = next(steps)
         while True:
             step = steps.send(await execute(*step))
     except StopIteration as done:
-        return int(done.value)
+        return done.value  # type: ignore[no-any-return]
     except TaskExists:
         raise
     except _DRIVER_ERRORS as exc:
