@@ -7,10 +7,14 @@
 - The counts the nodes publish (the cluster's view on ``/metrics``) agree with the claims in the table after a
   start-up storm, after a node is killed and its tasks are taken over, and after a join
   rebalanced the cluster.
+- Issue 36: one read of the cluster's view (``read_cluster``, what ``metafora_cluster_*`` show)
+  costs the same at 300 and at 3,000 held tasks: the same statements, none reading claimed
+  rows, and on PostgreSQL the same rows of ``metafora_tasks`` read (none).
 """
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import signal
@@ -22,11 +26,13 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from metafora import Task, open_client, simple_handler
+from metafora import Task, TaskState, open_client, open_coordinator, simple_handler
+from metafora.cluster_metrics import read_cluster
 from metafora.config import parse_store_url
+from metafora.coordinator import Coordinator, Finish, Outcome
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database, HotCursor
-from metafora.testing import LocalCluster, wait_for
+from metafora.testing import LocalCluster, RecordingContext, wait_for
 from tests.helpers import stop_processes
 
 # Statements that read the claimed rows of a node or of the whole namespace: none may run
@@ -47,15 +53,17 @@ async def _park(task: Task, stop: Any) -> bool:
 
 
 class Recorder:
-    """Names of the statements the SQL store runs while ``on`` (observation only)."""
+    """Names of the statements the SQL store runs while ``on`` (observation only; only those
+    of ``thread`` when it is set)."""
 
     def __init__(self) -> None:
         self.on = False
+        self.thread: int | None = None
         self.names: list[str] = []
         self._lock = threading.Lock()
 
     def seen(self, name: str) -> None:
-        if self.on:
+        if self.on and self.thread in (None, threading.get_ident()):
             with self._lock:
                 self.names.append(name)
 
@@ -140,6 +148,59 @@ def test_an_idle_cluster_reads_no_claimed_rows(sql_url: str, recorder: Recorder)
             assert after is not None and after - before == 0, (
                 f"{after - before} rows of metafora_tasks read by an idle cluster")  # type: ignore[operator]
         assert not cluster.errors
+
+
+# -- the cluster's view costs the same whatever the tasks held --------------------------------
+
+
+def _view_cost(url: str, coord: Coordinator, recorder: Recorder, held: int,
+               reads: int = 20) -> tuple[collections.Counter[str], int | None]:
+    """The statements of ``reads`` reads of the cluster's view, and (PostgreSQL) the rows of
+    metafora_tasks they read, once ``held`` tasks are held and published."""
+    wait_for(lambda: read_cluster(coord).held == held, 30, f"{held} held tasks published")
+    _analyze(url)
+    _pause(11.0 if url.startswith("postgresql") else 0.0)  # counters reported late (above)
+    before = _task_rows_read(url)
+    recorder.names.clear()
+    recorder.thread, recorder.on = threading.get_ident(), True
+    for _ in range(reads):
+        view = read_cluster(coord)
+        assert (view.held, view.pending, view.nodes) == (held, 0, 1)
+    recorder.on = False
+    names = collections.Counter(recorder.names)
+    if before is None:
+        return names, None
+    _pause(11.0)
+    after = _task_rows_read(url)
+    assert after is not None
+    return names, after - before
+
+
+def test_the_cluster_view_costs_the_same_at_ten_times_the_held_tasks(
+        sql_url: str, recorder: Recorder) -> None:
+    total, few = 3000, 300
+    with open_client(sql_url) as client:
+        client.submit_tasks(Task(f"h{i:04d}") for i in range(total))
+        coord = open_coordinator(sql_url, node_id="a", lease_ttl=LEASE_TTL)
+        try:
+            coord.init(RecordingContext())
+            claimed: list[Task] = []
+            while len(claimed) < total:
+                got = coord.claim_many([Task(f"h{i:04d}") for i in range(total)], 500)
+                assert got, "nothing left to claim"
+                claimed += got
+            many_names, many_rows = _view_cost(sql_url, coord, recorder, total)
+            # The same table with a tenth held (the rest done): only the held tasks change.
+            assert not any(coord.finish_many([Finish(t, Outcome.DONE) for t in claimed[few:]]))
+            few_names, few_rows = _view_cost(sql_url, coord, recorder, few)
+            assert client.task_counts()[TaskState.CLAIMED] == few  # the store's own count
+        finally:
+            coord.close()
+    assert many_names == few_names, (many_names, few_names)
+    # (active_counts is the balancers' exact read, once per balance_every: never the view's.)
+    assert not set(many_names) & (READS_CLAIMS | {"active_counts"}), many_names
+    if many_rows is not None:
+        assert many_rows == few_rows == 0, (many_rows, few_rows)
 
 
 # -- the published counts against the table --------------------------------------------------
