@@ -272,3 +272,47 @@ def test_published_counts_agree_with_the_claims_after_a_storm_a_kill_and_a_join(
         wait_for(lambda: client.node_task_count().get("d", 0) > 0, 120, "the join took tasks")
         wait_for(lambda: _agree(sql_url, client, total, {"a", "b", "d"}), 120,
                  "the rebalance settled and the published counts agree")
+
+
+@pytest.fixture
+def any_procs() -> Iterator[dict[str, BaseProcess]]:
+    started: dict[str, BaseProcess] = {}
+    try:
+        yield started
+    finally:
+        stop_processes(started.values(), 30)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "etcd"])
+def test_the_cluster_view_agrees_with_the_store_after_a_storm_and_a_kill(
+        kind: str, metafora_store_url: Any, any_procs: dict[str, BaseProcess]) -> None:
+    """What ``metafora_cluster_*`` show (a node's ``read_cluster``, read here by a coordinator
+    that is no node) against the store's own counts, after a start-up storm and a SIGKILL."""
+    url = metafora_store_url(kind)
+    total = 300
+    with open_client(url) as client:
+        observer = open_coordinator(url, node_id="observer")  # never init'ed: reads only
+        try:
+            def agree(nodes: set[str]) -> bool:
+                view = read_cluster(observer)
+                counts = client.task_counts()
+                exact = client.node_task_count()
+                capacities = client.node_capacities()
+                return (set(exact) == nodes and view.nodes == len(nodes)
+                        and view.held == sum(exact.values()) == counts[TaskState.CLAIMED] == total
+                        and view.pending == counts[TaskState.PENDING] == 0
+                        and set(capacities) == nodes
+                        and view.capacity == sum(capacities.values()) > 0)
+
+            client.submit_tasks(Task(f"v{i:03d}") for i in range(total))
+            for node in ("a", "b", "c"):
+                _start(url, any_procs, node)
+            wait_for(lambda: agree({"a", "b", "c"}), 120, "the storm held everything; the view agrees")
+            victim = any_procs["c"]
+            assert victim.pid is not None
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(30)
+            wait_for(lambda: agree({"a", "b"}), 120,
+                     "the killed node's tasks taken over; the view agrees")
+        finally:
+            observer.close()
