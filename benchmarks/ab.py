@@ -93,10 +93,16 @@ def _command(name: str, quick: bool, stores: str) -> list[str]:
 def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) -> Figures:
     """One run of the benchmark, importing ``metafora`` from ``root`` (checked)."""
     env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root))
-    where = subprocess.run([sys.executable, "-c", "import metafora; print(metafora.__file__)"],
-                           cwd=root, env=env, check=True, capture_output=True, text=True).stdout
-    if not Path(where.strip()).resolve().is_relative_to(root.resolve()):
-        raise RuntimeError(f"metafora imports from {where.strip()}, not from {root}")
+    # Every metafora module the benchmark imports must come from root: an editable install
+    # serves a top-level module root lacks (one added after its revision) from its own tree.
+    check = (f"import sys, benchmarks.{name}; "
+             "print('\\n'.join(getattr(m, '__file__', None) or '' for n, m in list(sys.modules.items())"
+             " if n == 'metafora' or n.startswith('metafora.')))")
+    files = subprocess.run([sys.executable, "-c", check], cwd=root, env=env, check=True,
+                           capture_output=True, text=True).stdout.split()
+    strays = [f for f in files if not Path(f).resolve().is_relative_to(root.resolve())]
+    if not files or strays:
+        raise RuntimeError(f"metafora imports from {', '.join(strays) or 'nowhere'}, not from {root}")
     subprocess.run(_command(name, quick, stores), cwd=root, env=env, check=True,
                    stdout=subprocess.DEVNULL)
     key, read = READERS[name]

@@ -27,7 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/gates.py
 
 from benchmarks.common import Stores, save, table
-from metafora import Consumer, Task, TaskState, gates, open_client, open_coordinator
+from metafora import Consumer, Task, TaskState, open_client, open_coordinator
+
+# The gates' first name, which every revision has (metafora.gates is the same module): ab.py runs
+# this file against revisions from before metafora.gates was its own package.
+from metafora.statemachine import gates
 
 SPAWN = multiprocessing.get_context("spawn")
 SQL_STORES = ("sqlite", "postgresql")
