@@ -9,6 +9,7 @@ rounds, and the ratio head / base. Use an even number of rounds for a balanced o
 
     python benchmarks/ab.py claims --base REV [--rounds 3] [--stores sqlite,postgresql] [--full]
     python benchmarks/ab.py gates|latency|storm|peers --base REV ...
+    python benchmarks/ab.py claims --base REV --save-as ab_moves_claims   # keep older results
 
 Figures compared: claims, consumer tasks/s; storm, seconds until every task is held; gates,
 items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and
@@ -151,7 +152,7 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
 
 
 def main() -> None:
-    """``python benchmarks/ab.py NAME --base REV [--rounds N] [--stores ...] [--full]``."""
+    """``python benchmarks/ab.py NAME --base REV [--rounds N] [--stores ...] [--full] [--save-as F]``."""
     parser = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=sorted(READERS))
@@ -159,11 +160,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stores", default="sqlite,postgresql,etcd")
     parser.add_argument("--full", action="store_true", help="the full sizes, not --quick")
+    parser.add_argument("--save-as", default=None,
+                        help="the results file's name (default ab_NAME; a new name keeps older results)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     RESULTS.mkdir(exist_ok=True)
-    run(args.name, args.base, args.rounds, not args.full, args.stores)
+    run(args.name, args.base, args.rounds, not args.full, args.stores, args.save_as)
 
 
 if __name__ == "__main__":
