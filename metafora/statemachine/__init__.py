@@ -14,10 +14,9 @@ Operator functions (used by the ``metafora pause|resume|kill|sleep|state`` CLI v
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from metafora.backends import default_url, hooks_of
-from metafora.client import Client
 from metafora.config import parse_store_url
 from metafora.errors import InvalidTaskState
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
@@ -44,7 +43,7 @@ from metafora.statemachine.machine import (
     validate_command,
 )
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
-from metafora.task import TaskState, validate_task_id
+from metafora.task import TaskInfo, TaskState, validate_task_id
 
 __all__ = [
     "COMMAND_KINDS",
@@ -63,6 +62,7 @@ __all__ = [
     "InvalidState",
     "Message",
     "MessageKind",
+    "OperatorClient",
     "State",
     "StateCode",
     "StateStore",
@@ -108,15 +108,31 @@ def command_message(verb: str, until: datetime | str | None = None) -> Message:
     }[verb]()
 
 
-def _with_client(target: str | Client | None, options: dict[str, Any]) -> tuple[Client, bool]:
-    if isinstance(target, Client):
+@runtime_checkable
+class OperatorClient(Protocol):
+    """What the operator functions need of a :class:`~metafora.client.Client` (every store's
+    client has it). The state machine owns this interface and imports no client: the client
+    builds on the state machine (``Client.retry_task(reset_state=True)``)."""
+
+    def get_task(self, task_id: str) -> TaskInfo:
+        """One task's info. Raises TaskNotFound."""
+        ...
+
+    def close(self) -> None:
+        """Release the client's connections."""
+        ...
+
+
+def _with_client(target: str | OperatorClient | None,
+                 options: dict[str, Any]) -> tuple[OperatorClient, bool]:
+    if isinstance(target, OperatorClient):
         return target, False
     url = parse_store_url(target or default_url())  # as metafora.open_client does
-    client: Client = hooks_of(url).open_client(url, options)
+    client: OperatorClient = hooks_of(url).open_client(url, options)
     return client, True
 
 
-def send_task_command(target: str | Client | None, task_id: str, message: Message,
+def send_task_command(target: str | OperatorClient | None, task_id: str, message: Message,
                       **options: Any) -> None:
     """Queue a task command (see :func:`command_message`) for ``task_id``.
 
@@ -145,7 +161,7 @@ def send_task_command(target: str | Client | None, task_id: str, message: Messag
             client.close()
 
 
-def get_state(target: str | Client | None, task_id: str, **options: Any) -> State | None:
+def get_state(target: str | OperatorClient | None, task_id: str, **options: Any) -> State | None:
     """The stored state of ``task_id`` (state, until, errors, cursor), for operators.
 
     None if the task has no state yet (never run by a state machine). Raises TaskNotFound
