@@ -42,7 +42,7 @@ from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
 from metafora.coordinators.sql.schema import migrate, needs_migration
 from metafora.coordinators.sql.statements import BATCH
-from metafora.coordinators.sql.store import Database, task_params
+from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params
 from metafora.errors import (
     ConfigError,
     CoordinatorClosed,
@@ -424,7 +424,7 @@ class PostgresAsyncClient(AsyncClient):
             else:
                 async with auto.connect() as conn:
                     yield conn
-        except _submit._DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             raise _submit.translate(exc, self._db) from exc
 
     async def _ready(self) -> None:
@@ -441,7 +441,7 @@ class PostgresAsyncClient(AsyncClient):
                 if needed:
                     async with engine.begin() as conn:
                         await conn.run_sync(lambda c: migrate(c, dialect, name))
-            except _submit._DRIVER_ERRORS as exc:
+            except DRIVER_ERRORS as exc:
                 raise _submit.translate(exc, self._db) from exc
             self._schema_ready = True
 

@@ -41,7 +41,7 @@ from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
 from metafora.masking import scrub
 from metafora.task import Task
 
-__all__ = ["Database", "task_params", "translate_error"]
+__all__ = ["DRIVER_ERRORS", "Database", "task_params", "translate_error"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,12 @@ except ImportError:  # pragma: no cover - depends on the installation
     _PSYCOPG_UNAVAILABLE = ()
     _PSYCOPG_ERROR = ()
 
-_DB_ERRORS: tuple[type[BaseException], ...] = (
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     sa_exc.SQLAlchemyError,
     sqlite3.Error,
     *_PSYCOPG_ERROR,
 )
+"""The drivers' errors that :func:`translate_error` turns into metafora's."""
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     sqlite3.OperationalError,
     sa_exc.OperationalError,
@@ -136,7 +137,7 @@ def _rollback(conn: Connection) -> None:
     """End a transaction begun by hand after an error; a connection that cannot is dropped."""
     try:
         conn.exec_driver_sql("ROLLBACK")
-    except _DB_ERRORS:
+    except DRIVER_ERRORS:
         conn.invalidate()
 
 
@@ -221,24 +222,25 @@ class Database:
         return self.config.name
 
     @contextmanager
-    def _translated(self) -> Iterator[None]:
+    def translated(self) -> Iterator[None]:
+        """Raise a driver error inside as metafora's (:func:`translate_error`)."""
         try:
             yield
         except MetaforaError:
             raise
-        except _DB_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             raise translate_error(exc, self.config) from exc
 
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """A connection for one logical write (see the module docstring)."""
-        with self._writer, self._translated(), self._write_engine.begin() as conn:
+        with self._writer, self.translated(), self._write_engine.begin() as conn:
             yield conn
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A connection in a transaction for several statements."""
-        with self._writer, self._translated(), self.engine.begin() as conn:
+        with self._writer, self.translated(), self.engine.begin() as conn:
             yield conn
 
     @contextmanager
@@ -254,7 +256,7 @@ class Database:
             with self.transaction() as conn:
                 yield conn
         elif self.config.kind == "postgresql":
-            with self._translated(), self._write_engine.connect() as conn:
+            with self.translated(), self._write_engine.connect() as conn:
                 conn.exec_driver_sql(_BEGIN_BOUNDED.format(ms=_millis(timeout)))
                 try:
                     yield conn
@@ -274,7 +276,7 @@ class Database:
                 f"the store {self.name} is busy: no write lock within {timeout:.2f}s"
             )
         try:
-            with self._translated(), self.engine.connect() as conn:
+            with self.translated(), self.engine.connect() as conn:
                 # The connection's own busy_timeout bounds the wait already when it is shorter
                 # (the usual case: a lease has far more left): two PRAGMAs per write saved.
                 shorter = timeout < self.config.busy_timeout
@@ -295,7 +297,7 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Connection]:
         """A connection for reads in autocommit."""
-        with self._translated(), self._read_engine.connect() as conn:
+        with self.translated(), self._read_engine.connect() as conn:
             yield conn
 
     def driver_sql(self, name: str) -> tuple[str, tuple[str, ...] | None]:
@@ -316,7 +318,7 @@ class Database:
         a broken connection is thrown away with the rest of its pool.
         """
         sqlite = self.config.kind == "sqlite"
-        with self._writer, self._translated():
+        with self._writer, self.translated():
             fairy: PoolProxiedConnection = self._write_engine.raw_connection()
             try:
                 cursor = fairy.cursor()

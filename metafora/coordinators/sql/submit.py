@@ -15,18 +15,16 @@ and the async client (:mod:`metafora.aio`) drive the same steps, so no SQL is wr
 
 from __future__ import annotations
 
-import sqlite3
 import weakref
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from metafora import bulk
 from metafora.coordinators.sql.statements import BATCH
-from metafora.coordinators.sql.store import Database, task_params, translate_error
+from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
 from metafora.errors import ConfigError, MetaforaError, TaskExists
 from metafora.submitting import IfExists
 from metafora.task import Task
@@ -192,11 +190,8 @@ def translate(exc: BaseException, db: Database) -> MetaforaError:
     return translate_error(exc, db.config)
 
 
-_DRIVER_ERRORS: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, sqlite3.Error)
 try:
     import psycopg
-
-    _DRIVER_ERRORS += (psycopg.Error,)
 except ImportError:  # pragma: no cover - depends on the installation
     psycopg = None  # type: ignore[assignment]
 
@@ -262,7 +257,7 @@ def run_steps(conn: Any, db: Database, steps: Steps[int]) -> int:
         return int(done.value)
     except TaskExists:
         raise
-    except _DRIVER_ERRORS as exc:
+    except DRIVER_ERRORS as exc:
         raise translate(exc, db) from exc
 
 
@@ -316,5 +311,5 @@ async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
         return done.value  # type: ignore[no-any-return]
     except TaskExists:
         raise
-    except _DRIVER_ERRORS as exc:
+    except DRIVER_ERRORS as exc:
         raise translate(exc, db) from exc

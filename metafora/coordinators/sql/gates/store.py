@@ -36,8 +36,8 @@ the gate is done, and an orphan that already died that way ``max_deaths`` claims
 fails for good ("process died while processing"): a poison item cannot stall its partition
 or keep killing nodes.
 
-Driver errors are translated at this boundary with the SQL coordinator's
-:func:`~metafora.coordinators.sql.shared.translate_error` (CoordinatorUnavailable,
+Driver errors are translated at this boundary by the database handle the SQL coordinator
+uses too (:meth:`~metafora.coordinators.sql.store.Database.translated`: CoordinatorUnavailable,
 StoreError).
 """
 
@@ -51,7 +51,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy import exc as sa_exc
 
 from metafora.backends import default_url
 from metafora.config import parse_store_url
@@ -66,7 +65,7 @@ from metafora.coordinators.sql.gates.statements import ITEM_COLUMNS, ITEMS, owne
 from metafora.coordinators.sql.gates.wakeups import hub_for, items_channel
 from metafora.coordinators.sql.options import SQLConfig, parse_config
 from metafora.coordinators.sql.shared import database_of, is_postgres, listen
-from metafora.coordinators.sql.store import Database, translate_error
+from metafora.coordinators.sql.store import Database
 from metafora.errors import ConfigError, MetaforaError
 from metafora.gates.model import (
     GateError,
@@ -91,13 +90,6 @@ log = logging.getLogger(__name__)
 
 _IN_CHUNK = 500
 """Partitions per statement of :meth:`SQLItemStore.delete_partitions` (bound parameters)."""
-
-try:  # psycopg is optional (PostgreSQL only)
-    import psycopg
-
-    _DRIVER_ERRORS: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
-except ImportError:  # pragma: no cover - depends on the installation
-    _DRIVER_ERRORS = (sa_exc.SQLAlchemyError,)
 
 class SQLItemStore(ItemStore):
     """Items of gated partitions in a SQL database (SQLite or PostgreSQL): what
@@ -165,14 +157,6 @@ class SQLItemStore(ItemStore):
         if self._closed:
             raise MetaforaError(f"the item store on {self.name} is closed")
 
-    @contextmanager
-    def _translated(self) -> Iterator[None]:
-        try:
-            yield
-        except MetaforaError:
-            raise
-        except _DRIVER_ERRORS as exc:
-            raise translate_error(exc, self._config) from exc
 
     def ensure_schema(self, conn: Connection | None = None) -> None:
         """Create or upgrade the item tables (once per store object; cheap afterwards).
@@ -184,7 +168,7 @@ class SQLItemStore(ItemStore):
         if self._schema_ready:
             return
         if conn is not None:
-            with self._translated():
+            with self._db.translated():
                 version = current_version(conn)
                 check_version(version, self.name)
                 if version < GATES_SCHEMA_VERSION:
@@ -212,7 +196,7 @@ class SQLItemStore(ItemStore):
             with self._db.transaction() as own:
                 yield own
         else:
-            with self._translated():
+            with self._db.translated():
                 yield conn
 
     def owner_statements(self, claim_fence: bool) -> dict[str, TextClause]:
