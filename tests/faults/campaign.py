@@ -468,19 +468,25 @@ class Campaign:
         states = {i.id: i.state for i in self.client.tasks()}
         return all(states.get(t) in _FINISH_STATES for t in wanted)
 
+    def _survivor_died(self) -> bool:
+        """Whether a consumer the campaign never killed has exited: the survivor check fails
+        the scenario, and its pinned recovery task and open runs would only be waited out."""
+        assert self.fleet is not None
+        return any(not self.fleet.procs[n].is_alive() for n in self.fleet.survivors())
+
     def _wait_finished(self) -> None:
         """Wait for the real tasks, then (briefly) for the malformed ones; verdicts come later."""
         real = [t for t, want in self.expected.items() if want == "done"]
         with contextlib.suppress(AssertionError):
-            poll(lambda: self._finished(real), self.size.deadline, "every task to finish",
-                 every=0.25)
+            poll(lambda: self._finished(real) or self._survivor_died(), self.size.deadline,
+                 "every task to finish", every=0.25)
         with contextlib.suppress(AssertionError):
-            poll(lambda: self._finished(list(self.expected)), _MALFORMED_GRACE,
-                 "the malformed tasks to finish", every=0.25)
+            poll(lambda: self._finished(list(self.expected)) or self._survivor_died(),
+                 _MALFORMED_GRACE, "the malformed tasks to finish", every=0.25)
 
     def _wait_runs_ended(self) -> None:
         with contextlib.suppress(AssertionError):
-            poll(lambda: not self._open_runs(), 30, "every run to end")
+            poll(lambda: not self._open_runs() or self._survivor_died(), 30, "every run to end")
 
     def _check_nodes(self) -> None:
         """Survivors must still run (never restarted) and be registered."""

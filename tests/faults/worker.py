@@ -13,8 +13,11 @@ controls (each shows that one checker fires; never used outside tests/faults/):
   a cut goes unnoticed.
 - ``lose``: tasks whose id ends in ``3`` are reported done without their handler running.
 - ``quiet_malformed``: malformed commands are dropped without the log line.
-- ``fragile``: the first consumer (``n1``) exits when its store is unreachable (instead of
-  riding it out; the others carry the load on).
+- ``fragile``: the first consumer (``n1``) exits when its store goes away (instead of
+  riding it out; the others carry the load on): as soon as a session it holds open to the
+  store breaks (PostgreSQL only: a restart ends every session, whether or not ``n1`` runs a
+  task or its own calls fall into the short outage), or a handler's write finds the store
+  unreachable.
 - ``no_takeover``: no node claims a task that already ran on another node (expired claims
   are never taken over).
 """
@@ -30,6 +33,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from metafora import Consumer, Task, open_coordinator
 from metafora.balancers import DumbBalancer
@@ -183,6 +187,31 @@ class _Skipped(Handler):
         """Nothing to stop."""
 
 
+def _die_with_the_store(url: str) -> None:
+    """The fragile control's trigger: hold a PostgreSQL session open (connected before this
+    returns) and ``os._exit(3)`` the moment it breaks.
+
+    Its handlers' writes alone made the control flaky: a restart lasts well under a second,
+    and ``n1`` often ran no task then, or its pool had reconnected before its next write, so
+    it rode the restart out and the survivor check had nothing to catch. Every restart
+    (SIGQUIT to the postmaster) ends every session, so this one breaks every time.
+    """
+    import psycopg
+
+    parts = urlsplit(url)  # the store URL less metafora's own query options
+    conn = psycopg.connect(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")),
+                           autocommit=True, connect_timeout=10)
+
+    def watch() -> None:
+        try:
+            while True:
+                conn.execute("SELECT pg_sleep(3600)")
+        except psycopg.Error:
+            os._exit(3)  # gone with its store
+
+    threading.Thread(target=watch, name="fragile-watch", daemon=True).start()
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """A consumer process: run until SIGTERM; log warnings to ``spec.log``."""
     level = os.environ.get("METAFORA_FAULTS_LOG", "INFO").upper()  # DEBUG to trace a failure
@@ -199,6 +228,12 @@ def worker_main(spec: WorkerSpec) -> None:
         for log_handler in logging.getLogger().handlers:
             log_handler.addFilter(lambda record: "malformed command" not in record.getMessage())
 
+    fragile = broken == "fragile" and spec.node == "n1"
+    if fragile:
+        if not spec.url.startswith("postgresql"):
+            raise ValueError("the fragile control runs on PostgreSQL only")
+        _die_with_the_store(spec.url)
+
     def make(task: Task) -> Handler:
         if broken == "lose" and task.id.endswith("3"):
             return _Skipped()  # done without running: the lost-task control
@@ -207,7 +242,7 @@ def worker_main(spec: WorkerSpec) -> None:
         return LedgerHandler(task, spec.node, ledger, store, spec.write_every,
                              deaf=broken in ("unfenced", "no_self_fence"),
                              unheard=broken == "no_self_fence",
-                             fragile=broken == "fragile" and spec.node == "n1")
+                             fragile=fragile)
 
     # The campaign kills nodes on purpose: the tasks they held are victims, not poison, so
     # the crash limit (tested in tests/integration/test_crash_loops.py) is off here.
