@@ -77,6 +77,13 @@ READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
 }
 
 
+def _settings() -> dict[str, str]:
+    """The benchmarks' size and mode variables of this run (the command line does not show
+    them; no URL, which could carry a password)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_"))}
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True,
                           text=True).stdout.strip()
@@ -123,6 +130,9 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
                 shutil.copy2(source, tree / "benchmarks" / source.name)
             sides = {"base": tree, "head": ROOT}
             runs: dict[str, list[Figures]] = {side: [] for side in sides}
+            # the machine's 1-minute load average as each run started and ended (a shared
+            # machine: the figures are only as steady as it was)
+            loads: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
             order: list[list[str]] = []
             for n in range(rounds):
                 # ABBA: base first in even rounds, head first in odd ones, so neither side always
@@ -133,7 +143,9 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
                     root = sides[side]
                     out = Path(tmp) / side
                     out.mkdir(exist_ok=True)
+                    start = os.getloadavg()[0]
                     runs[side].append(_run_side(name, root, out, quick, stores))
+                    loads[side].append((start, os.getloadavg()[0]))
                     print(f"{name} round {n + 1}/{rounds} {side}: "
                           + ", ".join(f"{k} {v:,.2f}" for k, v in runs[side][-1].items()), flush=True)
         finally:
@@ -145,7 +157,8 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
     table(f"{name}, head vs {base} ({commit[:10]}), medians of {rounds} rounds"
           + (" (quick)" if quick else ""), ("figure", "base", "head", "head / base"), rows)
     data = {"name": name, "base": base, "base_commit": commit, "head_commit": _git("rev-parse", "HEAD"),
-            "rounds": rounds, "order": order, "quick": quick, "runs": runs,
+            "rounds": rounds, "order": order, "quick": quick, "settings": _settings(),
+            "runs": runs, "load_average": loads,
             "results": {k: {"base": b, "head": h, "ratio": r} for k, b, h, r in rows}}
     save(save_as or f"ab_{name}", data)
     return data
