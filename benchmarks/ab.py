@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -77,11 +78,18 @@ READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
 }
 
 
+def _median(values: list[float]) -> float:
+    """The median of the runs that measured (a NaN is a run that could not, e.g. a claims
+    window with no task left in it); NaN when none did."""
+    measured = [v for v in values if not math.isnan(v)]
+    return statistics.median(measured) if measured else math.nan
+
+
 def _settings() -> dict[str, str]:
     """The benchmarks' size and mode variables of this run (the command line does not show
     them; no URL, which could carry a password)."""
     return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(("METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_"))}
+            if k.startswith(("METAFORA_CLAIMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_"))}
 
 
 def _git(*args: str) -> str:
@@ -151,7 +159,7 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
         finally:
             _git("worktree", "remove", "--force", str(tree))
             shutil.rmtree(tree, ignore_errors=True)
-    medians = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
+    medians = {side: {k: _median([r[k] for r in rs]) for k in rs[0]} for side, rs in runs.items()}
     rows = [(k, medians["base"][k], medians["head"][k], medians["head"][k] / medians["base"][k])
             for k in medians["head"] if k in medians["base"]]
     table(f"{name}, head vs {base} ({commit[:10]}), medians of {rounds} rounds"

@@ -322,6 +322,31 @@ def _idle_cluster(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _ab(data: dict[str, Any]) -> list[str]:
+    """An A/B of two revisions (``benchmarks/ab.py``): medians, each side's range, the ratio."""
+    runs, loads = data["runs"], data.get("load_average")
+    quick = ", --quick sizes" if data["quick"] else ""
+    settings = "".join(f", {k}={v}" for k, v in data.get("settings", {}).items())
+    if loads:
+        every = [x for side in loads.values() for pair in side for x in pair]
+        load = f"load average {min(every):.1f}-{max(every):.1f} on 2 cores as the runs started and ended"
+    else:
+        load = "load average not recorded"
+    out = [f"`{data['name']}`: head {data['head_commit'][:7]} against base {data['base_commit'][:7]}"
+           f" ({data['base']}), medians of {data['rounds']} rounds in ABBA order{quick}{settings};"
+           f" {load}:", ""]
+    out += header("figure", "base", "head", "head / base", "base runs (min-max)", "head runs (min-max)")
+    for figure, r in data["results"].items():
+        spread = [f"{fmt(min(x[figure] for x in runs[side]))}-{fmt(max(x[figure] for x in runs[side]))}"
+                  for side in ("base", "head")]
+        out.append(row(figure, r["base"], r["head"], f"{r['ratio']:.2f}", *spread))
+    return out
+
+
+for _name_ab in ("claims", "gates", "peers", "storm"):
+    table(f"ab_moves_{_name_ab}", command=f"python benchmarks/ab.py {_name_ab} --base 358ea26")(_ab)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
