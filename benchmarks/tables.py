@@ -343,10 +343,6 @@ def _ab(data: dict[str, Any]) -> list[str]:
     return out
 
 
-for _name_ab in ("claims", "gates", "peers", "storm"):
-    table(f"ab_moves_{_name_ab}", command=f"python benchmarks/ab.py {_name_ab} --base 358ea26")(_ab)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
