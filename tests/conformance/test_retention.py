@@ -130,6 +130,17 @@ def test_kinds_follow_their_own_retention(cluster: Cluster) -> None:
                                "sleeping"}
 
 
+def test_done_ones_go_while_killed_and_failed_ones_stay(cluster: Cluster) -> None:
+    """A done task whose state machine says killed or failed follows that kind's policy (never
+    here), not the done one's."""
+    coord = cluster.node("n1")
+    _fill(cluster, coord, 2)
+    c = cluster.client
+    c.set_retention(done="1s", failed=None, killed=None)
+    wait_until(lambda: c.prune() < 0 or not {"done-0000", "done-0001"} & _alive(cluster), timeout=10)
+    assert _alive(cluster) == {"failed", "killed", "sm-failed", "pending", "claimed", "sleeping"}
+
+
 def test_three_nodes_prune_without_a_leader(cluster: Cluster) -> None:
     nodes = [cluster.node(f"n{i}") for i in range(3)]
     finished = _fill(cluster, nodes[0], 60)
