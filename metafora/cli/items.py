@@ -34,7 +34,7 @@ from metafora.gates import (
 )
 from metafora.task import Task, validate_task_id
 
-__all__ = ["ENV_ITEMS_URL", "gate", "items"]
+__all__ = ["ENV_ITEMS_URL", "gate", "item_store", "items", "items_url_option"]
 
 ENV_ITEMS_URL = "METAFORA_ITEMS_URL"
 
@@ -45,14 +45,15 @@ _STATUS_STYLE = {
 }
 _PREVIEW = 48  # characters of data shown in the table
 
-_items_url_option = click.option(
+items_url_option = click.option(  # the commands that reach the items (also `purge`)
     "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True, callback=check_url,
     help="The SQL store holding the items, when it is not --url (e.g. with an etcd coordinator).",
 )
 
 
 @contextmanager
-def _item_store(ctx: click.Context, items_url: str | None) -> Iterator[ItemStore]:
+def item_store(ctx: click.Context, items_url: str | None) -> Iterator[ItemStore]:
+    """The item store of ``--items-url`` (else ``--url``), closed on exit."""
     store = ItemStore(items_url or settings(ctx).url)
     try:
         yield store
@@ -128,14 +129,14 @@ def _caption(info: PartitionInfo, shown: int) -> str:
 @click.option("--limit", type=click.IntRange(1), help="Show at most this many items.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"partition": {...}, "items": [...]} as JSON instead of a table.')
-@_items_url_option
+@items_url_option
 @click.pass_context
 def list_items(ctx: click.Context, partition: str, gate: int | None, status: str | None,
                limit: int | None, as_json: bool, items_url: str | None) -> None:
     """List the items of PARTITION (ordered by id): gate, status, attempts, data, error."""
     validate_task_id(partition)
     wanted = None if status is None else ItemStatus(status.lower())
-    with _item_store(ctx, items_url) as store:
+    with item_store(ctx, items_url) as store:
         info = store.info(partition)
         if not info.exists:  # not "gate 0 (open)": a typo must not look like an empty partition
             raise TaskNotFound(f"no partition {partition!r}: no items were ever added to it")
@@ -191,14 +192,14 @@ def _read_data(value: str) -> bytes:
               help="One item's data: @FILE reads a file (@- standard input), else the text. Repeatable.")
 @click.option("--submit", is_flag=True,
               help="Also submit the partition's task if it does not exist yet (on --url).")
-@_items_url_option
+@items_url_option
 @click.pass_context
 def add_items(ctx: click.Context, partition: str, gate: int, datas: tuple[str, ...], submit: bool,
               items_url: str | None) -> None:
     """Add items to PARTITION, in one transaction (refused below the partition's gate)."""
     validate_task_id(partition)
     new = [NewItem(gate, _read_data(value)) for value in datas]
-    with _item_store(ctx, items_url) as store:
+    with item_store(ctx, items_url) as store:
         ids = store.add(partition, new)
     span = str(ids[0]) if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
     click.echo(f"added {len(ids)} item(s) to partition {partition} at gate {gate} (id {span})")
@@ -213,13 +214,13 @@ def add_items(ctx: click.Context, partition: str, gate: int, datas: tuple[str, .
 
 @items.command("retry")
 @click.argument("partition")
-@_items_url_option
+@items_url_option
 @click.pass_context
 def retry_items(ctx: click.Context, partition: str, items_url: str | None) -> None:
     """Make PARTITION's failed items available again and revive its task (pending again if
     it failed; resumed now if it is backing off)."""
     validate_task_id(partition)
-    with _item_store(ctx, items_url) as store, store_client(ctx) as client:
+    with item_store(ctx, items_url) as store, store_client(ctx) as client:
         count = retry_partition(store, partition, client)
         try:
             state: str | None = client.get_task(partition).state.value
@@ -234,11 +235,11 @@ def retry_items(ctx: click.Context, partition: str, items_url: str | None) -> No
 @click.argument("gate_number", metavar="N", type=click.IntRange(0, MAX_GATE))
 @click.option("--force", is_flag=True,
               help="Move even if items below N are still available or failed (they are skipped).")
-@_items_url_option
+@items_url_option
 @click.pass_context
 def gate(ctx: click.Context, partition: str, gate_number: int, force: bool, items_url: str | None) -> None:
     """Move PARTITION's gate to N (partitions run with manual_checkpoint wait for this)."""
     validate_task_id(partition)
-    with _item_store(ctx, items_url) as store:
+    with item_store(ctx, items_url) as store:
         old = store.set_gate(partition, gate_number, force=force)
     click.echo(f"partition {partition}: gate {old} -> {gate_number}")

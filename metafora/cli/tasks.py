@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
@@ -22,6 +23,7 @@ from metafora.cli._common import (
     scrub,
     store_client,
 )
+from metafora.cli.items import item_store, items_url_option
 from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.durations import parse_duration
 from metafora.errors import InvalidProps, InvalidTaskId
@@ -400,9 +402,15 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @click.command()
 @click.option("--older-than", type=Duration(), default="0", show_default=True, metavar="SECONDS",
               help="Only tasks finished longer ago than this (seconds, or with a unit: 90m, 7d).")
+@items_url_option
 @click.pass_context
-def purge(ctx: click.Context, older_than: timedelta) -> None:
-    """Delete done, failed and expired tasks (their history) finished before the cut-off."""
-    with store_client(ctx) as client:
+def purge(ctx: click.Context, older_than: timedelta, items_url: str | None) -> None:
+    """Delete done, failed and expired tasks (their history) finished before the cut-off,
+    and the gate items of those that were partitions (with --items-url when the items live
+    in a database of their own, as with an etcd coordinator)."""
+    with store_client(ctx) as client, ExitStack() as stack:
+        if items_url:
+            items = stack.enter_context(item_store(ctx, items_url))
+            client.prune_also(items.delete_partitions)
         count = client.purge(older_than)
     click.echo(f"purged {count} task{'' if count == 1 else 's'}")

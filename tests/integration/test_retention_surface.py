@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,3 +105,29 @@ def test_dashboard_shows_backlog_and_retention(tmp_path: Path) -> None:
         assert "retention done 7d, failed 2d, killed 30d" in page
     finally:
         app.state.dashboard.close()
+
+
+def test_purge_on_etcd_takes_the_items_of_items_url(metafora_store_url: Any) -> None:
+    """`metafora purge --items-url` deletes a purged partition's items in their SQL database."""
+    from metafora import open_client, open_coordinator
+    from metafora.gates import ItemStore, NewItem
+    from metafora.testing import RecordingContext
+
+    url, items_url = metafora_store_url("etcd"), metafora_store_url("sqlite")
+    with open_client(url) as client, ItemStore(items_url) as items:
+        client.submit_tasks([Task("job-old"), Task("job-live")])
+        items.add("job-old", [NewItem(gate=0, data=b"x")] * 3)
+        items.add("job-live", [NewItem(gate=0, data=b"y")] * 2)
+        coord = open_coordinator(url, node_id="n1")
+        try:
+            coord.init(RecordingContext())
+            claimed = coord.claim(Task("job-old"))
+            assert claimed is not None
+            coord.done(claimed)
+        finally:
+            coord.close()
+        out = CliRunner().invoke(cli, ["--url", url, "purge", "--items-url", items_url])
+        assert out.exit_code == 0 and "purged 1 task" in out.output, out.output
+        assert items.list("job-old") == []
+        assert len(items.list("job-live")) == 2
+        assert [t.id for t in client.tasks()] == ["job-live"]
