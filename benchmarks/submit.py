@@ -12,12 +12,23 @@ Issue 35 adds, on PostgreSQL and SQLite:
   and of 1,000, beside the plain client (``submit_task`` one at a time; ``submit_tasks`` of
   1,000 per call), both from one thread;
 - **the async client**: N ``submit_task`` from 50 concurrent coroutines
-  (``open_async_client``) beside the sync client from 50 threads.
+  (``open_async_client``, whose concurrent single submits share one write: group commit)
+  beside the sync client from 50 threads sharing one client (each call its own write), and
+  beside the async client's single-task write called by the same coroutines (its layers alone,
+  like with like against the threads). Both clients have the same connection pool (10 + 10
+  overflow on PostgreSQL); the async client on SQLite runs its writes on its 8 threads.
+
+The ways run in interleaved rounds (5; 3 with ``--quick``), every store's every way once a
+round, the order rotated a round; the figures are the medians (and ranges) of the rounds,
+with the load average before and after, in ``results/submit_application.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -93,27 +104,33 @@ def batched_seconds(url: str, n: int, batch: int, in_transaction: bool) -> float
     return elapsed
 
 
-def concurrent_seconds(url: str, n: int, use_async: bool) -> float:
-    """Seconds for ``n`` ``submit_task`` calls from 50 coroutines (async client) or 50
-    threads sharing one sync client."""
+def concurrent_seconds(url: str, n: int, way: str) -> float:
+    """Seconds for ``n`` ``submit_task`` calls from 50 callers: ``"sync"`` 50 threads sharing
+    one sync client; ``"async"`` 50 coroutines on one async client (its group commit);
+    ``"async_alone"`` the same coroutines each writing its own task (the async client's
+    single-task write, without the group commit: its layers alone against the threads)."""
     tasks = [Task(f"t{i:06d}", {"i": i}) for i in range(n)]
-    if not use_async:
+    if way == "sync":
         with open_client(url) as client:
             client.tasks()
             started = time.perf_counter()
             with ThreadPoolExecutor(COROUTINES) as pool:
                 for _ in pool.map(client.submit_task, tasks):
                     pass
-            return time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            assert len(client.tasks("pending")) == n
+            return elapsed
 
     async def main() -> float:
         async with open_async_client(url) as client:
             await client.tasks()
             queue = list(reversed(tasks))
+            submit = (client.submit_task if way == "async"
+                      else functools.partial(client._submit_one, mode="error"))
 
             async def worker() -> None:
                 while queue:
-                    await client.submit_task(queue.pop())
+                    await submit(queue.pop())
 
             started = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(COROUTINES)))
@@ -124,33 +141,54 @@ def concurrent_seconds(url: str, n: int, use_async: bool) -> float:
     return asyncio.run(main())
 
 
-def run_application_side(stores: Stores, quick: bool) -> list[dict[str, Any]]:
-    """Issue 35: the user's transaction (batch 1 and 1,000) and the async client (50
-    coroutines), beside the plain and the sync client, on the SQL stores."""
-    ones, thousands, concurrent = (300, 5000, 2000) if quick else (1000, 20_000, 5000)
-    rows, data = [], []
-    for kind in [k for k in stores.kinds if k in ("postgresql", "sqlite")]:
-        for batch, n in ((1, ones), (1000, thousands)):
-            plain = batched_seconds(stores.url(kind), n, batch, in_transaction=False)
-            tx = batched_seconds(stores.url(kind), n, batch, in_transaction=True)
-            rows.append((kind, f"batch of {batch:,}", n, n / plain, n / tx, f"{tx / plain - 1:+.0%}"))
-            data.append({"store": kind, "path": "transaction", "batch": batch, "tasks": n,
-                         "plain_tasks_per_s": n / plain, "transaction_tasks_per_s": n / tx})
-        # Both clients get the same pool (the default: 10 + 10 overflow), and more patience for
-        # a connection than the 5 s default (50 threads queued past it on a loaded machine).
-        opts = {"connect_timeout": 60} if kind == "postgresql" else {}
-        sync = concurrent_seconds(stores.url(kind, **opts), concurrent, use_async=False)
-        asynchronous = concurrent_seconds(stores.url(kind, **opts), concurrent, use_async=True)
-        rows.append((kind, f"{COROUTINES} concurrent", concurrent, concurrent / sync,
-                     concurrent / asynchronous, f"{sync / asynchronous:.2f}x"))
-        data.append({"store": kind, "path": "async", "concurrency": COROUTINES, "tasks": concurrent,
-                     "sync_threads_tasks_per_s": concurrent / sync,
-                     "async_tasks_per_s": concurrent / asynchronous})
-    table("the application side: plain client vs in the user's transaction (time added), "
-          f"sync client from {COROUTINES} threads vs async client from {COROUTINES} coroutines (ratio)",
-          ("store", "path", "tasks", "plain|sync tasks/s", "transaction|async tasks/s", "difference"),
-          rows)
+# The application side's cases: (path, batch or concurrency, the ways; the first is the baseline).
+CASES = (("transaction", 1, ("plain", "transaction")),
+         ("transaction", 1000, ("plain", "transaction")),
+         ("async", COROUTINES, ("sync", "async_alone", "async")))
+WAY_NAMES = {"plain": "plain client", "transaction": "in the user's transaction",
+             "sync": f"sync client, {COROUTINES} threads", "async_alone": "async client, one write a call",
+             "async": "async client (group commit)"}
+
+
+def run_application_side(stores: Stores, quick: bool, rounds: int) -> list[dict[str, Any]]:
+    """Issue 35 on the SQL stores, in ``rounds`` interleaved rounds (each round runs every
+    store's every way once, in an order rotated by one a round, so no way always runs first
+    or last on a machine whose load drifts); tasks/s per way, medians and ranges."""
+    ones, thousands, concurrent = (200, 5000, 2000) if quick else (500, 10_000, 3000)
+    sizes = {1: ones, 1000: thousands, COROUTINES: concurrent}
+    kinds = [k for k in stores.kinds if k in ("postgresql", "sqlite")]
+    runs = [(kind, path, size, way) for kind in kinds for path, size, ways in CASES for way in ways]
+    rates: dict[tuple[str, str, int, str], list[float]] = {run: [] for run in runs}
+    for r in range(rounds):
+        for kind, path, size, way in runs[r % len(runs):] + runs[:r % len(runs)]:
+            n = sizes[size]
+            if path == "transaction":
+                seconds = batched_seconds(stores.url(kind), n, size, in_transaction=way == "transaction")
+            else:
+                # Both clients get the same pool (the default: 10 + 10 overflow), and more
+                # patience for a connection than the 5 s default (50 threads queue past it on
+                # a loaded machine).
+                opts = {"connect_timeout": 60} if kind == "postgresql" else {}
+                seconds = concurrent_seconds(stores.url(kind, **opts), n, way)
+            rates[kind, path, size, way].append(n / seconds)
+    data, rows = [], []
+    for kind in kinds:
+        for path, size, ways in CASES:
+            figures = {way: _spread(rates[kind, path, size, way]) for way in ways}
+            data.append({"store": kind, "path": path, "size": size, "tasks": sizes[size],
+                         "rounds": rounds, "tasks_per_s": figures})
+            base = figures[ways[0]]["median"]
+            for way in ways[1:]:
+                label = f"batch of {size:,}" if path == "transaction" else f"{size} concurrent"
+                rows.append((kind, label, WAY_NAMES[ways[0]], base, WAY_NAMES[way],
+                             figures[way]["median"], f"{figures[way]['median'] / base:.2f}x"))
+    table(f"the application side, medians of {rounds} interleaved rounds (tasks/s)",
+          ("store", "path", "baseline", "tasks/s", "way", "tasks/s", "ratio"), rows)
     return data
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
@@ -165,7 +203,10 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
                      "single_8_threads_s": single, "single_tasks_per_s": n / single})
     table(f"submitting {n:,} tasks: submit_tasks (one call) vs submit_task from {THREADS} threads",
           ("store", "tasks", "bulk s", "bulk tasks/s", "single s", "single tasks/s", "speed-up"), rows)
-    application = run_application_side(stores, quick)
-    save("submit_application", {"quick": quick, "results": application})  # docs/benchmarks.md's table
+    load_before = os.getloadavg()
+    application = run_application_side(stores, quick, 3 if quick else 5)
+    load = {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in os.getloadavg()]}
+    # docs/benchmarks.md's table
+    save("submit_application", {"quick": quick, "load_average": load, "results": application})
     save("submit", {"quick": quick, "results": data, "application_side": application})
     return {"results": data, "application_side": application}

@@ -280,18 +280,27 @@ def _capacity(data: dict[str, Any]) -> list[str]:
 
 @table("submit_application", command="python -m benchmarks submit --stores postgresql,sqlite")
 def _submit_application(data: dict[str, Any]) -> list[str]:
-    out = header("store", "path", "tasks", "plain / sync tasks/s", "in the transaction / async tasks/s",
-                 "difference")
+    from benchmarks.submit import CASES, WAY_NAMES
+
+    load = data["load_average"]
+    out = [f"Medians of {data['results'][0]['rounds']} interleaved rounds, tasks/s (range of the"
+           f" rounds); load average (1, 5, 15 min) {', '.join(map(str, load['before']))} before,"
+           f" {', '.join(map(str, load['after']))} after.", ""]
+    out += header("store", "path", "tasks", "baseline", "tasks/s", "way", "tasks/s", "ratio")
+    ways = {(path, size): names for path, size, names in CASES}
     for v in data["results"]:
-        if v["path"] == "transaction":
-            plain, other = v["plain_tasks_per_s"], v["transaction_tasks_per_s"]
-            out.append(row(v["store"], f"batch of {v['batch']:,}", v["tasks"], plain, other,
-                           f"{plain / other - 1:+.0%} time"))
-        else:
-            sync, other = v["sync_threads_tasks_per_s"], v["async_tasks_per_s"]
-            out.append(row(v["store"], f"{v['concurrency']} concurrent", v["tasks"], sync, other,
-                           f"{other / sync:.2f}x"))
+        names = ways[v["path"], v["size"]]
+        base = v["tasks_per_s"][names[0]]
+        label = f"batch of {v['size']:,}" if v["path"] == "transaction" else f"{v['size']} concurrent"
+        for way in names[1:]:
+            got = v["tasks_per_s"][way]
+            out.append(row(v["store"], label, f"{v['tasks']:,}", WAY_NAMES[names[0]], _ranged(base),
+                           WAY_NAMES[way], _ranged(got), f"{got['median'] / base['median']:.2f}x"))
     return out
+
+
+def _ranged(figure: dict[str, float]) -> str:
+    return f"{fmt(figure['median'])} ({fmt(figure['min'])}-{fmt(figure['max'])})"
 
 
 @table("peers", command="python -m benchmarks peers --rounds 3 --systems "
