@@ -14,6 +14,11 @@ client:``). Nothing touches the store until the first call.
   (``threads`` workers, 8 unless given): their drivers have no async API worth the name
   (SQLite serializes writers anyway; etcd's gRPC client is sync).
 
+Concurrent ``submit_task`` calls share one write (group commit, :class:`_Coalescer`): while
+one write is in flight the calls that arrive queue, and the next write carries them all
+(PostgreSQL: one multi-row INSERT, one wake-up and one commit; the other stores one
+``submit_tasks`` batch on a worker thread). A lone call is written at once, alone, as before.
+
 ``conn=`` (SQLite and PostgreSQL stores): the application's async transaction -- a SQLAlchemy
 ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection`` -- in which the
 tasks are written, existing only if it commits (docs/submit.md).
