@@ -6,6 +6,7 @@ async transaction (SQLAlchemy ``AsyncConnection`` / ``AsyncSession``, psycopg
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -20,6 +21,7 @@ from metafora import Task, TaskState, commands, open_async_client, open_client, 
 from metafora.aio import AsyncClient, PostgresAsyncClient, ThreadedAsyncClient
 from metafora.errors import (
     ConfigError,
+    CoordinatorUnavailable,
     InvalidTaskState,
     LimitNotFound,
     NodeNotFound,
@@ -183,6 +185,32 @@ def test_concurrent_submits_share_writes_and_each_caller_learns_its_own_outcome(
             assert [outcome[n] for n in (0, 1, 3, 4)] == [True] * 4
             assert sorted(i.id for i in await client.tasks() if i.id.startswith("q-")) == [
                 "q-0", "q-1", "q-3", "q-4"]
+
+    asyncio.run(body())
+
+
+def test_a_failed_shared_write_gives_each_caller_an_error(metafora_store_url: Callable[[str], str]) -> None:
+    """SQLite held by another writer past the busy timeout: the shared write fails, its tasks
+    are tried one by one, and every caller gets its error (none waits forever, none is added);
+    once the lock is gone the same submits succeed."""
+    url = metafora_store_url("sqlite")
+    path = url.removeprefix("sqlite:///")
+
+    async def body() -> None:
+        async with open_async_client(f"{url}?busy_timeout=0.2") as client:
+            await client.tasks()  # the schema, before the lock
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")  # another process's write transaction
+            try:
+                got = await asyncio.gather(*(client.submit_task(Task(f"f-{n}")) for n in range(5)),
+                                           return_exceptions=True)
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            assert all(isinstance(r, CoordinatorUnavailable) for r in got), got
+            assert await client.tasks() == []
+            again = await asyncio.gather(*(client.submit_task(Task(f"f-{n}")) for n in range(5)))
+            assert again == [True] * 5
 
     asyncio.run(body())
 
