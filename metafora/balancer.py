@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -10,7 +12,7 @@ from datetime import datetime
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.task import Task
 
-__all__ = ["Balancer", "BalancerContext", "ClusterState", "RunningTask"]
+__all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,17 @@ class ClusterState(abc.ABC):
         """
         return {}
 
+    def published_task_count(self) -> dict[str, int]:
+        """Like :meth:`active_task_count`, from what each node published of itself (one
+        record per node, a moment late) where the store keeps that: a read whose cost follows
+        the nodes, not the tasks held. This default answers :meth:`active_task_count`.
+
+        The claimable count that follows (:meth:`claimable_count`) may be capped. Balancers
+        use it to decide *whether* to look closer (an idle cluster is even, and reading the
+        claims every balance grew with the tasks held), never to decide what to move.
+        """
+        return self.active_task_count()
+
     def claimable_count(self) -> int | None:
         """How many tasks were claimable in the whole store at the last count read, or None
         when the store does not say (this default).
@@ -94,6 +107,30 @@ class ClusterState(abc.ABC):
         return frozenset()
 
 
+class RecentRuns:
+    """How long this node's last tasks ran: the consumer adds each finished run, balancers
+    read (a bounded ring; appends and copies are safe across threads).
+
+    What it tells a balancer: when tasks end quickly, completion evens the cluster on its
+    own and refusing offers only slows it; when tasks run long, a move is the costly event.
+    """
+
+    def __init__(self, size: int = 16, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._runs: deque[tuple[float, float]] = deque(maxlen=size)  # (monotonic end, seconds)
+        self._clock = clock
+
+    def add(self, seconds: float) -> None:
+        """A task ran ``seconds`` (from its start to its handler's return) and ended now."""
+        self._runs.append((self._clock.monotonic(), max(0.0, seconds)))
+
+    def recent(self, within: float) -> tuple[int, float | None]:
+        """(how many of the kept runs ended in the last ``within`` seconds, their median
+        run time or None when none did)."""
+        since = self._clock.monotonic() - within
+        times = [ran for end, ran in list(self._runs) if end >= since]
+        return len(times), (statistics.median(times) if times else None)
+
+
 @dataclass
 class BalancerContext:
     """Handed to ``Balancer.init``: the node, its running tasks, the cluster, a clock."""
@@ -104,6 +141,7 @@ class BalancerContext:
     clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
     count_source: Callable[[], int] | None = field(default=None, repr=False)
     claimable_source: Callable[[], int] | None = field(default=None, repr=False)
+    runs: RecentRuns | None = field(default=None, repr=False)  # None: the consumer does not say
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext, RunningTask
+from metafora.balancer import BalancerContext, ClusterState, RunningTask
 from metafora.balancers._base import ContextBalancer
 from metafora.balancers.shares import (
     DEFAULT_BAND,
@@ -29,15 +29,23 @@ from metafora.errors import ConfigError
 from metafora.node import capacity_or_none
 from metafora.task import Task, matches
 
-__all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG", "FairBalancer"]
+__all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_SHORT_RUN", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG",
+           "FairBalancer"]
 
 logger = logging.getLogger(__name__)
 
 _REFUSED_KEEP = timedelta(seconds=60)  # how long a first refusal is remembered past its ignore
 _REFUSED_PRUNE_AT = 1024  # prune remembered refusals once there are this many
 DEFAULT_FAIR_THRESHOLD = 1.1  # above 110 % of its share a node gives back (the band's edge)
-DEFAULT_WARMUP = 3.0  # seconds a node waits for its peers to register on a cold start
-DEFAULT_WARMUP_BACKLOG = 100  # a cold start with fewer claimable tasks does not wait
+DEFAULT_WARMUP = 3.0  # seconds the membership must hold still before a cold start claims its share
+DEFAULT_WARMUP_BACKLOG = 100  # a cold start with less work does not wait
+DEFAULT_SHORT_RUN = 1.0  # tasks whose runs end faster than this are short (see _short)
+_WARMUP_MAX = 4  # a cold start never waits more than this many warmups in all
+_PROBE = 200  # a cold node may hold 1/_PROBE of the work while it waits (at least one task)
+_COLD_HELD = 10  # while the cluster holds less than 1/_COLD_HELD of its work, a start is cold
+_SHORT_MIN_RUNS = 8  # short-task mode needs this many runs ended in the last window
+_SHORT_WINDOW = 10  # the window, in short_run units
+_SHORT_RECHECK = 0.25  # seconds a short-mode verdict is kept
 MAX_REFUSALS = 5  # refuse_for periods an offer may wait for a lighter node before it is taken
 _SelectorKey = tuple[tuple[str, str], ...]
 
@@ -69,6 +77,15 @@ class _Pool:
 
 
 @dataclass
+class _ColdStart:
+    """A cold start in progress: when it began, the members seen last and since when."""
+
+    began: float  # monotonic
+    members: frozenset[str]
+    quiet_since: float  # monotonic time of the last change of ``members``
+
+
+@dataclass
 class _Snapshot:
     """One read of the cluster: counts, weights, frozen nodes (labels on first need)."""
 
@@ -80,6 +97,7 @@ class _Snapshot:
     labels: dict[str, dict[str, str]] | None = None
     pools: dict[_SelectorKey, _Pool] = field(default_factory=dict)
     capacities: dict[str, int] = field(default_factory=dict)  # published capacities
+    published: bool = False  # counts the nodes published (a moment late), not the claims
 
     def capacity(self, node: str) -> int | None:
         """The most tasks ``node`` said it can run (None: no bound, or not a valid number)."""
@@ -156,12 +174,21 @@ class FairBalancer(ContextBalancer):
     claims it rather than leave it waiting. A node alone among the task's peers never
     refuses.
 
-    **Cold start** (``warmup``, ``warmup_backlog``): when nobody holds anything and at least
-    ``warmup_backlog`` tasks are claimable, a node that started less than ``warmup`` seconds
-    ago claims nothing yet, so the nodes started with it register and each claims only its
-    share: the whole cluster started together claims each task once (Kafka delays a new
-    group's first rebalance the same way; Metafora slept after each claim). A node joining a
-    running cluster, or a small backlog, does not wait.
+    **Cold start** (``warmup``, ``warmup_backlog``): while the cluster holds less than a
+    tenth of its work and at least ``warmup_backlog`` tasks are to share, a node that just
+    started claims only a probe (1/200 of the work, at least one task) until the membership
+    it sees has held still for ``warmup`` seconds (never more than four ``warmup`` in all):
+    the nodes started with it register meanwhile and each then claims only its share, so a
+    cluster started together claims each task once (Kafka delays a new group's first
+    rebalance the same way; Metafora slept after each claim). A node joining a running
+    cluster, or a small backlog, does not wait; nor does a node whose tasks are short.
+
+    **Short tasks** (``short_run``): when the node's tasks end quickly (the median of at
+    least 8 runs ended in the last ``10 * short_run`` seconds is under ``short_run``, and
+    at most a quarter of what it runs is older than that window), completion evens the
+    cluster on its own and refusing offers only slows it: the node claims every offer it has
+    room for and releases nothing, at no store read. Its probe at a cold start is what
+    tells it. Long tasks keep every rule below; a move is their costly event.
 
     **Releasing** (:meth:`balance`, see :func:`~metafora.balancers.shares.release_plan`): a
     node above ``threshold`` times its exact share gives back down to
@@ -185,7 +212,10 @@ class FairBalancer(ContextBalancer):
 
     Counts, weights and frozen nodes are one snapshot: :meth:`can_claim` reuses it (and the
     labels, read only for tasks with a selector) for up to ``counts_ttl`` seconds (0
-    re-reads every time); :meth:`balance` always re-reads. Errors from the store propagate
+    re-reads every time). :meth:`balance` first reads the counts the nodes published
+    (``ClusterState.published_task_count``, one record per node): when they show nothing to
+    release, it stops there, so an idle, even cluster reads no claims; otherwise it reads the
+    exact counts and decides on those. Errors from the store propagate
     to the caller. ``clock`` defaults to the context's; durations are seconds or timedeltas.
     """
 
@@ -203,6 +233,7 @@ class FairBalancer(ContextBalancer):
         both_sides: bool = True,
         warmup: float | timedelta = DEFAULT_WARMUP,
         warmup_backlog: int = DEFAULT_WARMUP_BACKLOG,
+        short_run: float | timedelta = DEFAULT_SHORT_RUN,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -216,7 +247,9 @@ class FairBalancer(ContextBalancer):
         self._both_sides = bool(both_sides)
         self._warmup = seconds(warmup, "warmup", allow_zero=True)
         self._warmup_backlog = _count(warmup_backlog, "FairBalancer warmup_backlog", minimum=0)
-        self._warm_until: float | None = None  # monotonic end of the cold-start wait
+        self._short_run = seconds(short_run, "short_run", allow_zero=True)
+        self._cold: _ColdStart | None = None  # a cold start in progress
+        self._short_seen: tuple[float, bool] | None = None  # (monotonic, short) last verdict
         self._claim_delay = timedelta(seconds=seconds(claim_delay, "claim_delay", allow_zero=True))
         self._refuse_for = timedelta(seconds=seconds(refuse_for, "refuse_for", allow_zero=True))
         self._counts_ttl = seconds(counts_ttl, "counts_ttl", allow_zero=True)
@@ -259,7 +292,10 @@ class FairBalancer(ContextBalancer):
         super().init(ctx)
         _, clock = self._context("init")
         with self._lock:
-            self._warm_until = clock.monotonic() + self._warmup if self._warmup > 0 else None
+            mono = clock.monotonic()
+            self._cold = (_ColdStart(mono, frozenset({ctx.node_id}), mono)
+                          if self._warmup > 0 else None)
+            self._short_seen = None
             self._refuse_until = None
             self._joined = False
             self._refused.clear()
@@ -310,9 +346,13 @@ class FairBalancer(ContextBalancer):
         """Claim unless warming up, just released, or above the share while a lighter node
         may take the task (see the class docstring)."""
         ctx, clock = self._context("can_claim")
+        if self._short(ctx, clock):
+            return True, None  # completion evens the cluster (see the class docstring)
         snap = self._snapshot(ctx, clock, fresh=False, selector=task.selector)
         now = clock.now()
         wait, ended = self._warming(ctx, clock, snap)
+        if wait == 0.0:
+            return True, None  # the cold start's probe
         if wait is not None:
             return False, now + timedelta(seconds=wait)
         if ended:  # peers registered during the wait: count them
@@ -362,7 +402,8 @@ class FairBalancer(ContextBalancer):
             joined, self._joined = self._joined, False
             if self._refuse_until is not None and now < self._refuse_until and not joined:
                 return []  # released tasks are still finding new owners; counts are in flux
-        snap = self._snapshot(ctx, clock, fresh=True, selector={})
+        if self._short(ctx, clock):
+            return []  # short tasks: completion evens the cluster, a release only costs
         held = ctx.task_count()
         live = [rt for rt in ctx.tasks() if rt.stopped is None]
         # One group per selector (one group, every node a peer, when no task has one).
@@ -370,6 +411,27 @@ class FairBalancer(ContextBalancer):
         for rt in live:
             if not self._young(rt, now):
                 groups.setdefault(tuple(sorted(rt.task.selector.items())), []).append(rt)
+        if not groups:
+            return []
+        # The published counts first (one record per node): nothing to release on them, and
+        # the claims are not read at all; something to release, and the exact counts decide.
+        snap = self._snapshot(ctx, clock, fresh=True, selector={}, published=True)
+        chosen, why = self._plan(ctx, snap, held, live, groups)
+        if chosen and snap.published:
+            snap = self._snapshot(ctx, clock, fresh=True, selector={})
+            chosen, why = self._plan(ctx, snap, held, live, groups)
+        if not chosen:
+            return []
+        with self._lock:
+            self._refuse_until = now + self._claim_delay
+        logger.info("releasing %d of %d tasks: holding %d; %s", len(chosen), len(live), held,
+                    ", ".join(f"{s.node_id} {s.held}/{s.exact:.1f}" for s in why),
+                    extra={"node_id": ctx.node_id, "released": len(chosen)})
+        return chosen
+
+    def _plan(self, ctx: BalancerContext, snap: _Snapshot, held: int, live: list[RunningTask],
+              groups: dict[_SelectorKey, list[RunningTask]]) -> tuple[list[str], tuple[Standing, ...]]:
+        """(ids to release on ``snap``'s counts, the standings that say why)."""
         if any(groups) and snap.labels is None:
             snap.labels = dict(ctx.cluster_state.node_labels())
         chosen: list[str] = []
@@ -388,14 +450,7 @@ class FairBalancer(ContextBalancer):
                 chosen += [rt.id for rt in self._rng.sample(groups[key], excess)]
                 why = tuple(s for s in group
                             if s.node_id == ctx.node_id or s.node_id in plan.under)
-        if not chosen:
-            return []
-        with self._lock:
-            self._refuse_until = now + self._claim_delay
-        logger.info("releasing %d of %d tasks: holding %d; %s", len(chosen), len(live), held,
-                    ", ".join(f"{s.node_id} {s.held}/{s.exact:.1f}" for s in why),
-                    extra={"node_id": ctx.node_id, "released": len(chosen)})
-        return chosen
+        return chosen, why
 
     def nodes_changed(self, left: bool) -> None:
         """Forget the cached snapshot; when a node left, stop refusing claims after a release.
@@ -410,6 +465,9 @@ class FairBalancer(ContextBalancer):
         with self._lock:
             self._snap = None
             self._joined = self._joined or not left
+            if self._cold is not None and not left:
+                # A cold start waits for the membership to hold still: this is a change.
+                self._cold.quiet_since = self._context("nodes_changed")[1].monotonic()
             if left:
                 if self._refuse_until is not None:
                     logger.debug("a node left: no longer refusing claims after the last release")
@@ -421,26 +479,55 @@ class FairBalancer(ContextBalancer):
 
     def _warming(self, ctx: BalancerContext, clock: Clock,
                  snap: _Snapshot) -> tuple[float | None, bool]:
-        """(seconds left of the cold-start wait or None, whether the wait just ended).
-
-        On a cold start -- nobody holds anything and at least ``warmup_backlog`` tasks are
-        claimable -- a node claims nothing for ``warmup`` seconds after it started, so the
-        nodes starting with it register first and every node claims only its share (Kafka
-        delays a new group's first rebalance the same way). A node that finds work already
-        held (it joins a running cluster) or a small backlog does not wait.
-        """
+        """(seconds left of the cold-start wait, 0.0 to claim as the probe, or None; whether
+        the wait just ended). See the class docstring's "Cold start"."""
         with self._lock:
-            end = self._warm_until
-        if end is None:
-            return None, False
-        mono = clock.monotonic()
+            cold = self._cold
+            if cold is None:
+                return None, False
+            mono = clock.monotonic()
+            members = frozenset(snap.counts) | {ctx.node_id}
+            if members != cold.members:
+                cold.members, cold.quiet_since = members, mono
+            end = min(cold.quiet_since + self._warmup, cold.began + _WARMUP_MAX * self._warmup)
+        held = ctx.task_count()
+        cluster_held = held + sum(max(0, int(n)) for node, n in snap.counts.items()
+                                  if node != ctx.node_id)
         claimable = snap.claimable if snap.claimable is not None else ctx.claimable_count()
-        cold = not any(snap.counts.values()) and (claimable or 0) >= self._warmup_backlog
-        if mono < end and cold and self._warmup_backlog > 0:
+        work = cluster_held + max(0, claimable or 0)
+        if (mono < end and work >= max(1, self._warmup_backlog)
+                and cluster_held * _COLD_HELD < work):
+            if held < max(1, work // _PROBE):
+                return 0.0, False
             return end - mono, False
         with self._lock:
-            self._warm_until = None
+            self._cold = None
         return None, mono >= end
+
+    def _short(self, ctx: BalancerContext, clock: Clock) -> bool:
+        """Whether this node runs short tasks now (see the class docstring's "Short tasks");
+        the verdict is kept a quarter of a second."""
+        runs = ctx.runs
+        if runs is None or self._short_run <= 0:
+            return False
+        mono = clock.monotonic()
+        with self._lock:
+            seen = self._short_seen
+        if seen is not None and mono - seen[0] < _SHORT_RECHECK:
+            return seen[1]
+        window = _SHORT_WINDOW * self._short_run
+        count, median = runs.recent(window)
+        short = count >= _SHORT_MIN_RUNS and median is not None and median < self._short_run
+        if short:
+            now = clock.now()
+            running = [rt for rt in ctx.tasks() if rt.stopped is None]
+            old = sum(1 for rt in running if (now - rt.started).total_seconds() > window)
+            short = 4 * old <= len(running)
+        with self._lock:
+            if short and self._cold is not None:
+                self._cold = None  # nothing to wait for: completion evens short tasks
+            self._short_seen = (mono, short)
+        return short
 
     def _work(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool, held: int) -> int | None:
         """The work this node and its peers share: what they hold plus what is claimable.
@@ -481,21 +568,27 @@ class FairBalancer(ContextBalancer):
         return held >= mine.share + slack, room
 
     def _snapshot(self, ctx: BalancerContext, clock: Clock, *, fresh: bool,
-                  selector: Mapping[str, str]) -> _Snapshot:
+                  selector: Mapping[str, str], published: bool = False) -> _Snapshot:
         """The cached snapshot, re-read when ``fresh`` or older than ``counts_ttl``; with
-        the labels when ``selector`` needs them."""
+        the labels when ``selector`` needs them. ``published``: read the counts the nodes
+        published instead of the claims (never cached: see :meth:`balance`)."""
         mono = clock.monotonic()
         with self._lock:
             snap = self._snap
         if fresh or snap is None or mono - snap.at >= self._counts_ttl:
             state = ctx.cluster_state
-            counts = dict(state.active_task_count())
+            # A store whose published counts are its exact ones (the default) reads once.
+            published = published and (type(state).published_task_count
+                                       is not ClusterState.published_task_count)
+            counts = dict(state.published_task_count() if published
+                          else state.active_task_count())
             claimable = state.claimable_count()  # from the same read as the counts
             snap = _Snapshot(mono, counts, dict(state.node_weights()), state.frozen_nodes(),
                              None if claimable is None else max(0, int(claimable)),
-                             capacities=dict(state.node_capacities()))
-            with self._lock:
-                self._snap = snap
+                             capacities=dict(state.node_capacities()), published=published)
+            if not published:
+                with self._lock:
+                    self._snap = snap
         if selector and snap.labels is None:
             snap.labels = dict(ctx.cluster_state.node_labels())
         return snap
@@ -523,7 +616,8 @@ class FairBalancer(ContextBalancer):
             f"FairBalancer(threshold={self._threshold!r}, "
             f"claim_delay={self._claim_delay.total_seconds()!r}, "
             f"refuse_for={self._refuse_for.total_seconds()!r}, band={self._band!r}, "
-            f"slack={self._slack!r}, max_releases={self._max_releases!r})"
+            f"slack={self._slack!r}, max_releases={self._max_releases!r}, "
+            f"warmup={self._warmup!r}, short_run={self._short_run!r})"
         )
 
 

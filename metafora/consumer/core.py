@@ -29,7 +29,7 @@ from typing import Any
 
 from metafora import commands as cmds
 from metafora import tracing
-from metafora.balancer import Balancer, BalancerContext, RunningTask
+from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask
 from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
@@ -194,6 +194,7 @@ class Consumer:
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
+        self._runs = RecentRuns(clock=self._clock)  # finished runs' times, for the balancer
         self._rng = rng or random.Random()
         self._build_parts()
 
@@ -346,7 +347,8 @@ class Consumer:
         try:
             self._start_http()
             self._balancer.init(
-                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count)
+                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count,
+                                runs=self._runs)
             )
             self._supervisor.start("outcomes", self._finisher.writer.run)
             self._supervisor.start("watch", self._watch)
@@ -467,8 +469,11 @@ class Consumer:
                 self._balancing.members_changed()
             elif event is Signal.ROOM or isinstance(event, Finished):
                 room = True  # once per drain, not once per finished task
-                if isinstance(event, Finished) and event.task.group is not None:
-                    self._offers.group_freed(event.task.group)
+                if isinstance(event, Finished):
+                    if event.ran is not None:
+                        self._runs.add(event.ran)
+                    if event.task.group is not None:
+                        self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
         self._offers.offer_wave(offers)

@@ -35,6 +35,7 @@ class Finished(NamedTuple):
 
     task: Task
     outcome: Outcome
+    ran: float | None = None  # seconds the handler ran (None: it never returned)
 
 
 class Signal(enum.Enum):

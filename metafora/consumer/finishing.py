@@ -68,6 +68,7 @@ class Finisher:
         self._finishing: set[Running] = set()  # returned, outcome not written yet
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
         # Handlers' outcomes are group-committed by one writer thread.
+        self._clock = clock
         self.writer = OutcomeWriter(coordinator, retry_max=FINISH_RETRY_MAX, clock=clock,
                                     on_retry=self._outcome_retry)
 
@@ -90,6 +91,8 @@ class Finisher:
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
+        # How long it ran: balancers tell short tasks from long ones by it (RecentRuns).
+        entry.ran = (self._clock.now() - entry.started).total_seconds()
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]
@@ -154,7 +157,7 @@ class Finisher:
             self._finishing.discard(entry)
         entry.finished.set()
         if not self._stopping.is_set():
-            self._post(Finished(entry.task, outcome))
+            self._post(Finished(entry.task, outcome, entry.ran))
 
     def record(self, finish: Finish) -> None:
         """Write one outcome that no handler's end books (a failed start, an abandon)."""

@@ -72,6 +72,7 @@ class Running:
     stopped: datetime | None = None
     lost: bool = False
     abandoned: bool = False
+    ran: float | None = None  # seconds from start to the handler's return, once it returned
     returned: Flag = field(default_factory=Flag)  # run() ended
     finished: Flag = field(default_factory=Flag)  # outcome written
 

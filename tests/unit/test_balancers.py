@@ -486,7 +486,8 @@ def test_fair_store_errors_propagate() -> None:
             raise ConnectionError("store down")
 
     balancer = FairBalancer()
-    balancer.init(BalancerContext(ME, Down(), list, FakeClock()))
+    held = running(2)  # a node holding nothing has nothing to release: it reads nothing
+    balancer.init(BalancerContext(ME, Down(), lambda: held, FakeClock(T0 + timedelta(hours=1))))
     with pytest.raises(ConnectionError):
         balancer.balance()
     with pytest.raises(ConnectionError):

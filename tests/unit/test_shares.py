@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metafora.balancer import BalancerContext, ClusterState, RunningTask
+from metafora.balancer import RecentRuns, BalancerContext, ClusterState, RunningTask
 from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
@@ -489,15 +489,80 @@ def test_fair_cold_start_waits_for_peers_then_claims_its_share() -> None:
     cluster = Cluster({ME: 0})
     cluster.claimable = 500
     tasks: list[RunningTask] = []
-    balancer = fair(cluster, tasks, clock=clock, warmup=3.0)
+    balancer = fair(cluster, tasks, clock=clock, warmup=3.0, counts_ttl=0)
+    # The probe first: 1/200 of the work (2 tasks) while the membership settles.
+    assert balancer.can_claim(Task("p0")) == (True, None)
+    tasks.extend(held_tasks(2, prefix="p"))
+    cluster.claimable = 498
     ok, until = balancer.can_claim(Task("t0"))
     assert ok is False and until == clock.now() + timedelta(seconds=3)
     clock.advance(1.0)
     cluster.counts.update({"b": 0, "c": 0, "d": 0, "e": 0})  # the others register meanwhile
-    assert balancer.can_claim(Task("t0"))[0] is False
+    ok, until = balancer.can_claim(Task("t0"))
+    assert ok is False and until == clock.now() + timedelta(seconds=3)  # a change: 3 s again
     clock.advance(2.0)
-    assert balancer.can_claim(Task("t0")) == (True, None)  # the wait is over, five counted
+    assert balancer.can_claim(Task("t0"))[0] is False  # still 1 s of quiet to go
+    clock.advance(1.0)
+    assert balancer.can_claim(Task("t0")) == (True, None)  # held still 3 s: five counted
     assert balancer.share() == 100
+
+
+def test_fair_cold_start_never_waits_more_than_four_warmups() -> None:
+    clock = FakeClock(CLOCK_START)
+    cluster = Cluster({ME: 0})
+    cluster.claimable = 1000
+    tasks = held_tasks(5)  # its probe is held
+    balancer = fair(cluster, tasks, clock=clock, warmup=3.0, counts_ttl=0)
+    for i in range(5):  # a node registers every 2.5 s: the membership never holds still
+        assert balancer.can_claim(Task("t"))[0] is False
+        cluster.counts[f"n{i}"] = 0
+        clock.advance(2.5)
+    assert clock.now() - CLOCK_START >= timedelta(seconds=12)
+    assert balancer.can_claim(Task("t")) == (True, None)
+
+
+def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
+    clock = FakeClock(CLOCK_START)
+    cluster = Cluster({ME: 0, "b": 0})
+    cluster.claimable = 20_000
+    tasks: list[RunningTask] = []
+    runs = RecentRuns(clock=clock)
+    balancer = FairBalancer(rng=random.Random(7), warmup=3.0)
+    balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock, runs=runs))
+    held = 0
+    while balancer.can_claim(Task("p"))[0]:  # the cold start's probe
+        held += 1
+        tasks.append(RunningTask(Task(f"p{held}"), clock.now()))
+    assert held == 100
+    assert balancer.can_claim(Task("t"))[0] is False  # long tasks would wait here
+    reads = cluster.reads["counts"]
+    for _ in range(8):  # the probe's runs end quickly: short tasks
+        runs.add(0.01)
+    clock.advance(0.5)
+    assert balancer.can_claim(Task("t")) == (True, None)  # no wait, no share check
+    tasks.extend(held_tasks(500, started=clock.now(), prefix="x"))  # far above its share
+    assert balancer.balance() == []
+    assert cluster.reads["counts"] == reads  # and no store read
+    # Runs that last: the share rules again (after the window of ten short_run).
+    cluster.claimable = 0  # the backlog is gone: 600 held, a share of 300
+    clock.advance(11.0)
+    runs.add(30.0)
+    clock.advance(1.0)
+    assert balancer.balance() != []
+
+
+def test_fair_short_tasks_need_most_of_what_runs_to_be_young() -> None:
+    clock = FakeClock(CLOCK_START)
+    cluster = Cluster({ME: 0, "b": 0})
+    cluster.claimable = 0
+    old = held_tasks(40)  # started at CLOCK_START
+    runs = RecentRuns(clock=clock)
+    balancer = FairBalancer(rng=random.Random(7), warmup=0)
+    balancer.init(BalancerContext(ME, cluster, lambda: list(old), clock, runs=runs))
+    clock.advance(60.0)
+    for _ in range(10):
+        runs.add(0.01)  # a few quick failures beside long tasks
+    assert len(balancer.balance()) > 0  # still balances its long tasks
 
 
 def test_fair_cold_start_does_not_wait_for_a_small_backlog_or_a_running_cluster() -> None:
@@ -609,3 +674,34 @@ def test_fair_leaves_a_full_node_out_of_releases_and_claims() -> None:
     assert fair(cluster, held_tasks(18), counts_ttl=0).can_claim(Task("next"))[0]
     cluster.capacities = {}  # 30 of work over two: a share of 15, and 18 held already
     assert not fair(cluster, held_tasks(18), counts_ttl=0).can_claim(Task("next"))[0]
+
+
+class Published(Cluster):
+    """A store that keeps published counts beside the claims (as SQL does)."""
+
+    def __init__(self, exact: dict[str, int], published: dict[str, int]) -> None:
+        super().__init__(exact)
+        self.published = published
+        self.published_reads = 0
+
+    def published_task_count(self) -> dict[str, int]:
+        self.published_reads += 1
+        return dict(self.published)
+
+
+def test_fair_balance_reads_the_claims_only_when_the_published_counts_ask_for_it() -> None:
+    # Even on the published counts: one cheap read, no count of the claims.
+    even = Published({ME: 20, "b": 20}, {ME: 20, "b": 20})
+    even.claimable = 0
+    assert fair(even, held_tasks(20), warmup=0).balance() == []
+    assert (even.published_reads, even.reads["counts"]) == (1, 0)
+    # A newcomer on the published counts: the exact counts decide what moves.
+    joined = Published({ME: 30, "b": 30, "c": 0}, {ME: 30, "b": 30, "c": 0})
+    joined.claimable = 0
+    assert len(fair(joined, held_tasks(30), warmup=0).balance()) == 10
+    assert (joined.published_reads, joined.reads["counts"]) == (1, 1)
+    # Published counts a moment late (b has taken tasks since): the claims say even.
+    late = Published({ME: 30, "b": 30, "c": 30}, {ME: 30, "b": 30, "c": 0})
+    late.claimable = 0
+    assert fair(late, held_tasks(30), warmup=0).balance() == []
+    assert late.reads["counts"] == 1
