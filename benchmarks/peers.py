@@ -208,10 +208,12 @@ def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], roun
 
 
 def ratio_rows(summary: dict[str, dict[str, Spread]]) -> list[tuple[str, str, float, float, float]]:
-    """``(metafora system, peer, throughput ratio, p50 ratio, p99 ratio)`` for every pair measured."""
+    """``(metafora system, peer, throughput ratio, p50 ratio, p99 ratio)`` for every pair
+    measured: each metafora system against its own DumbBalancer row and against every peer."""
     rows = []
     for ours in (s for s in summary if s in BASE_SYSTEMS):
-        for theirs in (s for s in summary if s not in BASE_SYSTEMS and not s.startswith(ours)):
+        for theirs in (s for s in summary
+                       if s == f"{ours}-dumb" or not s.startswith("metafora-")):
             a, b = summary[ours], summary[theirs]
             rows.append((ours, theirs, ratio(a["tasks_per_s"].median, b["tasks_per_s"].median),
                          ratio(a["p50_ms"].median, b["p50_ms"].median),

@@ -312,6 +312,15 @@ def _peers(data: dict[str, Any]) -> list[str]:
     return markdown(summary, data["labels"], data["rounds"], data["tasks"], data["submits"]).splitlines()
 
 
+@table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
+                              " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 3"
+                              " --systems metafora-postgresql,metafora-postgresql-dumb,"
+                              "metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
+def _peers_short(data: dict[str, Any]) -> list[str]:
+    return [f"Load average {data['load_average_at_start']:.1f} at the start,"
+            f" {data['load_average_at_end']:.1f} at the end (2 cores).", "", *_peers(data)]
+
+
 @table("idle_cluster", command="python -m benchmarks idle_cluster")
 def _idle_cluster(data: dict[str, Any]) -> list[str]:
     out = [f"{data['results'][0]['nodes']} nodes at the Consumer's defaults holding every task (async"

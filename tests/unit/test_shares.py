@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metafora.balancer import RecentRuns, BalancerContext, ClusterState, RunningTask
+from metafora.balancer import BalancerContext, ClusterState, RecentRuns, RunningTask
 from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
