@@ -19,6 +19,14 @@ from metafora.testing import LocalCluster, wait_for
 
 T = TypeVar("T")
 
+SUBPROCESS_DEADLINE = 120.0
+"""Seconds a Python subprocess (a daemon, a worker, a spawned consumer) may take to start,
+import metafora and register, or to take one step. A deadline, not a timing: on this 2-core
+machine at load 17, under ``nice -n 19``, ``python -c "import metafora"`` took 9 s of wall
+clock for 0.3 s of CPU, and several daemons starting at once (two xdist workers) took more
+than the 30 s the acceptance tests allowed (the "daemons timed out" under xdist at load 20).
+"""
+
 
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, message: str = "condition") -> T:
     """Poll ``predicate`` until it returns a truthy value or ``timeout`` real seconds pass."""

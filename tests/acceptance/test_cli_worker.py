@@ -23,10 +23,10 @@ import pytest
 import metafora
 from metafora import Task, TaskState, open_client
 from metafora.client import Client
-from tests.helpers import wait_until
+from tests.helpers import SUBPROCESS_DEADLINE, wait_until
 
 REPO = Path(metafora.__file__).resolve().parents[1]
-DEADLINE = 30.0  # seconds any one step may take on a loaded 2-core machine
+DEADLINE = SUBPROCESS_DEADLINE  # seconds any one step may take on a loaded 2-core machine
 
 HANDLERS = '''
 import asyncio

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from metafora import TaskState, open_client
-from tests.helpers import wait_until
+from tests.helpers import SUBPROCESS_DEADLINE, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 KOALEMOSD = ROOT / "examples" / "koalemos" / "koalemosd.py"
@@ -40,8 +40,8 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
                                  "--grace", "2", *extra], env=_env(), stdout=log, stderr=log)
         procs.append(proc)
         with open_client(url) as client:
-            wait_until(lambda: node in client.nodes() or proc.poll() is not None, 30,
-                       f"koalemosd {node} registered")
+            wait_until(lambda: node in client.nodes() or proc.poll() is not None,
+                       SUBPROCESS_DEADLINE, f"koalemosd {node} registered")
         assert proc.poll() is None, (tmp_path / f"{node}.log").read_text()
         return proc
 
