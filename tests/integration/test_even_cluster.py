@@ -167,7 +167,9 @@ def test_even_from_a_cold_start_and_the_fewest_moves_on_joins_and_leaves(fleet: 
         # (measured 0.00: the nodes wait for each other before claiming)
         assert extra <= math.floor(0.05 * tasks), f"{extra} moves on a cold start: {counts}"
 
-        for cycle in range(3):
+        # Two joins and leaves: the second join meets a cluster that has moved tasks before,
+        # so ping-pong would show (a third cycle proved nothing more, 25 s a store).
+        for cycle in range(2):
             mark = len(fleet.starts)
             fleet.start("d")
             counts = settle(fleet, client, {"a", "b", "c", "d"}, tasks, f"join {cycle} to end even")
