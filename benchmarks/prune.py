@@ -7,18 +7,21 @@ tasks is ``METAFORA_PRUNE_ROWS`` (default 1,000,000; ``--quick`` 20,000). For ea
    are written straight into the tables (a submit-claim-done of each would take hours);
 2. a consumer process (``max_tasks`` 8, a no-op handler) claims short tasks a feeder keeps
    topping up, and reports its ``done`` counter four times a second;
-3. its throughput is measured for 15 s without pruning, then while ``Client.prune`` deletes
-   the N tasks (policy done 1 day: the short tasks stay) in batches of 1,000 -- the statements
-   and the rests between batches of every node's pruner -- then 15 s without again (on a
-   shared machine the load moves: the baseline is the mean of before and after).
+3. rounds of ``METAFORA_PRUNE_ROUND`` seconds (default 20) alternate until the N tasks are
+   gone: one without pruning, one pruning as a consumer's pruner does (policy done 1 day, so
+   the short tasks stay; batches of 1,000 with the store's rest after each), ..., and a last
+   one without. Each round with pruning is compared to the mean of the rounds without on
+   either side of it (on a shared machine the load moves); the figure is the median.
 
-Prints rows pruned per second and the consumer's throughput during the prune against the
-baseline (target: at least 0.8x); saves ``results/prune.json``.
+Prints rows pruned per second (the rests included: the rate a backlog goes at) and the
+consumer's throughput with pruning against without (target: at least 0.8x); saves
+``results/prune.json`` with every round and the 1-minute load average at each round's end.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -33,9 +36,11 @@ from sqlalchemy import text
 
 from benchmarks.common import Stores, save, table
 from metafora import Task, open_client
-from metafora.retention import Retention
+from metafora.retention import PRUNE_BATCH, Cutoffs, Retention, RetentionOps
 
-BASELINE_SECONDS = 15.0
+ROUND_SECONDS = 20.0
+POLICY = Retention(timedelta(days=1), timedelta(days=1), timedelta(days=1))
+"""Every old task goes; the short tasks the consumer finishes stay."""
 _FILL_PG = (
     "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, attempts, created_at,"
     " updated_at, finished_at) SELECT :ns, 'old-' || lpad(g::text, 8, '0'), '{}', 'done', 1, 0, 1,"
@@ -72,7 +77,12 @@ def _worker(url: str) -> None:
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        closed.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
     while not closed.wait(0.25):
         print(f"{time.monotonic()} {consumer.stats.done}", flush=True)
     consumer.shutdown()
@@ -132,8 +142,31 @@ def _feed(url: str, stop: threading.Event) -> None:
             stop.wait(0.2)
 
 
-def measure(url: str, kind: str, rows: int) -> dict[str, Any]:
-    """One store: fill, baseline, prune; the figures."""
+def _prune_for(store: RetentionOps, cutoffs: Cutoffs, seconds: float) -> tuple[int, bool]:
+    """What a consumer's :class:`~metafora.retention.Pruner` does in a turn -- batches of
+    PRUNE_BATCH and the store's rest after each -- for at most ``seconds`` (the Pruner's
+    turn would run to the end; the rounds stop it between two batches); (pruned, finished)."""
+    deadline = time.monotonic() + seconds
+    total = 0
+    while True:
+        started = time.monotonic()
+        count = store._prune_batch(cutoffs, PRUNE_BATCH)
+        total += count
+        if count < PRUNE_BATCH:
+            return total, True
+        rest = store._prune_pause(time.monotonic() - started)
+        if time.monotonic() + rest >= deadline:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return total, False
+        time.sleep(rest)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure(url: str, kind: str, rows: int, round_s: float) -> dict[str, Any]:
+    """One store: fill, then rounds without and with pruning until every old task is gone."""
     started = time.perf_counter()
     _fill(url, kind, rows)
     fill_s = time.perf_counter() - started
@@ -143,47 +176,64 @@ def measure(url: str, kind: str, rows: int) -> dict[str, Any]:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.prune", "--worker", url],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parent.parent)
+    without: list[float] = []
+    with_: list[tuple[float, float, int]] = []  # (tasks/s, seconds pruning, rows pruned)
+    load: list[float] = []
     try:
         counter = _Counter(proc)
         time.sleep(10.0)  # warm up
-        baseline = counter.rate_over(BASELINE_SECONDS)
-        done = threading.Event()
-        result: dict[str, float] = {}
-
-        def prune() -> None:
-            with open_client(url) as client:
-                t0 = time.perf_counter()
-                result["pruned"] = client.prune(Retention(timedelta(days=1), timedelta(days=1),
-                                                          timedelta(days=1)))
-                result["seconds"] = time.perf_counter() - t0
-            done.set()
-
-        threading.Thread(target=prune, daemon=True).start()
-        during = counter.rate_over(0, stop=done)
-        after = counter.rate_over(BASELINE_SECONDS)
+        with open_client(url) as client:
+            cutoffs = Cutoffs.at(POLICY, client._prune_now())
+            while True:
+                without.append(counter.rate_over(round_s))
+                t0, d0 = counter.last
+                p0 = time.perf_counter()
+                count, finished = _prune_for(client, cutoffs, round_s)
+                seconds = time.perf_counter() - p0
+                t1, d1 = counter.last
+                with_.append(((d1 - d0) / max(t1 - t0, 1e-9), seconds, count))
+                load.append(os.getloadavg()[0])
+                print(f"{kind}: round {len(with_)}: {sum(c for _, _, c in with_):,} pruned,"
+                      f" without {without[-1]:.0f}, with {with_[-1][0]:.0f} tasks/s,"
+                      f" load {load[-1]:.1f}", file=sys.stderr, flush=True)
+                if finished:
+                    break
+            without.append(counter.rate_over(round_s))
     finally:
         stop.set()
         assert proc.stdin is not None
         proc.stdin.close()
         proc.wait(60)
-    return {"store": kind, "rows": rows, "fill_s": fill_s, "pruned": result["pruned"],
-            "prune_s": result["seconds"], "rows_per_s": result["pruned"] / result["seconds"],
-            "before_tasks_per_s": baseline, "after_tasks_per_s": after,
-            "during_tasks_per_s": during,
-            "ratio": during / ((baseline + after) / 2) if baseline + after else 0.0}
+    pruned = sum(c for _, _, c in with_)
+    prune_s = sum(s for _, s, _ in with_)
+    # Each round with pruning against the mean of the rounds without on either side of it.
+    # (A last round shorter than half a round is too short a window to count.)
+    ratios = [w / ((without[i] + without[i + 1]) / 2) for i, (w, s, _) in enumerate(with_)
+              if s >= round_s / 2 and without[i] + without[i + 1]]
+    return {"store": kind, "rows": rows, "fill_s": fill_s, "pruned": pruned, "prune_s": prune_s,
+            "rows_per_s": pruned / prune_s if prune_s else 0.0, "rounds": len(with_),
+            "without_tasks_per_s": without, "with_tasks_per_s": [w for w, _, _ in with_],
+            "median_without_tasks_per_s": _median(without),
+            "median_with_tasks_per_s": _median([w for w, _, _ in with_]),
+            "ratios": ratios, "ratio": _median(ratios), "load_1m": load,
+            "median_load_1m": _median(load)}
 
 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """Every SQL store of ``stores``: print and save."""
     rows = 20_000 if quick else int(os.environ.get("METAFORA_PRUNE_ROWS", "1000000"))
-    data = [measure(stores.url(kind), kind, rows) for kind in stores.kinds
-            if kind in ("postgresql", "sqlite")]
+    round_s = 5.0 if quick else float(os.environ.get("METAFORA_PRUNE_ROUND", str(ROUND_SECONDS)))
+    data = []
+    for kind in stores.kinds:
+        if kind in ("postgresql", "sqlite"):
+            data.append(measure(stores.url(kind), kind, rows, round_s))
+            save("prune", {"quick": quick, "rows": rows, "round_s": round_s, "results": data})
     table(f"pruning {rows:,} finished tasks while a consumer claims short tasks",
-          ("store", "pruned", "prune s", "rows/s", "consumer tasks/s before", "during", "after",
-           "during / mean(before, after)"),
-          [(d["store"], d["pruned"], d["prune_s"], d["rows_per_s"], d["before_tasks_per_s"],
-            d["during_tasks_per_s"], d["after_tasks_per_s"], f"{d['ratio']:.2f}x") for d in data])
-    save("prune", {"quick": quick, "rows": rows, "results": data})
+          ("store", "pruned", "prune s", "rows/s", "rounds", "consumer tasks/s without (median)",
+           "with (median)", "with / without (median of rounds)"),
+          [(d["store"], d["pruned"], d["prune_s"], d["rows_per_s"], d["rounds"],
+            d["median_without_tasks_per_s"], d["median_with_tasks_per_s"], f"{d['ratio']:.2f}x")
+           for d in data])
     return {"results": data}
 
 

@@ -361,6 +361,27 @@ def _ab(data: dict[str, Any]) -> list[str]:
     return out
 
 
+@table("prune", command="python -m benchmarks prune --stores sqlite,postgresql")
+def _prune(data: dict[str, Any]) -> list[str]:
+    round_s = data.get("round_s", 20.0)
+    out = [f"{data['rows']:,} finished tasks pruned while a consumer process claims short tasks;"
+           f" rounds of {round_s:.0f} s without and with pruning alternate until they are gone,"
+           " each round with pruning against the mean of the rounds without on either side"
+           " (median of the rounds). Rows/s include the pruner's rests between batches; the"
+           " load is the machine's 1-minute load average at the rounds' ends (median, range).",
+           ""]
+    out += header("store", "pruned", "prune s", "rows/s", "rounds", "consumer tasks/s without",
+                  "with", "with / without (median)", "rounds' ratios (min-max)", "load")
+    for r in data["results"]:
+        ratios = r["ratios"] or [float("nan")]
+        load = r["load_1m"]
+        out.append(row(r["store"], f"{r['pruned']:,}", r["prune_s"], r["rows_per_s"], r["rounds"],
+                       r["median_without_tasks_per_s"], r["median_with_tasks_per_s"],
+                       f"{r['ratio']:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
+                       f"{r['median_load_1m']:.1f} ({min(load):.1f}-{max(load):.1f})"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
