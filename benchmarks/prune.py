@@ -20,6 +20,7 @@ consumer's throughput with pruning against without (target: at least 0.8x); save
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import text
 
-from benchmarks.common import Stores, save, table
+from benchmarks.common import RESULTS, Stores, commit, save, table
 from metafora import Task, open_client
 from metafora.retention import PRUNE_BATCH, Cutoffs, Retention, RetentionOps
 
@@ -219,6 +220,20 @@ def measure(url: str, kind: str, rows: int, round_s: float) -> dict[str, Any]:
             "median_load_1m": _median(load)}
 
 
+def _merged(results: list[dict[str, Any]], rows: int, round_s: float) -> list[dict[str, Any]]:
+    """``results`` with the saved ones of the other stores kept (same size and rounds); each
+    says its own commit and start."""
+    kept: list[dict[str, Any]] = []
+    try:
+        saved = json.loads((RESULTS / "prune.json").read_text())
+        if saved.get("rows") == rows and saved.get("round_s") == round_s:
+            kept = saved.get("results", [])
+    except (OSError, ValueError):
+        pass
+    fresh = {r["store"] for r in results}
+    return [r for r in kept if r.get("store") not in fresh] + results
+
+
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """Every SQL store of ``stores``: print and save."""
     rows = 20_000 if quick else int(os.environ.get("METAFORA_PRUNE_ROWS", "1000000"))
@@ -226,8 +241,11 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
     data = []
     for kind in stores.kinds:
         if kind in ("postgresql", "sqlite"):
-            data.append(measure(stores.url(kind), kind, rows, round_s))
-            save("prune", {"quick": quick, "rows": rows, "round_s": round_s, "results": data})
+            at, code = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit()
+            data.append({**measure(stores.url(kind), kind, rows, round_s),
+                         "started_at": at, "commit": code})
+            save("prune", {"quick": quick, "rows": rows, "round_s": round_s,
+                           "results": _merged(data, rows, round_s)})
     table(f"pruning {rows:,} finished tasks while a consumer claims short tasks",
           ("store", "pruned", "prune s", "rows/s", "rounds", "consumer tasks/s without (median)",
            "with (median)", "with / without (median of rounds)"),
