@@ -368,17 +368,19 @@ def _prune(data: dict[str, Any]) -> list[str]:
            f" rounds of {round_s:.0f} s without and with pruning alternate until they are gone,"
            " each round with pruning against the mean of the rounds without on either side"
            " (median of the rounds). Rows/s include the pruner's rests between batches; the"
-           " load is the machine's 1-minute load average at the rounds' ends (median, range).",
+           " load is the machine's 1-minute load average at the rounds' ends (median, range);"
+           " each store's run names its commit.",
            ""]
     out += header("store", "pruned", "prune s", "rows/s", "rounds", "consumer tasks/s without",
-                  "with", "with / without (median)", "rounds' ratios (min-max)", "load")
+                  "with", "with / without (median)", "rounds' ratios (min-max)", "load", "commit")
     for r in data["results"]:
         ratios = r["ratios"] or [float("nan")]
         load = r["load_1m"]
         out.append(row(r["store"], f"{r['pruned']:,}", r["prune_s"], r["rows_per_s"], r["rounds"],
                        r["median_without_tasks_per_s"], r["median_with_tasks_per_s"],
                        f"{r['ratio']:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
-                       f"{r['median_load_1m']:.1f} ({min(load):.1f}-{max(load):.1f})"))
+                       f"{r['median_load_1m']:.1f} ({min(load):.1f}-{max(load):.1f})",
+                       r.get("commit", data.get("commit", "?"))))
     return out
 
 
