@@ -286,8 +286,10 @@ def test_etcd_node_dying_before_the_items_leaves_them_to_the_next(metafora_store
         cluster.stack.callback(items.close)
         dying, other = cluster.node("dying"), cluster.node("other")
         c = cluster.client
-        c.submit_tasks([Task(f"job-{n}") for n in range(3)])
-        for n in range(3):
+        # More than one txn of pruned/ keys takes (100).
+        jobs = 130
+        c.submit_tasks([Task(f"job-{n}") for n in range(jobs)])
+        for n in range(jobs):
             items.add(f"job-{n}", [NewItem(gate=0, data=b"x")] * 2)
             _finish(dying, f"job-{n}", "done")
 
@@ -301,9 +303,9 @@ def test_etcd_node_dying_before_the_items_leaves_them_to_the_next(metafora_store
         with pytest.raises(Died):
             dying.prune(Retention(timedelta(0), timedelta(0), timedelta(0)))
         assert _alive(cluster) == set()
-        assert _pruned_keys(other) == 3
-        assert all(len(items.list(f"job-{n}")) == 2 for n in range(3))
+        assert _pruned_keys(other) == jobs
+        assert all(len(items.list(f"job-{n}")) == 2 for n in range(jobs))
         other.prune_also(items.delete_partitions)
         assert other.prune(Retention(timedelta(0), timedelta(0), timedelta(0))) == 0
-        assert all(items.list(f"job-{n}") == [] for n in range(3))
+        assert all(items.list(f"job-{n}") == [] for n in range(jobs))
         assert _pruned_keys(other) == 0

@@ -74,11 +74,13 @@ def _also(driver: EtcdDriver, keys: Keys, ids: list[str], also: Sequence[PruneAl
     """Call ``also`` with ``ids``, then drop their ``pruned/`` keys."""
     for delete in also:
         delete(ids)
-    done: list[TxnRequest] = [([], [Delete(_pruned(keys) + escape(i).encode())], []) for i in ids]
-    for start in range(0, len(done), _IN_FLIGHT):
-        for result in driver.txns(done[start:start + _IN_FLIGHT]):
-            if isinstance(result, MetaforaError):
-                raise result
+    keys_done = [Delete(_pruned(keys) + escape(i).encode()) for i in ids]
+    # etcd takes at most 128 operations a txn (--max-txn-ops): 100 keys each, sent together
+    done: list[TxnRequest] = [([], keys_done[k:k + _IN_FLIGHT], [])
+                              for k in range(0, len(keys_done), _IN_FLIGHT)]
+    for result in driver.txns(done):
+        if isinstance(result, MetaforaError):
+            raise result
 
 
 def _left_over(driver: EtcdDriver, keys: Keys, limit: int,
