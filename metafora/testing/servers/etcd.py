@@ -100,6 +100,46 @@ def _healthy(client_url: str, tls: TLSFiles | None = None) -> bool:
         return False
 
 
+def _owns_port(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the listening TCP socket of ``port`` (None: cannot tell,
+    e.g. not Linux).
+
+    A port from :func:`free_ports` is free again once chosen: another process (another test
+    under pytest-xdist, another etcd on the machine) may bind it first. Our etcd then exits,
+    but the other one answers ``/health`` on that port meanwhile, and a test would freeze or
+    kill one server while its client talks to another.
+    """
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    inodes = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN, the socket's inode.
+            if (len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port
+                    and cols[9] in inodes):
+                return True
+    return False
+
+
+_ATTEMPTS = 3  # fresh ports for a new server whose port another process took first
+
+
+def _port_taken(exc: ServerUnavailable) -> bool:
+    return "address already in use" in str(exc) or "another process holds" in str(exc)
+
+
 @dataclass
 class EtcdServer:
     """One etcd member run as a child process; restartable with the same ports and data."""
@@ -181,9 +221,21 @@ class EtcdServer:
             self.wait_healthy()
 
     def wait_healthy(self, timeout: float = _START_DEADLINE) -> None:
-        """Poll ``/health`` until it answers true, with a deadline."""
-        _poll(lambda: _healthy(self.client_url, self.tls), time.monotonic() + timeout,
-              f"etcd {self.name}", self.proc, self.data_dir.with_suffix(".log"))
+        """Poll ``/health`` until it answers true, with a deadline; the answer must come from
+        this member's own process (ServerUnavailable if another process holds its port)."""
+        log = self.data_dir.with_suffix(".log")
+
+        def ready() -> bool:
+            if not _healthy(self.client_url, self.tls):
+                return False
+            if self.proc is None or _owns_port(self.proc.pid, self.client_port) is not False:
+                return True
+            if self.proc.poll() is None:
+                return False  # still binding, or about to exit: look again
+            raise ServerUnavailable(f"etcd {self.name}: another process holds port "
+                                    f"{self.client_port}; log:\n{_tail(log)}")
+
+        _poll(ready, time.monotonic() + timeout, f"etcd {self.name}", self.proc, log)
 
     def stop(self) -> None:
         """SIGTERM the member by pid and wait for it (SIGKILL after a deadline)."""
@@ -262,7 +314,18 @@ class EtcdCluster:
 
 
 def start_etcd_cluster(binary: str, base: Path, size: int = 3) -> EtcdCluster:
-    """Start ``size`` members with a static ``--initial-cluster`` and wait until healthy."""
+    """Start ``size`` members with a static ``--initial-cluster`` and wait until healthy (on
+    fresh ports again if another process took one first)."""
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            return _start_etcd_cluster(binary, base / f"try{attempt}" if attempt > 1 else base, size)
+        except ServerUnavailable as exc:
+            if attempt == _ATTEMPTS or not _port_taken(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_etcd_cluster(binary: str, base: Path, size: int) -> EtcdCluster:
     ports = free_ports(2 * size)
     members = [
         EtcdServer(binary, f"m{i}", base / f"m{i}.etcd", ports[2 * i], ports[2 * i + 1])
@@ -283,15 +346,24 @@ def start_etcd_cluster(binary: str, base: Path, size: int = 3) -> EtcdCluster:
 
 
 def start_etcd(binary: str, base: Path, name: str = "default", tls: TLSFiles | None = None) -> EtcdServer:
-    """Start one single-member etcd under ``base`` and wait until it is healthy."""
-    client, peer = free_ports(2)
-    server = EtcdServer(binary, name, base / f"{name}.etcd", client, peer, tls=tls)
-    try:
-        server.start()
-    except BaseException:
-        server.kill()
-        raise
-    return server
+    """Start one single-member etcd under ``base`` and wait until it is healthy (on fresh
+    ports again if another process took one first)."""
+    for attempt in range(1, _ATTEMPTS + 1):
+        client, peer = free_ports(2)
+        data = base / (f"{name}.etcd" if attempt == 1 else f"{name}-{attempt}.etcd")
+        server = EtcdServer(binary, name, data, client, peer, tls=tls)
+        try:
+            server.start()
+        except ServerUnavailable as exc:
+            server.kill()
+            if attempt == _ATTEMPTS or not _port_taken(exc):
+                raise
+            continue
+        except BaseException:
+            server.kill()
+            raise
+        return server
+    raise AssertionError("unreachable")
 
 
 def _etcd_answers(url: str) -> bool:
