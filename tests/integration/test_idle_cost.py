@@ -1,8 +1,9 @@
-"""Issue 33: an idle cluster's store work follows its nodes, never the tasks it holds (SQL stores).
+"""Issue 33: an idle cluster's store work follows its nodes, never the tasks it holds.
 
 - In a window of several renewals and balances, an idle cluster runs no statement that reads
   claimed rows (a balance reads the counts the nodes published, and counts the claims only
-  when those show something to move)
+  when those show something to move). On etcd, no range over the task or owner keys runs
+  (the counts come from the watch cache; the requests are recorded at the driver).
   (the statements are recorded by name at the two places the SQL store executes them), and on
   PostgreSQL the server's own counters show no row of ``metafora_tasks`` read at all.
 - The counts the nodes publish (the cluster's view on ``/metrics``) agree with the claims in the table after a
@@ -32,6 +33,9 @@ from metafora import Task, TaskState, open_client, open_coordinator, simple_hand
 from metafora.cluster_metrics import read_cluster
 from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator, Finish, Outcome
+from metafora.coordinators.etcd.driver import EtcdDriver
+from metafora.coordinators.etcd.layout import Keys
+from metafora.coordinators.etcd.ops import Range
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database, HotCursor
 from metafora.testing import LocalCluster, RecordingContext, wait_for
@@ -216,6 +220,83 @@ def test_the_cluster_view_costs_the_same_at_ten_times_the_held_tasks(
     assert not set(many_names) & (READS_CLAIMS | {"active_counts"}), many_names
     if many_rows is not None:
         assert many_rows == few_rows == 0, (many_rows, few_rows)
+
+
+class EtcdRecorder:
+    """The key prefixes the etcd driver reads while ``on`` (observation only)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.keys: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def seen(self, ops: Any) -> None:
+        if self.on:
+            with self._lock:
+                self.keys += [op.key for op in ops if isinstance(op, Range)]
+
+
+@pytest.fixture
+def etcd_recorder(monkeypatch: pytest.MonkeyPatch) -> EtcdRecorder:
+    rec = EtcdRecorder()
+    rng, count, txn, txns = EtcdDriver.range, EtcdDriver.count, EtcdDriver.txn, EtcdDriver.txns
+
+    def recorded_range(self: EtcdDriver, request: Range, **kw: Any) -> Any:
+        rec.seen([request])
+        return rng(self, request, **kw)
+
+    def recorded_count(self: EtcdDriver, request: Range, **kw: Any) -> Any:
+        rec.seen([request])
+        return count(self, request, **kw)
+
+    def recorded_txn(self: EtcdDriver, compares: Any, success: Any, failure: Any = (),
+                     **kw: Any) -> Any:
+        rec.seen([*success, *failure])
+        return txn(self, compares, success, failure, **kw)
+
+    def recorded_txns(self: EtcdDriver, requests: Any, **kw: Any) -> Any:
+        for _, success, failure in requests:
+            rec.seen([*success, *failure])
+        return txns(self, requests, **kw)
+
+    monkeypatch.setattr(EtcdDriver, "range", recorded_range)
+    monkeypatch.setattr(EtcdDriver, "count", recorded_count)
+    monkeypatch.setattr(EtcdDriver, "txn", recorded_txn)
+    monkeypatch.setattr(EtcdDriver, "txns", recorded_txns)
+    return rec
+
+
+def test_an_idle_etcd_cluster_reads_no_task_keys(etcd_url: str,
+                                                 etcd_recorder: EtcdRecorder) -> None:
+    held = 600
+    with LocalCluster(etcd_url) as cluster:
+        for node in ("a", "b", "c"):
+            cluster.add(simple_handler(_park), node, coordinator_options={"lease_ttl": 3},
+                        balance_every=1)
+        cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
+        wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
+                 "every task held")
+        since: list[tuple[float, dict[str, int]]] = []
+
+        def still() -> bool:
+            counts = cluster.client.node_task_count()
+            if not since or since[-1][1] != counts:
+                since.append((time.monotonic(), counts))
+            return time.monotonic() - since[-1][0] >= 3.0
+
+        wait_for(still, 180, "the counts unchanged for 3 s")
+        keys = Keys(parse_store_url(etcd_url).path.strip("/") or "metafora")
+        etcd_recorder.on = True
+        _pause(4.0)  # four renewals (lease_ttl 3: every second) and four balances of each node
+        etcd_recorder.on = False
+        task_reads = [k for k in etcd_recorder.keys
+                      if k.startswith(keys.tasks) or k.startswith(keys.owners) or k == keys.root]
+        assert not task_reads, f"idle reads of task keys: {sorted(set(task_reads))[:5]}"
+        etcd_recorder.on = True  # the recorder sees a read of the owners when one is made
+        cluster.client.node_task_count()
+        etcd_recorder.on = False
+        assert any(k.startswith(keys.owners) for k in etcd_recorder.keys)
+        assert not cluster.errors
 
 
 # -- the published counts against the table --------------------------------------------------

@@ -23,7 +23,7 @@ class EtcdConfig:
       (the path wins), default ``metafora``. Keys live under ``/metafora/<namespace>/``.
     - ``lease_ttl``: whole seconds, >= 2 (default 30; :data:`metafora.leases.LEASE_TTL`). One lease per node.
     - ``poll_interval``: seconds between safety-net re-lists of the watch (default 30; at
-      least one second per 1,000 tasks in the namespace).
+      least one second per 100 tasks in the namespace).
     - ``timeout``: seconds for one etcd request (default 5).
     - ``ca_cert``, ``cert_key``, ``cert_cert``: PEM files for ``etcds://``.
     - ``user:password@`` in the URL: etcd authentication.

@@ -133,7 +133,6 @@ class Keys:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self.namespace = namespace
         self.root = f"/{ROOT}/{namespace}/".encode()
         self.tasks = self.root + b"tasks/"
         self.owners = self.root + b"owners/"
