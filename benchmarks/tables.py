@@ -321,6 +321,25 @@ def _peers_short(data: dict[str, Any]) -> list[str]:
             f" {data['load_average_at_end']:.1f} at the end (2 cores).", "", *_peers(data)]
 
 
+@table("restart_2026-11-29", source="restart_2026-11-29",
+       command="python -m benchmarks restart --stores sqlite,postgresql,etcd")
+def _restart(data: dict[str, Any]) -> list[str]:
+    load = ", ".join(f"{x:.1f}" for x in data["load_average"])
+    out = [f"{data['nodes']} processes, {data['tasks']:,} long-running tasks, balancer"
+           f" {data['balancer']}, balance every {data['balance_every']:g} s; load average at the"
+           f" end {load} (2 cores).", ""]
+    out += header("store", "cold: even s", "cold: extra starts/task", "late: share s",
+                  "steady: moves", "join: moves / share", "leave: moves / held",
+                  "rolling: starts/task")
+    for kind, r in data["results"].items():
+        out.append(row(kind, r["cold"]["even_s"], r["cold"]["extra_starts_per_task"],
+                       r["late"]["late_share_s"], r["steady"]["moves"],
+                       f"{r['join']['moves']:,} / {r['join']['new_share']:,}",
+                       f"{r['leave']['moves']:,} / {r['leave']['leaver_held']:,}",
+                       r["rolling"]["starts_beyond_first_per_task"]))
+    return out
+
+
 @table("idle_cluster", command="python -m benchmarks idle_cluster")
 def _idle_cluster(data: dict[str, Any]) -> list[str]:
     out = [f"{data['results'][0]['nodes']} nodes at the Consumer's defaults holding every task (async"
