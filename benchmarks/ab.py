@@ -111,7 +111,7 @@ def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) ->
     env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root))
     # Every metafora module the benchmark imports must come from root: an editable install
     # serves a top-level module root lacks (one added after its revision) from its own tree.
-    check = (f"import sys, benchmarks.{name}; "
+    check = (f"import sys, metafora, benchmarks.{name}; "
              "print('\\n'.join(getattr(m, '__file__', None) or '' for n, m in list(sys.modules.items())"
              " if n == 'metafora' or n.startswith('metafora.')))")
     files = subprocess.run([sys.executable, "-c", check], cwd=root, env=env, check=True,
