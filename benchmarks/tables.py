@@ -403,6 +403,11 @@ def _prune(data: dict[str, Any]) -> list[str]:
     return out
 
 
+for _source in ("ab_moves_claims", "ab_moves_claims_sqlite", "ab_moves_gates", "ab_moves_peers",
+                "ab_moves_storm"):
+    table(_source, command="python benchmarks/ab.py NAME --base 358ea26")(_ab)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
