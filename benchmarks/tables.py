@@ -406,6 +406,8 @@ def _prune(data: dict[str, Any]) -> list[str]:
 for _source in ("ab_moves_claims", "ab_moves_claims_sqlite", "ab_moves_gates", "ab_moves_peers",
                 "ab_moves_storm"):
     table(_source, command="python benchmarks/ab.py NAME --base 358ea26")(_ab)
+table("ab_storm_issue33", command="python benchmarks/ab.py storm --base c519f1d --stores postgresql"
+      " --rounds 2 --full --save-as ab_storm_issue33")(_ab)
 
 
 def main(argv: list[str] | None = None) -> int:
