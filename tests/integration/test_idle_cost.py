@@ -128,28 +128,32 @@ def _pause(seconds: float) -> None:
 # load 10-30 a renewal failed inside the window ("lease renewals of node a are failing"), and
 # the balance after it read the claims (active_counts): the neighbours' load, not idle work.
 @pytest.mark.timing
+def _start_still(cluster: LocalCluster, held: int, options: dict[str, Any]) -> None:
+    """Three nodes balancing every second (60 s by default, so a window sees several of each
+    node's) hold ``held`` new tasks, and their counts stay unchanged for 3 s: the balances
+    that even a cold start out are work, not idle time."""
+    for node in ("a", "b", "c"):
+        cluster.add(simple_handler(_park), node, coordinator_options=options, balance_every=1)
+    cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
+    wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
+             "every task held")
+    since: list[tuple[float, dict[str, int]]] = []
+
+    def still() -> bool:
+        counts = cluster.client.node_task_count()
+        if not since or since[-1][1] != counts:
+            since.append((time.monotonic(), counts))
+        return time.monotonic() - since[-1][0] >= 3.0
+
+    wait_for(still, 180, "the counts unchanged for 3 s")
+
+
 def test_an_idle_cluster_reads_no_claimed_rows(sql_url: str, recorder: Recorder) -> None:
     # Enough held rows that PostgreSQL's planner uses its indexes (a table of a few pages is
     # read whole by a sequential scan, whatever the query, and would count every row).
     held = 3000
     with LocalCluster(sql_url) as cluster:
-        for node in ("a", "b", "c"):
-            # A balance every second (60 s by default): the window sees several of each node's.
-            cluster.add(simple_handler(_park), node, coordinator_options={"lease_ttl": LEASE_TTL},
-                        balance_every=1)
-        cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
-        wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
-                 "every task held")
-        # Even and still: the balances that even a cold start out are work, not idle time.
-        since: list[tuple[float, dict[str, int]]] = []
-
-        def still() -> bool:
-            counts = cluster.client.node_task_count()
-            if not since or since[-1][1] != counts:
-                since.append((time.monotonic(), counts))
-            return time.monotonic() - since[-1][0] >= 3.0  # unchanged for 3 balances
-
-        wait_for(still, 180, "the counts unchanged for 3 s")
+        _start_still(cluster, held, {"lease_ttl": LEASE_TTL})
         _analyze(sql_url)
         # PostgreSQL backends report their counters up to ~10 s late: a quiet margin before the
         # first reading and after the window, so only idle time is counted.
@@ -270,21 +274,7 @@ def test_an_idle_etcd_cluster_reads_no_task_keys(etcd_url: str,
                                                  etcd_recorder: EtcdRecorder) -> None:
     held = 600
     with LocalCluster(etcd_url) as cluster:
-        for node in ("a", "b", "c"):
-            cluster.add(simple_handler(_park), node, coordinator_options={"lease_ttl": 3},
-                        balance_every=1)
-        cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
-        wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
-                 "every task held")
-        since: list[tuple[float, dict[str, int]]] = []
-
-        def still() -> bool:
-            counts = cluster.client.node_task_count()
-            if not since or since[-1][1] != counts:
-                since.append((time.monotonic(), counts))
-            return time.monotonic() - since[-1][0] >= 3.0
-
-        wait_for(still, 180, "the counts unchanged for 3 s")
+        _start_still(cluster, held, {"lease_ttl": 3})
         keys = Keys(parse_store_url(etcd_url).path.strip("/") or "metafora")
         etcd_recorder.on = True
         _pause(4.0)  # four renewals (lease_ttl 3: every second) and four balances of each node
