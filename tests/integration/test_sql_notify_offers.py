@@ -24,6 +24,10 @@ def nodes(postgres_url: str) -> Iterator[Nodes]:
         yield n
 
 
+# Which path offers a task (the notification's payload or a read by id) depends on what the
+# listener has delivered when the watch looks: at load 30 under xdist -n 3 a read by id came
+# first once ('plain' scanned). The offer was right either way; the path is checked serially.
+@pytest.mark.timing
 def test_plain_tasks_are_offered_from_the_notification(nodes: Nodes,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     scanned: list[str] = []
