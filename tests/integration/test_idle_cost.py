@@ -124,10 +124,6 @@ def _pause(seconds: float) -> None:
     threading.Event().wait(seconds)  # a measurement window, not synchronisation
 
 
-# timing: it watches a window of wall-clock time that must be idle. Under pytest-xdist -n 3 at
-# load 10-30 a renewal failed inside the window ("lease renewals of node a are failing"), and
-# the balance after it read the claims (active_counts): the neighbours' load, not idle work.
-@pytest.mark.timing
 def _start_still(cluster: LocalCluster, held: int, options: dict[str, Any]) -> None:
     """Three nodes balancing every second (60 s by default, so a window sees several of each
     node's) hold ``held`` new tasks, and their counts stay unchanged for 3 s: the balances
@@ -148,6 +144,10 @@ def _start_still(cluster: LocalCluster, held: int, options: dict[str, Any]) -> N
     wait_for(still, 180, "the counts unchanged for 3 s")
 
 
+# timing: it watches a window of wall-clock time that must be idle. Under pytest-xdist -n 3 at
+# load 10-30 a renewal failed inside the window ("lease renewals of node a are failing"), and
+# the balance after it read the claims (active_counts): the neighbours' load, not idle work.
+@pytest.mark.timing
 def test_an_idle_cluster_reads_no_claimed_rows(sql_url: str, recorder: Recorder) -> None:
     # Enough held rows that PostgreSQL's planner uses its indexes (a table of a few pages is
     # read whole by a sequential scan, whatever the query, and would count every row).
@@ -270,6 +270,7 @@ def etcd_recorder(monkeypatch: pytest.MonkeyPatch) -> EtcdRecorder:
     return rec
 
 
+@pytest.mark.timing  # an idle window too (see above)
 def test_an_idle_etcd_cluster_reads_no_task_keys(etcd_url: str,
                                                  etcd_recorder: EtcdRecorder) -> None:
     held = 600
