@@ -418,7 +418,10 @@ class FairBalancer(ContextBalancer):
         snap = self._snapshot(ctx, clock, fresh=True, selector={}, published=True)
         chosen, why = self._plan(ctx, snap, held, live, groups)
         if chosen and snap.published:
+            labels = snap.labels  # read once per balance: the exact pass reuses them
             snap = self._snapshot(ctx, clock, fresh=True, selector={})
+            if snap.labels is None:
+                snap.labels = labels
             chosen, why = self._plan(ctx, snap, held, live, groups)
         if not chosen:
             return []

@@ -705,3 +705,21 @@ def test_fair_balance_reads_the_claims_only_when_the_published_counts_ask_for_it
     late.claimable = 0
     assert fair(late, held_tasks(30), warmup=0).balance() == []
     assert late.reads["counts"] == 1
+
+
+def test_fair_balance_reads_the_labels_once_when_it_reads_the_claims_too() -> None:
+    class Labelled(Published):
+        def __init__(self) -> None:
+            super().__init__({ME: 30, "b": 30, "c": 0}, {ME: 30, "b": 30, "c": 0})
+            self.label_reads = 0
+
+        def node_labels(self) -> dict[str, dict[str, str]]:
+            self.label_reads += 1
+            return {ME: {"zone": "a"}, "b": {"zone": "a"}, "c": {"zone": "a"}}
+
+    joined = Labelled()
+    joined.claimable = 0
+    held = held_tasks(30)
+    held = [RunningTask(Task(rt.task.id, selector={"zone": "a"}), rt.started) for rt in held]
+    assert len(fair(joined, held, warmup=0).balance()) == 10
+    assert (joined.published_reads, joined.reads["counts"], joined.label_reads) == (1, 1, 1)
