@@ -91,8 +91,11 @@ class Finisher:
                                 exc_info=error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
-        # How long it ran: balancers tell short tasks from long ones by it (RecentRuns).
-        entry.ran = (self._clock.now() - entry.started).total_seconds()
+        # How long it ran, for runs that ended on their own: balancers tell short tasks from
+        # long ones by it (RecentRuns). A run this node stopped (a release, a shutdown) or lost
+        # says nothing of how long its tasks run, and a move must not look like a short task.
+        if entry.stopped is None and not entry.lost and not entry.abandoned:
+            entry.ran = (self._clock.now() - entry.started).total_seconds()
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]

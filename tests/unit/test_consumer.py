@@ -297,6 +297,35 @@ def test_periodic_balance_releases_and_backs_off(harness: Harness) -> None:
     wait_until(lambda: len(ledger.runs) == 2, message="re-claimed after back-off")
 
 
+def test_only_runs_that_ended_on_their_own_count_as_run_times(harness: Harness) -> None:
+    clock = FakeClock()
+    stopped = threading.Event()
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        if task.id == "moved":
+            stop.wait(30)
+            stopped.set()
+            return False
+        return True
+
+    balancer = ScriptedBalancer()
+    consumer = harness.start(Consumer(
+        harness.coordinator("a"), simple_handler(work), balancer,
+        clock=clock, balance_every=10, balance_jitter=0.0, release_backoff=3600))
+    assert balancer.ctx is not None and balancer.ctx.runs is not None
+    runs = balancer.ctx.runs
+    harness.client.submit_task(Task("moved"))
+    wait_until(consumer.tasks, message="running")
+    balancer.to_release = ["moved"]
+    clock.advance(10)
+    wait_until(lambda: stopped.is_set() and not consumer.tasks(), message="released")
+    harness.client.submit_task(Task("ends"))  # runs to its end: its run time counts
+    wait_until(lambda: harness.client.get_task("ends").state is TaskState.DONE, message="done")
+    wait_until(lambda: runs.recent(3600)[0] >= 1, message="the finished run recorded")
+    assert runs.recent(3600)[0] == 1  # the released run did not count
+    assert not harness.errors
+
+
 def test_balance_command_runs_the_balancer_even_when_frozen(harness: Harness) -> None:
     ledger = Ledger()
     balancer = ScriptedBalancer()
