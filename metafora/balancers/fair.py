@@ -184,7 +184,8 @@ class FairBalancer(ContextBalancer):
     cluster, or a small backlog, does not wait; nor does a node whose tasks are short.
 
     **Short tasks** (``short_run``): when the node's tasks end quickly (the median of at
-    least 8 runs ended in the last ``10 * short_run`` seconds is under ``short_run``, and
+    least 8 runs that ended on their own -- not released, lost or abandoned -- in the last
+    ``10 * short_run`` seconds is under ``short_run``, and
     at most a quarter of what it runs is older than that window), completion evens the
     cluster on its own and refusing offers only slows it: the node claims every offer it has
     room for and releases nothing, at no store read. Its probe at a cold start is what
