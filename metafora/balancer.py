@@ -75,6 +75,10 @@ class ClusterState(abc.ABC):
         """
         return {}
 
+    publishes_counts: bool = False
+    """Whether :meth:`published_task_count` answers from what the nodes published (a read
+    that follows the nodes), not from :meth:`active_task_count` as this default does."""
+
     def published_task_count(self) -> dict[str, int]:
         """Like :meth:`active_task_count`, from what each node published of itself (one
         record per node, a moment late) where the store keeps that: a read whose cost follows

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext, ClusterState, RunningTask
+from metafora.balancer import BalancerContext, RunningTask
 from metafora.balancers._base import ContextBalancer
 from metafora.balancers.shares import (
     DEFAULT_BAND,
@@ -582,8 +582,7 @@ class FairBalancer(ContextBalancer):
         if fresh or snap is None or mono - snap.at >= self._counts_ttl:
             state = ctx.cluster_state
             # A store whose published counts are its exact ones (the default) reads once.
-            published = published and (type(state).published_task_count
-                                       is not ClusterState.published_task_count)
+            published = published and state.publishes_counts
             counts = dict(state.published_task_count() if published
                           else state.active_task_count())
             claimable = state.claimable_count()  # from the same read as the counts

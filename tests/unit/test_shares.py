@@ -679,6 +679,8 @@ def test_fair_leaves_a_full_node_out_of_releases_and_claims() -> None:
 class Published(Cluster):
     """A store that keeps published counts beside the claims (as SQL does)."""
 
+    publishes_counts = True
+
     def __init__(self, exact: dict[str, int], published: dict[str, int]) -> None:
         super().__init__(exact)
         self.published = published

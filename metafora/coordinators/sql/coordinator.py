@@ -404,6 +404,8 @@ class SQLCoordinator(SQLRetention, Coordinator):
         self._check_open()
         return self._nodes.counts("active_counts")
 
+    publishes_counts = True  # metafora_nodes.task_count, written with each renewal
+
     def published_task_count(self) -> dict[str, int]:
         """The counts the active nodes published with their renewals (one row per node, a
         moment late; the cluster's view on ``/metrics``), with the claimable count."""
