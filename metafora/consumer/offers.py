@@ -51,6 +51,8 @@ MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits a
 DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
 FUSED_OUTCOMES = 256  # queued outcomes sent along with one claim (finish_and_claim)
 FUSE_LINGER = 0.005  # seconds an outcome waits for a due claim to take it along
+FRESH_CHUNK = 500  # a long offer list is walked this many at a time (see OfferRouter.offer)
+FRESH_LOSS = 0.2  # from this moving share of offers lost to races, each chunk is re-checked
 
 
 def by_priority(task: Task) -> int:
@@ -284,9 +286,9 @@ class OfferRouter:
         Most were taken meanwhile: a coordinator that can tell which are left in one read
         (``claimable``, SQL) saves a claim attempt on each of the others.
         """
-        due = self._still_open(self._preference.due(now, 1000), "held-back")
+        due = self._preference.due(now, 1000)
         if due:
-            self.offer(*due)
+            self.offer(*due, waited=True)
 
     def _still_open(self, tasks: list[Task], what: str, *, check: bool = False) -> list[Task]:
         """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
@@ -312,10 +314,11 @@ class OfferRouter:
         with self._lock:  # offers that waited on a full group: most were taken meanwhile
             grouped = sum(self._grouped.pop(t.id, None) is not None for t in due) if self._grouped else 0
         # A storm's refused offers come back by the thousand, most taken by others meanwhile:
-        # judging and claiming each again would be the node's main work.
-        due = self._still_open(due, "ignored", check=grouped > 0)
+        # judging and claiming each again would be the node's main work. Each chunk is
+        # narrowed as it is reached (see offer), not the whole list first: walking it takes
+        # long enough for others to take much of what a read up front called open.
         due.sort(key=by_priority)
-        self.offer(*due)
+        self.offer(*due, waited=True, check=grouped > 0)
         if retry:  # a reduced capacity rose: try a waiting offer
             self.retry_deferred()
 
@@ -355,10 +358,27 @@ class OfferRouter:
 
     # -- the pipeline -----------------------------------------------------------------
 
-    def offer(self, *tasks: Task) -> None:
-        """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler."""
+    def offer(self, *tasks: Task, waited: bool = False, check: bool = False) -> None:
+        """The claim pipeline: ignored? -> balancer.can_claim -> claim (batched) -> handler.
+
+        Offers are walked ``FRESH_CHUNK`` at a time, and while claims lose races (the moving
+        share of :class:`Spares` at ``FRESH_LOSS`` or more) each chunk is first narrowed to
+        the offers still claimable (:meth:`_still_open`: the local view, and one read per
+        chunk of ``WAVE`` or more where the store has one). A start-up backlog or a rescan
+        queues tens of thousands of offers, and walking them takes seconds while other nodes
+        take most: tried stale, a node lagging behind its share won a few tasks per claim of
+        256 while the rest of the cluster, at its share, waited for it. Offers that ``waited``
+        (refused, held back) are narrowed whatever the share lost, ``check``: even a chunk
+        under ``WAVE`` is read.
+        """
         try:
-            self._offer(tasks)
+            for start in range(0, len(tasks), FRESH_CHUNK):
+                if self._stopping.is_set():
+                    return
+                chunk: Sequence[Task] = tasks[start:start + FRESH_CHUNK]
+                if waited or check or self.spares.loss >= FRESH_LOSS:
+                    chunk = self._still_open(list(chunk), "waiting", check=check)
+                self._offer(chunk)
         finally:
             self.approved = 0
             if self.outcomes is not None:  # outcomes left to a claim that is not coming

@@ -21,7 +21,7 @@ from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.balancer import Balancer, BalancerContext
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
-from metafora.consumer.offers import Ignores, OfferRouter, Placement
+from metafora.consumer.offers import FRESH_CHUNK, FRESH_LOSS, Ignores, OfferRouter, Placement
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, CoordinatorContext
@@ -334,3 +334,46 @@ def test_no_claim_is_due_while_every_slot_is_taken(rig_of: Any) -> None:
     assert rig.router.claim_soon()
     rig.router.freeze(True)
     assert not rig.router.claim_soon()
+
+
+def test_a_long_offer_list_is_narrowed_chunk_by_chunk_as_it_is_walked(rig_of: Any) -> None:
+    """Offers that waited (refused until a cold start ended, say) are re-read a chunk at a
+    time as the walk reaches them: tasks another node took while this node walked the chunks
+    before are not tried (a read of the whole list up front would have called them open)."""
+    rig = rig_of()
+    tasks = rig.submit(*(Task(f"t{i:04d}") for i in range(3 * FRESH_CHUNK)))
+    other = rig.other_node()
+    taken_meanwhile = tasks[FRESH_CHUNK:2 * FRESH_CHUNK]
+    asked = rig.balancer.can_claim
+
+    def can_claim(task: Task) -> tuple[bool, datetime | None]:
+        if task.id == tasks[0].id:  # while the first chunk is walked, another node claims
+            assert len(other.claim_many(taken_meanwhile, len(taken_meanwhile))) == FRESH_CHUNK
+        return asked(task)
+
+    rig.balancer.can_claim = can_claim  # type: ignore[method-assign]
+    rig.router.spares.loss = 0.0  # whatever the share of races lost
+    try:
+        rig.router.offer(*tasks, waited=True)
+        assert len(rig.started) == 2 * FRESH_CHUNK
+        assert not set(rig.started) & {t.id for t in taken_meanwhile}
+        assert rig.stats.counters()["races_lost"] == 0  # none of them was tried
+    finally:
+        other.close()
+
+
+def test_without_lost_races_fresh_offers_are_not_read_again(rig_of: Any) -> None:
+    """Offers straight from the watch cost no read while claims win: a lost race is then
+    cheaper than a read per chunk."""
+    rig = rig_of()
+    tasks = rig.submit(*(Task(f"t{i:04d}") for i in range(2 * FRESH_CHUNK)))
+    reads: list[int] = []
+    claimable = rig.coord.claimable  # type: ignore[attr-defined]
+    rig.coord.claimable = lambda ts: reads.append(len(ts)) or claimable(ts)  # type: ignore[attr-defined]
+    rig.router.spares.loss = 0.0
+    rig.router.offer(*tasks)
+    assert reads == [] and len(rig.started) == 2 * FRESH_CHUNK
+    rig.router.spares.loss = FRESH_LOSS
+    more = rig.submit(*(Task(f"u{i:04d}") for i in range(FRESH_CHUNK)))
+    rig.router.offer(*more)
+    assert reads == [FRESH_CHUNK]

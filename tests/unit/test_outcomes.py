@@ -179,9 +179,9 @@ class CountingConsumer(Consumer):
         super().__init__(*args, **kwargs)
         offer = self._offers.offer  # the claim pipeline lives in the consumer's offer router
 
-        def counting(*tasks: Task) -> None:
+        def counting(*tasks: Task, **how: bool) -> None:
             self.walked += len(tasks)
-            offer(*tasks)
+            offer(*tasks, **how)
 
         self._offers.offer = counting  # type: ignore[method-assign]
 
