@@ -47,6 +47,8 @@ _SHORT_MIN_RUNS = 8  # short-task mode needs this many runs ended in the last wi
 _SHORT_WINDOW = 10  # the window, in short_run units
 _SHORT_RECHECK = 0.25  # seconds a short-mode verdict is kept
 MAX_REFUSALS = 5  # refuse_for periods an offer may wait for a lighter node before it is taken
+_FAR_BELOW = 0.75  # a node under this share of its share claims on a cached snapshot (_far_below)
+_FAR_BELOW_TTL = 10  # ... for at most this many counts_ttl
 _SelectorKey = tuple[tuple[str, str], ...]
 
 
@@ -349,7 +351,8 @@ class FairBalancer(ContextBalancer):
         ctx, clock = self._context("can_claim")
         if self._short(ctx, clock):
             return True, None  # completion evens the cluster (see the class docstring)
-        snap = self._snapshot(ctx, clock, fresh=False, selector=task.selector)
+        snap = self._snapshot(ctx, clock, fresh=False, selector=task.selector,
+                              far_below=self._cold is None)
         now = clock.now()
         wait, ended = self._warming(ctx, clock, snap)
         if wait == 0.0:
@@ -572,13 +575,19 @@ class FairBalancer(ContextBalancer):
         return held >= mine.share + slack, room
 
     def _snapshot(self, ctx: BalancerContext, clock: Clock, *, fresh: bool,
-                  selector: Mapping[str, str], published: bool = False) -> _Snapshot:
+                  selector: Mapping[str, str], published: bool = False,
+                  far_below: bool = False) -> _Snapshot:
         """The cached snapshot, re-read when ``fresh`` or older than ``counts_ttl``; with
         the labels when ``selector`` needs them. ``published``: read the counts the nodes
-        published instead of the claims (never cached: see :meth:`balance`)."""
+        published instead of the claims (never cached: see :meth:`balance`). ``far_below``:
+        kept longer while it shows this node far below its share (see :meth:`_far_below`)."""
         mono = clock.monotonic()
         with self._lock:
             snap = self._snap
+        if (not fresh and far_below and snap is not None
+                and mono - snap.at < _FAR_BELOW_TTL * self._counts_ttl
+                and self._far_below(ctx, snap, selector)):
+            return snap
         if fresh or snap is None or mono - snap.at >= self._counts_ttl:
             state = ctx.cluster_state
             # A store whose published counts are its exact ones (the default) reads once.
@@ -595,6 +604,29 @@ class FairBalancer(ContextBalancer):
         if selector and snap.labels is None:
             snap.labels = dict(ctx.cluster_state.node_labels())
         return snap
+
+    def _far_below(self, ctx: BalancerContext, snap: _Snapshot,
+                   selector: Mapping[str, str]) -> bool:
+        """Whether ``snap`` shows this node under ``_FAR_BELOW`` of its share of the work.
+
+        Then the next offer is claimed whatever a fresh read would say, and reading the
+        counts (a count of the claims: O(tasks held) in a SQL store) would only cost: in a
+        start-up storm every node read them every second while it claimed, 100,000 rows a
+        read. The work is what the counts and the claimable count add up to, which no claim
+        changes (only submits and ends, seen at the next read, ``_FAR_BELOW_TTL`` ttls at
+        most); membership changes drop the snapshot (:meth:`nodes_changed`).
+        """
+        if selector and snap.labels is None:
+            return False
+        pool = snap.pool(ctx.node_id, selector)
+        if pool.size == 0:
+            return False
+        held = ctx.task_count()
+        work = self._work(ctx, snap, pool, held)
+        if work is None:
+            return False
+        weight = snap.weight(ctx.node_id)
+        return held < _FAR_BELOW * work * weight / (pool.weight + weight)
 
     def _young(self, rt: RunningTask, now: datetime) -> bool:
         """Started less than ``min_age`` ago (a start ahead of this clock is not judged)."""

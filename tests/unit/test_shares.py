@@ -442,13 +442,46 @@ def test_fair_leaves_offers_to_an_under_loaded_peer_unless_under_loaded_itself()
 def test_fair_can_claim_reads_one_snapshot_per_counts_ttl() -> None:
     cluster = Cluster({"a": 3}, weights={"a": 2})
     clock = FakeClock()
-    balancer = fair(cluster, held_tasks(2), claimable=5, clock=clock, counts_ttl=1.0)
+    # work 3 + 3 + 4 = 10, this node's share 10/3: at 3 it is near its share
+    balancer = fair(cluster, held_tasks(3), claimable=4, clock=clock, counts_ttl=1.0)
     for i in range(20):
         balancer.can_claim(Task(f"t{i}"))
     assert cluster.reads == {"counts": 1, "weights": 1, "frozen": 1}
     clock.advance(1.0)
     balancer.can_claim(Task("x"))
     assert cluster.reads == {"counts": 2, "weights": 2, "frozen": 2}
+
+
+def test_fair_far_below_its_share_a_node_claims_on_the_cached_counts() -> None:
+    """Under 3/4 of its share a node claims whatever a fresh read would say: it reads the
+    counts (O(tasks held) in SQL) once per ten counts_ttl, and each ttl again near its share."""
+    cluster = Cluster({"a": 50, "b": 50, ME: 0})
+    cluster.claimable = 200  # work 300: a share of 100 each
+    clock = FakeClock()
+    tasks: list[RunningTask] = []
+    balancer = fair(cluster, tasks, clock=clock, counts_ttl=1.0, warmup=0)
+
+    def claim(n: int) -> None:
+        for _ in range(n):
+            assert balancer.can_claim(Task(f"t{len(tasks)}")) == (True, None)
+            tasks.append(RunningTask(Task(f"t{len(tasks)}"), CLOCK_START))
+
+    claim(70)
+    clock.advance(9.0)
+    claim(1)  # 9 s, nine ttls, at 70 of a share of 100: on the first read
+    assert cluster.reads["counts"] == 1
+    clock.advance(1.0)
+    claim(1)  # ten ttls old: read again, whatever it shows
+    assert cluster.reads["counts"] == 2
+    claim(3)  # 72, 73, 74: still under 75
+    assert cluster.reads["counts"] == 2
+    for expected in (2, 2, 3, 3, 4):  # at 75: a read per counts_ttl, as any node near its share
+        balancer.can_claim(Task("near"))
+        assert cluster.reads["counts"] == expected
+        clock.advance(0.5)
+    balancer.nodes_changed(left=False)  # a join drops the snapshot: read at once
+    balancer.can_claim(Task("after-join"))
+    assert cluster.reads["counts"] == 5
 
 
 def test_fair_a_bad_published_weight_counts_as_one() -> None:
