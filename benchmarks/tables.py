@@ -408,6 +408,8 @@ for _source in ("ab_moves_claims", "ab_moves_claims_sqlite", "ab_moves_gates", "
     table(_source, command="python benchmarks/ab.py NAME --base 358ea26")(_ab)
 table("ab_storm_issue33", command="python benchmarks/ab.py storm --base c519f1d --stores postgresql"
       " --rounds 2 --full --save-as ab_storm_issue33")(_ab)
+table("ab_moves_claims_sqlite_quiet", command="METAFORA_CLAIMS_TASKS=5000 python benchmarks/ab.py"
+      " claims --base 358ea26 --rounds 6 --stores sqlite --save-as ab_moves_claims_sqlite_quiet")(_ab)
 table("ab_storm_offers", command="python benchmarks/ab.py storm --base 79e15f6 --rounds 4 --full"
       " --stores postgresql,sqlite --save-as ab_storm_offers")(_ab)
 
