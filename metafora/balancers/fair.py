@@ -215,7 +215,9 @@ class FairBalancer(ContextBalancer):
 
     Counts, weights and frozen nodes are one snapshot: :meth:`can_claim` reuses it (and the
     labels, read only for tasks with a selector) for up to ``counts_ttl`` seconds (0
-    re-reads every time). :meth:`balance` first reads the counts the nodes published
+    re-reads every time), and for up to ten ``counts_ttl`` while it shows this node under
+    3/4 of its share (no read could then turn a claim into a refusal; a membership change
+    drops it at once). :meth:`balance` first reads the counts the nodes published
     (``ClusterState.published_task_count``, one record per node): when they show nothing to
     release, it stops there, so an idle, even cluster reads no claims; otherwise it reads the
     exact counts and decides on those. Errors from the store propagate
