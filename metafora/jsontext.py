@@ -71,8 +71,22 @@ def load_value(
         raise too_deep(f"{what}: nested deeper than {limit} levels") from None
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
         raise error(f"{what}: not valid JSON: {exc}") from None
+    if not _may_nest(data, limit - top + 1):
+        return obj  # the walk could find nothing: most stored values take this path
     check_depth(obj, what, too_deep, limit, top)
     return obj
+
+
+def _may_nest(data: str | bytes, containers: int) -> bool:
+    """Whether ``data`` may hold more than ``containers`` nested objects and arrays, or more
+    values than :func:`check_depth` allows: each container opens with a bracket of the text
+    (brackets inside strings only make this answer yes more often), and each value takes one
+    character at least."""
+    if len(data) > _MAX_VALUES:
+        return True
+    if isinstance(data, bytes):
+        return data.count(b"{") + data.count(b"[") > containers
+    return data.count("{") + data.count("[") > containers
 
 
 def load_object(

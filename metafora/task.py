@@ -35,6 +35,7 @@ __all__ = [
     "matches",
     "parse_time",
     "placement_reason",
+    "task_like",
     "validate_group",
     "validate_labels",
     "validate_priority",
@@ -78,6 +79,9 @@ def validate_task_id(task_id: object) -> str:
     """Return ``task_id`` if it is a valid id, else raise :class:`InvalidTaskId` saying why."""
     if not isinstance(task_id, str):
         raise InvalidTaskId(f"task id must be a string, not {type(task_id).__name__}")
+    if (task_id.isascii() and task_id.isprintable() and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+            and task_id[0] != " " and task_id[-1] != " "):
+        return task_id  # printable ASCII without edge spaces passes every rule below
     if not task_id.strip():
         raise InvalidTaskId("task id must not be empty or blank")
     if task_id != task_id.strip():
@@ -166,7 +170,7 @@ def validate_labels(labels: object, what: str = "labels") -> dict[str, str]:
     :data:`MAX_LABEL_VALUE_LENGTH`), at most :data:`MAX_LABELS` pairs. ``what`` names the
     input in the error ("labels", "selector").
     """
-    if labels is None:
+    if labels is None or (type(labels) is dict and not labels):
         return {}
     if not isinstance(labels, Mapping):
         raise InvalidProps(f"{what} must be a mapping of strings to strings, not {type(labels).__name__}")
@@ -381,6 +385,28 @@ class Task:
         """A copy of this task carrying another fencing token."""
         return Task(self.id, self.props, token, selector=self.selector, priority=self.priority,
                     prefer=self.prefer, spread=self.spread, group=self.group)
+
+
+def task_like(shape: Task, task_id: str, props: dict[str, Any], token: int = 0) -> Task:
+    """A task equal to what ``Task(task_id, props, token, ...)`` would build with ``shape``'s
+    selector, priority and placement, without validating them again: ``shape`` is a task
+    built (so validated) from the same stored texts, and ``props`` are this task's own copy,
+    decoded from those texts. The id is always validated.
+
+    Stores offer a backlog submitted alike (every task one shape) this way: validating the
+    same texts again for every task was most of a start-up storm's offer cost.
+    """
+    validate_task_id(task_id)
+    task = object.__new__(Task)
+    fields = task.__dict__
+    fields.update(shape.__dict__)
+    fields.pop("_claim", None)
+    fields["id"] = task_id
+    fields["props"] = props
+    fields["token"] = token
+    fields["selector"] = dict(shape.selector)
+    fields["prefer"] = dict(shape.prefer)
+    return task
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ view) is one small range read that never carries task props.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from metafora.task import (
     TaskInfo,
     TaskState,
     parse_time,
+    task_like,
     validate_group,
     validate_labels,
     validate_priority,
@@ -255,10 +257,22 @@ class StoredProps:
     spread: str | None = None
     group: str | None = None
 
+    made: list[Any] = field(default_factory=list, compare=False, repr=False)
+    """The first task built from this record, then its props as JSON: later tasks of a
+    record read once for many (see :func:`props_of`) are copies of it."""
+
     def task(self, task_id: str, token: int = 0) -> Task:
         """The task this record describes, carrying ``token``."""
-        return Task(task_id, self.props, token, selector=self.selector, priority=self.priority,
+        made = self.made
+        if made:
+            if len(made) == 1:
+                made.append(json.dumps(made[0].props, separators=(",", ":")))
+            text = made[1]
+            return task_like(made[0], task_id, {} if text == "{}" else json.loads(text), token)
+        task = Task(task_id, self.props, token, selector=self.selector, priority=self.priority,
                     prefer=self.prefer, spread=self.spread, group=self.group)
+        made.append(task)
+        return task
 
 
 def task_record(task: Task, created: str) -> bytes:
@@ -286,15 +300,41 @@ def labels_of(data: dict[str, Any], node_id: str) -> dict[str, str]:
         return {}
 
 
+_SHAPES = 64  # props values kept with their validated task (see props_of)
+_SHAPE_BYTES = 1024  # longer values are decoded each time
+
+
 def props_of(kv: KeyValue, task_id: str) -> StoredProps:
     """Read a props key. A damaged value (not JSON, too deep or large, no props object) is
-    reported in ``error``, never taken for empty props: a claim fails such a task."""
+    reported in ``error``, never taken for empty props: a claim fails such a task.
+
+    A value read before (a backlog submitted together shares one: same props, same
+    ``created_at``) is decoded and validated once: the same :class:`StoredProps` is returned,
+    whose :meth:`~StoredProps.task` copies the first task it built. Its props are shared,
+    read-only.
+    """
+    if len(kv.value) <= _SHAPE_BYTES:
+        stored = _shape(kv.value)
+        if stored is not None:
+            return stored
+    return _props_of(kv.value, task_id)
+
+
+@functools.lru_cache(maxsize=_SHAPES)
+def _shape(value: bytes) -> StoredProps | None:
+    """The record of a valid ``value``, kept for the next reads of the same value; None when
+    damaged (then read again, to name the task in the damage)."""
+    stored = _props_of(value, "shape")
+    return None if stored.error is not None else stored
+
+
+def _props_of(value: bytes, task_id: str) -> StoredProps:
     what = f"stored props of task {task_id!r}"
     try:
-        if len(kv.value) > 2 * MAX_PROPS_BYTES:
-            raise InvalidProps(f"{what}: {len(kv.value)} bytes, over the limit of {MAX_PROPS_BYTES}")
+        if len(value) > 2 * MAX_PROPS_BYTES:
+            raise InvalidProps(f"{what}: {len(value)} bytes, over the limit of {MAX_PROPS_BYTES}")
         # The record wraps the props one level down: {"props": {...}, "created_at": ...}.
-        data = load_object(kv.value, what, InvalidProps, MAX_PROPS_DEPTH, top=0)
+        data = load_object(value, what, InvalidProps, MAX_PROPS_DEPTH, top=0)
         if "props" not in data:
             raise InvalidProps(f"{what}: the record has no props")
         props = data["props"]

@@ -33,6 +33,7 @@ _TIMER_CAP = 60.0  # re-check wall-clock timers at least this often (clock jumps
 # in order, and a broken or compacted one re-lists at once: the net is for the unforeseen).
 _RELIST_TASKS_PER_S = 100.0
 _STOP = object()  # tells the watch loop to end
+_EVALUATE_CHUNK = 1000  # tasks judged per hold of the lock (see NamespaceWatch._evaluate)
 
 
 class NamespaceWatch:
@@ -139,7 +140,12 @@ class NamespaceWatch:
     def _evaluate(
         self, sub: Subscriber, timers: dict[str, datetime]
     ) -> tuple[list[Task], list[tuple[str, int]]]:
-        """Which of the marked or due tasks to offer, and which to expire."""
+        """Which of the marked or due tasks to offer, and which to expire.
+
+        Judged :data:`_EVALUATE_CHUNK` tasks per hold of the node's lock: a re-list marks
+        every task, and judging 100,000 of them in one hold kept the lease thread (which
+        takes the lock at every beat) waiting past its renewal at a storm's start.
+        """
         now = self._clock.now()
         offers: list[Task] = []
         expiring: list[tuple[str, int]] = []
@@ -155,34 +161,13 @@ class NamespaceWatch:
                 if due <= now:
                     candidates.add(task_id)
                     del timers[task_id]
-            for task_id in sorted(candidates):
-                entry = self._cache.entries.get(task_id)
-                if entry is None or entry.props is None or entry.finished or entry.owner:
-                    timers.pop(task_id, None)
-                    if entry is None:
-                        self._unusable.pop(task_id, None)
-                    continue
-                try:
-                    validate_task_id(task_id)
-                except InvalidTaskId as bad_id:
-                    # A key written by hand: no Task can carry this id. Skip it (log once).
-                    timers.pop(task_id, None)
-                    if self._unusable.get(task_id) != entry.props_mod:
-                        self._unusable[task_id] = entry.props_mod
-                        unusable.append((task_id, bad_id))
-                    continue
-                if entry.expires_at is not None and entry.expires_at <= now:
-                    expiring.append((task_id, entry.props_mod))
-                    timers.pop(task_id, None)
-                elif entry.launch_at is not None and entry.launch_at > now:
-                    timers[task_id] = entry.launch_at
-                else:
-                    offer, entry.props_valid = offer_for(task_id, entry)
-                    offers.append(offer)
-                    if entry.expires_at is not None:
-                        timers[task_id] = entry.expires_at
-                    else:
-                        timers.pop(task_id, None)
+        ordered = sorted(candidates)
+        for start in range(0, len(ordered), _EVALUATE_CHUNK):
+            with self._state.lock:
+                if self._state.closed:
+                    return [], []
+                for task_id in ordered[start:start + _EVALUATE_CHUNK]:
+                    self._judge(task_id, now, timers, offers, expiring, unusable)
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
                         self._state.node_id, task_id[:80], reason, extra=self._state.extra)
@@ -191,6 +176,38 @@ class NamespaceWatch:
         offers = rotated(offers)
         offers.sort(key=lambda t: -t.priority)
         return offers, expiring
+
+    def _judge(self, task_id: str, now: datetime, timers: dict[str, datetime], offers: list[Task],
+               expiring: list[tuple[str, int]], unusable: list[tuple[str, InvalidTaskId]]) -> None:
+        """Judge one marked or due task (called holding the lock): offer it, expire it, set
+        its timer, or drop it."""
+        entry = self._cache.entries.get(task_id)
+        if entry is None or entry.props is None or entry.finished or entry.owner:
+            timers.pop(task_id, None)
+            if entry is None:
+                self._unusable.pop(task_id, None)
+            return
+        try:
+            validate_task_id(task_id)
+        except InvalidTaskId as bad_id:
+            # A key written by hand: no Task can carry this id. Skip it (log once).
+            timers.pop(task_id, None)
+            if self._unusable.get(task_id) != entry.props_mod:
+                self._unusable[task_id] = entry.props_mod
+                unusable.append((task_id, bad_id))
+            return
+        if entry.expires_at is not None and entry.expires_at <= now:
+            expiring.append((task_id, entry.props_mod))
+            timers.pop(task_id, None)
+        elif entry.launch_at is not None and entry.launch_at > now:
+            timers[task_id] = entry.launch_at
+        else:
+            offer, entry.props_valid = offer_for(task_id, entry)
+            offers.append(offer)
+            if entry.expires_at is not None:
+                timers[task_id] = entry.expires_at
+            else:
+                timers.pop(task_id, None)
 
     def _run(self) -> None:
         backoff = BACKOFF_START

@@ -38,12 +38,11 @@ from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import (
-    MAX_TASK_ID_LENGTH,
     Task,
     decode_labels,
     decode_props,
     decode_soft,
-    validate_task_id,
+    task_like,
 )
 
 __all__ = ["OfferShapes", "Settling", "Watch"]
@@ -427,17 +426,7 @@ class OfferShapes:
                     self._shapes.clear()
                 self._shapes[key] = task
             return task
-        if not (task_id.isascii() and task_id.isprintable() and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
-                and task_id[0] != " " and task_id[-1] != " "):
-            validate_task_id(task_id)  # printable ASCII without edge spaces is valid: the rest
-        task = object.__new__(Task)
-        fields = task.__dict__
-        fields.update(shape.__dict__)
-        fields["id"] = task_id
-        fields["props"] = {} if props == "{}" else json.loads(props)
-        fields["selector"] = dict(shape.selector)
-        fields["prefer"] = dict(shape.prefer)
-        return task
+        return task_like(shape, task_id, {} if props == "{}" else json.loads(props))
 
 
 class Settling:
