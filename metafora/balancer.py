@@ -5,14 +5,23 @@ from __future__ import annotations
 import abc
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.task import Task
 
-__all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask"]
+__all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask", "SelectorKey",
+           "selector_key"]
+
+SelectorKey = tuple[tuple[str, str], ...]
+"""A task's selector as its ``(key, value)`` pairs sorted by key (``()``: no selector)."""
+
+
+def selector_key(selector: Mapping[str, str]) -> SelectorKey:
+    """``selector`` as a :data:`SelectorKey`: hashable, one value per distinct selector."""
+    return tuple(sorted(selector.items())) if selector else ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,7 @@ class BalancerContext:
     count_source: Callable[[], int] | None = field(default=None, repr=False)
     claimable_source: Callable[[], int] | None = field(default=None, repr=False)
     runs: RecentRuns | None = field(default=None, repr=False)  # None: the consumer does not say
+    selector_source: Callable[[], Collection[SelectorKey]] | None = field(default=None, repr=False)
 
     def tasks(self) -> list[RunningTask]:
         """The tasks running on this node now, oldest first."""
@@ -164,6 +174,18 @@ class BalancerContext:
         ``ceil((held + claimable) / nodes)``; without it, only of the work already held.
         """
         return self.claimable_source() if self.claimable_source is not None else None
+
+    def held_selectors(self) -> frozenset[SelectorKey] | None:
+        """The distinct selectors of the tasks in :meth:`tasks` (each a :data:`SelectorKey`,
+        ``()`` for tasks without one; stopping tasks count), or None when the consumer does
+        not say.
+
+        What a balancer needs to know which peer groups this node's tasks fall in without
+        building :meth:`tasks` (O(tasks held)): a source answers in O(distinct selectors),
+        from a tally kept as tasks start and end. It answers for the same tasks as
+        :meth:`tasks`; no tasks: an empty set.
+        """
+        return None if self.selector_source is None else frozenset(self.selector_source())
 
 
 class Balancer(abc.ABC):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext, RunningTask
+from metafora.balancer import BalancerContext, RunningTask, SelectorKey, selector_key
 from metafora.balancers._base import ContextBalancer
 from metafora.balancers.shares import (
     DEFAULT_BAND,
@@ -49,7 +49,6 @@ _SHORT_RECHECK = 0.25  # seconds a short-mode verdict is kept
 MAX_REFUSALS = 5  # refuse_for periods an offer may wait for a lighter node before it is taken
 _FAR_BELOW = 0.75  # a node under this share of its share claims on a cached snapshot (_far_below)
 _FAR_BELOW_TTL = 10  # ... for at most this many counts_ttl
-_SelectorKey = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class _Snapshot:
     frozen: frozenset[str]
     claimable: int | None = None  # claimable in the store at the read (None: not told)
     labels: dict[str, dict[str, str]] | None = None
-    pools: dict[_SelectorKey, _Pool] = field(default_factory=dict)
+    pools: dict[SelectorKey, _Pool] = field(default_factory=dict)
     capacities: dict[str, int] = field(default_factory=dict)  # published capacities
     published: bool = False  # counts the nodes published (a moment late), not the claims
 
@@ -134,7 +133,7 @@ class _Snapshot:
 
     def pool(self, me: str, selector: Mapping[str, str]) -> _Pool:
         """The (cached) :class:`_Pool` of ``selector``."""
-        key = tuple(sorted(selector.items()))
+        key = selector_key(selector)
         found = self.pools.get(key)
         if found is None:
             # A full peer (at its published capacity) takes no more: it and its tasks are left
@@ -219,8 +218,10 @@ class FairBalancer(ContextBalancer):
     3/4 of its share (no read could then turn a claim into a refusal; a membership change
     drops it at once). :meth:`balance` first reads the counts the nodes published
     (``ClusterState.published_task_count``, one record per node): when they show nothing to
-    release, it stops there, so an idle, even cluster reads no claims; otherwise it reads the
-    exact counts and decides on those. Errors from the store propagate
+    release, it stops there, so an idle, even cluster reads no claims -- nor builds the list of
+    this node's tasks, when the context says which selectors they have
+    (``BalancerContext.held_selectors``; the consumer's does); otherwise it reads the exact
+    counts and decides on those. Errors from the store propagate
     to the caller. ``clock`` defaults to the context's; durations are seconds or timedeltas.
     """
 
@@ -411,17 +412,29 @@ class FairBalancer(ContextBalancer):
         if self._short(ctx, clock):
             return []  # short tasks: completion evens the cluster, a release only costs
         held = ctx.task_count()
-        live = [rt for rt in ctx.tasks() if rt.stopped is None]
-        # One group per selector (one group, every node a peer, when no task has one).
-        groups: dict[_SelectorKey, list[RunningTask]] = {}
-        for rt in live:
-            if not self._young(rt, now):
-                groups.setdefault(tuple(sorted(rt.task.selector.items())), []).append(rt)
-        if not groups:
-            return []
         # The published counts first (one record per node): nothing to release on them, and
         # the claims are not read at all; something to release, and the exact counts decide.
-        snap = self._snapshot(ctx, clock, fresh=True, selector={}, published=True)
+        snap: _Snapshot | None = None
+        keys = _held_selectors(ctx)
+        if keys is not None:
+            # The context tallies its tasks' selectors: whether anything is to be released
+            # is decided on the counts alone, and the list of tasks (O(held)) is built only
+            # when something is -- never on an even cluster.
+            if not keys:
+                return []  # no task held
+            snap = self._snapshot(ctx, clock, fresh=True, selector={}, published=True)
+            if not self._releases(ctx, snap, held, keys):
+                return []
+        live = [rt for rt in ctx.tasks() if rt.stopped is None]
+        # One group per selector (one group, every node a peer, when no task has one).
+        groups: dict[SelectorKey, list[RunningTask]] = {}
+        for rt in live:
+            if not self._young(rt, now):
+                groups.setdefault(selector_key(rt.task.selector), []).append(rt)
+        if not groups:
+            return []
+        if snap is None:
+            snap = self._snapshot(ctx, clock, fresh=True, selector={}, published=True)
         chosen, why = self._plan(ctx, snap, held, live, groups)
         if chosen and snap.published:
             labels = snap.labels  # read once per balance: the exact pass reuses them
@@ -438,8 +451,30 @@ class FairBalancer(ContextBalancer):
                     extra={"node_id": ctx.node_id, "released": len(chosen)})
         return chosen
 
+    def _releases(self, ctx: BalancerContext, snap: _Snapshot, held: int,
+                  keys: frozenset[SelectorKey]) -> bool:
+        """Whether :meth:`_plan` could choose anything on ``snap`` for tasks of the selectors
+        ``keys`` (every selector this node's tasks have), without the tasks themselves.
+
+        Until :meth:`_plan` chooses a task, each group is planned from ``held`` alone, as
+        here; a plan that releases nothing for this node chooses nothing (its target is
+        ``held``, and ``task_count()`` counts every task of ``tasks()``). And its
+        groups are the selectors of ``keys`` that have tasks old enough to move, a subset:
+        no release here is no release there, on the same counts.
+        """
+        if any(keys) and snap.labels is None:
+            snap.labels = dict(ctx.cluster_state.node_labels())  # _plan reuses them
+        claimable = snap.claimable or 0
+        for key in keys:
+            group = standings(snap.members(ctx.node_id, held, dict(key)), claimable)
+            plan = release_plan(group, threshold=self._threshold, band=self._band,
+                                both_sides=self._both_sides, claimable=claimable)
+            if plan.for_node(ctx.node_id) > 0:
+                return True
+        return False
+
     def _plan(self, ctx: BalancerContext, snap: _Snapshot, held: int, live: list[RunningTask],
-              groups: dict[_SelectorKey, list[RunningTask]]) -> tuple[list[str], tuple[Standing, ...]]:
+              groups: dict[SelectorKey, list[RunningTask]]) -> tuple[list[str], tuple[Standing, ...]]:
         """(ids to release on ``snap``'s counts, the standings that say why)."""
         if any(groups) and snap.labels is None:
             snap.labels = dict(ctx.cluster_state.node_labels())
@@ -656,6 +691,13 @@ class FairBalancer(ContextBalancer):
             f"slack={self._slack!r}, max_releases={self._max_releases!r}, "
             f"warmup={self._warmup!r}, short_run={self._short_run!r})"
         )
+
+
+def _held_selectors(ctx: BalancerContext) -> frozenset[SelectorKey] | None:
+    """``ctx.held_selectors()``; None (not told) from a context without that method (a
+    stand-in written before it existed): the balance then builds the list of tasks."""
+    method = getattr(ctx, "held_selectors", None)
+    return None if method is None else method()
 
 
 def _count(value: object, name: str, *, minimum: int) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 from metafora import commands as cmds
 from metafora import tracing
-from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask
+from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
 from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
@@ -59,7 +59,7 @@ from metafora.consumer.options import (
 from metafora.consumer.registration import register
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import NodeLog, Running
+from metafora.consumer.running import NodeLog, RunningMap
 from metafora.consumer.shutdown import Shutdown
 from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
@@ -214,7 +214,7 @@ class Consumer:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._done = threading.Event()
-        self._running: dict[str, Running] = {}
+        self._running = RunningMap()  # tallies its tasks' selectors for the balancer
         self._started = False
         self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
                                       log=self._log)
@@ -290,6 +290,11 @@ class Consumer:
         with self._lock:
             return len(self._running) + self._offers.approved
 
+    def _held_selectors(self) -> frozenset[SelectorKey]:
+        # The map's tally: O(distinct selectors), where tasks() is O(tasks held).
+        with self._lock:
+            return self._running.selectors()
+
     def ignores(self) -> list[str]:
         """Ids of tasks this node ignores for now (refused by the balancer, or released)."""
         with self._lock:
@@ -348,7 +353,7 @@ class Consumer:
             self._start_http()
             self._balancer.init(
                 BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count,
-                                runs=self._runs)
+                                runs=self._runs, selector_source=self._held_selectors)
             )
             self._supervisor.start("outcomes", self._finisher.writer.run)
             self._supervisor.start("watch", self._watch)

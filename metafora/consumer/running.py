@@ -1,26 +1,28 @@
 """What every part of the consumer shares: a running task's entry, and the node's log.
 
 :class:`Running` is one running task: its claim, its handler and how far its end has gone.
-Entries live in the consumer's ``running`` map (task id -> :class:`Running`) under the
-consumer's one lock; every part (offers, handoff, launch, finishing, shutdown) reads that
-map. :class:`NodeLog` is the consumer's logger, which every part logs through.
+Entries live in the consumer's ``running`` map (task id -> :class:`Running`, a
+:class:`RunningMap`) under the consumer's one lock; every part (offers, handoff, launch,
+finishing, shutdown) reads that map. :class:`NodeLog` is the consumer's logger, which every
+part logs through.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from metafora.balancer import RunningTask
+from metafora.balancer import RunningTask, SelectorKey, selector_key
 from metafora.consumer.runner import Run
 from metafora.handler import AsyncHandler, Handler
 from metafora.task import Task
 
-__all__ = ["Flag", "NodeLog", "Running", "handler_state"]
+__all__ = ["Flag", "NodeLog", "Running", "RunningMap", "handler_state"]
 
 
 class Flag:
@@ -79,6 +81,82 @@ class Running:
     def view(self) -> RunningTask:
         """What the balancer sees of it."""
         return RunningTask(self.task, self.started, self.stopped)
+
+
+class RunningMap(dict[str, Running]):
+    """The consumer's running map, task id -> :class:`Running`, that tallies the selectors
+    of its tasks as entries come and go.
+
+    The balancer asks which selectors the node's tasks have (``BalancerContext.held_selectors``)
+    on every balance: the tally answers in O(distinct selectors) where a walk of the entries
+    cost O(tasks held). Every change of the map goes through ``__setitem__``/``__delitem__``
+    (the other mutators are routed through them), under the consumer's lock like any change;
+    an entry's task is never replaced once it is in the map.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._selectors: Counter[SelectorKey] = Counter()
+
+    def selectors(self) -> frozenset[SelectorKey]:
+        """The distinct selectors of the tasks in the map (``()``: tasks without one)."""
+        return frozenset(self._selectors)
+
+    def __setitem__(self, key: str, value: Running) -> None:
+        old = self.get(key)
+        super().__setitem__(key, value)
+        if old is not None:
+            self._drop(old)
+        self._selectors[selector_key(value.task.selector)] += 1
+
+    def __delitem__(self, key: str) -> None:
+        entry = self[key]
+        super().__delitem__(key)
+        self._drop(entry)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        """Remove ``key`` and return its entry (``default`` when absent, if given)."""
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        entry = self[key]
+        del self[key]
+        return entry
+
+    def popitem(self) -> tuple[str, Running]:
+        """Remove and return the last entry added."""
+        key, entry = super().popitem()
+        self._drop(entry)
+        return key, entry
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        """The entry of ``key``, added as ``default`` first when absent."""
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Add or replace entries, one ``__setitem__`` each."""
+        for key, entry in dict(*args, **kwargs).items():
+            self[key] = entry
+
+    def __ior__(self, other: Any) -> RunningMap:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        """Remove every entry."""
+        super().clear()
+        self._selectors.clear()
+
+    def _drop(self, entry: Running) -> None:
+        key = selector_key(entry.task.selector)
+        left = self._selectors[key] - 1
+        if left > 0:
+            self._selectors[key] = left
+        else:
+            del self._selectors[key]  # the set of keys is what held_selectors answers
 
 
 def handler_state(handler: Handler | AsyncHandler) -> str | None:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
+from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask, selector_key
 from metafora.clock import SYSTEM_CLOCK
 from metafora.task import Task
 from metafora.testing import FakeClock
@@ -67,6 +67,14 @@ def test_the_context_counts_without_building_the_list_when_it_can() -> None:
     ctx = BalancerContext("n1", Counts({}), tasks, clock, count_source=lambda: 5000)
     assert ctx.task_count() == 5000 and built == []
     assert ctx.clock is clock
+
+
+def test_the_context_says_which_selectors_its_tasks_have_only_when_its_source_does() -> None:
+    running = [RunningTask(Task("t1", selector={"zone": "a", "gpu": "1"}), STARTED)]
+    assert BalancerContext("n1", Counts({}), lambda: list(running)).held_selectors() is None
+    tally = [selector_key({"zone": "a", "gpu": "1"}), selector_key({})]
+    ctx = BalancerContext("n1", Counts({}), lambda: list(running), selector_source=lambda: tally)
+    assert ctx.held_selectors() == {(("gpu", "1"), ("zone", "a")), ()}
 
 
 def test_a_balancer_needs_init_can_claim_and_balance_and_may_skip_nodes_changed() -> None:

@@ -18,6 +18,8 @@ from metafora import (
     commands,
     simple_handler,
 )
+from metafora.balancer import SelectorKey, selector_key
+from metafora.consumer.running import Running, RunningMap
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.errors import ConfigError
 from metafora.testing import FakeClock
@@ -324,6 +326,75 @@ def test_only_runs_that_ended_on_their_own_count_as_run_times(harness: Harness) 
     wait_until(lambda: runs.recent(3600)[0] >= 1, message="the finished run recorded")
     assert runs.recent(3600)[0] == 1  # the released run did not count
     assert not harness.errors
+
+
+def test_the_balancer_context_tallies_the_selectors_of_the_running_tasks(harness: Harness) -> None:
+    # What FairBalancer.balance asks on every balance instead of building the list of tasks:
+    # kept as tasks start and end, it must say what that list would.
+    ends = {name: threading.Event() for name in ("plain", "gpu1", "gpu2", "eu")}
+
+    def work(task: Task, stop: threading.Event) -> bool:
+        ends[task.id].wait(30)
+        return True
+
+    balancer = ScriptedBalancer()
+    consumer = harness.start(Consumer(harness.coordinator("a"), simple_handler(work), balancer,
+                                      labels={"gpu": "1", "zone": "eu"}, balance_every=3600))
+    ctx = balancer.ctx
+    assert ctx is not None
+
+    def tallied() -> frozenset[SelectorKey] | None:
+        return ctx.held_selectors()
+
+    def listed() -> frozenset[SelectorKey]:
+        return frozenset(selector_key(rt.task.selector) for rt in ctx.tasks())
+
+    assert tallied() == frozenset()
+    harness.client.submit_task(Task("plain"))
+    harness.client.submit_task(Task("gpu1", selector={"gpu": "1"}))
+    harness.client.submit_task(Task("gpu2", selector={"gpu": "1"}))
+    harness.client.submit_task(Task("eu", selector={"zone": "eu", "gpu": "1"}))
+    wait_until(lambda: len(consumer.tasks()) == 4, message="four running")
+    assert tallied() == listed() == {(), (("gpu", "1"),), (("gpu", "1"), ("zone", "eu"))}
+    ends["gpu1"].set()  # one of two with that selector ends: the selector is still held
+    wait_until(lambda: len(consumer.tasks()) == 3, message="gpu1 ended")
+    assert tallied() == listed() == {(), (("gpu", "1"),), (("gpu", "1"), ("zone", "eu"))}
+    ends["gpu2"].set()
+    ends["plain"].set()
+    wait_until(lambda: len(consumer.tasks()) == 1, message="two more ended")
+    assert tallied() == listed() == {(("gpu", "1"), ("zone", "eu"))}
+    ends["eu"].set()
+    wait_until(lambda: not consumer.tasks(), message="all ended")
+    assert tallied() == listed() == frozenset()
+    assert not harness.errors
+
+
+def test_the_running_map_keeps_its_selector_tally_through_every_change() -> None:
+    def entry(task_id: str, selector: dict[str, str] | None = None) -> Running:
+        return Running(Task(task_id, selector=selector or {}), simple_handler(lambda t, s: True)(
+            Task(task_id)), datetime(2030, 1, 1))
+
+    gpu: SelectorKey = (("gpu", "1"),)
+    running = RunningMap()
+    running["a"] = entry("a")
+    running["g"] = entry("g", {"gpu": "1"})
+    running["g"] = entry("g", {"zone": "eu"})  # replaced: the old entry's selector goes
+    assert running.selectors() == {(), (("zone", "eu"),)}
+    running.update({"h": entry("h", {"gpu": "1"})})
+    running |= {"i": entry("i", {"gpu": "1"})}
+    assert running.setdefault("j", entry("j")).task.id == "j"
+    assert running.selectors() == {(), (("zone", "eu"),), gpu}
+    del running["h"]
+    assert running.pop("i").task.id == "i" and running.pop("nope", None) is None
+    assert running.selectors() == {(), (("zone", "eu"),)}
+    running.popitem()  # j: "a" is still plain
+    assert running.selectors() == {(), (("zone", "eu"),)}
+    with pytest.raises(KeyError):
+        del running["nope"]
+    with pytest.raises(KeyError):
+        running.pop("nope")
+    running.clear()
+    assert running.selectors() == frozenset() and len(running) == 0
 
 
 def test_balance_command_runs_the_balancer_even_when_frozen(harness: Harness) -> None:

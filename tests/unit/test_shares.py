@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metafora.balancer import BalancerContext, ClusterState, RecentRuns, RunningTask
+from metafora.balancer import (
+    BalancerContext,
+    ClusterState,
+    RecentRuns,
+    RunningTask,
+    SelectorKey,
+    selector_key,
+)
 from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
@@ -758,3 +765,180 @@ def test_fair_balance_reads_the_labels_once_when_it_reads_the_claims_too() -> No
     held = [RunningTask(Task(rt.task.id, selector={"zone": "a"}), rt.started) for rt in held]
     assert len(fair(joined, held, warmup=0).balance()) == 10
     assert (joined.published_reads, joined.reads["counts"], joined.label_reads) == (1, 1, 1)
+
+
+# -- balance decides "nothing to release" on the counts alone -----------------------------
+
+
+class Tallied(Published):
+    """Published counts, node labels (reads counted) for the tests of the held selectors."""
+
+    def __init__(self, exact: dict[str, int], published: dict[str, int] | None = None,
+                 labels: dict[str, dict[str, str]] | None = None) -> None:
+        super().__init__(exact, dict(exact) if published is None else published)
+        self.labels = labels or {}
+        self.label_reads = 0
+        self.claimable = 0
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self.label_reads += 1
+        return {node: dict(labels) for node, labels in self.labels.items()}
+
+
+class Held:
+    """This node's tasks as the consumer hands them to its balancer: the list (each build
+    counted), their count and, when ``tallied``, the selectors they have."""
+
+    def __init__(self, tasks: list[RunningTask], *, approved: int = 0, tallied: bool = True) -> None:
+        self.tasks = tasks
+        self.approved = approved  # offers approved, not yet claimed: counted, not listed
+        self.tallied = tallied
+        self.builds = 0
+
+    def build(self) -> list[RunningTask]:
+        self.builds += 1
+        return list(self.tasks)
+
+    def selectors(self) -> frozenset[SelectorKey]:
+        return frozenset(selector_key(rt.task.selector) for rt in self.tasks)
+
+    def balancer(self, cluster: ClusterState, clock: FakeClock, seed: int = 7,
+                 **kw: object) -> FairBalancer:
+        balancer = FairBalancer(rng=random.Random(seed), **kw)  # type: ignore[arg-type]
+        balancer.init(BalancerContext(
+            ME, cluster, self.build, clock, count_source=lambda: len(self.tasks) + self.approved,
+            selector_source=self.selectors if self.tallied else None))
+        return balancer
+
+
+def with_selector(tasks: list[RunningTask], selector: dict[str, str]) -> list[RunningTask]:
+    return [RunningTask(Task(rt.id, selector=selector), rt.started, rt.stopped) for rt in tasks]
+
+
+def test_fair_balance_on_an_even_cluster_builds_no_list_of_the_tasks() -> None:
+    clock = FakeClock(CLOCK_START + timedelta(hours=1))
+    # Even on the published counts: one read of them, no claims counted, no list built.
+    even = Tallied({ME: 20, "b": 20})
+    held = Held(held_tasks(20))
+    balancer = held.balancer(even, clock)
+    for _ in range(3):  # balance after balance (one a period)
+        assert balancer.balance() == []
+        clock.advance(60)
+    assert (held.builds, even.published_reads, even.reads["counts"]) == (0, 3, 0)
+    # A store without published counts: the exact counts say so, still no list.
+    exact = Cluster({ME: 20, "b": 21})
+    held = Held(held_tasks(20))
+    assert held.balancer(exact, clock).balance() == []
+    assert (held.builds, exact.reads["counts"]) == (0, 1)
+    # Tasks with a selector, even among their peers: the labels read once, no list.
+    labels = {ME: {"gpu": "1"}, "g2": {"gpu": "1"}, "c1": {}}
+    placed = Tallied({ME: 10, "g2": 10, "c1": 0}, labels=labels)
+    held = Held(with_selector(held_tasks(10), {"gpu": "1"}))
+    assert held.balancer(placed, clock).balance() == []
+    assert (held.builds, placed.reads["counts"], placed.label_reads) == (0, 0, 1)
+    # Nothing held: nothing read at all.
+    idle = Tallied({ME: 0, "b": 20})
+    held = Held([])
+    assert held.balancer(idle, clock).balance() == []
+    assert (held.builds, idle.published_reads, idle.reads["counts"]) == (0, 0, 0)
+    # A context that does not tally selectors (one built before held_selectors): the list.
+    held = Held(held_tasks(20), tallied=False)
+    assert held.balancer(Tallied({ME: 20, "b": 20}), clock).balance() == []
+    assert held.builds == 1
+
+
+def test_fair_balance_with_something_to_release_builds_the_list_once_and_releases_as_before() -> None:
+    clock = FakeClock(CLOCK_START + timedelta(hours=1))
+    joined = Tallied({ME: 30, "b": 30, "c": 0})
+    held = Held(held_tasks(30))
+    released = held.balancer(joined, clock).balance()
+    before = Held(held_tasks(30), tallied=False).balancer(Tallied({ME: 30, "b": 30, "c": 0}), clock)
+    assert released == before.balance() and len(released) == 10
+    assert (held.builds, joined.published_reads, joined.reads["counts"]) == (1, 1, 1)
+
+
+def test_fair_balance_releases_tasks_above_their_share_among_their_peers_alone() -> None:
+    # This node is at its share of the whole cluster (10 of 40 over four) but its tasks run
+    # only on the GPU nodes, where it holds 10 of 14: it gives 3 back to g2 (down to 7, the
+    # threshold's edge). The whole cluster's plan alone would have released none of them.
+    counts = {ME: 10, "g2": 4, "c1": 12, "c2": 14}
+    assert plan_of(counts, threshold=1.1).get(ME, 0) == 0
+    assert plan_of({ME: 10, "g2": 4}, threshold=1.1)[ME] == 3
+    labels = {ME: {"gpu": "1"}, "g2": {"gpu": "1"}, "c1": {}, "c2": {}}
+    clock = FakeClock(CLOCK_START + timedelta(hours=1))
+    gpu = with_selector(held_tasks(10), {"gpu": "1"})
+    cluster = Tallied(counts, labels=labels)
+    held = Held(gpu)
+    released = held.balancer(cluster, clock, threshold=1.1).balance()
+    before = Held(gpu, tallied=False).balancer(Tallied(counts, labels=labels), clock, threshold=1.1)
+    assert len(released) == 3 and released == before.balance()
+    assert held.builds == 1 and cluster.label_reads == 1
+    # Plain tasks beside them, even against the whole cluster: the GPU group still decides.
+    mixed = Held(gpu + held_tasks(2, prefix="p"))
+    counts = {ME: 12, "g2": 4, "c1": 16, "c2": 16}
+    assert plan_of(counts, threshold=1.1).get(ME, 0) == 0
+    released = mixed.balancer(Tallied(counts, labels=labels), clock, threshold=1.1).balance()
+    before = Held(mixed.tasks, tallied=False).balancer(Tallied(counts, labels=labels), clock,
+                                                       threshold=1.1)
+    assert released and released == before.balance()
+    assert all(task_id.startswith("t") for task_id in released)  # only GPU tasks move
+
+
+_SELECTORS = [{}, {}, {"gpu": "1"}, {"zone": "a"}, {"gpu": "1", "zone": "a"}]
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([0, 0, 0, -5, 5]),
+                          st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from(_SELECTORS),
+                          st.sampled_from([False, False, False, True])),
+                min_size=0, max_size=5),
+       st.booleans(),
+       st.lists(st.tuples(st.integers(0, 3 * len(_SELECTORS)),  # most: my_labels, as selector
+                          st.sampled_from(["old"] * 6 + ["young", "stopping"])),
+                max_size=40),
+       st.sampled_from([0, 0, 0, 1, 3]), st.sampled_from([None, 0, 5, 30]),
+       st.sampled_from([1.1, 1.2, 1.5]), st.booleans(), st.sampled_from([None, 1, 3, 1000]),
+       st.sampled_from(_SELECTORS[1:]), st.integers(0, 2**16))
+@settings(max_examples=300, deadline=None)
+def test_fair_balance_releases_the_same_tasks_with_or_without_the_held_selectors(
+    others: list[tuple[int, int, float, dict[str, str], bool]], labelled_light: bool,
+    mine: list[tuple[int, str]], approved: int, claimable: int | None, threshold: float,
+    both_sides: bool, max_releases: int | None, my_labels: dict[str, str], seed: int,
+) -> None:
+    # Without held_selectors the balance is what it was before them (it builds the list of
+    # tasks first): the same counts must release the same tasks, whatever they are.
+    # ``labelled_light``: the nodes with labels hold less, so that a selector's peers are
+    # often uneven where the whole cluster is not (the case a whole-cluster check misses).
+    clock = FakeClock(CLOCK_START + timedelta(hours=1))
+    now = clock.now()
+    tasks = []
+    for i, (which, age) in enumerate(mine):
+        started = now - timedelta(seconds=0.5) if age == "young" else CLOCK_START
+        stopped = now if age == "stopping" else None
+        selector = _SELECTORS[which] if which < len(_SELECTORS) else my_labels
+        tasks.append(RunningTask(Task(f"t{i}", selector=selector), started, stopped))
+    exact = {ME: len(tasks) + approved}
+    published = dict(exact)
+    labels = {ME: my_labels}
+    frozen = set()
+    for i, (drawn, late, _, node_labels, is_frozen) in enumerate(others):
+        count = drawn // 4 if labelled_light and node_labels else drawn
+        exact[f"n{i}"] = count
+        published[f"n{i}"] = max(0, count + late)  # published a moment late
+        labels[f"n{i}"] = node_labels
+        if is_frozen:
+            frozen.add(f"n{i}")
+    weights = {f"n{i}": weight for i, (_, _, weight, _, _) in enumerate(others)}
+
+    def cluster() -> Tallied:
+        made = Tallied(exact, published, labels)
+        made.weights, made.frozen, made.claimable = weights, frozenset(frozen), claimable
+        return made
+
+    kw = {"threshold": threshold, "both_sides": both_sides, "max_releases": max_releases}
+    now_held = Held(tasks, approved=approved)
+    tallied = now_held.balancer(cluster(), clock, seed, **kw)
+    before = Held(tasks, approved=approved, tallied=False).balancer(cluster(), clock, seed, **kw)
+    released = tallied.balance()
+    assert released == before.balance()
+    assert tallied.refusing_until == before.refusing_until
+    assert now_held.builds <= 1 and (now_held.builds == 1 or released == [])
