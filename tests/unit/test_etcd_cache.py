@@ -95,3 +95,55 @@ def test_a_subscriber_collects_marks_and_wakes() -> None:
     assert sub.event.is_set() and sub.ids == {"a", "b"} and not sub.everything
     sub.mark(None)
     assert sub.everything
+
+
+def _walked(cache: TaskCache, now: datetime) -> int:
+    """The claimable count as a walk of every entry finds it (what the cache used to do)."""
+    live = cache.members(active=False) or {}
+    return sum(
+        1 for e in cache.entries.values()
+        if not e.finished and e.props is not None and (e.owner is None or e.owner not in live)
+        and (e.launch_at is None or e.launch_at <= now) and (e.expires_at is None or e.expires_at > now)
+    )
+
+
+def test_the_claimable_count_kept_as_entries_change_equals_a_walk_of_them() -> None:
+    import random
+
+    rng = random.Random(7)
+    now = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    times = [None, "2026-01-01T11:00:00+00:00", "2026-01-01T13:00:00+00:00"]
+    cache = TaskCache()
+    cache.replace({}, {"n1": Registration(), "n2": Registration()}, 1)
+    cache.live = True
+    for step in range(3000):
+        task_id = f"t{rng.randrange(40)}"
+        entry = cache.entries.setdefault(task_id, Entry())
+        change = rng.randrange(6)
+        if change == 0:
+            props = {k: v for k, v in (("launch_at", rng.choice(times)),
+                                       ("expires_at", rng.choice(times))) if v is not None}
+            entry.set_props(props_kv(Task(task_id, props), step + 2), task_id)
+        elif change == 1:
+            entry.props = None
+        elif change == 2:
+            entry.finished = rng.random() < 0.5
+        elif change == 3:
+            owner = rng.choice(["n1", "n2", "gone"])
+            cache.set_owner(entry, kv(b"o", owner.encode(), step + 2, step + 2))
+        elif change == 4:
+            cache.set_owner(entry, None)
+        elif rng.random() < 0.5:
+            cache.member_gone("n2")
+        else:
+            cache.member_put("n2", Registration())
+        if entry.props is None and entry.owner is None:
+            del cache.entries[task_id]
+            cache.track(task_id, None)
+        else:
+            cache.track(task_id, entry)
+        assert cache.claimable(now) == _walked(cache, now), step
+    # A re-list rebuilds what the count adds up from the entries it read.
+    fresh = {k: e for k, e in cache.entries.items()}
+    cache.replace(fresh, {"n1": Registration()}, 5000)
+    assert cache.claimable(now) == _walked(cache, now)

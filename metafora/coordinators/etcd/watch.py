@@ -431,6 +431,9 @@ class NamespaceWatch:
                     seen.dirty.add(name)
             if entry.props is None and entry.owner is None:
                 del self._cache.entries[name]
+                self._cache.track(name, None)
+            else:
+                self._cache.track(name, entry)
 
     def _fold_owner(self, name: str, entry: Entry, event: WatchEvent, seen: _Seen) -> None:
         """An owner key was put or deleted: a claim of this node's may be lost."""
