@@ -378,7 +378,7 @@ class Claims:
 
     def lease_time_left(self) -> float:
         """Seconds to this node's fencing deadline while it has a lease (else 0)."""
-        with self._state.lock:
+        with self._state.lease_lock:  # the at-risk watch asks: not behind work on every task
             if self._state.lease_id is None:
                 return 0.0
             return max(0.0, self._state.renewed_at + self._lease.fence_after - self._clock.monotonic())

@@ -31,8 +31,10 @@ class NodeLease:
     """The lease thread and the node's registration key.
 
     The current lease and its last renewal are in the shared :class:`~.node.NodeState`
-    (claims are fenced on them); the rest is this object's, guarded by the same lock.
-    ``on_registered_again`` runs after a re-registration (the watch re-offers every task).
+    (claims are fenced on them); the rest is this object's, guarded by the node's
+    ``lease_lock``: the lease thread never waits for the node's lock (held for work over every
+    task) before a renewal. ``on_registered_again`` runs after a re-registration (the watch
+    re-offers every task).
     """
 
     def __init__(self, driver: EtcdDriver, keys: Keys, config: EtcdConfig, clock: Clock,
@@ -57,6 +59,7 @@ class NodeLease:
 
     def register(self) -> None:
         """Grant a lease and create the node's registration key if absent."""
+        self._state.check_open()  # a closing node does not register again (CoordinatorClosed)
         alive = self._keys.node_alive(self._state.node_id)
         started = self._clock.monotonic()
         lease, _granted = self._driver.grant(self._cfg.lease_ttl)
@@ -69,7 +72,7 @@ class NodeLease:
         if not result.succeeded:
             self._revoke_quietly(lease)
             raise NodeExists(f"node {self._state.node_id!r} is already live on {self._state.name}")
-        with self._state.lock:
+        with self._state.lock, self._state.lease_lock:
             if self._state.closed:
                 closed = True
             else:
@@ -97,14 +100,14 @@ class NodeLease:
 
     def report_frozen(self, frozen: bool) -> None:
         """Publish the frozen flag in the node's registration (best effort)."""
-        with self._state.lock:
+        with self._state.lease_lock:
             self._frozen = frozen
         self._republish(f"frozen={frozen}", logging.DEBUG)
 
     def announce_leaving(self) -> None:
         """Publish ``leaving`` in the node's registration (best effort): the other nodes'
         watches see it at once and their balancers stop counting this node."""
-        with self._state.lock:
+        with self._state.lease_lock:
             self._leaving = True
         self._republish("leaving", logging.WARNING)
 
@@ -112,14 +115,14 @@ class NodeLease:
         """Republish the registration when the node's capacity changed (rare: a failed
         handler start, or the capacity rising again)."""
         capacity = context_capacity(ctx)
-        with self._state.lock:
+        with self._state.lease_lock:
             if capacity == self.capacity:
                 return
             self.capacity = capacity
         self._republish(f"capacity={capacity}", logging.DEBUG)
 
     def _republish(self, what: str, level: int) -> None:
-        with self._state.lock:
+        with self._state.lease_lock:
             lease, alive_rev = self._state.lease_id, self._alive_rev
         if lease is None or self._state.closed:
             return
@@ -143,15 +146,20 @@ class NodeLease:
         failing = False
         while not self._state.stop.is_set():
             try:
-                with self._state.lock:
+                with self._state.lease_lock:  # not the node's lock: see the class docstring
                     lease, renewed, paused = self._state.lease_id, self._state.renewed_at, self._paused
+                    # close() marks the node closed before it drops the lease: a lease gone
+                    # with the node closed is not a fence, and must not be re-registered.
+                    closed = self._state.closed
+                if closed:
+                    return
                 now = self._clock.monotonic()
                 if lease is None:
                     if paused:
                         self._beat_wake.wait(0.05)
                         self._beat_wake.clear()
                         continue
-                    with self._state.lock:
+                    with self._state.lease_lock:
                         grace = self._old_lease_until - now if self._old_lease is not None else 0.0
                     if grace > 0:
                         # The fenced handlers get the margin to stop: revoking the old lease
@@ -187,8 +195,7 @@ class NodeLease:
                             extra=self._state.extra)
                     failing = True
                     next_beat = self._clock.monotonic() + min(interval, 0.25)
-                    with self._state.lock:
-                        ctx = self._state.ctx
+                    ctx = self._state.ctx  # set once by init, before this thread starts
                     if ctx is not None:
                         report_renewal_failure(ctx, exc)
                     continue
@@ -196,10 +203,10 @@ class NodeLease:
                     self.fence("etcd no longer knows the lease")
                     continue
                 took = self._clock.monotonic() - started
-                with self._state.lock:
+                with self._state.lease_lock:
                     if self._state.lease_id == lease:
                         self._state.renewed_at = started
-                    ctx = self._state.ctx
+                ctx = self._state.ctx
                 if ctx is not None:
                     ctx.renewed(took)
                     self._publish_capacity(ctx)
@@ -218,15 +225,20 @@ class NodeLease:
 
     def _reregister(self) -> bool:
         """After a fence: revoke the old lease, register again. True on success."""
-        old = self._old_lease
+        with self._state.lease_lock:
+            old = self._old_lease
         try:
             if old is not None:
                 self._driver.revoke(old)
-                with self._state.lock:
+                with self._state.lease_lock:
                     if self._old_lease == old:
                         self._old_lease = None
             self.register()
         except NodeExists:
+            if self._state.closed:
+                # close() took the old lease (to revoke it itself) while this thread was
+                # about to re-register: the key found is this node's own, going away.
+                return False
             log.error("node %s: cannot re-register, another live node uses this id",
                       self._state.node_id, extra=self._state.extra)
             return False
@@ -246,12 +258,13 @@ class NodeLease:
     def fence(self, reason: str) -> None:
         """Drop the lease and tell the node every claim is lost (self-fencing)."""
         with self._state.lock:
-            lease = self._state.lease_id
-            if lease is None:
-                return
-            self._state.lease_id = None
-            self._old_lease = lease
-            self._old_lease_until = self._state.renewed_at + self._cfg.lease_ttl
+            with self._state.lease_lock:
+                lease = self._state.lease_id
+                if lease is None:
+                    return
+                self._state.lease_id = None
+                self._old_lease = lease
+                self._old_lease_until = self._state.renewed_at + self._cfg.lease_ttl
             lost = self._state.drop_held()
         log.warning("node %s: lease lost (%s); stopping %d task(s)", self._state.node_id, reason,
                     len(lost), extra=self._state.extra)
@@ -264,20 +277,20 @@ class NodeLease:
         The node then self-fences (``ctx.lost`` for every claim) before the lease expires,
         and does not re-register until :meth:`resume_keepalive`.
         """
-        with self._state.lock:
+        with self._state.lease_lock:
             self._paused = True
         self._beat_wake.set()
 
     def resume_keepalive(self) -> None:
         """Undo :meth:`suspend_keepalive`."""
-        with self._state.lock:
+        with self._state.lease_lock:
             self._paused = False
         self._beat_wake.set()
 
     def close(self) -> list[int]:
         """Stop the lease thread; the leases to revoke (taken from the node: no claim or
         renewal uses them any more)."""
-        with self._state.lock:
+        with self._state.lock, self._state.lease_lock:
             leases = [lease for lease in (self._state.lease_id, self._old_lease)
                       if lease is not None]
             self._state.lease_id = self._old_lease = None

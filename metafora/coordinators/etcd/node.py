@@ -6,6 +6,10 @@ are objects composed by :class:`~metafora.coordinators.etcd.coordinator.EtcdCoor
 each gets this state, and the others it calls, as constructor arguments. One lock for all of
 them keeps the checks that span parts atomic (a claim is recorded only if the lease it was
 made under is still current, the node is open and the watch has not seen it go).
+
+The lease thread does not take that lock to renew: it waits on :attr:`NodeState.lease_lock`
+only, never held for more than a few assignments, so work over every task or claim under the
+node's lock (a re-list, a watch batch, a fence) cannot starve the renewal into a fence.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ class Held:
 
 
 class NodeState:
-    """A node's shared state; every attribute but the identity is guarded by :attr:`lock`."""
+    """A node's shared state; every attribute but the identity is guarded by :attr:`lock`,
+    but for the lease: ``lease_id`` changes holding :attr:`lock` and then :attr:`lease_lock`
+    (so either is enough to read it), ``renewed_at`` holding :attr:`lease_lock` (a reader
+    holding only :attr:`lock` may see it one renewal late: on the safe side)."""
 
     def __init__(self, node_id: str, name: str) -> None:
         self.node_id = node_id
@@ -46,6 +53,9 @@ class NodeState:
         self.name = name  # the store URL without its password
         self.extra = {"node": node_id}  # the log records' extra
         self.lock = threading.Lock()
+        # Taken after `lock` (never the other way round), held for a few assignments only:
+        # the lease thread reads and renews under it alone (see the module docstring).
+        self.lease_lock = threading.Lock()
         self.stop = threading.Event()  # set by close: every loop ends
         self.closed = False
         self.ctx: CoordinatorContext | None = None
