@@ -67,6 +67,21 @@ def _report_sql_statements(node: str, events: Any) -> None:
     threading.Thread(target=report, name="sql-count", daemon=True).start()
 
 
+def _probe(consumer: Any, node: str) -> None:
+    """Every 2 s, print what the node's offer pipeline holds (``METAFORA_BENCH_PROBE=1``): a
+    diagnostic for benchmarks whose nodes fall behind, reading the consumer's private parts."""
+    began = time.monotonic()
+    offers = consumer._offers
+    while True:
+        time.sleep(2.0)
+        now = time.monotonic()
+        due = offers.ignores.next_due()
+        print(f"probe {node} {now - began:6.1f}s running={len(consumer._running)} "
+              f"ignored={len(offers.ignores)} next_due={'-' if due is None else f'{due - now:.1f}'} "
+              f"queued={consumer._events.qsize()} loss={offers.spares.loss:.2f} "
+              f"claims={consumer.stats.counters().get('claims')}", flush=True)
+
+
 def main(spec: Any, events: Any) -> None:
     """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
@@ -89,6 +104,8 @@ def main(spec: Any, events: Any) -> None:
         events.put(("ready", spec.node, os.getpid()))
 
     threading.Thread(target=announce, daemon=True).start()
+    if os.environ.get("METAFORA_BENCH_PROBE"):
+        threading.Thread(target=_probe, args=(consumer, spec.node), daemon=True).start()
     consumer.run()
     events.put(("stats", spec.node, consumer.stats.counters()))
     events.put(("stopped", spec.node, time.time()))
