@@ -53,6 +53,11 @@ FUSED_OUTCOMES = 256  # queued outcomes sent along with one claim (finish_and_cl
 FUSE_LINGER = 0.005  # seconds an outcome waits for a due claim to take it along
 FRESH_CHUNK = 500  # a long offer list is walked this many at a time (see OfferRouter.offer)
 FRESH_LOSS = 0.2  # from this moving share of offers lost to races, each chunk is re-checked
+# From this moving share lost (after a few claims), a chunk of a long fresh list is put off
+# for a moment instead of tried: see OfferRouter.offer.
+DEFER_LOSS = 0.5
+DEFER_AFTER = 3  # claims noted before the share lost is trusted (it starts at 1.0)
+DEFER_FOR = (1.0, 3.0)  # seconds a contested chunk is put off (drawn per chunk)
 
 
 def by_priority(task: Task) -> int:
@@ -112,6 +117,7 @@ class Spares:
 
     def __init__(self) -> None:
         self.loss = 1.0
+        self.noted = 0  # claims noted
 
     def offers_for(self, slots: int) -> int:
         """Offers to try for ``slots`` free slots."""
@@ -129,6 +135,11 @@ class Spares:
             tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
         share = (tried - len(claimed)) / tried if tried else 0.0
         self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
+        self.noted += 1
+
+    def contested(self) -> bool:
+        """Whether most recent claims were lost to other nodes (after a few claims)."""
+        return self.noted >= DEFER_AFTER and self.loss >= DEFER_LOSS
 
 
 class Ignores:
@@ -369,13 +380,17 @@ class OfferRouter:
         take most: tried stale, a node lagging behind its share won a few tasks per claim of
         256 while the rest of the cluster, at its share, waited for it. Offers that ``waited``
         (refused, held back) are narrowed whatever the share lost, ``check``: even a chunk
-        under ``WAVE`` is read.
+        under ``WAVE`` is read. While most claims lose (:meth:`Spares.contested`), each chunk
+        of a long fresh list is put off for a moment instead (:meth:`_put_off`).
         """
         try:
             for start in range(0, len(tasks), FRESH_CHUNK):
                 if self._stopping.is_set():
                     return
                 chunk: Sequence[Task] = tasks[start:start + FRESH_CHUNK]
+                if not (waited or check) and len(tasks) >= FRESH_CHUNK and self.spares.contested():
+                    self._put_off(chunk)
+                    continue
                 if waited or check or self.spares.loss >= FRESH_LOSS:
                     chunk = self._still_open(list(chunk), "waiting", check=check)
                 self._offer(chunk)
@@ -383,6 +398,23 @@ class OfferRouter:
             self.approved = 0
             if self.outcomes is not None:  # outcomes left to a claim that is not coming
                 self.outcomes.nudge()
+
+    def _put_off(self, tasks: Sequence[Task]) -> None:
+        """Ignore a chunk of a long fresh list for a moment (``DEFER_FOR``): most claims lose.
+
+        A node walking a backlog right behind another, in the same order, loses nearly every
+        race, its view of what the other took a moment late: it tried stale offers one claim
+        after another while its share waited. Put off, the chunk comes back as offers that
+        waited, narrowed to what is still open when it is reached (see :meth:`offer`), and
+        the node moves on to the rest of the list.
+        """
+        now = self._clock.monotonic()
+        due = now + self._rng.uniform(*DEFER_FOR)
+        with self._lock:
+            for task in tasks:
+                if task.id not in self._running and task.id not in self.ignores:
+                    self.ignores.put(task, due)
+        self._wake.set()
 
     def _offer(self, tasks: Sequence[Task]) -> None:
         approved: list[Task] = []

@@ -21,7 +21,16 @@ from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.balancer import Balancer, BalancerContext
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
-from metafora.consumer.offers import FRESH_CHUNK, FRESH_LOSS, Ignores, OfferRouter, Placement
+from metafora.consumer.offers import (
+    DEFER_AFTER,
+    DEFER_FOR,
+    DEFER_LOSS,
+    FRESH_CHUNK,
+    FRESH_LOSS,
+    Ignores,
+    OfferRouter,
+    Placement,
+)
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, CoordinatorContext
@@ -377,3 +386,40 @@ def test_without_lost_races_fresh_offers_are_not_read_again(rig_of: Any) -> None
     more = rig.submit(*(Task(f"u{i:04d}") for i in range(FRESH_CHUNK)))
     rig.router.offer(*more)
     assert reads == [FRESH_CHUNK]
+
+
+def test_while_most_claims_lose_a_long_fresh_list_is_put_off_then_tried_narrowed(rig_of: Any) -> None:
+    """A node losing most races (walking a backlog right behind another) puts a long fresh
+    offer list off for a moment instead of trying it; when it comes back, what others took
+    meanwhile is not tried and the rest is claimed. A short list is tried at once."""
+    rig = rig_of()
+    tasks = rig.submit(*(Task(f"t{i:04d}") for i in range(2 * FRESH_CHUNK)))
+    rig.router.spares.loss, rig.router.spares.noted = DEFER_LOSS, DEFER_AFTER
+    rig.router.offer(*tasks)
+    assert rig.started == [] and rig.stats.counters()["claims"] == 0
+    assert len(rig.router.ignores) == 2 * FRESH_CHUNK
+    due = rig.router.next_due()
+    assert due is not None and DEFER_FOR[0] <= due - rig.clock.monotonic() <= DEFER_FOR[1]
+    other = rig.other_node()
+    try:
+        taken = tasks[:FRESH_CHUNK]
+        assert len(other.claim_many(taken, len(taken))) == FRESH_CHUNK
+        rig.clock.advance(DEFER_FOR[1])
+        rig.router.expire_ignores(rig.clock.monotonic())
+        assert sorted(rig.started) == [t.id for t in tasks[FRESH_CHUNK:]]
+        assert rig.stats.counters()["races_lost"] == 0  # the taken ones were never tried
+        short = rig.submit(*(Task(f"s{i:03d}") for i in range(FRESH_CHUNK - 1)))
+        rig.router.spares.loss = 1.0
+        rig.router.offer(*short)
+        assert len(rig.started) == 2 * FRESH_CHUNK - 1  # a short list: tried at once
+    finally:
+        other.close()
+
+
+def test_the_share_of_lost_claims_is_trusted_only_after_a_few_claims(rig_of: Any) -> None:
+    """It starts at 1.0 (assume contention): a first long list is tried, not put off."""
+    rig = rig_of()
+    tasks = rig.submit(*(Task(f"t{i:04d}") for i in range(FRESH_CHUNK)))
+    assert rig.router.spares.loss == 1.0 and not rig.router.spares.contested()
+    rig.router.offer(*tasks)
+    assert len(rig.started) == FRESH_CHUNK
