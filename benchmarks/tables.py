@@ -412,6 +412,10 @@ table("ab_moves_claims_sqlite_quiet", command="METAFORA_CLAIMS_TASKS=5000 python
       " claims --base 358ea26 --rounds 6 --stores sqlite --save-as ab_moves_claims_sqlite_quiet")(_ab)
 table("ab_storm_offers", command="python benchmarks/ab.py storm --base 79e15f6 --rounds 4 --full"
       " --stores postgresql,sqlite --save-as ab_storm_offers")(_ab)
+table("ab_moves_gates_sqlite_quiet", command="python benchmarks/ab.py gates --base 358ea26 --rounds 4"
+      " --stores sqlite --save-as ab_moves_gates_sqlite_quiet")(_ab)
+table("ab_moves_peers_quiet", command="METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput,latency"
+      " python benchmarks/ab.py peers --base 358ea26 --rounds 4 --save-as ab_moves_peers_quiet")(_ab)
 table("ab_storm_etcd3", command="METAFORA_BENCH_ETCD_MEMBERS=3 python benchmarks/ab.py storm --base"
       " fec03b5 --rounds 2 --full --stores etcd --save-as ab_storm_etcd3")(_ab)
 table("ab_storm_today_pg", command="python benchmarks/ab.py storm --base fec03b5 --rounds 2 --full"
