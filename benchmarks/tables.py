@@ -321,6 +321,8 @@ def _peers_short(data: dict[str, Any]) -> list[str]:
             f" {data['load_average_at_end']:.1f} at the end (2 cores).", "", *_peers(data)]
 
 
+@table("restart_quick_2026-11-29", source="restart_quick_2026-11-29",
+       command="python -m benchmarks restart --quick --stores sqlite,postgresql,etcd")
 @table("restart_2026-11-29", source="restart_2026-11-29",
        command="python -m benchmarks restart --stores sqlite,postgresql,etcd")
 def _restart(data: dict[str, Any]) -> list[str]:
