@@ -93,3 +93,30 @@ def stop_processes(procs: Iterable[BaseProcess], timeout: float = 30.0) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(10)
+
+
+def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped.
+
+    ``kill`` only queues the signal: a thread of a busy server (etcd's are many) may still
+    answer a request sent right after it, which made a test of a frozen store see an answer
+    now and then on a loaded machine.
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return True  # gone: nothing can answer
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    wait_until(stopped, timeout, f"process {pid} to stop")

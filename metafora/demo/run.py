@@ -348,7 +348,7 @@ class Demo:
         states = {i.id: i.state for i in infos}
         runs = self.ledger.runs()
         killed = self.killed.name if self.killed else None
-        verdict = verify(self.task_ids, runs, states, killed, self.kill_wall)
+        verdict = verify(self.task_ids, runs, states, killed, self.kill_wall, self.victim_tasks)
         total = len(self.task_ids)
         rows: list[tuple[str, Text | str]] = []
         done = sum(1 for s in states.values() if s is TaskState.DONE)
@@ -357,6 +357,12 @@ class Demo:
             rows.append(("exactly once", Text(
                 f"[ok] every task ran exactly once to completion ({verdict.finished_once}/{total}); "
                 "no two runs of a task overlapped; every claim had a higher fencing token", style="green")))
+            for first, again in verdict.redone:
+                rows.append(("ran again", Text(
+                    f"{first.task}: its run on {first.node} ended just before the SIGKILL, before its "
+                    f"outcome was stored, so it ran once more on {again.node} (token {again.token}): "
+                    "a handler's end counts once its outcome is written (docs/handlers.md)",
+                    style="yellow")))
         else:
             rows.append(("exactly once", Text(
                 f"[FAILED] {verdict.finished_once}/{total} tasks finished exactly once; "

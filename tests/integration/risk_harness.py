@@ -32,7 +32,7 @@ import psutil
 
 from metafora import Consumer, Task, open_client, open_coordinator
 from metafora.handler import AsyncHandler, Handler
-from tests.helpers import wait_until
+from tests.helpers import sigstop, wait_until
 
 Fault = Callable[[], AbstractContextManager[None]]
 
@@ -238,7 +238,7 @@ def etcd_faults(server: Any) -> dict[str, Fault]:
     @contextlib.contextmanager
     def frozen() -> Iterator[None]:
         pid = server.pid
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             yield
         finally:

@@ -30,7 +30,7 @@ from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost
 from metafora.statemachine import State, state_store_for
 from metafora.testing import RecordingContext
-from tests.helpers import wait_until
+from tests.helpers import sigstop, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,7 @@ def test_etcd_frozen_by_sigstop(etcd_factory: Any) -> None:
 
     @contextlib.contextmanager
     def frozen() -> Iterator[None]:
-        os.kill(server.pid, signal.SIGSTOP)
+        sigstop(server.pid)
         try:
             yield
         finally:
@@ -98,7 +98,7 @@ def test_etcd_command_take_on_frozen_etcd_is_bounded_by_the_lease(etcd_factory: 
     url = server.url() + f"?lease_ttl=2&timeout={STORE_TIMEOUT:g}"
     coord, task, _ctx = _claimed(url)
     cmds = EtcdTaskCommands.of(coord)
-    os.kill(server.pid, signal.SIGSTOP)
+    sigstop(server.pid)
     try:
         left = coord.claim_time_left(task)
         assert left is not None and left > 0
@@ -224,7 +224,7 @@ def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etc
         runner = threading.Thread(target=lambda: (machine.run(), returned.append(time.monotonic())))
         runner.start()
         assert writing.wait(30), "the handler never checkpointed"
-        os.kill(server.pid, signal.SIGSTOP)
+        sigstop(server.pid)
         try:
             assert ctx.lost_event.wait(30), "the lease was never fenced"
             fenced = time.monotonic()

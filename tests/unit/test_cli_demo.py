@@ -53,6 +53,25 @@ def test_verify_failover_after_a_kill() -> None:
     assert [(cut.task, nxt.node) for cut, nxt in verdict.moves] == [("a", "n2"), ("c", "n3")]
 
 
+def test_verify_names_a_run_whose_outcome_the_kill_cut_off() -> None:
+    """A run that ended on the killed node just before the kill, while the store still had
+    the task claimed there (its outcome not yet written), ran again elsewhere: listed as
+    redone, not a problem. The same two runs without that store reading, a first run that
+    ended after the kill, or one on another node are double runs."""
+    runs = [run("a", "n1", 1, 0.0, 1.99), run("a", "n2", 5, 4.5, 6.0)]
+    verdict = verify(["a"], runs, {"a": DONE}, killed_node="n1", kill_time=2.0, unstored=["a"])
+    assert verdict.ok, verdict.problems
+    assert verdict.finished_once == 1
+    assert [(first.node, again.node) for first, again in verdict.redone] == [("n1", "n2")]
+    for bad in (
+        verify(["a"], runs, {"a": DONE}, killed_node="n1", kill_time=2.0),  # stored, then redone
+        verify(["a"], runs, {"a": DONE}, killed_node="n2", kill_time=2.0, unstored=["a"]),
+        verify(["a"], [run("a", "n1", 1, 0.0, 2.5), run("a", "n2", 5, 4.5, 6.0)], {"a": DONE},
+               killed_node="n1", kill_time=2.0, unstored=["a"]),
+    ):
+        assert not bad.ok and "task a finished 2 times" in bad.problems and bad.redone == []
+
+
 def test_verify_catches_a_double_run() -> None:
     runs = [run("a", "n1", 1, 0.0, 1.0), run("a", "n2", 2, 2.0, 3.0)]
     verdict = verify(["a"], runs, {"a": DONE})
