@@ -420,6 +420,8 @@ table("ab_moves_peers_quiet", command="METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_
       " python benchmarks/ab.py peers --base 358ea26 --rounds 4 --save-as ab_moves_peers_quiet")(_ab)
 table("ab_moves_peers_latency", command="METAFORA_PEERS_WORKLOADS=latency python benchmarks/ab.py peers"
       " --base 358ea26 --rounds 8 --save-as ab_moves_peers_latency")(_ab)
+table("ab_moves_claims_sqlite_quiet2", command="METAFORA_CLAIMS_TASKS=5000 python benchmarks/ab.py"
+      " claims --base 358ea26 --rounds 6 --stores sqlite --save-as ab_moves_claims_sqlite_quiet2")(_ab)
 table("ab_storm_etcd3", command="METAFORA_BENCH_ETCD_MEMBERS=3 python benchmarks/ab.py storm --base"
       " fec03b5 --rounds 2 --full --stores etcd --save-as ab_storm_etcd3")(_ab)
 table("ab_storm_today_sqlite", command="python benchmarks/ab.py storm --base fec03b5 --rounds 2 --full"
