@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +16,7 @@ from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.lease import NodeLease
 from metafora.coordinators.etcd.node import NodeState
+from tests.helpers import wait_until
 
 
 class FakeDriver:
@@ -29,6 +29,7 @@ class FakeDriver:
         self.alive_on: int | None = None  # the lease of the registration key, if any
         self.grants = 0
         self.keepalives = 0
+        self.renewed = threading.Condition(self.lock)  # notified at every keepalive
 
     def grant(self, ttl: int) -> tuple[int, int]:
         with self.lock:
@@ -48,6 +49,7 @@ class FakeDriver:
     def keepalive(self, lease: int, timeout: float) -> int:
         with self.lock:
             self.keepalives += 1
+            self.renewed.notify_all()
             return 2 if lease in self.live else 0
 
     def revoke(self, lease: int, timeout: float | None = None) -> None:
@@ -73,14 +75,14 @@ def make(ttl: int = 2) -> tuple[NodeLease, NodeState, FakeDriver, threading.Thre
 def test_renewals_go_on_while_the_node_lock_is_held() -> None:
     _lease, state, driver, thread = make(ttl=2)  # renews every 0.67 s, fences after 1.5 s
     first = state.lease_id
-    with state.lock:  # as a re-list or a watch batch over every task would, for longer
-        time.sleep(2.2)  # than the fence
-        renewed_meanwhile = driver.keepalives
-    time.sleep(0.1)
-    assert renewed_meanwhile >= 2
-    assert state.lease_id == first  # not fenced
+    # The node's lock held as a re-list or a watch batch over every task would, for longer
+    # than the fence: four renewals take 2 s at least.
+    with state.lock, driver.lock:
+        renewed = driver.renewed.wait_for(lambda: driver.keepalives >= 4, timeout=30)
+    assert renewed, "the lease thread waited for the node's lock"
     state.stop.set()
     thread.join(5)
+    assert state.lease_id == first  # never fenced
 
 
 def test_a_closing_node_does_not_re_register(caplog: pytest.LogCaptureFixture) -> None:
@@ -104,10 +106,8 @@ def test_a_fenced_node_re_registers_after_the_grace() -> None:
     first = state.lease_id
     lease.fence("test")
     assert state.lease_id is None
-    deadline = time.monotonic() + 5
-    while state.lease_id is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert state.lease_id not in (None, first)
+    wait_until(lambda: state.lease_id is not None, 10, "the node to register again")
+    assert state.lease_id != first
     assert first not in driver.live  # revoked before registering again
     state.stop.set()
     thread.join(5)
