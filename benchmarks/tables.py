@@ -408,26 +408,26 @@ def _prune(data: dict[str, Any]) -> list[str]:
 for _source in ("ab_moves_claims", "ab_moves_claims_sqlite", "ab_moves_gates", "ab_moves_peers",
                 "ab_moves_storm"):
     table(_source, command="python benchmarks/ab.py NAME --base 358ea26")(_ab)
-table("ab_storm_issue33", command="python benchmarks/ab.py storm --base c519f1d --stores postgresql"
-      " --rounds 2 --full --save-as ab_storm_issue33")(_ab)
-table("ab_moves_claims_sqlite_quiet", command="METAFORA_CLAIMS_TASKS=5000 python benchmarks/ab.py"
-      " claims --base 358ea26 --rounds 6 --stores sqlite --save-as ab_moves_claims_sqlite_quiet")(_ab)
-table("ab_storm_offers", command="python benchmarks/ab.py storm --base 79e15f6 --rounds 4 --full"
-      " --stores postgresql,sqlite --save-as ab_storm_offers")(_ab)
-table("ab_moves_gates_sqlite_quiet", command="python benchmarks/ab.py gates --base 358ea26 --rounds 4"
-      " --stores sqlite --save-as ab_moves_gates_sqlite_quiet")(_ab)
-table("ab_moves_peers_quiet", command="METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput,latency"
-      " python benchmarks/ab.py peers --base 358ea26 --rounds 4 --save-as ab_moves_peers_quiet")(_ab)
-table("ab_moves_peers_latency", command="METAFORA_PEERS_WORKLOADS=latency python benchmarks/ab.py peers"
-      " --base 358ea26 --rounds 8 --save-as ab_moves_peers_latency")(_ab)
-table("ab_moves_claims_sqlite_quiet2", command="METAFORA_CLAIMS_TASKS=5000 python benchmarks/ab.py"
-      " claims --base 358ea26 --rounds 6 --stores sqlite --save-as ab_moves_claims_sqlite_quiet2")(_ab)
-table("ab_storm_etcd3", command="METAFORA_BENCH_ETCD_MEMBERS=3 python benchmarks/ab.py storm --base"
-      " fec03b5 --rounds 2 --full --stores etcd --save-as ab_storm_etcd3")(_ab)
-table("ab_storm_today_sqlite", command="python benchmarks/ab.py storm --base fec03b5 --rounds 2 --full"
-      " --stores sqlite --save-as ab_storm_today_sqlite")(_ab)
-table("ab_storm_today_pg", command="python benchmarks/ab.py storm --base fec03b5 --rounds 2 --full"
-      " --stores postgresql --save-as ab_storm_today_pg")(_ab)
+# A/B tables saved with --save-as NAME: NAME -> (environment, ab.py arguments before --save-as).
+_AB_RUNS = {
+    "ab_storm_issue33": ("", "storm --base c519f1d --stores postgresql --rounds 2 --full"),
+    "ab_moves_claims_sqlite_quiet": ("METAFORA_CLAIMS_TASKS=5000",
+                                     "claims --base 358ea26 --rounds 6 --stores sqlite"),
+    "ab_storm_offers": ("", "storm --base 79e15f6 --rounds 4 --full --stores postgresql,sqlite"),
+    "ab_moves_gates_sqlite_quiet": ("", "gates --base 358ea26 --rounds 4 --stores sqlite"),
+    "ab_moves_peers_quiet": ("METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput,latency",
+                             "peers --base 358ea26 --rounds 4"),
+    "ab_moves_peers_latency": ("METAFORA_PEERS_WORKLOADS=latency", "peers --base 358ea26 --rounds 8"),
+    "ab_moves_claims_sqlite_quiet2": ("METAFORA_CLAIMS_TASKS=5000",
+                                      "claims --base 358ea26 --rounds 6 --stores sqlite"),
+    "ab_storm_etcd3": ("METAFORA_BENCH_ETCD_MEMBERS=3",
+                       "storm --base fec03b5 --rounds 2 --full --stores etcd"),
+    "ab_storm_today_sqlite": ("", "storm --base fec03b5 --rounds 2 --full --stores sqlite"),
+    "ab_storm_today_pg": ("", "storm --base fec03b5 --rounds 2 --full --stores postgresql"),
+}
+for _source, (_env, _args) in _AB_RUNS.items():
+    table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
+                           f" --save-as {_source}")(_ab)
 
 
 def main(argv: list[str] | None = None) -> int:
