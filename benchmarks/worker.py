@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -68,10 +69,20 @@ def _report_sql_statements(node: str, events: Any) -> None:
 
 
 def _probe(consumer: Any, node: str) -> None:
-    """Every 2 s, print what the node's offer pipeline holds (``METAFORA_BENCH_PROBE=1``): a
-    diagnostic for benchmarks whose nodes fall behind, reading the consumer's private parts."""
+    """Every 2 s, print what the node's offer pipeline holds, its CPU and the cyclic
+    collector's share of it (``METAFORA_BENCH_PROBE=1``): a diagnostic for benchmarks whose
+    nodes fall behind, reading the consumer's private parts."""
     began = time.monotonic()
     offers = consumer._offers
+    gc_cpu = [0.0, 0.0]  # CPU seconds in the cyclic collector; when the current pass began
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_cpu[1] = time.thread_time()
+        else:
+            gc_cpu[0] += time.thread_time() - gc_cpu[1]
+
+    gc.callbacks.append(timed)
     while True:
         time.sleep(2.0)
         now = time.monotonic()
@@ -79,7 +90,9 @@ def _probe(consumer: Any, node: str) -> None:
         print(f"probe {node} {now - began:6.1f}s running={len(consumer._running)} "
               f"ignored={len(offers.ignores)} next_due={'-' if due is None else f'{due - now:.1f}'} "
               f"queued={consumer._events.qsize()} loss={offers.spares.loss:.2f} "
-              f"claims={consumer.stats.counters().get('claims')}", flush=True)
+              f"claims={consumer.stats.counters().get('claims')} cpu={time.process_time():.1f}s "
+              f"gc_cpu={gc_cpu[0]:.2f}s gc_passes={[s['collections'] for s in gc.get_stats()]}",
+              flush=True)
 
 
 def main(spec: Any, events: Any) -> None:

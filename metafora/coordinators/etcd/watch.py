@@ -21,6 +21,7 @@ from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeStat
 from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchEvent, WatchFailure
 from metafora.coordinators.etcd.queries import Registration, member_of, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
+from metafora.heap import gc_paused
 from metafora.task import Task, validate_task_id
 
 __all__ = ["NamespaceWatch"]
@@ -126,10 +127,11 @@ class NamespaceWatch:
                     if self._state.closed:
                         return
                     self._expire(task_id, props_mod)
-                for task in offers:
-                    if self._state.closed:
-                        return
-                    sink(task)
+                with gc_paused(len(offers)):  # the consumer keeps most of a wave for a while
+                    for task in offers:
+                        if self._state.closed:
+                            return
+                        sink(task)
                 if self._state.closed:
                     return
         finally:
@@ -162,12 +164,13 @@ class NamespaceWatch:
                     candidates.add(task_id)
                     del timers[task_id]
         ordered = sorted(candidates)
-        for start in range(0, len(ordered), _EVALUATE_CHUNK):
-            with self._state.lock:
-                if self._state.closed:
-                    return [], []
-                for task_id in ordered[start:start + _EVALUATE_CHUNK]:
-                    self._judge(task_id, now, timers, offers, expiring, unusable)
+        with gc_paused(len(ordered)):  # an offer is built for most of them
+            for start in range(0, len(ordered), _EVALUATE_CHUNK):
+                with self._state.lock:
+                    if self._state.closed:
+                        return [], []
+                    for task_id in ordered[start:start + _EVALUATE_CHUNK]:
+                        self._judge(task_id, now, timers, offers, expiring, unusable)
         for task_id, reason in unusable:
             log.warning("node %s: not offering the task stored as %r (an invalid id): %s",
                         self._state.node_id, task_id[:80], reason, extra=self._state.extra)
@@ -304,8 +307,10 @@ class NamespaceWatch:
 
     def _relist(self) -> int:
         """Rebuild the cache from one consistent read; returns its revision."""
-        records, members, revision = read_snapshot(self._driver, self._keys)
-        entries = {task_id: Entry.from_record(task_id, rec) for task_id, rec in records.items()}
+        with gc_paused():  # the whole namespace, read and decoded: bulk work
+            records, members, revision = read_snapshot(self._driver, self._keys)
+            entries = {task_id: Entry.from_record(task_id, rec) for task_id, rec in records.items()}
+            del records
         lost: list[Task] = []
         with self._state.lock:
             self._cache.replace(entries, members, revision)

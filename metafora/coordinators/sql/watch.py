@@ -37,6 +37,7 @@ from typing import Any
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
+from metafora.heap import gc_paused
 from metafora.task import (
     Task,
     decode_labels,
@@ -310,8 +311,9 @@ class Watch:
         seen = 0
         while not self._closed.is_set():
             rows = self._query("scan_pending", {"priority": priority, "after": after, "until": until})
-            for row in rows:
-                self._offer(row)
+            with gc_paused(len(rows)):  # a page of offers the consumer keeps a while: bulk
+                for row in rows:
+                    self._offer(row)
             seen += len(rows)
             if len(rows) < BATCH:
                 break
