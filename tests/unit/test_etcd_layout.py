@@ -144,3 +144,15 @@ def test_task_info_of_pending_and_finished_tasks() -> None:
     failed = task_info("t", TaskRecord(props=props, state=state))
     assert failed is not None and failed.state is TaskState.FAILED and failed.error == "boom"
     assert failed.finished_at == datetime(2026, 1, 1, 0, 2, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("task_id", ["a", "a/claim", "claim", "x%2Fclaim"])
+def test_is_claim_names_only_claim_keys(task_id: str) -> None:
+    """The watch drops claim keys' events undecoded: no other key may look like one."""
+    keys = Keys("ns")
+    tk = keys.task(task_id)
+    assert keys.is_claim(tk.claim)
+    assert keys.parse(tk.claim) == ("task", task_id, "claim")
+    for other in (tk.props, tk.state, tk.running, tk.owner, keys.nodes + escape(task_id).encode(),
+                  keys.root + b"commands/" + escape(task_id).encode() + b"/claim"):
+        assert not keys.is_claim(other), other

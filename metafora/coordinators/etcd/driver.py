@@ -523,8 +523,10 @@ class EtcdDriver:
 
     # -- watch ------------------------------------------------------------------------
 
-    def watch_prefix(self, prefix: bytes, start_revision: int, callback: WatchCallback) -> WatchHandle:
-        """Watch every key under ``prefix`` from ``start_revision``.
+    def watch_prefix(self, prefix: bytes, start_revision: int, callback: WatchCallback,
+                     skip: Callable[[bytes], bool] | None = None) -> WatchHandle:
+        """Watch every key under ``prefix`` from ``start_revision`` (but those ``skip`` names:
+        their events are dropped undecoded).
 
         ``callback`` runs on the watch's reader thread with a :class:`WatchBatch` per
         response, and finally (at most once) with a :class:`WatchFailure` when the stream
@@ -540,7 +542,7 @@ class EtcdDriver:
         )
         requests.put(rpc.WatchRequest(create_request=create))
         call = rpc.WatchStub(channel).Watch(iter(requests.get, None), metadata=self._metadata)
-        handle = WatchHandle(call, requests, callback, "metafora-etcd-watch-stream")
+        handle = WatchHandle(call, requests, callback, "metafora-etcd-watch-stream", skip)
         handle.start()
         if handle.wait_created(self._settings.timeout):
             return handle

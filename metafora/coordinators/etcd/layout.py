@@ -183,6 +183,11 @@ class Keys:
         """The prefix of a node's command queue."""
         return self.nodes + escape(node_id).encode() + b"/commands/"
 
+    def is_claim(self, key: bytes) -> bool:
+        """Whether ``key`` is a task's claim key (``tasks/<escaped id>/claim``: an escaped id
+        holds no slash). No watch cache keeps claim keys: their events are skipped undecoded."""
+        return key.endswith(b"/claim") and key.startswith(self.tasks)
+
     def parse(self, key: bytes) -> tuple[str, str, str] | None:
         """Classify a key: ("task", id, field), ("owner", id, ""), ("alive", node, ""),
         ("command", node, name), ("taskcmd", id, name), ("schedule", name, "") or None for

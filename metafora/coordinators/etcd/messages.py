@@ -5,7 +5,7 @@ imports neither grpc nor the library.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from metafora.coordinators.etcd.ops import (
@@ -42,10 +42,14 @@ def kv_from(kv: Any) -> KeyValue:
     )
 
 
-def events_from(events: Iterator[Any]) -> list[WatchEvent]:
+def events_from(events: Iterator[Any], skip: Callable[[bytes], bool] | None = None
+                ) -> list[WatchEvent]:
+    """The watch events of a response, without those whose key ``skip`` names (not decoded)."""
     out = []
     for ev in events:
         raw = getattr(ev, "_event", ev)  # the library wraps raw events
+        if skip is not None and skip(raw.kv.key):
+            continue
         kind: Literal["put", "delete"] = "delete" if int(raw.type) == 1 else "put"
         out.append(WatchEvent(kind, kv_from(raw.kv)))
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -26,8 +27,9 @@ class WatchHandle:
     """
 
     def __init__(self, call: Any, requests: queue.SimpleQueue[Any], callback: WatchCallback,
-                 name: str) -> None:
+                 name: str, skip: Callable[[bytes], bool] | None = None) -> None:
         self._call = call
+        self._skip = skip
         self._requests = requests
         self._callback = callback
         self._lock = threading.Lock()
@@ -59,7 +61,7 @@ class WatchHandle:
                     self._created.set()
                 if response.events and not self._cancelled:
                     self._callback(WatchBatch(int(response.header.revision),
-                                              events_from(response.events)))
+                                              events_from(response.events, self._skip)))
         except grpc.RpcError as exc:
             self._finish(WatchFailure(exc))
         except Exception as exc:  # a callback bug must not kill the stream silently

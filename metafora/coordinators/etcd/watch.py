@@ -237,7 +237,8 @@ class NamespaceWatch:
                     else:
                         wq.put(item)
 
-                handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver)
+                handle = self._driver.watch_prefix(self._keys.root, revision + 1, deliver,
+                                                   skip=self._keys.is_claim)
                 # Schedule changes while no watch ran were not pushed: the schedulers look once.
                 with self._state.lock:
                     self._cache.live = True
