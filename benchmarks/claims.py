@@ -11,6 +11,9 @@ of the tasks:
 The limit is the faster of the two (the batch path, unless something is wrong with it). A
 consumer does more per task than either loop (claim, then a fenced done; the watch; the lease),
 so the ratio consumer / limit is the cost of the whole pipeline.
+
+The consumers run as a user starts them (the default balancer); the same with
+``DumbBalancer`` is an extra, labelled column.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from metafora import Task, open_client
 SPAWN = multiprocessing.get_context("spawn")
 
 
-def consumer_rate(url: str, procs: int, n: int) -> float:
-    """Tasks claimed and finished per second by ``procs`` consumer processes."""
+def consumer_rate(url: str, procs: int, n: int, balancer: str = "default") -> float:
+    """Tasks claimed and finished per second by ``procs`` consumer processes (``balancer``:
+    a :class:`benchmarks.common.WorkerSpec` balancer name)."""
     with open_client(url) as client:
         for i in range(n):
             client.submit_task(Task(f"t{i:06d}"))
     fleet = Fleet()
     try:
         for i in range(procs):  # start together: no process gets a long head start
-            fleet.spawn(WorkerSpec(url, f"c{i}"))
+            fleet.spawn(WorkerSpec(url, f"c{i}", balancer=balancer))
         ready, starts, last_ready = 0, [], 0.0
         deadline = time.monotonic() + 600
         while len(starts) < n and time.monotonic() < deadline:
@@ -114,12 +118,14 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
             batch = batch_rate(kind, stores.url(kind), procs, n)
             limit = max(raw, batch)
             ours = consumer_rate(stores.url(kind), procs, n)
-            rows.append((kind, procs, n, raw, batch, ours, f"{ours / limit:.0%}"))
+            dumb = consumer_rate(stores.url(kind), procs, n, "dumb")
+            rows.append((kind, procs, n, raw, batch, ours, f"{ours / limit:.0%}", dumb))
             data.append({"store": kind, "procs": procs, "tasks": n, "raw_claims_per_s": raw,
                          "batch_claims_per_s": batch, "limit_claims_per_s": limit,
-                         "consumer_tasks_per_s": ours, "ratio": ours / limit})
+                         "consumer_tasks_per_s": ours, "ratio": ours / limit,
+                         "balancer": "default", "dumb_tasks_per_s": dumb})
     table(f"claim throughput, {n:,} tasks (consumer: claim + run + fenced done per task)",
           ("store", "procs", "tasks", "one by one claim/s", "batch claim/s", "consumer tasks/s",
-           "consumer / limit"), rows)
+           "consumer / limit", "DumbBalancer tasks/s (extra)"), rows)
     save("claims", {"quick": quick, "results": data})
     return {"results": data}

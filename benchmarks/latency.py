@@ -19,7 +19,7 @@ def measure(url: str, submits: int) -> list[float]:
     """Latencies (seconds) of ``submits`` sequential submits on 3 idle consumers."""
     with Fleet() as fleet, open_client(url) as client:
         for i in range(3):
-            fleet.start(WorkerSpec(url, f"lat{i}"))
+            fleet.start(WorkerSpec(url, f"lat{i}", balancer="default"))  # as a user starts them
         latencies = []
         for i in range(submits + 10):
             before = time.time()

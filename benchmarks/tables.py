@@ -173,6 +173,18 @@ def check(pages: Iterable[Path] = PAGES, write: bool = False) -> list[str]:
 
 @table("claims", command="python -m benchmarks claims")
 def _claims(data: dict[str, Any]) -> list[str]:
+    if all("dumb_tasks_per_s" in r for r in data["results"]):
+        return [
+            "Claim throughput (consumer: claim + handler + fenced done per task, as a user starts"
+            " it: the default balancer; the limit: the store's own batch claim path in bare loops,"
+            " same processes, same run; the same consumers with `DumbBalancer` an extra column):",
+            "",
+            *header("store", "processes", "tasks", "one by one claims/s", "batch claims/s (the limit)",
+                    "consumer tasks/s", "consumer / limit", "DumbBalancer tasks/s (extra)"),
+            *(row(r["store"], r["procs"], r["tasks"], r["raw_claims_per_s"], r["batch_claims_per_s"],
+                  r["consumer_tasks_per_s"], f"{r['ratio']:.0%}", r["dumb_tasks_per_s"])
+              for r in data["results"]),
+        ]
     if all("batch_claims_per_s" in r for r in data["results"]):
         return [
             "Claim throughput (consumer: claim + handler + fenced done per task; the limit: the"
