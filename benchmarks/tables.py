@@ -436,6 +436,9 @@ _AB_RUNS = {
                        "storm --base fec03b5 --rounds 2 --full --stores etcd"),
     "ab_storm_today_sqlite": ("", "storm --base fec03b5 --rounds 2 --full --stores sqlite"),
     "ab_storm_today_pg": ("", "storm --base fec03b5 --rounds 2 --full --stores postgresql"),
+    "ab_storm_gc_etcd3": ("METAFORA_BENCH_ETCD_MEMBERS=3",
+                          "storm --base 3c268bb --rounds 4 --full --stores etcd"),
+    "ab_storm_gc_sql": ("", "storm --base 3c268bb --rounds 2 --full --stores postgresql,sqlite"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
