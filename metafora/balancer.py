@@ -203,6 +203,13 @@ class Balancer(abc.ABC):
     def balance(self) -> list[str]:
         """Ids of running tasks this node should release now (may be empty)."""
 
+    def refusals_lifted(self) -> bool:
+        """Whether the offers this balancer refused may be claimed now, before the deadlines
+        it gave: the reason it refused them went away (``FairBalancer``: the node's tasks turned
+        out short, so completion evens the cluster). Asked by the consumer when tasks end; True
+        has it try those offers again at once instead of at their deadlines. Optional."""
+        return False
+
     def nodes_changed(self, left: bool) -> None:
         """The cluster's membership changed; ``left``: a node left or announced it is leaving.
 

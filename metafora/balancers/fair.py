@@ -190,7 +190,8 @@ class FairBalancer(ContextBalancer):
     at most a quarter of what it runs is older than that window), completion evens the
     cluster on its own and refusing offers only slows it: the node claims every offer it has
     room for and releases nothing, at no store read. Its probe at a cold start is what
-    tells it. Long tasks keep every rule below; a move is their costly event.
+    tells it; offers refused before it knew are tried again at once
+    (:meth:`refusals_lifted`). Long tasks keep every rule below; a move is their costly event.
 
     **Releasing** (:meth:`balance`, see :func:`~metafora.balancers.shares.release_plan`): a
     node above ``threshold`` times its exact share gives back down to
@@ -264,6 +265,7 @@ class FairBalancer(ContextBalancer):
         self._refuse_until: datetime | None = None
         self._joined = False  # a node joined since the last balance: it may release again
         self._refused: dict[str, tuple[datetime, datetime]] = {}  # id -> (until, first)
+        self._refused_some = False  # an offer was refused since the tasks were last found short
         self._prune_at = _REFUSED_PRUNE_AT
         self._snap: _Snapshot | None = None
 
@@ -305,6 +307,7 @@ class FairBalancer(ContextBalancer):
             self._refuse_until = None
             self._joined = False
             self._refused.clear()
+            self._refused_some = False
             self._prune_at = _REFUSED_PRUNE_AT
             self._snap = None
 
@@ -351,6 +354,24 @@ class FairBalancer(ContextBalancer):
     def can_claim(self, task: Task) -> tuple[bool, datetime | None]:
         """Claim unless warming up, just released, or above the share while a lighter node
         may take the task (see the class docstring)."""
+        ok, until = self._can_claim(task)
+        if not ok:
+            self._refused_some = True
+        return ok, until
+
+    def refusals_lifted(self) -> bool:
+        """True once the node's tasks turn out short after it refused offers: a cold start's
+        wait (up to ``warmup`` after the membership held still) or a share's refusal would
+        otherwise keep them waiting although completion evens the cluster now."""
+        if not self._refused_some:
+            return False
+        ctx, clock = self._context("refusals_lifted")
+        if not self._short(ctx, clock):
+            return False
+        self._refused_some = False
+        return True
+
+    def _can_claim(self, task: Task) -> tuple[bool, datetime | None]:
         ctx, clock = self._context("can_claim")
         if self._short(ctx, clock):
             return True, None  # completion evens the cluster (see the class docstring)
@@ -570,7 +591,9 @@ class FairBalancer(ContextBalancer):
         with self._lock:
             if short and self._cold is not None:
                 self._cold = None  # nothing to wait for: completion evens short tasks
-            self._short_seen = (mono, short)
+            # Too few runs yet is no verdict: the next run to end may decide (and
+            # refusals_lifted asks right then), so it is not kept.
+            self._short_seen = (mono, short) if count >= _SHORT_MIN_RUNS else None
         return short
 
     def _work(self, ctx: BalancerContext, snap: _Snapshot, pool: _Pool, held: int) -> int | None:

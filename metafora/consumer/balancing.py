@@ -103,6 +103,19 @@ class Rebalancer:
             return False
         return True
 
+    def tasks_ended(self) -> None:
+        """Tasks ended: if the balancer's reason for refusing offers went away with them
+        (``Balancer.refusals_lifted``), try the refused offers now."""
+        try:
+            lifted = self._balancer.refusals_lifted()
+        except Exception as exc:
+            self._log.exception("balancer failed on refusals_lifted: %s", exc,
+                                extra={"action": "can_claim"})
+            return
+        if lifted:
+            self._offers.forgive_refusals(self._clock.monotonic())
+            self._wake.set()
+
     def members_changed(self) -> None:
         """A node may have joined, left or announced leaving: see who, then act on it.
 

@@ -481,6 +481,8 @@ class Consumer:
                         self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
+        if any(isinstance(e, Finished) for e in batch):
+            self._balancing.tasks_ended()
         self._offers.offer_wave(offers)
 
     def _command(self, command: cmds.Command) -> None:

@@ -334,7 +334,8 @@ class OfferRouter:
             self.retry_deferred()
 
     def forgive_refusals(self, now: float) -> None:
-        """A node left: offers the balancer refused may be its orphans, try them now.
+        """Offers the balancer refused may be claimable now (a node left: they may be its
+        orphans; the balancer lifted its refusals): try them now.
 
         Our own release back-offs stay (they stop a released task from coming back).
         """

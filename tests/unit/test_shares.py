@@ -591,6 +591,35 @@ def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
     assert balancer.balance() != []
 
 
+def test_fair_lifts_its_refusals_once_the_tasks_turn_out_short() -> None:
+    """Offers refused during the cold start (until its end, seconds away) are given back the
+    moment the probe's runs show short tasks, once; long runs lift nothing."""
+    clock = FakeClock(CLOCK_START)
+    cluster = Cluster({ME: 0, "b": 0})
+    cluster.claimable = 20_000
+    tasks: list[RunningTask] = []
+    runs = RecentRuns(clock=clock)
+    balancer = FairBalancer(rng=random.Random(7), warmup=3.0)
+    balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock, runs=runs))
+    assert balancer.refusals_lifted() is False  # nothing refused yet
+    while balancer.can_claim(Task("p"))[0]:  # the probe
+        tasks.append(RunningTask(Task(f"p{len(tasks)}"), clock.now()))
+    ok, until = balancer.can_claim(Task("t"))
+    assert ok is False and until is not None and until > clock.now()
+    for _ in range(4):
+        runs.add(0.01)  # too few runs to tell: no verdict kept, the next run may decide
+    assert balancer.refusals_lifted() is False
+    for _ in range(8):
+        runs.add(30.0)  # long runs: the refusals stand
+    assert balancer.refusals_lifted() is False
+    clock.advance(0.5)
+    for _ in range(16):
+        runs.add(0.01)  # the probe's runs end at once: short tasks
+    assert balancer.refusals_lifted() is True
+    assert balancer.refusals_lifted() is False  # once
+    assert balancer.can_claim(Task("t")) == (True, None)
+
+
 def test_fair_short_tasks_need_most_of_what_runs_to_be_young() -> None:
     clock = FakeClock(CLOCK_START)
     cluster = Cluster({ME: 0, "b": 0})
