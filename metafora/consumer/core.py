@@ -351,10 +351,9 @@ class Consumer:
                        extra={"action": "start"})
         try:
             self._start_http()
-            self._balancer.init(
-                BalancerContext(self.node_id, self._coord, self.tasks, self._clock, self._task_count,
-                                runs=self._runs, selector_source=self._held_selectors)
-            )
+            self._balancer.init(BalancerContext(self.node_id, self._coord, self.tasks, self._clock,
+                                                self._task_count, runs=self._runs,
+                                                selector_source=self._held_selectors))
             self._supervisor.start("outcomes", self._finisher.writer.run)
             self._supervisor.start("watch", self._watch)
             pushed = self._balancing.listen(self._post)
@@ -403,13 +402,11 @@ class Consumer:
     def _start_http(self) -> None:
         if self._options.http_addr is None:
             return
-        self._http = InfoServer(
-            self._options.http_addr,
-            self.info,
-            lambda: render_metrics(self.node_id, self.stats, len(self._running),
-                                   pruned=self._pruner.pruned, cluster=self._cluster.last),
-            self.probes,
-        )
+        self._http = InfoServer(self._options.http_addr, self.info,
+                                lambda: render_metrics(self.node_id, self.stats, len(self._running),
+                                                       pruned=self._pruner.pruned,
+                                                       cluster=self._cluster.last),
+                                self.probes)
         self._http.start()
         self._log.info("serving /info, /metrics, /healthz, /readyz on http://%s", self._http.address,
                        extra={"action": "http"})
