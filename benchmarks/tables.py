@@ -325,7 +325,7 @@ def _peers(data: dict[str, Any]) -> list[str]:
 
 
 @table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
-                              " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 3"
+                              " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 5"
                               " --systems metafora-postgresql,metafora-postgresql-dumb,"
                               "metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
 def _peers_short(data: dict[str, Any]) -> list[str]:
