@@ -127,11 +127,10 @@ class NamespaceWatch:
                     if self._state.closed:
                         return
                     self._expire(task_id, props_mod)
-                with gc_paused(len(offers)):  # the consumer keeps most of a wave for a while
-                    for task in offers:
-                        if self._state.closed:
-                            return
-                        sink(task)
+                for task in offers:  # the collector is on: a sink may block (a full queue)
+                    if self._state.closed:
+                        return
+                    sink(task)
                 if self._state.closed:
                     return
         finally:

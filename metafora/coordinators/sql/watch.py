@@ -225,23 +225,39 @@ class Watch:
             rows: Sequence[Any] = self._db.execute(conn, name, params).fetchall()
         return rows
 
-    def _offer_rows(self, rows: Sequence[Any]) -> None:
+    def _offer_rows(self, rows: Sequence[Any], by_priority: bool = True) -> None:
         """Offer a page of rows (id, props, ..., selector, priority, placement), highest
-        priority first."""
-        for row in sorted(rows, key=lambda r: -int(r[-2] or 0)):
-            self._offer(row)
+        priority first unless the page holds one priority (a scan's).
+
+        The page's tasks are built with the cyclic collector paused (bulk work: the consumer
+        keeps most of them a while; see :mod:`metafora.heap`), then failed or offered: the
+        failure's write and the sink (which may block) run with the collector on.
+        """
+        if by_priority:
+            rows = sorted(rows, key=lambda r: -int(r[-2] or 0))
+        invalid: list[tuple[str, str]] = []
+        with gc_paused(len(rows)):
+            tasks = [task for row in rows if (task := self._build(row, invalid)) is not None]
+        for task_id, error in invalid:
+            self._fail_invalid(task_id, error)
+        for task in tasks:
+            self._sink(task)
 
     def _offer(self, row: Any) -> None:
+        self._offer_rows([row], by_priority=False)
+
+    def _build(self, row: Any, invalid: list[tuple[str, str]]) -> Task | None:
+        """The task of ``row`` to offer (None: offered this round already, or invalid: then
+        (id, error) is added to ``invalid``)."""
         task_id, props = str(row[0]), row[1]
         if task_id in self._this_round:
-            return
+            return None
         self._this_round.add(task_id)
         try:
-            task = self._shapes.task(task_id, props, row[-3], row[-2], row[-1])
+            return self._shapes.task(task_id, props, row[-3], row[-2], row[-1])
         except MetaforaError as exc:
-            self._fail_invalid(task_id, f"invalid props: {exc}")
-            return
-        self._sink(task)
+            invalid.append((task_id, f"invalid props: {exc}"))
+            return None
 
     def _offer_plain(self, task_id: str, props: str) -> bool:
         """Offer a plain task from its notification. False: an id or props that are not
@@ -311,9 +327,7 @@ class Watch:
         seen = 0
         while not self._closed.is_set():
             rows = self._query("scan_pending", {"priority": priority, "after": after, "until": until})
-            with gc_paused(len(rows)):  # a page of offers the consumer keeps a while: bulk
-                for row in rows:
-                    self._offer(row)
+            self._offer_rows(rows, by_priority=False)  # one priority per scan
             seen += len(rows)
             if len(rows) < BATCH:
                 break
