@@ -110,7 +110,7 @@ class Rebalancer:
             lifted = self._balancer.refusals_lifted()
         except Exception as exc:
             self._log.exception("balancer failed on refusals_lifted: %s", exc,
-                                extra={"action": "can_claim"})
+                                extra={"action": "refusals_lifted"})
             return
         if lifted:
             self._offers.forgive_refusals(self._clock.monotonic())

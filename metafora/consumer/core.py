@@ -461,7 +461,7 @@ class Consumer:
             self._wake.set()  # more left: come back after deadlines are checked
         offers = [e.task for e in batch if isinstance(e, Offer)]
         self._offers.arrange(offers)
-        room = False
+        room = ended = False
         for event in batch:
             if self._stopping.is_set():
                 return
@@ -472,13 +472,14 @@ class Consumer:
             elif event is Signal.ROOM or isinstance(event, Finished):
                 room = True  # once per drain, not once per finished task
                 if isinstance(event, Finished):
+                    ended = True
                     if event.ran is not None:
                         self._runs.add(event.ran)
                     if event.task.group is not None:
                         self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
-        if any(isinstance(e, Finished) for e in batch):
+        if ended:
             self._balancing.tasks_ended()
         self._offers.offer_wave(offers)
 

@@ -561,7 +561,8 @@ def test_fair_cold_start_never_waits_more_than_four_warmups() -> None:
     assert balancer.can_claim(Task("t")) == (True, None)
 
 
-def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
+def _cold_with_runs() -> tuple[FakeClock, Cluster, list[RunningTask], RecentRuns, FairBalancer]:
+    """A FairBalancer at a cold start (2 nodes, 20,000 claimable, warmup 3 s) fed run times."""
     clock = FakeClock(CLOCK_START)
     cluster = Cluster({ME: 0, "b": 0})
     cluster.claimable = 20_000
@@ -569,6 +570,11 @@ def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
     runs = RecentRuns(clock=clock)
     balancer = FairBalancer(rng=random.Random(7), warmup=3.0)
     balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock, runs=runs))
+    return clock, cluster, tasks, runs, balancer
+
+
+def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
+    clock, cluster, tasks, runs, balancer = _cold_with_runs()
     held = 0
     while balancer.can_claim(Task("p"))[0]:  # the cold start's probe
         held += 1
@@ -594,13 +600,7 @@ def test_fair_short_tasks_claim_every_offer_and_release_nothing() -> None:
 def test_fair_lifts_its_refusals_once_the_tasks_turn_out_short() -> None:
     """Offers refused during the cold start (until its end, seconds away) are given back the
     moment the probe's runs show short tasks, once; long runs lift nothing."""
-    clock = FakeClock(CLOCK_START)
-    cluster = Cluster({ME: 0, "b": 0})
-    cluster.claimable = 20_000
-    tasks: list[RunningTask] = []
-    runs = RecentRuns(clock=clock)
-    balancer = FairBalancer(rng=random.Random(7), warmup=3.0)
-    balancer.init(BalancerContext(ME, cluster, lambda: list(tasks), clock, runs=runs))
+    clock, _cluster, tasks, runs, balancer = _cold_with_runs()
     assert balancer.refusals_lifted() is False  # nothing refused yet
     while balancer.can_claim(Task("p"))[0]:  # the probe
         tasks.append(RunningTask(Task(f"p{len(tasks)}"), clock.now()))
