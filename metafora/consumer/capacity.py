@@ -196,8 +196,10 @@ class Capacity:
 
     def bounded(self) -> bool:
         """Whether anything bounds the tasks this node runs now (then a slot a handler frees
-        may let a deferred offer in)."""
-        return self.limit() is not None
+        may let a deferred offer in): whether :meth:`limit` is not None, without counting
+        (asked at every handler's end)."""
+        return (self.max_tasks is not None or self.reduced is not None
+                or (self.thread_cap is not None and self.ran_threads))
 
     def limit(self) -> int | None:
         """The most tasks this node runs now (None: no bound). The thread cap bounds thread

@@ -46,7 +46,10 @@ class Flag:
         if self._set:
             return
         self._set = True
-        self._release()
+        try:  # _release inlined: two flags are set per task
+            self._lock.release()
+        except RuntimeError:
+            pass
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until set or ``timeout`` seconds (None: no limit) passed; whether it is set."""
@@ -107,7 +110,9 @@ class RunningMap(dict[str, Running]):
         super().__setitem__(key, value)
         if old is not None:
             self._drop(old)
-        self._selectors[selector_key(value.task.selector)] += 1
+        selector = value.task.selector
+        tally = selector_key(selector) if selector else ()  # most tasks have none: no call
+        self._selectors[tally] = self._selectors.get(tally, 0) + 1
 
     def __delitem__(self, key: str) -> None:
         entry = self[key]
@@ -151,7 +156,8 @@ class RunningMap(dict[str, Running]):
         self._selectors.clear()
 
     def _drop(self, entry: Running) -> None:
-        key = selector_key(entry.task.selector)
+        selector = entry.task.selector
+        key = selector_key(selector) if selector else ()
         left = self._selectors[key] - 1
         if left > 0:
             self._selectors[key] = left

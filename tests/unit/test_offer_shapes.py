@@ -1,10 +1,10 @@
-"""The SQL watch builds offers of rows shaped alike from one validated task: same result."""
+"""The SQL watch and claims build tasks of rows shaped alike from one validated task: same result."""
 
 from __future__ import annotations
 
 import pytest
 
-from metafora.coordinators.sql.watch import OfferShapes
+from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.task import Task
 
@@ -42,3 +42,16 @@ def test_ids_are_still_validated_and_bad_texts_still_refused() -> None:
             shapes.task("t", "[1]", None, 0, None)
         with pytest.raises(InvalidProps):
             shapes.task("t", '{"x": NaN}', None, 0, None)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_a_claimed_row_keeps_its_token_whether_its_shape_was_known_or_not(
+        row: tuple[object, ...]) -> None:
+    """A claim's rows go through the same shapes: each task carries its own claim's token."""
+    shapes = OfferShapes()
+    first = shapes.task("t1", *row, token=7)  # type: ignore[misc]
+    copied = shapes.task("t2", *row, token=9)  # type: ignore[misc]
+    offered = shapes.task("t3", *row)  # type: ignore[misc]
+    assert (first.token, copied.token, offered.token) == (7, 9, 0)
+    assert copied == Task("t2", first.props, 9, selector=first.selector, priority=first.priority,
+                          prefer=first.prefer, spread=first.spread)

@@ -21,10 +21,11 @@ from metafora.coordinator import (
     error_text,
 )
 from metafora.coordinators.sql.lease import Lease, release_untracked
+from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database, HotCursor
 from metafora.errors import ClaimLost, MetaforaError
-from metafora.task import Task, decode_labels, decode_props, decode_soft
+from metafora.task import Task
 
 __all__ = ["ClaimOutcomes", "Claims", "FusedClaim"]
 
@@ -59,6 +60,7 @@ class Claims:
         self._context = context
         self._extra = {"node": node_id}
         self._contended = False  # the last claim_many lost most of its offers (SQLite)
+        self._shapes = OfferShapes()  # claimed rows shaped alike are validated once
 
     def claim(self, task: Task) -> Task | None:
         """Claim one task (one statement); None when it is not claimable by this node.
@@ -258,10 +260,7 @@ class Claims:
                        placement: str | None = None) -> Task | None:
         """The claimed task, or None after failing it: it can never run, or it keeps killing nodes."""
         try:
-            prefer, spread, group = decode_soft(placement, task_id)
-            task = Task(task_id, decode_props(props_text, task_id), token,
-                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread, group=group)
+            task = self._shapes.task(task_id, props_text, selector, priority, placement, token)
         except MetaforaError as exc:
             error = f"invalid props: {exc}"
         else:

@@ -38,7 +38,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -96,7 +95,7 @@ class Lease:
         self._epoch = 0
         self._deadline = 0.0
         self._held: dict[str, Task] = {}
-        self._busy: Counter[str] = Counter()  # ids with a claim/done/release in flight
+        self._busy: dict[str, int] = {}  # ids with a claim/done/release in flight
         self._changes = 0  # bumped by every local change to _held or _busy
         self._inconclusive = 0  # summary checks in a row spoiled by concurrent changes
         self._stop = threading.Event()
@@ -187,8 +186,9 @@ class Lease:
         with self._lock:
             if not self._live or self._session is None or time.monotonic() >= self._deadline:
                 return None
+            busy = self._busy
             for task_id in task_ids:
-                self._busy[task_id] += 1
+                busy[task_id] = busy.get(task_id, 0) + 1
             self._changes += 1
             return self._epoch, self._session
 
@@ -198,9 +198,7 @@ class Lease:
         ``failed``: the statement raised, so it may have claimed without saying: check."""
         with self._lock:
             for task_id in task_ids:
-                self._busy[task_id] -= 1
-                if self._busy[task_id] <= 0:
-                    del self._busy[task_id]
+                self._unbusy(task_id)
             self._changes += 1
             if failed:
                 self._check_at = time.monotonic()
@@ -238,17 +236,15 @@ class Lease:
     def begin_finish(self, task_id: str) -> None:
         """Before a fenced write (release/done/fail) of ``task_id``."""
         with self._lock:
-            self._busy[task_id] += 1
+            self._busy[task_id] = self._busy.get(task_id, 0) + 1
             self._changes += 1
 
     def end_finish(self, task: Task, settled: bool) -> None:
         """After the fenced write; ``settled``: the claim is over (written or refused). Not
         settled: the write failed without a clear answer (it may have committed): check."""
         with self._lock:
-            self._busy[task.id] -= 1
+            self._unbusy(task.id)
             self._changes += 1
-            if self._busy[task.id] <= 0:
-                del self._busy[task.id]
             held = self._held.get(task.id)
             if settled and held is not None and held.token == task.token:
                 del self._held[task.id]
@@ -256,6 +252,14 @@ class Lease:
             if not settled:
                 self._check_at = time.monotonic()
                 self._wake.set()
+
+    def _unbusy(self, task_id: str) -> None:
+        """One write of ``task_id`` is no longer in flight (caller holds the lock)."""
+        left = self._busy.get(task_id, 0) - 1
+        if left > 0:
+            self._busy[task_id] = left
+        else:
+            self._busy.pop(task_id, None)
 
     def _count_changed(self) -> None:
         """The count of claims changed (caller holds the lock): publish it soon."""

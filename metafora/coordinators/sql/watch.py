@@ -26,7 +26,6 @@ Store errors never end the watch: it logs, backs off and rescans when the store 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import random
 import threading
@@ -34,19 +33,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.heap import gc_paused
-from metafora.task import (
-    Task,
-    decode_labels,
-    decode_props,
-    decode_soft,
-    task_like,
-)
+from metafora.task import Task
 
-__all__ = ["OfferShapes", "Settling", "Watch"]
+__all__ = ["Settling", "Watch"]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +56,6 @@ _COALESCE = 0.02
 # How long after the ready scan passed a ready value a transaction that took a lower one is
 # given to commit before the stretch is read again (longer ones wait for the full scan).
 _SETTLE = 1.0
-_SHAPES = 64  # validated offer shapes kept (see Watch._task)
-_SHAPE_TEXT = 512  # props / selector / placement texts longer than this are not kept
 
 
 class Watch:
@@ -409,40 +401,6 @@ class Watch:
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
-
-
-class OfferShapes:
-    """Builds offered tasks from rows, validating each shape of row once.
-
-    (props, selector, priority, placement) as stored -> a task validated with them: rows of
-    one shape (a backlog of tasks submitted alike) are offered without validating the same
-    texts again for every row (that was most of a start-up storm's offer cost).
-    """
-
-    def __init__(self) -> None:
-        self._shapes: dict[tuple[Any, ...], Task] = {}
-
-    def task(self, task_id: str, props: Any, selector: Any, priority: Any, placement: Any) -> Task:
-        """The offered task of one row (raises MetaforaError when a text is invalid).
-
-        A row shaped like one validated before (the same props, selector, priority and
-        placement texts) becomes a copy of that task with its own id and its own props
-        (decoded again from the same text): equal to what the constructor would build,
-        without validating the same texts once more. The id is always validated.
-        """
-        key = (props, selector, priority, placement)
-        shape = self._shapes.get(key)
-        if shape is None:
-            prefer, spread, group = decode_soft(placement, task_id)
-            task = Task(task_id, decode_props(props, task_id),
-                        selector=decode_labels(selector, f"stored selector of task {task_id!r}"),
-                        priority=int(priority or 0), prefer=prefer, spread=spread, group=group)
-            if all(v is None or len(v) <= _SHAPE_TEXT for v in (props, selector, placement)):
-                if len(self._shapes) >= _SHAPES:
-                    self._shapes.clear()
-                self._shapes[key] = task
-            return task
-        return task_like(shape, task_id, {} if props == "{}" else json.loads(props))
 
 
 class Settling:
