@@ -113,6 +113,13 @@ def test_crashes_of_a_running_key() -> None:
     assert crashes_of(kv(b"k", b'{"crashes": 2}')) == 2
     assert crashes_of(kv(b"k", b'{"crashes": -1}')) == 0
     assert crashes_of(kv(b"k", b"junk")) == 0
+    # Short values are decoded once and kept; asked again (from another key), the same answer.
+    for _ in range(2):
+        assert crashes_of(kv(b"other", b'{"crashes": 2}')) == 2
+        assert crashes_of(kv(b"other", b'{"crashes": 0}')) == 0
+    # A long value (a hand-written key) is decoded each time, with the same rules.
+    padded = b'{"pad": "' + b"x" * 2000 + b'", "crashes": 3}'
+    assert crashes_of(kv(b"k", padded)) == 3
 
 
 def test_gather_and_task_info_of_a_claimed_task() -> None:

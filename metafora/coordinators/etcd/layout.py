@@ -373,8 +373,17 @@ def crashes_of(kv: KeyValue | None) -> int | None:
     """The crash count a running key records; None if there is no running key."""
     if kv is None:
         return None
-    count = (decode_json(kv.value) or {}).get("crashes")
+    # A handful of distinct values ({"crashes": N}) come with every claim's watch event on
+    # every node: each short one is decoded once.
+    return _crashes_kept(kv.value) if len(kv.value) <= _SHAPE_BYTES else _crashes_in(kv.value)
+
+
+def _crashes_in(value: bytes) -> int:
+    count = (decode_json(value) or {}).get("crashes")
     return count if isinstance(count, int) and count >= 0 else 0
+
+
+_crashes_kept = functools.lru_cache(maxsize=_SHAPES)(_crashes_in)
 
 
 def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
