@@ -11,7 +11,8 @@ rounds, and the ratio head / base. Use an even number of rounds for a balanced o
     python benchmarks/ab.py gates|latency|storm|peers --base REV ...
     python benchmarks/ab.py claims --base REV --save-as ab_moves_claims   # keep older results
 
-Figures compared: claims, consumer tasks/s; storm, seconds until every task is held; gates,
+Figures compared: claims, consumer tasks/s (the default balancer, and DumbBalancer: the
+same consumer whatever the balancer's changes); storm, seconds until every task is held; gates,
 items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and
 submit-to-start p50 (ms). Writes ``benchmarks/results/ab_NAME.json``.
 """
@@ -40,8 +41,11 @@ Figures = dict[str, float]
 
 
 def _claims(results: Any) -> Figures:
-    return {f"{r['store']}, {r['procs']} processes: tasks/s": float(r["consumer_tasks_per_s"])
-            for r in results}
+    figures = {f"{r['store']}, {r['procs']} processes: tasks/s": float(r["consumer_tasks_per_s"])
+               for r in results}
+    figures.update({f"{r['store']}, {r['procs']} processes, DumbBalancer: tasks/s":
+                    float(r["dumb_tasks_per_s"]) for r in results if "dumb_tasks_per_s" in r})
+    return figures
 
 
 def _storm(results: Any) -> Figures:

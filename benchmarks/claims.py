@@ -32,9 +32,9 @@ SPAWN = multiprocessing.get_context("spawn")
 def consumer_rate(url: str, procs: int, n: int, balancer: str = "default") -> float:
     """Tasks claimed and finished per second by ``procs`` consumer processes (``balancer``:
     a :class:`benchmarks.common.WorkerSpec` balancer name)."""
-    with open_client(url) as client:
-        for i in range(n):
-            client.submit_task(Task(f"t{i:06d}"))
+    with open_client(url) as client:  # in bulk: the figure starts once the consumers are ready
+        for start in range(0, n, 5000):
+            client.submit_tasks(Task(f"t{i:06d}") for i in range(start, min(n, start + 5000)))
     fleet = Fleet()
     try:
         for i in range(procs):  # start together: no process gets a long head start
@@ -111,9 +111,11 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
     # METAFORA_CLAIMS_TASKS: more tasks, so that on a loaded machine the window after the last
     # consumer is ready still holds tasks (an empty window is no figure: NaN)
     n = int(os.environ.get("METAFORA_CLAIMS_TASKS") or (2000 if quick else 10_000))
+    # METAFORA_CLAIMS_PROCS: a subset of the process counts, e.g. "1,2" (an A/B of a few cells)
+    counts = [int(p) for p in os.environ.get("METAFORA_CLAIMS_PROCS", "1,2,4").split(",")]
     rows, data = [], []
     for kind in stores.kinds:
-        for procs in (1, 2, 4):
+        for procs in counts:
             raw = raw_rate(kind, stores.url(kind), procs, n)
             batch = batch_rate(kind, stores.url(kind), procs, n)
             limit = max(raw, batch)
