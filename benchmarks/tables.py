@@ -439,6 +439,13 @@ _AB_RUNS = {
     "ab_storm_gc_etcd3": ("METAFORA_BENCH_ETCD_MEMBERS=3",
                           "storm --base 3c268bb --rounds 4 --full --stores etcd"),
     "ab_storm_gc_sql": ("", "storm --base 3c268bb --rounds 2 --full --stores postgresql,sqlite"),
+    "ab_claims_dumb_sqlite": ("METAFORA_CLAIMS_PROCS=1,2",
+                              "claims --base 358ea26 --rounds 4 --stores sqlite --full"),
+    "ab_final_storm": ("", "storm --base 358ea26 --rounds 4 --stores sqlite,postgresql,etcd"),
+    "ab_final_gates": ("", "gates --base 358ea26 --rounds 4 --stores sqlite,postgresql"),
+    "ab_final_gates_pg": ("", "gates --base 358ea26 --rounds 6 --stores postgresql"),
+    "ab_final_peers": ("METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput,latency",
+                       "peers --base 358ea26 --rounds 4"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"

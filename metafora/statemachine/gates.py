@@ -23,8 +23,11 @@ def _gates() -> ModuleType:
 
 
 def __getattr__(name: str) -> Any:
-    """``metafora.gates.NAME`` (``__all__`` too, so ``import *`` works)."""
-    return getattr(_gates(), name)
+    """``metafora.gates.NAME`` (``__all__`` too, so ``import *`` works), kept here once found:
+    code that names ``gates.Response`` for every item looks it up through this hook only once."""
+    value = getattr(_gates(), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
