@@ -46,10 +46,7 @@ class Flag:
         if self._set:
             return
         self._set = True
-        try:  # _release inlined: two flags are set per task
-            self._lock.release()
-        except RuntimeError:
-            pass
+        self._release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until set or ``timeout`` seconds (None: no limit) passed; whether it is set."""
@@ -110,9 +107,8 @@ class RunningMap(dict[str, Running]):
         super().__setitem__(key, value)
         if old is not None:
             self._drop(old)
-        selector = value.task.selector
-        tally = selector_key(selector) if selector else ()  # most tasks have none: no call
-        self._selectors[tally] = self._selectors.get(tally, 0) + 1
+        tally = selector_key(value.task.selector)
+        self._selectors[tally] = self._selectors.get(tally, 0) + 1  # no Counter.__missing__
 
     def __delitem__(self, key: str) -> None:
         entry = self[key]
@@ -156,8 +152,7 @@ class RunningMap(dict[str, Running]):
         self._selectors.clear()
 
     def _drop(self, entry: Running) -> None:
-        selector = entry.task.selector
-        key = selector_key(selector) if selector else ()
+        key = selector_key(entry.task.selector)
         left = self._selectors[key] - 1
         if left > 0:
             self._selectors[key] = left

@@ -84,6 +84,22 @@ def test_a_nodes_thread_cap_follows_what_the_machine_has_left() -> None:
     assert capped.limit() == 10 + 575  # published: the shares see the machine's bound
 
 
+@pytest.mark.parametrize("max_tasks", [None, 5])
+@pytest.mark.parametrize("thread_cap", [None, 0, 64])
+@pytest.mark.parametrize("ran_threads", [False, True])
+@pytest.mark.parametrize("reduced", [None, 3])
+def test_bounded_says_whether_there_is_a_limit(max_tasks: int | None, thread_cap: int | None,
+                                               ran_threads: bool, reduced: int | None) -> None:
+    """``bounded()`` (asked at every handler's end) answers without counting threads: the
+    same as ``limit() is not None`` in every combination of bounds."""
+    capacity = Capacity(max_tasks=max_tasks, thread_cap=thread_cap, busy_threads=lambda: 2,
+                        monotonic=lambda: 0.0, log=NodeLog(logging.getLogger("t"), {}),
+                        machine=MachineThreads(lambda: 0.0, lambda: [(100, 32_768)]))
+    capacity.ran_threads = ran_threads
+    capacity.reduced = reduced
+    assert capacity.bounded() is (capacity.limit() is not None)
+
+
 def test_the_machines_threads_are_read() -> None:
     readings = machine_threads()
     assert readings and all(0 < used < limit for used, limit in readings)

@@ -235,9 +235,6 @@ class Watch:
         for task in tasks:
             self._sink(task)
 
-    def _offer(self, row: Any) -> None:
-        self._offer_rows([row], by_priority=False)
-
     def _build(self, row: Any, invalid: list[tuple[str, str]]) -> Task | None:
         """The task of ``row`` to offer (None: offered this round already, or invalid: then
         (id, error) is added to ``invalid``)."""
@@ -333,7 +330,7 @@ class Watch:
             rows = self._query(name, {"owner": owner, "after": after})
             for row in rows:
                 offered[row[0]] = int(row[2])
-                self._offer(row)
+            self._offer_rows(rows, by_priority=False)
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
@@ -393,11 +390,13 @@ class Watch:
         owner, after = "", ""
         while not self._closed.is_set():
             rows = self._query("scan_dead_owners", {"owner": owner, "after": after})
+            fresh = []
             for row in rows:
                 token = int(row[2])
                 if self._offered_dead.get(row[0]) != token:
                     self._offered_dead[row[0]] = token
-                    self._offer(row)
+                    fresh.append(row)
+            self._offer_rows(fresh, by_priority=False)
             if len(rows) < BATCH:
                 break
             owner, after = rows[-1][3], rows[-1][0]
