@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/ab.py
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import RESULTS, save, settings, table
 
 ROOT = Path(__file__).resolve().parent.parent
 Figures = dict[str, float]
@@ -87,13 +87,6 @@ def _median(values: list[float]) -> float:
     window with no task left in it); NaN when none did."""
     measured = [v for v in values if not math.isnan(v)]
     return statistics.median(measured) if measured else math.nan
-
-
-def _settings() -> dict[str, str]:
-    """The benchmarks' size and mode variables of this run (the command line does not show
-    them; no URL, which could carry a password)."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(("METAFORA_CLAIMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_"))}
 
 
 def _git(*args: str) -> str:
@@ -169,7 +162,7 @@ def run(name: str, base: str, rounds: int, quick: bool, stores: str,
     table(f"{name}, head vs {base} ({commit[:10]}), medians of {rounds} rounds"
           + (" (quick)" if quick else ""), ("figure", "base", "head", "head / base"), rows)
     data = {"name": name, "base": base, "base_commit": commit, "head_commit": _git("rev-parse", "HEAD"),
-            "rounds": rounds, "order": order, "quick": quick, "settings": _settings(),
+            "rounds": rounds, "order": order, "quick": quick, "settings": settings(),
             "runs": runs, "load_average": loads,
             "results": {k: {"base": b, "head": h, "ratio": r} for k, b, h, r in rows}}
     save(save_as or f"ab_{name}", data)

@@ -83,6 +83,16 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+SETTING_PREFIXES = ("METAFORA_CLAIMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_",
+                    "METAFORA_IDLE_", "METAFORA_BENCH_ETCD_MEMBERS", "METAFORA_BENCH_PROBE")
+
+
+def settings() -> dict[str, str]:
+    """The benchmarks' size and mode variables of this run (the command line does not show
+    them; no URL, which could carry a password)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)}
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
     """Write ``benchmarks/results/NAME.json`` with the machine, the command and the commit (which
     ``python -m benchmarks.tables`` prints under each table made from the file)."""
@@ -92,7 +102,8 @@ def save(name: str, data: dict[str, Any]) -> Path:
     command = " ".join(["python -m benchmarks" if script == "benchmarks/__main__.py" else f"python {script}",
                         *sys.argv[1:]])
     payload = {"benchmark": name, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), "command": command, "commit": commit(), **data}
+               "machine": machine(), "command": command, "environment": settings(),
+               "commit": commit(), **data}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
 

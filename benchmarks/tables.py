@@ -106,6 +106,8 @@ def provenance(spec: TableSpec, data: dict[str, Any]) -> str:
     machine = ", ".join(str(x) for x in (f"{m.get('cpus', '?')} CPUs", m.get("memory"),
                                           f"Python {m.get('python', '?')}", m.get("platform")) if x)
     command = data.get("command") or spec.command
+    env = " ".join(f"{k}={v}" for k, v in (data.get("environment") or {}).items())
+    command = f"{env} {command}" if env and data.get("command") else command
     if data.get("commit"):
         commit = f"commit {data['commit']}"
     elif data.get("committed_in"):
