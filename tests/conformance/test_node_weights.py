@@ -30,12 +30,26 @@ class Cluster:
         self.url = url
         self.stack = ExitStack()
         self.client: Client = self.stack.enter_context(open_client(url))
+        self.contexts: dict[str, RecordingContext] = {}
 
     def node(self, node_id: str, weight: float | None = None) -> Coordinator:
         coord = open_coordinator(self.url, node_id=node_id)
-        coord.init(RecordingContext() if weight is None else RecordingContext(weight=weight))
+        ctx = RecordingContext() if weight is None else RecordingContext(weight=weight)
+        coord.init(ctx)
+        self.contexts[node_id] = ctx
         self.stack.callback(coord.close)
         return coord
+
+    def why_not(self, viewer: Coordinator, seen: object) -> str:
+        """What to say when ``viewer``'s view (``seen``) lacks a node: whether the store
+        still lists every node as live, and which nodes lost their claims (a fence: the
+        node's lease lapsed, so it really was gone for a moment)."""
+        live = self.client.nodes()
+        fenced = {node: [t.id for t in ctx.lost_tasks]
+                  for node, ctx in self.contexts.items() if ctx.lost_tasks}
+        return (f"the view {seen!r}; the store lists live nodes {live}; "
+                f"claims lost by a fence: {fenced or 'none'}; the viewer's count now: "
+                f"{viewer.active_task_count()!r}")
 
 
 @pytest.fixture
@@ -115,7 +129,8 @@ def test_the_count_read_answers_weights_and_frozen_nodes(cluster: Cluster) -> No
     a.active_task_count()
     with store_reads(a) as sent:
         weights, frozen = a.node_weights(), a.frozen_nodes()
-    assert (weights, frozen) == ({"a": 2.0, "b": 1.0}, frozenset({"b"}))
+    assert (weights, frozen) == ({"a": 2.0, "b": 1.0}, frozenset({"b"})), cluster.why_not(
+        a, (weights, frozen))
     assert sent == []
     with store_reads(a) as sent:  # asked again without a count read: read, and right
         assert a.node_weights() == {"a": 2.0, "b": 1.0}

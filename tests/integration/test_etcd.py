@@ -652,6 +652,42 @@ def test_active_counts_come_from_the_watch_cache(nodes: Nodes) -> None:
     assert a.node_task_count() == {"a": 2}
 
 
+def test_a_count_seen_in_etcd_is_not_followed_by_an_older_cached_one(nodes: Nodes) -> None:
+    """A watch is confirmed before the events since its re-list arrive. A count read from etcd
+    meanwhile (the cache not live yet) saw node b; the cache, live but behind that read, must
+    not answer the next count without b: it answers once it has caught up with the read."""
+    a = open_coordinator(nodes.url, node_id="a")
+    assert isinstance(a, EtcdCoordinator)
+    nodes.stack.callback(a.close)
+    gate, created = threading.Event(), threading.Event()
+    nodes.stack.callback(gate.set)  # never leave the stream's reader blocked
+    seen_first: list[dict[str, int]] = []
+    real_watch = a._driver.watch_prefix
+
+    def watch_prefix(prefix: bytes, start: int, callback: Any, skip: Any = None) -> Any:
+        if not created.is_set():  # the first stream: b arrives after the re-list, and a
+            nodes.node("b")  # count is read from etcd before the stream is confirmed
+            seen_first.append(a.active_task_count())
+
+        def held(item: Any) -> None:
+            gate.wait(60)  # the events since the re-list are late
+            callback(item)
+
+        handle = real_watch(prefix, start, held, skip)
+        created.set()
+        return handle
+
+    a._driver.watch_prefix = watch_prefix  # type: ignore[method-assign]
+    a.init(RecordingContext())
+    wait_until(lambda: created.is_set() and a._cache.live, 30, "a's watch is live")
+    assert seen_first == [{"a": 0, "b": 0}]
+    assert a.active_task_count() == {"a": 0, "b": 0}  # not the cache's older view
+    assert a.cached_task_count(active=True) is None  # it holds off until it has caught up
+    gate.set()
+    wait_until(lambda: a.cached_task_count(active=True) == {"a": 0, "b": 0}, 30,
+               "the cache caught up and answers")
+
+
 def test_the_cache_snapshot_reads_in_pages_at_one_revision(nodes: Nodes) -> None:
     """A re-list reads page by page, pinned to the first page's revision: a write between two
     pages is not in the snapshot, and small pages give what one large read gives."""

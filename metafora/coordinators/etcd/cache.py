@@ -114,6 +114,11 @@ class TaskCache:
         self.ready = False  # a first re-list has filled it
         self.revision = 0  # the store revision it reflects
         self.live = False  # a watch stream is confirmed: the cache follows the store
+        # The newest key revision a direct read of the members or owners returned (made while
+        # the cache was not live): counts and members are answered from the cache once it has
+        # reached it. A stream is confirmed before the events since the re-list arrive; a node
+        # seen by such a read must not vanish from the view that follows it.
+        self.floor = 0
         # Who holds what, as the cache saw it: the balancers' counts without reading every
         # owner key (a read that grows with the tasks held, made every second by every node).
         self._live_nodes: dict[str, Registration] = {}  # live node -> what its registration says
@@ -175,18 +180,23 @@ class TaskCache:
         self._held_by[entry.owner] += 1
         entry.owner_rev = kv.create_revision
 
+    def following(self) -> bool:
+        """Whether a watch stream follows the store and the cache has reached what the node
+        last read directly (:attr:`floor`): counts and members come from it."""
+        return self.live and self.ready and self.revision >= self.floor
+
     def counts(self, active: bool) -> dict[str, int] | None:
         """Live node -> tasks it holds (without ``leaving`` nodes when ``active``); None
-        while no watch stream follows the store."""
-        if not (self.live and self.ready):
+        while no watch stream follows the store (see :meth:`following`)."""
+        if not self.following():
             return None
         return {node: self._held_by.get(node, 0)
                 for node, m in sorted(self._live_nodes.items()) if not (active and m.leaving)}
 
     def members(self, active: bool) -> dict[str, Registration] | None:
         """Live node -> what its registration says (without ``leaving`` nodes when
-        ``active``); None while no watch stream follows the store."""
-        if not (self.live and self.ready):
+        ``active``); None while no watch stream follows the store (see :meth:`following`)."""
+        if not self.following():
             return None
         return {node: m for node, m in self._live_nodes.items() if not (active and m.leaving)}
 

@@ -67,9 +67,9 @@ from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import (
     Registration,
     active_task_count,
-    live_members,
     node_labels,
     node_task_count,
+    read_members,
 )
 from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.etcd.watch import NamespaceWatch
@@ -360,7 +360,11 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         grew with the tasks held), else read from etcd."""
         self._state.check_open()
         view = self._watch.cached_members(active=True)
-        counts, found = view if view is not None else active_task_count(self._driver, self._keys)
+        if view is None:
+            counts, found, newest = active_task_count(self._driver, self._keys)
+            self._watch.read_directly(newest)
+        else:
+            counts, found = view
         self._remember(found, self._watch.cached_claimable(self._clock.now()))
         return counts
 
@@ -386,7 +390,11 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
     def _members_now(self) -> dict[str, Registration]:
         """Live node -> what its registration says: from the watch cache, else read."""
         view = self._watch.cached_members(active=False)
-        return self._remember(view[1] if view is not None else live_members(self._driver, self._keys))
+        if view is not None:
+            return self._remember(view[1])
+        found, newest = read_members(self._driver, self._keys)
+        self._watch.read_directly(newest)
+        return self._remember(found)
 
     def node_weights(self) -> dict[str, float]:
         """Live node -> its weight: what the last :meth:`active_task_count` saw (within a

@@ -29,9 +29,11 @@ __all__ = [
     "live_nodes",
     "member_of",
     "members",
+    "newest",
     "node_labels",
     "node_task_count",
     "read_all_tasks",
+    "read_members",
     "read_snapshot",
     "read_task",
     "read_task_page",
@@ -120,15 +122,25 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     return {node: held.get(node, 0) for node in sorted(nodes)}
 
 
-def active_task_count(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, int], dict[str, Registration]]:
-    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``; and
-    what the registrations of those nodes say (weights, frozen), from the same read."""
+def active_task_count(driver: EtcdDriver, keys: Keys
+                      ) -> tuple[dict[str, int], dict[str, Registration], int]:
+    """Like :func:`node_task_count`, without nodes whose registration says ``leaving``; what
+    the registrations of those nodes say (weights, frozen), from the same read; and the newest
+    revision of a key it read (see :func:`newest`)."""
     result = driver.txn(
         [], [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)], repeatable=True
     )
     active = {node: m for node, m in members(keys, result.ranges[0]).items() if not m.leaving}
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
-    return {node: held.get(node, 0) for node in sorted(active)}, active
+    return ({node: held.get(node, 0) for node in sorted(active)}, active,
+            newest(*result.ranges))
+
+
+def newest(*kvs: list[KeyValue]) -> int:
+    """The newest mod revision among ``kvs`` (0 for none): a watch cache that has reached it
+    has seen every key of that read (a store's own revision would also count other
+    namespaces' writes, which no event of this one's watch ever reaches)."""
+    return max((kv.mod_revision for part in kvs for kv in part), default=0)
 
 
 class Registration(NamedTuple):
@@ -161,8 +173,13 @@ def members(keys: Keys, kvs: list[KeyValue]) -> dict[str, Registration]:
 
 def live_members(driver: EtcdDriver, keys: Keys) -> dict[str, Registration]:
     """Live node -> what its registration says, in one range read."""
+    return read_members(driver, keys)[0]
+
+
+def read_members(driver: EtcdDriver, keys: Keys) -> tuple[dict[str, Registration], int]:
+    """:func:`live_members`, and the newest revision of a key it read (see :func:`newest`)."""
     kvs, _ = driver.range(Range(keys.nodes, prefix=True))
-    return members(keys, kvs)
+    return members(keys, kvs), newest(kvs)
 
 
 SNAPSHOT_PAGE = 20_000

@@ -342,6 +342,13 @@ class NamespaceWatch:
         with self._state.lock:
             return self._cache.counts(active)
 
+    def read_directly(self, newest: int) -> None:
+        """The node read the members or owners from etcd (the cache did not answer); the
+        newest key it read was at revision ``newest``: the cache answers again once it is
+        there (a view never older than one already given)."""
+        with self._state.lock:
+            self._cache.floor = max(self._cache.floor, newest)
+
     def cached_members(self, active: bool) -> tuple[dict[str, int], dict[str, Registration]] | None:
         """Like :meth:`cached_task_count`, with what the nodes' registrations say (weights,
         frozen), both as of the same revision of the cache; None while no stream follows."""
