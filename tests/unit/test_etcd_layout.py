@@ -56,6 +56,10 @@ def test_parse_classifies_every_kind_of_key() -> None:
     assert keys.parse(keys.node_commands("n1") + b"0001-x") == ("command", "n1", "0001-x")
     assert keys.parse(tk.commands + b"c1") == ("taskcmd", "a/b", "c1")
     assert keys.parse(keys.schedule("nightly")) == ("schedule", "nightly", "")
+    plain = keys.task("s0000001")  # no escaping: the common id
+    assert keys.parse(plain.claim) == ("task", "s0000001", "claim")
+    assert keys.parse(plain.owner) == ("owner", "s0000001", "")
+    assert keys.parse(keys.task("50%").state) == ("task", "50%", "state")
 
 
 @pytest.mark.parametrize("key", [
@@ -63,6 +67,9 @@ def test_parse_classifies_every_kind_of_key() -> None:
     b"/metafora/ns/tasks/a/unknown",
     b"/metafora/ns/tasks/a",
     b"/metafora/ns/owners/a/b",
+    b"/metafora/ns/owners/",
+    b"/metafora/ns/tasks//props",
+    b"/metafora/ns/tasks/a/props/x",
     b"/metafora/ns/nodes/n1/commands/",
     b"/metafora/ns/state/a",  # the state machine's key: not the coordinator's
 ])

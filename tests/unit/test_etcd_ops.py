@@ -4,13 +4,13 @@ generated module): pure logic, no server."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from metafora.coordinators.etcd.messages import (
     compare_message,
+    events_from,
     kv_from,
     op_message,
     range_request,
@@ -23,6 +23,7 @@ from metafora.coordinators.etcd.ops import (
     KeyValue,
     Put,
     Range,
+    WatchEvent,
     absent,
     created_at,
     exists,
@@ -96,7 +97,24 @@ def test_txn_request_and_result(rpc: Any) -> None:
     assert result.ranges == [[KeyValue(b"k", b"v", 2, 3, 1, 0)]]
 
 
-def test_kv_from_any_message_shape() -> None:
-    raw = SimpleNamespace(key=b"k", value=b"v", create_revision="2", mod_revision=3, version=1,
-                          lease=0)
-    assert kv_from(raw) == KeyValue(b"k", b"v", 2, 3, 1, 0)
+def test_kv_from_a_protobuf_key_value(rpc: Any) -> None:
+    """Its fields come through as they are (bytes and ints: no conversion on the hot path)."""
+    read = rpc.RangeResponse()
+    kv = read.kvs.add(key=b"k", value=b"v", create_revision=2, mod_revision=3, version=1, lease=7)
+    got = kv_from(kv)
+    assert got == KeyValue(b"k", b"v", 2, 3, 1, 7)
+    assert [type(v) for v in got] == [bytes, bytes, int, int, int, int]
+    assert got.mod_revision == 3 and isinstance(got, KeyValue)
+
+
+def test_events_from_a_watch_response(rpc: Any) -> None:
+    """Puts and deletes in order, as named tuples; the keys ``skip`` names left out."""
+    response = rpc.WatchResponse()
+    for kind, key in ((0, b"a"), (0, b"skip-me"), (1, b"b")):
+        ev = response.events.add(type=kind)
+        ev.kv.key, ev.kv.mod_revision = key, 9
+    got = events_from(response.events, lambda key: key.startswith(b"skip"))
+    assert got == [WatchEvent("put", KeyValue(b"a", b"", 0, 9, 0, 0)),
+                   WatchEvent("delete", KeyValue(b"b", b"", 0, 9, 0, 0))]
+    assert got[1].kind == "delete" and got[1].kv.key == b"b"
+    assert len(events_from(response.events)) == 3

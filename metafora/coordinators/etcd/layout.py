@@ -92,7 +92,9 @@ def escape(name: str) -> str:
 
 def unescape(segment: str) -> str:
     """The name a segment encodes."""
-    return unquote(segment)
+    # Most ids need no escaping: a test is a tenth of unquote's cost (a re-list and every
+    # watch event name a task).
+    return unquote(segment) if "%" in segment else segment
 
 
 def encode_json(data: dict[str, Any]) -> bytes:
@@ -128,6 +130,7 @@ def _time(value: object) -> datetime | None:
 
 
 _TASK_KEYS_KEPT = 50_000
+_TASK_FIELDS = {f.encode(): f for f in ("props", "state", "claim", "running")}
 
 
 class Keys:
@@ -192,6 +195,18 @@ class Keys:
         """Classify a key: ("task", id, field), ("owner", id, ""), ("alive", node, ""),
         ("command", node, name), ("taskcmd", id, name), ("schedule", name, "") or None for
         anything else."""
+        # Owner and task keys first, in bytes: every watch event and re-listed key is one.
+        if key.startswith(self.owners):
+            owned = key[len(self.owners):]
+            if owned and b"/" not in owned:
+                return ("owner", unescape(owned.decode(errors="replace")), "")
+            return None
+        if key.startswith(self.tasks):
+            task_seg, sep, task_field = key[len(self.tasks):].partition(b"/")
+            name = _TASK_FIELDS.get(task_field)
+            if sep and task_seg and name is not None:
+                return ("task", unescape(task_seg.decode(errors="replace")), name)
+            return None
         if not key.startswith(self.root):
             return None
         rest = key[len(self.root) :].decode(errors="replace")
@@ -438,8 +453,9 @@ def gather(keys: Keys, kvs: list[KeyValue]) -> dict[str, TaskRecord]:
         if parsed is None:
             continue
         kind, task_id, field = parsed
-        if kind == "task":
-            records.setdefault(task_id, TaskRecord()).set(field, kv)
-        elif kind == "owner":
-            records.setdefault(task_id, TaskRecord()).set("owner", kv)
+        if kind in {"task", "owner"}:
+            record = records.get(task_id)
+            if record is None:  # (not setdefault: a record built for every key of a task)
+                record = records[task_id] = TaskRecord()
+            record.set(field if kind == "task" else "owner", kv)
     return records

@@ -6,7 +6,7 @@ imports neither grpc nor the library.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from metafora.coordinators.etcd.ops import (
     Compare,
@@ -32,26 +32,32 @@ __all__ = [
 
 
 def kv_from(kv: Any) -> KeyValue:
-    return KeyValue(
-        bytes(kv.key),
-        bytes(kv.value),
-        int(kv.create_revision),
-        int(kv.mod_revision),
-        int(kv.version),
-        int(kv.lease),
-    )
+    """A :class:`KeyValue` of a protobuf ``mvccpb.KeyValue`` (its fields are bytes and ints
+    already: no conversion, this runs for every key a re-list reads and every watch event)."""
+    return _new_kv(KeyValue, (kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version,
+                              kv.lease))
+
+
+_new_kv = tuple.__new__  # a NamedTuple's own __new__ adds a call and a keyword binding
 
 
 def events_from(events: Iterator[Any], skip: Callable[[bytes], bool] | None = None
                 ) -> list[WatchEvent]:
-    """The watch events of a response, without those whose key ``skip`` names (not decoded)."""
-    out = []
+    """The watch events of a response, without those whose key ``skip`` names (not decoded).
+
+    Every node decodes every event of its namespace (each claim of every node): built
+    without the named tuples' own constructors.
+    """
+    out: list[WatchEvent] = []
+    append = out.append
     for ev in events:
-        raw = getattr(ev, "_event", ev)  # the library wraps raw events
-        if skip is not None and skip(raw.kv.key):
+        kv = ev.kv
+        key = kv.key
+        if skip is not None and skip(key):
             continue
-        kind: Literal["put", "delete"] = "delete" if int(raw.type) == 1 else "put"
-        out.append(WatchEvent(kind, kv_from(raw.kv)))
+        append(_new_kv(WatchEvent, ("delete" if ev.type == 1 else "put", _new_kv(
+            KeyValue, (key, kv.value, kv.create_revision, kv.mod_revision, kv.version,
+                       kv.lease)))))
     return out
 
 

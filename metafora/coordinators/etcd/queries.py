@@ -42,6 +42,8 @@ __all__ = [
 
 def launch_and_expiry(props: dict[str, Any]) -> tuple[datetime | None, datetime | None]:
     """The ``launch_at`` and ``expires_at`` of stored props (unreadable values count as unset)."""
+    if "launch_at" not in props and "expires_at" not in props:
+        return None, None  # most tasks: asked for every task a re-list reads
     out: list[datetime | None] = []
     for name in ("launch_at", "expires_at"):
         value = props.get(name)

@@ -412,7 +412,10 @@ class NamespaceWatch:
             return
         kind, name, part = parsed
         put = event.kind == "put"
-        if kind == "command":
+        if kind in {"task", "owner"}:  # nearly every event: first
+            if part != "claim":  # the claim key is not cached
+                self._fold_task(kind, name, part, event, put, seen)
+        elif kind == "command":
             seen.commands = seen.commands or (put and name == self._state.node_id)
         elif kind == "alive":
             seen.members = seen.members or name != self._state.node_id
@@ -425,27 +428,32 @@ class NamespaceWatch:
                 seen.task_commands.append(name)
         elif kind == "schedule":
             seen.schedules = True
-        elif kind in ("task", "owner") and part != "claim":  # the claim key is not cached
-            entry = self._cache.entries.setdefault(name, Entry())
-            if kind == "owner":
-                self._fold_owner(name, entry, event, seen)
-            elif part == "props":
-                if put:
-                    entry.set_props(event.kv, name)
-                    seen.dirty.add(name)
-                else:
-                    entry.props = None
-            elif part == "running":
-                entry.set_running(event.kv if put else None)
-            elif part == "state":
-                entry.finished = put
-                if not put:
-                    seen.dirty.add(name)
-            if entry.props is None and entry.owner is None:
-                del self._cache.entries[name]
-                self._cache.track(name, None)
+
+    def _fold_task(self, kind: str, name: str, part: str, event: WatchEvent, put: bool,
+                   seen: _Seen) -> None:
+        """Fold an event of a task's key or its owner key into its entry."""
+        entry = self._cache.entries.get(name)
+        if entry is None:  # (not setdefault: an Entry built for every event, mostly unused)
+            entry = self._cache.entries[name] = Entry()
+        if kind == "owner":
+            self._fold_owner(name, entry, event, seen)
+        elif part == "props":
+            if put:
+                entry.set_props(event.kv, name)
+                seen.dirty.add(name)
             else:
-                self._cache.track(name, entry)
+                entry.props = None
+        elif part == "running":
+            entry.set_running(event.kv if put else None)
+        elif part == "state":
+            entry.finished = put
+            if not put:
+                seen.dirty.add(name)
+        if entry.props is None and entry.owner is None:
+            del self._cache.entries[name]
+            self._cache.track(name, None)
+        else:
+            self._cache.track(name, entry)
 
     def _fold_owner(self, name: str, entry: Entry, event: WatchEvent, seen: _Seen) -> None:
         """An owner key was put or deleted: a claim of this node's may be lost."""
