@@ -168,6 +168,17 @@ class Cutoffs:
         given = [c for c in (self.done, self.failed, self.killed) if c is not None]
         return max(given) if given else None
 
+    def latest_for(self, state: str) -> datetime | None:
+        """The latest cut-off at which a task finished in coordinator state ``state`` may be
+        pruned, its state machine unknown (a done task may count as killed or failed: see
+        :func:`kind_of`); None: never."""
+        if state in ("failed", "expired"):
+            return self.failed
+        if state != "done":
+            return None
+        given = [c for c in (self.done, self.failed, self.killed) if c is not None]
+        return max(given) if given else None
+
     def of(self, kind: str) -> datetime | None:
         """The cut-off of ``done``, ``failed`` or ``killed``."""
         found: datetime | None = getattr(self, kind)
@@ -293,6 +304,12 @@ class RetentionOps:
         (atomically per task at least); how many."""
         raise NotImplementedError(f"{type(self).__name__} keeps no retention policy")
 
+    def _pruner_batch(self, cutoffs: Cutoffs, limit: int) -> int:
+        """:meth:`_prune_batch` as the periodic :class:`Pruner` asks it: a store may find the
+        candidates in what it already follows rather than read every task each interval
+        (etcd's coordinator: its watch cache). Explicit prunes and purges read the store."""
+        return self._prune_batch(cutoffs, limit)
+
     def namespace_label(self) -> str:
         """The namespace, as the ``namespace`` label of the cluster metrics."""
         return "default"
@@ -357,7 +374,7 @@ class Pruner:
         started = self._clock.monotonic()
         while not self._stop.is_set():
             batch_started = self._clock.monotonic()
-            count = self._store._prune_batch(cutoffs, self._batch)
+            count = self._store._pruner_batch(cutoffs, self._batch)
             total += count
             self.pruned += count
             if count and self._on_pruned is not None:

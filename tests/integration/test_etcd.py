@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ from metafora.errors import (
     NodeExists,
     TaskNotFound,
 )
+from metafora.retention import Cutoffs
 from metafora.statemachine import State, StateCode
 from metafora.testing import RecordingContext
 from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files
@@ -686,6 +688,53 @@ def test_a_count_seen_in_etcd_is_not_followed_by_an_older_cached_one(nodes: Node
     gate.set()
     wait_until(lambda: a.cached_task_count(active=True) == {"a": 0, "b": 0}, 30,
                "the cache caught up and answers")
+
+
+def test_the_periodic_prune_reads_only_what_it_may_prune(nodes: Nodes) -> None:
+    """The pruner's batch on a coordinator takes its candidates from the watch cache: with
+    300 pending tasks and 3 finished ones, it reads and deletes the 3, never every task; with
+    nothing old enough it sends nothing."""
+    a = nodes.node("a")
+    nodes.client.submit_tasks([Task(f"p{i:03d}") for i in range(300)])
+    for i in range(3):
+        got = a.claim(Task(f"p{i:03d}"))
+        assert got is not None
+        a.done(got)
+    later = datetime.now(UTC) + timedelta(seconds=1)
+    everything = Cutoffs(later, later, later)
+    wait_until(lambda: a._watch.prunable(everything, 10) == ["p000", "p001", "p002"], 30,
+               "the cache saw the outcomes")
+    read: list[bytes] = []
+    real_range, real_txn, real_txns = a._driver.range, a._driver.txn, a._driver.txns
+
+    def note(ops: Any) -> None:
+        read.extend(op.key for op in ops if isinstance(op, Range))
+
+    def range_(request: Range, **kw: Any) -> Any:
+        note([request])
+        return real_range(request, **kw)
+
+    def txn(compares: Any, success: Any, failure: Any = (), **kw: Any) -> Any:
+        note(success)
+        return real_txn(compares, success, failure, **kw)
+
+    def txns(requests: Any, **kw: Any) -> Any:
+        for _, success, _ in requests:
+            note(success)
+        return real_txns(requests, **kw)
+
+    a._driver.range, a._driver.txn, a._driver.txns = range_, txn, txns  # type: ignore[method-assign]
+    keys = a._keys
+    assert a._pruner_batch(Cutoffs(later - timedelta(days=1), None, None), 100) == 0
+    assert read == []  # nothing old enough: not a request
+    assert a._pruner_batch(everything, 100) == 3
+    assert keys.tasks not in read and keys.root not in read
+    assert {k for k in read if k.startswith(keys.tasks)} == {
+        keys.task(f"p{i:03d}").prefix for i in range(3)}
+    for i in range(3):
+        with pytest.raises(TaskNotFound):
+            nodes.client.get_task(f"p{i:03d}")
+    assert len(nodes.client.tasks()) == 297
 
 
 def test_the_cache_snapshot_reads_in_pages_at_one_revision(nodes: Nodes) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
-from metafora.coordinators.etcd.layout import Keys, TaskRecord, task_record
+from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, task_record
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import Registration
+from metafora.retention import Cutoffs
 from metafora.task import Task
 
 KEYS = Keys("ns")
@@ -147,3 +148,57 @@ def test_the_claimable_count_kept_as_entries_change_equals_a_walk_of_them() -> N
     fresh = {k: e for k, e in cache.entries.items()}
     cache.replace(fresh, {"n1": Registration()}, 5000)
     assert cache.claimable(now) == _walked(cache, now)
+
+
+def _finished(cache: TaskCache, task_id: str, state: str, at: str | None, rev: int) -> None:
+    """Fold ``task_id`` finished in ``state`` at ``at`` (its state key at revision ``rev``)."""
+    entry = cache.entries.get(task_id) or Entry.from_record(
+        task_id, TaskRecord(props=props_kv(Task(task_id))))
+    record = {"state": state, **({"finished_at": at} if at is not None else {})}
+    entry.finished = True
+    entry.state = kv(KEYS.task(task_id).state, encode_json(record), rev, rev)
+    cache.entries[task_id] = entry
+    cache.track(task_id, entry)
+
+
+def test_the_pruners_candidates_oldest_first_up_to_the_first_too_new() -> None:
+    """The periodic pruner's candidates come from the cache: oldest outcome first, each
+    judged by what its kind may be, no further than the first finished after every cut-off."""
+    cache = TaskCache()
+    cache.replace({"p": Entry.from_record("p", TaskRecord(props=props_kv(Task("p"))))}, {}, 1)
+    day = "2026-01-0{}T00:00:00+00:00"
+    _finished(cache, "d1", "done", day.format(1), 10)
+    _finished(cache, "f1", "failed", day.format(2), 11)
+    _finished(cache, "x1", "expired", day.format(2), 12)
+    _finished(cache, "bad", "done", None, 13)  # unreadable: no prune can take it
+    _finished(cache, "d2", "done", day.format(3), 14)
+    _finished(cache, "new", "failed", day.format(8), 15)  # after every cut-off: the walk ends
+    _finished(cache, "late", "failed", day.format(2), 16)  # (skewed clock: the next turn)
+    at = datetime(2026, 1, 5, tzinfo=UTC)
+    assert cache.prunable(Cutoffs(at, at, at), 10) == ["d1", "f1", "x1", "d2"]
+    assert cache.prunable(Cutoffs(at, at, at), 2) == ["d1", "f1"]
+    # Done ones kept for ever, failed ones pruned: the failed ones behind them are found.
+    assert cache.prunable(Cutoffs(None, at, None), 10) == ["d1", "f1", "x1", "d2"]
+    assert cache.prunable(Cutoffs(None, None, at), 10) == ["d1", "d2"]  # a done one may be killed
+    assert cache.prunable(Cutoffs(at, None, None), 10) == ["d1", "d2"]
+    assert cache.prunable(Cutoffs(None, None, None), 10) == []
+    # Finished again (resubmitted, claimed, failed): now the newest outcome.
+    _finished(cache, "d1", "failed", day.format(4), 17)
+    assert cache.prunable(Cutoffs(at, at, at), 10) == ["f1", "x1", "d2"]
+    cache.track("f1", None)  # deleted
+    entry = cache.entries["x1"]
+    entry.props = None  # its props deleted: the task is going
+    cache.track("x1", entry)
+    assert cache.prunable(Cutoffs(at, at, at), 10) == ["d2"]
+
+
+def test_a_relist_orders_the_outcomes_by_revision() -> None:
+    old, new = (kv(KEYS.task(t).state, encode_json(
+        {"state": "done", "finished_at": "2026-01-01T00:00:00+00:00"}), r, r)
+        for t, r in (("b", 3), ("a", 9)))
+    entries = {t: Entry.from_record(t, TaskRecord(props=props_kv(Task(t)), state=s))
+               for t, s in (("a", new), ("b", old))}
+    cache = TaskCache()
+    cache.replace(entries, {}, 10)
+    at = datetime(2026, 1, 2, tzinfo=UTC)
+    assert cache.prunable(Cutoffs(at, at, at), 10) == ["b", "a"]

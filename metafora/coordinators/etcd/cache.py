@@ -14,10 +14,18 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from metafora.coordinators.etcd.layout import StoredProps, TaskRecord, crashes_of, props_of
+from metafora.coordinators.etcd.layout import (
+    StoredProps,
+    TaskRecord,
+    crashes_of,
+    decode_json,
+    parse_iso,
+    props_of,
+)
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import Registration, launch_and_expiry
 from metafora.errors import InvalidProps
+from metafora.retention import Cutoffs
 from metafora.task import Task
 
 __all__ = ["Entry", "Known", "Subscriber", "TaskCache", "offer_for"]
@@ -62,6 +70,7 @@ class Entry:
     launch_at: datetime | None = None
     expires_at: datetime | None = None
     finished: bool = False
+    state: KeyValue | None = None  # the state key of a finished task (its outcome's record)
     owner: str | None = None
     owner_rev: int = 0
     stored: StoredProps | None = None
@@ -96,6 +105,7 @@ class Entry:
         if rec.props is not None:
             entry.set_props(rec.props, task_id)
         entry.finished = rec.state is not None
+        entry.state = rec.state
         entry.set_running(rec.running)
         if rec.owner is not None:
             entry.owner = rec.owner.value.decode(errors="replace")
@@ -127,15 +137,19 @@ class TaskCache:
         # entry for it, once a second per node while offers flowed, was a tenth of a storm's CPU.
         self._open: set[str] = set()  # with props, unfinished, unowned
         self._timed: set[str] = set()  # those of _open with a launch_at or an expires_at
+        # Finished tasks -> their outcome, oldest first: the periodic pruner's candidates
+        # without reading every task (see prunable).
+        self._finished: dict[str, _Outcome] = {}
 
     def replace(self, entries: dict[str, Entry], members: dict[str, Registration], revision: int) -> None:
         """Take a re-list's view (``members``: live node -> what its registration says)."""
         self.entries = entries
         self._live_nodes = members
         self._held_by = Counter(e.owner for e in entries.values() if e.owner is not None)
-        self._open, self._timed = set(), set()
+        self._open, self._timed, self._finished = set(), set(), {}
         for task_id, entry in entries.items():
             self.track(task_id, entry)
+        self._finished = dict(sorted(self._finished.items(), key=lambda f: f[1].kv.mod_revision))
         self.revision = revision
         self.ready = True
 
@@ -150,6 +164,37 @@ class TaskCache:
         else:
             self._open.discard(task_id)
             self._timed.discard(task_id)
+        state = entry.state if entry is not None and entry.props is not None else None
+        if state is None:
+            self._finished.pop(task_id, None)
+        else:
+            kept = self._finished.get(task_id)
+            if kept is None or kept.kv is not state:  # a new outcome: now the newest
+                self._finished.pop(task_id, None)
+                self._finished[task_id] = _Outcome(state)
+
+    def prunable(self, cutoffs: Cutoffs, limit: int) -> list[str]:
+        """Up to ``limit`` finished tasks that ``cutoffs`` may prune, oldest outcome first,
+        looking no further than the first one finished after the latest cut-off (outcomes are
+        kept in revision order: every later one finished after it, give or take the nodes'
+        clock skew, and such a task waits for the next turn). The prune reads and judges
+        each again (its state machine may make a done task killed or failed)."""
+        latest = cutoffs.oldest()
+        found: list[str] = []
+        if latest is None:
+            return found
+        for task_id, outcome in self._finished.items():
+            state, finished_at = outcome.read()
+            if finished_at is None:
+                continue  # an unreadable record: no prune takes it
+            if finished_at > latest:
+                break
+            cut = cutoffs.latest_for(state)
+            if cut is not None and finished_at <= cut:
+                found.append(task_id)
+                if len(found) >= limit:
+                    break
+        return found
 
     def seen_taken(self, task_id: str) -> bool:
         """Whether the cache saw an owner or a finish of ``task_id``."""
@@ -223,6 +268,22 @@ class TaskCache:
                         and e.props is not None and _timely(e, now)):
                     count += 1
         return count
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """A finished task's state key, its record read when the pruner first asks (not at every
+    finish: every node keeps every task's)."""
+
+    kv: KeyValue
+    _read: tuple[str, datetime | None] | None = None
+
+    def read(self) -> tuple[str, datetime | None]:
+        """The coordinator state it records and when the task finished (None: unreadable)."""
+        if self._read is None:
+            data = decode_json(self.kv.value) or {}
+            self._read = (str(data.get("state")), parse_iso(data.get("finished_at")))
+        return self._read
 
 
 def _timely(entry: Entry, now: datetime) -> bool:

@@ -71,11 +71,12 @@ from metafora.coordinators.etcd.queries import (
     node_task_count,
     read_members,
 )
-from metafora.coordinators.etcd.retention import EtcdRetention
+from metafora.coordinators.etcd.retention import EtcdRetention, prune_batch
 from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.leases import LeaseTiming, renew_every
+from metafora.retention import Cutoffs
 from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
 
@@ -372,6 +373,15 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         if self._state.closed:
             raise CoordinatorClosed(f"coordinator {self._state.node_id!r} on {self.name} is closed")
         return self._driver, self._keys, self._clock
+
+    def _pruner_batch(self, cutoffs: Cutoffs, limit: int) -> int:
+        """The periodic pruner's batch: the candidates come from the watch cache, and only
+        they are read (none before the cache's first re-list: the next turn tries again)."""
+        driver, keys, _ = self._retention_parts()
+        candidates = self._watch.prunable(cutoffs, limit)
+        if candidates is None:
+            return 0
+        return prune_batch(driver, keys, cutoffs, limit, self._prune_extras(), candidates)
 
     def claimable_count(self) -> int | None:
         """Tasks claimable at the last :meth:`active_task_count` (within a second), from the

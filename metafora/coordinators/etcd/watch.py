@@ -22,6 +22,7 @@ from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchEven
 from metafora.coordinators.etcd.queries import Registration, member_of, read_snapshot
 from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
 from metafora.heap import gc_paused
+from metafora.retention import Cutoffs
 from metafora.task import Task, validate_task_id
 
 __all__ = ["NamespaceWatch"]
@@ -356,6 +357,12 @@ class NamespaceWatch:
             counts, found = self._cache.counts(active), self._cache.members(active)
         return None if counts is None or found is None else (counts, found)
 
+    def prunable(self, cutoffs: Cutoffs, limit: int) -> list[str] | None:
+        """The periodic pruner's candidates (:meth:`TaskCache.prunable`); None before the
+        cache's first re-list."""
+        with self._state.lock:
+            return self._cache.prunable(cutoffs, limit) if self._cache.ready else None
+
     def cached_claimable(self, now: datetime) -> int | None:
         """Tasks claimable now as the watch cache sees them; None before its first re-list."""
         with self._state.lock:
@@ -447,6 +454,7 @@ class NamespaceWatch:
             entry.set_running(event.kv if put else None)
         elif part == "state":
             entry.finished = put
+            entry.state = event.kv if put else None
             if not put:
                 seen.dirty.add(name)
         if entry.props is None and entry.owner is None:
