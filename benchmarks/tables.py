@@ -209,6 +209,27 @@ def _claims(data: dict[str, Any]) -> list[str]:
     ]
 
 
+@table("storm", command="python -m benchmarks storm")
+def _storm(data: dict[str, Any]) -> list[str]:
+    def store(r: dict[str, Any]) -> str:
+        members = r.get("etcd_members")
+        return f"{r['store']}, {members} members" if members and members > 1 else r["store"]
+
+    return [
+        "Start-up storm at the defaults (N pending tasks, P consumer processes started at once,"
+        " async handlers holding their task; targets at 100,000 / 10: 30 s on SQL, 60 s on a"
+        " 3-member etcd). A run re-measures the stores and size it ran and keeps the other rows:"
+        " each row says when it was measured (the line above names the last run).",
+        "",
+        *header("store", "tasks / processes", "s to all held", "spread held", "spread +2 periods",
+                "races lost / claim", "requests / task", "measured"),
+        *(row(store(r), f"{r['tasks']:,} / {r['processes']}", r["seconds_to_all_held"],
+              r["spread_at_all_held"], r["spread_after_2_periods"], r["races_lost_per_claim"],
+              r["requests_per_task"], r.get("measured_at", "?"))
+          for r in data["results"]),
+    ]
+
+
 @table("security", command="python -m benchmarks security --stores sqlite")
 def _security(data: dict[str, Any]) -> list[str]:
     return [
@@ -448,6 +469,8 @@ _AB_RUNS = {
     "ab_final_gates_pg": ("", "gates --base 358ea26 --rounds 6 --stores postgresql"),
     "ab_final_peers": ("METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput,latency",
                        "peers --base 358ea26 --rounds 4"),
+    "ab_storm_etcd3_today": ("METAFORA_BENCH_ETCD_MEMBERS=3",
+                             "storm --base 4877bf8 --rounds 2 --full --stores etcd"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
