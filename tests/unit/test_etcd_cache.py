@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
+from metafora.coordinators.etcd.cache import Entry, Outcome, Subscriber, TaskCache, offer_for
 from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, task_record
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import Registration
@@ -156,7 +156,7 @@ def _finished(cache: TaskCache, task_id: str, state: str, at: str | None, rev: i
         task_id, TaskRecord(props=props_kv(Task(task_id))))
     record = {"state": state, **({"finished_at": at} if at is not None else {})}
     entry.finished = True
-    entry.state = kv(KEYS.task(task_id).state, encode_json(record), rev, rev)
+    entry.outcome = Outcome.of(kv(KEYS.task(task_id).state, encode_json(record), rev, rev))
     cache.entries[task_id] = entry
     cache.track(task_id, entry)
 

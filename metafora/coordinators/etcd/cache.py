@@ -28,7 +28,7 @@ from metafora.errors import InvalidProps
 from metafora.retention import Cutoffs
 from metafora.task import Task
 
-__all__ = ["Entry", "Known", "Subscriber", "TaskCache", "offer_for"]
+__all__ = ["Entry", "Known", "Outcome", "Subscriber", "TaskCache", "offer_for"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Entry:
     launch_at: datetime | None = None
     expires_at: datetime | None = None
     finished: bool = False
-    state: KeyValue | None = None  # the state key of a finished task (its outcome's record)
+    outcome: Outcome | None = None  # a finished task's outcome record (its state key)
     owner: str | None = None
     owner_rev: int = 0
     stored: StoredProps | None = None
@@ -105,7 +105,7 @@ class Entry:
         if rec.props is not None:
             entry.set_props(rec.props, task_id)
         entry.finished = rec.state is not None
-        entry.state = rec.state
+        entry.outcome = None if rec.state is None else Outcome.of(rec.state)
         entry.set_running(rec.running)
         if rec.owner is not None:
             entry.owner = rec.owner.value.decode(errors="replace")
@@ -139,7 +139,7 @@ class TaskCache:
         self._timed: set[str] = set()  # those of _open with a launch_at or an expires_at
         # Finished tasks -> their outcome, oldest first: the periodic pruner's candidates
         # without reading every task (see prunable).
-        self._finished: dict[str, _Outcome] = {}
+        self._finished: dict[str, Outcome] = {}
 
     def replace(self, entries: dict[str, Entry], members: dict[str, Registration], revision: int) -> None:
         """Take a re-list's view (``members``: live node -> what its registration says)."""
@@ -149,7 +149,7 @@ class TaskCache:
         self._open, self._timed, self._finished = set(), set(), {}
         for task_id, entry in entries.items():
             self.track(task_id, entry)
-        self._finished = dict(sorted(self._finished.items(), key=lambda f: f[1].kv.mod_revision))
+        self._finished = dict(sorted(self._finished.items(), key=lambda f: f[1].revision))
         self.revision = revision
         self.ready = True
 
@@ -164,14 +164,12 @@ class TaskCache:
         else:
             self._open.discard(task_id)
             self._timed.discard(task_id)
-        state = entry.state if entry is not None and entry.props is not None else None
-        if state is None:
+        outcome = entry.outcome if entry is not None and entry.props is not None else None
+        if outcome is None:
             self._finished.pop(task_id, None)
-        else:
-            kept = self._finished.get(task_id)
-            if kept is None or kept.kv is not state:  # a new outcome: now the newest
-                self._finished.pop(task_id, None)
-                self._finished[task_id] = _Outcome(state)
+        elif self._finished.get(task_id) is not outcome:  # a new outcome: now the newest
+            self._finished.pop(task_id, None)
+            self._finished[task_id] = outcome
 
     def prunable(self, cutoffs: Cutoffs, limit: int) -> list[str]:
         """Up to ``limit`` finished tasks that ``cutoffs`` may prune, oldest outcome first,
@@ -271,17 +269,24 @@ class TaskCache:
 
 
 @dataclass(slots=True)
-class _Outcome:
-    """A finished task's state key, its record read when the pruner first asks (not at every
-    finish: every node keeps every task's)."""
+class Outcome:
+    """A finished task's outcome as its state key holds it: the key's revision and value, read
+    when the pruner first asks (not at every finish: every node keeps every task's)."""
 
-    kv: KeyValue
+    revision: int
+    value: bytes
     _read: tuple[str, datetime | None] | None = None
+
+    @classmethod
+    def of(cls, kv: KeyValue) -> Outcome:
+        """The outcome a state key records (its key not kept: a few bytes per finished task
+        on every node)."""
+        return cls(kv.mod_revision, kv.value)
 
     def read(self) -> tuple[str, datetime | None]:
         """The coordinator state it records and when the task finished (None: unreadable)."""
         if self._read is None:
-            data = decode_json(self.kv.value) or {}
+            data = decode_json(self.value) or {}
             self._read = (str(data.get("state")), parse_iso(data.get("finished_at")))
         return self._read
 

@@ -13,7 +13,7 @@ from datetime import datetime
 
 from metafora.clock import Clock
 from metafora.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
-from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
+from metafora.coordinators.etcd.cache import Entry, Outcome, Subscriber, TaskCache, offer_for
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver, WatchHandle
 from metafora.coordinators.etcd.layout import Keys
@@ -454,7 +454,7 @@ class NamespaceWatch:
             entry.set_running(event.kv if put else None)
         elif part == "state":
             entry.finished = put
-            entry.state = event.kv if put else None
+            entry.outcome = Outcome.of(event.kv) if put else None
             if not put:
                 seen.dirty.add(name)
         if entry.props is None and entry.owner is None:
