@@ -360,6 +360,8 @@ def _peers_short(data: dict[str, Any]) -> list[str]:
        command="python -m benchmarks restart --quick --stores sqlite,postgresql,etcd")
 @table("restart_2026-11-29", source="restart_2026-11-29",
        command="python -m benchmarks restart --stores sqlite,postgresql,etcd")
+@table("restart_2026-11-29_quiet", source="restart_2026-11-29_quiet",
+       command="python -m benchmarks restart --stores sqlite,postgresql,etcd")
 def _restart(data: dict[str, Any]) -> list[str]:
     load = ", ".join(f"{x:.1f}" for x in data["load_average"])
     out = [f"{data['nodes']} processes, {data['tasks']:,} long-running tasks, balancer"
