@@ -124,12 +124,14 @@ def _pause(seconds: float) -> None:
     threading.Event().wait(seconds)  # a measurement window, not synchronisation
 
 
-def _start_still(cluster: LocalCluster, held: int, options: dict[str, Any]) -> None:
+def _start_still(cluster: LocalCluster, held: int, options: dict[str, Any],
+                 **consumer: Any) -> None:
     """Three nodes balancing every second (60 s by default, so a window sees several of each
     node's) hold ``held`` new tasks, and their counts stay unchanged for 3 s: the balances
-    that even a cold start out are work, not idle time."""
+    that even a cold start out are work, not idle time. ``consumer``: more Consumer options."""
     for node in ("a", "b", "c"):
-        cluster.add(simple_handler(_park), node, coordinator_options=options, balance_every=1)
+        cluster.add(simple_handler(_park), node, coordinator_options=options, balance_every=1,
+                    **consumer)
     cluster.client.submit_tasks(Task(f"t{i:04d}") for i in range(held))
     wait_for(lambda: sum(cluster.client.node_task_count().values()) == held, 180,
              "every task held")
@@ -275,10 +277,12 @@ def test_an_idle_etcd_cluster_reads_no_task_keys(etcd_url: str,
                                                  etcd_recorder: EtcdRecorder) -> None:
     held = 600
     with LocalCluster(etcd_url) as cluster:
-        _start_still(cluster, held, {"lease_ttl": 3})
+        # A prune turn every second (60 s by default): the window sees several. Each read every
+        # task key of the namespace until the pruner asked the watch cache for its candidates.
+        _start_still(cluster, held, {"lease_ttl": 3}, prune_every=1)
         keys = Keys(parse_store_url(etcd_url).path.strip("/") or "metafora")
         etcd_recorder.on = True
-        _pause(4.0)  # four renewals (lease_ttl 3: every second) and four balances of each node
+        _pause(4.0)  # four renewals (lease_ttl 3: every second), balances and prune turns
         etcd_recorder.on = False
         task_reads = [k for k in etcd_recorder.keys
                       if k.startswith(keys.tasks) or k.startswith(keys.owners) or k == keys.root]
