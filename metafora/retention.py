@@ -176,8 +176,7 @@ class Cutoffs:
             return self.failed
         if state != "done":
             return None
-        given = [c for c in (self.done, self.failed, self.killed) if c is not None]
-        return max(given) if given else None
+        return self.oldest()  # any kind: done, or killed or failed by its state machine
 
     def of(self, kind: str) -> datetime | None:
         """The cut-off of ``done``, ``failed`` or ``killed``."""

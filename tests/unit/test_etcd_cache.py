@@ -14,6 +14,7 @@ from metafora.retention import Cutoffs
 from metafora.task import Task
 
 KEYS = Keys("ns")
+DONE = Outcome(9, b'{"state":"done"}')  # a finished task's outcome
 
 
 def kv(key: bytes, value: bytes, create: int = 1, mod: int = 1) -> KeyValue:
@@ -80,7 +81,7 @@ def test_counts_follow_owner_keys_and_members() -> None:
 def test_a_re_list_counts_the_owners_it_read() -> None:
     cache = TaskCache()
     owned = Entry(owner="n1", owner_rev=3)
-    cache.replace({"x": owned, "y": Entry(finished=True)}, {"n1": Registration()}, 4)
+    cache.replace({"x": owned, "y": Entry(outcome=DONE)}, {"n1": Registration()}, 4)
     cache.live = True
     assert cache.ready and cache.revision == 4
     assert cache.counts(active=True) == {"n1": 1}
@@ -128,7 +129,7 @@ def test_the_claimable_count_kept_as_entries_change_equals_a_walk_of_them() -> N
         elif change == 1:
             entry.props = None
         elif change == 2:
-            entry.finished = rng.random() < 0.5
+            entry.outcome = DONE if rng.random() < 0.5 else None
         elif change == 3:
             owner = rng.choice(["n1", "n2", "gone"])
             cache.set_owner(entry, kv(b"o", owner.encode(), step + 2, step + 2))
@@ -155,7 +156,6 @@ def _finished(cache: TaskCache, task_id: str, state: str, at: str | None, rev: i
     entry = cache.entries.get(task_id) or Entry.from_record(
         task_id, TaskRecord(props=props_kv(Task(task_id))))
     record = {"state": state, **({"finished_at": at} if at is not None else {})}
-    entry.finished = True
     entry.outcome = Outcome.of(kv(KEYS.task(task_id).state, encode_json(record), rev, rev))
     cache.entries[task_id] = entry
     cache.track(task_id, entry)

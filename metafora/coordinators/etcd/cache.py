@@ -69,7 +69,6 @@ class Entry:
     props_mod: int = 0
     launch_at: datetime | None = None
     expires_at: datetime | None = None
-    finished: bool = False
     outcome: Outcome | None = None  # a finished task's outcome record (its state key)
     owner: str | None = None
     owner_rev: int = 0
@@ -77,6 +76,11 @@ class Entry:
 
     running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
     running_crashes: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the task has an outcome (done, failed or expired)."""
+        return self.outcome is not None
 
     def known(self) -> Known:
         """What a claim is judged and fenced on."""
@@ -104,7 +108,6 @@ class Entry:
         entry = cls()
         if rec.props is not None:
             entry.set_props(rec.props, task_id)
-        entry.finished = rec.state is not None
         entry.outcome = None if rec.state is None else Outcome.of(rec.state)
         entry.set_running(rec.running)
         if rec.owner is not None:

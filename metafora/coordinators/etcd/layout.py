@@ -211,14 +211,7 @@ class Keys:
             return None
         rest = key[len(self.root) :].decode(errors="replace")
         kind, _, tail = rest.partition("/")
-        if kind == "tasks":
-            seg, slash, field = tail.partition("/")
-            if slash and seg and field in ("props", "state", "claim", "running"):
-                return ("task", unescape(seg), field)
-        elif kind == "owners":
-            if tail and "/" not in tail:
-                return ("owner", unescape(tail), "")
-        elif kind == "schedules":
+        if kind == "schedules":
             if tail and "/" not in tail:
                 return ("schedule", unescape(tail), "")
         elif kind == "taskcmds":

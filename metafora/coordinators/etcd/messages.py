@@ -51,13 +51,9 @@ def events_from(events: Iterator[Any], skip: Callable[[bytes], bool] | None = No
     out: list[WatchEvent] = []
     append = out.append
     for ev in events:
-        kv = ev.kv
-        key = kv.key
-        if skip is not None and skip(key):
+        if skip is not None and skip(ev.kv.key):
             continue
-        append(_new_kv(WatchEvent, ("delete" if ev.type == 1 else "put", _new_kv(
-            KeyValue, (key, kv.value, kv.create_revision, kv.mod_revision, kv.version,
-                       kv.lease)))))
+        append(_new_kv(WatchEvent, ("delete" if ev.type == 1 else "put", kv_from(ev.kv))))
     return out
 
 

@@ -453,7 +453,6 @@ class NamespaceWatch:
         elif part == "running":
             entry.set_running(event.kv if put else None)
         elif part == "state":
-            entry.finished = put
             entry.outcome = Outcome.of(event.kv) if put else None
             if not put:
                 seen.dirty.add(name)
