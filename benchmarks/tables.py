@@ -216,7 +216,8 @@ def _storm(data: dict[str, Any]) -> list[str]:
         return f"{r['store']}, {members} members" if members and members > 1 else r["store"]
 
     return [
-        "Start-up storm at the defaults (N pending tasks, P consumer processes started at once,"
+        "Start-up storm (N pending tasks, P consumer processes started at once with the"
+        " Consumer's default balancer and, unlike a user's default of 60 s, balance_every 5 s;"
         " async handlers holding their task; targets at 100,000 / 10: 30 s on SQL, 60 s on a"
         " 3-member etcd). A run re-measures the stores and size it ran and keeps the other rows:"
         " each row says when it was measured (the line above names the last run).",
