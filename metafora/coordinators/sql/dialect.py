@@ -25,6 +25,7 @@ from typing import Any
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 
+from metafora.coordinators.sql.checkpoint import BACKSTOP
 from metafora.coordinators.sql.limits import PG_ROOM_FUNCTION, pg_fragments, sqlite_fragments
 from metafora.coordinators.sql.options import SQLConfig
 
@@ -341,6 +342,9 @@ class SQLiteDialect(Dialect):
                 cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
                 wait_out_busy(lambda: cur.execute("PRAGMA journal_mode = WAL"), cfg.busy_timeout)
                 cur.execute("PRAGMA synchronous = NORMAL")
+                # Checkpoints run on a thread of their own (see checkpoint.py); a commit
+                # checkpoints only when that thread has fallen far behind.
+                cur.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP}")
             finally:
                 cur.close()
 
@@ -397,9 +401,10 @@ def create_private(path: str) -> None:
 
 
 def wait_out_busy(step: Callable[[], object], timeout: float, *, first: float = 0.002,
-                  most: float = 0.05) -> None:
+                  most: float = 0.05, patient: tuple[float, float] | None = None) -> None:
     """Run ``step``, retrying while SQLite answers "locked"/"busy", for up to ``timeout`` seconds:
-    after ``first`` seconds, doubling up to ``most`` (each with jitter).
+    after ``first`` seconds, doubling up to ``most`` (each with jitter); ``patient`` =
+    ``(after, most)``: once ``after`` seconds have been waited, steps may grow to that ``most``.
 
     Switching a new file to WAL needs an exclusive lock and SQLite answers SQLITE_BUSY at once,
     without its busy handler, while another connection converts the file: several processes
@@ -407,7 +412,8 @@ def wait_out_busy(step: Callable[[], object], timeout: float, *, first: float = 
     that out, not report the store unavailable. The hot path's ``BEGIN IMMEDIATE`` waits out
     another process's write lock the same way, in far shorter steps.
     """
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     pause = first
     while True:
         try:
@@ -418,6 +424,8 @@ def wait_out_busy(step: Callable[[], object], timeout: float, *, first: float = 
             if ("locked" not in text_ and "busy" not in text_) or time.monotonic() >= deadline:
                 raise
         time.sleep(pause * (1 + random.random()))  # jitter: racing processes do not retry in step
+        if patient is not None and time.monotonic() - start >= patient[0]:
+            most = max(most, patient[1])
         pause = min(pause * 2, most)
 
 
