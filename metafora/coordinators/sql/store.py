@@ -163,8 +163,8 @@ def _begin_immediate(cursor: Any, busy_timeout: float) -> None:
     with steps doubling up to 1 ms, two processes running short tasks made 5,250 tasks/s, with
     steps of 100 us 6,060 (medians of 4 runs of the peers throughput workload on SQLite, with
     no WAL checkpoint in either). A wait that lasts (a long write elsewhere) goes back to 1 ms
-    steps, which cost next to no CPU. The connection's busy timeout is 0 during the tries (and restored after):
-    a try answers at once.
+    steps, which cost next to no CPU. The connection's busy timeout is 0 during the tries (and
+    restored after): a try answers at once.
     """
     try:
         cursor.execute("PRAGMA busy_timeout = 0")
