@@ -477,6 +477,8 @@ _AB_RUNS = {
                        "peers --base 358ea26 --rounds 4"),
     "ab_storm_etcd3_today": ("METAFORA_BENCH_ETCD_MEMBERS=3",
                              "storm --base 4877bf8 --rounds 2 --full --stores etcd"),
+    "ab_peers_checkpoints": ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput",
+                             "peers --base 8c0b369 --rounds 4"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
