@@ -388,6 +388,27 @@ def test_without_lost_races_fresh_offers_are_not_read_again(rig_of: Any) -> None
     assert reads == [FRESH_CHUNK]
 
 
+def test_a_full_node_defers_a_long_list_without_reading_it(rig_of: Any) -> None:
+    """With every slot taken an offer is only deferred: narrowing its chunk would be a read
+    for nothing (a start-up backlog of 20,000 cost a node 40 reads while its slots were
+    full). The deferred offers are narrowed when they come back, once a slot is free."""
+    rig = rig_of(max_tasks=2)
+    tasks = rig.submit(*(Task(f"t{i:04d}") for i in range(2 * FRESH_CHUNK + 2)))
+    reads: list[int] = []
+    claimable = rig.coord.claimable  # type: ignore[attr-defined]
+    rig.coord.claimable = lambda ts: reads.append(len(ts)) or claimable(ts)  # type: ignore[attr-defined]
+    rig.router.spares.loss = 1.0  # claims losing races: a chunk with room is read first
+    rig.router.offer(*tasks[:2], waited=True)
+    assert len(rig.started) == 2 and reads == []  # a short list is not read
+    rig.router.offer(*tasks[2:])
+    rig.router.offer(*tasks[2:], waited=True)
+    assert reads == [] and len(rig.router.deferred) == 2 * FRESH_CHUNK
+    for task_id in rig.started:  # the handlers ended: room again
+        del rig.running[task_id]
+    rig.router.offer(*tasks[2:2 + FRESH_CHUNK], waited=True)
+    assert reads == [FRESH_CHUNK]
+
+
 def test_while_most_claims_lose_a_long_fresh_list_is_put_off_then_tried_narrowed(rig_of: Any) -> None:
     """A node losing most races (walking a backlog right behind another) puts a long fresh
     offer list off for a moment instead of trying it; when it comes back, what others took
