@@ -11,7 +11,7 @@ from typing import Any
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import Finish, Outcome
-from metafora.coordinators.sql.checkpoint import BACKSTOP, EVERY, Checkpointer
+from metafora.coordinators.sql.checkpoint import BACKSTOP, EVERY, JOURNAL_LIMIT, Checkpointer
 from metafora.testing import RecordingContext
 
 
@@ -58,8 +58,7 @@ def test_the_store_checkpoints_on_its_own_thread_after_its_commits(tmp_path: Pat
         assert "metafora-checkpoint" in names
     finally:
         coord.close()
-    assert not any(t.name == "metafora-checkpoint" and t.is_alive() for t in threading.enumerate()
-                   if t is checkpointer._thread)
+    assert checkpointer._thread is not None and not checkpointer._thread.is_alive()  # closed
     # Nothing was lost to the moves between the log and the file.
     with open_client(url) as client:
         states = {i.id: i.state.value for i in client.tasks()}
@@ -77,6 +76,25 @@ def test_a_busy_writer_keeps_the_log_bounded_by_the_thread(tmp_path: Path) -> No
         checkpointer = client._db.checkpointer  # type: ignore[attr-defined]
         assert _wait_for(lambda: checkpointer.runs >= 9)
     assert _wal_pages(path) < BACKSTOP // 2
+
+
+def test_the_log_file_is_cut_back_after_a_burst(tmp_path: Path) -> None:
+    """A bulk submit grows the log's file past the limit; once a checkpoint has copied it back
+    and the log starts over (the next commit), the file is cut back to ``JOURNAL_LIMIT``."""
+    path = tmp_path / "m.db"
+    wal = Path(f"{path}-wal")
+    props = {"blob": "x" * 2000}
+    with open_client(f"sqlite:///{path}") as client:
+        batch = 0
+        while not wal.exists() or wal.stat().st_size <= JOURNAL_LIMIT:
+            assert batch < 100, "the log never grew past the limit"
+            client.submit_tasks([Task(f"b{batch:03d}-{i:04d}", props) for i in range(1000)])
+            batch += 1
+        checkpointer = client._db.checkpointer  # type: ignore[attr-defined]
+        busy, log_pages, done = checkpointer.checkpoint()
+        assert busy == 0 and done == log_pages  # everything copied back: the log may start over
+        client.submit_task(Task("after"))
+        assert wal.stat().st_size <= JOURNAL_LIMIT
 
 
 def test_the_checkpointer_survives_a_failed_checkpoint_and_stops_on_close(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ a log four times the default, reached only when this thread cannot keep up), and
 :class:`Checkpointer` runs a ``PASSIVE`` checkpoint on a pooled connection every ``EVERY``
 commits of this process: it takes no lock a writer needs, so writers go on meanwhile, and it
 never waits (a checkpoint another connection is running makes it skip one turn). Nothing
-here runs while nothing is written: an idle store costs no checkpoint.
+here runs while nothing is written: an idle store costs no checkpoint. The log's file is cut
+back to ``JOURNAL_LIMIT`` bytes whenever the log starts over.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["BACKSTOP", "EVERY", "Checkpointer"]
+__all__ = ["BACKSTOP", "EVERY", "JOURNAL_LIMIT", "Checkpointer"]
 
 log = logging.getLogger(__name__)
 
 BACKSTOP = 4000
 """``wal_autocheckpoint`` of every connection of a store's engine (pages)."""
+
+JOURNAL_LIMIT = BACKSTOP * 4096
+"""``journal_size_limit`` of every connection (bytes): when the log starts over after a
+complete checkpoint, its file is cut back to this size, so a burst (a bulk submit of a million
+tasks) does not leave a log file of its peak size on disk for good."""
 
 EVERY = 200
 """Commits of this process between checkpoints (a hot commit writes a handful of pages: about

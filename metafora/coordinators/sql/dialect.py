@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 
-from metafora.coordinators.sql.checkpoint import BACKSTOP
+from metafora.coordinators.sql.checkpoint import BACKSTOP, JOURNAL_LIMIT
 from metafora.coordinators.sql.limits import PG_ROOM_FUNCTION, pg_fragments, sqlite_fragments
 from metafora.coordinators.sql.options import SQLConfig
 
@@ -345,6 +345,7 @@ class SQLiteDialect(Dialect):
                 # Checkpoints run on a thread of their own (see checkpoint.py); a commit
                 # checkpoints only when that thread has fallen far behind.
                 cur.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP}")
+                cur.execute(f"PRAGMA journal_size_limit = {JOURNAL_LIMIT}")
             finally:
                 cur.close()
 
