@@ -349,18 +349,20 @@ def _peers(data: dict[str, Any]) -> list[str]:
 
 
 @table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
-                              " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 5"
+                              " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 8"
                               " --systems metafora-postgresql,metafora-postgresql-dumb,"
                               "metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
 @table("peers_short_sqlite", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
                                      " METAFORA_PEERS_NAME=peers_short_sqlite python -m benchmarks peers"
-                                     " --rounds 10 --systems metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
+                                     " --rounds 6 --systems metafora-sqlite,metafora-sqlite-dumb,pgqueuer")
 def _peers_short(data: dict[str, Any]) -> list[str]:
     return [f"Load average {data['load_average_at_start']:.1f} at the start,"
             f" {data['load_average_at_end']:.1f} at the end (2 cores).", "", *_peers(data)]
 
 
 @table("restart_quick_2026-11-29", source="restart_quick_2026-11-29",
+       command="python -m benchmarks restart --quick --stores sqlite,postgresql,etcd")
+@table("restart_quick_2026-11-29_eighth", source="restart_quick_2026-11-29_eighth",
        command="python -m benchmarks restart --quick --stores sqlite,postgresql,etcd")
 @table("restart_2026-11-29", source="restart_2026-11-29",
        command="python -m benchmarks restart --stores sqlite,postgresql,etcd")
