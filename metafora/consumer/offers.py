@@ -406,8 +406,11 @@ class OfferRouter:
         deferred offer is narrowed when it comes back (start-up: a backlog of 20,000 cost a
         node 40 reads while its slots were full)."""
         with self._lock:
-            slots = self.free_slots()
-            return not self.frozen and (slots is None or slots > 0)
+            return self._open(self.free_slots())
+
+    def _open(self, slots: int | None) -> bool:
+        """Whether this node claims with ``slots`` free (not frozen, a slot or no bound)."""
+        return not self.frozen and (slots is None or slots > 0)
 
     def _put_off(self, tasks: Sequence[Task]) -> None:
         """Ignore a chunk of a long fresh list for a moment (``DEFER_FOR``): most claims lose.
@@ -443,7 +446,7 @@ class OfferRouter:
                     self.ignores.keep_offer(task)
                     continue
                 slots = self.free_slots()
-                if self.frozen or (slots is not None and slots <= 0):
+                if not self._open(slots):
                     self.deferred.put(task)
                     continue
             if task.spread is not None and spreads is None:
@@ -579,10 +582,9 @@ class OfferRouter:
         every slot is taken are no claim due: an outcome left to one would wait for nothing."""
         if self._claiming:
             return True
-        if not self.deferred or self.frozen or self._stopping.is_set():
+        if not self.deferred or self._stopping.is_set():
             return False
-        slots = self.capacity.free_slots(len(self._running))
-        return slots is None or slots > 0
+        return self._open(self.capacity.free_slots(len(self._running)))
 
     # -- limit groups -----------------------------------------------------------------
 
