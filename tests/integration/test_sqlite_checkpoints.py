@@ -3,25 +3,17 @@ threshold (see metafora/coordinators/sql/checkpoint.py): real SQLite files, real
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
-import time
 from pathlib import Path
-from typing import Any
+
+import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.sql.checkpoint import BACKSTOP, EVERY, JOURNAL_LIMIT, Checkpointer
-from metafora.testing import RecordingContext
-
-
-def _wait_for(condition: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return bool(condition())
+from metafora.testing import RecordingContext, wait_for
 
 
 def _wal_pages(path: Path) -> int:
@@ -53,7 +45,7 @@ def test_the_store_checkpoints_on_its_own_thread_after_its_commits(tmp_path: Pat
         for i in range(1, EVERY + 1):
             _, held = coord.finish_and_claim([Finish(t, Outcome.DONE) for t in held],
                                              tasks[i:i + 1], 1)
-        assert _wait_for(lambda: checkpointer.runs >= 1)
+        wait_for(lambda: checkpointer.runs >= 1, 30, "a checkpoint on the store's thread")
         names = [t.name for t in threading.enumerate()]
         assert "metafora-checkpoint" in names
     finally:
@@ -74,7 +66,7 @@ def test_a_busy_writer_keeps_the_log_bounded_by_the_thread(tmp_path: Path) -> No
         for start in range(0, 10 * EVERY * 10, 10):
             client.submit_tasks([Task(f"t{i:05d}") for i in range(start, start + 10)])
         checkpointer = client._db.checkpointer  # type: ignore[attr-defined]
-        assert _wait_for(lambda: checkpointer.runs >= 9)
+        wait_for(lambda: checkpointer.runs >= 9, 30, "nine checkpoints")
     assert _wal_pages(path) < BACKSTOP // 2
 
 
@@ -97,7 +89,8 @@ def test_the_log_file_is_cut_back_after_a_burst(tmp_path: Path) -> None:
         assert wal.stat().st_size <= JOURNAL_LIMIT
 
 
-def test_the_checkpointer_survives_a_failed_checkpoint_and_stops_on_close(tmp_path: Path) -> None:
+def test_the_checkpointer_survives_a_failed_checkpoint_and_stops_on_close(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "c.db"
     setup = sqlite3.connect(path)
     setup.execute("PRAGMA journal_mode = WAL")
@@ -115,11 +108,12 @@ def test_the_checkpointer_survives_a_failed_checkpoint_and_stops_on_close(tmp_pa
     checkpointer = Checkpointer(connect, "c.db", every=3)
     for _ in range(3):
         checkpointer.committed()
-    assert _wait_for(lambda: calls["n"] == 1)
-    assert checkpointer.runs == 0
+    wait_for(lambda: any("unable to open" in r.getMessage() for r in caplog.records
+                         if r.levelno == logging.WARNING), 30, "the failed turn's warning")
+    assert calls["n"] == 1 and checkpointer.runs == 0
     for _ in range(3):
         checkpointer.committed()
-    assert _wait_for(lambda: checkpointer.runs == 1)
+    wait_for(lambda: checkpointer.runs == 1, 30, "the next turn's checkpoint")
     thread = checkpointer._thread
     assert thread is not None
     checkpointer.close()

@@ -55,6 +55,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.runs = 0  # checkpoints run (for tests and the curious)
+        self._failing = False  # the last checkpoint failed
 
     def committed(self) -> None:
         """A transaction of this process committed (called by the store; no I/O)."""
@@ -96,9 +97,14 @@ class Checkpointer:
             finally:
                 conn.close()
         except Exception as exc:  # a store error must not end the thread
-            log.debug("checkpoint of %s failed: %s", self._name, exc,
-                      extra={"action": "checkpoint"})
+            # The first failure of a streak is a warning (the log grows until one succeeds);
+            # the rest, one per turn while the store is away, only debug.
+            level = logging.DEBUG if self._failing else logging.WARNING
+            self._failing = True
+            log.log(level, "checkpoint of %s failed (the next turn tries again): %s", self._name,
+                    exc, extra={"action": "checkpoint"})
             return None
+        self._failing = False
         self.runs += 1
         result = (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
         log.debug("checkpoint of %s: busy %d, log %d pages, %d checkpointed", self._name,
