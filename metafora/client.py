@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from metafora import bulk
 from metafora.balancer import ClusterState
@@ -23,6 +23,9 @@ from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options
+
+if TYPE_CHECKING:
+    from metafora.streams.jobs import StreamInfo
 
 __all__ = ["Client", "NodeInfo"]
 
@@ -149,6 +152,29 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         stored state (see :mod:`metafora.task_retry`); without ``rewrite``, a plain retry
         (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
         """
+
+    # -- streams (metafora.streams, loaded on first use) --------------------------------
+
+    def stream(self, task_id: str) -> StreamInfo:
+        """The stream ``task_id`` as its owner last wrote it: processed, head, in_flight,
+        failing. TaskNotFound; InvalidTaskState when the task is not a stream."""
+        from metafora.streams.ops import stream_info
+
+        return stream_info(self, task_id)
+
+    def check_stream(self, task_id: str) -> bool:
+        """Wake the stream's owner (it re-reads ``head()`` at once), pushed as a task command.
+        False (nothing sent) when the stream is paused or finished. TaskNotFound."""
+        from metafora.streams.ops import check_stream
+
+        return check_stream(self, task_id)
+
+    def retry_stream(self, task_id: str) -> None:
+        """Resume a stream paused on a failing job (fresh attempts for it). TaskNotFound;
+        InvalidTaskState when it is not failing."""
+        from metafora.streams.ops import retry_stream
+
+        retry_stream(self, task_id)
 
     @abc.abstractmethod
     def get_task(self, task_id: str) -> TaskInfo:

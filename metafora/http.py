@@ -30,7 +30,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -79,9 +79,11 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int = 0,
-                   cluster: ClusterSnapshot | None = None) -> bytes:
+                   cluster: ClusterSnapshot | None = None,
+                   gauges: Mapping[str, tuple[str, float]] | None = None) -> bytes:
     """The consumer's metrics in Prometheus text format (``pruned``: finished tasks this node
-    pruned; ``cluster``: the last read of :mod:`metafora.cluster_metrics`, if any)."""
+    pruned; ``cluster``: the last read of :mod:`metafora.cluster_metrics`, if any; ``gauges``:
+    name -> (doc, value) of node-level gauges its handler publishes, labelled ``node`` only)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -122,6 +124,10 @@ def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int
                     gauge = GaugeMetricFamily(f"metafora_cluster_{name}", doc, labels=["namespace"])
                     gauge.add_metric([cluster.namespace], value)
                     yield gauge
+            for name, (doc, reading) in sorted((gauges or {}).items()):
+                gauge = GaugeMetricFamily(name, doc, labels=["node"])
+                gauge.add_metric([node], reading)
+                yield gauge
             yield histogram("metafora_claim_latency_seconds", "Time of one claim round trip",
                             stats.claim_latency.snapshot())
             yield histogram("metafora_lease_renewal_latency_seconds",

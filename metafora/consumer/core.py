@@ -192,6 +192,9 @@ class Consumer:
             prune_every=_plain(prune_every))
         self._coord = coordinator
         self._handler_func = handler_func
+        bind = getattr(handler_func, "bind_coordinator", None)
+        if callable(bind):  # a HandlerFunc keeping its state in this store (metafora.streams)
+            bind(coordinator)
         self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
         self._runs = RecentRuns(clock=self._clock)  # finished runs' times, for the balancer
@@ -405,11 +408,25 @@ class Consumer:
         self._http = InfoServer(self._options.http_addr, self.info,
                                 lambda: render_metrics(self.node_id, self.stats, len(self._running),
                                                        pruned=self._pruner.pruned,
-                                                       cluster=self._cluster.last),
+                                                       cluster=self._cluster.last,
+                                                       gauges=self._handler_gauges()),
                                 self.probes)
         self._http.start()
         self._log.info("serving /info, /metrics, /healthz, /readyz on http://%s", self._http.address,
                        extra={"action": "http"})
+
+    def _handler_gauges(self) -> dict[str, tuple[str, float]]:
+        """Node-level gauges the handler func publishes (``gauges()``: name -> (doc, value)),
+        e.g. ``metafora_stream_lag``; none when it has no such method or it fails."""
+        gauges = getattr(self._handler_func, "gauges", None)
+        if not callable(gauges):
+            return {}
+        try:
+            found = gauges()
+        except Exception:  # a metrics scrape must not fail on a handler's bug
+            self._log.exception("the handler's gauges() failed", extra={"action": "metrics"})
+            return {}
+        return dict(found) if isinstance(found, dict) else {}
 
     # -- side threads ---------------------------------------------------------------
 

@@ -68,6 +68,20 @@ class AsyncCommands(MachineView):
             if deadline is not None and loop.time() >= deadline:
                 return machine.risk_notice()
 
+    def on_wake(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (from any thread; it must not block) whenever a command may
+        have arrived or the task is being stopped or put at risk; returns the undo.
+
+        For a handler that also waits on work of its own: it wakes on either and then calls
+        ``await poll()`` (store I/O only when a command may be there). Bridge the callback
+        to the loop with ``loop.call_soon_threadsafe``.
+        """
+        mailbox = self._machine.mailbox
+        if mailbox is None:  # not running: nothing will ring
+            return lambda: None
+        mailbox.add_listener(callback)
+        return lambda: mailbox.remove_listener(callback)
+
     async def checkpoint(self, cursor: str | None = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write, off the loop).
 

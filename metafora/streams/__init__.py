@@ -4,10 +4,25 @@ Each claimed task is one stream. Its jobs come from a :class:`Jobs` source by in
 bounded window of them runs at once, and the stream's **processed index** (every index
 from ``start`` up to it is done) is stored fenced by the claim token, so a restart or a
 move resumes without a gap and a zombie owner can never move it back.
+
+:func:`stream_handler` makes the :data:`~metafora.handler.HandlerFunc`; the client's
+``stream``, ``streams``, ``check_stream`` and ``retry_stream`` (and ``metafora streams``,
+``metafora stream show|check|retry``) see and steer streams. See docs/streams.md.
 """
 
 from __future__ import annotations
 
+from metafora.streams.handler import JobContext, StreamHandlerFunc, StreamOptions, stream_handler
 from metafora.streams.jobs import Job, Jobs, StreamFailing, StreamInfo, Wake
 
-__all__ = ["Job", "Jobs", "StreamFailing", "StreamInfo", "Wake"]
+__all__ = [
+    "Job",
+    "JobContext",
+    "Jobs",
+    "StreamFailing",
+    "StreamHandlerFunc",
+    "StreamInfo",
+    "StreamOptions",
+    "Wake",
+    "stream_handler",
+]

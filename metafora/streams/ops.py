@@ -1,0 +1,148 @@
+"""What operators do with streams, through any client: see them, check them, retry them.
+
+A stream is a task whose state-machine cursor is a stream's progress
+(:mod:`metafora.streams.progress`); these functions read it through the state store of the
+client's own store (:func:`~metafora.statemachine.store.state_store_for`) and reach the
+owner through the task command channel (:func:`~metafora.statemachine.store.commands_for`),
+which the owner's store pushes (PostgreSQL NOTIFY, the etcd watch, SQLite's data_version).
+
+Both commands are the state machine's ``run``: to a runnable stream it is a check (the owner
+re-reads ``head()`` at once), to a paused one -- failing, or paused by an operator -- a resume.
+So :func:`check_stream` sends it only to a stream that is not paused, and
+:func:`retry_stream` only to one that is failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from metafora.client import Client
+from metafora.errors import InvalidTaskState
+from metafora.statemachine.machine import Message, State, StateCode
+from metafora.statemachine.store import commands_for, state_store_for
+from metafora.streams.jobs import StreamFailing, StreamInfo
+from metafora.streams.progress import InvalidProgress, Progress
+from metafora.task import TaskInfo, validate_task_id
+
+__all__ = ["StreamRow", "check_stream", "info_dict", "retry_stream", "stream_info", "stream_rows",
+           "stream_state"]
+
+_EXCEEDED = "ExceededErrorRate:"
+_TROUBLED = frozenset({StateCode.FAULT, StateCode.SLEEPING, StateCode.FAILED})
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """One line of ``metafora streams``: the task, its owner and state, and the stream."""
+
+    id: str
+    owner: str | None
+    task_state: str
+    state: str
+    info: StreamInfo
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (``metafora streams --json``)."""
+        return {"id": self.id, "owner": self.owner, "task_state": self.task_state,
+                "state": self.state, **info_dict(self.info)}
+
+
+def info_dict(info: StreamInfo) -> dict[str, object]:
+    """A StreamInfo as a JSON-ready dict (lag included)."""
+    failing = None
+    if info.failing is not None:
+        failing = {"index": info.failing.index, "error": info.failing.error,
+                   "attempts": info.failing.attempts}
+    return {"processed": info.processed, "head": info.head, "lag": info.lag,
+            "in_flight": info.in_flight, "failing": failing}
+
+
+def _info_of(state: State) -> StreamInfo | None:
+    """The stream in ``state``; None when its cursor is not a stream's progress."""
+    try:
+        progress = Progress.from_cursor(state.cursor, 0) if state.cursor is not None else None
+    except InvalidProgress:
+        return None
+    if progress is None:
+        # A stream whose state exists but that wrote no progress yet (it could not start):
+        # its start is not known here; -1 is "nothing processed" from index 0.
+        progress = Progress.fresh(0)
+    if progress.failing is None and state.errors and state.code in _TROUBLED:
+        # The stream could not run at all (its factory raised, ...): the reason is the
+        # machine's last error that is not the policy's "giving up".
+        errors = [e for e in state.errors if not e.text.startswith(_EXCEEDED)] or list(state.errors)
+        progress = replace(progress, failing=StreamFailing(progress.processed + 1, errors[-1].text,
+                                                           len(state.errors)))
+    if state.code.terminal or state.code is StateCode.PAUSED:
+        progress = replace(progress, in_flight=0)
+    return progress.info()
+
+
+def _state(client: Client, task_id: str) -> State | None:
+    validate_task_id(task_id)
+    return state_store_for(client).get(task_id)
+
+
+def stream_info(client: Client, task_id: str) -> StreamInfo:
+    """The stream ``task_id`` as its owner last wrote it. TaskNotFound when no such task;
+    InvalidTaskState when the task is not a stream."""
+    client.get_task(task_id)  # TaskNotFound first
+    state = _state(client, task_id)
+    if state is None:
+        return Progress.fresh(0).info()  # submitted, never started: nothing is known yet
+    info = _info_of(state)
+    if info is None:
+        raise InvalidTaskState(f"task {task_id!r} is not a stream (its cursor is not a "
+                               "stream's progress)")
+    return info
+
+
+def stream_state(client: Client, task_id: str) -> State | None:
+    """The state machine's state of the stream (None before its first run)."""
+    return _state(client, task_id)
+
+
+def stream_rows(client: Client) -> list[StreamRow]:
+    """Every stream: the tasks whose stored state is a stream's progress, ordered by id.
+
+    One read of the tasks and one of the states per task (an operator's listing, not a hot
+    path)."""
+    tasks: list[TaskInfo] = client.tasks()
+    store = state_store_for(client)
+    rows = []
+    for task in tasks:
+        state = store.get(task.id)
+        if state is None or state.cursor is None:
+            continue
+        info = _info_of(state)
+        if info is None:
+            continue
+        rows.append(StreamRow(task.id, task.owner, task.state.value, state.code.value, info))
+    return rows
+
+
+def check_stream(client: Client, task_id: str) -> bool:
+    """Wake the stream's owner: it re-reads ``head()`` at once. Pushed through the task
+    command channel; True when sent, False when the stream is paused (failing or by an
+    operator: a check would resume it) or finished. TaskNotFound when no such task."""
+    info: TaskInfo = client.get_task(task_id)
+    state = _state(client, task_id)
+    if state is not None and state.code is not StateCode.RUNNABLE:
+        return False
+    if info.state.value in ("done", "failed", "expired"):
+        return False
+    commands_for(client).send(task_id, Message.run())
+    return True
+
+
+def retry_stream(client: Client, task_id: str) -> None:
+    """Resume a stream paused on a failing job: the job gets fresh attempts. TaskNotFound;
+    InvalidTaskState when the stream is not failing."""
+    client.get_task(task_id)
+    state = _state(client, task_id)
+    info = None if state is None else _info_of(state)
+    if state is None or info is None or state.code is not StateCode.PAUSED or info.failing is None:
+        what = "not a stream" if info is None else f"{state.code.value if state else 'new'}, not failing"
+        raise InvalidTaskState(f"stream {task_id!r} is {what}; only a failing stream is retried "
+                               "(a failed one: metafora retry --reset-state --keep-cursor)")
+    commands_for(client).send(task_id, Message.run())

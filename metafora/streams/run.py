@@ -1,0 +1,429 @@
+"""One run of a stream: the coroutine the state machine calls while the stream is runnable.
+
+It owns the stream's :class:`~metafora.streams.progress.Window` and loops on one wake-up
+event, set by: a job that finished, the claim's command mailbox (a check, pause, kill, a
+stop or an at-risk notice; pushed by the store), the source's own push (``Jobs.listen``), and
+timers (a job's next attempt, the next write, the fallback poll of a source that cannot
+push). Each turn it takes the finished jobs, reads a command if one may be there, re-reads
+``head()`` if asked, starts what the window allows, and writes the progress if due.
+
+Threads: the source (``jobs(task)``, ``head()``, ``at_index()``, ``close()``) is called on
+one thread of its own per stream, so a source need not be thread-safe; a plain ``work`` runs
+on a pool of ``max_processing`` threads; an ``async def work`` runs on the loop. The writes
+of the progress are the machine's fenced checkpoints (on the machine's worker threads), at
+most one in flight.
+
+Stopping (release, shutdown, a lost claim): no job starts any more; running jobs get
+``stop_grace`` seconds, then async ones are cancelled and threads abandoned -- their jobs are
+above the processed index, so the next owner runs them again (at least once). Cancelled
+outright (a lost claim), nothing more is written: the store would refuse it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from metafora.coordinator import error_text
+from metafora.statemachine.aio import AsyncCommands
+from metafora.statemachine.machine import Message, MessageKind
+from metafora.streams.handler import JobContext, call_work
+from metafora.streams.jobs import Job, Jobs, StreamFailing
+from metafora.streams.progress import Progress, Window
+from metafora.task import Task
+
+if TYPE_CHECKING:
+    from metafora.streams.handler import StreamHandlerFunc
+
+__all__ = ["StreamRun"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ENDING = frozenset({MessageKind.RELEASE, MessageKind.PAUSE, MessageKind.KILL, MessageKind.SLEEP})
+
+
+class _SourceError(Exception):
+    """The source broke its contract (a job of another index, a head that went back)."""
+
+
+class StreamRun:
+    """The state of one run of one stream (see the module docstring)."""
+
+    def __init__(self, func: StreamHandlerFunc, task: Task, cmds: AsyncCommands) -> None:
+        self._func = func
+        self._opts = func.options
+        self._task = task
+        self._cmds = cmds
+        self._extra = {"task": task.id, "token": task.token}
+        self._loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        self._source_pool = ThreadPoolExecutor(1, thread_name_prefix=f"metafora-stream-source[{task.id}]")
+        self._work_pool: ThreadPoolExecutor | None = None
+        self._source: Jobs | None = None
+        self._pushes = False  # the source calls wake itself (no fallback poll)
+        self._stopping = threading.Event()  # JobContext.stopping
+        self._running: dict[int, asyncio.Future[Any]] = {}
+        self._results: list[tuple[int, BaseException | None]] = []
+        self._failures: dict[int, int] = {}  # failed attempts per index, this run
+        self._due: dict[int, float] = {}  # loop time of a waiting job's next attempt
+        self._head: int | None = None
+        self._head_wanted = True
+        self._head_failures = 0
+        self._head_due = 0.0
+        self._next_poll = 0.0
+        self._failing: StreamFailing | None = None
+        self._ending: Message | None = None
+        self._grace_until = 0.0
+        self._writer: asyncio.Task[None] | None = None
+        self._written: Progress | None = None
+        self._last_write = float("-inf")
+        self._force_write = False
+        self._base = Progress.fresh(self._opts.start)
+        self._window = Window(self._base.processed)
+
+    # -- the run ---------------------------------------------------------------------------
+
+    async def run(self) -> Message:
+        """Run the stream until it stops, pauses (failing) or is killed; the machine's message."""
+        stored = Progress.from_cursor(self._cmds.cursor, self._opts.start)
+        if stored.failing is not None:
+            # The machine calls a stream back while failing only when it was resumed
+            # (`metafora stream retry`): the job gets fresh attempts.
+            log.info("stream %s: retrying job %d", self._task.id, stored.failing.index,
+                     extra={**self._extra, "action": "retry"})
+            self._written = stored
+            stored = replace(stored, failing=None)
+        else:
+            self._written = stored
+        self._base = stored
+        self._window = Window(stored.processed)
+        undo = self._cmds.on_wake(self._wake_threadsafe)
+        try:
+            source = await self._in_source(self._func.jobs, self._task)
+            if not isinstance(source, Jobs):
+                raise TypeError(f"the jobs factory returned {type(source).__name__}, not a "
+                                "metafora.streams.Jobs")
+            self._source = source
+            self._pushes = bool(await self._in_source(source.listen, self._wake_threadsafe_source))
+            return await self._turns()
+        finally:
+            undo()
+            self._cleanup()
+
+    async def _turns(self) -> Message:
+        while True:
+            self._kick.clear()
+            self._collect()
+            if self._ending is None:
+                message = await self._cmds.poll()
+                if message is not None:
+                    self._on_command(message)
+            if self._open():
+                await self._read_head()
+            if self._open():
+                await self._start_jobs()
+            if self._over():
+                return await self._finish()
+            self._report_lag()
+            self._maybe_write()
+            await self._wait()
+
+    def _over(self) -> bool:
+        """Whether the run ends now: stopping or failing, and nothing runs (or the grace is over)."""
+        if self._ending is None and self._failing is None:
+            return False
+        return not self._running or (self._ending is not None
+                                     and self._loop.time() >= self._grace_until)
+
+    def _open(self) -> bool:
+        """Whether jobs may start (not stopping, not failing)."""
+        return self._ending is None and self._failing is None
+
+    # -- commands and wake-ups ---------------------------------------------------------------
+
+    def _wake_threadsafe(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits any more
+            self._loop.call_soon_threadsafe(self._kick.set)
+
+    def _wake_threadsafe_source(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._source_woke)
+
+    def _source_woke(self) -> None:
+        self._head_wanted = True
+        self._kick.set()
+
+    def _on_command(self, message: Message) -> None:
+        kind = message.kind
+        if kind is MessageKind.RUN:  # Client.check_stream: new jobs may exist
+            self._head_wanted = True
+            self._head_due = 0.0
+        elif kind is MessageKind.CHECKPOINT:  # the claim is at risk: save the position now
+            self._force_write = True
+        elif kind in _ENDING:
+            self._ending = message
+            self._grace_until = self._loop.time() + self._opts.stop_grace
+            self._stopping.set()
+            log.info("stream %s: %s; %d jobs running", self._task.id, message, len(self._running),
+                     extra={**self._extra, "action": kind.value})
+        else:
+            log.warning("stream %s: ignoring %s", self._task.id, message,
+                        extra={**self._extra, "action": "ignore"})
+
+    async def _wait(self) -> None:
+        now = self._loop.time()
+        dues: list[float] = []
+        if self._open():
+            dues.extend(self._due.values())
+            if self._head_failures:
+                dues.append(self._head_due)
+            if not self._pushes:
+                if now >= self._next_poll:
+                    self._head_wanted = True
+                    self._next_poll = now + self._opts.poll_every
+                    return
+                dues.append(self._next_poll)
+        if self._ending is not None:
+            dues.append(self._grace_until)
+        if self._writer is None and self._dirty():
+            dues.append(self._last_write + self._opts.flush_every)
+        timeout = None if not dues else max(0.0, min(dues) - now)
+        if self._head_wanted and self._open() and (not self._head_failures or timeout == 0.0):
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._kick.wait(), timeout)
+
+    # -- the source -------------------------------------------------------------------------
+
+    async def _in_source(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._loop.run_in_executor(self._source_pool, functools.partial(fn, *args))
+
+    async def _read_head(self) -> None:
+        if not self._head_wanted or (self._head_failures and self._loop.time() < self._head_due):
+            return
+        self._head_wanted = False
+        source = self._source
+        assert source is not None
+        try:
+            head = await self._in_source(source.head)
+            self._check_head(head)
+        except _SourceError as exc:
+            self._fail_stream(str(exc), 1)
+            return
+        except Exception as exc:
+            self._head_failures += 1
+            if self._head_failures >= self._opts.max_attempts:
+                self._fail_stream(f"head() failed: {error_text(exc)}", self._head_failures)
+                return
+            self._head_due = self._loop.time() + self._opts.backoff(self._head_failures)
+            self._head_wanted = True
+            log.warning("stream %s: head() failed (%d of %d): %s", self._task.id,
+                        self._head_failures, self._opts.max_attempts, exc,
+                        extra={**self._extra, "action": "head"})
+            return
+        self._head_failures = 0
+        self._head = head
+
+    def _check_head(self, head: object) -> None:
+        if not isinstance(head, int) or isinstance(head, bool) or head < -1:
+            raise _SourceError(f"head() returned {head!r}, not an integer >= -1")
+        if self._head is not None and head < self._head:
+            raise _SourceError(f"head() went backwards, from {self._head} to {head}")
+        processed = self._window.processed
+        if processed >= self._base.start and head < processed:
+            raise _SourceError(f"head() is {head}, below the processed index {processed}: "
+                               "jobs already processed are gone from the source")
+
+    def _fail_stream(self, error: str, attempts: int) -> None:
+        index = self._window.processed + 1
+        log.error("stream %s: failing at index %d: %s", self._task.id, index, error,
+                  extra={**self._extra, "action": "failing"})
+        self._failing = StreamFailing(index, error, attempts)
+        self._head_wanted = False
+
+    @staticmethod
+    def _fetch(source: Jobs, indexes: list[int], head: int) -> list[Job | BaseException]:
+        """``at_index`` of each index (on the source's thread), checked."""
+        out: list[Job | BaseException] = []
+        for index in indexes:
+            try:
+                job = source.at_index(index)
+                if job is None:
+                    raise LookupError(f"at_index({index}) returned None, although head() is {head}")
+                if not isinstance(job, Job):
+                    raise TypeError(f"at_index({index}) returned {type(job).__name__}, not a Job")
+                if job.index != index:
+                    raise ValueError(f"at_index({index}) returned the job of index {job.index}")
+                out.append(job)
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def _start_jobs(self) -> None:
+        opts, window = self._opts, self._window
+        slots = opts.max_processing - len(self._running)
+        if slots <= 0:
+            return
+        now = self._loop.time()
+        indexes = sorted(i for i in window.waiting if self._due.get(i, 0.0) <= now)[:slots]
+        if self._head is not None:
+            room = window.room(self._head, opts.max_processing, opts.max_search_ahead)
+            count = min(room, slots - len(indexes))
+            indexes.extend(range(window.next, window.next + count))
+        if not indexes:
+            return
+        for index in indexes:
+            window.start(index)
+            self._due.pop(index, None)
+        assert self._source is not None and self._head is not None
+        fetched = await self._in_source(self._fetch, self._source, indexes, self._head)
+        for index, got in zip(indexes, fetched, strict=True):
+            if isinstance(got, BaseException):
+                self._results.append((index, got))
+                self._kick.set()
+            else:
+                self._launch(index, got)
+
+    def _launch(self, index: int, job: Job) -> None:
+        ctx = JobContext(self._task, self._failures.get(index, 0) + 1, self._stopping)
+        work = self._func.work
+        future: asyncio.Future[Any]
+        if self._func.is_async:
+            future = asyncio.ensure_future(self._async_work(job, ctx))
+        else:
+            if self._work_pool is None:
+                self._work_pool = ThreadPoolExecutor(
+                    self._opts.max_processing, thread_name_prefix=f"metafora-stream[{self._task.id}]")
+            future = self._loop.run_in_executor(self._work_pool, call_work, work, job, ctx)
+        self._running[index] = future
+        future.add_done_callback(functools.partial(self._job_done, index))
+
+    async def _async_work(self, job: Job, ctx: JobContext) -> object:
+        result = self._func.work(job, ctx)
+        if not asyncio.iscoroutine(result) and not isinstance(result, asyncio.Future):
+            raise TypeError(f"async work returned {type(result).__name__}, not an awaitable")
+        coro: Coroutine[Any, Any, object] | asyncio.Future[object] = result
+        return await coro
+
+    def _job_done(self, index: int, future: asyncio.Future[Any]) -> None:
+        if self._running.get(index) is not future:
+            return  # abandoned at the end of the run
+        del self._running[index]
+        if future.cancelled():
+            return
+        self._results.append((index, future.exception()))
+        self._kick.set()
+
+    def _collect(self) -> None:
+        writer = self._writer
+        if writer is not None and writer.done():
+            self._writer = None
+            writer.result()  # a refused write (ClaimLost) or a store that stayed away ends the run
+        results, self._results = self._results, []
+        window, opts = self._window, self._opts
+        for index, error in results:
+            if error is None:
+                self._failures.pop(index, None)
+                window.finished(index)
+                if self._head is None or window.next > self._head:
+                    self._head_wanted = True  # a finished job checks: caught up with the head
+                continue
+            failures = self._failures[index] = self._failures.get(index, 0) + 1
+            window.failed(index)
+            text = error_text(error)
+            if failures >= opts.max_attempts:
+                if self._failing is None or index < self._failing.index:
+                    log.error("stream %s: job %d failed %d times; the stream pauses: %s",
+                              self._task.id, index, failures, text,
+                              extra={**self._extra, "action": "failing"})
+                    self._failing = StreamFailing(index, text, failures)
+                continue
+            delay = opts.backoff(failures)
+            self._due[index] = self._loop.time() + delay
+            log.warning("stream %s: job %d failed (attempt %d of %d), again in %.2gs: %s",
+                        self._task.id, index, failures, opts.max_attempts, delay, text,
+                        extra={**self._extra, "action": "job_error"})
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def _progress(self) -> Progress:
+        failing = self._failing if self._ending is None else None  # a move starts it afresh
+        return self._window.progress(self._base, self._head, failing)
+
+    def _dirty(self) -> bool:
+        written, now = self._written, self._progress()
+        if written is None:
+            return True
+        return (self._force_write or written.processed != now.processed
+                or written.head != now.head or written.failing != now.failing)
+
+    def _maybe_write(self) -> None:
+        if self._writer is not None or not self._dirty():
+            return
+        if not self._force_write and self._loop.time() < self._last_write + self._opts.flush_every:
+            return
+        self._writer = asyncio.ensure_future(self._write(self._progress()))
+
+    async def _write(self, progress: Progress) -> None:
+        self._force_write = False
+        self._last_write = self._loop.time()
+        await self._cmds.checkpoint(progress.to_cursor())
+        self._written = progress
+        self._kick.set()
+
+    def _report_lag(self) -> None:
+        head = self._head
+        lag = None if head is None else max(0, head - self._window.processed)
+        self._func.report_lag(self._task.id, lag if lag is not None else 0)
+
+    async def _finish(self) -> Message:
+        """The end of the run: abandon what still runs, write the progress, say why."""
+        self._stopping.set()
+        self._abandon()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await writer
+        self._collect()
+        progress = self._progress()
+        if progress != self._written:
+            await self._write(progress)
+        if self._ending is not None:
+            return self._ending
+        assert self._failing is not None
+        return Message.pause()
+
+    def _abandon(self) -> None:
+        running, self._running = self._running, {}
+        for future in running.values():
+            future.cancel()  # an async job stops; a thread's job cannot: it is abandoned
+
+    def _cleanup(self) -> None:
+        self._stopping.set()
+        self._abandon()
+        if self._writer is not None:
+            self._writer.cancel()
+        self._func.report_lag(self._task.id, None)
+        source = self._source
+        if source is not None:
+            self._source_pool.submit(_close, source, self._task.id)
+        self._source_pool.shutdown(wait=False)
+        if self._work_pool is not None:
+            self._work_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _close(source: Jobs, task_id: str) -> None:
+    try:
+        source.close()
+    except Exception:  # a source's bug must not hide how the stream ended
+        log.exception("stream %s: closing its source failed", task_id)
