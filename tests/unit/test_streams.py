@@ -1,0 +1,341 @@
+"""The stream handler under real Consumers on the memory store and a SQLite file: every job
+once in order of the watermark, the window's bounds, retries and the failing pause, pushed
+checks, moves that resume at processed + 1, and bad input (each a clear error on its stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora.errors import ClaimLost, ConfigError, InvalidTaskState
+from metafora.statemachine import StateCode, StateStore, get_state, state_store_for
+from metafora.statemachine.machine import State
+from metafora.streams import Job, JobContext, Jobs, StreamInfo, stream_handler
+from metafora.task import Task as TaskValue
+from metafora.testing import LocalCluster, wait_for
+from tests.stream_kit import ListJobs, Recorder
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
+    """A LocalCluster on the memory store, then on a SQLite file."""
+    url = None if request.param == "memory" else f"sqlite:///{tmp_path}/metafora.db"
+    with LocalCluster(url, shutdown_timeout=5.0) as c:
+        yield c
+
+
+def _node(cluster: LocalCluster, handler: Any, node: str = "a", **options: Any) -> Consumer:
+    coord = open_coordinator(cluster.url, node_id=node)
+    return cluster.start(Consumer(coord, handler, **options))
+
+
+def _processed(cluster: LocalCluster, task_id: str, index: int) -> StreamInfo:
+    return wait_for(lambda: (i := cluster.client.stream(task_id)).processed >= index and i,
+                    15.0, f"stream {task_id} to process {index}")
+
+
+def test_every_job_once_within_the_window_sync(cluster: LocalCluster) -> None:
+    rec = Recorder(max_processing=4, max_search_ahead=10)
+    rng = random.Random(7)
+    delays = [rng.random() * 0.002 for _ in range(300)]
+    pace = threading.Event()  # never set: waiting on it paces a job (not synchronisation)
+
+    def work(job: Job, ctx: JobContext) -> None:
+        rec.begin(job.index)
+        pace.wait(delays[job.index])
+        rec.end(job.index)
+
+    source = ListJobs(list(range(300)))
+    _node(cluster, stream_handler(lambda t: source, work, max_processing=4, max_search_ahead=10,
+                                  flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    info = _processed(cluster, "s1", 299)
+    assert info == StreamInfo(299, 299, info.in_flight, None)
+    assert sorted(rec.started()) == list(range(300))  # every job, once (nothing moved)
+    assert not rec.violations
+    assert max(n for _, n, _ in rec.starts) <= 4
+    assert not cluster.errors
+
+
+def test_every_job_once_within_the_window_async(cluster: LocalCluster) -> None:
+    rec = Recorder(max_processing=8, max_search_ahead=8)
+    rng = random.Random(3)
+
+    async def work(job: Job, ctx: JobContext) -> None:
+        rec.begin(job.index)
+        await asyncio.sleep(rng.random() * 0.002)
+        rec.end(job.index)
+
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(200))), work, max_processing=8,
+                                  max_search_ahead=8, flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    _processed(cluster, "s1", 199)
+    assert sorted(rec.started()) == list(range(200))
+    assert not rec.violations
+    assert any(n > 1 for _, n, _ in rec.starts)  # it did run jobs side by side
+
+
+class CountingStates(StateStore):
+    """The cluster's own state store, counting the stream's writes (a spy, not a stand-in)."""
+
+    def __init__(self, inner: StateStore) -> None:
+        self.inner = inner
+        self.writes = 0
+
+    def load(self, task: TaskValue) -> State:
+        return self.inner.load(task)
+
+    def load_stored(self, task: TaskValue) -> State | None:
+        return self.inner.load_stored(task)
+
+    def store(self, task: TaskValue, state: State) -> None:
+        self.writes += 1
+        self.inner.store(task, state)
+
+    def get(self, task_id: str) -> State | None:
+        return self.inner.get(task_id)
+
+
+def test_the_watermark_is_written_in_batches_not_per_job(cluster: LocalCluster) -> None:
+    from metafora.statemachine import commands_for
+
+    coord = open_coordinator(cluster.url, node_id="a")
+    states = CountingStates(state_store_for(coord))
+    handler = stream_handler(lambda t: ListJobs(list(range(3000))), lambda job, ctx: None,
+                             max_processing=16, max_search_ahead=256, flush_every=0.05,
+                             state_store=states, task_commands=commands_for(coord))
+    cluster.start(Consumer(coord, handler))
+    cluster.client.submit_task(Task("s1"))
+    _processed(cluster, "s1", 2999)
+    # Without batching that is 3000 writes; with it, one per flush interval at most.
+    assert states.writes < 300, states.writes
+
+
+def test_a_failing_job_pauses_the_stream_until_retried(cluster: LocalCluster) -> None:
+    rec = Recorder(max_processing=2, max_search_ahead=5)
+    broken = threading.Event()
+    broken.set()
+    work = rec.sync_work(fail=lambda job, ctx: job.index == 3 and broken.is_set())
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(20))), work, max_processing=2,
+                                  max_search_ahead=5, retry_delay=0.01, max_attempts=3,
+                                  flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    info = wait_for(lambda: (i := cluster.client.stream("s1")).failing is not None and i, 15.0,
+                    "the stream to fail on job 3")
+    assert info.processed == 2
+    assert info.failing is not None
+    assert (info.failing.index, info.failing.attempts) == (3, 3)
+    assert "RuntimeError: job 3 fails" in info.failing.error
+    assert max(rec.started()) <= 2 + 5  # the window held while job 3 was retried
+    assert get_state(cluster.client, "s1").code is StateCode.PAUSED  # type: ignore[union-attr]
+    assert cluster.client.get_task("s1").state is TaskState.CLAIMED  # keeps its claim
+    assert cluster.client.check_stream("s1") is False  # a check does not resume it
+
+    broken.clear()
+    cluster.client.retry_stream("s1")
+    info = _processed(cluster, "s1", 19)
+    assert info.failing is None
+    assert rec.ends.count(3) == 1 and set(rec.ends) == set(range(20))
+    with pytest.raises(InvalidTaskState, match="not failing"):
+        cluster.client.retry_stream("s1")
+
+
+def test_check_wakes_an_idle_stream_that_cannot_push(cluster: LocalCluster) -> None:
+    items: list[int] = [0, 1]
+    source = ListJobs(items)
+    rec = Recorder(max_processing=2, max_search_ahead=10)
+    _node(cluster, stream_handler(lambda t: source, rec.sync_work(), max_processing=2,
+                                  max_search_ahead=10, poll_every=3600.0, flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    _processed(cluster, "s1", 1)
+    calls = source.head_calls
+    items.extend([2, 3, 4])  # no push: only a check (or the hour's poll) would see them
+    assert cluster.client.check_stream("s1") is True
+    _processed(cluster, "s1", 4)
+    assert source.head_calls > calls
+    assert sorted(rec.ends) == [0, 1, 2, 3, 4]
+
+
+def test_a_source_that_pushes_wakes_the_stream(cluster: LocalCluster) -> None:
+    source = ListJobs([0], pushes=True)
+    rec = Recorder(max_processing=2, max_search_ahead=10)
+    _node(cluster, stream_handler(lambda t: source, rec.sync_work(), max_processing=2,
+                                  max_search_ahead=10, poll_every=3600.0, flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    _processed(cluster, "s1", 0)
+    wait_for(lambda: source.wakes, 5.0, "the stream to listen")
+    source.append(1, 2, 3)
+    _processed(cluster, "s1", 3)
+
+
+def test_a_moved_stream_resumes_after_its_processed_index(cluster: LocalCluster) -> None:
+    rec = Recorder(max_processing=4, max_search_ahead=20)
+    gate = threading.Event()
+    first_work = rec.sync_work()
+
+    def held(job: Job, ctx: JobContext) -> None:
+        if job.index >= 20:  # held until after the stop: abandoned, they must run again
+            gate.wait(30)
+            raise RuntimeError("abandoned")
+        first_work(job, ctx)
+
+    first = _node(cluster, stream_handler(
+        lambda t: ListJobs(list(range(100))), held, max_processing=4, max_search_ahead=20,
+        flush_every=0.01, stop_grace=0.05), "a")
+    slow: list[int] = []
+
+    def second_work(job: Job, ctx: JobContext) -> None:
+        slow.append(job.index)
+        rec.begin(job.index)
+        rec.end(job.index)
+
+    cluster.client.submit_task(Task("s1", {"n": 100}))
+    _processed(cluster, "s1", 19)
+    cluster.stop(first)  # a graceful release: the progress is written before the claim goes
+    kept = cluster.client.stream("s1").processed
+    gate.set()
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(100))), second_work,
+                                  max_processing=4, max_search_ahead=20, flush_every=0.01), "b")
+    _processed(cluster, "s1", 99)
+    assert kept == 19
+    assert slow and min(slow) == kept + 1  # at processed + 1, nothing below it again
+    assert set(rec.ends) == set(range(100))
+
+
+def test_stop_abandons_a_job_that_does_not_finish_within_the_grace(cluster: LocalCluster) -> None:
+    hold = threading.Event()
+    started = threading.Event()
+
+    def work(job: Job, ctx: JobContext) -> None:
+        if job.index == 2:
+            started.set()
+            hold.wait(30)
+
+    node = _node(cluster, stream_handler(lambda t: ListJobs(list(range(5))), work,
+                                         max_processing=2, max_search_ahead=4, flush_every=0.01,
+                                         stop_grace=0.05))
+    cluster.client.submit_task(Task("s1"))
+    assert started.wait(10)
+    _processed(cluster, "s1", 1)
+    cluster.stop(node, timeout=10)  # returns: the stuck job was abandoned after the grace
+    hold.set()
+    info = cluster.client.stream("s1")
+    assert info.processed == 1  # job 2 never finished here: it runs again on the next owner
+    assert cluster.client.get_task("s1").state is TaskState.PENDING
+
+
+# -- bad input: a clear error on the stream, the node and the other streams go on ----------
+
+
+class WrongIndex(ListJobs):
+    def at_index(self, index: int) -> Job | None:
+        job = super().at_index(index)
+        return None if job is None else Job(index + 1 if index == 4 else index, job.id)
+
+
+def test_bad_sources_fail_their_stream_only(cluster: LocalCluster) -> None:
+    def jobs(task: Task) -> Jobs:
+        kind = task.props["kind"]  # a KeyError for a task without it
+        if kind == "raises":
+            raise RuntimeError("cannot open the source")
+        if kind == "wrong":
+            return WrongIndex(list(range(10)))
+        if kind == "backwards":
+            return ListJobs(list(range(10)), heads=[5, 2])
+        if kind == "not-jobs":
+            return "a string"  # type: ignore[return-value]
+        return ListJobs(list(range(50)))
+
+    from metafora.statemachine import ErrorPolicy
+
+    done: list[int] = []
+    handler = stream_handler(jobs, lambda job, ctx: done.append(job.index), max_processing=2,
+                             max_search_ahead=4, retry_delay=0.0, max_attempts=2,
+                             flush_every=0.01,
+                             error_handler=ErrorPolicy(max_errors=2, base_delay=0.01, max_delay=0.01))
+    _node(cluster, handler)
+    for tid, props in [("raises", {"kind": "raises"}), ("wrong", {"kind": "wrong"}),
+                       ("backwards", {"kind": "backwards"}), ("no-props", {}),
+                       ("not-jobs", {"kind": "not-jobs"}), ("good", {"kind": "good"})]:
+        cluster.client.submit_task(Task(tid, props))
+    _processed(cluster, "good", 49)
+
+    for tid, reason in [("raises", "RuntimeError: cannot open the source"),
+                        ("no-props", "KeyError: 'kind'"),
+                        ("not-jobs", "not a metafora.streams.Jobs")]:
+        cluster.wait_for_state(tid, TaskState.DONE)  # the machine ended it: failed
+        assert get_state(cluster.client, tid).code is StateCode.FAILED  # type: ignore[union-attr]
+        failing = cluster.client.stream(tid).failing
+        assert failing is not None and reason in failing.error, (tid, failing)
+
+    wrong = wait_for(lambda: cluster.client.stream("wrong").failing, 10.0, "wrong to fail")
+    assert wrong.index == 4 and "at_index(4) returned the job of index 5" in wrong.error
+    assert cluster.client.stream("wrong").processed == 3
+    back = wait_for(lambda: cluster.client.stream("backwards").failing, 10.0, "backwards to fail")
+    assert "head() went backwards, from 5 to 2" in back.error
+    assert not cluster.errors
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"max_processing": 8, "max_search_ahead": 4}, "max_search_ahead .4. must be at least"),
+    ({"start": -1}, "start must be from 0"),
+    ({"start": 1.5}, "start must be an integer"),
+    ({"start": True}, "start must be an integer"),
+    ({"max_processing": 0}, "max_processing must be from 1"),
+    ({"poll_every": 0}, "poll_every must be in"),
+    ({"flush_every": float("nan")}, "flush_every must be in"),
+    ({"max_attempts": 0}, "max_attempts must be from 1"),
+    ({"retry_delay": 2.0, "max_retry_delay": 1.0}, "max_retry_delay"),
+])
+def test_bad_options_are_refused_at_once(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        stream_handler(lambda t: ListJobs([]), lambda job, ctx: None, **options)
+
+
+def test_bad_callables_are_refused_at_once() -> None:
+    with pytest.raises(ConfigError, match="work must be callable"):
+        stream_handler(lambda t: ListJobs([]), 42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="jobs must be callable"):
+        stream_handler(None, lambda job, ctx: None)  # type: ignore[arg-type]
+
+
+def test_a_handler_without_a_store_says_so() -> None:
+    handler = stream_handler(lambda t: ListJobs([]), lambda job, ctx: None)
+    with pytest.raises(ConfigError, match="pass coordinator="):
+        handler(Task("s1"))
+
+
+def test_a_task_that_is_not_a_stream_is_refused_by_the_client(cluster: LocalCluster) -> None:
+    from metafora.statemachine import Message, handler_func
+
+    def other(task: Task, cmds: Any) -> Message:
+        cmds.checkpoint("page 3")
+        return Message.complete()
+
+    coord = open_coordinator(cluster.url, node_id="x")
+    cluster.start(Consumer(coord, handler_func(other, coord)))
+    cluster.client.submit_task(Task("other"))
+    cluster.wait_for_state("other", TaskState.DONE)
+    with pytest.raises(InvalidTaskState, match="not a stream"):
+        cluster.client.stream("other")
+
+
+def test_a_zombie_write_is_refused(cluster: LocalCluster) -> None:
+    """The progress is the machine's fenced cursor: a write under an old token is refused."""
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(5))), lambda job, ctx: None,
+                                  flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    _processed(cluster, "s1", 4)
+    store = state_store_for(cluster.client)
+    token = cluster.client.get_task("s1").token
+    assert token is not None
+    with pytest.raises(ClaimLost):
+        store.store(TaskValue("s1").with_token(token - 1), State(cursor='{"stream":1}'))
+    assert cluster.client.stream("s1").processed == 4
