@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -61,6 +61,9 @@ from metafora.limits import Limit, Rate, validate_limit
 from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_group, validate_schedule, validate_task_id
 from metafora.task_retry import check_retry_options, check_retryable
+
+if TYPE_CHECKING:
+    from metafora.streams.jobs import StreamInfo
 
 __all__ = ["DEFAULT_THREADS", "AsyncClient", "open_async"]
 
@@ -171,6 +174,24 @@ class AsyncClient(abc.ABC):
     @abc.abstractmethod
     async def delete_limit(self, group: str) -> None:
         """Remove the limit of ``group``. LimitNotFound."""
+
+    # -- streams (metafora.streams): the sync client's verbs on a worker thread ----------
+
+    def _blocking_client(self) -> Client:
+        """The sync client the stream verbs run on (off the loop)."""
+        raise NotImplementedError  # both implementations below override it
+
+    async def stream(self, task_id: str) -> StreamInfo:
+        """As :meth:`metafora.Client.stream`: processed, head, in_flight, failing."""
+        return await asyncio.to_thread(self._blocking_client().stream, task_id)
+
+    async def check_stream(self, task_id: str) -> bool:
+        """As :meth:`metafora.Client.check_stream`: wake the stream's owner (pushed)."""
+        return await asyncio.to_thread(self._blocking_client().check_stream, task_id)
+
+    async def retry_stream(self, task_id: str) -> None:
+        """As :meth:`metafora.Client.retry_stream`: resume a stream paused on a failing job."""
+        await asyncio.to_thread(self._blocking_client().retry_stream, task_id)
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -317,6 +338,9 @@ class ThreadedAsyncClient(AsyncClient):
         """The sync client the calls run on."""
         return self._client
 
+    def _blocking_client(self) -> Client:
+        return self._client
+
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._closed:
             raise CoordinatorClosed(f"async client on {self.name} is closed")
@@ -408,6 +432,9 @@ class PostgresAsyncClient(AsyncClient):
     @property
     def name(self) -> str:
         return self._db.name
+
+    def _blocking_client(self) -> Client:
+        return self._sync
 
     def _engines(self) -> tuple[AsyncEngine, AsyncEngine]:
         if self._closed:

@@ -131,7 +131,11 @@ def check_stream(client: Client, task_id: str) -> bool:
         return False
     if info.state.value in ("done", "failed", "expired"):
         return False
-    commands_for(client).send(task_id, Message.run())
+    channel = commands_for(client)
+    # Coalesced: a command still queued wakes the owner anyway (each check would otherwise
+    # add a row, or a key, that the owner must take).
+    if channel.pending(task_id) == 0:
+        channel.send(task_id, Message.run())
     return True
 
 
