@@ -28,6 +28,7 @@ __all__ = ["StreamRow", "check_stream", "info_dict", "retry_stream", "stream_inf
            "stream_state"]
 
 _EXCEEDED = "ExceededErrorRate:"
+_PAGE = 200  # tasks read per page while looking for streams
 _TROUBLED = frozenset({StateCode.FAULT, StateCode.SLEEPING, StateCode.FAILED})
 
 
@@ -102,22 +103,27 @@ def stream_state(client: Client, task_id: str) -> State | None:
     return _state(client, task_id)
 
 
-def stream_rows(client: Client) -> list[StreamRow]:
-    """Every stream: the tasks whose stored state is a stream's progress, ordered by id.
-
-    One read of the tasks and one of the states per task (an operator's listing, not a hot
-    path)."""
-    tasks: list[TaskInfo] = client.tasks()
+def stream_rows(client: Client, *, after: str | None = None, limit: int | None = None,
+                prefix: str = "") -> list[StreamRow]:
+    """Streams (tasks whose stored state is a stream's progress) ordered by id, after id
+    ``after``, at most ``limit`` (None: all). Tasks are read a page at a time without their
+    props; then one state read per task (an operator's listing, not a hot path)."""
     store = state_store_for(client)
-    rows = []
-    for task in tasks:
-        state = store.get(task.id)
-        if state is None or state.cursor is None:
-            continue
-        info = _info_of(state)
-        if info is None:
-            continue
-        rows.append(StreamRow(task.id, task.owner, task.state.value, state.code.value, info))
+    rows: list[StreamRow] = []
+    cursor = after
+    while limit is None or len(rows) < limit:
+        page = client.task_page(prefix=prefix, after=cursor, limit=_PAGE, props=False)
+        for task in page:
+            state = store.get(task.id)
+            info = None if state is None or state.cursor is None else _info_of(state)
+            if state is None or info is None:
+                continue
+            rows.append(StreamRow(task.id, task.owner, task.state.value, state.code.value, info))
+            if limit is not None and len(rows) >= limit:
+                break
+        if len(page) < _PAGE:
+            break
+        cursor = page[-1].id
     return rows
 
 

@@ -381,6 +381,9 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
                            nodes_svg=chart.nodes_svg(data.nodes),
                            pending_svg=chart.pending_svg(data.pending), title="Charts")
 
+    def streams_page(request: Request) -> Response:
+        return _streams_view(dash, request)
+
     def health(request: Request) -> Response:
         return JSONResponse({"store": dash.store, "read_only": dash.token is None})
 
@@ -390,6 +393,7 @@ def create_app(url: str, *, token: str | None = None, items_url: str | None = No
         Route("/tasks", guarded(tasks_page)),
         Route("/charts", guarded(charts_page)),
         Route("/task", guarded(task_page)),
+        Route("/streams", guarded(streams_page)),
         Route("/act", act, methods=["POST"]),
         *_auth_routes(dash),
         Route("/healthz", health),
@@ -512,6 +516,25 @@ def _tasks_view(dash: Dashboard, request: Request) -> Response:
     return dash.render(request, "tasks.html", tasks=page, reasons=reasons, counts=dash.task_counts(),
                        state=state or "", owner=owner or "", prefix=prefix, limit=limit,
                        next_url=next_url, first_url=first_url, title="Tasks")
+
+
+def _streams_view(dash: Dashboard, request: Request) -> Response:
+    """``/streams``: a page of streams (metafora.streams) with their progress and lag."""
+    from metafora.streams.ops import stream_rows
+
+    q = request.query_params
+    after = q.get("after") or None
+    if after is not None:
+        validate_task_id(after)
+    limit = 50
+    # Tasks are read without props; one state read per task of the page.
+    rows = stream_rows(dash.client, after=after, limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    next_url = Ident(f"/streams?{urlencode({'after': rows[-1].id})}") if more and rows else None
+    first_url = Ident("/streams") if after else None
+    return dash.render(request, "streams.html", streams=rows, next_url=next_url,
+                       first_url=first_url, title="Streams")
 
 
 def _task_view(dash: Dashboard, request: Request) -> Response:
