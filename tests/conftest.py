@@ -42,6 +42,7 @@ SOAK_MODULES = (
     "tests/integration/test_rebalance_processes.py",
     "tests/integration/test_schedule_processes.py",
     "tests/integration/test_statemachine_processes.py",
+    "tests/integration/test_stream_processes.py",
     "tests/integration/test_sql_multiprocess.py",
 )
 
