@@ -339,3 +339,39 @@ def test_a_zombie_write_is_refused(cluster: LocalCluster) -> None:
     with pytest.raises(ClaimLost):
         store.store(TaskValue("s1").with_token(token - 1), State(cursor='{"stream":1}'))
     assert cluster.client.stream("s1").processed == 4
+
+
+def test_the_owner_publishes_the_summed_lag_on_metrics(cluster: LocalCluster) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hold = threading.Event()
+
+    def work(job: Job, ctx: JobContext) -> None:
+        if job.index >= 3:
+            hold.wait(30)
+
+    handler = stream_handler(lambda t: ListJobs(list(range(10))), work, max_processing=2,
+                             max_search_ahead=4, flush_every=0.01, stop_grace=0.0)
+    node = _node(cluster, handler, http_addr="127.0.0.1:0")
+    addr = wait_for(lambda: node.http_address, what="http server")
+    for tid in ("s1", "s2"):
+        cluster.client.submit_task(Task(tid))
+
+    def lag() -> float | None:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "metafora_stream_lag":
+                (sample,) = family.samples
+                assert sample.labels == {"node": "a"}  # no per-stream label, by policy
+                return sample.value
+        return None
+
+    try:
+        # Each stream: jobs 0-2 done, 3 and 4 held; head 9 -> lag 7; two streams -> 14.
+        wait_for(lambda: lag() == 14.0, 15.0, "the summed lag")
+    finally:
+        hold.set()
+    wait_for(lambda: lag() == 0.0, 15.0, "no lag once done")
