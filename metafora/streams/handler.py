@@ -48,7 +48,7 @@ DEFAULT_MAX_RETRY_DELAY = 30.0
 """The longest wait between two attempts of a job, in seconds."""
 DEFAULT_POLL_EVERY = 5.0
 """Seconds between looks at ``head()`` of a source that cannot push (``Jobs.listen`` is False)."""
-DEFAULT_FLUSH_EVERY = 0.2
+DEFAULT_FLUSH_EVERY = 0.5
 """Least seconds between two writes of the processed index (at most one is in flight)."""
 DEFAULT_STOP_GRACE = 5.0
 """Seconds a stopping stream lets its running jobs finish before it abandons them."""
