@@ -96,3 +96,23 @@ def test_failing_then_retry_then_a_move(store_url: str) -> None:
         rerun = rec.ends[len(moved):]
         assert min(rerun) == 6  # at processed + 1, nothing below it again
         assert set(rec.ends) == set(range(12))
+
+
+def test_the_async_client_sees_and_checks_a_stream(store_url: str) -> None:
+    from metafora import open_async_client
+
+    items = list(range(5))
+    with LocalCluster(store_url) as cluster:
+        cluster.add(stream_handler(lambda t: ListJobs(items), lambda job, ctx: None,
+                                   poll_every=_HOUR, flush_every=0.01), "a")
+        cluster.client.submit_task(Task("s1"))
+        _processed(cluster, "s1", 4)
+        items.extend([5, 6])
+
+        async def look() -> tuple[StreamInfo, bool]:
+            async with open_async_client(store_url) as client:
+                return await client.stream("s1"), await client.check_stream("s1")
+
+        info, sent = asyncio.run(look())
+        assert info.processed == 4 and sent is True
+        _processed(cluster, "s1", 6)
