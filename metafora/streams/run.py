@@ -95,6 +95,10 @@ class StreamRun:
     async def run(self) -> Message:
         """Run the stream until it stops, pauses (failing) or is killed; the machine's message."""
         stored = Progress.from_cursor(self._cmds.cursor, self._opts.start)
+        if self._cmds.cursor is None:
+            # A new stream says it is one at once, before its source is built: listings
+            # (`metafora streams`) then show it even if its factory fails on every call.
+            await self._cmds.checkpoint(stored.to_cursor())
         if stored.failing is not None:
             # The machine calls a stream back while failing only when it was resumed
             # (`metafora stream retry`): the job gets fresh attempts.

@@ -375,3 +375,26 @@ def test_the_owner_publishes_the_summed_lag_on_metrics(cluster: LocalCluster) ->
     finally:
         hold.set()
     wait_for(lambda: lag() == 0.0, 15.0, "no lag once done")
+
+
+def test_a_stream_is_listed_from_its_first_run_even_if_it_cannot_start(
+        cluster: LocalCluster) -> None:
+    from metafora.statemachine import ErrorPolicy
+    from metafora.streams.ops import stream_rows
+
+    def jobs(task: Task) -> Jobs:
+        if task.id == "broken":
+            raise RuntimeError("no source for you")
+        return ListJobs([])
+
+    _node(cluster, stream_handler(jobs, lambda job, ctx: None, flush_every=0.01,
+                                  error_handler=ErrorPolicy(max_errors=1)))
+    cluster.client.submit_task(Task("empty"))
+    cluster.client.submit_task(Task("broken"))
+    cluster.wait_for_state("broken", TaskState.DONE)
+    rows = wait_for(lambda: {r.id: r for r in stream_rows(cluster.client)} if len(
+        stream_rows(cluster.client)) == 2 else None, 10.0, "both streams listed")
+    assert rows["empty"].info == StreamInfo(-1, -1, 0, None)
+    assert rows["broken"].state == "failed"
+    failing = rows["broken"].info.failing
+    assert failing is not None and "RuntimeError: no source for you" in failing.error
