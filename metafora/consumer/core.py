@@ -190,11 +190,13 @@ class Consumer:
             http_addr=http_addr, labels=labels or {}, weight=weight,
             placement_wait=_plain(placement_wait), rendezvous_wait=_plain(rendezvous_wait),
             prune_every=_plain(prune_every))
-        self._coord = coordinator
-        self._handler_func = handler_func
         bind = getattr(handler_func, "bind_coordinator", None)
         if callable(bind):  # a HandlerFunc keeping its state in this store (metafora.streams)
-            bind(coordinator)
+            handler_func = bind(coordinator)
+            if not callable(handler_func):
+                raise ConfigError("handler_func.bind_coordinator must return a HandlerFunc")
+        self._coord = coordinator
+        self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
         self._runs = RecentRuns(clock=self._clock)  # finished runs' times, for the balancer

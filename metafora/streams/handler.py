@@ -145,9 +145,10 @@ class StreamOptions:
 class StreamHandlerFunc:
     """The :data:`~metafora.handler.HandlerFunc` made by :func:`stream_handler`.
 
-    It needs the coordinator's stores: given as ``coordinator=``, or bound by the
-    :class:`~metafora.Consumer` it is given to (:meth:`bind_coordinator`). :meth:`lags` is what the
-    node's ``metafora_stream_lag`` gauge sums.
+    It needs a coordinator's stores: given as ``coordinator=`` (or ``state_store`` and
+    ``task_commands``), or else each :class:`~metafora.Consumer` it is given to runs a copy
+    bound to its own coordinator (:meth:`bind_coordinator`), so one handler may serve several
+    consumers of a process. :meth:`lags` is what a node's ``metafora_stream_lag`` sums.
     """
 
     def __init__(self, jobs: JobsFactory, work: Work, options: StreamOptions, *,
@@ -164,15 +165,25 @@ class StreamHandlerFunc:
         self._machine: StatefulHandlerFunc | None = None
         self._lock = threading.Lock()
         self._lags: dict[str, int] = {}
+        self._copies: list[StreamHandlerFunc] = []  # bound by consumers, for lags()
 
-    def bind_coordinator(self, coordinator: Coordinator | None) -> None:
-        """Use ``coordinator``'s state store and task commands (the first binding stays)."""
+    def _bind(self, coordinator: Coordinator | None) -> None:
+        self._machine = handler_func(
+            self._step, coordinator, error_handler=self._error_handler, clock=self._clock,
+            state_store=self._state_store, task_commands=self._task_commands)
+
+    def bind_coordinator(self, coordinator: Coordinator) -> StreamHandlerFunc:
+        """The handler func a Consumer of ``coordinator`` runs: this one when it was given
+        its stores, else a copy on ``coordinator``'s state store and task commands."""
+        if self._machine is not None:
+            return self
+        copy = StreamHandlerFunc(self.jobs, self.work, self.options,
+                                 error_handler=self._error_handler, clock=self._clock,
+                                 state_store=None, task_commands=None)
+        copy._bind(coordinator)
         with self._lock:
-            if self._machine is not None:
-                return
-            self._machine = handler_func(
-                self._step, coordinator, error_handler=self._error_handler, clock=self._clock,
-                state_store=self._state_store, task_commands=self._task_commands)
+            self._copies.append(copy)
+        return copy
 
     @property
     def state_store(self) -> StateStore:
@@ -205,16 +216,19 @@ class StreamHandlerFunc:
                 self._lags[task_id] = lag
 
     def lags(self) -> dict[str, int]:
-        """The lag of each stream running here, by task id (jobs that exist, not processed)."""
+        """The lag of each stream running here (and in the consumers' bound copies), by task
+        id: jobs that exist and are not processed yet."""
         with self._lock:
-            return dict(self._lags)
+            found, copies = dict(self._lags), list(self._copies)
+        for copy in copies:
+            found.update(copy.lags())
+        return found
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         """The node-level gauges of this handler: ``metafora_stream_lag`` (summed over the
         streams running here: /metrics labels are ``node`` only, never a task id)."""
-        with self._lock:
-            total = sum(self._lags.values())
-            count = len(self._lags)
+        lags = self.lags()
+        total, count = sum(lags.values()), len(lags)
         return {"metafora_stream_lag": ("Jobs that exist and are not processed yet, summed "
                                         "over the streams this node runs", float(total)),
                 "metafora_streams": ("Streams this node runs", float(count))}
@@ -277,7 +291,7 @@ def stream_handler(
     made = StreamHandlerFunc(jobs, work, options, error_handler=error_handler or STREAM_ERROR_POLICY,
                              clock=clock, state_store=state_store, task_commands=task_commands)
     if coordinator is not None or (state_store is not None and task_commands is not None):
-        made.bind_coordinator(coordinator)
+        made._bind(coordinator)
     return made
 
 

@@ -398,3 +398,23 @@ def test_a_stream_is_listed_from_its_first_run_even_if_it_cannot_start(
     assert rows["broken"].state == "failed"
     failing = rows["broken"].info.failing
     assert failing is not None and "RuntimeError: no source for you" in failing.error
+
+
+def test_one_handler_serves_two_consumers_each_on_its_own_coordinator(
+        cluster: LocalCluster) -> None:
+    handler = stream_handler(lambda t: ListJobs(list(range(30))), lambda job, ctx: None,
+                             flush_every=0.01)
+    a = _node(cluster, handler, "a")
+    b = _node(cluster, handler, "b")
+    ids = [f"s{i}" for i in range(6)]
+    for tid in ids:
+        cluster.client.submit_task(Task(tid))
+    for tid in ids:
+        _processed(cluster, tid, 29)
+    owners = {cluster.client.get_task(tid).owner for tid in ids}
+    assert owners <= {"a", "b"}
+    assert set(handler.lags()) == set(ids)  # the consumers' copies report to the handler
+    cluster.stop(a)  # a's streams move to b, whose copy is bound to b's coordinator
+    wait_for(lambda: all(cluster.client.get_task(t).owner == "b" for t in ids), 30.0, "moved")
+    assert {t.task.id for t in b.tasks()} == set(ids)
+    assert not cluster.errors
