@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from metafora.streams import Job, JobContext, Jobs, Wake
+from metafora.streams import Job, JobContext, Jobs, StreamFailing, Wake
 
 
 class ListJobs(Jobs):
@@ -113,3 +113,19 @@ class Recorder:
                 self.end(job.index, ok)
 
         return work
+
+
+def wait_failing(client: Any, task_id: str, timeout: float = 30.0) -> StreamFailing:
+    """Wait until the stream is paused on a failing job (the failing progress is written
+    just before the pause); its failing job."""
+    from metafora.statemachine import StateCode, get_state
+    from metafora.testing import wait_for
+
+    def paused() -> StreamFailing | None:
+        state = get_state(client, task_id)
+        if state is None or state.code is not StateCode.PAUSED:
+            return None
+        failing: StreamFailing | None = client.stream(task_id).failing
+        return failing
+
+    return wait_for(paused, timeout, f"stream {task_id} paused on a failing job")

@@ -135,6 +135,9 @@ def check_stream(client: Client, task_id: str) -> bool:
     state = _state(client, task_id)
     if state is not None and state.code is not StateCode.RUNNABLE:
         return False
+    shown = None if state is None else _info_of(state)
+    if shown is not None and shown.failing is not None:
+        return False  # failing, about to pause: a `run` would resume it at once
     if info.state.value in ("done", "failed", "expired"):
         return False
     channel = commands_for(client)

@@ -12,7 +12,7 @@ from metafora import Task
 from metafora.streams import Job, JobContext, stream_handler
 from metafora.testing import LocalCluster, wait_for
 from tests.acceptance.test_cli_subprocess import metafora
-from tests.stream_kit import ListJobs
+from tests.stream_kit import ListJobs, wait_failing
 
 
 def test_stream_verbs_from_the_command_line(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_stream_verbs_from_the_command_line(tmp_path: Path) -> None:
         cluster.client.submit_task(Task("good"))
         cluster.client.submit_task(Task("bad"))
         wait_for(lambda: cluster.client.stream("good").processed == 7, 30.0, "good caught up")
-        wait_for(lambda: cluster.client.stream("bad").failing, 30.0, "bad failing")
+        wait_failing(cluster.client, "bad")
 
         table = metafora("--url", db, "streams", cwd=tmp_path)
         assert table.returncode == 0, table.stderr

@@ -13,7 +13,7 @@ from metafora.statemachine import state_store_for
 from metafora.statemachine.machine import State
 from metafora.streams import Job, JobContext, StreamInfo, stream_handler
 from metafora.testing import LocalCluster, wait_for
-from tests.stream_kit import ListJobs, Recorder
+from tests.stream_kit import ListJobs, Recorder, wait_failing
 
 _HOUR = 3600.0
 
@@ -81,7 +81,7 @@ def test_failing_then_retry_then_a_move(store_url: str) -> None:
                                            retry_delay=0.0, max_attempts=2, flush_every=0.01,
                                            poll_every=_HOUR), "a")
         cluster.client.submit_task(Task("s1"))
-        failing = wait_for(lambda: cluster.client.stream("s1").failing, 30.0, "failing")
+        failing = wait_failing(cluster.client, "s1")
         assert (failing.index, failing.attempts) == (6, 2)
         assert cluster.client.stream("s1").processed == 5
         cluster.stop(first)  # a paused stream moves paused: the next owner waits for retry

@@ -134,7 +134,9 @@ def test_a_failing_job_pauses_the_stream_until_retried(cluster: LocalCluster) ->
     assert (info.failing.index, info.failing.attempts) == (3, 3)
     assert "RuntimeError: job 3 fails" in info.failing.error
     assert max(rec.started()) <= 2 + 5  # the window held while job 3 was retried
-    assert get_state(cluster.client, "s1").code is StateCode.PAUSED  # type: ignore[union-attr]
+    assert cluster.client.check_stream("s1") is False  # failing: no check, even while pausing
+    wait_for(lambda: get_state(cluster.client, "s1").code is StateCode.PAUSED,  # type: ignore[union-attr]
+             10.0, "paused")
     assert cluster.client.get_task("s1").state is TaskState.CLAIMED  # keeps its claim
     assert cluster.client.check_stream("s1") is False  # a check does not resume it
 
@@ -402,8 +404,9 @@ def test_a_stream_is_listed_from_its_first_run_even_if_it_cannot_start(
 
 def test_one_handler_serves_two_consumers_each_on_its_own_coordinator(
         cluster: LocalCluster) -> None:
-    handler = stream_handler(lambda t: ListJobs(list(range(30))), lambda job, ctx: None,
-                             flush_every=0.01)
+    items = list(range(30))
+    handler = stream_handler(lambda t: ListJobs(items), lambda job, ctx: None,
+                             flush_every=0.01, poll_every=3600.0)
     a = _node(cluster, handler, "a")
     b = _node(cluster, handler, "b")
     ids = [f"s{i}" for i in range(6)]
@@ -416,5 +419,10 @@ def test_one_handler_serves_two_consumers_each_on_its_own_coordinator(
     assert set(handler.lags()) == set(ids)  # the consumers' copies report to the handler
     cluster.stop(a)  # a's streams move to b, whose copy is bound to b's coordinator
     wait_for(lambda: all(cluster.client.get_task(t).owner == "b" for t in ids), 30.0, "moved")
-    assert {t.task.id for t in b.tasks()} == set(ids)
+    wait_for(lambda: {t.task.id for t in b.tasks()} == set(ids), 30.0, "b runs them all")
+    items.append(30)
+    for tid in ids:  # and they go on there: the new job is processed by b's copy
+        assert cluster.client.check_stream(tid)
+    for tid in ids:
+        _processed(cluster, tid, 30)
     assert not cluster.errors
