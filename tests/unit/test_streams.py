@@ -426,3 +426,37 @@ def test_one_handler_serves_two_consumers_each_on_its_own_coordinator(
     for tid in ids:
         _processed(cluster, tid, 30)
     assert not cluster.errors
+
+
+class FlakyHead(ListJobs):
+    """head() raises on every call after the first (a source that went away)."""
+
+    def head(self) -> int:
+        if self.head_calls:
+            raise ConnectionError("the source went away")
+        return super().head()
+
+
+class Holes(ListJobs):
+    """at_index(2) is None although head() says it exists."""
+
+    def at_index(self, index: int) -> Job | None:
+        return None if index == 2 else super().at_index(index)
+
+
+def test_a_failing_head_and_a_missing_job_pause_their_stream(cluster: LocalCluster) -> None:
+    from tests.stream_kit import wait_failing
+
+    def jobs(task: Task) -> Jobs:
+        return FlakyHead(list(range(3))) if task.id == "flaky" else Holes(list(range(5)))
+
+    _node(cluster, stream_handler(jobs, lambda job, ctx: None, retry_delay=0.0,
+                                  max_attempts=2, flush_every=0.01))
+    cluster.client.submit_task(Task("flaky"))
+    cluster.client.submit_task(Task("holes"))
+    flaky = wait_failing(cluster.client, "flaky")
+    assert "head() failed: ConnectionError: the source went away" in flaky.error
+    assert cluster.client.stream("flaky").processed == 2  # its jobs were done before
+    holes = wait_failing(cluster.client, "holes")
+    assert holes.index == 2 and "at_index(2) returned None, although head() is 4" in holes.error
+    assert cluster.client.stream("holes").processed == 1
