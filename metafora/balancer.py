@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.handler import AsyncHandler, Handler
 from metafora.task import Task
 
 __all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask", "SelectorKey",
@@ -26,11 +27,14 @@ def selector_key(selector: Mapping[str, str]) -> SelectorKey:
 
 @dataclass(frozen=True)
 class RunningTask:
-    """A task running on this node: when it started and, if asked to stop, when."""
+    """A task running on this node: when it started, if asked to stop, when, and the
+    :class:`~metafora.handler.Handler` running it (Metafora's ``RunningTask.Handler()``;
+    None where no handler is known, as in a balancer's unit test)."""
 
     task: Task
     started: datetime
     stopped: datetime | None = None
+    handler: Handler | AsyncHandler | None = field(default=None, compare=False, repr=False)
 
     @property
     def id(self) -> str:

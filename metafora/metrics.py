@@ -62,6 +62,7 @@ class ConsumerStats:
     failed: int = 0
     lost: int = 0
     races_lost: int = 0  # offers tried and not won (another node took them first)
+    balance_turns: int = 0  # periodic and membership balance turns, run or skipped (frozen)
     claim_latency: Histogram = field(default_factory=Histogram)
     renewal_latency: Histogram = field(default_factory=Histogram)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

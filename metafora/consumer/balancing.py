@@ -5,6 +5,12 @@ lockstep). When the store reports that a node joined, left or announced leaving,
 follows after a random delay within ``rebalance_window`` -- every event of a burst falls into
 the same window -- and one more, a few seconds later, once the released tasks found their
 new owners. Runs on the consumer's loop thread.
+
+A frozen node (``metafora freeze``) skips these turns: it neither claims nor releases until
+unfrozen, so an operator who froze it finds every task where it was (Metafora's freeze "stops
+all task watching and balancing"). An explicit ``balance`` command (:meth:`Rebalancer.balance`)
+and ``stop_task`` still act. Every turn, run or skipped, is counted in
+``ConsumerStats.balance_turns``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from metafora.consumer.running import NodeLog
 from metafora.coordinator import Coordinator
 from metafora.errors import MetaforaError
 from metafora.masking import mask_url
+from metafora.metrics import ConsumerStats
 
 __all__ = ["Rebalancer"]
 
@@ -44,6 +51,7 @@ class Rebalancer:
         clock: Clock,
         rng: random.Random,
         log: NodeLog,
+        stats: ConsumerStats | None = None,
     ) -> None:
         self._coord = coordinator
         self._balancer = balancer
@@ -54,6 +62,7 @@ class Rebalancer:
         self._clock = clock
         self._rng = rng
         self._log = log
+        self._stats = stats if stats is not None else ConsumerStats()
         self.next_balance = 0.0  # monotonic time of the next balance
         self._follow_up = False  # a membership balance is followed by one settling balance
         self._members: set[str] | None = None  # active nodes at the last membership event
@@ -67,10 +76,15 @@ class Rebalancer:
             self.next_balance = min(self.next_balance, self._clock.monotonic() + self._settle_after())
 
     def tick(self, now: float) -> None:
-        """Balance if it is time (called by the loop on every pass)."""
+        """Balance if it is time (called by the loop on every pass); a frozen node skips
+        the turn (it keeps every task it holds)."""
         if now < self.next_balance:
             return
-        self.balance()
+        self._stats.incr("balance_turns")
+        if self._offers.frozen:
+            self._log.debug("frozen: balance turn skipped", extra={"action": "balance"})
+        else:
+            self.balance()
         self.next_balance = now + self._interval()
         if self._follow_up:
             # Released tasks race to new owners; a node at its share may take one
@@ -79,7 +93,8 @@ class Rebalancer:
             self.next_balance = min(self.next_balance, now + self._settle_after())
 
     def balance(self) -> None:
-        """Run the balancer now and ask the handlers of the tasks it gives up to return."""
+        """Run the balancer now and ask the handlers of the tasks it gives up to return
+        (frozen or not: what the ``balance`` command does)."""
         try:
             ids = self._balancer.balance()
         except Exception as exc:

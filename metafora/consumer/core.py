@@ -248,7 +248,7 @@ class Consumer:
         self._balancing = Rebalancer(
             coord, self._balancer, options, offers=self._offers,
             release=self._handoffs.request_release, wake=self._wake, clock=clock, rng=self._rng,
-            log=self._log)
+            log=self._log, stats=self.stats)
         self._launcher = Launcher(
             coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
             capacity=capacity, handoffs=self._handoffs, finisher=self._finisher,
@@ -280,7 +280,8 @@ class Consumer:
 
     @property
     def frozen(self) -> bool:
-        """Whether the node is frozen (claims nothing new; balance and stop_task still work)."""
+        """Whether the node is frozen: it claims nothing new and its periodic and membership
+        balances release nothing (the ``balance`` command and ``stop_task`` still act)."""
         return self._offers.frozen
 
     def tasks(self) -> list[RunningTask]:

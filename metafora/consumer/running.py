@@ -80,7 +80,7 @@ class Running:
 
     def view(self) -> RunningTask:
         """What the balancer sees of it."""
-        return RunningTask(self.task, self.started, self.stopped)
+        return RunningTask(self.task, self.started, self.stopped, self.handler)
 
 
 class RunningMap(dict[str, Running]):
