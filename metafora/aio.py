@@ -45,7 +45,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
-from metafora.coordinators.sql.schema import migrate, needs_migration
+from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params
 from metafora.errors import (
@@ -469,6 +469,8 @@ class PostgresAsyncClient(AsyncClient):
                 return
             try:
                 async with engine.connect() as conn:
+                    if not self._db.config.migrate:  # the release step's (metafora migrate)
+                        await conn.run_sync(lambda c: require_current(c, name))
                     needed = await conn.run_sync(lambda c: needs_migration(c, name))
                 if needed:
                     async with engine.begin() as conn:

@@ -24,6 +24,7 @@ __all__ = [
     "RequestTooLarge",
     "ScheduleExists",
     "ScheduleNotFound",
+    "SchemaNotReady",
     "StoreError",
     "TaskExists",
     "TaskNotFound",
@@ -83,6 +84,11 @@ class NodeNotFound(MetaforaError, LookupError):
 
 class StoreError(MetaforaError):
     """The store answered with an unexpected error (a bug or a schema problem, not a network fault)."""
+
+
+class SchemaNotReady(StoreError):
+    """The store's schema is missing or older than this metafora needs, and its URL says
+    ``migrate=false``: run ``metafora migrate --url URL`` (the release step) first."""
 
 
 class CoordinatorUnavailable(MetaforaError):

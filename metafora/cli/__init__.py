@@ -23,6 +23,7 @@ from metafora.cli import (
     demo_cmd,
     items,
     limits,
+    migrate,
     nodes,
     retention,
     schedules,
@@ -112,6 +113,7 @@ for _command in (
     demo_cmd.demo,
     web.web,
     worker.worker,
+    migrate.migrate,
 ):
     cli.add_command(_command)
 

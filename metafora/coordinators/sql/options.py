@@ -2,8 +2,11 @@
 
 ``sqlite:///relative.db`` or ``sqlite:////abs/path.db``; ``postgresql://user:pass@host:port/db``
 (``postgres://`` and ``postgresql+psycopg://`` are accepted too). Query options (or keyword
-arguments, which win): ``namespace``, ``lease_ttl``, ``poll_interval``, ``pool_size``, and
-``connect_timeout`` / ``sslmode`` (PostgreSQL) or ``busy_timeout`` (SQLite).
+arguments, which win): ``namespace``, ``lease_ttl``, ``poll_interval``, ``pool_size``,
+``migrate`` (default true: create and upgrade the tables on first use; false: never touch the
+schema, a missing or older one is :class:`~metafora.errors.SchemaNotReady` naming
+``metafora migrate``), and ``connect_timeout`` / ``sslmode`` (PostgreSQL) or ``busy_timeout``
+(SQLite).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SQLConfig:
     busy_timeout: float
     sslmode: str | None
     path: str | None  # SQLite file
+    migrate: bool = True  # False: never create or alter the schema (``metafora migrate`` does)
 
     @property
     def name(self) -> str:
@@ -89,6 +93,7 @@ def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
     poll_default = 15.0 if kind == "postgresql" else 0.25
     poll_interval = reader.number("poll_interval", poll_default, minimum=0.01, maximum=3600.0)
     pool_size = reader.integer("pool_size", 10, minimum=1, maximum=100)
+    migrate = reader.boolean("migrate", True)
     connect_timeout = 5.0
     busy_timeout = 5.0
     sslmode = None
@@ -130,4 +135,5 @@ def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
         busy_timeout=busy_timeout,
         sslmode=sslmode,
         path=path,
+        migrate=migrate,
     )

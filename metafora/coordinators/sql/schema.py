@@ -43,9 +43,10 @@ from collections.abc import Callable
 from sqlalchemy import Connection, inspect, text
 
 from metafora.coordinators.sql.dialect import Dialect
-from metafora.errors import StoreError
+from metafora.errors import SchemaNotReady, StoreError
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate", "needs_migration"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate", "needs_migration",
+           "require_current", "schema_not_ready"]
 
 Migration = Callable[[Connection, Dialect], None]
 
@@ -289,3 +290,23 @@ def needs_migration(conn: Connection, where: str) -> bool:
     version = current_version(conn)
     _check(version, where)
     return version < SCHEMA_VERSION
+
+
+def schema_not_ready(where: str, what: str, version: int, needed: int) -> SchemaNotReady:
+    """The error of a store told ``migrate=false`` whose schema ``what`` is at ``version``
+    where this metafora needs ``needed``."""
+    found = "missing" if version == 0 else f"at version {version}"
+    return SchemaNotReady(
+        f"the {what} of {where} is {found}, this metafora needs version {needed}, and the URL "
+        f"says migrate=false: run 'metafora migrate --url URL' (the same URL) to apply the "
+        "migrations, then start again"
+    )
+
+
+def require_current(conn: Connection, where: str) -> None:
+    """What ``migrate=false`` does instead of :func:`migrate`: SchemaNotReady unless the
+    schema is at :data:`SCHEMA_VERSION` (StoreError when newer). Only reads."""
+    version = current_version(conn)
+    _check(version, where)
+    if version < SCHEMA_VERSION:
+        raise schema_not_ready(where, "schema", version, SCHEMA_VERSION)

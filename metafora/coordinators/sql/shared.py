@@ -16,6 +16,7 @@ from collections.abc import Callable
 from metafora.coordinators.sql.dialect import Dialect, PostgresDialect
 from metafora.coordinators.sql.listen import ChangeFeed, Listener
 from metafora.coordinators.sql.options import PG_SCHEMES, SQLConfig, parse_config
+from metafora.coordinators.sql.schema import schema_not_ready
 from metafora.coordinators.sql.store import Database, translate_error
 from metafora.errors import ConfigError
 
@@ -30,6 +31,7 @@ __all__ = [
     "is_postgres",
     "listen",
     "parse_config",
+    "schema_not_ready",
     "translate_error",
 ]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 
-from metafora.coordinators.sql.shared import Database, claim_held, database_of
+from metafora.coordinators.sql.shared import Database, claim_held, database_of, schema_not_ready
 from metafora.errors import ClaimLost, StoreError
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
@@ -46,7 +46,7 @@ from metafora.statemachine.store import (
 )
 from metafora.task import Task
 
-__all__ = ["SQLStateStore", "SQLTaskCommands"]
+__all__ = ["SQLStateStore", "SQLTaskCommands", "ensure_command_table"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,10 @@ class _Statements:
         with self._lock:
             if self.tables_ready:
                 return
+            if not self.db.config.migrate:  # the release step creates it (metafora migrate)
+                self._require_table()
+                self.tables_ready = True
+                return
             try:
                 with self.db.transaction() as conn:
                     for ddl in self.ddl:
@@ -168,6 +172,19 @@ class _Statements:
                 with self.db.read() as conn:
                     conn.execute(text("SELECT 1 FROM metafora_task_commands WHERE 1 = 0"))
             self.tables_ready = True
+
+    def _require_table(self) -> None:
+        try:
+            with self.db.read() as conn:
+                conn.execute(text("SELECT 1 FROM metafora_task_commands WHERE 1 = 0"))
+        except StoreError:
+            raise schema_not_ready(self.db.name, "task command table", 0, 1) from None
+
+
+def ensure_command_table(db: Database) -> None:
+    """Create the task command table if it is missing (what ``metafora migrate`` applies
+    beside the migrations; a no-op once it exists)."""
+    _Statements.of(db).ensure()
 
 
 class SQLStateStore(StateStore):

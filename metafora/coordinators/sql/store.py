@@ -36,7 +36,7 @@ from sqlalchemy import exc as sa_exc
 from metafora.coordinators.sql.checkpoint import Checkpointer
 from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect, wait_out_busy
 from metafora.coordinators.sql.options import SQLConfig
-from metafora.coordinators.sql.schema import migrate, needs_migration
+from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
 from metafora.coordinators.sql.statements import Statements
 from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
 from metafora.masking import scrub
@@ -365,13 +365,16 @@ class Database:
             self.dialect.bump_counter(conn, value)
 
     def ensure_schema(self) -> None:
-        """Create or upgrade the schema on first use (once per handle; cheap afterwards)."""
+        """Create or upgrade the schema on first use (once per handle; cheap afterwards);
+        with ``migrate=false`` only check it (SchemaNotReady naming ``metafora migrate``)."""
         if self._schema_ready:
             return
         with self._schema_lock:
             if self._schema_ready:
                 return
             with self.read() as conn:
+                if not self.config.migrate:  # the schema is the release step's, never ours
+                    require_current(conn, self.name)
                 needed = needs_migration(conn, self.name)
             if needed:
                 with self.transaction() as conn:

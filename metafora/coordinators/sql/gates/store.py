@@ -64,7 +64,7 @@ from metafora.coordinators.sql.gates.schema import (
 from metafora.coordinators.sql.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
 from metafora.coordinators.sql.gates.wakeups import hub_for, items_channel
 from metafora.coordinators.sql.options import SQLConfig, parse_config
-from metafora.coordinators.sql.shared import database_of, is_postgres, listen
+from metafora.coordinators.sql.shared import database_of, is_postgres, listen, schema_not_ready
 from metafora.coordinators.sql.store import Database
 from metafora.errors import ConfigError, MetaforaError
 from metafora.gates.model import (
@@ -170,7 +170,7 @@ class SQLItemStore(ItemStore):
         if conn is not None:
             with self._db.translated():
                 version = current_version(conn)
-                check_version(version, self.name)
+                self._check_schema(version)
                 if version < GATES_SCHEMA_VERSION:
                     migrate(conn, self._db.dialect, self.name)
             return
@@ -179,12 +179,18 @@ class SQLItemStore(ItemStore):
                 return
             with self._db.read() as rconn:
                 version = current_version(rconn)
-            check_version(version, self.name)
+            self._check_schema(version)
             if version < GATES_SCHEMA_VERSION:
                 with self._db.transaction() as wconn:
                     migrate(wconn, self._db.dialect, self.name)
                 log.info("item tables of %s are ready", self.name, extra={"action": "schema"})
             self._schema_ready = True
+
+    def _check_schema(self, version: int) -> None:
+        """Refuse a newer schema; with ``migrate=false`` also a missing or older one."""
+        check_version(version, self.name)
+        if not self._config.migrate and version < GATES_SCHEMA_VERSION:
+            raise schema_not_ready(self.name, "item tables' schema", version, GATES_SCHEMA_VERSION)
 
     def _run(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
         params["ns"] = self._config.namespace

@@ -1,0 +1,73 @@
+"""Applying every schema migration of a SQL store at once: what ``metafora migrate`` runs.
+
+A store opened with ``migrate=false`` never creates or alters its tables (a production
+database whose schema is changed by a release step); this applies, in that step, what the
+store would otherwise apply on first use: the coordinator's migrations
+(:mod:`~metafora.coordinators.sql.schema`), the state machine's task command table
+(:mod:`~metafora.coordinators.sql.states`) and the gated partitions' item tables
+(:mod:`~metafora.coordinators.sql.gates.schema`, versioned apart). Each runs in its own
+transaction under its lock, so two runs at once are safe, and a second run changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from metafora.config import parse_store_url
+from metafora.coordinators.sql import schema
+from metafora.coordinators.sql.gates import schema as gates_schema
+from metafora.coordinators.sql.options import PG_SCHEMES, parse_config
+from metafora.coordinators.sql.states import ensure_command_table
+from metafora.coordinators.sql.store import Database
+from metafora.errors import ConfigError
+
+__all__ = ["Applied", "migrate_store"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One schema of a store: its version before and after ``metafora migrate``."""
+
+    schema: str
+    before: int
+    after: int
+
+    @property
+    def changed(self) -> bool:
+        """Whether migrations were applied."""
+        return self.after != self.before
+
+
+def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
+    """Bring every schema of the SQL store ``url`` up to date (``items``: the item tables
+    too); what each was before and is now. ConfigError for a store that has no schema (etcd,
+    memory); the URL's own ``migrate=false``, if any, is what this step is for, so it is
+    ignored here."""
+    parsed = parse_store_url(url)
+    if parsed.scheme != "sqlite" and parsed.scheme not in PG_SCHEMES:
+        raise ConfigError(
+            f"{parsed} has no schema to migrate: only SQL stores (sqlite:///PATH.db, "
+            "postgresql://...) have one"
+        )
+    config = dataclasses.replace(parse_config(parsed, {}), migrate=True)
+    db = Database(config)
+    try:
+        with db.read() as conn:
+            before = schema.current_version(conn)
+        db.ensure_schema()  # the coordinator's migrations, under its lock
+        ensure_command_table(db)
+        with db.read() as conn:
+            done = [Applied("tasks", before, schema.current_version(conn))]
+        if items:
+            with db.read() as conn:
+                before = gates_schema.current_version(conn)
+            gates_schema.check_version(before, db.name)
+            if before < gates_schema.GATES_SCHEMA_VERSION:
+                with db.transaction() as conn:
+                    gates_schema.migrate(conn, db.dialect, db.name)
+            with db.read() as conn:
+                done.append(Applied("items", before, gates_schema.current_version(conn)))
+        return done
+    finally:
+        db.close()
