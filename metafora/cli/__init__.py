@@ -105,7 +105,7 @@ for _command in (
     tasks.submit, tasks.delete, tasks.retry, tasks.tasks, tasks.show, tasks.purge,
     nodes.nodes, nodes.freeze, nodes.unfreeze, nodes.balance, nodes.stop, nodes.top,
     task_states.pause, task_states.resume, task_states.kill, task_states.sleep, task_states.state,
-    items.items, items.gate,
+    items.items, items.gate, items.partition,
     schedules.schedule,
     limits.limit,
     retention.retention,

@@ -4,7 +4,8 @@
 (``items list PARTITION`` is the same, for a partition named like a sub-command);
 ``metafora items add PARTITION --gate G --data @FILE|TEXT`` adds items;
 ``metafora items retry PARTITION`` makes failed items available and revives the task;
-``metafora gate PARTITION N`` moves a partition's gate by hand (``manual_checkpoint``).
+``metafora gate PARTITION N`` moves a partition's gate by hand (``manual_checkpoint``);
+``metafora partition reopen PARTITION [--gate G --data ...]`` opens a completed partition again.
 
 Items live in SQL: the store of ``--url`` when it is SQLite or PostgreSQL, else
 ``--items-url`` (``$METAFORA_ITEMS_URL``), e.g. with an etcd coordinator.
@@ -30,11 +31,12 @@ from metafora.gates import (
     ItemStore,
     NewItem,
     PartitionInfo,
+    reopen_partition,
     retry_partition,
 )
 from metafora.task import Task, validate_task_id
 
-__all__ = ["ENV_ITEMS_URL", "gate", "item_store", "items", "items_url_option"]
+__all__ = ["ENV_ITEMS_URL", "gate", "item_store", "items", "items_url_option", "partition"]
 
 ENV_ITEMS_URL = "METAFORA_ITEMS_URL"
 
@@ -243,3 +245,34 @@ def gate(ctx: click.Context, partition: str, gate_number: int, force: bool, item
     with item_store(ctx, items_url) as store:
         old = store.set_gate(partition, gate_number, force=force)
     click.echo(f"partition {partition}: gate {old} -> {gate_number}")
+
+
+@click.group()
+def partition() -> None:
+    """Gated partitions as a whole: reopen a completed one.
+
+    \b
+    metafora partition reopen PARTITION [--gate G --data @FILE|TEXT ...]
+    """
+
+
+@partition.command("reopen")
+@click.argument("partition_id", metavar="PARTITION")
+@click.option("--gate", type=click.IntRange(0, MAX_GATE), default=0, show_default=True,
+              help="The gate of the items given with --data.")
+@click.option("--data", "datas", multiple=True, metavar="@FILE|TEXT",
+              help="An item to add in the same step: @FILE reads a file (@- standard input), "
+                   "else the text. Repeatable.")
+@items_url_option
+@click.pass_context
+def reopen(ctx: click.Context, partition_id: str, gate: int, datas: tuple[str, ...],
+           items_url: str | None) -> None:
+    """Open a completed PARTITION again and make its task pending: done items stay done,
+    items added now or later (metafora items add) are processed."""
+    validate_task_id(partition_id)
+    new = [NewItem(gate, _read_data(value)) for value in datas]
+    with item_store(ctx, items_url) as store, store_client(ctx) as client:
+        at = reopen_partition(store, partition_id, client, new_items=new)
+        state = client.get_task(partition_id).state.value
+    added = f", {len(new)} item(s) added" if new else ""
+    click.echo(f"partition {partition_id}: open at gate {at}{added}; task is {state}")

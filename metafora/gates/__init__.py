@@ -38,6 +38,7 @@ from metafora.gates.handler import (
     GateTaskHandler,
     gate_error_handler,
     handler_func,
+    reopen_partition,
     retry_partition,
 )
 from metafora.gates.lease import PartitionLease
@@ -99,6 +100,7 @@ __all__ = [
     "callable_processor",
     "gate_error_handler",
     "handler_func",
+    "reopen_partition",
     "retry_partition",
 ]
 

@@ -37,18 +37,26 @@ makes the items available and the task pending again, and the next claim starts 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 from metafora.client import Client
 from metafora.clock import Clock
 from metafora.coordinator import Coordinator
-from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, MetaforaError, TaskNotFound
+from metafora.errors import (
+    ClaimLost,
+    ConfigError,
+    CoordinatorUnavailable,
+    InvalidTaskState,
+    MetaforaError,
+    TaskNotFound,
+)
 from metafora.gates.model import (
     Item,
     ItemsFailed,
     ItemStatus,
+    NewItem,
     PartitionFailed,
     Response,
 )
@@ -68,6 +76,7 @@ from metafora.statemachine.store import (
     state_store_for,
 )
 from metafora.task import Task, TaskState
+from metafora.task_retry import RetrySnapshot
 
 __all__ = [
     "GateHandlerFunc",
@@ -75,6 +84,7 @@ __all__ = [
     "GateTaskHandler",
     "gate_error_handler",
     "handler_func",
+    "reopen_partition",
     "retry_partition",
 ]
 
@@ -318,3 +328,59 @@ def retry_partition(items: ItemStore, partition: str, client: Client | None = No
             log.info("partition %s: sent resume (was %s)", partition, state.code.value,
                      extra={"task": partition, "action": "resume"})
     return count
+
+
+def reopen_partition(items: ItemStore, partition: str, client: Client | None = None, *,
+                     new_items: Sequence[NewItem] = ()) -> int:
+    """Reopen a completed partition (Go Feed's reopen); returns its gate.
+
+    The partition is open again with its items kept: done items stay done, the gate is the
+    lowest gate with unfinished items (``new_items`` included, added in the same
+    transaction), else 0; items added afterwards are processed by the next claim. With
+    ``client`` (the coordinator's store) the partition's *done* task is made pending again,
+    its state machine's ``completed`` state replaced by a runnable one at that gate, in one
+    atomic step; a task still pending or claimed is left running (it picks the items up);
+    one that ended otherwise (failed, killed) is refused with InvalidTaskState before
+    anything is written (``metafora items retry`` / ``metafora retry`` are for those).
+    """
+    batch = list(new_items)
+    if client is not None:
+        _check_reopenable(client, partition)
+    gate = items.reopen(partition, batch)
+    if client is None:
+        return gate
+    states = state_store_for(client)
+
+    def rewrite(found: RetrySnapshot) -> str | bytes | None:
+        if found.state is not TaskState.DONE:
+            raise InvalidTaskState(f"task {partition!r} is {found.state.value}, not done")
+        token = found.token
+        if found.body is not None:
+            token, _ = states.decode_stored(partition, found.body, token)
+        return states.encode_stored(token, State(cursor=str(gate)))
+
+    try:
+        if client.get_task(partition).state is TaskState.DONE:
+            client.retry_with_state(partition, rewrite)
+            log.info("partition %s: task made pending again at gate %d", partition, gate,
+                     extra={"task": partition, "action": "reopen"})
+    finally:
+        states.close()
+    return gate
+
+
+def _check_reopenable(client: Client, partition: str) -> None:
+    """InvalidTaskState unless the partition's task is done with a completed state machine,
+    or still pending or claimed (TaskNotFound when there is no task)."""
+    from metafora.statemachine import get_state
+
+    info = client.get_task(partition)
+    if info.state in (TaskState.PENDING, TaskState.CLAIMED):
+        return
+    state = get_state(client, partition) if info.state is TaskState.DONE else None
+    if state is None or state.code is not StateCode.COMPLETED:
+        ended = state.code.value if state is not None else info.state.value
+        raise InvalidTaskState(
+            f"partition {partition!r} ended {ended}, not completed: retry it instead "
+            f"(metafora items retry {partition})"
+        )

@@ -78,7 +78,8 @@ class GateMoveRefused(MetaforaError):
 
 
 class PartitionClosed(MetaforaError):
-    """The partition is completed; it takes no more items (use a new partition id)."""
+    """The partition is completed; it takes no more items until it is reopened
+    (:func:`metafora.gates.reopen_partition`, ``metafora partition reopen ID``)."""
 
 
 class ItemNotFound(MetaforaError, LookupError):

@@ -28,6 +28,8 @@ from metafora.task import Task
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
+    from metafora.client import Client
+
 __all__ = ["ItemStore"]
 
 
@@ -139,6 +141,30 @@ class ItemStore:
         """
         raise NotImplementedError
 
+    def reopen(self, partition: str, items: Sequence[NewItem] = ()) -> int:
+        """Open a completed partition again (Go Feed's reopen), with ``items`` added in the
+        same transaction; returns its gate. The store's half of :meth:`reopen_partition`,
+        which also makes the task pending.
+
+        Items already done stay done (they are not processed again); the gate becomes the
+        lowest gate that has unfinished items -- new ones included -- or 0 when none has, so
+        items added later may go at any gate. A partition that is open already is left as
+        it is (``items`` are added at or above its gate, else ItemBelowGate); one that never
+        existed is a GateError.
+        """
+        raise NotImplementedError
+
+    def reopen_partition(self, partition: str, client: Client | None = None, *,
+                         items: Sequence[NewItem] = ()) -> int:
+        """Reopen a completed partition and, with ``client`` (the coordinator's store), make
+        its task pending again so a node runs the new items; returns the gate.
+
+        See :func:`metafora.gates.reopen_partition`.
+        """
+        from metafora.gates.handler import reopen_partition
+
+        return reopen_partition(self, partition, client, new_items=items)
+
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
         many. See :func:`metafora.gates.retry_partition` to also revive the partition's
@@ -194,6 +220,7 @@ _INTERFACE = (
     "info",
     "failures",
     "set_gate",
+    "reopen",
     "retry",
     "delete",
     "delete_partitions",

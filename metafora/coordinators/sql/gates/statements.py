@@ -155,6 +155,15 @@ USER_SQL: dict[str, str] = {
     "set_gate": (
         "UPDATE metafora_partitions SET gate = :gate, updated_at = {now} WHERE " + _WHERE_P
     ),
+    # Reopening a completed partition: its lowest gate with unfinished items (None: none).
+    "lowest_unfinished": (
+        "SELECT min(gate) FROM metafora_items WHERE " + _WHERE_P
+        + " AND status IN ('available', 'failed')"
+    ),
+    "reopen_partition": (
+        "UPDATE metafora_partitions SET status = 'open', gate = :gate, batch_token = 0,"
+        " updated_at = {now} WHERE " + _WHERE_P + " AND status = 'completed'"
+    ),
     "retry": (
         "UPDATE metafora_items SET status = 'available', error = NULL, permanent = 0,"
         " deaths = 0, updated_at = {now} WHERE " + _WHERE_P + " AND status = 'failed'"

@@ -291,27 +291,29 @@ class SQLItemStore(ItemStore):
             self._run(tx, "ensure", {"p": partition})
             gate, status = self._run(tx, "lock", {"p": partition}).one()
             if status == PartitionStatus.COMPLETED.value:
-                raise PartitionClosed(f"partition {partition!r} is completed; it takes no more items")
+                raise PartitionClosed(f"partition {partition!r} is completed; it takes no more items "
+                                      f"(reopen it: metafora partition reopen {partition})")
             low = min(item.gate for item in batch)
             if low < int(gate):
                 raise ItemBelowGate(
                     f"cannot add an item at gate {low} to partition {partition!r}: its current gate "
                     f"is {gate}, so the item would never run; add it at gate {gate} or above"
                 )
-            rows = [
-                {"namespace": self._config.namespace, "partition_id": partition, "gate": item.gate,
-                 "status": ItemStatus.AVAILABLE.value, "data": item.data, "attempts": 0,
-                 "permanent": 0, "token": 0}
-                for item in batch
-            ]
             result = tx.execute(
-                ITEMS.insert().returning(ITEMS.c.id, sort_by_parameter_order=True), rows)
+                ITEMS.insert().returning(ITEMS.c.id, sort_by_parameter_order=True),
+                self._new_rows(partition, batch))
             ids = [int(row[0]) for row in result]
             self._notify(tx, partition)
         self._hub.notify(partition)
         log.debug("added %d item(s) to partition %s", len(ids), partition,
                   extra={"task": partition, "action": "add"})
         return ids
+
+    def _new_rows(self, partition: str, batch: Sequence[NewItem]) -> list[dict[str, Any]]:
+        """The rows of new items (available, no attempt yet)."""
+        return [{"namespace": self._config.namespace, "partition_id": partition, "gate": item.gate,
+                 "status": ItemStatus.AVAILABLE.value, "data": item.data, "attempts": 0,
+                 "permanent": 0, "token": 0} for item in batch]
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -409,6 +411,41 @@ class SQLItemStore(ItemStore):
         log.info("partition %s: gate moved by hand from %s to %s", partition, old, gate,
                  extra={"task": partition, "action": "set_gate"})
         return int(old)
+
+    def reopen(self, partition: str, items: Sequence[NewItem] = ()) -> int:
+        """Open a completed partition again, with ``items`` added in the same transaction;
+        returns its gate. See :meth:`ItemStore.reopen`."""
+        validate_task_id(partition)
+        batch = list(items)
+        for item in batch:
+            if not isinstance(item, NewItem):
+                raise GateError(f"items must be NewItem values, got {item!r}")
+        self.ensure_schema()
+        with self._db.transaction() as tx:
+            found = self._run(tx, "lock", {"p": partition}).first()
+            if found is None:
+                raise GateError(f"no partition {partition!r} in {self.name}: nothing to reopen")
+            gate, status = int(found[0]), str(found[1])
+            if status == PartitionStatus.COMPLETED.value:
+                low = self._run(tx, "lowest_unfinished", {"p": partition}).scalar()
+                lows = [int(low)] if low is not None else []
+                lows += [item.gate for item in batch]
+                # The lowest gate with work; none: gate 0, so new items may go at any gate.
+                gate = min(lows, default=0)
+                self._run(tx, "reopen_partition", {"p": partition, "gate": gate})
+            elif batch and min(item.gate for item in batch) < gate:
+                raise ItemBelowGate(
+                    f"cannot add an item at gate {min(i.gate for i in batch)} to partition "
+                    f"{partition!r}: its current gate is {gate}"
+                )
+            if batch:
+                tx.execute(ITEMS.insert(), self._new_rows(partition, batch))
+            self._notify(tx, partition)
+        self._hub.notify(partition)
+        log.info("partition %s: open again at gate %d (%s)", partition, gate,
+                 "reopened" if status == PartitionStatus.COMPLETED.value else "was open",
+                 extra={"task": partition, "action": "reopen"})
+        return gate
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
