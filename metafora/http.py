@@ -128,6 +128,16 @@ def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int
                 gauge = GaugeMetricFamily(name, doc, labels=["node"])
                 gauge.add_metric([node], reading)
                 yield gauge
+            if stats.gates is not None:
+                fam = CounterMetricFamily("metafora_gate_items",
+                                          "Items of gated partitions processed here, by outcome",
+                                          labels=["node", "outcome"])
+                for outcome, value in stats.gates.items().items():
+                    fam.add_metric([node, outcome.value], value)
+                yield fam
+                yield histogram("metafora_gate_item_seconds",
+                                "Seconds an item of a gated partition took, first attempt to outcome",
+                                stats.gates.item_seconds.snapshot())
             yield histogram("metafora_claim_latency_seconds", "Time of one claim round trip",
                             stats.claim_latency.snapshot())
             yield histogram("metafora_lease_renewal_latency_seconds",

@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import bisect
+import enum
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-__all__ = ["DEFAULT_BUCKETS", "ConsumerStats", "Histogram", "HistogramSnapshot"]
+__all__ = ["DEFAULT_BUCKETS", "GATE_BUCKETS", "ConsumerStats", "GateOutcome", "GateStats", "Histogram",
+           "HistogramSnapshot", "StatsUser"]
 
 DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+"""Buckets of ``metafora_gate_item_seconds``: an item may be an HTTP call of many seconds."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,38 @@ class Histogram:
         return HistogramSnapshot(tuple(cumulative), running, total)
 
 
+class GateOutcome(enum.Enum):
+    """The ``outcome`` label of ``metafora_gate_items_total`` (a fixed, small set)."""
+
+    DONE = "done"
+    """The processor answered (the item completed, or moved to a higher gate)."""
+    FAILED = "failed"
+    """The item failed: a permanent error, or its retries ran out."""
+    RETRIED = "retried"
+    """An attempt failed with a retryable error and the item is tried again."""
+
+
+class GateStats:
+    """What the gate handlers of a node count: items by outcome and the seconds each item
+    took, from its first attempt to its outcome (a batch: the batch's call, for each of its
+    items). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items = dict.fromkeys(GateOutcome, 0)
+        self.item_seconds = Histogram(GATE_BUCKETS)
+
+    def count(self, outcome: GateOutcome, by: int = 1) -> None:
+        """Add ``by`` items of ``outcome``."""
+        with self._lock:
+            self._items[outcome] += by
+
+    def items(self) -> dict[GateOutcome, int]:
+        """A consistent copy of the item counts, every outcome present."""
+        with self._lock:
+            return dict(self._items)
+
+
 _COUNTERS = ("claims", "releases", "done", "failed", "lost", "races_lost")
 
 
@@ -65,6 +102,7 @@ class ConsumerStats:
     balance_turns: int = 0  # periodic and membership balance turns, run or skipped (frozen)
     claim_latency: Histogram = field(default_factory=Histogram)
     renewal_latency: Histogram = field(default_factory=Histogram)
+    gates: GateStats | None = None  # set when the node runs gated partitions (StatsUser)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def incr(self, name: str, by: int = 1) -> None:
@@ -76,3 +114,13 @@ class ConsumerStats:
         """A consistent copy of the counters."""
         with self._lock:
             return {n: getattr(self, n) for n in _COUNTERS}
+
+
+@runtime_checkable
+class StatsUser(Protocol):
+    """A handler func that counts into the consumer's stats (the gate handler): the
+    consumer calls :meth:`attach_stats` once, before any task runs."""
+
+    def attach_stats(self, stats: ConsumerStats) -> None:
+        """Count into ``stats`` from now on."""
+        ...

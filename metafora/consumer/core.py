@@ -75,7 +75,7 @@ from metafora.errors import (
 )
 from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
-from metafora.metrics import ConsumerStats
+from metafora.metrics import ConsumerStats, StatsUser
 from metafora.retention import Pruner
 from metafora.schedule import Scheduler
 from metafora.task import Task
@@ -209,6 +209,8 @@ class Consumer:
         self._log = NodeLog(log, {"node": coord.node_id})
         self._http: InfoServer | None = None
         self.stats = ConsumerStats()
+        if isinstance(self._handler_func, StatsUser):  # the gate handler counts its items here
+            self._handler_func.attach_stats(self.stats)
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log)
         # Any node may take the prune turn of the retention policy (metafora.retention).

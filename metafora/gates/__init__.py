@@ -6,7 +6,8 @@ are queryable with plain SQL and with ``metafora items PARTITION``. Each item ha
 ``gate``, a ``status`` (available, complete, failed), ``data`` bytes, ``attempts`` and an
 ``error``. The handler processes the available items of the partition's current gate with
 a :class:`Processor` (a Python function through :func:`callable_processor`, or
-:class:`HTTPProcessor`), which answers :class:`Response` ``(gate, done, data, spawn)``. When
+:class:`HTTPProcessor`), which answers :class:`Response` ``(gate, done, data, spawn)`` -- or a
+:class:`BatchProcessor` (:class:`HTTPBatchProcessor`), which gets the items taken together. When
 the current gate has no available items and none failed, the gate jumps to the lowest gate
 that still has work (a fenced checkpoint); when no work is left the partition completes
 (``auto_close``) or waits for more items. Every item write is fenced by the claim token.
@@ -63,7 +64,9 @@ from metafora.gates.model import (
     Response,
 )
 from metafora.gates.processor import (
+    BatchProcessor,
     CallableProcessor,
+    HTTPBatchProcessor,
     HTTPProcessor,
     Processor,
     callable_processor,
@@ -73,12 +76,14 @@ from metafora.gates.store import ItemStore
 __all__ = [
     "MAX_GATE",
     "Advance",
+    "BatchProcessor",
     "CallableProcessor",
     "GateError",
     "GateHandlerFunc",
     "GateMoveRefused",
     "GateOptions",
     "GateTaskHandler",
+    "HTTPBatchProcessor",
     "HTTPProcessor",
     "Item",
     "ItemBelowGate",

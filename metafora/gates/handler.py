@@ -64,6 +64,7 @@ from metafora.gates.processor import Processor, callable_processor
 from metafora.gates.run import GateOptions, PartitionRun, short_error
 from metafora.gates.store import ItemStore
 from metafora.handler import Handler
+from metafora.metrics import ConsumerStats, GateStats
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
@@ -170,11 +171,18 @@ class GateHandlerFunc:
         self._clock = clock
         self._poll_interval = poll_interval
         self.bound = bound or LeaseBound()
+        self.stats = GateStats()
+
+    def attach_stats(self, stats: ConsumerStats) -> None:
+        """Count items into the consumer's ``stats`` (its ``/metrics``:
+        ``metafora_gate_items_total{outcome}``, ``metafora_gate_item_seconds``). Called by
+        the consumer; a handler func shared by consumers counts for them all."""
+        stats.gates = self.stats
 
     def __call__(self, task: Task) -> GateTaskHandler:
         lease = self.items.lease(task, self.node_id, claim_fence=self.claim_fence,
                                  bound=self.bound)
-        run = PartitionRun(task, self.processor, lease, self.items, self.options)
+        run = PartitionRun(task, self.processor, lease, self.items, self.options, self.stats)
         machine = StatefulTaskHandler(
             task, run.step, self.state_store, self.task_commands,
             error_handler=self._error_handler, clock=self._clock,

@@ -8,23 +8,36 @@ at the same time (the handler's default).
 
 - :func:`callable_processor` wraps a Python function ``fn(item) -> Response``.
 - :class:`HTTPProcessor` POSTs the item as JSON to a URL and reads the answer as JSON.
+
+A :class:`BatchProcessor` gets the items of a batch together instead:
+``process_batch(items) -> list[Response]``, one answer per item in order (a bulk API, one
+database round trip for many rows). :class:`HTTPBatchProcessor` is the HTTP processor's batch
+mode: one POST per batch.
 """
 
 from __future__ import annotations
 
+import abc
 import http.client
 import json
 import logging
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from metafora.errors import ConfigError
 from metafora.gates.model import Item, PermanentError, ProcessingError, Response
 
-__all__ = ["CallableProcessor", "HTTPProcessor", "Processor", "callable_processor"]
+__all__ = [
+    "BatchProcessor",
+    "CallableProcessor",
+    "HTTPBatchProcessor",
+    "HTTPProcessor",
+    "Processor",
+    "callable_processor",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,37 @@ class Processor(Protocol):
     def process(self, item: Item) -> Response:
         """Process ``item`` and say where it goes next."""
         ...
+
+
+class BatchProcessor(abc.ABC):
+    """Processes the items of a gated partition a batch at a time.
+
+    :meth:`process_batch` gets the items taken together (in id order, up to
+    :attr:`max_batch` of them per call; None: the whole batch the handler took, its
+    ``batch_size``) and returns one :class:`Response` per item, in the same order. Raising
+    :class:`PermanentError` fails every item of the call at once; any other exception is
+    retryable: the whole call is tried again, up to ``max_attempts`` times with back-off.
+    An answer that is not a list of as many Responses fails the call's items permanently.
+    Up to :attr:`concurrency` calls of one partition run at once (from the handler's threads:
+    it must be thread-safe). A BatchProcessor is also a :class:`Processor` (``process(item)``
+    is a batch of one), so it fits wherever one does.
+    """
+
+    concurrency: int = 1
+    """Calls of one partition in flight at once (the handler's default ``concurrency``)."""
+    max_batch: int | None = None
+    """The most items per call (None: every item the handler took at once)."""
+
+    @abc.abstractmethod
+    def process_batch(self, items: Sequence[Item]) -> list[Response]:
+        """Process ``items`` and say, for each in order, where it goes next."""
+
+    def process(self, item: Item) -> Response:
+        """One item as a batch of one."""
+        answers = self.process_batch([item])
+        if not isinstance(answers, list) or len(answers) != 1:
+            raise PermanentError(f"process_batch answered {answers!r} for one item")
+        return answers[0]
 
 
 def _concurrency(value: object) -> int:
@@ -118,41 +162,91 @@ class HTTPProcessor:
 
     def process(self, item: Item) -> Response:
         """POST the item; translate the outcome (see the class docstring)."""
-        body = json.dumps(item.to_wire(), separators=(",", ":")).encode("utf-8")
-        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-        where = f"POST {self.url} (item {item.id})"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
-                status = int(answer.status)
-                payload = answer.read(_MAX_ANSWER + 1)
-        except urllib.error.HTTPError as exc:
-            try:
-                detail = exc.read(300).decode("utf-8", errors="replace").strip()
-            except (OSError, http.client.HTTPException):
-                detail = ""
-            finally:
-                exc.close()
-            message = f"{where}: HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-            if exc.code >= 500 or exc.code in _RETRYABLE_STATUS:
-                raise ProcessingError(message) from None
-            raise PermanentError(message) from None
-        except TimeoutError as exc:
-            raise ProcessingError(f"{where}: no answer within {self.timeout:g}s") from exc
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError | socket.timeout):
-                raise ProcessingError(f"{where}: no answer within {self.timeout:g}s") from exc
-            raise ProcessingError(f"{where}: {exc.reason}") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            raise ProcessingError(f"{where}: {type(exc).__name__}: {exc}") from exc
-        if not 200 <= status < 300:
-            raise PermanentError(f"{where}: unexpected HTTP {status}")
-        if len(payload) > _MAX_ANSWER:
-            raise PermanentError(f"{where}: the answer is larger than {_MAX_ANSWER} bytes")
-        try:
-            obj = json.loads(payload)
-        except ValueError as exc:
-            raise PermanentError(f"{where}: the answer is not JSON: {exc}") from None
+        obj = _post(self.url, item.to_wire(), self.headers, self.timeout, f"POST {self.url} (item {item.id})")
         try:
             return Response.from_wire(obj, item.gate)
         except PermanentError as exc:
-            raise PermanentError(f"{where}: {exc}") from None
+            raise PermanentError(f"POST {self.url} (item {item.id}): {exc}") from None
+
+
+_MAX_BATCH = 10_000  # items per request of HTTPBatchProcessor at most
+
+
+class HTTPBatchProcessor(BatchProcessor):
+    """The batch mode of :class:`HTTPProcessor`: POSTs up to ``batch`` items in one request.
+
+    The body is ``{"items": [item, ...]}`` (each item as :class:`HTTPProcessor` sends it);
+    the answer is ``{"responses": [answer, ...]}`` (or the list alone), one answer per item in
+    order, each as :class:`HTTPProcessor` reads it. Statuses, timeouts and malformed answers
+    fail or retry the whole request as :class:`HTTPProcessor`'s do for one item.
+    ``concurrency`` bounds the requests in flight per partition (default 4).
+    """
+
+    def __init__(self, url: str, batch: int = 100, timeout: float = 30.0,
+                 headers: Mapping[str, str] | None = None, *, concurrency: int = 4) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= _MAX_BATCH:
+            raise ConfigError(f"batch must be an integer from 1 to {_MAX_BATCH}, got {batch!r}")
+        single = HTTPProcessor(url, timeout, headers, concurrency=concurrency)
+        self.url = single.url
+        self.timeout = single.timeout
+        self.headers = single.headers
+        self.concurrency = single.concurrency
+        self.max_batch = batch
+
+    def __repr__(self) -> str:
+        return f"HTTPBatchProcessor({self.url!r}, batch={self.max_batch}, timeout={self.timeout:g})"
+
+    def process_batch(self, items: Sequence[Item]) -> list[Response]:
+        """POST the items together; one Response per item (see the class docstring)."""
+        ids = f"{items[0].id}..{items[-1].id}" if items else "none"
+        where = f"POST {self.url} ({len(items)} items, ids {ids})"
+        obj = _post(self.url, {"items": [i.to_wire() for i in items]}, self.headers, self.timeout, where)
+        answers = obj.get("responses") if isinstance(obj, Mapping) else obj
+        if not isinstance(answers, list) or len(answers) != len(items):
+            raise PermanentError(f"{where}: the answer must hold {len(items)} responses in a list "
+                                 "('responses')")
+        out = []
+        for n, (item, answer) in enumerate(zip(items, answers, strict=True)):
+            try:
+                out.append(Response.from_wire(answer, item.gate))
+            except PermanentError as exc:
+                raise PermanentError(f"{where}: responses[{n}]: {exc}") from None
+        return out
+
+
+def _post(url: str, body_obj: object, headers: Mapping[str, str], timeout: float, where: str) -> Any:
+    """POST ``body_obj`` as JSON; the answer parsed, or ProcessingError (retryable) /
+    PermanentError as :class:`HTTPProcessor` documents."""
+    body = json.dumps(body_obj, separators=(",", ":")).encode("utf-8")
+    request = urllib.request.Request(url, data=body, headers=dict(headers), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            status = int(answer.status)
+            payload = answer.read(_MAX_ANSWER + 1)
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = exc.read(300).decode("utf-8", errors="replace").strip()
+        except (OSError, http.client.HTTPException):
+            detail = ""
+        finally:
+            exc.close()
+        message = f"{where}: HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
+        if exc.code >= 500 or exc.code in _RETRYABLE_STATUS:
+            raise ProcessingError(message) from None
+        raise PermanentError(message) from None
+    except TimeoutError as exc:
+        raise ProcessingError(f"{where}: no answer within {timeout:g}s") from exc
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError | socket.timeout):
+            raise ProcessingError(f"{where}: no answer within {timeout:g}s") from exc
+        raise ProcessingError(f"{where}: {exc.reason}") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise ProcessingError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    if not 200 <= status < 300:
+        raise PermanentError(f"{where}: unexpected HTTP {status}")
+    if len(payload) > _MAX_ANSWER:
+        raise PermanentError(f"{where}: the answer is larger than {_MAX_ANSWER} bytes")
+    try:
+        return json.loads(payload)
+    except ValueError as exc:
+        raise PermanentError(f"{where}: the answer is not JSON: {exc}") from None

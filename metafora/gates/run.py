@@ -31,8 +31,9 @@ from metafora.gates.model import (
     ProcessingError,
     Response,
 )
-from metafora.gates.processor import Processor
+from metafora.gates.processor import BatchProcessor, Processor
 from metafora.gates.store import ItemStore
+from metafora.metrics import GateOutcome, GateStats
 from metafora.statemachine.handler import Commands
 from metafora.statemachine.machine import MAX_ERROR_TEXT, Message
 from metafora.task import Task
@@ -103,8 +104,9 @@ class PartitionRun:
     """One claim's work on one partition: the step function the state machine calls."""
 
     def __init__(self, task: Task, processor: Processor, lease: PartitionLease,
-                 items: ItemStore, options: GateOptions) -> None:
+                 items: ItemStore, options: GateOptions, stats: GateStats | None = None) -> None:
         self.task = task
+        self._stats = stats
         self.lease = lease
         self._processor = processor
         self._items = items
@@ -294,58 +296,102 @@ class PartitionRun:
     # -- processing -------------------------------------------------------------------------
 
     def _process(self, batch: list[Item], gate: int, cmds: Commands) -> list[ItemResult]:
-        """Process a batch; items not started because of a stop are left out."""
-        if self._opt.concurrency == 1 or len(batch) == 1:
-            outcomes = []
-            for item in batch:
+        """Process a batch; items not started because of a stop are left out. A
+        :class:`BatchProcessor` gets the items in calls of up to its ``max_batch``; any other
+        processor one item per call."""
+        size = 1
+        if isinstance(self._processor, BatchProcessor):
+            size = self._processor.max_batch or len(batch)
+        calls = [batch[at:at + size] for at in range(0, len(batch), size)]
+        if self._opt.concurrency == 1 or len(calls) == 1:
+            outcomes: list[ItemResult] = []
+            for call in calls:
                 if self._stopping(cmds):
                     break
-                outcomes.append(self._attempt_recorded(item, gate))
+                outcomes.extend(self._attempt_recorded(call, gate))
             return outcomes
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._opt.concurrency,
                                                 thread_name_prefix=f"metafora-gate-{self.task.id}")
-        futures: list[Future[ItemResult | None]] = [
-            self._executor.submit(self._attempt_unless_stopped, item, gate) for item in batch
+        futures: list[Future[list[ItemResult]]] = [
+            self._executor.submit(self._attempt_unless_stopped, call, gate) for call in calls
         ]
-        return [o for o in (f.result() for f in futures) if o is not None]
+        return [o for f in futures for o in f.result()]
 
-    def _attempt_unless_stopped(self, item: Item, gate: int) -> ItemResult | None:
+    def _attempt_unless_stopped(self, call: list[Item], gate: int) -> list[ItemResult]:
         if self._stop.is_set():  # (worker threads do not touch the machine's Commands)
-            return None
-        return self._attempt_recorded(item, gate)
+            return []
+        return self._attempt_recorded(call, gate)
 
-    def _attempt_recorded(self, item: Item, gate: int) -> ItemResult:
-        """Process one item; its result goes to the group commit at once."""
-        outcome = self._attempt(item, gate)
-        self._results.add(gate, outcome)
-        return outcome
+    def _attempt_recorded(self, call: list[Item], gate: int) -> list[ItemResult]:
+        """Process one call's items; their results go to the group commit at once."""
+        outcomes = self._attempt(call, gate)
+        for outcome in outcomes:
+            self._results.add(gate, outcome)
+        return outcomes
 
-    def _attempt(self, item: Item, gate: int) -> ItemResult:
-        """Process one item, retrying retryable failures with back-off."""
+    def _answers(self, call: list[Item], tries: int) -> list[Response]:
+        """The processor's answers for ``call`` (attempt ``tries``), one per item, checked."""
+        sent = [replace(item, attempts=item.attempts + tries - 1) for item in call]
+        if isinstance(self._processor, BatchProcessor):
+            answers: object = self._processor.process_batch(sent)
+            if (not isinstance(answers, list) or len(answers) != len(call)
+                    or not all(isinstance(a, Response) for a in answers)):
+                raise PermanentError(f"process_batch answered {type(answers).__name__} for "
+                                     f"{len(call)} item(s), not a list of as many Responses")
+            return answers
+        response = self._processor.process(sent[0])
+        if not isinstance(response, Response):
+            raise PermanentError(f"the processor returned {type(response).__name__}, not a Response")
+        return [response]
+
+    def _attempt(self, call: list[Item], gate: int) -> list[ItemResult]:
+        """Process one call's items (one item, or a batch processor's batch), retrying
+        retryable failures of the whole call with back-off."""
         delay = self._opt.retry_delay
         tries = 0
+        began = SYSTEM_CLOCK.monotonic()
+        what = f"item {call[0].id}" if len(call) == 1 else f"{len(call)} items ({call[0].id}..{call[-1].id})"
         while True:
             tries += 1
             try:
-                response = self._processor.process(replace(item, attempts=item.attempts + tries - 1))
-                if not isinstance(response, Response):
-                    raise PermanentError(f"the processor returned {type(response).__name__}, not a Response")
-                return self._accept(item, gate, response, tries)
+                answers = self._answers(call, tries)
+                outcomes = [self._accept(item, gate, answer, tries)
+                            for item, answer in zip(call, answers, strict=True)]
+                self._counted(outcomes, began)
+                return outcomes
             except Exception as exc:
                 permanent = isinstance(exc, ProcessingError) and not exc.retryable
                 text = short_error(error_text(exc))
                 if permanent or tries >= self._opt.max_attempts:
-                    log.warning("partition %s: item %d failed%s after %d attempt(s): %s", self.task.id,
-                                item.id, " permanently" if permanent else "", tries, text,
+                    log.warning("partition %s: %s failed%s after %d attempt(s): %s", self.task.id,
+                                what, " permanently" if permanent else "", tries, text,
                                 extra={**self._extra, "action": "item_failed"})
-                    return ItemResult(item.id, ItemStatus.FAILED, gate, tries, error=text,
-                                      permanent=permanent)
-                log.info("partition %s: item %d attempt %d failed, retrying in %.2fs: %s", self.task.id,
-                         item.id, tries, delay, text, extra={**self._extra, "action": "item_retry"})
+                    outcomes = [ItemResult(item.id, ItemStatus.FAILED, gate, tries, error=text,
+                                           permanent=permanent) for item in call]
+                    self._counted(outcomes, began)
+                    return outcomes
+                log.info("partition %s: %s attempt %d failed, retrying in %.2fs: %s", self.task.id,
+                         what, tries, delay, text, extra={**self._extra, "action": "item_retry"})
+                if self._stats is not None:
+                    self._stats.count(GateOutcome.RETRIED, len(call))
                 if self._stop.wait(delay):
-                    return ItemResult(item.id, ItemStatus.AVAILABLE, gate, tries, error=text)
+                    return [ItemResult(item.id, ItemStatus.AVAILABLE, gate, tries, error=text)
+                            for item in call]
                 delay = min(delay * 2, self._opt.max_retry_delay)
+
+    def _counted(self, outcomes: list[ItemResult], began: float) -> None:
+        """Count finished items by outcome, and the time they took, in the node's stats."""
+        if self._stats is None:
+            return
+        took = SYSTEM_CLOCK.monotonic() - began
+        failed = sum(1 for o in outcomes if o.status is ItemStatus.FAILED)
+        if failed:
+            self._stats.count(GateOutcome.FAILED, failed)
+        if len(outcomes) > failed:
+            self._stats.count(GateOutcome.DONE, len(outcomes) - failed)
+        for _ in outcomes:
+            self._stats.item_seconds.observe(took)
 
     def _accept(self, item: Item, gate: int, response: Response, tries: int) -> ItemResult:
         if response.gate < gate:
