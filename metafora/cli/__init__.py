@@ -21,6 +21,7 @@ import click
 import metafora
 from metafora.cli import (
     demo_cmd,
+    gates_worker,
     items,
     limits,
     migrate,
@@ -114,6 +115,7 @@ for _command in (
     web.web,
     worker.worker,
     migrate.migrate,
+    gates_worker.gates,
 ):
     cli.add_command(_command)
 
