@@ -14,12 +14,13 @@ tables, the fencing and what a crash leaves behind).
 from __future__ import annotations
 
 import builtins
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from metafora.backends import implementation, store_of_url
-from metafora.errors import ConfigError
+from metafora.errors import ConfigError, TaskNotFound
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
 from metafora.statemachine.store import LeaseBound
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from metafora.client import Client
 
 __all__ = ["ItemStore"]
+
+log = logging.getLogger(__name__)
 
 
 class ItemStore:
@@ -156,14 +159,37 @@ class ItemStore:
 
     def reopen_partition(self, partition: str, client: Client | None = None, *,
                          items: Sequence[NewItem] = ()) -> int:
-        """Reopen a completed partition and, with ``client`` (the coordinator's store), make
-        its task pending again so a node runs the new items; returns the gate.
+        """Reopen a completed partition and make its task pending again so a node runs the
+        new items; returns the gate. See :func:`metafora.gates.reopen_partition`.
 
-        See :func:`metafora.gates.reopen_partition`.
+        ``client`` is the coordinator's store; without it, the tasks kept beside the items
+        (:meth:`tasks_client`: a SQL coordinator on this database and namespace). When the
+        task is not there (an etcd coordinator keeps it), only the partition is reopened and
+        a warning says to pass the coordinator's client.
         """
         from metafora.gates.handler import reopen_partition
 
-        return reopen_partition(self, partition, client, new_items=items)
+        if client is not None:
+            return reopen_partition(self, partition, client, new_items=items)
+        own = self.tasks_client()
+        if own is None:
+            return reopen_partition(self, partition, None, new_items=items)
+        try:
+            try:
+                own.get_task(partition)
+            except TaskNotFound:
+                log.warning("partition %s: no task of that id beside the items in %s; reopening "
+                            "the partition only (pass the coordinator's client to revive its task)",
+                            partition, self.name, extra={"task": partition, "action": "reopen"})
+                return reopen_partition(self, partition, None, new_items=items)
+            return reopen_partition(self, partition, own, new_items=items)
+        finally:
+            own.close()
+
+    def tasks_client(self) -> Client | None:
+        """A client of the tasks kept in this store's database and namespace, if the store
+        can keep tasks (the caller closes it); None here."""
+        return None
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how

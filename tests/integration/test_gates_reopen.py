@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import inspect
 
 from metafora import Consumer, Task, TaskState, open_coordinator
 from metafora.cli import EXIT_OK, EXIT_REFUSED, cli
 from metafora.errors import InvalidTaskState
 from metafora.gates import (
     Item,
+    ItemResult,
     ItemStatus,
     ItemStore,
     NewItem,
@@ -135,3 +138,31 @@ def test_metafora_partition_reopen(sql_url: str, items: ItemStore) -> None:
         _start(cluster, items, seen)
         cluster.wait_for_state("p", TaskState.DONE, timeout=60)
         assert seen.all() == ["a0", "b0", "c2", "g1"]
+
+
+def test_the_item_stores_own_reopen_finds_the_task_beside_the_items(
+        sql_url: str, items: ItemStore) -> None:
+    seen = Seen()
+    with LocalCluster(sql_url) as cluster:
+        node = _start(cluster, items, seen)
+        _finish(items, seen, cluster)
+        cluster.stop(node)
+        assert items.reopen_partition("p", items=[NewItem(0, b"h0")]) == 0  # no client given
+        assert cluster.client.get_task("p").state is TaskState.PENDING
+        _start(cluster, items, seen)
+        cluster.wait_for_state("p", TaskState.DONE, timeout=60)
+        assert seen.all() == ["a0", "b0", "c2", "h0"]
+
+
+def test_items_of_their_own_database_reopen_the_partition_only(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/items.db"  # as an etcd coordinator's items: no tasks here
+    with ItemStore(url) as store:
+        store.add("p", [NewItem(0, b"x")])
+        lease = store.lease(Task("p", token=5))
+        lease.take_over()
+        lease.finish(0, [ItemResult(1, ItemStatus.COMPLETE, 0, 1)])
+        assert lease.advance(0, move=True, close=True).kind == "completed"
+        assert store.reopen_partition("p") == 0
+        assert store.info("p").status is PartitionStatus.OPEN
+        with store.read() as conn:
+            assert not inspect(conn).has_table("metafora_tasks")  # no coordinator tables made

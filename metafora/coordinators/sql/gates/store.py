@@ -53,6 +53,7 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, text
 
 from metafora.backends import default_url
+from metafora.client import Client
 from metafora.config import parse_store_url
 from metafora.coordinators.sql.gates.lease import SQLPartitionLease
 from metafora.coordinators.sql.gates.schema import (
@@ -64,6 +65,7 @@ from metafora.coordinators.sql.gates.schema import (
 from metafora.coordinators.sql.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
 from metafora.coordinators.sql.gates.wakeups import hub_for, items_channel
 from metafora.coordinators.sql.options import SQLConfig, parse_config
+from metafora.coordinators.sql.schema import current_version as coordinator_version
 from metafora.coordinators.sql.shared import database_of, is_postgres, listen, schema_not_ready
 from metafora.coordinators.sql.store import Database
 from metafora.errors import ConfigError, MetaforaError
@@ -446,6 +448,17 @@ class SQLItemStore(ItemStore):
                  "reopened" if status == PartitionStatus.COMPLETED.value else "was open",
                  extra={"task": partition, "action": "reopen"})
         return gate
+
+    def tasks_client(self) -> Client | None:
+        """A client of the tasks in this database and namespace (where a SQL coordinator on
+        the same URL keeps them; the caller closes it), or None when the database holds no
+        coordinator tables (the items of an etcd coordinator: none are created here)."""
+        from metafora.connect import open_client
+
+        with self._db.read() as conn:
+            if coordinator_version(conn) == 0:
+                return None
+        return open_client(self._config.url.raw, namespace=self._config.namespace)
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
