@@ -12,13 +12,19 @@ move resumes without a gap and a zombie owner can never move it back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from metafora.streams.handler import JobContext, StreamHandlerFunc, StreamOptions, stream_handler
 from metafora.streams.jobs import Job, Jobs, StreamFailing, StreamInfo, Wake
+
+if TYPE_CHECKING:
+    from metafora.coordinators.sql.joblog import SQLJobLog
 
 __all__ = [
     "Job",
     "JobContext",
     "Jobs",
+    "SQLJobLog",
     "StreamFailing",
     "StreamHandlerFunc",
     "StreamInfo",
@@ -26,3 +32,13 @@ __all__ = [
     "Wake",
     "stream_handler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # SQLJobLog is the SQL store's (SQLAlchemy): imported when first named, so that
+    # `import metafora.streams` stays light for streams over other sources.
+    if name == "SQLJobLog":
+        from metafora.coordinators.sql.joblog import SQLJobLog
+
+        return SQLJobLog
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

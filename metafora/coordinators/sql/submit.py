@@ -236,7 +236,7 @@ def rows_of(result: Any) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in result] if result.returns_rows else []
 
 
-def run_steps(conn: Any, db: Database, steps: Steps[int]) -> int:
+def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
     """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
     check_conn(conn, db)
     execute: Any
@@ -254,7 +254,7 @@ def run_steps(conn: Any, db: Database, steps: Steps[int]) -> int:
         while True:
             step = steps.send(execute(*step))
     except StopIteration as done:
-        return int(done.value)
+        return done.value  # type: ignore[no-any-return]
     except TaskExists:
         raise
     except DRIVER_ERRORS as exc:
