@@ -1,0 +1,276 @@
+"""Streams of indexed jobs: jobs/s of one stream against the store's commit rate, and many
+streams spread over worker processes.
+
+- **one stream**: N jobs prefilled in a :class:`~metafora.streams.SQLJobLog`, one stream
+  (an in-process consumer) with no-op work at ``max_processing`` 1, 8 and 64
+  (``max_search_ahead`` = max(100, 4 x max_processing)); timed from ``submit_task`` to the
+  stored processed index reaching the last job (``Client.stream``, polled every 10 ms). Beside
+  it, in the same run, the store's **raw commit rate**: a loop of single-row commits through
+  the bare driver (SQLite: ``BEGIN IMMEDIATE`` / ``UPDATE`` / ``COMMIT`` in WAL with
+  ``synchronous=NORMAL``, as the store runs; PostgreSQL: an autocommit ``UPDATE``). The
+  target is at least 10x the commit rate at 64 in flight: the watermark is written batched,
+  not once per job.
+  A fourth run at 64 has ``async def`` no-op work (no thread hop per job).
+- **many streams**: S streams x J jobs (S logs) over 4 worker processes (spawned consumers,
+  ``max_processing=4``); timed from the first submit to every stream's processed index at
+  its last job. Reports the streams per node (their owners at the end: even means within
+  one), the jobs/s of the whole, and ``metafora streams`` taken mid-run (the lag column).
+
+    python -m benchmarks streams [--quick] [--stores sqlite,postgresql]
+    python benchmarks/streams.py [--quick] [--stores sqlite,postgresql]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/streams.py
+
+from benchmarks.common import Stores, save, table
+from metafora import Consumer, Task, open_client, open_coordinator
+from metafora.config import parse_store_url
+from metafora.coordinators.sql.options import parse_config
+from metafora.streams import Job, JobContext, SQLJobLog, stream_handler
+from metafora.streams.ops import stream_rows
+
+SPAWN = multiprocessing.get_context("spawn")
+SQL_STORES = ("sqlite", "postgresql")
+IN_FLIGHT = (1, 8, 64)
+PROCESSES = 4
+_APPEND = 1000  # jobs per append when filling a log
+
+
+def _noop(job: Job, ctx: JobContext) -> None:
+    return None
+
+
+async def _async_noop(job: Job, ctx: JobContext) -> None:
+    return None
+
+
+def _source(task: Task) -> SQLJobLog:
+    return SQLJobLog(task.props["url"], task.props["log"])
+
+
+def fill(url: str, name: str, count: int) -> None:
+    """Append ``count`` jobs to the log ``name`` (``_APPEND`` per transaction)."""
+    log = SQLJobLog(url, name)
+    try:
+        for first in range(0, count, _APPEND):
+            log.append([(f"j{i}", {"n": i}) for i in range(first, min(count, first + _APPEND))])
+    finally:
+        log.close()
+
+
+# -- the store's raw commit rate -------------------------------------------------------------
+
+
+def commit_rate(url: str, seconds: float) -> float:
+    """Single-row commits per second through the bare driver, for ``seconds``."""
+    config = parse_config(parse_store_url(url), {})
+    if config.kind == "sqlite":
+        conn = sqlite3.connect(f"{config.path}.commits", isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("CREATE TABLE IF NOT EXISTS bench (k INTEGER PRIMARY KEY, v INTEGER)")
+        conn.execute("INSERT OR IGNORE INTO bench VALUES (1, 0)")
+
+        def one() -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("UPDATE bench SET v = v + 1 WHERE k = 1")
+            conn.execute("COMMIT")
+    else:
+        import psycopg
+
+        from metafora.coordinators.sql.dialect import PostgresDialect
+
+        pg = psycopg.connect(**PostgresDialect(config).connect_kwargs(), autocommit=True)
+        table_name = f"bench_commits_{config.namespace}"
+        pg.execute(f'CREATE TABLE IF NOT EXISTS "{table_name}" (k INTEGER PRIMARY KEY, v INTEGER)')
+        pg.execute(f'INSERT INTO "{table_name}" VALUES (1, 0) ON CONFLICT DO NOTHING')
+        update = f'UPDATE "{table_name}" SET v = v + 1 WHERE k = 1'
+        conn = pg  # type: ignore[assignment]
+
+        def one() -> None:
+            pg.execute(update, prepare=True)
+    try:
+        count, began = 0, time.monotonic()
+        while (elapsed := time.monotonic() - began) < seconds:
+            one()
+            count += 1
+        return count / elapsed
+    finally:
+        conn.close()
+
+
+# -- one stream ------------------------------------------------------------------------------
+
+
+def _wait_processed(client: Any, task_id: str, last: int, timeout: float) -> float:
+    """Poll the stored processed index until it is ``last``; returns when (monotonic)."""
+    pause = threading.Event()
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.stream(task_id)
+        if info.processed >= last:
+            return time.monotonic()
+        if info.failing is not None:
+            raise RuntimeError(f"stream {task_id} is failing: {info.failing}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream {task_id} at {info.processed} of {last} after {timeout:g}s")
+        pause.wait(0.01)
+
+
+def one_stream(url: str, count: int, in_flight: int, is_async: bool = False) -> dict[str, Any]:
+    """Jobs/s of one stream of ``count`` prefilled jobs at ``in_flight`` jobs at once (no-op
+    work: a plain function on the stream's threads, or an ``async def``)."""
+    name = f"one-{in_flight}{'-async' if is_async else ''}"
+    fill(url, name, count)
+    coord = open_coordinator(url, node_id=f"bench-{name}")
+    handler = stream_handler(_source, _async_noop if is_async else _noop, max_processing=in_flight,
+                             max_search_ahead=max(100, 4 * in_flight))
+    consumer = Consumer(coord, handler)
+    thread = threading.Thread(target=consumer.run, name="bench-consumer", daemon=True)
+    thread.start()
+    try:
+        with open_client(url) as client:
+            began = time.monotonic()
+            client.submit_task(Task(name, {"url": url, "log": name}))
+            run_s = _wait_processed(client, name, count - 1, 600) - began
+    finally:
+        consumer.shutdown(timeout=30)
+        thread.join(30)
+    return {"jobs": count, "max_processing": in_flight, "work": "async def" if is_async else "def",
+            "seconds": run_s, "jobs_per_s": count / run_s}
+
+
+# -- many streams over processes --------------------------------------------------------------
+
+
+def _worker(url: str, node: str) -> None:
+    """A consumer process running streams (SIGTERM shuts it down)."""
+    consumer = Consumer(open_coordinator(url, node_id=node),
+                        stream_handler(_source, _noop, max_processing=4))
+    signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
+    consumer.run()
+
+
+def _cli_streams(url: str) -> str:
+    """``metafora streams`` as an operator runs it."""
+    done = subprocess.run([sys.executable, "-m", "metafora", "--url", url, "streams"], text=True,
+                          capture_output=True, timeout=120, check=False,
+                          env={**os.environ, "COLUMNS": "140"})
+    return done.stdout if done.returncode == 0 else f"exit {done.returncode}: {done.stderr}"
+
+
+def many_streams(url: str, streams: int, jobs: int, processes: int = PROCESSES) -> dict[str, Any]:
+    """``streams`` streams of ``jobs`` jobs each on ``processes`` worker processes."""
+    names = [f"s{n:03d}" for n in range(streams)]
+    for name in names:
+        fill(url, name, jobs)
+    procs: list[Any] = []
+    try:
+        for n in range(processes):
+            proc = SPAWN.Process(target=_worker, args=(url, f"w{n}"), daemon=True)
+            proc.start()
+            procs.append(proc)
+        with open_client(url) as client:
+            pause = threading.Event()
+            deadline = time.monotonic() + 120
+            while len(client.nodes()) < processes:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("worker processes did not start")
+                pause.wait(0.05)
+            began = time.monotonic()
+            client.submit_tasks([Task(name, {"url": url, "log": name}) for name in names])
+            listing, lag_seen, done_at = "", 0, None
+            deadline = time.monotonic() + 1200
+            while done_at is None:
+                rows = {row.id: row for row in stream_rows(client)}
+                processed = sum(max(0, r.info.processed + 1) for r in rows.values())
+                if not listing and processed >= streams * jobs // 3:
+                    listing = _cli_streams(url)  # mid-run: the lag column is not all zero
+                    lag_seen = sum(1 for r in rows.values() if (r.info.lag or 0) > 0)
+                if len(rows) == streams and processed == streams * jobs:
+                    done_at = time.monotonic()
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"{processed} of {streams * jobs} jobs after 1200 s")
+                else:
+                    pause.wait(0.2)
+            owners = Counter(info.owner for info in client.tasks() if info.id in set(names))
+        counts = sorted(owners.values())
+        return {"streams": streams, "jobs_per_stream": jobs, "processes": processes,
+                "seconds": done_at - began, "jobs_per_s": streams * jobs / (done_at - began),
+                "per_node": dict(sorted((str(k), v) for k, v in owners.items())),
+                "even_within_one": len(owners) == processes and counts[-1] - counts[0] <= 1,
+                "lagging_streams_mid_run": lag_seen, "metafora_streams_mid_run": listing}
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+
+
+def run(stores: Stores, quick: bool) -> dict[str, Any]:
+    """Measure every SQL store in ``stores``; print and save the tables."""
+    count = int(os.environ.get("METAFORA_STREAMS_JOBS") or (3_000 if quick else 20_000))
+    streams = int(os.environ.get("METAFORA_STREAMS_MANY") or (20 if quick else 100))
+    per_stream = int(os.environ.get("METAFORA_STREAMS_PER") or (200 if quick else 1_000))
+    load = os.getloadavg()
+    data: dict[str, Any] = {"quick": quick, "load_before": load, "results": {}}
+    one_rows, many_rows = [], []
+    for kind in stores.kinds:
+        if kind not in SQL_STORES:
+            continue  # the log lives in SQL (beside an etcd coordinator it would be one of these)
+        rate = commit_rate(stores.url(kind), 3.0)
+        ones = [one_stream(stores.url(kind), count, n) for n in IN_FLIGHT]
+        ones.append(one_stream(stores.url(kind), count, IN_FLIGHT[-1], is_async=True))
+        for r in ones:
+            one_rows.append((kind, r["max_processing"], r["work"], r["jobs"], r["seconds"], r["jobs_per_s"],
+                             rate, r["jobs_per_s"] / rate))
+        many = many_streams(stores.url(kind), streams, per_stream)
+        many_rows.append((kind, f"{streams} x {per_stream}", PROCESSES, many["seconds"], many["jobs_per_s"],
+                          " ".join(f"{v}" for v in many["per_node"].values()),
+                          "yes" if many["even_within_one"] else "no", many["lagging_streams_mid_run"]))
+        data["results"][kind] = {"commit_rate": rate, "one_stream": ones, "many_streams": many}
+        print(f"`metafora streams` mid-run on {kind} (first lines):")
+        print("\n".join(many["metafora_streams_mid_run"].splitlines()[:8]))
+    data["load_after"] = os.getloadavg()
+    table(f"one stream, no-op work, {count} jobs in a SQLJobLog (load {load[0]:.1f})",
+          ("store", "max_processing", "work", "jobs", "seconds", "jobs/s", "raw commits/s", "x commit rate"),
+          one_rows)
+    table(f"many streams over {PROCESSES} worker processes, no-op work",
+          ("store", "streams x jobs", "processes", "seconds", "jobs/s", "streams per node", "even",
+           "lagging mid-run"), many_rows)
+    save("streams_quick" if quick else "streams", data)
+    return data
+
+
+def main() -> None:
+    """``python benchmarks/streams.py [--quick] [--stores ...]``."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/streams.py", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="3,000 jobs and 20 x 200 instead of 20,000 and 100 x 1,000")
+    parser.add_argument("--stores", default=",".join(SQL_STORES))
+    args = parser.parse_args()
+    with Stores([k.strip() for k in args.stores.split(",") if k.strip()]) as stores:
+        run(stores, args.quick)
+
+
+if __name__ == "__main__":
+    main()
