@@ -509,3 +509,35 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@table("streams", command="python -m benchmarks streams")
+def _streams(data: dict[str, Any]) -> list[str]:
+    results = data["results"]
+    first = next(iter(results.values()))
+    jobs = first["one_stream"][0]["jobs"]
+    load = data.get("load_before", [float("nan")])[0]
+    out = [f"One stream of {jobs:,} jobs prefilled in a `SQLJobLog`, no-op work, timed from the submit to"
+           " the stored processed index at the last job; the store's raw commit rate (single-row"
+           " commits through the bare driver) measured in the same run. Target: at least 10x the"
+           f" commit rate at 64 in flight. 1-minute load {load:.1f} at the start.", ""]
+    out += header("store", "max_processing", "work", "jobs/s", "raw commits/s", "x commit rate")
+    for kind, r in results.items():
+        for one in r["one_stream"]:
+            out.append(row(kind, one["max_processing"], f"`{one['work']}`", one["jobs_per_s"],
+                           r["commit_rate"], f"{one['jobs_per_s'] / r['commit_rate']:.2f}x"))
+    out += ["", "Many streams over 4 worker processes (`max_processing=4`, no-op work), all done: the"
+            " streams per node when the jobs were done and once the fair balancer evened them out"
+            " (its rounds are 60 s apart), and how many streams `metafora streams` showed lagging"
+            " when a third of the jobs were done.", ""]
+    out += header("store", "streams x jobs", "seconds", "jobs/s", "per node at done", "per node",
+                  "even (within one)", "lagging mid-run")
+    for kind, r in results.items():
+        many = r["many_streams"]
+        after = many.get("even_after_done_s")
+        out.append(row(kind, f"{many['streams']} x {many['jobs_per_stream']:,}", many["seconds"],
+                       many["jobs_per_s"], " / ".join(str(v) for v in many["per_node_at_done"].values()),
+                       " / ".join(str(v) for v in many["per_node"].values()),
+                       "no" if after is None else f"yes, {after:.0f} s after done",
+                       many["lagging_streams_mid_run"]))
+    return out
