@@ -85,6 +85,8 @@ def test_two_handles_of_one_log_agree(sql_url: str) -> None:
         assert two.append([("x", 2), ("y", 3)]) == [0, 1]
         assert other.append([("x", 9)]) == [0]  # logs are apart
         assert one.head() == two.head() == 1 and other.head() == 0
+        # One small pool per URL in a process, whatever the number of logs and streams.
+        assert one._db is two._db is other._db and one._db.config.pool_size == 2
     finally:
         for log in (one, two, other):
             log.close()

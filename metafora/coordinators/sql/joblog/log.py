@@ -58,6 +58,7 @@ from metafora.jsontext import MAX_DEPTH, check_depth, load_value
 from metafora.streams.jobs import Job, Jobs, Wake
 
 __all__ = [
+    "DEFAULT_POOL_SIZE",
     "MAX_APPEND",
     "MAX_APPEND_BYTES",
     "MAX_KEY_LENGTH",
@@ -80,6 +81,10 @@ MAX_APPEND = 10_000
 """The most items one :meth:`SQLJobLog.append` takes (append more in several calls)."""
 MAX_APPEND_BYTES = 16 * 1024 * 1024
 """The most bytes of keys and payloads one :meth:`SQLJobLog.append` takes."""
+DEFAULT_POOL_SIZE = 2
+"""Connections of the pool the logs of one URL share in a process, unless the URL's
+``pool_size`` option says otherwise (on PostgreSQL: twice that at most for reads, as many again
+for appends)."""
 READ_AHEAD = 128
 """Jobs read by one ``at_index`` that misses (the next ones are kept for the calls after)."""
 _KEPT = 4 * READ_AHEAD  # jobs kept at most per log handle
@@ -171,7 +176,12 @@ class _Shared:
                         f"a job log needs a SQL store URL (sqlite:///... or postgresql://...), not "
                         f"{parsed.redacted()!r}; beside an etcd coordinator give it a SQL database of its own"
                     )
-                found = (Database(parse_config(parsed, dict(options))), 0)
+                chosen = dict(options)
+                if "pool_size" not in chosen and "pool_size" not in parsed.query:
+                    # Reads and appends are short: a few connections serve every stream of
+                    # the process (a PostgreSQL server has few to give: 100 by default).
+                    chosen["pool_size"] = DEFAULT_POOL_SIZE
+                found = (Database(parse_config(parsed, chosen)), 0)
             db, users = found
             self._dbs[key] = (db, users + 1)
 
@@ -204,7 +214,8 @@ class SQLJobLog(Jobs):
     ``namespace`` option separates logs of one database as it separates tasks. The log needs
     no coordinator in that database: beside an etcd coordinator, give it a SQL URL of its own.
     ``options`` are the SQL store's URL options. Handles of one URL in a process share one
-    connection pool and (PostgreSQL) one LISTEN connection.
+    connection pool (``pool_size`` :data:`DEFAULT_POOL_SIZE` unless the URL or ``options`` set
+    it) and (PostgreSQL) one LISTEN connection.
 
     >>> log = SQLJobLog("sqlite:///metafora.db", "chunks")              # doctest: +SKIP
     >>> log.append([("block-7/0", {"size": 512}), ("block-7/1", {"size": 64})])  # doctest: +SKIP
