@@ -487,30 +487,6 @@ for _source, (_env, _args) in _AB_RUNS.items():
                            f" --save-as {_source}")(_ab)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks from the results files")
-    parser.add_argument("--list", action="store_true", help="list the tables and their results files")
-    args = parser.parse_args(argv)
-    if args.list:
-        for spec in TABLES.values():
-            print(f"{spec.name}: benchmarks/results/{spec.source}.json ({spec.command})")
-        return 0
-    problems = check(write=args.write)
-    for problem in problems:
-        print(problem, file=sys.stderr)
-    if problems:
-        print("the tables differ from their results files: `python -m benchmarks.tables --write` "
-              "regenerates them (never edit a figure by hand)", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 @table("streams", command="python -m benchmarks streams")
 def _streams(data: dict[str, Any]) -> list[str]:
     results = data["results"]
@@ -541,3 +517,28 @@ def _streams(data: dict[str, Any]) -> list[str]:
                        "no" if after is None else f"yes, {after:.0f} s after done",
                        many["lagging_streams_mid_run"]))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks from the results files")
+    parser.add_argument("--list", action="store_true", help="list the tables and their results files")
+    args = parser.parse_args(argv)
+    if args.list:
+        for spec in TABLES.values():
+            print(f"{spec.name}: benchmarks/results/{spec.source}.json ({spec.command})")
+        return 0
+    problems = check(write=args.write)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if problems:
+        print("the tables differ from their results files: `python -m benchmarks.tables --write` "
+              "regenerates them (never edit a figure by hand)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
