@@ -83,8 +83,9 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-SETTING_PREFIXES = ("METAFORA_CLAIMS_", "METAFORA_STREAMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_",
-                    "METAFORA_IDLE_", "METAFORA_BENCH_ETCD_MEMBERS", "METAFORA_BENCH_PROBE")
+SETTING_PREFIXES = ("METAFORA_CLAIMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_",
+                    "METAFORA_IDLE_", "METAFORA_BENCH_ETCD_MEMBERS", "METAFORA_BENCH_PROBE",
+                    "METAFORA_STREAMS_")
 
 
 def settings() -> dict[str, str]:
