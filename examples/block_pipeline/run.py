@@ -147,10 +147,14 @@ def run(url: str, blocks: int, workers: int, timeout: float) -> int:
     started = time.monotonic()
     print(f"run {run_id}: {blocks} blocks ({len(expected)} chunks) through 2 streams on {workers} "
           f"workers, store {client.name}")
-    try:
-        for height in range(blocks):  # the chain grows while the streams run
+    def grow() -> None:  # the chain grows while the streams run
+        for height in range(blocks):
             logs["blocks"].append([(f"block-{height:05d}", block(height))])
             time.sleep(0.02)
+
+    producer = threading.Thread(target=grow, name="chain", daemon=True)
+    producer.start()
+    try:
         # Kill stage 2's owner once it has done about a third of the chunks.
         wait("stage 2 to start", lambda: client.stream(names["chunks"]).processed >= len(expected) // 3,
              timeout)
@@ -162,7 +166,8 @@ def run(url: str, blocks: int, workers: int, timeout: float) -> int:
             victim.wait()
         killed = time.monotonic()
         print(f"killed {owner} (pid {victim.pid if victim else '?'}) with SIGKILL: it owned "
-              f"{names['chunks']}, processed index {at}")
+              f"{names['chunks']}, processed index {at} of {len(expected) - 1}")
+        producer.join()
         wait("the stream to move", lambda: client.get_task(names["chunks"]).owner not in (None, owner),
              timeout)
         print(f"{names['chunks']} moved to {client.get_task(names['chunks']).owner} "

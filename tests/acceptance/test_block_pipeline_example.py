@@ -5,6 +5,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def _assert_proved(done: subprocess.CompletedProcess[str]) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "with SIGKILL" in done.stdout and "moved to node-" in done.stdout
+    at, last = map(int, re.findall(r"processed index (-?\d+) of (\d+)", done.stdout)[0])
+    assert at < last  # killed mid-run
     proof = done.stdout.split("proof:", 1)[1]
     assert proof.count("[ok]") == 8 and "FAILED" not in proof
     assert "every block and every chunk was done, none skipped" in done.stdout
