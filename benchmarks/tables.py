@@ -516,6 +516,12 @@ def _streams(data: dict[str, Any]) -> list[str]:
                        " / ".join(str(v) for v in many["per_node"].values()),
                        "no" if after is None else f"yes, {after:.0f} s after done",
                        many["lagging_streams_mid_run"]))
+    for kind, r in results.items():
+        listing = r["many_streams"].get("metafora_streams_mid_run", "").splitlines()
+        if len(listing) > 3:
+            out += ["", f"`metafora streams` on {kind} when a third of the jobs were done (its first"
+                    " lines):", "", "```text", *listing[:7], "```"]
+            break
     return out
 
 
