@@ -2,7 +2,7 @@
 
 A store whose URL says ``migrate=false`` never creates or alters its tables; this command
 applies them: the coordinator's tables, the state machine's command table and the gated
-partitions' item tables. It exits 0 when the schema is up to date, whether it changed it or
+partitions' item tables and the job logs' tables. It exits 0 when the schema is up to date, whether it changed it or
 not (a second run changes nothing), and refuses stores that have no schema (etcd, memory).
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 __all__ = ["Job", "Jobs", "StreamFailing", "StreamInfo", "Wake"]
 
@@ -50,6 +50,12 @@ class Jobs(abc.ABC):
     def close(self) -> None:
         """Release what the source holds (connections, listeners). Idempotent."""
         return
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import metafora
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator, simple_handler
 from metafora.errors import ConfigError, SchemaNotReady
 from metafora.gates import ItemStore, NewItem
+from metafora.streams import SQLJobLog
 from metafora.testing import wait_for
 from metafora.testing.servers.postgres import postgres_database
 from tests.helpers import SUBPROCESS_DEADLINE
@@ -69,6 +70,8 @@ def test_migrate_false_never_touches_a_missing_schema(fresh_url: str) -> None:
         client.submit_task(Task("t"))
     with pytest.raises(SchemaNotReady, match="metafora migrate"), ItemStore(url) as items:
         items.add("p", [NewItem(0, b"x")])
+    with pytest.raises(SchemaNotReady, match="metafora migrate"), SQLJobLog(url, "blocks") as joblog:
+        joblog.append([("b1", None)])
     assert _tables(fresh_url) == set()  # nothing created
 
 
@@ -94,12 +97,14 @@ def test_metafora_migrate_applies_everything_once_then_the_store_runs_without_mi
     assert first.returncode == 0, first.stderr
     assert "tasks schema version 0 ->" in first.stdout
     assert "items schema version 0 ->" in first.stdout
+    assert "job logs schema version 0 ->" in first.stdout
     created = _tables(fresh_url)
     assert {"metafora_tasks", "metafora_schema", "metafora_task_commands",
-            "metafora_items", "metafora_gates_schema"} <= created
+            "metafora_items", "metafora_gates_schema", "metafora_joblog_schema",
+            "metafora_joblog_jobs"} <= created
     second = _migrate(_with(fresh_url, "migrate=false"))  # idempotent; the option is ignored
     assert second.returncode == 0, second.stderr
-    assert second.stdout.count("up to date") == 2
+    assert second.stdout.count("up to date") == 3
     assert _tables(fresh_url) == created
 
     url = _with(fresh_url, "migrate=false")
@@ -123,6 +128,8 @@ def test_metafora_migrate_applies_everything_once_then_the_store_runs_without_mi
     assert ran.is_set()
     with ItemStore(url) as items:
         assert items.add("p", [NewItem(0, b"x")]) == [1]
+    with SQLJobLog(url, "blocks") as joblog:
+        assert joblog.append([("b1", None), ("b2", None)]) == [0, 1]
 
 
 def test_migrate_refuses_stores_without_a_schema_and_bad_values(tmp_path: Path) -> None:

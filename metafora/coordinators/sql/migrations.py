@@ -7,6 +7,8 @@ store would otherwise apply on first use: the coordinator's migrations
 (:mod:`~metafora.coordinators.sql.states`) and the gated partitions' item tables
 (:mod:`~metafora.coordinators.sql.gates.schema`, versioned apart). Each runs in its own
 transaction under its lock, so two runs at once are safe, and a second run changes nothing.
+The job logs' tables (:mod:`~metafora.coordinators.sql.joblog.schema`, versioned apart too)
+are applied with the item tables.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from metafora.config import parse_store_url
 from metafora.coordinators.sql import schema
 from metafora.coordinators.sql.gates import schema as gates_schema
+from metafora.coordinators.sql.joblog import schema as joblog_schema
 from metafora.coordinators.sql.options import PG_SCHEMES, parse_config
 from metafora.coordinators.sql.states import ensure_command_table
 from metafora.coordinators.sql.store import Database
@@ -68,6 +71,14 @@ def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
                     gates_schema.migrate(conn, db.dialect, db.name)
             with db.read() as conn:
                 done.append(Applied("items", before, gates_schema.current_version(conn)))
+            with db.read() as conn:
+                before = joblog_schema.current_version(conn)
+            joblog_schema.ensure_version(before, db.name)
+            if before < joblog_schema.JOBLOG_SCHEMA_VERSION:
+                with db.transaction() as conn:
+                    joblog_schema.migrate(conn, db.dialect, db.name)
+            with db.read() as conn:
+                done.append(Applied("job logs", before, joblog_schema.current_version(conn)))
         return done
     finally:
         db.close()

@@ -51,7 +51,13 @@ from metafora.coordinators.sql.joblog.schema import (
     migrate,
 )
 from metafora.coordinators.sql.joblog.statements import JobLogStatements, append_steps, lock_steps
-from metafora.coordinators.sql.shared import SQL_SCHEMES, Database, SQLConfig, parse_config
+from metafora.coordinators.sql.shared import (
+    SQL_SCHEMES,
+    Database,
+    SQLConfig,
+    parse_config,
+    schema_not_ready,
+)
 from metafora.coordinators.sql.submit import check_conn, run_steps
 from metafora.errors import ConfigError, MetaforaError, StoreError
 from metafora.jsontext import MAX_DEPTH, check_depth, load_value
@@ -261,6 +267,10 @@ class SQLJobLog(Jobs):
         with self._db.read() as rconn:
             version = current_version(rconn)
         ensure_version(version, self._db.name)
+        if not self._config.migrate and version < JOBLOG_SCHEMA_VERSION:
+            # migrate=false: a release step owns the schema ('metafora migrate' applies it)
+            raise schema_not_ready(self._db.name, "job log tables' schema", version,
+                                   JOBLOG_SCHEMA_VERSION)
         if version < JOBLOG_SCHEMA_VERSION:
             if conn is not None:
                 with self._db.translated():
