@@ -20,7 +20,7 @@ from metafora.commands import Command
 from metafora.limits import ClientLimits
 from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
-from metafora.submitting import IfExists, check_if_exists, no_transactions
+from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
 from metafora.task_retry import StateRewrite, check_retry_options
 
@@ -105,6 +105,31 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     def _submit_in(self, conn: Any, tasks: Sequence[Task], if_exists: IfExists) -> int:
         """Write ``tasks`` in the application's transaction ``conn`` (SQL stores only)."""
         raise no_transactions(self.name)
+
+    def submit_message(self, task_id: str, message: Any, **options: Any) -> bool:
+        """Submit ``message`` (a registered dataclass, pydantic model or protobuf message, see
+        :mod:`metafora.messages`) as the props of task ``task_id``: ``{"@type": NAME, ...}``.
+
+        ``options`` are :meth:`submit_task`'s (``conn``, ``if_exists``) and the task's own
+        (``priority``, ``group``, ``selector``, ``prefer``, ``spread``). InvalidProps when the
+        message cannot be encoded.
+        """
+        from metafora.messages import message_task  # loaded when messages are used
+
+        task, submit = message_task(task_id, message, options)
+        return self.submit_task(task, **submit)
+
+    def complete_task(self, task: Task, *, conn: Any) -> None:
+        """Mark the claimed ``task`` done inside the application's open transaction ``conn``
+        (River's ``JobCompleteTx``): it is done if and only if that transaction commits.
+
+        ``task`` is the claimed task as its handler got it (its ``token`` fences the write).
+        SQL stores (a SQLAlchemy ``Connection`` or ``Session``, or a psycopg ``Connection``);
+        ClaimLost (nothing written: roll back) when the claim is not current. A committed
+        completion wins over whatever the handler returns afterwards. ConfigError on stores
+        that share no transaction with the application (etcd, memory). See docs/submit.md.
+        """
+        raise no_completion(self.name)
 
     def _now(self) -> datetime:
         """The time a submitted task's schedule is judged by (this machine's clock; a store

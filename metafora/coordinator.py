@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import ClassVar, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from metafora.balancer import ClusterState
 from metafora.commands import Command
@@ -278,6 +278,15 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     @abc.abstractmethod
     def fail(self, task: Task, error: BaseException | str) -> None:
         """Mark a claimed task failed with ``error``; kept, not rescheduled. Fenced."""
+
+    def complete_task(self, task: Task, *, conn: Any) -> None:
+        """Mark the claim ``task`` done inside the application's open transaction ``conn``
+        (as :meth:`metafora.Client.complete_task`; what a handler's ``ctx.complete(conn=)``
+        calls on its node's coordinator). ConfigError on stores that share no transaction
+        with the application (the default)."""
+        from metafora.submitting import no_completion
+
+        raise no_completion(self.name)
 
     def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
         """Record many outcomes, each fenced by its own task's token, in few round trips.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "ClaimCompleted",
     "ClaimLost",
     "ConfigError",
     "CoordinatorClosed",
@@ -101,6 +102,11 @@ class CoordinatorClosed(MetaforaError):
 
 class ClaimLost(MetaforaError):
     """A fenced write was refused: this node no longer holds the claim (owner or token differ)."""
+
+
+class ClaimCompleted(MetaforaError):
+    """The claim already ended done in the application's transaction (``complete_task``):
+    the outcome recorded for it is moot, and nothing was written (not an error to act on)."""
 
 
 class ScheduleExists(MetaforaError):

@@ -18,7 +18,7 @@ from typing import Literal
 
 from metafora.errors import ConfigError
 
-__all__ = ["IF_EXISTS", "IfExists", "check_if_exists", "no_transactions"]
+__all__ = ["IF_EXISTS", "IfExists", "check_if_exists", "no_completion", "no_transactions"]
 
 IfExists = Literal["error", "ignore", "replace"]
 """What a submit does with an id that exists."""
@@ -40,4 +40,14 @@ def no_transactions(store: str) -> ConfigError:
         f"submit(conn=...) needs a SQL store (SQLite or PostgreSQL): {store} shares no "
         "transaction with your application; submit after your own transaction commits, or "
         "with if_exists='ignore' so a retried submit is harmless"
+    )
+
+
+def no_completion(store: str) -> ConfigError:
+    """The refusal of ``complete_task(conn=...)`` (and of a fenced write in the application's
+    transaction) on a store that cannot share it."""
+    return ConfigError(
+        f"complete_task(task, conn=...) needs a SQL store (SQLite or PostgreSQL): {store} shares "
+        "no transaction with your application; return from the handler after your own "
+        "transaction commits (and make the work idempotent: it may run again)"
     )

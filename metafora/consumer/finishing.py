@@ -19,7 +19,13 @@ from metafora.consumer.events import Event, Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, Finish, Outcome, error_text
-from metafora.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
+from metafora.errors import (
+    ClaimCompleted,
+    ClaimLost,
+    CoordinatorUnavailable,
+    InvalidProps,
+    MetaforaError,
+)
 from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
@@ -87,8 +93,10 @@ class Finisher:
                 span.record_exception(error)
                 span.set_error(f"{type(error).__name__}: {error}")
             if not entry.lost and not entry.abandoned:
+                # Bad task data (InvalidProps: an unknown message type, a field that does not
+                # decode) is the task's fault, said in one line; anything else gets its traceback.
                 self._log.error("handler of task %s raised: %s", entry.task.id, error,
-                                exc_info=error, extra={"task": entry.task.id,
+                                exc_info=None if isinstance(error, InvalidProps) else error, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
         # How long it ran, for runs that ended on their own: balancers tell short tasks from
@@ -186,6 +194,12 @@ class Finisher:
         if result is None:
             self._stats.incr(_COUNTER[outcome])
             self._log.info("task %s %s", task.id, _PHRASE[outcome], extra=extra)
+        elif isinstance(result, ClaimCompleted):
+            # The application's transaction completed it (complete_task): that wins.
+            self._stats.incr("done")
+            self._log.info("task %s done (completed in the application's transaction; the "
+                           "handler's %s is moot)", task.id, outcome.value,
+                           extra={**extra, "action": "done"})
         elif isinstance(result, ClaimLost):
             self._log.warning("could not record task %s as %s: %s", task.id, _PHRASE[outcome],
                               result, extra=extra)

@@ -135,6 +135,12 @@ class ClaimView:
         """Whether the claim is held and its node is at risk."""
         return self._watch.at_risk and bool(self.time_left())
 
+    @property
+    def coordinator(self) -> Coordinator:
+        """The coordinator that holds the claim (its node's): where a handler's own fenced
+        writes about it go (``ctx.complete(conn=)``, ``ctx.checkpoint``)."""
+        return self._watch.coordinator
+
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         # A copied or unpickled task is not the claimed one: it carries no claim.
         return (_no_claim, ())
@@ -174,6 +180,11 @@ class RiskWatch:
     def at_risk(self) -> bool:
         """Whether an at-risk episode is on."""
         return self._episode is not None and self._episode.at_risk
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The node's coordinator."""
+        return self._coord
 
     def claim_time_left(self, task: Task) -> float | None:
         """The coordinator's ``claim_time_left`` (no I/O)."""

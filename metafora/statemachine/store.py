@@ -135,6 +135,14 @@ class StateStore(abc.ABC):
         Raises CoordinatorUnavailable on a (retryable) connection problem.
         """
 
+    def store_in(self, task: Task, state: State, conn: Any) -> None:
+        """Write ``state`` for the claim ``task.token`` inside the application's open
+        transaction ``conn`` (fenced as :meth:`store`: ClaimLost, nothing written). SQL
+        stores only; this default (etcd, memory) raises ConfigError."""
+        from metafora.submitting import no_completion
+
+        raise no_completion(type(self).__name__)
+
     @abc.abstractmethod
     def get(self, task_id: str) -> State | None:
         """The stored state for operators (unfenced); None if the task has none yet."""

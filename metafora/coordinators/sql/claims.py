@@ -24,7 +24,7 @@ from metafora.coordinators.sql.lease import Lease, release_untracked
 from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database, HotCursor
-from metafora.errors import ClaimLost, MetaforaError
+from metafora.errors import ClaimCompleted, ClaimLost, MetaforaError
 from metafora.task import Task
 
 __all__ = ["ClaimOutcomes", "Claims", "FusedClaim"]
@@ -310,6 +310,8 @@ class ClaimOutcomes:
                 row = cur.one(name, params)
                 if row is not None and name == "release":
                     cur.token_used(int(row[0]))
+                elif row is None and self._completed(cur, [task]):
+                    row = ()  # completed in the application's transaction: nothing to write
             settled = True
         finally:
             self._lease.end_finish(task, settled)
@@ -344,6 +346,7 @@ class ClaimOutcomes:
             return results
         unique = [finishes[i] for i in first.values()]
         written: set[tuple[str, int]] = set()
+        completed: set[tuple[str, int]] = set()
         for finish in unique:
             self._lease.begin_finish(finish.task.id)
         settled = False
@@ -365,6 +368,9 @@ class ClaimOutcomes:
                         if got and outcome is Outcome.RELEASE:
                             cur.token_used(max(int(r[2]) for r in got))
                         written.update((str(r[0]), int(r[1])) for r in got)
+                refused = [f.task for f in unique if (f.task.id, f.task.token) not in written]
+                if refused:  # one look for the batch, none while every outcome is written
+                    completed = {(t.id, t.token) for t in self._completed(cur, refused)}
                 if claim is not None:
                     claim(cur, None)
             settled = True
@@ -372,9 +378,27 @@ class ClaimOutcomes:
             for finish in unique:
                 self._lease.end_finish(finish.task, settled)
         for key, i in first.items():
-            if key not in written:
+            if key in completed:
+                results[i] = ClaimCompleted(f"task {key[0]!r} (token {key[1]}) was completed in "
+                                            "the application's transaction")
+            elif key not in written:
                 results[i] = self._claim_lost(finishes[i].task)
         return results
+
+    def _completed(self, cur: HotCursor, refused: Sequence[Task]) -> list[Task]:
+        """Of claims whose outcome was refused, those that ended done under their own token:
+        completed in the application's transaction (``Client.complete_task``), which wins
+        over the handler's outcome, so it is settled with nothing written (not lost)."""
+        done: list[Task] = []
+        for start in range(0, len(refused), _FINISH_MANY_MAX):
+            part = refused[start:start + _FINISH_MANY_MAX]
+            rows = json.dumps([{"fid": t.id, "ftoken": t.token, "ferror": None} for t in part])
+            found = {(str(r[0]), int(r[1])) for r in cur.all("done_already", {"rows": rows})}
+            done += [t for t in part if (t.id, t.token) in found]
+        for task in done:
+            log.debug("task %s (token %d) was completed in the application's transaction; "
+                      "its outcome is moot", task.id, task.token, extra={"task": task.id})
+        return done
 
     def _claim_lost(self, task: Task) -> ClaimLost:
         return ClaimLost(

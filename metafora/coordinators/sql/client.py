@@ -15,6 +15,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
+from metafora.coordinators.sql import complete as _complete
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.retention import SQLRetention
@@ -189,6 +190,10 @@ class SQLClient(SQLRetention, Client):
         """In the application's transaction (see :mod:`metafora.coordinators.sql.submit`)."""
         db = self._ready()  # the schema, on metafora's own connection (never in the caller's)
         return _submit.run_steps(conn, db, _submit.submit_steps(db, tasks, if_exists))
+
+    def complete_task(self, task: Task, *, conn: Any) -> None:
+        """As :meth:`Client.complete_task` (see :mod:`metafora.coordinators.sql.complete`)."""
+        _complete.complete_in(conn, self._ready(), task)
 
     def submit_tasks(
         self, tasks: Iterable[Task], *, conn: Any = None, if_exists: IfExists = "error"

@@ -33,6 +33,7 @@ from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.sql import schedules as _schedules
 from metafora.coordinators.sql.claims import ClaimOutcomes, Claims
 from metafora.coordinators.sql.commands import NodeCommands
+from metafora.coordinators.sql.complete import complete_in
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
 from metafora.coordinators.sql.nodes import NodeReads
@@ -355,6 +356,11 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     def fail(self, task: Task, error: BaseException | str) -> None:
         self._outcomes.fail(task, error)
+
+    def complete_task(self, task: Task, *, conn: Any) -> None:
+        """As :meth:`metafora.Client.complete_task` (see :mod:`~metafora.coordinators.sql.complete`)."""
+        self._check_open()
+        complete_in(conn, self._db, task)
 
     def finish_many(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
         """Group commit: one fenced statement per outcome kind (and per 500 outcomes)."""

@@ -128,6 +128,20 @@ _SQL: dict[str, str] = {
         "UPDATE metafora_tasks SET state = 'failed', owner = NULL, error = :error,"
         " finished_at = {now}, updated_at = {now} WHERE " + _FENCED + " RETURNING token"
     ),
+    # Completion in the application's transaction (Client.complete_task): the claim under
+    # :token, whoever its owner, while that owner's lease is live (the owner's own later
+    # outcome for the token then finds the row done: see "done_already").
+    "complete_tx": (
+        "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
+        " updated_at = {now} WHERE namespace = :ns AND id = :id AND token = :token"
+        " AND state = 'claimed' AND NOT " + _OWNER_DEAD + " RETURNING token"
+    ),
+    # Of refused outcomes (the :rows of a group commit), the claims that ended done under
+    # their own token: completed in the application's transaction, so the outcome is moot.
+    "done_already": (
+        _FINISH_ROWS + "SELECT id, token FROM metafora_tasks WHERE namespace = :ns"
+        " AND id {in_finished} AND (id, token) IN (SELECT fid, ftoken FROM v) AND state = 'done'"
+    ),
     # Group-committed outcomes (Coordinator.finish_many): one statement per outcome kind for
     # many claims, each row fenced by its own (id, token) as the single-row statements are;
     # the rows written come back, the others were refused (ClaimLost). The outcomes are

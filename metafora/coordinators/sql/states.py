@@ -237,6 +237,25 @@ class SQLStateStore(StateStore):
         if row is None:
             raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}")
 
+    def store_in(self, task: Task, state: State, conn: Any) -> None:
+        """As :meth:`store`, on the application's transaction ``conn`` (one fenced upsert;
+        ClaimLost when the claim is not current: roll back)."""
+        from metafora.coordinators.sql.submit import run_steps
+
+        self._st.ensure()  # the command table, on metafora's own connection
+        clause = self._st.sql["store"]
+        params = {"ns": self._db.config.namespace, "id": task.id, "token": task.token,
+                  "body": state.to_json()}
+
+        def steps() -> Any:
+            rows = yield clause, params
+            if not rows:
+                raise ClaimLost(f"task {task.id!r} is no longer claimed with token {task.token}: "
+                                "nothing was written (roll back)")
+            return 1
+
+        run_steps(conn, self._db, steps())
+
     def get(self, task_id: str) -> State | None:
         self._st.ensure()
         with self._db.read() as conn:
