@@ -95,8 +95,9 @@ class Finisher:
             if not entry.lost and not entry.abandoned:
                 # Bad task data (InvalidProps: an unknown message type, a field that does not
                 # decode) is the task's fault, said in one line; anything else gets its traceback.
+                trace = None if isinstance(error, InvalidProps) else error
                 self._log.error("handler of task %s raised: %s", entry.task.id, error,
-                                exc_info=None if isinstance(error, InvalidProps) else error, extra={"task": entry.task.id,
+                                exc_info=trace, extra={"task": entry.task.id,
                                                        "token": entry.task.token, "action": "fail"})
         stopping = self._stopping.is_set()
         # How long it ran, for runs that ended on their own: balancers tell short tasks from
