@@ -28,8 +28,8 @@ from metafora.task import Task
 
 __all__ = [
     "DEFAULT_MAX_CRASHES", "MAX_ERROR_BYTES", "Coordinator", "CoordinatorContext", "Finish",
-    "Outcome", "TaskCommandListener", "TaskSink", "as_sink", "crash_limit_error", "error_text",
-    "rotated",
+    "Outcome", "TaskCommandListener", "TaskSink", "as_sink", "coordinator_of", "crash_limit_error",
+    "error_text", "rotated",
 ]
 
 log = logging.getLogger(__name__)
@@ -393,3 +393,12 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def coordinator_of(task: Task) -> Coordinator | None:
+    """The coordinator of the node that claimed ``task`` (a Consumer hands it to the handler
+    with its claim), or None for a task that came from no consumer. A handler's own fenced
+    writes in the application's transaction (``ctx.complete(conn=)``) go there."""
+    claim = task.__dict__.get("_claim")
+    found = getattr(claim, "coordinator", None)
+    return found if isinstance(found, Coordinator) else None

@@ -17,6 +17,7 @@ import asyncio
 import threading
 from typing import Any
 
+from metafora.coordinator import coordinator_of
 from metafora.errors import ConfigError
 from metafora.task import Task
 
@@ -54,8 +55,7 @@ class MessageContext:
         """The coordinator (or client) the claim is completed and checkpointed on."""
         if self._store is not None:
             return self._store
-        claim = self.task.__dict__.get("_claim")
-        coordinator = getattr(claim, "coordinator", None)
+        coordinator = coordinator_of(self.task)
         if coordinator is None:
             raise ConfigError(
                 f"task {self.task.id!r} came from no consumer: give the router its store "

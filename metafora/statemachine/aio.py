@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Any
 
 from metafora.handler import AsyncHandler
 from metafora.statemachine.handler import MachineView, StatefulTaskHandler
@@ -82,13 +83,23 @@ class AsyncCommands(MachineView):
         mailbox.add_listener(callback)
         return lambda: mailbox.remove_listener(callback)
 
-    async def checkpoint(self, cursor: str | None = None) -> None:
+    async def checkpoint(self, cursor: str | None = None, *, conn: Any = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write, off the loop).
 
         Raises ClaimLost if another owner holds the task, CoordinatorUnavailable if the
         store stayed unreachable (the machine then releases the task if you let it propagate).
+        ``conn``: in the application's open (sync) transaction, as
+        :meth:`Commands.checkpoint <metafora.statemachine.handler.Commands.checkpoint>`.
         """
-        await asyncio.to_thread(self._machine.checkpoint, cursor)
+        if conn is None:
+            await asyncio.to_thread(self._machine.checkpoint, cursor)
+        else:
+            await asyncio.to_thread(self._machine.checkpoint_in, cursor, conn)
+
+    async def complete(self, *, conn: Any) -> None:
+        """Complete the task in the application's open (sync) transaction ``conn``, as
+        :meth:`Commands.complete <metafora.statemachine.handler.Commands.complete>`."""
+        await asyncio.to_thread(self._machine.complete_in, conn)
 
 
 AsyncStatefulHandler = Callable[[Task, AsyncCommands], Awaitable[Message]]

@@ -32,10 +32,11 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.errors import ClaimLost, CoordinatorUnavailable, StoreError
+from metafora.coordinator import coordinator_of
+from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.handler import Handler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.machine import (
@@ -159,14 +160,32 @@ class Commands(MachineView):
         self._machine.checkpoint(cursor, handoff=True)
         return Message.release()
 
-    def checkpoint(self, cursor: str | None = None) -> None:
+    def checkpoint(self, cursor: str | None = None, *, conn: Any = None) -> None:
         """Save ``cursor`` with the task's state now (a fenced write).
 
         Raises ClaimLost if another owner holds the task (return at once: the machine stops
         anyway), CoordinatorUnavailable if the store stayed unreachable (the machine then
         releases the task if you let it propagate).
+
+        With ``conn`` (SQL stores): the write joins the application's open transaction (a
+        SQLAlchemy ``Connection``/``Session`` or a psycopg ``Connection``), so the cursor
+        moves if and only if the business rows commit; ClaimLost means nothing was written
+        (roll back). Before its next own write the machine reads the state back from the
+        store, so a rolled-back cursor is never written later. ConfigError on etcd and memory.
         """
-        self._machine.checkpoint(cursor)
+        if conn is None:
+            self._machine.checkpoint(cursor)
+        else:
+            self._machine.checkpoint_in(cursor, conn)
+
+    def complete(self, *, conn: Any) -> None:
+        """Complete the task inside the application's open transaction ``conn``: its state
+        becomes ``completed`` and the task done, both if and only if ``conn`` commits
+        (River's ``JobCompleteTx``; SQL stores). A committed completion wins over what the
+        handler returns afterwards; after a rollback the machine goes on as if this was not
+        called. ClaimLost (nothing written: roll back) when the claim is not current.
+        """
+        self._machine.complete_in(conn)
 
 
 StatefulHandler = Callable[[Task, Commands], Message]
@@ -211,6 +230,10 @@ class StatefulTaskHandler(Handler):
         self._handed: Message | None = None  # a `run` kept for the handler's first read
         self.risk_until: datetime | None = None  # set while the claim is at risk
         self._risk_notice = False  # a checkpoint request for the handler's next read
+        # A write in the application's transaction happened: read the state back before the
+        # next own write (_settle); _completed: it was a completion (cmds.complete).
+        self._unsure = False
+        self._completed = False
         self._extra = {"task": task.id, "token": task.token}
 
     # -- Handler --------------------------------------------------------------------------
@@ -293,6 +316,15 @@ class StatefulTaskHandler(Handler):
         on a worker thread: it does store I/O).
         """
         task = self.task
+        try:
+            self._settle()
+        except ClaimLost as exc:
+            self._lose(exc)
+            return State(), False
+        except CoordinatorUnavailable as exc:
+            log.error("task %s: %s; releasing it", task.id, exc,
+                      extra={**self._extra, "action": "release"})
+            return State(), False
         assert self._state is not None
         state = self._state  # the handler's checkpoints may have moved the cursor
         new = apply(state, message, self.clock.now())
@@ -475,6 +507,59 @@ class StatefulTaskHandler(Handler):
             self._stop.wait(self.poll_interval if timeout is None else min(timeout, self.poll_interval))
         return None
 
+    def checkpoint_in(self, cursor: str | None, conn: Any) -> None:
+        """Persist the current state with ``cursor`` in the application's transaction
+        ``conn`` (see :meth:`Commands.checkpoint`); the state is read back before the
+        machine's next own write (the transaction may roll back)."""
+        new = self._with_cursor(cursor)
+        self._states.store_in(self.task, new, conn)
+        self._state, self._unsure = new, True
+
+    def complete_in(self, conn: Any) -> None:
+        """The completed state and the task's end in the application's transaction ``conn``
+        (see :meth:`Commands.complete`)."""
+        if self._lost:
+            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
+        self._settle()
+        state = self._state
+        assert state is not None
+        new = apply(state, Message.complete(), self.clock.now())
+        if new is None:
+            raise ClaimLost(f"task {self.task.id!r} cannot complete in state {state.code.value}")
+        coordinator = coordinator_of(self.task)
+        if coordinator is None:
+            raise ConfigError(f"task {self.task.id!r} came from no consumer: cmds.complete(conn=) "
+                              "completes a task its node claimed")
+        # The state first: its write is fenced by the task still being claimed.
+        self._states.store_in(self.task, new, conn)
+        coordinator.complete_task(self.task, conn=conn)
+        self._unsure = self._completed = True
+
+    def _with_cursor(self, cursor: str | None) -> State:
+        if self._lost:
+            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
+        self._settle()
+        state = self._state
+        assert state is not None
+        new = apply(state, Message.checkpoint(cursor))
+        if new is None:  # only while runnable; kept general for the table's sake
+            raise ClaimLost(f"task {self.task.id!r} cannot checkpoint in state {state.code.value}")
+        return new
+
+    def _settle(self) -> None:
+        """After a write in the application's transaction: the state as the store has it
+        (committed or rolled back). ClaimLost when the claim is gone (a committed
+        completion ends it)."""
+        if not self._unsure:
+            return
+        try:
+            self._state = self._retry("load state", lambda: self._states.load(self.task))
+        except _GiveUp as exc:
+            raise CoordinatorUnavailable(
+                f"could not read the state of task {self.task.id!r} back: {exc.__cause__}"
+            ) from exc.__cause__
+        self._unsure = self._completed = False
+
     def checkpoint(self, cursor: str | None, *, handoff: bool = False) -> None:
         """Persist the current state with ``cursor`` (see :meth:`Commands.checkpoint`).
 
@@ -482,6 +567,11 @@ class StatefulTaskHandler(Handler):
         called (the consumer's ``handoff_timeout`` bounds it)."""
         if self._lost:
             raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
+        try:
+            self._settle()
+        except ClaimLost as exc:
+            self._lose(exc)
+            raise
         state = self._state
         assert state is not None
         new = apply(state, Message.checkpoint(cursor))
@@ -545,7 +635,11 @@ class StatefulTaskHandler(Handler):
         raise AssertionError("unreachable")
 
     def _lose(self, exc: ClaimLost) -> None:
-        if not self._lost:
+        if not self._lost and self._completed:
+            # Expected: the application's transaction completed it (cmds.complete).
+            log.info("task %s: completed in the application's transaction; stopping",
+                     self.task.id, extra={**self._extra, "action": "completed"})
+        elif not self._lost:
             log.warning("task %s: claim lost (%s); stopping", self.task.id, exc,
                         extra={**self._extra, "action": "lost"})
         self._lost = True
