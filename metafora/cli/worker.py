@@ -10,6 +10,7 @@ released at once, the node deregistered) and exits 0; a second one exits at once
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -25,7 +26,7 @@ from metafora import Consumer
 from metafora.balancer import Balancer
 from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, ResourceBalancer, SleepBalancer
 from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
-from metafora.cli._load import Kind, Target, load_balancer, load_target
+from metafora.cli._load import Kind, Target, import_object, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
 from metafora.masking import mask_url
@@ -127,6 +128,17 @@ class _Signals:
                 signal.signal(sig, handler)
 
 
+def _list_types(spec: str) -> None:
+    """``--list-types``: the message types of the Router ``spec`` names, as JSON Schemas."""
+    from metafora.messages import Router  # only this option needs it
+
+    router = import_object(spec)
+    if not isinstance(router, Router):
+        raise CliError.make(f"--list-types needs a metafora.messages.Router; {spec!r} is a "
+                            f"{type(router).__name__}", ExitCode.USAGE)
+    click.echo(json.dumps(router.schemas(), indent=2, sort_keys=True))
+
+
 def _run(consumer: Consumer, target: Target, url: str) -> None:
     """Run until a signal; a consumer that dies after starting exits 4."""
     flavour = f"{target.kind.value}{', async' if target.is_async else ''}"
@@ -169,12 +181,19 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
          help="How long to wait for a store that cannot be reached at start (then exit 3).")
 @_option("--prune-every", type=Duration(), default="60s", show_default=True,
          help="How often this node tries to take the namespace's prune turn (metafora retention).")
+@click.option("--list-types", is_flag=True, default=False,
+              help="MODULE:NAME is a metafora.messages.Router: print the JSON Schema of each "
+                   "message type it handles (a JSON object by type name) and exit; the store is "
+                   "not touched.")
 @click.pass_context
 def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
            weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
            shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta,
-           prune_every: timedelta) -> None:
+           prune_every: timedelta, list_types: bool) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
+    if list_types:
+        _list_types(target_spec)
+        return
     # Everything that can be refused is checked before the store is touched.
     node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
     node_labels = parse_select(labels, "--labels")
