@@ -45,6 +45,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
+from metafora.coordinators.sql.complete import complete_steps
 from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params
@@ -58,7 +59,7 @@ from metafora.errors import (
     TaskNotFound,
 )
 from metafora.limits import Limit, Rate, validate_limit
-from metafora.submitting import IfExists, check_if_exists, no_transactions
+from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_group, validate_schedule, validate_task_id
 from metafora.task_retry import check_retry_options, check_retryable
 
@@ -108,6 +109,14 @@ class AsyncClient(abc.ABC):
             db = await self._sql_db()
             return await _submit.run_steps_async(conn, db, _submit.submit_steps(db, todo, mode))
         return await self._submit_many(todo, mode)
+
+    async def complete_task(self, task: Task, *, conn: Any) -> None:
+        """As :meth:`metafora.Client.complete_task`, in the application's async transaction."""
+        try:
+            db = await self._sql_db()
+        except ConfigError:
+            raise no_completion(self.name) from None
+        await _submit.run_steps_async(conn, db, complete_steps(db, task))
 
     @abc.abstractmethod
     async def _sql_db(self) -> Database:

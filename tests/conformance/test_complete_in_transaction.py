@@ -11,18 +11,22 @@ ConfigError.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import psycopg
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from metafora import Task, simple_handler
+from metafora import Task, open_async_client, simple_handler
 from metafora.coordinator import coordinator_of
 from metafora.errors import ClaimLost, ConfigError
 from metafora.statemachine import Message, State, get_state
 from metafora.statemachine.store import state_store_for
 from metafora.testing import LocalCluster, wait_for
-from tests.conformance.test_submit_in_transaction import KINDS, App
+from tests.conformance.test_submit_in_transaction import KINDS, App, conninfo, sqlalchemy_url
 from tests.helpers import start_stateful
 
 
@@ -170,3 +174,70 @@ def test_stores_without_shared_transactions_refuse_with_a_config_error(
         states = state_store_for(cluster.client)
         with pytest.raises(ConfigError, match="SQL store"):
             states.store_in(Task("t", token=1), State(), object())
+
+
+ASYNC_KINDS = [("sqlite", "connection"), ("postgresql", "session"), ("postgresql", "psycopg")]
+
+
+@pytest.mark.parametrize(("store", "kind"), ASYNC_KINDS, ids=["-".join(k) for k in ASYNC_KINDS])
+def test_the_async_client_completes_in_the_applications_async_transaction(
+        store: str, kind: str, metafora_store_url: Callable[[str], str]) -> None:
+    url = metafora_store_url(store)
+    app = App(url, "connection")  # the table, and reading it back
+    sa_url = sqlalchemy_url(url).replace("sqlite:", "sqlite+aiosqlite:", 1)
+    insert = f"INSERT INTO {app.table} (id) VALUES "
+    seen: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def txn() -> AsyncIterator[tuple[Any, Callable[[str], Awaitable[Any]]]]:
+        if kind == "psycopg":
+            pconn = await psycopg.AsyncConnection.connect(conninfo(url))
+            async with pconn, pconn.transaction():
+                yield pconn, lambda oid: pconn.execute(insert + "(%s)", (oid,))  # type: ignore[arg-type]
+            return
+        engine = create_async_engine(sa_url)
+        try:
+            if kind == "session":
+                async with AsyncSession(engine) as session, session.begin():
+                    yield session, lambda oid: session.execute(text(insert + "(:id)"), {"id": oid})
+            else:
+                async with engine.begin() as conn:
+                    yield conn, lambda oid: conn.execute(text(insert + "(:id)"), {"id": oid})
+        finally:
+            await engine.dispose()
+
+    try:
+        with LocalCluster(url) as cluster:
+            async def work(task: Task, stop: object) -> bool:
+                async with open_async_client(url) as client:
+                    with pytest.raises(ClaimLost):
+                        async with txn() as (conn, add_order):
+                            await add_order("stale")
+                            await client.complete_task(Task(task.id, token=task.token + 10**6), conn=conn)
+                    async with txn() as (conn, add_order):
+                        await add_order(task.id)
+                        await client.complete_task(task, conn=conn)
+                seen["after"] = cluster.client.get_task(task.id).state.value
+                return False  # moot: the completion committed
+
+            consumer = cluster.add(simple_handler(work), "runner")
+            cluster.client.submit_task(Task("ship-a"))
+            cluster.wait_for_state("ship-a", "done", 30)
+            wait_for(lambda: consumer.stats.done == 1, 30, "the owner settled its outcome")
+            assert consumer.stats.releases == 0 and consumer.stats.failed == 0
+            assert seen == {"after": "done"}
+            assert app.orders() == ["ship-a"]
+    finally:
+        app.close()
+
+
+def test_complete_task_takes_a_claimed_task(metafora_store_url: Callable[[str], str]) -> None:
+    app = App(metafora_store_url("sqlite"), "connection")
+    try:
+        with LocalCluster(app.url) as cluster, app.txn() as (conn, _add):
+            with pytest.raises(ConfigError, match="claimed Task"):
+                cluster.client.complete_task("t1", conn=conn)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="conn= takes"):
+                cluster.client.complete_task(Task("t1", token=3), conn=object())
+    finally:
+        app.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.submit import Steps, run_steps
-from metafora.errors import ClaimLost
+from metafora.errors import ClaimLost, ConfigError
 from metafora.task import Task
 
 __all__ = ["complete_in", "complete_steps"]
@@ -29,6 +29,12 @@ __all__ = ["complete_in", "complete_steps"]
 def complete_steps(db: Database, task: Task) -> Steps[int]:
     """The completion of the claim ``task`` (its id and token) as steps: one fenced UPDATE;
     ClaimLost when it matched no row."""
+    if not isinstance(task, Task):
+        raise ConfigError(f"complete_task takes the claimed Task its handler got, not "
+                          f"{type(task).__name__}")
+    if not task.token:
+        raise ClaimLost(f"task {task.id!r} carries no claim token (token 0): only a claimed "
+                        "task, as its handler got it, can be completed")
     rows = yield db.sql["complete_tx"], {"ns": db.config.namespace, "id": task.id,
                                          "token": task.token}
     if not rows:
@@ -43,7 +49,4 @@ def complete_in(conn: Any, db: Database, task: Task) -> None:
     ConfigError for a connection of another kind or database; ClaimLost if the claim is not
     current; driver errors translated (the transaction is the application's to roll back).
     """
-    if not task.token:
-        raise ClaimLost(f"task {task.id!r} carries no claim token (token 0): only a claimed "
-                        "task, as its handler got it, can be completed")
     run_steps(conn, db, complete_steps(db, task))
