@@ -62,6 +62,7 @@ directory first, then PYTHONPATH) and recognised as one of:
                 wrapped with simple_handler: its second parameter is
                 annotated threading.Event/asyncio.Event, or named stop
   handler-func  a callable taking only the task, returning a Handler
+                (a metafora.messages.Router is one: --list-types)
 Anything else is refused naming what was found; --kind says which kind
 it is instead of the rules.
 

@@ -115,3 +115,41 @@ def test_typed_handlers_bad_messages_fail_alone_and_retry_after_deploy(app: App)
         release_blocker.set()
         cluster.wait_for_state("blocker", "done", 30)
         assert consumer.stats.failed == 2 and consumer.stats.lost == 0
+
+
+@message("shop.Export")
+@dataclasses.dataclass
+class Export:
+    pages: int
+
+
+def test_ctx_checkpoint_in_the_application_transaction_and_cursor(app: App) -> None:
+    seen: list[str | None] = []
+    router = Router()
+
+    class Boom(Exception):
+        pass
+
+    @router.handles(Export)
+    def export(msg: Export, ctx: MessageContext) -> bool:
+        seen.append(ctx.cursor)
+        if ctx.cursor is None:
+            with app.txn() as (conn, add_order):
+                add_order("page-1")
+                ctx.checkpoint("1", conn=conn)
+            with pytest.raises(Boom), app.txn() as (conn, add_order):
+                add_order("page-2")
+                ctx.checkpoint("2", conn=conn)
+                raise Boom
+            seen.append(ctx.cursor)  # read back: the rolled-back cursor is not there
+            return False  # release: the next run resumes from the cursor
+        ctx.checkpoint("done")  # metafora's own write
+        seen.append(ctx.cursor)
+        return True
+
+    with LocalCluster(app.url) as cluster:
+        cluster.add(router, "runner")
+        cluster.client.submit_message("export", Export(pages=2))
+        cluster.wait_for_state("export", "done", 30)
+        assert seen == [None, "1", "1", "done"]
+        assert app.orders() == ["page-1"]
