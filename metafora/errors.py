@@ -104,9 +104,10 @@ class ClaimLost(MetaforaError):
     """A fenced write was refused: this node no longer holds the claim (owner or token differ)."""
 
 
-class ClaimCompleted(MetaforaError):
-    """The claim already ended done in the application's transaction (``complete_task``):
-    the outcome recorded for it is moot, and nothing was written (not an error to act on)."""
+class ClaimCompleted(ClaimLost):
+    """The claim already ended done under its own token (in the application's transaction,
+    ``complete_task``): an outcome for it is moot and nothing was written. A ClaimLost (the
+    claim is over), which a consumer counts and logs as done."""
 
 
 class ScheduleExists(MetaforaError):

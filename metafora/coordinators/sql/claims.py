@@ -310,11 +310,12 @@ class ClaimOutcomes:
                 row = cur.one(name, params)
                 if row is not None and name == "release":
                     cur.token_used(int(row[0]))
-                elif row is None and self._completed(cur, [task]):
-                    row = ()  # completed in the application's transaction: nothing to write
+                done = row is None and bool(self._completed(cur, [task]))
             settled = True
         finally:
             self._lease.end_finish(task, settled)
+        if done:
+            raise _already_done(task)  # nothing written: its claim ended done
         if row is None:
             raise self._claim_lost(task)
 
@@ -379,8 +380,7 @@ class ClaimOutcomes:
                 self._lease.end_finish(finish.task, settled)
         for key, i in first.items():
             if key in completed:
-                results[i] = ClaimCompleted(f"task {key[0]!r} (token {key[1]}) was completed in "
-                                            "the application's transaction")
+                results[i] = _already_done(finishes[i].task)
             elif key not in written:
                 results[i] = self._claim_lost(finishes[i].task)
         return results
@@ -404,3 +404,8 @@ class ClaimOutcomes:
         return ClaimLost(
             f"node {self._node_id!r} no longer holds task {task.id!r} with token {task.token}"
         )
+
+
+def _already_done(task: Task) -> ClaimCompleted:
+    return ClaimCompleted(f"task {task.id!r} is already done under token {task.token} (completed "
+                          "in the application's transaction): nothing to record")
