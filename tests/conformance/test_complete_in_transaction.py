@@ -12,7 +12,7 @@ ConfigError.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 import psycopg
@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from metafora import Task, open_async_client, simple_handler
-from metafora.coordinator import coordinator_of
+from metafora import Task, open_async_client, open_client, open_coordinator, simple_handler
+from metafora.coordinator import Finish, Outcome, coordinator_of
 from metafora.errors import ClaimCompleted, ClaimLost, ConfigError
 from metafora.statemachine import Message, State, get_state
 from metafora.statemachine.store import state_store_for
-from metafora.testing import LocalCluster, wait_for
+from metafora.testing import LocalCluster, RecordingContext, wait_for
 from tests.conformance.test_submit_in_transaction import KINDS, App, conninfo, sqlalchemy_url
 from tests.helpers import start_stateful
 
@@ -241,3 +241,41 @@ def test_complete_task_takes_a_claimed_task(metafora_store_url: Callable[[str], 
                 cluster.client.complete_task(Task("t1", token=3), conn=object())
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_outcomes_of_completed_claims_are_answered_in_the_batch(
+        store: str, metafora_store_url: Callable[[str], str]) -> None:
+    """Coordinator level: a group commit holding outcomes of claims completed in the
+    application's transaction answers them ClaimCompleted (a ClaimLost: nothing written), and
+    writes the others. A claim its node already recorded done is answered the same way: the
+    store cannot tell the two apart, and either way the claim ended done."""
+    app = App(metafora_store_url(store), "connection")
+    with ExitStack() as stack:
+        stack.callback(app.close)
+        client = stack.enter_context(open_client(app.url))
+        coord = open_coordinator(app.url, node_id="a")
+        coord.init(RecordingContext())
+        stack.callback(coord.close)
+        ids = ["d", "r", "f", "plain", "twice"]
+        client.submit_tasks([Task(i) for i in ids])
+        claimed = {t.id: t for t in coord.claim_many([Task(i) for i in ids], len(ids))}
+        assert sorted(claimed) == sorted(ids)
+        with app.txn() as (conn, add_order):
+            for task_id in ("d", "r", "f"):
+                add_order(task_id)
+                client.complete_task(claimed[task_id], conn=conn)
+        coord.done(claimed["twice"])
+        results = coord.finish_many([
+            Finish(claimed["d"], Outcome.DONE), Finish(claimed["r"], Outcome.RELEASE),
+            Finish(claimed["f"], Outcome.FAIL, "late"), Finish(claimed["plain"], Outcome.DONE),
+            Finish(claimed["twice"], Outcome.DONE),
+        ])
+        assert [type(r).__name__ for r in results] == [
+            "ClaimCompleted", "ClaimCompleted", "ClaimCompleted", "NoneType", "ClaimCompleted"]
+        assert all(isinstance(r, ClaimLost) for r in results if r is not None)
+        states = {i.id: (i.state.value, i.error) for i in client.tasks()}
+        assert states == dict.fromkeys(ids, ("done", None))
+        with pytest.raises(ClaimCompleted):
+            coord.release(claimed["r"])
+        assert app.orders() == ["d", "f", "r"]

@@ -351,7 +351,8 @@ class ClaimOutcomes:
         for finish in unique:
             self._lease.begin_finish(finish.task.id)
         settled = False
-        # PostgreSQL: up to 500 done outcomes go in the claim's statement.
+        # PostgreSQL: up to 500 done outcomes go in the claim's statement, and the outcome
+        # statements say which claims ended done already (the *_moot variants).
         fuse = self._db.config.kind == "postgresql"
         try:
             with self._db.hot() as cur:
@@ -364,14 +365,20 @@ class ClaimOutcomes:
                         ])
                         if claim is not None and fuse and outcome is Outcome.DONE:
                             got, claim = claim(cur, rows), None
+                        elif fuse:  # the same statement says which claims ended done already
+                            got = cur.all(name + "_moot", {"node": self._node_id, "rows": rows})
+                            completed.update((str(r[0]), int(r[1])) for r in got if r[-1])
+                            got = [r[:-1] for r in got if not r[-1]]
                         else:
                             got = cur.all(name, {"node": self._node_id, "rows": rows})
                         if got and outcome is Outcome.RELEASE:
                             cur.token_used(max(int(r[2]) for r in got))
                         written.update((str(r[0]), int(r[1])) for r in got)
-                refused = [f.task for f in unique if (f.task.id, f.task.token) not in written]
-                if refused:  # one look for the batch, none while every outcome is written
-                    completed = {(t.id, t.token) for t in self._completed(cur, refused)}
+                answered = written | completed
+                refused = [f.task for f in unique if (f.task.id, f.task.token) not in answered]
+                if refused:  # SQLite (in-process), or PostgreSQL's fused claim or a race:
+                    # one look for the batch, none while every outcome is answered
+                    completed.update((t.id, t.token) for t in self._completed(cur, refused))
                 if claim is not None:
                     claim(cur, None)
             settled = True

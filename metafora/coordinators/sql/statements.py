@@ -499,6 +499,28 @@ def _claim_done(claim_many: str) -> str:
 
 _SQL["claim_done_many"] = _claim_done(_SQL["claim_many"])
 
+_MOOT = (
+    " UNION ALL SELECT id, token{blanks}, TRUE FROM metafora_tasks WHERE namespace = :ns"
+    " AND id {in_finished} AND (id, token) IN (SELECT fid, ftoken FROM v) AND state = 'done'"
+)
+
+
+def _with_moot(outcome: str, blanks: str) -> str:
+    """PostgreSQL: a group-committed outcome statement that also answers, in the same round
+    trip, which of its claims already ended done under their own token (completed in the
+    application's transaction, ``complete_tx``): its rows and FALSE, then ``id, token``,
+    ``blanks`` and TRUE for those. The second part reads the statement's snapshot, where a
+    row the update writes is still claimed."""
+    head, verb, update = outcome.partition("UPDATE metafora_tasks SET")
+    if not verb or not head.startswith("WITH v AS"):
+        raise AssertionError("an outcome statement is no longer WITH v ... UPDATE: rewrite _with_moot")
+    return (head.rstrip() + ", fin AS (" + verb + update + ") SELECT *, FALSE FROM fin"
+            + _MOOT.replace("{blanks}", blanks))
+
+
+for _name, _blanks in (("done_many", ""), ("fail_many", ""), ("release_many", ", NULL, NULL")):
+    _SQL[_name + "_moot"] = _with_moot(_SQL[_name], _blanks)
+
 _CLAIM_SET = (
     "state = 'claimed', owner = :node, token = {next_token_at}, claimed_at = {now},"
     " updated_at = {now}, attempts = attempts + 1, " + _CRASHED
