@@ -499,9 +499,11 @@ def _claim_done(claim_many: str) -> str:
 
 _SQL["claim_done_many"] = _claim_done(_SQL["claim_many"])
 
+# Only the claims the update did not write are looked up (none, usually).
 _MOOT = (
-    " UNION ALL SELECT id, token{blanks}, TRUE FROM metafora_tasks WHERE namespace = :ns"
-    " AND id {in_finished} AND (id, token) IN (SELECT fid, ftoken FROM v) AND state = 'done'"
+    " UNION ALL SELECT t.id, t.token{blanks}, TRUE FROM v JOIN metafora_tasks t"
+    " ON t.namespace = :ns AND t.id = v.fid AND t.token = v.ftoken"
+    " WHERE t.state = 'done' AND v.fid NOT IN (SELECT id FROM fin)"
 )
 
 
