@@ -59,13 +59,24 @@ class Router:
     """Handlers per message type; call it with a claimed task to get its Handler.
 
     ``store``: the coordinator or client that ``ctx.complete`` / ``ctx.checkpoint`` write
-    to; by default the one the task was claimed from (a Consumer's coordinator).
+    to; by default the Consumer's coordinator (:meth:`bind_coordinator`), or the one the
+    task was claimed from.
     """
 
     def __init__(self, *, store: object | None = None) -> None:
         self._store = store
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+
+    def bind_coordinator(self, coordinator: object) -> Router:
+        """The HandlerFunc a Consumer of ``coordinator`` runs (the Consumer calls it): this
+        router when it was given its store, else a view of it writing to ``coordinator``
+        that shares its handlers (one registered later is seen by both)."""
+        if self._store is not None:
+            return self
+        bound = Router(store=coordinator)
+        bound._entries, bound._lock = self._entries, self._lock
+        return bound
 
     def handles(self, cls: type) -> Callable[[F], F]:
         """Decorator: ``fn(msg, ctx)`` handles the messages of ``cls`` (see :meth:`register`)."""
