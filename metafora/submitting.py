@@ -43,11 +43,11 @@ def no_transactions(store: str) -> ConfigError:
     )
 
 
-def no_completion(store: str) -> ConfigError:
-    """The refusal of ``complete_task(conn=...)`` (and of a fenced write in the application's
-    transaction) on a store that cannot share it."""
+def no_completion(store: str, what: str = "complete_task(task, conn=...)") -> ConfigError:
+    """The refusal of ``complete_task(conn=...)`` (or of ``what``, another fenced write in the
+    application's transaction) on a store that cannot share it."""
     return ConfigError(
-        f"complete_task(task, conn=...) needs a SQL store (SQLite or PostgreSQL): {store} shares "
+        f"{what} needs a SQL store (SQLite or PostgreSQL): {store} shares "
         "no transaction with your application; return from the handler after your own "
         "transaction commits (and make the work idempotent: it may run again)"
     )

@@ -141,7 +141,7 @@ class StateStore(abc.ABC):
         stores only; this default (etcd, memory) raises ConfigError."""
         from metafora.submitting import no_completion
 
-        raise no_completion(type(self).__name__)
+        raise no_completion(type(self).__name__, "checkpoint(cursor, conn=...)")
 
     @abc.abstractmethod
     def get(self, task_id: str) -> State | None:

@@ -172,7 +172,7 @@ def test_stores_without_shared_transactions_refuse_with_a_config_error(
         with pytest.raises(ConfigError, match=r"complete_task.*SQL store"):
             cluster.client.complete_task(Task("t", token=1), conn=object())
         states = state_store_for(cluster.client)
-        with pytest.raises(ConfigError, match="SQL store"):
+        with pytest.raises(ConfigError, match=r"checkpoint\(cursor, conn=\.\.\.\) needs a SQL store"):
             states.store_in(Task("t", token=1), State(), object())
 
 
