@@ -314,3 +314,33 @@ def test_dataclass_messages_need_neither_pydantic_nor_protobuf(installed: bool) 
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_context_on_the_memory_store() -> None:
+    """ctx.checkpoint/cursor work on every store; ctx.complete(conn=) is a ConfigError where
+    no transaction can be shared; a router outside a consumer needs its store."""
+    seen: dict[str, Any] = {}
+    router = Router()
+
+    @router.handles(Refund)
+    def refunded(msg: Refund, ctx: Any) -> None:
+        seen["token"] = ctx.token
+        seen["before"] = ctx.cursor
+        ctx.checkpoint("half")
+        seen["after"] = ctx.cursor
+        try:
+            ctx.complete(conn=object())
+        except ConfigError as exc:
+            seen["complete"] = str(exc)
+        seen["stopping"] = (ctx.stopping, ctx.is_stopping())
+
+    with LocalCluster() as cluster:
+        cluster.add(router, "runner")
+        cluster.client.submit_message("r1", Refund(order_id="o", amount=1))
+        cluster.wait_for_state("r1", "done", 10)
+    assert seen["token"] > 0 and seen["before"] is None and seen["after"] == "half"
+    assert "needs a SQL store" in seen["complete"]
+    assert seen["stopping"] == (False, False)
+    lonely = router(Task("r2", encode(Refund(order_id="o", amount=1)), token=5))
+    with pytest.raises(ConfigError, match="came from no consumer"):
+        lonely.run()  # type: ignore[union-attr]
