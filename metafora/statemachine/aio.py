@@ -89,7 +89,7 @@ class AsyncCommands(MachineView):
         Raises ClaimLost if another owner holds the task, CoordinatorUnavailable if the
         store stayed unreachable (the machine then releases the task if you let it propagate).
         ``conn``: in the application's open (sync) transaction, as
-        :meth:`Commands.checkpoint <metafora.statemachine.handler.Commands.checkpoint>`.
+        :meth:`Commands.checkpoint <metafora.statemachine.cmds.Commands.checkpoint>`.
         """
         if conn is None:
             await asyncio.to_thread(self._machine.checkpoint, cursor)
@@ -98,7 +98,7 @@ class AsyncCommands(MachineView):
 
     async def complete(self, *, conn: Any) -> None:
         """Complete the task in the application's open (sync) transaction ``conn``, as
-        :meth:`Commands.complete <metafora.statemachine.handler.Commands.complete>`."""
+        :meth:`Commands.complete <metafora.statemachine.cmds.Commands.complete>`."""
         await asyncio.to_thread(self._machine.complete_in, conn)
 
 
