@@ -1,9 +1,10 @@
 """``metafora migrate --url URL``: apply a SQL store's schema migrations (the release step).
 
 A store whose URL says ``migrate=false`` never creates or alters its tables; this command
-applies them: the coordinator's tables, the state machine's command table and the gated
-partitions' item tables and the job logs' tables. It exits 0 when the schema is up to date, whether it changed it or
-not (a second run changes nothing), and refuses stores that have no schema (etcd, memory).
+applies them: the coordinator's tables, the state machine's command table, the gated
+partitions' item tables and the job logs' tables. It exits 0 when the schema is up to date,
+whether it changed it or not (a second run changes nothing), and refuses stores that have no
+schema (etcd, memory).
 """
 
 from __future__ import annotations
