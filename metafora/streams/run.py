@@ -187,7 +187,8 @@ class StreamRun:
         now = self._loop.time()
         dues: list[float] = []
         if self._open():
-            dues.extend(self._due.values())
+            if len(self._running) < self._opts.max_processing:  # full: a job's end kicks
+                dues.extend(self._due.values())
             if self._head_failures:
                 dues.append(self._head_due)
             if not self._pushes:

@@ -460,3 +460,44 @@ def test_a_failing_head_and_a_missing_job_pause_their_stream(cluster: LocalClust
     holes = wait_failing(cluster.client, "holes")
     assert holes.index == 2 and "at_index(2) returned None, although head() is 4" in holes.error
     assert cluster.client.stream("holes").processed == 1
+
+
+def test_a_retry_due_while_the_pool_is_full_does_not_spin_the_loop(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job 0 fails once; its next attempt falls due while 1 and 2 fill the pool: the stream
+    waits for a free slot (a job's end wakes it), it does not turn with a zero timeout."""
+    from metafora.streams import run as run_module
+
+    turns = [0]
+    original = run_module.StreamRun._wait
+
+    async def counted(self: run_module.StreamRun) -> None:
+        turns[0] += 1
+        await original(self)
+
+    monkeypatch.setattr(run_module.StreamRun, "_wait", counted)
+    hold, pace = threading.Event(), threading.Event()  # pace is never set: it measures
+    started: set[int] = set()
+
+    def work(job: Job, ctx: JobContext) -> None:
+        started.add(job.index)
+        if job.index == 0 and ctx.attempt == 1:
+            raise RuntimeError("once")
+        if job.index in (1, 2):
+            hold.wait(30)
+
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(5))), work, max_processing=2,
+                                  max_search_ahead=10, retry_delay=0.01, flush_every=0.01,
+                                  poll_every=3600.0))
+    cluster.client.submit_task(Task("s1"))
+    try:
+        wait_for(lambda: {1, 2} <= started, 10.0, "jobs 1 and 2 to hold the pool")
+        pace.wait(0.1)  # job 0's retry is due by now (10 ms), with no slot for it
+        before = turns[0]
+        pace.wait(0.3)
+        spun = turns[0] - before
+    finally:
+        hold.set()
+    _processed(cluster, "s1", 4)
+    assert spun < 10, f"{spun} turns in 0.3 s with a full pool and nothing to do"
+
