@@ -325,9 +325,11 @@ class StreamRun:
         if self._running.get(index) is not future:
             return  # abandoned at the end of the run
         del self._running[index]
-        if future.cancelled():
-            return
-        self._results.append((index, future.exception()))
+        # Still ours, so not cancelled by the run: the job raised CancelledError itself --
+        # a failure like any other (dropping it would stall the watermark on it for good).
+        error = (asyncio.CancelledError(f"job {index} was cancelled") if future.cancelled()
+                 else future.exception())
+        self._results.append((index, error))
         self._kick.set()
 
     def _collect(self) -> None:

@@ -501,3 +501,21 @@ def test_a_retry_due_while_the_pool_is_full_does_not_spin_the_loop(
     _processed(cluster, "s1", 4)
     assert spun < 10, f"{spun} turns in 0.3 s with a full pool and nothing to do"
 
+
+def test_an_async_job_that_raises_cancelled_error_is_retried(cluster: LocalCluster) -> None:
+    """CancelledError raised by the job itself (an inner cancellation that escaped) is a
+    failure, retried; it used to be dropped like an abandoned job, stalling the watermark."""
+    attempts: list[tuple[int, int]] = []
+
+    async def work(job: Job, ctx: JobContext) -> None:
+        attempts.append((job.index, ctx.attempt))
+        if job.index == 1 and ctx.attempt == 1:
+            raise asyncio.CancelledError()
+
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(5))), work, max_processing=2,
+                                  max_search_ahead=10, retry_delay=0.01, flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    info = _processed(cluster, "s1", 4)
+    assert info.failing is None
+    assert (1, 2) in attempts
+    assert not cluster.errors
