@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +166,9 @@ class StreamHandlerFunc:
         self._machine: StatefulHandlerFunc | None = None
         self._lock = threading.Lock()
         self._lags: dict[str, int] = {}
-        self._copies: list[StreamHandlerFunc] = []  # bound by consumers, for lags()
+        # Bound by consumers, for lags(); weak: a consumer dropped takes its copy (and the
+        # copy's stores) along instead of leaving it here for the process's life.
+        self._copies: weakref.WeakSet[StreamHandlerFunc] = weakref.WeakSet()
 
     def _bind(self, coordinator: Coordinator | None) -> None:
         self._machine = handler_func(
@@ -182,7 +185,7 @@ class StreamHandlerFunc:
                                  state_store=None, task_commands=None)
         copy._bind(coordinator)
         with self._lock:
-            self._copies.append(copy)
+            self._copies.add(copy)
         return copy
 
     @property

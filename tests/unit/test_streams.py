@@ -519,3 +519,23 @@ def test_an_async_job_that_raises_cancelled_error_is_retried(cluster: LocalClust
     assert info.failing is None
     assert (1, 2) in attempts
     assert not cluster.errors
+
+
+def test_a_dropped_consumers_copy_of_the_handler_is_not_kept(tmp_path: Path) -> None:
+    """A Consumer runs a copy of the handler bound to its coordinator; once the consumer is
+    gone the copy (and the stores it holds) must go too, not stay in the shared handler."""
+    import gc
+    import weakref
+
+    handler = stream_handler(lambda t: ListJobs([]), lambda job, ctx: None)
+    coord = open_coordinator(f"sqlite:///{tmp_path}/metafora.db", node_id="a")
+    try:
+        copy = handler.bind_coordinator(coord)
+        assert copy is not handler
+        gone = weakref.ref(copy)
+        del copy
+        gc.collect()
+        assert gone() is None
+        assert handler.lags() == {}
+    finally:
+        coord.close()
