@@ -11,10 +11,12 @@ progress): a few attempts with back-off, then the task is ``failed`` with the re
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +171,7 @@ class StreamHandlerFunc:
         # Bound by consumers, for lags(); weak: a consumer dropped takes its copy (and the
         # copy's stores) along instead of leaving it here for the process's life.
         self._copies: weakref.WeakSet[StreamHandlerFunc] = weakref.WeakSet()
+        self._left: dict[str, set[Future[Any]]] = {}  # abandoned jobs' threads, by stream
 
     def _bind(self, coordinator: Coordinator | None) -> None:
         self._machine = handler_func(
@@ -207,6 +210,29 @@ class StreamHandlerFunc:
         from metafora.streams.run import StreamRun  # the engine, loaded with the first stream
 
         return await StreamRun(self, task, cmds).run()
+
+    # -- jobs a stopped run left running ----------------------------------------------------
+
+    def leave_running(self, task_id: str, threads: list[Future[Any]]) -> None:
+        """A run of ``task_id`` ended with these jobs' threads still running (abandoned):
+        the stream's next run here counts them against ``max_processing``."""
+        for thread in threads:
+            with self._lock:
+                self._left.setdefault(task_id, set()).add(thread)
+            thread.add_done_callback(functools.partial(self._thread_ended, task_id))
+
+    def _thread_ended(self, task_id: str, thread: Future[Any]) -> None:
+        with self._lock:
+            left = self._left.get(task_id)
+            if left is not None:
+                left.discard(thread)
+                if not left:
+                    del self._left[task_id]
+
+    def left_running(self, task_id: str) -> list[Future[Any]]:
+        """The threads of ``task_id``'s jobs that an earlier run here abandoned, still running."""
+        with self._lock:
+            return list(self._left.get(task_id, ()))
 
     # -- the node's gauge ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ outright (a lost claim), nothing more is written: the store would refuse it anyw
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -72,6 +73,8 @@ class StreamRun:
         self._pushes = False  # the source calls wake itself (no fallback poll)
         self._stopping = threading.Event()  # JobContext.stopping
         self._running: dict[int, asyncio.Future[Any]] = {}
+        self._threads: set[concurrent.futures.Future[Any]] = set()  # running plain jobs
+        self._left = func.left_running(task.id)  # abandoned by an earlier run, still running
         self._results: list[tuple[int, BaseException | None]] = []
         self._failures: dict[int, int] = {}  # failed attempts per index, this run
         self._due: dict[int, float] = {}  # loop time of a waiting job's next attempt
@@ -111,6 +114,8 @@ class StreamRun:
         self._base = stored
         self._window = Window(stored.processed)
         undo = self._cmds.on_wake(self._wake_threadsafe)
+        for thread in self._left:  # each frees a slot when it ends
+            thread.add_done_callback(lambda _: self._wake_threadsafe())
         try:
             source = await self._in_source(self._func.jobs, self._task)
             if not isinstance(source, Jobs):
@@ -187,7 +192,7 @@ class StreamRun:
         now = self._loop.time()
         dues: list[float] = []
         if self._open():
-            if len(self._running) < self._opts.max_processing:  # full: a job's end kicks
+            if self._busy() < self._opts.max_processing:  # full: a job's end kicks
                 dues.extend(self._due.values())
             if self._head_failures:
                 dues.append(self._head_due)
@@ -277,7 +282,7 @@ class StreamRun:
 
     async def _start_jobs(self) -> None:
         opts, window = self._opts, self._window
-        slots = opts.max_processing - len(self._running)
+        slots = opts.max_processing - self._busy()
         if slots <= 0:
             return
         now = self._loop.time()
@@ -300,6 +305,11 @@ class StreamRun:
             else:
                 self._launch(index, got)
 
+    def _busy(self) -> int:
+        """Jobs running: this run's, and those an earlier run here abandoned (their threads
+        run on: counting them keeps max_processing on the node across a pause and resume)."""
+        return len(self._running) + sum(1 for thread in self._left if not thread.done())
+
     def _launch(self, index: int, job: Job) -> None:
         ctx = JobContext(self._task, self._failures.get(index, 0) + 1, self._stopping)
         work = self._func.work
@@ -310,7 +320,10 @@ class StreamRun:
             if self._work_pool is None:
                 self._work_pool = ThreadPoolExecutor(
                     self._opts.max_processing, thread_name_prefix=f"metafora-stream[{self._task.id}]")
-            future = self._loop.run_in_executor(self._work_pool, call_work, work, job, ctx)
+            thread = self._work_pool.submit(call_work, work, job, ctx)
+            self._threads.add(thread)
+            thread.add_done_callback(self._threads.discard)
+            future = asyncio.wrap_future(thread, loop=self._loop)
         self._running[index] = future
         future.add_done_callback(functools.partial(self._job_done, index))
 
@@ -427,6 +440,7 @@ class StreamRun:
         self._source_pool.shutdown(wait=False)
         if self._work_pool is not None:
             self._work_pool.shutdown(wait=False, cancel_futures=True)
+            self._func.leave_running(self._task.id, [t for t in list(self._threads) if not t.done()])
 
 
 def _close(source: Jobs, task_id: str) -> None:

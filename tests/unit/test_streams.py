@@ -539,3 +539,53 @@ def test_a_dropped_consumers_copy_of_the_handler_is_not_kept(tmp_path: Path) -> 
         assert handler.lags() == {}
     finally:
         coord.close()
+
+
+
+class Fetches(ListJobs):
+    """A ListJobs recording the indexes asked of ``at_index``."""
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__(items)
+        self.fetched: list[int] = []
+
+    def at_index(self, index: int) -> Job | None:
+        self.fetched.append(index)
+        return super().at_index(index)
+
+
+def test_a_resumed_stream_counts_the_jobs_its_paused_run_abandoned(cluster: LocalCluster) -> None:
+    """Paused by an operator while a job ignores the stop: the job is abandoned after the
+    grace but its thread still runs it. Resumed on the same node, the stream must not fill
+    its pool beside it (max_processing holds on the node); it starts once the thread ends."""
+    from metafora.statemachine import Message, send_task_command
+
+    hold = threading.Event()
+    sources: list[Fetches] = []
+
+    def jobs(task: Task) -> Jobs:
+        sources.append(Fetches(list(range(4))))
+        return sources[-1]
+
+    def work(job: Job, ctx: JobContext) -> None:
+        if job.index == 1 and len(sources) == 1:
+            hold.wait(30)  # ignores ctx.stopping: abandoned by the pause, its thread runs on
+
+    handler = stream_handler(jobs, work, max_processing=1, max_search_ahead=10,
+                             flush_every=0.01, stop_grace=0.0)
+    _node(cluster, handler)
+    cluster.client.submit_task(Task("s1"))
+    try:
+        wait_for(lambda: sources and 1 in sources[0].fetched, 10.0, "job 1 to start")
+        send_task_command(cluster.client, "s1", Message.pause())
+        wait_for(lambda: get_state(cluster.client, "s1").code is StateCode.PAUSED,  # type: ignore[union-attr]
+                 10.0, "paused")
+        send_task_command(cluster.client, "s1", Message.run())
+        # The resumed run's first turn is over (it decided what to start) once it reports
+        # its lag: the abandoned job 1 still holds the only slot, so nothing was fetched.
+        wait_for(lambda: len(sources) == 2 and "s1" in handler.lags(), 10.0, "the resumed run")
+        assert sources[1].fetched == []
+    finally:
+        hold.set()
+    _processed(cluster, "s1", 3)
+    assert sources[1].fetched[0] == 1
