@@ -117,7 +117,7 @@ class StreamRun:
         for thread in self._left:  # each frees a slot when it ends
             thread.add_done_callback(lambda _: self._wake_threadsafe())
         try:
-            source = await self._in_source(self._func.jobs, self._task)
+            source = await self._build_source()
             if not isinstance(source, Jobs):
                 raise TypeError(f"the jobs factory returned {type(source).__name__}, not a "
                                 "metafora.streams.Jobs")
@@ -213,6 +213,16 @@ class StreamRun:
             await asyncio.wait_for(self._kick.wait(), timeout)
 
     # -- the source -------------------------------------------------------------------------
+
+    async def _build_source(self) -> object:
+        """``jobs(task)`` on the source's thread; cancelled meanwhile (a lost claim), the
+        source it returns later is closed there (nothing else would: the run is gone)."""
+        built = self._source_pool.submit(self._func.jobs, self._task)
+        try:
+            return await asyncio.wrap_future(built, loop=self._loop)
+        except asyncio.CancelledError:
+            built.add_done_callback(functools.partial(_close_built, task_id=self._task.id))
+            raise
 
     async def _in_source(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._loop.run_in_executor(self._source_pool, functools.partial(fn, *args))
@@ -448,3 +458,8 @@ def _close(source: Jobs, task_id: str) -> None:
         source.close()
     except Exception:  # a source's bug must not hide how the stream ended
         log.exception("stream %s: closing its source failed", task_id)
+
+
+def _close_built(built: concurrent.futures.Future[Any], task_id: str) -> None:
+    if not built.cancelled() and built.exception() is None and isinstance(built.result(), Jobs):
+        _close(built.result(), task_id)

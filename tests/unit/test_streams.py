@@ -589,3 +589,29 @@ def test_a_resumed_stream_counts_the_jobs_its_paused_run_abandoned(cluster: Loca
         hold.set()
     _processed(cluster, "s1", 3)
     assert sources[1].fetched[0] == 1
+
+
+def test_a_source_built_after_the_claim_was_lost_is_closed(tmp_path: Path) -> None:
+    """The claim is lost while the jobs factory still runs (a slow source, e.g. its store
+    is slow too): the run is cancelled; the source the factory then returns is closed."""
+    built: list[ListJobs] = []
+    entered, finish = threading.Event(), threading.Event()
+
+    def jobs(task: Task) -> Jobs:
+        entered.set()
+        finish.wait(30)
+        built.append(ListJobs([0, 1]))
+        return built[-1]
+
+    with LocalCluster(None, shutdown_timeout=5.0) as cluster:
+        coord = open_coordinator(cluster.url, node_id="a")
+        consumer = cluster.start(Consumer(coord, stream_handler(jobs, lambda job, ctx: None),
+                                          release_backoff=60))
+        cluster.client.submit_task(Task("s1"))
+        try:
+            assert entered.wait(10)
+            assert [t.id for t in coord.expire_lease()] == ["s1"]  # type: ignore[attr-defined]
+            wait_for(lambda: not consumer.tasks(), 10.0, "the run cancelled")
+        finally:
+            finish.set()
+        wait_for(lambda: built and built[0].closed, 10.0, "the late source closed")
