@@ -189,7 +189,8 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
 
     def check_stream(self, task_id: str) -> bool:
         """Wake the stream's owner (it re-reads ``head()`` at once), pushed as a task command.
-        False (nothing sent) when the stream is paused or finished. TaskNotFound."""
+        False (nothing sent) when the stream is paused or finished. TaskNotFound;
+        InvalidTaskState when the task is not a stream."""
         from metafora.streams.ops import check_stream
 
         return check_stream(self, task_id)

@@ -130,12 +130,16 @@ def stream_rows(client: Client, *, after: str | None = None, limit: int | None =
 def check_stream(client: Client, task_id: str) -> bool:
     """Wake the stream's owner: it re-reads ``head()`` at once. Pushed through the task
     command channel; True when sent, False when the stream is paused (failing or by an
-    operator: a check would resume it) or finished. TaskNotFound when no such task."""
+    operator: a check would resume it) or finished. TaskNotFound when no such task;
+    InvalidTaskState when the task is not a stream."""
     info: TaskInfo = client.get_task(task_id)
     state = _state(client, task_id)
+    shown = None if state is None else _info_of(state)
+    if state is not None and state.cursor is not None and shown is None:
+        raise InvalidTaskState(f"task {task_id!r} is not a stream (its cursor is not a "
+                               "stream's progress); nothing sent")
     if state is not None and state.code is not StateCode.RUNNABLE:
         return False
-    shown = None if state is None else _info_of(state)
     if shown is not None and shown.failing is not None:
         return False  # failing, about to pause: a `run` would resume it at once
     if info.state.value in ("done", "failed", "expired"):

@@ -327,6 +327,10 @@ def test_a_task_that_is_not_a_stream_is_refused_by_the_client(cluster: LocalClus
     cluster.wait_for_state("other", TaskState.DONE)
     with pytest.raises(InvalidTaskState, match="not a stream"):
         cluster.client.stream("other")
+    with pytest.raises(InvalidTaskState, match="not a stream"):  # nothing sent to it either
+        cluster.client.check_stream("other")
+    with pytest.raises(InvalidTaskState, match="not a stream"):
+        cluster.client.retry_stream("other")
 
 
 def test_a_zombie_write_is_refused(cluster: LocalCluster) -> None:
