@@ -398,8 +398,13 @@ def test_a_stream_is_listed_from_its_first_run_even_if_it_cannot_start(
     cluster.client.submit_task(Task("empty"))
     cluster.client.submit_task(Task("broken"))
     cluster.wait_for_state("broken", TaskState.DONE)
-    rows = wait_for(lambda: {r.id: r for r in stream_rows(cluster.client)} if len(
-        stream_rows(cluster.client)) == 2 else None, 10.0, "both streams listed")
+    def listed() -> dict[str, Any] | None:
+        rows = {r.id: r for r in stream_rows(cluster.client)}
+        # the first write precedes the first look at the source (head None); the next names it
+        empty = rows.get("empty")
+        return rows if len(rows) == 2 and empty is not None and empty.info.head == -1 else None
+
+    rows = wait_for(listed, 10.0, "both streams listed, the empty one with its head")
     assert rows["empty"].info == StreamInfo(-1, -1, 0, None)
     assert rows["broken"].state == "failed"
     failing = rows["broken"].info.failing
