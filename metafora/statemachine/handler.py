@@ -199,8 +199,10 @@ class StatefulTaskHandler(Handler):
         state = self._state  # the handler's checkpoints may have moved the cursor
         new = apply(state, message, self.clock.now())
         if new is None:
-            log.warning("task %s: ignoring %s in state %s", task.id, message, state.code.value,
-                        extra={**self._extra, "action": "ignore"})
+            # A check meeting a paused task is an ordinary race (it woke nothing, as meant).
+            level = logging.INFO if message.kind is MessageKind.CHECK else logging.WARNING
+            log.log(level, "task %s: ignoring %s in state %s", task.id, message, state.code.value,
+                    extra={**self._extra, "action": "ignore"})
             return state, None
         if (new != state or message.kind is MessageKind.CHECKPOINT) and not self._persist(new):
             return state, False
@@ -286,8 +288,9 @@ class StatefulTaskHandler(Handler):
         """A command taken before the handler of a runnable task is called: returned to be
         applied now, or None (call the handler) for a ``run``, which changes nothing for
         the machine and is handed to the handler instead -- its first ``poll()``/``get()``
-        answers it, as Metafora hands every command of a runnable task to its handler."""
-        if command is not None and command.kind is MessageKind.RUN:
+        answers it, as Metafora hands every command of a runnable task to its handler.
+        A ``check`` is handed over the same way."""
+        if command is not None and command.kind in (MessageKind.RUN, MessageKind.CHECK):
             self._handed = command
             return None
         return command

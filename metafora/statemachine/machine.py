@@ -11,12 +11,18 @@ The table (``*`` release keeps the state and ends the run: another consumer may 
 task; ``-`` ignore; ``+`` differs from Go Metafora, where invalid pairs were turned into an
 ``error`` message -- a stray command could fault or fail a task)::
 
-    state/message    run       pause    sleep     release    error    kill     complete   checkpoint
-    runnable         runnable  paused   sleeping  runnable*  fault    killed   completed  runnable
-    paused           runnable  paused   sleeping  paused*    -  +     killed   -  +       paused
-    sleeping         runnable  paused   sleeping  sleeping*  fault    killed   -  +       sleeping
-    fault            runnable+ paused+  sleeping  fault* +   failed   killed+  -  +       -  +
+    state/message  run       pause    sleep     release    error   kill     complete   checkpoint check
+    runnable       runnable  paused   sleeping  runnable*  fault   killed   completed  runnable   runnable+
+    paused         runnable  paused   sleeping  paused*    -  +    killed   -  +       paused     -  +
+    sleeping       runnable  paused   sleeping  sleeping*  fault   killed   -  +       sleeping   -  +
+    fault          runnable+ paused+  sleeping  fault* +   failed  killed+  -  +       -  +       -  +
     completed, failed, killed: every message is ignored (terminal states never leave)
+
+``check`` (not in Go Metafora) is a wake-up that can never resume: a runnable task's handler
+gets it from ``poll()``/``get()`` (a stream re-reads its source's head), every other state
+drops it. ``run`` to a runnable task is the same wake-up, but to a paused, sleeping or fault
+task it is a resume -- so a wake-up racing a pause must be ``check``. A node older than
+``check`` drops it as an unknown command (with a warning), never fails on it.
 
 Both types have a JSON wire format (``to_json`` / ``from_json``) that is validated on the
 way in: a malformed message or state raises :class:`InvalidMessage` / :class:`InvalidState`
@@ -113,12 +119,15 @@ class MessageKind(enum.StrEnum):
     KILL = "kill"
     COMPLETE = "complete"
     CHECKPOINT = "checkpoint"
+    CHECK = "check"
 
 
 COMMAND_KINDS: Final = frozenset(
-    {MessageKind.RUN, MessageKind.PAUSE, MessageKind.SLEEP, MessageKind.KILL, MessageKind.RELEASE}
+    {MessageKind.RUN, MessageKind.PAUSE, MessageKind.SLEEP, MessageKind.KILL, MessageKind.RELEASE,
+     MessageKind.CHECK}
 )
-"""The kinds an operator may send to a task as a command (``resume`` is ``run``)."""
+"""The kinds an operator may send to a task as a command (``resume`` is ``run``; ``check``
+wakes a runnable task's handler and never resumes one)."""
 
 
 def _utc(value: object, what: str, error: type[MetaforaError]) -> datetime:
@@ -366,6 +375,12 @@ class Message:
         """Persist the state (and ``cursor``, if given), then call the handler again."""
         return cls(MessageKind.CHECKPOINT, cursor=cursor)
 
+    @classmethod
+    def check(cls) -> Message:
+        """Wake a runnable task's handler (it gets the command from ``poll()``/``get()``);
+        ignored in every other state: unlike ``run`` it never resumes a task."""
+        return cls(MessageKind.CHECK)
+
     # -- wire format ----------------------------------------------------------------------
 
     def __str__(self) -> str:
@@ -447,21 +462,21 @@ def _row(**targets: Target) -> dict[MessageKind, Target]:
     return row
 
 
+_IGNORED: Final[dict[str, Target]] = {kind.value: IGNORE for kind in MessageKind}  # terminal rows
+
 _TABLE: Final[dict[StateCode, dict[MessageKind, Target]]] = {
-    #                 run   pause  sleep  release error  kill   complete  checkpoint
-    _R: _row(run=_R, pause=_P, sleep=_S, release=_R, error=_F, kill=_K, complete=_C, checkpoint=_R),
+    #                 run   pause  sleep  release error  kill   complete  checkpoint  check
+    _R: _row(run=_R, pause=_P, sleep=_S, release=_R, error=_F, kill=_K, complete=_C, checkpoint=_R,
+             check=_R),
     _P: _row(run=_R, pause=_P, sleep=_S, release=_P, error=IGNORE, kill=_K, complete=IGNORE,
-             checkpoint=_P),
+             checkpoint=_P, check=IGNORE),
     _S: _row(run=_R, pause=_P, sleep=_S, release=_S, error=_F, kill=_K, complete=IGNORE,
-             checkpoint=_S),
+             checkpoint=_S, check=IGNORE),
     _F: _row(run=_R, pause=_P, sleep=_S, release=_F, error=_X, kill=_K, complete=IGNORE,
-             checkpoint=IGNORE),
-    _C: _row(run=IGNORE, pause=IGNORE, sleep=IGNORE, release=IGNORE, error=IGNORE, kill=IGNORE,
-             complete=IGNORE, checkpoint=IGNORE),
-    _X: _row(run=IGNORE, pause=IGNORE, sleep=IGNORE, release=IGNORE, error=IGNORE, kill=IGNORE,
-             complete=IGNORE, checkpoint=IGNORE),
-    _K: _row(run=IGNORE, pause=IGNORE, sleep=IGNORE, release=IGNORE, error=IGNORE, kill=IGNORE,
-             complete=IGNORE, checkpoint=IGNORE),
+             checkpoint=IGNORE, check=IGNORE),
+    _C: _row(**_IGNORED),
+    _X: _row(**_IGNORED),
+    _K: _row(**_IGNORED),
 }
 
 TRANSITIONS: Final[Mapping[tuple[StateCode, MessageKind], Target]] = {

@@ -6,10 +6,10 @@ client's own store (:func:`~metafora.statemachine.store.state_store_for`) and re
 owner through the task command channel (:func:`~metafora.statemachine.store.commands_for`),
 which the owner's store pushes (PostgreSQL NOTIFY, the etcd watch, SQLite's data_version).
 
-Both commands are the state machine's ``run``: to a runnable stream it is a check (the owner
-re-reads ``head()`` at once), to a paused one -- failing, or paused by an operator -- a resume.
-So :func:`check_stream` sends it only to a stream that is not paused, and
-:func:`retry_stream` only to one that is failing.
+A check is the state machine's ``check`` command: the handler of a runnable stream gets it
+(the owner re-reads ``head()`` at once); a paused, sleeping or finished machine drops it, so
+a check racing the stream's pause on a failing job never resumes it. A retry is the
+machine's ``run`` (a resume), sent only to a stream that is failing.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def stream_rows(client: Client, *, after: str | None = None, limit: int | None =
 def check_stream(client: Client, task_id: str) -> bool:
     """Wake the stream's owner: it re-reads ``head()`` at once. Pushed through the task
     command channel; True when sent, False when the stream is paused (failing or by an
-    operator: a check would resume it) or finished. TaskNotFound when no such task;
+    operator: it would drop the check) or finished. TaskNotFound when no such task;
     InvalidTaskState when the task is not a stream."""
     info: TaskInfo = client.get_task(task_id)
     state = _state(client, task_id)
@@ -141,14 +141,15 @@ def check_stream(client: Client, task_id: str) -> bool:
     if state is not None and state.code is not StateCode.RUNNABLE:
         return False
     if shown is not None and shown.failing is not None:
-        return False  # failing, about to pause: a `run` would resume it at once
+        return False  # failing, about to pause: a check would be dropped
     if info.state.value in ("done", "failed", "expired"):
         return False
     channel = commands_for(client)
     # Coalesced: a command still queued wakes the owner anyway (each check would otherwise
     # add a row, or a key, that the owner must take).
     if channel.pending(task_id) == 0:
-        channel.send(task_id, Message.run())
+        # `check`, never `run`: should the stream pause meanwhile, a `run` would resume it.
+        channel.send(task_id, Message.check())
     return True
 
 

@@ -173,7 +173,7 @@ class StreamRun:
 
     def _on_command(self, message: Message) -> None:
         kind = message.kind
-        if kind is MessageKind.RUN:  # Client.check_stream: new jobs may exist
+        if kind in (MessageKind.CHECK, MessageKind.RUN):  # Client.check_stream: new jobs may exist
             self._head_wanted = True
             self._head_due = 0.0
         elif kind is MessageKind.CHECKPOINT:  # the claim is at risk: save the position now

@@ -37,18 +37,19 @@ C, X, K = StateCode.COMPLETED, StateCode.FAILED, StateCode.KILLED
 N = IGNORE
 
 # The expected table, written out independently of the implementation.
-# columns: run, pause, sleep, release, error, kill, complete, checkpoint
+# columns: run, pause, sleep, release, error, kill, complete, checkpoint, check
 EXPECTED = {
-    R: (R, P, S, R, F, K, C, R),
-    P: (R, P, S, P, N, K, N, P),
-    S: (R, P, S, S, F, K, N, S),
-    F: (R, P, S, F, X, K, N, N),
-    C: (N,) * 8,
-    X: (N,) * 8,
-    K: (N,) * 8,
+    R: (R, P, S, R, F, K, C, R, R),
+    P: (R, P, S, P, N, K, N, P, N),
+    S: (R, P, S, S, F, K, N, S, N),
+    F: (R, P, S, F, X, K, N, N, N),
+    C: (N,) * 9,
+    X: (N,) * 9,
+    K: (N,) * 9,
 }
 COLUMNS = (MessageKind.RUN, MessageKind.PAUSE, MessageKind.SLEEP, MessageKind.RELEASE,
-           MessageKind.ERROR, MessageKind.KILL, MessageKind.COMPLETE, MessageKind.CHECKPOINT)
+           MessageKind.ERROR, MessageKind.KILL, MessageKind.COMPLETE, MessageKind.CHECKPOINT,
+           MessageKind.CHECK)
 
 # Pairs where we differ from Go Metafora (which rejected them and turned them into errors).
 DIFFERENCES = {
@@ -56,6 +57,7 @@ DIFFERENCES = {
     (F, MessageKind.PAUSE): P,      # an operator can pause a flapping task
     (F, MessageKind.KILL): K,       # ... or kill it
     (F, MessageKind.RELEASE): F,    # a release never changes the state (Go: -> failed)
+    (R, MessageKind.CHECK): R,      # a wake-up for the handler; every other state drops it
 }
 
 
@@ -69,6 +71,7 @@ def message_of(kind: MessageKind) -> Message:
         MessageKind.KILL: Message.kill(),
         MessageKind.COMPLETE: Message.complete(),
         MessageKind.CHECKPOINT: Message.checkpoint("c1"),
+        MessageKind.CHECK: Message.check(),
     }[kind]
 
 
@@ -85,7 +88,7 @@ def state_of(code: StateCode) -> State:
 
 def test_table_covers_the_full_cross_product() -> None:
     assert set(TRANSITIONS) == {(c, k) for c in StateCode for k in MessageKind}
-    assert len(TRANSITIONS) == 7 * 8
+    assert len(TRANSITIONS) == 7 * 9
 
 
 @pytest.mark.parametrize("code", list(StateCode))
@@ -119,7 +122,8 @@ def test_release_never_changes_the_state() -> None:
 
 def test_only_operator_kinds_are_commands() -> None:
     assert {
-        MessageKind.RUN, MessageKind.PAUSE, MessageKind.SLEEP, MessageKind.KILL, MessageKind.RELEASE
+        MessageKind.RUN, MessageKind.PAUSE, MessageKind.SLEEP, MessageKind.KILL, MessageKind.RELEASE,
+        MessageKind.CHECK,
     } == COMMAND_KINDS
     for kind in (MessageKind.ERROR, MessageKind.COMPLETE, MessageKind.CHECKPOINT):
         with pytest.raises(InvalidMessage, match="cannot be sent to a task as a command"):
