@@ -20,7 +20,7 @@ import abc
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -28,7 +28,13 @@ from metafora.backends import implementation, store_of
 from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import Coordinator
 from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
-from metafora.statemachine.machine import InvalidMessage, Message, State, validate_command
+from metafora.statemachine.machine import (
+    InvalidMessage,
+    InvalidState,
+    Message,
+    State,
+    validate_command,
+)
 from metafora.statemachine.mailbox import CommandBell, Mailbox, PendingIds
 from metafora.task import Task, validate_task_id
 
@@ -39,6 +45,7 @@ __all__ = [
     "TimeLeft",
     "commands_for",
     "lease_bound_of",
+    "parsed_page",
     "state_store_for",
 ]
 
@@ -147,6 +154,15 @@ class StateStore(abc.ABC):
     def get(self, task_id: str) -> State | None:
         """The stored state for operators (unfenced); None if the task has none yet."""
 
+    def page(self, *, prefix: str = "", after: str | None = None,
+             limit: int = 100) -> list[tuple[str, State]] | None:
+        """Up to ``limit`` stored states as ``(task id, state)``, in the store's key order
+        after task id ``after``, of the ids that start with ``prefix`` (operators' listings,
+        unfenced; a damaged state is left out). It reads only tasks that have a state, never
+        every task. The built-in stores answer; this default answers None (this store cannot
+        list its states: a listing then reads each task's state in turn)."""
+        return None
+
     def decode_stored(self, task_id: str, body: str | bytes, token: int) -> tuple[int, State | str | bytes]:
         """(token, state) of a stored body as a retry reads it (``Client.retry_with_state``):
         ``token`` is the task's last claim token, to use when the body carries none. A
@@ -237,6 +253,22 @@ class TaskCommands(abc.ABC):
     def close(self) -> None:
         """Release what the channel holds. Idempotent."""
         return
+
+
+def parsed_page(rows: Iterable[tuple[str, T]],
+                decode: Callable[[str, T], State] | None = None) -> list[tuple[str, State]]:
+    """The states of a page of stored ``(task id, body)`` rows (for :meth:`StateStore.page`):
+    ``decode(task_id, body)`` (default: the body is the state's JSON); a damaged body is left
+    out with a warning, as a listing must not fail on one task."""
+    page: list[tuple[str, State]] = []
+    for task_id, body in rows:
+        try:
+            state = State.from_json(body) if decode is None else decode(task_id, body)  # type: ignore[arg-type]
+        except InvalidState as exc:
+            log.warning("task %s: leaving a damaged state out of a listing: %s", task_id, exc)
+            continue
+        page.append((task_id, state))
+    return page
 
 
 def state_store_for(coordinator_or_client: object) -> StateStore:

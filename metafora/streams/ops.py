@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from metafora.client import Client
-from metafora.errors import InvalidTaskState
+from metafora.errors import InvalidTaskState, TaskNotFound
 from metafora.statemachine.machine import Message, State, StateCode
-from metafora.statemachine.store import commands_for, state_store_for
+from metafora.statemachine.store import StateStore, commands_for, state_store_for
 from metafora.streams.jobs import StreamFailing, StreamInfo
 from metafora.streams.progress import InvalidProgress, Progress
 from metafora.task import TaskInfo, validate_task_id
@@ -28,7 +28,7 @@ __all__ = ["StreamRow", "check_stream", "info_dict", "retry_stream", "stream_inf
            "stream_state"]
 
 _EXCEEDED = "ExceededErrorRate:"
-_PAGE = 200  # tasks read per page while looking for streams
+_PAGE = 200  # states (or, without StateStore.page, tasks) read per page while looking for streams
 _TROUBLED = frozenset({StateCode.FAULT, StateCode.SLEEPING, StateCode.FAILED})
 
 
@@ -106,21 +106,58 @@ def stream_state(client: Client, task_id: str) -> State | None:
 def stream_rows(client: Client, *, after: str | None = None, limit: int | None = None,
                 prefix: str = "") -> list[StreamRow]:
     """Streams (tasks whose stored state is a stream's progress) ordered by id, after id
-    ``after``, at most ``limit`` (None: all). Tasks are read a page at a time without their
-    props; then one state read per task (an operator's listing, not a hot path)."""
+    ``after``, at most ``limit`` (None: all).
+
+    The stored states are read a page at a time (:meth:`StateStore.page`: only tasks run by
+    a state machine have one, so plain tasks cost nothing), then one task read per stream
+    (its owner and task state). A store that cannot list its states falls back to reading
+    every task's state."""
     store = state_store_for(client)
+    rows: list[StreamRow] = []
+    cursor = after
+    while limit is None or len(rows) < limit:
+        page = store.page(prefix=prefix, after=cursor, limit=_PAGE)
+        if page is None:
+            return _rows_by_task(client, store, after, limit, prefix)
+        for task_id, state in page:
+            row = _row(client, task_id, state)
+            if row is not None:
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
+        if len(page) < _PAGE:
+            break
+        cursor = page[-1][0]
+    return rows
+
+
+def _row(client: Client, task_id: str, state: State, task: TaskInfo | None = None) -> StreamRow | None:
+    """The listing's row of a task with ``state``; None when it is not a stream (or gone)."""
+    info = None if state.cursor is None else _info_of(state)
+    if info is None:
+        return None
+    if task is None:
+        try:
+            task = client.get_task(task_id)
+        except TaskNotFound:  # deleted since its state was read
+            return None
+    return StreamRow(task_id, task.owner, task.state.value, state.code.value, info)
+
+
+def _rows_by_task(client: Client, store: StateStore, after: str | None, limit: int | None,
+                  prefix: str) -> list[StreamRow]:
+    """The fallback: tasks a page at a time, one state read per task."""
     rows: list[StreamRow] = []
     cursor = after
     while limit is None or len(rows) < limit:
         page = client.task_page(prefix=prefix, after=cursor, limit=_PAGE, props=False)
         for task in page:
             state = store.get(task.id)
-            info = None if state is None or state.cursor is None else _info_of(state)
-            if state is None or info is None:
-                continue
-            rows.append(StreamRow(task.id, task.owner, task.state.value, state.code.value, info))
-            if limit is not None and len(rows) >= limit:
-                break
+            row = None if state is None else _row(client, task.id, state, task)
+            if row is not None:
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
         if len(page) < _PAGE:
             break
         cursor = page[-1].id

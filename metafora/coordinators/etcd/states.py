@@ -36,8 +36,9 @@ from metafora.coordinators.etcd.driver import (
     created_at,
     exists,
     modified_at,
+    prefix_end,
 )
-from metafora.coordinators.etcd.layout import Keys, escape
+from metafora.coordinators.etcd.layout import Keys, escape, unescape
 from metafora.errors import ClaimLost, ConfigError
 from metafora.jsontext import load_object
 from metafora.statemachine.machine import InvalidState, State
@@ -48,6 +49,7 @@ from metafora.statemachine.store import (
     TaskCommands,
     bell_for,
     lease_bound_of,
+    parsed_page,
     poll_take,
 )
 from metafora.task import Task
@@ -147,6 +149,21 @@ class EtcdStateStore(StateStore):
     def get(self, task_id: str) -> State | None:
         kvs, _ = self._driver.range(Range(self._keys.task(task_id).machine))
         return None if not kvs else decode_state(task_id, kvs[0].value)[1]
+
+    def page(self, *, prefix: str = "", after: str | None = None,
+             limit: int = 100) -> list[tuple[str, State]] | None:
+        """One range over the ``state/`` keys (key order: the percent-encoded ids, as
+        ``task_page``), ``limit`` keys at most: the states it returns, no task."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        base = self._keys.states + escape(prefix).encode()
+        start = base
+        if after is not None:
+            start = max(base, self._keys.task(after).machine + b"\x00")
+        kvs, _ = self._driver.range(Range(start, end=prefix_end(base), limit=limit))
+        root = len(self._keys.states)
+        rows = ((unescape(kv.key[root:].decode()), kv.value) for kv in kvs)
+        return parsed_page(rows, lambda task_id, raw: decode_state(task_id, raw)[1])
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""

@@ -20,7 +20,7 @@ from metafora.coordinators.memory.store import MemoryStore
 from metafora.errors import ClaimLost, ConfigError
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
-from metafora.statemachine.store import StateStore, TaskCommands
+from metafora.statemachine.store import StateStore, TaskCommands, parsed_page
 from metafora.task import Task, TaskState
 
 __all__ = ["MemoryStateStore", "MemoryTaskCommands"]
@@ -118,6 +118,23 @@ class MemoryStateStore(StateStore):
         with self._store.cond:
             held = self._store.task_state(task_id)
         return None if held is None else State.from_json(held[1])
+
+    def page(self, *, prefix: str = "", after: str | None = None,
+             limit: int = 100) -> list[tuple[str, State]] | None:
+        """The stored states in id order (only tasks that have one are looked at)."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        rows: list[tuple[str, str]] = []
+        with self._store.cond:
+            for task_id in sorted(self._store.task_states):
+                if not task_id.startswith(prefix) or (after is not None and task_id <= after):
+                    continue
+                held = self._store.task_state(task_id)  # drops a deleted task's entry
+                if held is not None:
+                    rows.append((task_id, held[1]))
+                    if len(rows) >= limit:
+                        break
+        return parsed_page(rows)
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""

@@ -42,6 +42,7 @@ from metafora.statemachine.store import (
     TaskCommands,
     bell_for,
     lease_bound_of,
+    parsed_page,
     poll_take,
 )
 from metafora.task import Task
@@ -261,6 +262,33 @@ class SQLStateStore(StateStore):
         with self._db.read() as conn:
             row = self._st.run(conn, "get", {"id": task_id}).first()
         return None if row is None else State.from_json(row[1])
+
+    def page(self, *, prefix: str = "", after: str | None = None,
+             limit: int = 100) -> list[tuple[str, State]] | None:
+        """One indexed query on ``metafora_state``'s primary key (``task_id > :after ORDER
+        BY task_id LIMIT``): it reads the states it returns (damaged ones left out), no task."""
+        from metafora.coordinators.sql.client import _successor
+
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        self._st.ensure()
+        where = ["namespace = :ns"]
+        params: dict[str, Any] = {"ns": self._db.config.namespace, "limit": limit}
+        if prefix:
+            where.append("task_id >= :prefix")  # [prefix, successor): an index range
+            params["prefix"] = prefix
+            upper = _successor(prefix)
+            if upper is not None:
+                where.append("task_id < :upper")
+                params["upper"] = upper
+        if after is not None:
+            where.append("task_id > :after")
+            params["after"] = after
+        sql = (f"SELECT task_id, body FROM metafora_state WHERE {' AND '.join(where)}"
+               " ORDER BY task_id LIMIT :limit")
+        with self._db.read() as conn:
+            rows = conn.execute(text(sql), params).fetchall()
+        return parsed_page((str(task_id), body) for task_id, body in rows)
 
     def token_of(self, task_id: str) -> int | None:
         """The claim token the task's state was last written under (for tests)."""
