@@ -59,6 +59,7 @@ __all__ = [
     "State",
     "StateCode",
     "apply",
+    "cut_error_text",
     "next_code",
     "validate_command",
 ]
@@ -137,7 +138,9 @@ def _utc(value: object, what: str, error: type[MetaforaError]) -> datetime:
         raise error(str(exc)) from None
 
 
-def _cut(text: str) -> str:
+def cut_error_text(text: str) -> str:
+    """``text`` cut to :data:`MAX_ERROR_TEXT` characters (with a trailing ``...``), as every
+    stored error text is."""
     return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
 
 
@@ -181,7 +184,7 @@ class ErrorRecord:
         if not isinstance(self.text, str):
             raise InvalidState(f"error text must be a string, not {type(self.text).__name__}")
         object.__setattr__(self, "time", _utc(self.time, "error time", InvalidState))
-        object.__setattr__(self, "text", _cut(self.text))
+        object.__setattr__(self, "text", cut_error_text(self.text))
         if self.exception is not None and not isinstance(self.exception, BaseException):
             raise InvalidState(
                 f"error exception must be an exception, not {type(self.exception).__name__}"
@@ -323,7 +326,7 @@ class Message:
         if kind is MessageKind.ERROR:
             if not isinstance(self.reason, str) or not self.reason.strip():
                 raise InvalidMessage("an error message needs a non-empty 'error' text")
-            object.__setattr__(self, "reason", _cut(self.reason))
+            object.__setattr__(self, "reason", cut_error_text(self.reason))
         elif self.reason is not None:
             raise InvalidMessage(f"'error' belongs to error messages, not {kind.value}")
         if kind is MessageKind.CHECKPOINT:

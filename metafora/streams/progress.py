@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from metafora.errors import MetaforaError
-from metafora.statemachine.machine import MAX_CURSOR_LENGTH, MAX_ERROR_TEXT
+from metafora.statemachine.machine import MAX_CURSOR_LENGTH, cut_error_text
 from metafora.streams.jobs import StreamFailing, StreamInfo
 
 __all__ = ["FORMAT", "InvalidProgress", "Progress", "Window"]
@@ -35,10 +35,6 @@ _FIELDS: Final = frozenset({"stream", "start", "processed", "head", "in_flight",
 
 class InvalidProgress(MetaforaError, ValueError):
     """A task's stored cursor is not a stream's progress (another handler wrote it, or it is damaged)."""
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
 
 
 def _int(obj: Mapping[str, Any], name: str, low: int, *, optional: bool = False) -> int | None:
@@ -73,7 +69,7 @@ class Progress:
         """The JSON text stored as the state's cursor (always under MAX_CURSOR_LENGTH)."""
         failing = None
         if self.failing is not None:
-            failing = {"index": self.failing.index, "error": _cut(self.failing.error),
+            failing = {"index": self.failing.index, "error": cut_error_text(self.failing.error),
                        "attempts": self.failing.attempts}
         text = json.dumps({"stream": FORMAT, "start": self.start, "processed": self.processed,
                            "head": self.head, "in_flight": self.in_flight, "failing": failing},
