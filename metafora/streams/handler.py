@@ -30,6 +30,7 @@ from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
 from metafora.statemachine.machine import Message
 from metafora.statemachine.store import StateStore, TaskCommands
 from metafora.streams.jobs import Job, Jobs
+from metafora.streams.threads import DEFAULT_THREAD_IDLE, ElasticPool
 from metafora.task import Task
 
 __all__ = [
@@ -172,6 +173,19 @@ class StreamHandlerFunc:
         # copy's stores) along instead of leaving it here for the process's life.
         self._copies: weakref.WeakSet[StreamHandlerFunc] = weakref.WeakSet()
         self._left: dict[str, set[Future[Any]]] = {}  # abandoned jobs' threads, by stream
+        self._pool: ElasticPool | None = None  # every stream's source calls and plain jobs
+
+    thread_idle: float = DEFAULT_THREAD_IDLE
+    """Seconds a thread of the handler's shared pool waits for work before it ends (an idle
+    node holds no stream thread). Set it before the handler is given to a consumer."""
+
+    def pool(self) -> ElasticPool:
+        """The threads every stream of this (bound) handler shares: its sources' calls (one
+        :class:`~metafora.streams.threads.Strand` per stream) and its plain ``work``."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ElasticPool("metafora-stream", self.thread_idle)
+            return self._pool
 
     def _bind(self, coordinator: Coordinator | None) -> None:
         self._machine = handler_func(
@@ -186,6 +200,7 @@ class StreamHandlerFunc:
         copy = StreamHandlerFunc(self.jobs, self.work, self.options,
                                  error_handler=self._error_handler, clock=self._clock,
                                  state_store=None, task_commands=None)
+        copy.thread_idle = self.thread_idle
         copy._bind(coordinator)
         with self._lock:
             self._copies.add(copy)

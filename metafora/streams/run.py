@@ -7,9 +7,11 @@ timers (a job's next attempt, the next write, the fallback poll of a source that
 push). Each turn it takes the finished jobs, reads a command if one may be there, re-reads
 ``head()`` if asked, starts what the window allows, and writes the progress if due.
 
-Threads: the source (``jobs(task)``, ``head()``, ``at_index()``, ``close()``) is called on
-one thread of its own per stream, so a source need not be thread-safe; a plain ``work`` runs
-on a pool of ``max_processing`` threads; an ``async def work`` runs on the loop. The writes
+Threads (:mod:`metafora.streams.threads`): the source (``jobs(task)``, ``head()``,
+``at_index()``, ``close()``) is called through a strand of the handler's shared pool, one call
+at a time, so a source need not be thread-safe; a plain ``work`` runs on that pool too (at most
+``max_processing`` jobs of a stream at once: its window); an ``async def work`` runs on the
+loop. An idle stream holds no thread. The writes
 of the progress are the machine's fenced checkpoints (on the machine's worker threads), at
 most one in flight.
 
@@ -28,7 +30,6 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +39,7 @@ from metafora.statemachine.machine import Message, MessageKind
 from metafora.streams.handler import JobContext, call_work
 from metafora.streams.jobs import Job, Jobs, StreamFailing
 from metafora.streams.progress import Progress, Window
+from metafora.streams.threads import Strand
 from metafora.task import Task
 
 if TYPE_CHECKING:
@@ -67,8 +69,8 @@ class StreamRun:
         self._extra = {"task": task.id, "token": task.token}
         self._loop = asyncio.get_running_loop()
         self._kick = asyncio.Event()
-        self._source_pool = ThreadPoolExecutor(1, thread_name_prefix=f"metafora-stream-source[{task.id}]")
-        self._work_pool: ThreadPoolExecutor | None = None
+        self._pool = func.pool()
+        self._strand = Strand(self._pool)  # the source's calls, one at a time
         self._source: Jobs | None = None
         self._pushes = False  # the source calls wake itself (no fallback poll)
         self._stopping = threading.Event()  # JobContext.stopping
@@ -217,7 +219,7 @@ class StreamRun:
     async def _build_source(self) -> object:
         """``jobs(task)`` on the source's thread; cancelled meanwhile (a lost claim), the
         source it returns later is closed there (nothing else would: the run is gone)."""
-        built = self._source_pool.submit(self._func.jobs, self._task)
+        built = self._strand.submit(self._func.jobs, self._task)
         try:
             return await asyncio.wrap_future(built, loop=self._loop)
         except asyncio.CancelledError:
@@ -225,7 +227,7 @@ class StreamRun:
             raise
 
     async def _in_source(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._loop.run_in_executor(self._source_pool, functools.partial(fn, *args))
+        return await asyncio.wrap_future(self._strand.submit(fn, *args), loop=self._loop)
 
     async def _read_head(self) -> None:
         if not self._head_wanted or (self._head_failures and self._loop.time() < self._head_due):
@@ -327,10 +329,7 @@ class StreamRun:
         if self._func.is_async:
             future = asyncio.ensure_future(self._async_work(job, ctx))
         else:
-            if self._work_pool is None:
-                self._work_pool = ThreadPoolExecutor(
-                    self._opts.max_processing, thread_name_prefix=f"metafora-stream[{self._task.id}]")
-            thread = self._work_pool.submit(call_work, work, job, ctx)
+            thread = self._pool.submit(call_work, work, job, ctx)
             self._threads.add(thread)
             thread.add_done_callback(self._threads.discard)
             future = asyncio.wrap_future(thread, loop=self._loop)
@@ -446,11 +445,11 @@ class StreamRun:
         self._func.report_lag(self._task.id, None)
         source = self._source
         if source is not None:
-            self._source_pool.submit(_close, source, self._task.id)
-        self._source_pool.shutdown(wait=False)
-        if self._work_pool is not None:
-            self._work_pool.shutdown(wait=False, cancel_futures=True)
-            self._func.leave_running(self._task.id, [t for t in list(self._threads) if not t.done()])
+            self._strand.submit(_close, source, self._task.id)  # after its calls in flight
+        threads = list(self._threads)
+        for thread in threads:
+            thread.cancel()  # a job queued, not started: it never runs
+        self._func.leave_running(self._task.id, [t for t in threads if not t.done()])
 
 
 def _close(source: Jobs, task_id: str) -> None:
