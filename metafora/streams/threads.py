@@ -66,8 +66,9 @@ class ElasticPool:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on a pool thread; its future."""
         future: Future[T] = Future()
+        item: _Item = (future, fn, args)
         with self._cond:
-            self._queue.append((future, fn, args))
+            self._queue.append(item)
             if len(self._queue) <= self._idle:  # a waiting thread takes it
                 self._cond.notify()
                 return future
@@ -76,9 +77,11 @@ class ElasticPool:
             name = f"{self._name}-{self._serial}"
         try:
             threading.Thread(target=self._work, name=name, daemon=True).start()
-        except BaseException:
+        except BaseException:  # no thread (the process's limit): the call is not made
             with self._cond:
                 self._threads -= 1
+                if item in self._queue:
+                    self._queue.remove(item)
             raise
         return future
 
@@ -113,16 +116,19 @@ class Strand:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue ``fn(*args)`` behind the strand's earlier calls; its future."""
         future: Future[T] = Future()
+        item: _Item = (future, fn, args)
         with self._lock:
-            self._queue.append((future, fn, args))
+            self._queue.append(item)
             if self._busy:
                 return future
             self._busy = True
         try:
             self._pool.submit(self._drain)
-        except BaseException:
+        except BaseException:  # not queued after all: the caller learns it at once
             with self._lock:
                 self._busy = False
+                if item in self._queue:
+                    self._queue.remove(item)
             raise
         return future
 
