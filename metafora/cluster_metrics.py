@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,8 +103,9 @@ class ClusterGauges:
 
     def __init__(self, store: Coordinator, clock: Clock, *, every: float = CLUSTER_READ_EVERY,
                  logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
-                 ) -> None:
+                 on_error: Callable[[str], None] | None = None) -> None:
         self._store = store
+        self._on_error = on_error  # counts an error of the loop (``cluster-metrics``)
         self._clock = clock
         self.every = every
         self._log = logger or log
@@ -129,6 +131,8 @@ class ClusterGauges:
             except NotImplementedError:
                 return
             except MetaforaError as exc:
+                if self._on_error is not None:
+                    self._on_error("cluster-metrics")
                 if not warned:
                     self._log.warning("cluster metrics: %s (keeping the last read)", exc,
                                       extra={"action": "metrics"})

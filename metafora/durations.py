@@ -18,10 +18,20 @@ from typing import Final
 
 from metafora.errors import ConfigError
 
-__all__ = ["UNITS", "format_duration", "parse_duration", "seconds", "whole_seconds"]
+__all__ = ["MAX_DURATION", "UNITS", "format_duration", "parse_duration", "seconds", "whole_seconds"]
+
+MAX_DURATION: Final = timedelta(days=36500)
+"""The longest duration a user may set anywhere (100 years): a longer one is refused where it
+is parsed, because adding it to now (a cut-off, a launch time, a next tick, a thread's wait)
+leaves the dates a computer can count and fails later, in a background loop."""
+_MAX_SECONDS: Final = MAX_DURATION.total_seconds()
 
 UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 """The units a duration's text may end with, in seconds (none: seconds)."""
+
+class _TooLong(ValueError):
+    """A duration's text over :data:`MAX_DURATION`."""
+
 
 _TEXT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
 
@@ -37,8 +47,8 @@ def parse_duration(text: str, *, unit_required: bool = False) -> float:
         units = "30s, 5m, 1h or 1d" if unit_required else "seconds, or a number with ms/s/m/h/d"
         raise ValueError(f"{text!r} is not a duration ({units})")
     result = float(match.group(1)) * UNITS[(match.group(2) or "s").lower()]
-    if not math.isfinite(result) or result > timedelta.max.total_seconds():
-        raise ValueError(f"{text!r} is too long a duration")
+    if not math.isfinite(result) or result > _MAX_SECONDS:
+        raise _TooLong(f"{text[:40]!r} is too long a duration (at most {format_duration(int(_MAX_SECONDS))})")
     return result
 
 
@@ -54,6 +64,8 @@ def seconds(value: float | timedelta, name: str, *, allow_zero: bool = False) ->
     if not math.isfinite(result) or result < 0 or (result == 0 and not allow_zero):
         sign = "non-negative" if allow_zero else "positive"
         raise ConfigError(f"{name} must be a {sign} number of seconds, got {value!r}")
+    if result > _MAX_SECONDS:
+        raise ConfigError(f"{name} must be at most {format_duration(int(_MAX_SECONDS))}, got {value!r}")
     return result
 
 
@@ -64,6 +76,9 @@ def whole_seconds(value: object, what: str) -> int:
     if isinstance(value, str):
         try:
             total = parse_duration(value, unit_required=True)
+        except _TooLong:
+            raise ConfigError(f"{what} must be at most {format_duration(int(_MAX_SECONDS))}, "
+                              f"got {value[:40]!r}") from None
         except ValueError:
             raise ConfigError(
                 f"bad duration {value!r}: use a number and a unit, like 30s, 5m, 1h or 1d"
@@ -78,6 +93,9 @@ def whole_seconds(value: object, what: str) -> int:
         raise ConfigError(f"{what} must be whole seconds, got {value}")
     if total < 1:
         raise ConfigError(f"{what} must be at least 1s, got {value!r}")
+    if total > _MAX_SECONDS:
+        raise ConfigError(f"{what} must be at most {format_duration(int(_MAX_SECONDS))}, "
+                          f"got {str(value)[:40]}")
     return int(total)
 
 

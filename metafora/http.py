@@ -114,6 +114,13 @@ def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int
                                       "Finished tasks this node pruned (retention)", labels=["node"])
             fam.add_metric([node], pruned)
             yield fam
+            # ``loop`` takes the fixed names of the consumer's background loops, never user text.
+            fam = CounterMetricFamily("metafora_loop_errors",
+                                      "Errors of a background loop (logged and retried; the node "
+                                      "keeps running)", labels=["node", "loop"])
+            for loop, count in sorted(stats.loop_error_counts().items()):
+                fam.add_metric([node, loop], count)
+            yield fam
             if cluster is not None:
                 for name, value, doc in (
                     ("pending_tasks", cluster.pending, "Tasks claimable now in the cluster"),

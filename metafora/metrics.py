@@ -103,7 +103,19 @@ class ConsumerStats:
     claim_latency: Histogram = field(default_factory=Histogram)
     renewal_latency: Histogram = field(default_factory=Histogram)
     gates: GateStats | None = None  # set when the node runs gated partitions (StatsUser)
+    loop_errors: dict[str, int] = field(default_factory=dict)
+    """Errors of each background loop (``prune``, ``schedules``...): logged, retried, counted."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def loop_error(self, loop: str) -> None:
+        """Count one error of the background loop ``loop``."""
+        with self._lock:
+            self.loop_errors[loop] = self.loop_errors.get(loop, 0) + 1
+
+    def loop_error_counts(self) -> dict[str, int]:
+        """A consistent copy of :attr:`loop_errors`."""
+        with self._lock:
+            return dict(self.loop_errors)
 
     def incr(self, name: str, by: int = 1) -> None:
         """Add ``by`` (one) to the counter ``name``."""

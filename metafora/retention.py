@@ -43,7 +43,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
 from metafora.clock import Clock
-from metafora.durations import format_duration, whole_seconds
+from metafora.durations import MAX_DURATION, format_duration, whole_seconds
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_RETENTION",
     "FAILED_MARKS",
     "KILLED_MARKS",
+    "MAX_KEEP",
     "PRUNE_BATCH",
     "PRUNE_INTERVAL",
     "UNCHANGED",
@@ -76,6 +77,11 @@ PRUNE_INTERVAL: Final = 60.0
 
 PruneAlso = Callable[[list[str]], object]
 """A function :meth:`RetentionOps.prune_also` registers: given the ids of pruned tasks."""
+
+MAX_KEEP: Final = MAX_DURATION
+"""The longest retention a kind may have (100 years): every setter refuses more, and a stored
+value above it (written by another tool) is an error of the read, never of the date arithmetic
+(``now - 800000d`` is before year 1, and once stopped every worker's prune loop)."""
 
 KILLED_MARKS: Final = ('"state":"killed"', '"state": "killed"')
 """How a stored state-machine state says ``killed`` in its JSON text (canonical, spaced)."""
@@ -110,9 +116,24 @@ class Retention:
 
     @classmethod
     def from_seconds(cls, done: object, failed: object, killed: object) -> Retention:
-        """From stored seconds (None: never)."""
-        return cls(*(None if v is None else timedelta(seconds=int(v))  # type: ignore[call-overload]
-                     for v in (done, failed, killed)))
+        """From stored seconds (None: never). ConfigError for a stored value out of range
+        (not 1 s to :data:`MAX_KEEP`): the store holds a policy no setter writes."""
+        values: list[timedelta | None] = []
+        for name, value in (("done", done), ("failed", failed), ("killed", killed)):
+            if value is None:
+                values.append(None)
+                continue
+            try:
+                secs = int(value)  # type: ignore[call-overload]
+            except (TypeError, ValueError, OverflowError):
+                secs = -1
+            if not 1 <= secs <= MAX_KEEP.total_seconds():
+                raise ConfigError(
+                    f"the stored retention of {name} tasks is out of range ({str(value)[:40]} s; "
+                    f"1s to {format_duration(int(MAX_KEEP.total_seconds()))}): set it again with "
+                    f"'metafora retention set --{name} DURATION|never'")
+            values.append(timedelta(seconds=secs))
+        return cls(*values)
 
     def to_json(self) -> dict[str, int | None]:
         """``{"done": secs|null, "failed": ..., "killed": ...}``."""
@@ -143,7 +164,7 @@ def parse_keep(value: object, what: str = "retention") -> timedelta | None:
     seconds, a :class:`~datetime.timedelta` of whole seconds, at least 1 s). ConfigError."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "never"):
         return None
-    try:
+    try:  # whole_seconds bounds it: at most MAX_KEEP (MAX_DURATION)
         return timedelta(seconds=whole_seconds(value, "a duration"))
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc} (or 'never')") from None
@@ -159,8 +180,9 @@ class Cutoffs:
 
     @classmethod
     def at(cls, policy: Retention, now: datetime) -> Cutoffs:
-        """The cut-offs of ``policy`` at ``now``."""
-        return cls(*(None if keep is None else now - keep
+        """The cut-offs of ``policy`` at ``now``; a cut-off before the first representable
+        date is None (no task finished that long ago)."""
+        return cls(*(None if keep is None else _minus(now, keep)
                      for keep in (policy.done, policy.failed, policy.killed)))
 
     def oldest(self) -> datetime | None:
@@ -182,6 +204,13 @@ class Cutoffs:
         """The cut-off of ``done``, ``failed`` or ``killed``."""
         found: datetime | None = getattr(self, kind)
         return found
+
+
+def _minus(now: datetime, keep: timedelta) -> datetime | None:
+    try:
+        return now - keep
+    except OverflowError:
+        return None
 
 
 def kind_of(state: str, machine_state: str | None) -> str | None:
@@ -226,13 +255,15 @@ class RetentionOps:
         """Set how long finished tasks are kept: a :class:`~datetime.timedelta` (or ``"7d"``)
         or None for never; a kind not given keeps its current value. Every node's next prune
         run uses it. Returns the new policy. ConfigError."""
-        current = self._retention_get()
-        values = []
-        for name, given in (("done", done), ("failed", failed), ("killed", killed)):
-            if isinstance(given, _Unchanged):
-                values.append(getattr(current, name))
-            else:
-                values.append(parse_keep(given, f"retention of {name} tasks"))
+        given_all = (("done", done), ("failed", failed), ("killed", killed))
+        values = [None if isinstance(given, _Unchanged) else parse_keep(given, f"retention of {name} tasks")
+                  for name, given in given_all]
+        if any(isinstance(given, _Unchanged) for _, given in given_all):
+            # Read only when a kind keeps its value: a stored policy out of range (another
+            # tool wrote it) can still be replaced by giving all three.
+            current = self._retention_get()
+            values = [getattr(current, name) if isinstance(given, _Unchanged) else value
+                      for (name, given), value in zip(given_all, values, strict=True)]
         policy = Retention(*values)
         self._retention_put(policy)
         log.info("retention set: %s", policy.describe(), extra={"action": "retention"})
@@ -331,8 +362,10 @@ class Pruner:
         batch: int = PRUNE_BATCH,
         on_pruned: Callable[[int], None] | None = None,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
+        self._on_error = on_error  # counts an error of the loop (``prune``) for /metrics
         self._clock = clock
         self.interval = interval
         self._batch = batch
@@ -349,7 +382,8 @@ class Pruner:
         self._stop.set()
 
     def run(self) -> None:
-        """Loop until :meth:`stop`; store errors are logged and tried again next interval."""
+        """Loop until :meth:`stop`; an error (of the store, or of a stored policy out of range)
+        is logged with its cause, counted and tried again next interval: it never ends the loop."""
         while not self._stop.is_set():
             try:
                 self.step()
@@ -357,9 +391,14 @@ class Pruner:
                 return
             except NotImplementedError:
                 return  # a store without retention: nothing to do
-            except MetaforaError as exc:
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
                 self._log.warning("prune: %s (trying again in %.0fs)", exc, self.interval,
+                                  exc_info=None if isinstance(exc, MetaforaError) else exc,
                                   extra={"action": "prune"})
+                if self._on_error is not None:
+                    self._on_error("prune")
             self._clock.wait(self._stop, self.interval)
 
     def step(self) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from metafora.clock import Clock
@@ -53,8 +54,10 @@ class Scheduler:
         *,
         refresh_every: float = 30.0,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self._coord = coordinator
+        self._on_error = on_error  # counts an error of the loop (``schedules``) for /metrics
         self._clock = clock
         self._refresh_every = refresh_every
         self._log = logger or log
@@ -107,6 +110,8 @@ class Scheduler:
             except MetaforaError as exc:
                 self._log.warning("schedules: %s (retrying in %.1fs)", exc, backoff,
                                   extra={"action": "schedule"})
+                if self._on_error is not None:
+                    self._on_error("schedules")
                 self._clock.wait(self._stop, backoff)
                 backoff = min(backoff * 2, 10.0)
                 stale = True

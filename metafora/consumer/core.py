@@ -212,10 +212,11 @@ class Consumer:
         if isinstance(self._handler_func, StatsUser):  # the gate handler counts its items here
             self._handler_func.attach_stats(self.stats)
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
-        self._scheduler = Scheduler(coord, clock, logger=self._log)
+        self._scheduler = Scheduler(coord, clock, logger=self._log, on_error=self.stats.loop_error)
         # Any node may take the prune turn of the retention policy (metafora.retention).
-        self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log)
-        self._cluster = ClusterGauges(coord, clock, logger=self._log)
+        self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log,
+                              on_error=self.stats.loop_error)
+        self._cluster = ClusterGauges(coord, clock, logger=self._log, on_error=self.stats.loop_error)
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -224,7 +225,7 @@ class Consumer:
         self._running = RunningMap()  # tallies its tasks' selectors for the balancer
         self._started = False
         self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
-                                      log=self._log)
+                                      log=self._log, clock=clock, on_error=self.stats.loop_error)
         self._timeout_override: float | None = None
         self._runner = self._runner_class(coord.node_id, slow_callback=options.slow_callback,
                                           on_fatal=self._supervisor.fail_fast)
@@ -366,11 +367,12 @@ class Consumer:
             self._supervisor.start("watch", self._watch)
             pushed = self._balancing.listen(self._post)
             self._supervisor.start("commands", self._command_feed)
-            self._supervisor.start("schedules", self._scheduler.run)
-            self._supervisor.start("prune", self._pruner.run)
+            # Background loops: an error is logged, counted and retried, never the node's end.
+            self._supervisor.start("schedules", self._scheduler.run, background=True)
+            self._supervisor.start("prune", self._pruner.run, background=True)
             if self._http is not None:
-                self._supervisor.start("cluster-metrics", self._cluster.run)
-            self._supervisor.start("risk", self._risk.run)
+                self._supervisor.start("cluster-metrics", self._cluster.run, background=True)
+            self._supervisor.start("risk", self._risk.run, background=True)
             self._balancing.schedule_first(pushed)
             self._status.serving = True
             self._loop()

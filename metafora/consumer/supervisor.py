@@ -1,9 +1,15 @@
-"""The consumer's side threads, supervised: if one dies, the node stops claiming and shuts down.
+"""The consumer's side threads, supervised.
 
-The watch, the command feed, the outcome writer and the scheduler each run in a named daemon
-thread (``metafora-<name>-<node>``). A node whose view of the store is gone -- its watch or
-command feed died -- must not keep claiming: the first failure is kept as the consumer's
-fatal error (``run()`` raises it) and stops the consumer.
+Each side loop runs in a named daemon thread (``metafora-<name>-<node>``). Two kinds:
+
+- **essential** (the watch, the command feed, the outcome writer): a node whose view of the
+  store is gone must not keep claiming, so the first failure is kept as the consumer's fatal
+  error (``run()`` raises it) and stops the consumer;
+- **background** (the scheduler, the pruner, the cluster gauges, the claim-at-risk watch): an
+  error there says nothing about this node's claims -- a bad stored value would otherwise stop
+  every node of the namespace, one per turn -- so it is logged with its cause, counted
+  (``metafora_loop_errors_total`` on ``/metrics``) and the loop is started again after a
+  back-off. Only the lease and the handler supervision decide a node's life.
 """
 
 from __future__ import annotations
@@ -11,23 +17,30 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from metafora.clock import Clock
+from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.events import CommandArrived, Event
 from metafora.consumer.running import NodeLog
 from metafora.coordinator import Coordinator
 from metafora.errors import CoordinatorClosed, MetaforaError
 
-__all__ = ["Supervisor", "command_feed"]
+__all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Supervisor", "command_feed"]
 
 SIDE_THREAD_JOIN = 5.0  # seconds the shutdown waits for each side thread
+BACKOFF_FIRST = 1.0
+"""Seconds before a background loop that raised is started again (doubled per failure in a row)."""
+BACKOFF_MAX = 60.0
+"""The longest wait between two starts of a failing background loop."""
 
 
 class Supervisor:
     """Starts side threads, keeps the first fatal error, and stops the consumer on it."""
 
     def __init__(self, node_id: str, *, stopping: threading.Event, wake: threading.Event,
-                 log: NodeLog) -> None:
+                 log: NodeLog, clock: Clock = SYSTEM_CLOCK,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self._node_id = node_id
+        self._clock = clock
+        self._on_error = on_error
         self._stopping = stopping
         self._wake = wake
         self._log = log
@@ -46,14 +59,15 @@ class Supervisor:
             if self._fatal is None:
                 self._fatal = exc
 
-    def start(self, name: str, target: Callable[[], None]) -> None:
-        """Run ``target`` in a named, supervised daemon thread.
+    def start(self, name: str, target: Callable[[], None], *, background: bool = False) -> None:
+        """Run ``target`` in a named, supervised daemon thread; a ``background`` loop is
+        restarted after an error (see the module docstring), another stops the consumer.
 
         A thread that cannot start (the process is out of threads or memory) is a fatal error
         that names the loop; it is not kept for :meth:`join`, which could not join it.
         """
         thread = threading.Thread(
-            target=self._supervised, args=(name, target),
+            target=self._restarting if background else self._supervised, args=(name, target),
             name=f"metafora-{name}-{self._node_id}", daemon=True,
         )
         try:
@@ -75,6 +89,32 @@ class Supervisor:
         else:
             if not self._stopping.is_set() and name == "watch":
                 self.fail_fast(name, MetaforaError("the coordinator's watch returned unexpectedly"))
+
+    def _restarting(self, name: str, target: Callable[[], None]) -> None:
+        backoff = BACKOFF_FIRST
+        while not self._stopping.is_set():
+            started = self._clock.monotonic()
+            try:
+                target()
+                return
+            except CoordinatorClosed:
+                return  # the store is closed: the consumer is shutting down
+            except Exception as exc:
+                if self._stopping.is_set():
+                    return
+                if self._clock.monotonic() - started > BACKOFF_MAX:
+                    backoff = BACKOFF_FIRST  # it ran a while: a new streak
+                self.loop_error(name, exc, backoff)
+            self._clock.wait(self._stopping, backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def loop_error(self, name: str, exc: BaseException, retry_in: float) -> None:
+        """The background loop ``name`` failed with ``exc``: log it with its cause and count it."""
+        self._log.error("the %s loop of consumer %s failed (the node keeps running; retrying "
+                        "in %.0fs): %s", name, self._node_id, retry_in, exc, exc_info=exc,
+                        extra={"action": "loop-error"})
+        if self._on_error is not None:
+            self._on_error(name)
 
     def fail_fast(self, name: str, exc: BaseException) -> None:
         """The ``name`` loop died of ``exc``: keep the error and stop the consumer."""

@@ -58,7 +58,7 @@ class EtcdConfig:
         elif not namespace:
             namespace = DEFAULT_NAMESPACE
         ttl = read_lease_ttl(reader, "etcd")
-        poll = reader.number("poll_interval", 30.0, minimum=0.05)
+        poll = reader.number("poll_interval", 30.0, minimum=0.05, maximum=3600.0)
         timeout = reader.number("timeout", 5.0, minimum=0.05, maximum=600)
         ca_cert = reader.string("ca_cert")
         cert_key = reader.string("cert_key")

@@ -326,7 +326,7 @@ def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
     namespace = reader.namespace()
     # Accepted for parity with the real stores; memory nodes hold claims until close().
     read_lease_ttl(reader, "memory")
-    reader.number("poll_interval", 1.0, minimum=0.01)
+    reader.number("poll_interval", 1.0, minimum=0.01, maximum=3600.0)
     reader.finish()
     if len(url.hosts) != 1 or url.path not in ("", "/"):
         raise ConfigError(f"memory URL must be memory://NAME, got {url}")
