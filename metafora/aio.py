@@ -31,6 +31,7 @@ import asyncio
 import collections
 import functools
 import importlib.util
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -54,6 +55,7 @@ from metafora.errors import (
     CoordinatorClosed,
     InvalidTaskState,
     LimitNotFound,
+    MetaforaError,
     NodeNotFound,
     TaskExists,
     TaskNotFound,
@@ -143,9 +145,11 @@ class AsyncClient(abc.ABC):
         """Submit one checked task alone on the client's own connection."""
 
     @abc.abstractmethod
-    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> tuple[list[str], list[Task]]:
         """Submit checked tasks (ids distinct) deciding each alone (``mode`` ``"ignore"`` or
-        ``"replace"``) on the client's own connection: the ids left as they were."""
+        ``"replace"``) on the client's own connection: the ids left as they were, and the
+        tasks of a write that failed (rolled back: none of them was written). An exception:
+        nothing of the group was written."""
 
     @abc.abstractmethod
     async def _submit_many(self, tasks: list[Task], mode: IfExists) -> int:
@@ -214,6 +218,8 @@ class AsyncClient(abc.ABC):
         await self.close()
 
 
+log = logging.getLogger(__name__)
+
 _Waiting = tuple[Task, IfExists, "asyncio.Future[bool]"]
 
 
@@ -227,10 +233,12 @@ class _Coalescer:
     INSERT and one wake-up; the other stores one ``_submit_batch`` on a worker thread); the
     calls that arrive meanwhile queue for the next write. No added latency when idle: the
     first caller's write starts at once. Each caller learns its own fate (added, left, or
-    ``TaskExists`` for ``"error"``); if a shared write fails, its tasks are written alone, so
-    one caller's failure is only its own. The writer is a task of its own: a caller that is
-    cancelled leaves the others' write alone (its queued task is dropped, a task already in
-    a write may be added).
+    ``TaskExists`` for ``"error"``), the truth of its own row: a shared write may be several
+    transactions (a store's batches), and only the tasks of one that failed (rolled back) are
+    written again, alone, so one caller's failure is only its own and a task a committed
+    batch added is never retried into a ``TaskExists`` of its own caller's row. The writer is
+    a task of its own: a caller that is cancelled leaves the others' write alone (its queued
+    task is dropped, a task already in a write may be added).
     """
 
     def __init__(self, client: AsyncClient, most: int) -> None:
@@ -303,11 +311,17 @@ class _Coalescer:
             return
         try:
             each: IfExists = "replace" if batch[0][1] == "replace" else "ignore"
-            left = set(await client._submit_group([task for task, _m, _f in batch], each))
-        except Exception:  # which task failed it? each alone, its error to its own caller
+            found, failed = await client._submit_group([task for task, _m, _f in batch], each)
+        except Exception:  # nothing written: which task failed it? each alone, its own error
             await asyncio.gather(*(self._write([item]) for item in batch))
             return
+        left = set(found)
+        again = {task.id for task in failed}  # their write rolled back: each alone
+        if again:
+            await asyncio.gather(*(self._write([item]) for item in batch if item[0].id in again))
         for task, mode, future in batch:
+            if task.id in again:
+                continue
             if task.id not in left:
                 _settle(future, True)
             elif mode == "error":
@@ -371,15 +385,22 @@ class ThreadedAsyncClient(AsyncClient):
     def _group_max(self) -> int:
         return min(BATCH, self._client._batch_size)
 
-    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> tuple[list[str], list[Task]]:
         return await self._call(self._group, tasks, mode)
 
-    def _group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+    def _group(self, tasks: list[Task], mode: IfExists) -> tuple[list[str], list[Task]]:
         client = self._client
         left: list[str] = []
+        failed: list[Task] = []
         for batch in bulk.batches(tasks, client._batch_size, client._batch_bytes):
-            left += client._submit_batch(batch, mode)  # one write per batch, each id decided alone
-        return left
+            try:  # one write per batch, each id decided alone
+                left += client._submit_batch(batch, mode)
+            except CoordinatorClosed:
+                raise
+            except MetaforaError as exc:  # that batch rolled back; the others stand
+                log.debug("a shared submit's batch of %d failed: %s", len(batch), exc)
+                failed += batch
+        return left, failed
 
     async def task(self, task_id: str) -> TaskInfo:
         return await self._call(self._client.get_task, task_id)
@@ -508,9 +529,9 @@ class PostgresAsyncClient(AsyncClient):
 
             return await _submit.drive_async(execute, self._db, steps)
 
-    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> list[str]:
+    async def _submit_group(self, tasks: list[Task], mode: IfExists) -> tuple[list[str], list[Task]]:
         # One transaction: a multi-row INSERT, one wake-up, one commit for every caller.
-        return await self._run(_submit.left_steps(self._db, tasks, mode))
+        return await self._run(_submit.left_steps(self._db, tasks, mode)), []
 
     async def _submit_one(self, task: Task, mode: IfExists) -> bool:
         # One statement (its RETURNING sends the wake-up) in autocommit, one round trip, run on

@@ -295,3 +295,61 @@ def test_async_conn_is_a_config_error_on_memory_and_etcd(
         await engine.dispose()
 
     asyncio.run(body())
+
+
+def _refuse_one_row(url: str, task_id: str) -> Callable[[], None]:
+    """A trigger that makes the database refuse the row of ``task_id`` (a constraint of the
+    application's own, say); returns its removal."""
+    if url.startswith("sqlite"):
+        path = url.removeprefix("sqlite:///").split("?")[0]
+        with sqlite3.connect(path) as db:
+            db.execute(f"CREATE TRIGGER refuse_one BEFORE INSERT ON metafora_tasks WHEN NEW.id = "
+                       f"'{task_id}' BEGIN SELECT RAISE(ABORT, 'refused by the application'); END")
+
+        def drop_sqlite() -> None:
+            with sqlite3.connect(path) as db:
+                db.execute("DROP TRIGGER refuse_one")
+        return drop_sqlite
+    name = f"refuse_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(conninfo(url), autocommit=True) as db:
+        db.execute(f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "  # type: ignore[arg-type]
+                   f"RAISE EXCEPTION 'refused by the application'; END $$")
+        db.execute(f"CREATE TRIGGER {name} BEFORE INSERT ON metafora_tasks FOR EACH ROW "  # type: ignore[arg-type]
+                   f"WHEN (NEW.id = '{task_id}') EXECUTE FUNCTION {name}()")
+
+    def drop_postgres() -> None:
+        with psycopg.connect(conninfo(url), autocommit=True) as db:
+            db.execute(f"DROP TRIGGER {name} ON metafora_tasks")  # type: ignore[arg-type]
+            db.execute(f"DROP FUNCTION {name}()")  # type: ignore[arg-type]
+    return drop_postgres
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_each_caller_of_a_shared_write_learns_the_truth_of_its_own_row(
+        kind: str, metafora_store_url: Callable[[str], str]) -> None:
+    """Issue 52, finding 2: 24 concurrent submits of 900 KB props share a write of several
+    batches (SQLite: 16 MiB each) and the database refuses one row. Before, the committed
+    early batches were retried one by one and 18 callers were told TaskExists for the task
+    their own call had added."""
+    url = metafora_store_url(kind)
+    bad = f"big-refused-{uuid.uuid4().hex[:6]}"
+    ids = [f"big-{n:02d}" for n in range(23)]
+    ids.insert(20, bad)  # in the second batch
+    blob = "x" * 900_000
+
+    async def body() -> list[bool | BaseException]:
+        async with open_async_client(url) as client:
+            await client.tasks()  # the schema, before the trigger
+            drop = _refuse_one_row(url, bad)
+            try:
+                return await asyncio.gather(
+                    *(client.submit_task(Task(i, {"blob": blob})) for i in ids), return_exceptions=True)
+            finally:
+                drop()
+
+    got = dict(zip(ids, asyncio.run(body()), strict=True))
+    refused = got.pop(bad)
+    assert isinstance(refused, Exception) and not isinstance(refused, TaskExists), refused
+    assert got == dict.fromkeys(got, True), {k: v for k, v in got.items() if v is not True}
+    with open_client(url) as client:
+        assert sorted(i.id for i in client.tasks()) == sorted(got)
