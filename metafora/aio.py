@@ -95,7 +95,7 @@ class AsyncClient(abc.ABC):
         if conn is not None:
             db = await self._sql_db()
             try:
-                return await _submit.run_steps_async(conn, db, _submit.submit_steps(db, [task], mode)) == 1
+                return await _submit.run_app_steps_async(conn, db, _submit.submit_steps(db, [task], mode)) == 1
             except TaskExists:
                 raise TaskExists(f"task {task.id!r} already exists in {self.name}",
                                  ids=[task.id]) from None
@@ -109,7 +109,7 @@ class AsyncClient(abc.ABC):
         todo = bulk.checked(tasks, SYSTEM_CLOCK.now())
         if conn is not None:
             db = await self._sql_db()
-            return await _submit.run_steps_async(conn, db, _submit.submit_steps(db, todo, mode))
+            return await _submit.run_app_steps_async(conn, db, _submit.submit_steps(db, todo, mode))
         return await self._submit_many(todo, mode)
 
     async def complete_task(self, task: Task, *, conn: Any) -> None:
@@ -501,7 +501,8 @@ class PostgresAsyncClient(AsyncClient):
                 async with engine.connect() as conn:
                     if not self._db.config.migrate:  # the release step's (metafora migrate)
                         await conn.run_sync(lambda c: require_current(c, name))
-                    needed = await conn.run_sync(lambda c: needs_migration(c, name))
+                    needed = self._db.config.migrate and await conn.run_sync(
+                        lambda c: needs_migration(c, name))
                 if needed:
                     async with engine.begin() as conn:
                         await conn.run_sync(lambda c: migrate(c, dialect, name))

@@ -418,7 +418,9 @@ def test_schema_is_created_once_and_versioned(nodes: Nodes) -> None:
 
     nodes.client.tasks()  # first use creates it
     rows = nodes.raw("SELECT version, description FROM metafora_schema ORDER BY version")
-    assert [r[0] for r in rows] == list(range(1, SCHEMA_VERSION + 1))
+    # Row 0 is the store's id row (issue 52: how conn= is checked to be on this database).
+    assert [r[0] for r in rows] == [0, *range(1, SCHEMA_VERSION + 1)]
+    assert str(rows[0][1]).startswith("id ")
     # Many handles racing to create it on a fresh store: one migration, no errors.
     again = [open_client(nodes.url) for _ in range(4)]
     errors: list[BaseException] = []
@@ -437,7 +439,7 @@ def test_schema_is_created_once_and_versioned(nodes: Nodes) -> None:
     for c in again:
         c.close()
     assert errors == []
-    assert len(nodes.raw("SELECT version FROM metafora_schema")) == SCHEMA_VERSION
+    assert len(nodes.raw("SELECT version FROM metafora_schema")) == SCHEMA_VERSION + 1  # + the id row
 
 
 def test_client_listing_and_purge(nodes: Nodes) -> None:

@@ -189,7 +189,7 @@ class SQLClient(SQLRetention, Client):
     def _submit_in(self, conn: Any, tasks: Sequence[Task], if_exists: IfExists) -> int:
         """In the application's transaction (see :mod:`metafora.coordinators.sql.submit`)."""
         db = self._ready()  # the schema, on metafora's own connection (never in the caller's)
-        return _submit.run_steps(conn, db, _submit.submit_steps(db, tasks, if_exists))
+        return _submit.run_app_steps(conn, db, _submit.submit_steps(db, tasks, if_exists))
 
     def complete_task(self, task: Task, *, conn: Any) -> None:
         """As :meth:`Client.complete_task` (see :mod:`metafora.coordinators.sql.complete`)."""

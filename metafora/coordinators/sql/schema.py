@@ -34,19 +34,25 @@ Tables (all prefixed ``metafora_``):
   (``done_secs``, ``failed_secs``, ``killed_secs``; NULL: for ever) and ``next_prune``, the
   time before which no node takes the prune turn (see ``coordinators/sql/retention.py``).
 - the token counter: a SEQUENCE on PostgreSQL, a ``metafora_counter`` row on SQLite.
+- the store's **id row**: ``metafora_schema`` row ``version = 0`` (no migration has that
+  number; ``max(version)`` is unchanged), its description ``id <random hex>``, written once by
+  the first handle that asks (:func:`store_identity`). With the database's own name it is how
+  an application's ``conn=`` is checked to be on the store's own database, not another one
+  that happens to hold a metafora schema too.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
-from sqlalchemy import Connection, inspect, text
+from sqlalchemy import Connection, TextClause, inspect, text
 
 from metafora.coordinators.sql.dialect import Dialect
 from metafora.errors import SchemaNotReady, StoreError
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "current_version", "migrate", "needs_migration",
-           "require_current", "schema_not_ready"]
+__all__ = ["ID_ROW", "MIGRATIONS", "SCHEMA_VERSION", "current_version", "identity_query", "migrate",
+           "needs_migration", "require_current", "schema_not_ready", "store_identity"]
 
 Migration = Callable[[Connection, Dialect], None]
 
@@ -282,14 +288,47 @@ def migrate(conn: Connection, dialect: Dialect, where: str) -> int:
             ),
             {"v": number, "d": description},
         )
+    _write_id_row(conn, dialect)  # a store made before the id row gets one now
     return SCHEMA_VERSION
+
+
+ID_ROW = 0
+"""The ``metafora_schema`` version of the store's id row (migrations start at 1)."""
+
+
+def identity_query(kind: str) -> TextClause:
+    """The database's name (PostgreSQL: ``current_database()``; SQLite: the main file) and
+    the store's id row (NULL while none), for any connection to a database of ``kind``."""
+    name = ("current_database()" if kind == "postgresql"
+            else "(SELECT file FROM pragma_database_list WHERE name = 'main')")
+    return text(f"SELECT {name}, (SELECT description FROM metafora_schema WHERE version = {ID_ROW})")
+
+
+def store_identity(conn: Connection, kind: str) -> tuple[str, str]:
+    """(database name, id) of the store on ``conn`` (metafora's own); StoreError if the
+    schema has no id row (:func:`migrate` writes it)."""
+    row = conn.execute(identity_query(kind)).one()
+    if row[1] is None:
+        raise StoreError("the metafora schema has no id row: run `metafora migrate` on the store")
+    return str(row[0] or ""), str(row[1])
+
+
+def _has_id_row(conn: Connection) -> bool:
+    return conn.execute(text(f"SELECT 1 FROM metafora_schema WHERE version = {ID_ROW}")).first() is not None
+
+
+def _write_id_row(conn: Connection, dialect: Dialect) -> None:
+    now = dialect.fragments()["now"]
+    conn.execute(text(f"INSERT INTO metafora_schema (version, description, applied_at)"
+                      f" VALUES ({ID_ROW}, :d, {now}) ON CONFLICT (version) DO NOTHING"),
+                 {"d": f"id {uuid.uuid4().hex}"})
 
 
 def needs_migration(conn: Connection, where: str) -> bool:
     """Whether :func:`migrate` has work to do (a cheap read, outside any write lock)."""
     version = current_version(conn)
     _check(version, where)
-    return version < SCHEMA_VERSION
+    return version < SCHEMA_VERSION or not _has_id_row(conn)
 
 
 def schema_not_ready(where: str, what: str, version: int, needed: int) -> SchemaNotReady:

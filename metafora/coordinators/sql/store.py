@@ -36,7 +36,7 @@ from sqlalchemy import exc as sa_exc
 from metafora.coordinators.sql.checkpoint import Checkpointer
 from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialect, wait_out_busy
 from metafora.coordinators.sql.options import SQLConfig
-from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
+from metafora.coordinators.sql.schema import migrate, needs_migration, require_current, store_identity
 from metafora.coordinators.sql.statements import Statements
 from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
 from metafora.masking import scrub
@@ -221,6 +221,7 @@ class Database:
         )
         self._schema_lock = threading.Lock()
         self._schema_ready = False
+        self._identity: tuple[str, str] | None = None
         self._closed = False
         self.checkpointer: Checkpointer | None = None
         if config.kind == "sqlite":
@@ -375,12 +376,22 @@ class Database:
             with self.read() as conn:
                 if not self.config.migrate:  # the schema is the release step's, never ours
                     require_current(conn, self.name)
-                needed = needs_migration(conn, self.name)
+                # (With migrate=false a missing id row is written by `metafora migrate`.)
+                needed = self.config.migrate and needs_migration(conn, self.name)
             if needed:
                 with self.transaction() as conn:
                     migrate(conn, self.dialect, self.name)
                 log.info("schema of %s is ready", self.name, extra={"action": "schema"})
             self._schema_ready = True
+
+    def identity(self) -> tuple[str, str]:
+        """(database name, id row) of this store, read on metafora's own connection (once per
+        handle): what an application's ``conn=`` must show."""
+        if self._identity is None:
+            self.ensure_schema()  # writes the id row if the schema had none
+            with self.read() as conn:
+                self._identity = store_identity(conn, self.config.kind)
+        return self._identity
 
     def execute(self, conn: Connection, name: str, params: dict[str, Any]) -> Any:
         """Run the built statement ``name`` with the namespace bound."""

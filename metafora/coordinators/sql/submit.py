@@ -23,6 +23,7 @@ from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.orm import Session
 
 from metafora import bulk
+from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, sync_app_conn
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
 from metafora.errors import ConfigError, MetaforaError, TaskExists
@@ -37,6 +38,8 @@ __all__ = [
     "left_steps",
     "psycopg_sql",
     "rows_of",
+    "run_app_steps",
+    "run_app_steps_async",
     "run_steps",
     "run_steps_async",
     "statements",
@@ -74,9 +77,6 @@ class SubmitStatements:
                           "replace": _REPLACE.format(**fragments)}
         self._one: dict[str, TextClause] = {}
         self._many: dict[tuple[str, int], TextClause] = {}
-        # Undoes this transaction's own inserts when an "error" submit found an id taken.
-        self.undo = text("DELETE FROM metafora_tasks WHERE namespace = :ns AND id {in_ids}"
-                         .format(**fragments))
         self.bump = text("UPDATE metafora_counter SET value = :v WHERE name = 'token' AND value < :v")
 
     def _with(self, clause: TextClause, mode: IfExists) -> TextClause:
@@ -144,17 +144,17 @@ def submit_steps(db: Database, tasks: Sequence[Task], mode: IfExists) -> Steps[i
     Per batch: one INSERT deciding every id (``mode``), SQLite's token counter moved past
     the ``ready`` values taken, and one wake-up (PostgreSQL: ``pg_notify``, delivered when the
     transaction commits; SQLite: the commit itself, seen by the consumers' ``data_version``
-    check). ``"error"``: a batch with a taken id deletes what it inserted (rows only this
-    transaction can see) and raises TaskExists, so the transaction holds no part of it.
-    Returns how many tasks were added or replaced.
+    check). ``"error"``: a batch with a taken id raises TaskExists; the transaction is then
+    rolled back to before the call (metafora's own: the whole of it; the application's: its
+    savepoint, :func:`~metafora.coordinators.sql.appconn.in_savepoint`), never undone by a
+    DELETE that could reach a row another transaction wrote. Returns how many tasks were
+    added or replaced.
     """
     built = statements(db)
     added = 0
     for batch in bulk.batches(tasks, BATCH, BATCH_BYTES):
         got = yield from _insert(db, built, batch, mode)
         if mode == "error" and len(got) < len(batch):
-            if got:
-                yield built.undo, {"ns": db.config.namespace, "ids": db.dialect.ids_param(list(got))}
             existing = [task.id for task in batch if task.id not in got]
             raise bulk.exists_error(existing, added, len(tasks), db.name)
         yield from _wake(db, built, batch, got)
@@ -236,6 +236,37 @@ def rows_of(result: Any) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in result] if result.returns_rows else []
 
 
+def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` on the application's connection ``conn`` (sync), checked (see
+    :mod:`~metafora.coordinators.sql.appconn`) and in a savepoint; errors translated."""
+    found, target = sync_app_conn(conn, db)
+    expected = db.identity()  # on metafora's own connection (cached per handle)
+    execute: Any
+    if isinstance(target, Connection):
+        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(target.execute(clause, params))
+    else:
+        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            cursor = target.execute(psycopg_sql(clause), params)
+            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+    steps = in_savepoint(found, db, expected, steps)
+    try:
+        step = next(steps)
+        while True:
+            try:
+                rows = execute(*step)
+            except DRIVER_ERRORS as exc:  # the steps roll back to their savepoint, then re-raise
+                step = steps.throw(exc)
+            else:
+                step = steps.send(rows)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    except MetaforaError:
+        raise
+    except DRIVER_ERRORS as exc:
+        raise translate(exc, db) from exc
+
+
 def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
     """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
     check_conn(conn, db)
@@ -259,6 +290,25 @@ def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
         raise
     except DRIVER_ERRORS as exc:
         raise translate(exc, db) from exc
+
+
+async def run_app_steps_async(conn: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` on the application's async connection ``conn`` (a SQLAlchemy
+    ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection``), checked and in
+    a savepoint as :func:`run_app_steps`."""
+    import asyncio
+
+    found, target = await async_app_conn(conn, db)
+    expected = await asyncio.get_running_loop().run_in_executor(None, db.identity)
+    execute: Any
+    if psycopg is not None and isinstance(target, psycopg.AsyncConnection):
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            cursor = await target.execute(psycopg_sql(clause), params)
+            return [tuple(r) for r in await cursor.fetchall()] if cursor.description else []
+    else:
+        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return rows_of(await target.execute(clause, params))
+    return await drive_async(execute, db, in_savepoint(found, db, expected, steps))
 
 
 def _async_kind(conn: Any) -> str | None:
@@ -302,14 +352,19 @@ async def run_steps_async(conn: Any, db: Database, steps: Steps[int]) -> int:
 
 async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
     """Drive ``steps`` with ``await execute(clause, params) -> rows`` (its result), errors
-    translated."""
+    thrown into the steps (which may roll back) and then translated."""
     try:
         step = next(steps)
         while True:
-            step = steps.send(await execute(*step))
+            try:
+                rows = await execute(*step)
+            except DRIVER_ERRORS as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(rows)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
-    except TaskExists:
+    except MetaforaError:
         raise
     except DRIVER_ERRORS as exc:
         raise translate(exc, db) from exc
