@@ -5,7 +5,18 @@ Consumers claim tasks as leases through a :class:`Coordinator`, run each in a
 See the README and ``docs/`` for the guarantees.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # already loaded by the interpreter: nothing can shadow it
+
+import sys as _sys  # built in: nothing on sys.path can shadow it
+
+# ``python -m metafora`` puts the working directory first on sys.path, and imports this
+# package before its ``__main__`` runs: a json.py, click.py or typing.py planted there would
+# run at the imports below. While ``-m`` looks for its module sys.argv[0] is "-m": drop the
+# entry now, before any import (``os`` is loaded at start-up; the ``worker MODULE:NAME``
+# import still searches the directory, last, for that import only: metafora.cli._load).
+if _sys.argv[:1] == ["-m"] and _sys.path and "os" in _sys.modules and (
+        _sys.path[0] in ("", _sys.modules["os"].getcwd())):
+    del _sys.path[0]
 
 from metafora import commands, errors
 from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask

@@ -52,8 +52,9 @@ BALANCERS: Mapping[str, Callable[[], Balancer]] = {
 _HELP = """Run a node: claim tasks from the store and run them with MODULE:NAME.
 
 \b
-MODULE:NAME (or $METAFORA_WORKER_TARGET) is imported (the current
-directory first, then PYTHONPATH) and recognised as one of:
+MODULE:NAME (or $METAFORA_WORKER_TARGET) is imported (from PYTHONPATH
+and the installed packages, then the current directory, last and for
+that import only) and recognised as one of:
   handler       a Handler or AsyncHandler subclass, built as NAME(task)
   step          a stateful step (task, cmds) -> Message, sync or async,
                 run by the state machine: its second parameter is
