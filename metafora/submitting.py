@@ -5,8 +5,10 @@
 
 - ``"error"`` (the default): an existing id raises :class:`~metafora.errors.TaskExists`;
 - ``"ignore"``: an existing task is left as it is (the call says it added nothing);
-- ``"replace"``: an existing *pending* task takes the new props, priority, launch and expiry
-  times, selector, placement and group; a claimed, finished or failed one is left alone.
+- ``"replace"``: an existing *pending* task (not past its ``expires_at``) takes the new
+  props, priority, launch and expiry times, selector and placement; its limit group stays the
+  one it was submitted with (docs/limits.md); a claimed, finished, failed or expired one is
+  left alone.
 
 Each store decides in the same statement or txn that inserts, so two submitters of one id
 never both add it.

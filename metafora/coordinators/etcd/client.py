@@ -9,6 +9,7 @@ its state-machine command queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -84,6 +85,13 @@ _PAGE_KEYS_MAX = 20_000
 """The most task keys :meth:`EtcdClient.task_page` reads in one request."""
 
 
+
+def _past_expiry(record: dict[str, Any], now: datetime) -> bool:
+    """Whether a stored task record's ``expires_at`` has passed (unset or unreadable: no)."""
+    props = record.get("props")
+    _, expires = launch_and_expiry(props if isinstance(props, dict) else {})
+    return expires is not None and expires <= now
+
 class EtcdClient(EtcdRetention, Client):
     """Operator client for ``etcd://host:2379/NAMESPACE``. Connects on first use."""
 
@@ -143,7 +151,8 @@ class EtcdClient(EtcdRetention, Client):
         if if_exists != "error":
             return self._submit_or_keep(batch, if_exists == "replace")
         keys = [self._keys.task(task.id) for task in batch]
-        created = iso(self._clock.now())
+        now = self._clock.now()
+        created = iso(now)
         records = [task_record(t, created) for t in batch]
         # A fresh task starts clean even if a crashed writer left a stray key behind.
         puts = [op for k, record in zip(keys, records, strict=True)
@@ -167,7 +176,8 @@ class EtcdClient(EtcdRetention, Client):
         rewrites every pending task's props key, each compared on the revision read (props
         unchanged, no state key, no owner key: still pending); a failed compare reads again."""
         keys = [self._keys.task(task.id) for task in batch]
-        created = iso(self._clock.now())
+        now = self._clock.now()
+        created = iso(now)
         records = [task_record(t, created) for t in batch]
         todo = list(range(len(batch)))
         pending: dict[int, tuple[int, bytes]] = {}  # index -> (props revision, new record)
@@ -202,9 +212,16 @@ class EtcdClient(EtcdRetention, Client):
                     left.append(i)  # kept as it is (claimed or finished, for replace)
                 else:
                     old = decode_json(props_kvs[0].value)
-                    was = old.get("created_at") if isinstance(old, dict) else None
+                    old = old if isinstance(old, dict) else {}
+                    if _past_expiry(old, now):
+                        left.append(i)  # expired (not swept yet): never revived, as on SQL
+                        continue
+                    was = old.get("created_at")
+                    # The limit group is fixed at submit (docs/limits.md): the old one stays.
+                    group = old.get("group") if isinstance(old.get("group"), str) else None
+                    kept = dataclasses.replace(batch[i], group=group)
                     pending[i] = (props_kvs[0].mod_revision,
-                                  task_record(batch[i], was if isinstance(was, str) else created))
+                                  task_record(kept, was if isinstance(was, str) else created))
                     again.append(i)
             todo = again
             if not todo:
@@ -235,7 +252,7 @@ class EtcdClient(EtcdRetention, Client):
         task_id = validate_task_id(task_id)
         tk = self._keys.task(task_id)
         for _ in range(_RETRIES):
-            info, rec = self._load(task_id)
+            info, rec = self._load(task_id, write=True)  # a retry changes it: expire it first
             machine = self._machine_key(tk.machine) if rewrite is not None else None
             body: str | bytes | None = None
             if rewrite is None:
@@ -265,15 +282,18 @@ class EtcdClient(EtcdRetention, Client):
         info, _ = self._load(validate_task_id(task_id))
         return info
 
-    def _load(self, task_id: str) -> tuple[TaskInfo, TaskRecord]:
+    def _load(self, task_id: str, *, write: bool = False) -> tuple[TaskInfo, TaskRecord]:
         rec = read_task(self._driver, self._keys, task_id)
-        info = self._sweep(task_id, rec)
+        info = self._sweep(task_id, rec, write=write)
         if info is None:
             raise TaskNotFound(f"no task {task_id!r}")
         return info, rec
 
-    def _sweep(self, task_id: str, rec: TaskRecord, now: datetime | None = None) -> TaskInfo | None:
-        """The task's info; a pending task past its ``expires_at`` is moved to expired."""
+    def _sweep(self, task_id: str, rec: TaskRecord, now: datetime | None = None, *,
+               write: bool = False) -> TaskInfo | None:
+        """The task's info; a pending task past its ``expires_at`` shows expired, and is
+        moved to expired in the store only with ``write`` (a verb that changes the task: a
+        read -- ``get_task``, a dashboard GET -- writes nothing, as on SQL)."""
         info = task_info(task_id, rec)
         if info is None or info.state is not TaskState.PENDING or rec.props is None:
             return info
@@ -281,6 +301,12 @@ class EtcdClient(EtcdRetention, Client):
         now = now or self._clock.now()
         if expires is None or expires > now:
             return info
+        if not write:
+            return TaskInfo(
+                id=info.id, props=info.props, state=TaskState.EXPIRED, token=info.token,
+                created_at=info.created_at, finished_at=expires, attempts=info.attempts,
+                selector=info.selector, priority=info.priority,
+            )
         if expire_task(self._driver, self._keys, task_id, rec.props.mod_revision, now):
             log.info("task %s expired", task_id, extra={"task": task_id})
             return TaskInfo(
@@ -346,7 +372,9 @@ class EtcdClient(EtcdRetention, Client):
 
     def purge(self, older_than: timedelta | None = None) -> int:
         self._check_open()
-        self.tasks()  # moves pending tasks past their expires_at to expired first
+        records, _ = read_all_tasks(self._driver, self._keys)
+        for task_id in sorted(records):  # pending tasks past their expires_at: expired first
+            self._sweep(task_id, records[task_id], write=True)
         return self.prune(purge_policy(older_than))
 
     def _retention_parts(self) -> tuple[EtcdDriver, Keys, Clock]:

@@ -36,13 +36,13 @@ from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 
 def _replace(row: Row, task: Task) -> None:
-    """A pending row takes what ``task`` says (its id, state, token and history stay)."""
+    """A pending row takes what ``task`` says (its id, state, token, history and limit group
+    stay)."""
     row.props = dict(task.props)
     row.selector = dict(task.selector)
     row.priority = task.priority
     row.prefer = dict(task.prefer)
-    row.spread = task.spread
-    row.group = task.group
+    row.spread = task.spread  # the limit group stays: fixed at submit (docs/limits.md)
     row._times = None  # parsed again from the new props
 
 

@@ -4,8 +4,8 @@ The statements are the store's own (``submit`` and ``submit_many`` of
 :mod:`~metafora.coordinators.sql.statements`) with the conflict clause each ``if_exists`` mode
 needs, built once per store and mode: ``error`` and ``ignore`` keep ``ON CONFLICT DO NOTHING``,
 ``replace`` updates the existing row in the same statement only while it is pending and not
-past its expiry. The insert and the decision are one statement, so concurrent submitters of
-one id never both add it.
+past its expiry, keeping its limit group (fixed at submit: docs/limits.md). The insert and
+the decision are one statement, so concurrent submitters of one id never both add it.
 
 :func:`submit_steps` is the work of a submit as a sequence of statements (a generator that
 yields ``(clause, params)`` and is sent each statement's rows back): the sync path
@@ -55,11 +55,23 @@ _REPLACE = (
     " ON CONFLICT (namespace, id) DO UPDATE SET props = excluded.props,"
     " launch_at = excluded.launch_at, expires_at = excluded.expires_at,"
     " selector = excluded.selector, priority = excluded.priority,"
-    " placement = excluded.placement, grp = excluded.grp, ready = excluded.ready,"
+    " placement = {placement}, ready = excluded.ready,"
     " updated_at = excluded.updated_at"
     " WHERE metafora_tasks.state = 'pending'"
     " AND (metafora_tasks.expires_at IS NULL OR metafora_tasks.expires_at > {now})"
 )
+
+# The new placement JSON with the stored limit group in it (fixed at submit: docs/limits.md);
+# a NULL placement is no prefer, spread or group.
+_KEEP_GROUP = {
+    "postgresql": "(CASE WHEN metafora_tasks.grp IS NULL"
+                  " THEN nullif((coalesce(excluded.placement::jsonb, '{{}}') - 'group')::text, '{{}}')"
+                  " ELSE (coalesce(excluded.placement::jsonb, '{{}}')"
+                  " || jsonb_build_object('group', metafora_tasks.grp))::text END)",
+    "sqlite": "(CASE WHEN metafora_tasks.grp IS NULL"
+              " THEN nullif(json_remove(coalesce(excluded.placement, '{{}}'), '$.group'), '{{}}')"
+              " ELSE json_set(coalesce(excluded.placement, '{{}}'), '$.group', metafora_tasks.grp) END)",
+}
 
 R = TypeVar("R")
 Steps = Generator[tuple[TextClause, dict[str, Any]], list[tuple[Any, ...]], R]
@@ -74,7 +86,8 @@ class SubmitStatements:
         fragments = db.dialect.fragments()
         self._db = db
         self._conflict = {"error": _NOTHING, "ignore": _NOTHING,
-                          "replace": _REPLACE.format(**fragments)}
+                          "replace": _REPLACE.format(placement=_KEEP_GROUP[db.config.kind].format(),
+                                                     **fragments)}
         self._one: dict[str, TextClause] = {}
         self._many: dict[tuple[str, int], TextClause] = {}
         self.bump = text("UPDATE metafora_counter SET value = :v WHERE name = 'token' AND value < :v")
