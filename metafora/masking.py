@@ -37,6 +37,7 @@ __all__ = [
     "UrlParts",
     "cut_text",
     "escape_controls",
+    "escape_json",
     "escape_line",
     "for_terminal",
     "invisible_char",
@@ -374,6 +375,23 @@ def escape_line(text: str) -> str:
     """``text`` on one line: as :func:`escape_controls`, and the newline written as ``\\n``
     too. For a log record: no text can start a line of its own."""
     return _LINE_UNSAFE_RE.sub(_escape_one, text)
+
+
+def escape_json(text: str) -> str:
+    """JSON text (``json.dumps(..., ensure_ascii=False)``) with every character
+    :func:`escape_controls` escapes written as a JSON escape (``\\u009b``, ``\\u202e``, a
+    surrogate pair beyond): the same JSON value, and nothing that drives a terminal (a C1
+    CSI, a bidi override, a line separator). Such characters only occur inside strings of
+    JSON text, where an escape means the same character."""
+    return _UNSAFE_RE.sub(_json_escape_one, text)  # the newlines are the JSON's own layout
+
+
+def _json_escape_one(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def _escape_one(match: re.Match[str]) -> str:

@@ -8,13 +8,14 @@ import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from metafora.errors import InvalidProps, InvalidTaskId
 from metafora.jsontext import MAX_DEPTH, check_depth, load_object
 from metafora.masking import BIDI_CONTROLS, invisible_char
 
 __all__ = [
+    "LOOKALIKE_BLANKS",
     "MAX_GROUP_LENGTH",
     "MAX_LABELS",
     "MAX_LABEL_KEY_LENGTH",
@@ -75,6 +76,12 @@ class TaskState(enum.StrEnum):
     EXPIRED = "expired"
 
 
+LOOKALIKE_BLANKS: Final = frozenset("\u2800\u3164\u115f\u1160\uffa0\u2028\u2029")
+"""Blanks outside Unicode's space category that an id may not hold either: the Braille
+pattern blank and the Hangul fillers print as a space (besides every space of category Zs
+but U+0020, and the line and paragraph separators)."""
+
+
 def validate_task_id(task_id: object) -> str:
     """Return ``task_id`` if it is a valid id, else raise :class:`InvalidTaskId` saying why."""
     if not isinstance(task_id, str):
@@ -104,6 +111,13 @@ def validate_task_id(task_id: object) -> str:
         # U+200B, U+2060, U+FEFF, U+00AD, U+034F...: "task\u200b1" shows as "task1".
         raise InvalidTaskId(f"task id {task_id!r} contains the invisible (format or default-ignorable) "
                             f"character U+{ord(hidden):04X}")
+    blank = next((ch for ch in task_id if ch != " " and (
+        ch in LOOKALIKE_BLANKS or unicodedata.category(ch) in ("Zs", "Zl", "Zp"))), None)
+    if blank is not None:
+        # "task 1", "task\u00a01" and "task\u20071" print alike in the CLI and the dashboard.
+        raise InvalidTaskId(f"task id {task_id!r} contains the blank U+{ord(blank):04X} "
+                            f"({unicodedata.name(blank, 'unnamed')}): the only space an id may "
+                            "hold is the ASCII space U+0020, as other blanks look alike")
     return task_id
 
 

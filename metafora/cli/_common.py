@@ -31,7 +31,7 @@ from metafora.errors import (
     InvalidTaskId,
     MetaforaError,
 )
-from metafora.masking import escape_controls, for_terminal, scrub
+from metafora.masking import escape_controls, escape_json, for_terminal, scrub
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -193,8 +193,10 @@ def cell(text: str, style: str = "", *, exact: bool = False, **options: Any) -> 
 
 
 def print_json(data: Any, out: IO[str] | None = None) -> None:
-    """Print ``data`` as indented JSON on stdout (one document, machine-readable)."""
-    click.echo(json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False), file=out)
+    """Print ``data`` as indented JSON on stdout (one document, machine-readable): readable
+    letters as they are, control, C1, bidi and other invisible characters as JSON escapes
+    (:func:`~metafora.masking.escape_json`), so stored text cannot drive the terminal."""
+    click.echo(escape_json(json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False)), file=out)
 
 
 def format_time(dt: datetime | None) -> str:
