@@ -29,6 +29,7 @@ __all__ = [
     "StoreError",
     "TaskExists",
     "TaskNotFound",
+    "WriteConflict",
 ]
 
 
@@ -90,6 +91,12 @@ class StoreError(MetaforaError):
 class SchemaNotReady(StoreError):
     """The store's schema is missing or older than this metafora needs, and its URL says
     ``migrate=false``: run ``metafora migrate --url URL`` (the release step) first."""
+
+
+class WriteConflict(StoreError):
+    """Concurrent writes conflicted (PostgreSQL found a deadlock or a serialization failure):
+    this write was rolled back and nothing of it applied; trying it again may work. Not an
+    outage: the CLI exits 1 (refused), not 3 (unavailable)."""
 
 
 class CoordinatorUnavailable(MetaforaError):

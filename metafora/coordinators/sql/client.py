@@ -31,6 +31,7 @@ from metafora.errors import (
     NodeNotFound,
     TaskExists,
     TaskNotFound,
+    WriteConflict,
 )
 from metafora.limits import GroupUsage, Limit, Rate
 from metafora.retention import purge_policy
@@ -113,6 +114,11 @@ class _Existing(Exception):
     def __init__(self, ids: list[str]) -> None:
         super().__init__(ids)
         self.ids = ids
+
+
+_CONFLICT_TRIES = 3
+"""Tries of one submit batch that PostgreSQL rolled back for a deadlock or serialization
+failure (rare once rows are written in id order) before the WriteConflict reaches the caller."""
 
 
 class SQLClient(SQLRetention, Client):
@@ -229,21 +235,29 @@ class SQLClient(SQLRetention, Client):
 
     def _submit_batch(self, batch: Sequence[Task], if_exists: IfExists = "error") -> list[str]:
         db = self._ready()
+        batch = _submit.canonical(batch)  # rows locked in id order: concurrent batches cannot deadlock
         params: dict[str, Any] = {"ns": db.config.namespace}
         for n, task in enumerate(batch):
             params.update(task_params(task, db, f"_{n}"))
         clause = _submit.statements(db).many(if_exists, len(batch))
-        try:
-            with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
-                added = {str(row[0]): int(row[1]) for row in conn.execute(clause, params)}
-                left = [task.id for task in batch if task.id not in added]
-                if left and if_exists == "error":
-                    raise _Existing(left)
-                if added:
-                    db.next_token_used(conn, max(added.values()))
-                    db.execute(conn, "notify_batch", {"ready": min(added.values())})
-        except _Existing as refused:  # rolled back: the batch added nothing
-            return refused.ids
+        for attempt in range(_CONFLICT_TRIES):
+            try:
+                with db.transaction() as conn:  # INSERT, counter and NOTIFY commit together
+                    added = {str(row[0]): int(row[1]) for row in conn.execute(clause, params)}
+                    left = [task.id for task in batch if task.id not in added]
+                    if left and if_exists == "error":
+                        raise _Existing(left)
+                    if added:
+                        db.next_token_used(conn, max(added.values()))
+                        db.execute(conn, "notify_batch", {"ready": min(added.values())})
+            except _Existing as refused:  # rolled back: the batch added nothing
+                return refused.ids
+            except WriteConflict:  # rolled back, nothing applied: the same batch again
+                if attempt + 1 == _CONFLICT_TRIES:
+                    raise
+                log.debug("submit batch of %d conflicted; trying again", len(batch))
+                continue
+            break
         self._added += len(added)
         return left
 

@@ -38,7 +38,7 @@ from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialec
 from metafora.coordinators.sql.options import SQLConfig
 from metafora.coordinators.sql.schema import migrate, needs_migration, require_current, store_identity
 from metafora.coordinators.sql.statements import Statements
-from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
+from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError, WriteConflict
 from metafora.masking import scrub
 from metafora.task import Task
 
@@ -82,9 +82,21 @@ def _reason(exc: BaseException, url: str) -> str:
     return scrub(reason, url)
 
 
+_CONFLICTS = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig if orig is not None else exc, "sqlstate", None)
+    return code if isinstance(code, str) else None
+
+
 def translate_error(exc: BaseException, config: SQLConfig) -> MetaforaError:
     """A metafora error for a driver error; the URL in it never shows the password."""
     reason = _reason(exc, config.url.raw)
+    if _sqlstate(exc) in _CONFLICTS:  # before the class test: psycopg's are OperationalErrors
+        return WriteConflict(f"concurrent writes to {config.name} conflicted (rolled back, "
+                             f"nothing applied; try again): {reason}")
     if isinstance(exc, _UNAVAILABLE) or (
         isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
     ):
