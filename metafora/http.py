@@ -52,6 +52,9 @@ HEADERS = (
     ("Cache-Control", "no-store"),
 )
 """Headers of every response of the info server (it serves data only: nothing may load)."""
+_REFUSAL = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n"
+            + b"".join(f"{name}: {value}\r\n".encode() for name, value in HEADERS) + b"\r\n")
+# The answer past the connection cap: written before any thread, with the headers too.
 IDLE_TIMEOUT = 10.0
 """Seconds a connection may wait on a request before it is closed."""
 REQUEST_TIMEOUT = 10.0
@@ -181,8 +184,7 @@ class _BoundedServer(ThreadingHTTPServer):
         """Serve ``request`` in a thread of its own, or answer 503 when all slots are taken."""
         if not self._slots.acquire(blocking=False):
             with contextlib.suppress(OSError):
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                b"Connection: close\r\n\r\n")
+                request.sendall(_REFUSAL)
             self.shutdown_request(request)
             return
         with self._lock:

@@ -26,21 +26,30 @@ _MAX_VALUES = 16 * 1024 * 1024
 
 
 def check_depth(
-    value: object, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1
+    value: object, what: str, error: type[MetaforaError], limit: int = MAX_DEPTH, top: int = 1,
+    *, max_chars: int | None = None,
 ) -> None:
     """Raise ``error`` if ``value`` nests lists/dicts deeper than ``limit`` (iteratively: no recursion).
 
     ``top`` is the level of ``value`` itself: 0 for an envelope whose contents are what counts.
+    ``max_chars``: also raise once its strings and keys alone take more characters than that
+    (its JSON can only be longer), before anything is encoded or copied.
     """
     stack: list[tuple[object, int]] = [(value, top)]
-    seen = 0
+    seen = chars = 0
     while stack:
         item, depth = stack.pop()
         if isinstance(item, Mapping):
             children: Any = item.values()
+            if max_chars is not None:
+                chars += sum(len(k) if isinstance(k, str) else 1 for k in item)
         elif isinstance(item, list | tuple):
             children = item
         else:
+            if max_chars is not None and isinstance(item, str):
+                chars += len(item)
+                if chars > max_chars:
+                    raise error(f"{what}: more than {max_chars} bytes as JSON")
             continue
         if depth > limit:
             raise error(f"{what}: nested deeper than {limit} levels")
@@ -48,6 +57,8 @@ def check_depth(
         if seen > _MAX_VALUES:
             raise error(f"{what}: more than {_MAX_VALUES} values")
         stack.extend((child, depth + 1) for child in children)
+    if max_chars is not None and chars + seen > max_chars:
+        raise error(f"{what}: more than {max_chars} bytes as JSON")
 
 
 def _reject_constant(name: str) -> Any:

@@ -23,9 +23,20 @@ import sys
 from datetime import UTC, datetime
 from typing import TextIO
 
-from metafora.masking import escape_line, scrub
+from metafora.masking import cut_text, escape_line, scrub
 
-__all__ = ["EXTRA_FIELDS", "JsonFormatter", "MaskingFilter", "PlainFormatter", "configure"]
+__all__ = ["EXTRA_FIELDS", "MAX_LOG_TEXT", "JsonFormatter", "MaskingFilter", "PlainFormatter",
+           "configure"]
+
+MAX_LOG_TEXT = 4096
+"""The most of a record's message, and of its traceback, one log line carries (UTF-8 bytes,
+then ``… cut, N bytes``): a handler's 1 MiB error made an 82 KB line. The store keeps the
+error (cut at :data:`~metafora.coordinator.MAX_ERROR_BYTES`); the log says what happened."""
+
+
+def _cut(text: str) -> str:
+    # Before escaping (bounds the work) and after it (an escape is up to ten characters).
+    return cut_text(text, MAX_LOG_TEXT)
 
 EXTRA_FIELDS = ("node", "task", "token", "action")
 LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -51,14 +62,14 @@ class JsonFormatter(logging.Formatter):
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": scrub(record.getMessage()),
+            "message": scrub(_cut(record.getMessage())),
         }
         for key in EXTRA_FIELDS:
             value = getattr(record, key, None)
             if value is not None:
                 out[key] = value
         if record.exc_info:
-            out["exc"] = scrub(self.formatException(record.exc_info))
+            out["exc"] = scrub(_cut(self.formatException(record.exc_info)))
         return json.dumps(out, default=str)
 
 
@@ -75,15 +86,15 @@ class PlainFormatter(logging.Formatter):
         record.ctx = escape_line(f" [{' '.join(parts)}]") if parts else ""
         # Escaped first, then masked (as metafora.masking.for_terminal): an escape joins what a
         # control character split, so a secret cut by one is masked whole.
-        record.message = scrub(escape_line(record.getMessage()))
+        record.message = scrub(_cut(escape_line(_cut(record.getMessage()))))
         record.asctime = self.formatTime(record, self.datefmt)
         line = self.formatMessage(record)
         if record.exc_info:
-            line += " | " + scrub(escape_line(self.formatException(record.exc_info)))
+            line += " | " + scrub(_cut(escape_line(_cut(self.formatException(record.exc_info)))))
         elif record.exc_text:
-            line += " | " + scrub(escape_line(record.exc_text))
+            line += " | " + scrub(_cut(escape_line(_cut(record.exc_text))))
         if record.stack_info:
-            line += " | " + scrub(escape_line(self.formatStack(record.stack_info)))
+            line += " | " + scrub(_cut(escape_line(_cut(self.formatStack(record.stack_info)))))
         return line
 
 

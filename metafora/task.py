@@ -23,6 +23,7 @@ __all__ = [
     "MAX_PRIORITY",
     "MAX_PROPS_BYTES",
     "MAX_PROPS_DEPTH",
+    "MAX_PROPS_TEXT",
     "MAX_TASK_ID_LENGTH",
     "MIN_PRIORITY",
     "Task",
@@ -272,6 +273,12 @@ def placement_reason(selector: Mapping[str, str], nodes: Iterable[Mapping[str, s
     return f"no live node matches {label_text(selector)}"
 
 
+MAX_PROPS_TEXT = 4 * MAX_PROPS_BYTES
+"""The longest props JSON *text* read from a user (``--props``, a ``--from-file`` line):
+refused before it is decoded (whitespace and escapes may make a text longer than its compact
+form, never four times for props that fit)."""
+
+
 def _freeze_props(props: object) -> Mapping[str, Any]:
     if not isinstance(props, Mapping):
         raise InvalidProps(f"props must be a JSON object (a mapping), not {type(props).__name__}")
@@ -280,7 +287,9 @@ def _freeze_props(props: object) -> Mapping[str, Any]:
             raise InvalidProps(f"props keys must be strings, got {key!r}")
     # Depth first, without recursion: json.dumps of a deep structure would raise RecursionError
     # at a depth that depends on the caller's own stack.
-    check_depth(props, "props", InvalidProps)
+    # Far too large props are refused before they are encoded, by the same walk: a 100 MB
+    # value cost 346 MB (the JSON text, then its bytes) only to be refused.
+    check_depth(props, "props", InvalidProps, max_chars=MAX_PROPS_BYTES)
     try:
         encoded = json.dumps(dict(props), allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:

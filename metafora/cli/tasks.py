@@ -32,6 +32,8 @@ from metafora.masking import MAX_MASKED, cut_text, one_line
 from metafora.submitting import IF_EXISTS, IfExists
 from metafora.task import (
     MAX_PRIORITY,
+    MAX_PROPS_BYTES,
+    MAX_PROPS_TEXT,
     MIN_PRIORITY,
     Task,
     TaskInfo,
@@ -128,6 +130,7 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
                 expires_at: str | None) -> dict[str, Any]:
     props: dict[str, Any] = {}
     if props_json is not None:
+        _text_bound(props_json, "--props")
         loaded = load_value(props_json, "--props", InvalidProps, constants=False)
         if not isinstance(loaded, dict):
             raise InvalidProps(f"--props must be a JSON object, not a JSON {type(loaded).__name__}")
@@ -140,6 +143,13 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
     if expires_at is not None:
         props["expires_at"] = parse_when(expires_at, "--expires-at")
     return props
+
+
+def _text_bound(text: str, what: str) -> None:
+    """Refuse JSON text longer than :data:`~metafora.task.MAX_PROPS_TEXT` before decoding it."""
+    if len(text) > MAX_PROPS_TEXT:
+        raise InvalidProps(f"{what}: {len(text)} characters of JSON; props may take at most "
+                           f"{MAX_PROPS_BYTES} bytes as JSON (text: {MAX_PROPS_TEXT} characters)")
 
 
 _LINE_KEYS = frozenset({"id", "props", "selector", "priority", "prefer", "spread", "group"})
@@ -161,6 +171,7 @@ def read_task_lines(stream: IO[str]) -> list[Task]:
 
 
 def _task_line(line: str, number: int) -> Task:
+    _text_bound(line, f"--from-file line {number}")
     # The API's bounded reader; a line's props are one level below it (top=0).
     item = load_value(line, f"--from-file line {number}", InvalidProps, top=0, constants=False)
     if not isinstance(item, dict):

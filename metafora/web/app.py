@@ -89,7 +89,7 @@ MESSAGES: dict[str, str] = {
 """What a page may say after an action: ``?msg=CODE`` picks one of these fixed texts (any
 other code shows nothing), ``msg_id`` the id it names, shown as an id. A link cannot make
 the dashboard say anything else in its own voice."""
-_MSG_ID_SHOWN = 200  # characters of msg_id shown
+_MSG_ID_SHOWN = 40  # characters of msg_id shown (a link's text must not say much)
 
 
 def _age(now: datetime, then: datetime | None) -> str:
@@ -305,7 +305,14 @@ def _message(code: str, ident: str) -> dict[str, str] | None:
     if text is None:
         return None
     before, _, after = text.partition("{id}")
-    return {"before": before, "id": ident[:_MSG_ID_SHOWN] if "{id}" in text else "", "after": after}
+    if "{id}" not in text:
+        return {"before": before, "id": "", "after": after}
+    try:
+        validate_task_id(ident)  # an id the action could have named (node ids share the rule)
+    except MetaforaError:
+        return None
+    shown = ident if len(ident) <= _MSG_ID_SHOWN else ident[:_MSG_ID_SHOWN - 1] + "…"
+    return {"before": before, "id": shown, "after": after}
 
 
 async def _form(request: Request) -> dict[str, str]:

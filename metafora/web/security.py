@@ -394,6 +394,16 @@ class RequestLimits:
 # --- idle connections -----------------------------------------------------------------------
 
 
+def _raw_response(status: int, text: str) -> bytes:
+    """A whole plain-text response that closes the connection, with :data:`HEADERS`."""
+    body = text.encode("utf-8", "replace")
+    reason = {400: "Bad Request", 503: "Service Unavailable"}.get(status, "Error")
+    head = [f"HTTP/1.1 {status} {reason}".encode(), b"content-type: text/plain; charset=utf-8",
+            b"content-length: " + str(len(body)).encode(), b"connection: close",
+            *(name + b": " + value for name, value in HEADERS)]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
 def idle_closing_protocol(header_timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol closing a connection that has not sent a whole request head
     within ``header_timeout`` seconds of opening or of its last response (uvicorn's own
@@ -402,6 +412,18 @@ def idle_closing_protocol(header_timeout: float) -> type[asyncio.Protocol]:
 
     class IdleClosing(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _cap: int | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # The connection cap is answered here, with HEADERS: uvicorn's own 503 (its
+            # limit_concurrency) bypasses the middleware and carried none of them.
+            self._cap, self.limit_concurrency = self.limit_concurrency, None
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request that is not HTTP, with :data:`HEADERS` too."""
+            self.transport.write(_raw_response(400, msg))
+            self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()
@@ -419,6 +441,10 @@ def idle_closing_protocol(header_timeout: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if self._cap is not None and len(self.connections) > self._cap:
+                transport.write(_raw_response(503, "too many connections; try again later\n"))
+                transport.close()
+                return
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
