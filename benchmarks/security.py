@@ -22,6 +22,19 @@ grows by less than 10 MB under a 64 MiB body):
   adversarial shapes of the unit tests (floods of ``@ : %``, ``a://`` repeated, unicode, URLs
   that each hold something to mask every 6-13 characters, one URL of 1 MB): the best of 5.
 
+Issue 52 (the third round; one row per case, each a check that must hold and what it cost):
+
+- ``retention 800000d``: ``set_retention`` refuses it (before: stored, then every worker
+  exited 4 at its next prune turn); the time of the refusal;
+- ``props 100 MB``: ``Task(id, {"blob": 100 MB})`` refused, and by how much the process's peak
+  memory grew (before: 200-350 MB for the JSON text and its bytes);
+- ``log line of a 1 MiB error``: the length of the plain log line (before: 82 KB);
+- ``async shared write``: 24 concurrent ``submit_task`` of 900 KB props on SQLite, one row
+  refused by the database: callers told something else than the truth of their own row
+  (before: 18 told ``TaskExists`` for the task their own call added);
+- ``look-alike ids``: how many of the Unicode blanks other than U+0020 an id accepts (before:
+  all 17: the 16 spaces of category Zs other than U+0020 and U+2800).
+
 The store kinds given to ``python -m benchmarks`` do not matter: the dashboard reads a SQLite
 file of its own.
 """
@@ -251,10 +264,87 @@ def masking() -> dict[str, Any]:
     return result
 
 
+def round_three() -> dict[str, Any]:
+    """Issue 52's cases (see the module docstring): each a check and its cost."""
+    import asyncio
+    import io
+    import logging
+    import resource
+    import sqlite3
+    import unicodedata
+    from datetime import timedelta
+
+    from metafora import open_async_client
+    from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
+    from metafora.logs import configure
+    from metafora.task import validate_task_id
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/r3.db"
+        with open_client(url) as client:
+            started = time.perf_counter()
+            try:
+                client.set_retention(done="800000d")
+                refused = False
+            except ConfigError:
+                refused = True
+            out["retention 800000d"] = {"holds": refused and client.retention().done == timedelta(days=7),
+                                        "figure": f"{(time.perf_counter() - started) * 1000:.2f} ms"}
+        blob = {"blob": "x" * 100_000_000}  # the caller's own value, before the measure
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            Task("t", blob)
+            refused = False
+        except InvalidProps:
+            refused = True
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        out["props 100 MB"] = {"holds": refused and grown < 50, "figure": f"peak +{grown:.0f} MB"}
+        stream = io.StringIO()
+        configure(stream=stream)
+        try:
+            raise ValueError("a://h/?%=1 " * 95000)
+        except ValueError as exc:
+            logging.getLogger("benchmarks.security").exception("task t failed: %s", exc)
+        finally:
+            logging.getLogger().handlers.clear()
+        line = stream.getvalue()
+        out["log line of a 1 MiB error"] = {"holds": len(line) < 12_288, "figure": f"{len(line)} chars"}
+        bad, ids = "big-refused", [f"big-{n:02d}" for n in range(23)]
+        ids.insert(20, bad)
+
+        async def shared() -> list[Any]:
+            async with open_async_client(url) as aclient:
+                await aclient.tasks()
+                with sqlite3.connect(f"{tmp}/r3.db") as db:
+                    db.execute("CREATE TRIGGER refuse BEFORE INSERT ON metafora_tasks WHEN NEW.id ="
+                               f" '{bad}' BEGIN SELECT RAISE(ABORT, 'refused'); END")
+                return await asyncio.gather(*(aclient.submit_task(Task(i, {"b": "x" * 900_000}))
+                                              for i in ids), return_exceptions=True)
+
+        started = time.perf_counter()
+        got = dict(zip(ids, asyncio.run(shared()), strict=True))
+        wrong = sum(1 for i, r in got.items() if (r is not True) != (i == bad))
+        took = time.perf_counter() - started
+        out["async shared write"] = {"holds": wrong == 0, "figure": f"{wrong} wrong of 24 in {took:.1f} s"}
+    blanks = [chr(c) for c in range(0x3001) if unicodedata.category(chr(c)) == "Zs" and c != 0x20]
+    blanks.append("\u2800")
+    accepted = 0
+    for blank in blanks:
+        try:
+            validate_task_id(f"task{blank}1")
+            accepted += 1
+        except InvalidTaskId:
+            pass
+    out["look-alike ids"] = {"holds": accepted == 0, "figure": f"{accepted} of {len(blanks)} accepted"}
+    return out
+
+
 def run(stores: Stores | None, quick: bool) -> dict[str, Any]:
     """Print the tables and save the JSON (``stores`` is not used: see the module's doc)."""
     served = pages(5 if quick else 20, 10_000 if quick else 100_000)
-    data = {"pages": served["pages"], "memory": served["memory"], "masking_1mb": masking()}
+    data = {"pages": served["pages"], "memory": served["memory"], "masking_1mb": masking(),
+            "round_three": round_three()}
     table("security: costly pages on metafora web (SQLite), client-side time",
           ["page", "requests", "bytes", "p50 ms", "max ms"],
           [[name, r["requests"], r["bytes"], r["p50_ms"], r["max_ms"]] for name, r in data["pages"].items()])
@@ -264,6 +354,8 @@ def run(stores: Stores | None, quick: bool) -> dict[str, Any]:
            for name, r in data["memory"].items()])
     table("security: masking 1 MB (best of 5)", ["text", "chars", "ms"],
           [[name, r["chars"], r["best_ms"]] for name, r in data["masking_1mb"].items()])
+    table("security: issue 52's cases (each must hold)", ["case", "holds", "figure"],
+          [[name, r["holds"], r["figure"]] for name, r in data["round_three"].items()])
     path = save("security", data)
     print(f"saved {path}")
     return data
