@@ -133,11 +133,14 @@ class Scheduler:
         for schedule in known:
             try:
                 found = due(schedule, now)
-            except (ValueError, LookupError, TypeError, AssertionError) as exc:
-                # A row written around metafora must not stop the node: skip it, say so once.
+            except (ValueError, LookupError, TypeError, AssertionError, ArithmeticError) as exc:
+                # A row written around metafora (a period past the dates a computer counts:
+                # OverflowError) must not stop the node: skip it, say and count it once.
                 if schedule.name not in self._broken:
                     self._log.error("schedule %s cannot be evaluated, skipped: %s", schedule.name,
                                     exc, extra={"action": "schedule"})
+                    if self._on_error is not None:
+                        self._on_error("schedules")
                 self._broken.add(schedule.name)
                 continue
             self._broken.discard(schedule.name)

@@ -14,7 +14,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 
 from metafora import Task, TaskState, open_client
 from metafora.retention import Retention
+from metafora.schedule_model import Schedule
 from metafora.testing import wait_for
 
 DEADLINE = 60.0
@@ -43,9 +44,9 @@ def _get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def _prune_errors(text: str) -> float:
+def _loop_errors(text: str, loop: str = "prune") -> float:
     for line in text.splitlines():
-        if line.startswith("metafora_loop_errors_total{") and 'loop="prune"' in line:
+        if line.startswith("metafora_loop_errors_total{") and f'loop="{loop}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -80,6 +81,11 @@ def test_a_worker_survives_a_retention_it_cannot_apply(
     with open_client(url) as client:
         # What `retention set --done 800000d` stored before the bound (the setters refuse it now).
         client._retention_put(Retention(done=timedelta(days=800_000)))  # type: ignore[attr-defined]
+        # And a schedule whose next tick is past year 9999 (its cursor written by another tool).
+        last = datetime(9999, 12, 31, tzinfo=UTC)
+        client._schedule_insert(Schedule("huge", 86400, None, {}, "skip", False,  # type: ignore[attr-defined]
+                                         last, datetime.now(UTC), 0))
+        client.add_schedule("tick", every="1s")
         env = {k: v for k, v in os.environ.items() if not k.startswith("METAFORA_")}
         proc = subprocess.Popen(
             [sys.executable, "-m", "metafora", "--url", url, "worker", "loop_handlers:work",
@@ -89,12 +95,15 @@ def test_a_worker_survives_a_retention_it_cannot_apply(
         wait_for(lambda: proc.poll() is not None or _get(f"{base}/readyz")[0] == 200, DEADLINE, "ready")
         for turn in range(3):  # three prune turns, each one an error counted; claims go on
             wait_for(lambda turn=turn: proc.poll() is not None
-                     or _prune_errors(_get(f"{base}/metrics")[1]) > turn, DEADLINE, "a prune turn")
+                     or _loop_errors(_get(f"{base}/metrics")[1]) > turn, DEADLINE, "a prune turn")
             assert proc.poll() is None, f"the worker exited {proc.returncode}"  # before: exit 4
             client.submit_task(Task(f"after-{turn}"))
             wait_for(lambda turn=turn: client.get_task(f"after-{turn}").state is TaskState.DONE,
                      DEADLINE, "the task to be done")
         assert _get(f"{base}/readyz")[0] == 200
+        assert _loop_errors(_get(f"{base}/metrics")[1], "schedules") >= 1
+        wait_for(lambda: any(i.id.startswith("tick@") for i in client.tasks()), DEADLINE,
+                 "a tick of the good schedule")  # the scheduler goes on with the others
         # Given all three kinds, the operator replaces the stored policy without reading it.
         assert client.set_retention(done="7d", failed="30d", killed=None).done == timedelta(days=7)
         proc.send_signal(signal.SIGTERM)
