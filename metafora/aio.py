@@ -95,7 +95,8 @@ class AsyncClient(abc.ABC):
         if conn is not None:
             db = await self._sql_db()
             try:
-                return await _submit.run_app_steps_async(conn, db, _submit.submit_steps(db, [task], mode)) == 1
+                steps = _submit.submit_steps(db, [task], mode)
+                return await _submit.run_app_steps_async(conn, db, steps) == 1
             except TaskExists:
                 raise TaskExists(f"task {task.id!r} already exists in {self.name}",
                                  ids=[task.id]) from None
