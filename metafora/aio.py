@@ -119,7 +119,7 @@ class AsyncClient(abc.ABC):
             db = await self._sql_db()
         except ConfigError:
             raise no_completion(self.name) from None
-        await _submit.run_steps_async(conn, db, complete_steps(db, task))
+        await _submit.run_app_steps_async(conn, db, complete_steps(db, task))
 
     @abc.abstractmethod
     async def _sql_db(self) -> Database:

@@ -165,3 +165,28 @@ def run(store: str, other_url: str, engine: Any) -> None:
         assert _ids(store) == ["here"]
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("store", KINDS, indirect=True)
+def test_complete_task_refuses_an_autocommit_connection(store: str) -> None:
+    """The same rule for ``complete_task(conn=)``: an autocommit connection would commit the
+    completion at once, whatever the application's transaction decides."""
+    from metafora import TaskState, open_coordinator
+    from metafora.testing import RecordingContext, wait_for
+
+    engine = create_engine(sqlalchemy_url(store))
+    try:
+        with open_client(store) as client, open_coordinator(store, node_id="n1") as coord:
+            coord.init(RecordingContext())
+            client.submit_task(Task("c-1"))
+            claimed = wait_for(lambda: coord.claim(Task("c-1")), 10, "the claim")
+            with engine.connect() as conn:
+                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+                with pytest.raises(ConfigError, match=r"(?i)autocommit"):
+                    client.complete_task(claimed, conn=auto)  # type: ignore[attr-defined]
+            assert client.get_task("c-1").state is TaskState.CLAIMED
+            with engine.begin() as conn:
+                client.complete_task(claimed, conn=conn)  # type: ignore[attr-defined]
+            assert client.get_task("c-1").state is TaskState.DONE
+    finally:
+        engine.dispose()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from metafora.coordinators.sql.store import Database
-from metafora.coordinators.sql.submit import Steps, run_steps
+from metafora.coordinators.sql.submit import Steps, run_app_steps
 from metafora.errors import ClaimLost, ConfigError
 from metafora.task import Task
 
@@ -46,7 +46,9 @@ def complete_steps(db: Database, task: Task) -> Steps[int]:
 def complete_in(conn: Any, db: Database, task: Task) -> None:
     """Mark the claim ``task`` done in the application's open transaction ``conn``.
 
-    ConfigError for a connection of another kind or database; ClaimLost if the claim is not
-    current; driver errors translated (the transaction is the application's to roll back).
+    ConfigError for a connection of another kind or database (checked by identity) or in
+    autocommit; ClaimLost if the claim is not current; driver errors translated (the
+    transaction is the application's to roll back). It runs in a savepoint of that
+    transaction (:mod:`~metafora.coordinators.sql.appconn`).
     """
-    run_steps(conn, db, complete_steps(db, task))
+    run_app_steps(conn, db, complete_steps(db, task))
