@@ -20,6 +20,7 @@ from typing import Any
 from metafora.node import DEFAULT_WEIGHT, capacity_or_none, check_weight, weight_or_none
 
 __all__ = [
+    "SEEN_CLOCK",
     "SEEN_MAX_AGE",
     "SeenWithCounts",
     "context_capacity",
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 
 SEEN_MAX_AGE = 1.0
 """Seconds the weights and frozen set a count read saw answer the next ask (then read again)."""
+
+SEEN_CLOCK: Callable[[], float] = time.monotonic
+"""The monotonic clock :data:`SEEN_MAX_AGE` is counted on by a :class:`SeenWithCounts` made
+without one (every store's). Read when one is made: a test sets a fake clock's ``monotonic``
+here first, so that a slow moment between a count read and the asks after it (a loaded
+machine) does not turn the asks into reads of their own."""
 
 
 def context_weight(ctx: object) -> float:
@@ -80,9 +87,9 @@ class SeenWithCounts:
     """
 
     def __init__(self, max_age: float = SEEN_MAX_AGE,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] | None = None) -> None:
         self._max_age = max_age
-        self._monotonic = monotonic
+        self._monotonic = SEEN_CLOCK if monotonic is None else monotonic
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[float, Any]] = {}  # what -> (when seen, value)
 

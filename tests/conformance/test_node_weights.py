@@ -19,8 +19,9 @@ from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.client import Client
 from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator
+from metafora.coordinators import members
 from metafora.errors import ConfigError
-from metafora.testing import LocalCluster, RecordingContext, wait_for
+from metafora.testing import FakeClock, LocalCluster, RecordingContext, wait_for
 
 
 class Cluster:
@@ -116,9 +117,15 @@ def test_frozen_nodes_follow_the_frozen_reports(cluster: Cluster) -> None:
     assert cluster.client.node_weights()["b"] == 3.0  # a new report keeps the weight
 
 
-def test_the_count_read_answers_weights_and_frozen_nodes(cluster: Cluster) -> None:
+def test_the_count_read_answers_weights_and_frozen_nodes(cluster: Cluster,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A balancer asks ``active_task_count()``, then ``node_weights()`` and ``frozen_nodes()``:
-    the last two come from the first's read, with no request of their own."""
+    the last two come from the first's read, with no request of their own.
+
+    What the read saw is kept for ``SEEN_MAX_AGE`` seconds, counted here on a fake clock that
+    stands still: on the wall clock, a loaded machine took more than that between two lines of
+    this test, and the asks read the store themselves (issue 53)."""
+    monkeypatch.setattr(members, "SEEN_CLOCK", FakeClock().monotonic)
     a = cluster.node("a", 2.0)
     b = cluster.node("b")
     cluster.client.submit_task(Task("t"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlencode
 
@@ -111,9 +113,30 @@ def serve() -> Iterator[Any]:
         served.__exit__()
 
 
+class _Chromium:
+    """The session's browser and the event loop Playwright's sync API runs it on."""
+
+    def __init__(self, browser: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.browser = browser
+        self.loop = loop
+
+    @contextmanager
+    def driving(self) -> Iterator[None]:
+        """Mark Playwright's loop as running while the block drives the browser, and as not
+        running after it. The sync API leaves its loop marked as running on this thread after
+        every call; left so, every later ``asyncio.run`` in this process fails ("cannot be
+        called from a running event loop"), whichever test it is in (issue 53)."""
+        asyncio._set_running_loop(self.loop)
+        try:
+            yield
+        finally:
+            asyncio._set_running_loop(None)
+
+
 @pytest.fixture(scope="session")
-def browser() -> Iterator[Any]:
-    """Headless Chromium from the system (Debian's package), driven by Playwright."""
+def chromium() -> Iterator[_Chromium]:
+    """Headless Chromium from the system (Debian's package), driven by Playwright; between
+    the tests that drive it, no event loop is left marked as running."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -122,12 +145,25 @@ def browser() -> Iterator[Any]:
     if path is None:
         _missing("no system Chromium (apt-get install -y chromium)")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=path, headless=True,
-                                     args=["--no-sandbox", "--disable-dev-shm-usage"])
+        held = _Chromium(None, asyncio._get_running_loop())
         try:
-            yield browser
+            with held.driving():
+                held.browser = pw.chromium.launch(
+                    executable_path=path, headless=True,
+                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+            yield held
         finally:
-            browser.close()
+            asyncio._set_running_loop(held.loop)  # the exit below runs on Playwright's loop
+            if held.browser is not None:
+                held.browser.close()
+
+
+@pytest.fixture
+def browser(chromium: _Chromium) -> Iterator[Any]:
+    """The session's headless Chromium, for one test (Playwright's loop is marked as running
+    during the test only)."""
+    with chromium.driving():
+        yield chromium.browser
 
 
 @pytest.fixture
