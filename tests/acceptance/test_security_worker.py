@@ -160,6 +160,7 @@ def _get(port: int, path: str, host: str | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+@pytest.mark.timing  # the cut-off within the request timeout
 def test_the_info_server_checks_host_and_cuts_off_slow_clients(
         sqlite_url: str, handlers: Path, workers: list[Any]) -> None:
     port = _free_port()

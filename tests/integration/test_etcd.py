@@ -275,6 +275,7 @@ def test_key_prefixes_never_leak_to_sibling_tasks(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- leases
 
 
+@pytest.mark.timing  # b claims within the TTL (+1 s)
 def test_lost_lease_fences_before_anyone_else_can_claim(nodes: Nodes) -> None:
     ctx_a = TimedContext()
     a = nodes.node("a", ctx_a, lease_ttl=2)

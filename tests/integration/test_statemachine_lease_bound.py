@@ -32,7 +32,8 @@ from metafora.statemachine import State, state_store_for
 from metafora.testing import RecordingContext
 from tests.helpers import sigstop, wait_until
 
-pytestmark = pytest.mark.integration
+# timing: each bounds a refused write by the lease left (wall clock, run alone in CI).
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 SLACK = 3.0  # seconds beyond the lease a loaded machine may need to report the write lost
 STORE_TIMEOUT = 30.0  # the store's own timeout: what a write could block for without the bound

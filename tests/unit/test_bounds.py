@@ -33,6 +33,7 @@ from metafora.task import validate_task_id
 MIB = 1024 * 1024
 
 
+@pytest.mark.timing  # linear, not quadratic: 1 s for MiBs
 def test_error_text_keeps_the_type_and_the_first_kib() -> None:
     for message in ("a://h/?%=1 " * 95_000, "E" * MIB, "é" * MIB, "😀" * MIB):
         started = time.perf_counter()
@@ -58,6 +59,7 @@ def test_cut_text_never_splits_a_character_and_is_a_fixed_point() -> None:
     assert cut_text(cut, 50) == cut
 
 
+@pytest.mark.timing  # linear, not quadratic: 1 s for MiBs
 def test_scrub_caps_each_value_and_stays_a_fixed_point() -> None:
     for unit in ("a://@ ", "E", "a://h/?%=1 ", "postgresql://a:SECRET@h/db "):
         text = unit * (MIB // len(unit))

@@ -89,6 +89,7 @@ def _insert_failed(url: str, errors: dict[str, str]) -> None:
 # -- 1: a page of long errors costs little -----------------------------------------------------
 
 
+@pytest.mark.timing  # a liveness bound on the page (2 s)
 def test_ten_one_mib_errors_list_in_one_short_line_each(sqlite_url: str, web: Any) -> None:
     hostile = "a://h/?%=1 " * 95_000  # the shape: ~1 MiB, costly to mask
     _insert_failed(sqlite_url, {f"slow-err-{i}": f"ValueError: {hostile}" for i in range(10)})
@@ -144,6 +145,7 @@ def test_a_body_over_the_limit_is_refused_unread(web: Any) -> None:
 # -- 3: a slow body times out; a client gone leaves no traceback --------------------------------
 
 
+@pytest.mark.timing  # the cut-off comes within the request timeout
 def test_a_slow_body_times_out_and_gone_clients_leave_no_traceback(web: Any) -> None:
     server = web("--request-timeout", "2")
     slow = [_raw(server.port, b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
