@@ -156,9 +156,13 @@ class AsyncClient(abc.ABC):
     async def _submit_many(self, tasks: list[Task], mode: IfExists) -> int:
         """Submit checked tasks (ids distinct) on the client's own connection."""
 
+    async def get_task(self, task_id: str) -> TaskInfo:
+        """One task's info, as the sync client's ``get_task``. TaskNotFound."""
+        return await self.task(task_id)
+
     @abc.abstractmethod
     async def task(self, task_id: str) -> TaskInfo:
-        """One task's info (the sync client's ``get_task``). TaskNotFound."""
+        """One task's info: :meth:`get_task` (this name is kept as an alias). TaskNotFound."""
 
     @abc.abstractmethod
     async def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:

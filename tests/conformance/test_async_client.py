@@ -94,11 +94,14 @@ def test_the_other_verbs(store_url: str) -> None:
     async def body() -> None:
         async with open_async_client(store_url) as client:
             await client.submit_task(Task("t", {"v": 1}))
-            assert (await client.task("t")).props == {"v": 1}
+            assert (await client.get_task("t")).props == {"v": 1}  # the sync client's name
+            assert (await client.task("t")).props == {"v": 1}  # its alias
             assert [i.id for i in await client.tasks()] == ["t"]
             assert await client.tasks(TaskState.DONE) == []
             with pytest.raises(InvalidTaskState):
                 await client.retry_task("t")  # pending: nothing to retry
+            with pytest.raises(TaskNotFound):
+                await client.get_task("nope")
             with pytest.raises(TaskNotFound):
                 await client.task("nope")
             await client.delete_task("t")
