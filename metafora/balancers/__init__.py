@@ -1,8 +1,9 @@
 """The bundled balancers: pick one per Consumer, or write your own :class:`~metafora.Balancer`.
 
-- :class:`DumbBalancer` claims everything and releases nothing (the default).
 - :class:`FairBalancer` keeps each node near its fair share of the work (weights, selectors),
-  balancing from both sides with the fewest moves (arithmetic: :mod:`metafora.balancers.shares`).
+  balancing from both sides with the fewest moves (arithmetic: :mod:`metafora.balancers.shares`);
+  the consumer's default.
+- :class:`DumbBalancer` claims everything and releases nothing.
 - :class:`ResourceBalancer` claims and releases by CPU or memory usage
   (:class:`CpuReporter`, :class:`MemoryReporter`, or your own :class:`ResourceReporter`).
 - :class:`SleepBalancer` gives lightly loaded nodes a head start on each claim.

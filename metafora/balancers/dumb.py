@@ -11,7 +11,8 @@ __all__ = ["DumbBalancer"]
 
 
 class DumbBalancer(ContextBalancer):
-    """Claims every task offered and never releases one (the consumer's default).
+    """Claims every task offered and never releases one (the consumer's default is
+    :class:`~metafora.balancers.FairBalancer`).
 
     Fine for a single node or when every node is equally able and tasks are short enough
     that an uneven spread does not matter.
