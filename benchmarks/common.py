@@ -71,12 +71,14 @@ def _fmt(value: Any) -> str:
 
 
 def commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown``."""
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files other than
+    the results files), or ``unknown``."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!benchmarks/results"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -94,9 +96,21 @@ def settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)}
 
 
+ALLOW_DIRTY = "METAFORA_BENCH_ALLOW_DIRTY"
+"""Set to 1 to save figures measured on a checkout with uncommitted changes (see :func:`save`)."""
+
+
+class DirtyCheckout(RuntimeError):
+    """Figures measured on uncommitted code: no commit reproduces them."""
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
     """Write ``benchmarks/results/NAME.json`` with the machine, the command and the commit (which
-    ``python -m benchmarks.tables`` prints under each table made from the file)."""
+    ``python -m benchmarks.tables`` prints under each table made from the file).
+
+    A checkout with uncommitted changes (``+dirty``) is refused with :class:`DirtyCheckout`
+    (the figures are then in a temporary file it names), unless ``METAFORA_BENCH_ALLOW_DIRTY=1``:
+    a file saved so says ``+dirty`` and its tables say it cannot be reproduced from a commit."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     script = os.path.relpath(sys.argv[0], Path(__file__).resolve().parent.parent)
@@ -105,7 +119,14 @@ def save(name: str, data: dict[str, Any]) -> Path:
     payload = {"benchmark": name, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "machine": machine(), "command": command, "environment": settings(),
                "commit": commit(), **data}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    if payload["commit"].endswith("+dirty") and os.environ.get(ALLOW_DIRTY) != "1":
+        kept = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".json")[1])
+        kept.write_text(text)
+        raise DirtyCheckout(f"not saving {path.name}: the checkout has uncommitted changes, so no "
+                            f"commit reproduces these figures (kept in {kept}); commit first, or "
+                            f"set {ALLOW_DIRTY}=1 to save them marked +dirty")
+    path.write_text(text)
     return path
 
 

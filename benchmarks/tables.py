@@ -108,7 +108,10 @@ def provenance(spec: TableSpec, data: dict[str, Any]) -> str:
     command = data.get("command") or spec.command
     env = " ".join(f"{k}={v}" for k, v in (data.get("environment") or {}).items())
     command = f"{env} {command}" if env and data.get("command") else command
-    if data.get("commit"):
+    if str(data.get("commit", "")).endswith("+dirty"):
+        commit = (f"commit {data['commit']} (uncommitted changes: no commit reproduces these"
+                  " figures)")
+    elif data.get("commit"):
         commit = f"commit {data['commit']}"
     elif data.get("committed_in"):
         commit = f"commit not recorded (the results were committed in {data['committed_in']})"

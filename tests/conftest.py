@@ -46,7 +46,7 @@ SOAK_MODULES = (
     "tests/integration/test_sql_multiprocess.py",
 )
 
-# Hypothesis: HYPOTHESIS_PROFILE=ci (CI's first stage, where the property tests run once: 200
+# Hypothesis: HYPOTHESIS_PROFILE=ci (CI, where the property tests run once, beside the soaks: 200
 # examples, no per-example deadline on a shared 2-core machine), push (the other Pythons' quick
 # pass: 25), default (hypothesis' own). "soak" is the former name of "ci".
 # A test's own @settings(max_examples=...) still wins over the profile.
