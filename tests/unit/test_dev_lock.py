@@ -29,8 +29,8 @@ def _required() -> list[Requirement]:
 
 def _pins(text: str) -> dict[str, str]:
     pins = {}
-    for line in text.splitlines():
-        line = line.split("#")[0].strip()
+    for raw in text.splitlines():
+        line = raw.split("#")[0].strip()
         if line:
             name, _, version = line.partition("==")
             assert version, f"not a pin in requirements/dev.lock: {line!r}"
