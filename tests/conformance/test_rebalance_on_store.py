@@ -59,9 +59,11 @@ class Running:
 
 
 def test_leaving_nodes_are_not_counted_and_membership_is_pushed(store_url: str) -> None:
-    a = open_coordinator(store_url, node_id="a")
-    b = open_coordinator(store_url, node_id="b")
-    c = open_coordinator(store_url, node_id="c")
+    # A 6 s lease: SQLite hears of a node that comes or goes at the listener's renewal (every
+    # lease_ttl / 3), so the default 30 s made its four waits 10 s each.
+    a = open_coordinator(store_url, node_id="a", lease_ttl=6)
+    b = open_coordinator(store_url, node_id="b", lease_ttl=6)
+    c = open_coordinator(store_url, node_id="c", lease_ttl=6)
     heard = threading.Event()
     try:
         a.init(RecordingContext())

@@ -28,16 +28,25 @@ def test_client_sees_submissions(metafora_client, metafora_url):
 '''
 
 
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """An inner pytest in a process of its own. In-process (``pytester.runpytest``), the modules
+    an inner run imported first (SQLAlchemy's dialects, grpc) were dropped when it ended, and the
+    next import made a second copy of them beside objects of the first: a later test of this
+    worker failed in SQLAlchemy ("'InternalTraversal' object is not callable"). Without
+    hypothesis' plugin, which these suites do not use (its set-up took 2 s a run)."""
+    return pytester.runpytest_subprocess("-p", "no:hypothesispytest", *args, timeout=300)
+
+
 def test_fixtures_default_to_memory(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider")
+    result = _run(pytester, "-v", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*test_handler_finishes?store=memory? PASSED*"])
 
 
 def test_stores_option_runs_each_test_per_store(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "--metafora-stores", "memory,sqlite")
+    result = _run(pytester, "-v", "-p", "no:cacheprovider", "--metafora-stores", "memory,sqlite")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*test_client_sees_submissions?store=sqlite? PASSED*"])
 
@@ -61,13 +70,13 @@ def test_marked(metafora_url):
 def test_own_parametrize(metafora_url):
     assert metafora_url.startswith("memory://")
 ''')
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = _run(pytester, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
 
 
 def test_unknown_store_kind_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "mongo")
+    result = _run(pytester, "-p", "no:cacheprovider", "--metafora-stores", "mongo")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unknown store kind(s) mongo*"])
 
@@ -80,11 +89,11 @@ def test_needs_etcd(metafora_client):
     pass
 ''')
     monkeypatch.setenv("CI", "false")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "etcd", "-rs")
+    result = _run(pytester, "-p", "no:cacheprovider", "--metafora-stores", "etcd", "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*no etcd store: $METAFORA_TEST_ETCD_URL (127.0.0.1:1) does not answer*"])
     monkeypatch.setenv("CI", "true")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--metafora-stores", "etcd")
+    result = _run(pytester, "-p", "no:cacheprovider", "--metafora-stores", "etcd")
     result.assert_outcomes(errors=1)
 
 
@@ -120,8 +129,9 @@ def test_the_plugin_finds_or_starts_real_servers_for_a_users_suite(
     if find_etcd() is None:
         pytest.skip("no etcd binary")  # CI installs etcd-server; under CI=true this skip fails
     pytester.makepyfile(test_user=SERVER_TESTS)
-    result = pytester.runpytest_subprocess(
-        "-v", "-p", "no:cacheprovider", "--metafora-stores", "postgresql,etcd", timeout=600)
+    result = pytester.runpytest_subprocess(  # no hypothesis plugin: 2 s of set-up, unused here
+        "-v", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--metafora-stores",
+        "postgresql,etcd", timeout=600)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*test_handler_on_a_real_server?store=etcd? PASSED*"])
 
