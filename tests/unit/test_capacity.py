@@ -215,7 +215,8 @@ def blocking(ran: dict[str, set[str]], node: str) -> HandlerFunc:
 
 @pytest.fixture(params=["memory", "sqlite"])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
-    url = None if request.param == "memory" else f"sqlite:///{tmp_path / 'capacity.db'}"
+    # A 6 s lease on SQLite: a node publishes its capacity at its renewal (lease_ttl / 3).
+    url = None if request.param == "memory" else f"sqlite:///{tmp_path / 'capacity.db'}?lease_ttl=6"
     with LocalCluster(url, shutdown_timeout=5.0) as c:
         yield c
 
