@@ -27,6 +27,7 @@ from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.sql.options import parse_config
 from metafora.gates.handler import handler_func
 from metafora.leases import LEASE_TTL
+from metafora.streams.handler import stream_handler
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"(\d[\d,]*(?:\.\d+)?)"
@@ -56,6 +57,10 @@ def _gate_default(name: str) -> float:
     return float(inspect.signature(handler_func).parameters[name].default)
 
 
+def _stream_default(name: str) -> float:
+    return float(inspect.signature(stream_handler).parameters[name].default)
+
+
 CODE: dict[str, set[float]] = {
     "balance_every": {options.DEFAULT_BALANCE_EVERY},
     "rebalance_window": {options.DEFAULT_REBALANCE_WINDOW},
@@ -68,6 +73,8 @@ CODE: dict[str, set[float]] = {
     "threads": {float(DEFAULT_THREADS)},
     "max_attempts": {_gate_default("max_attempts")},
     "flush_interval": {_gate_default("flush_interval")},
+    "max_processing": {_stream_default("max_processing")},
+    "max_search_ahead": {_stream_default("max_search_ahead")},
     "pool_size": {_sql("postgresql://x@127.0.0.1/x", "pool_size")},
     "connect_timeout": {_sql("postgresql://x@127.0.0.1/x", "connect_timeout")},
     # each store's (a page names the store beside it)
