@@ -262,6 +262,15 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         """Live node id -> its placement labels (from :meth:`node_infos`)."""
         return {n.id: dict(n.labels) for n in self.node_infos()}
 
+    def drain_node(self, node_id: str) -> int:
+        """Hand the tasks held for ``node_id`` (a node that stopped gracefully with a stable
+        id, see :mod:`metafora.holds`) to every node at once; returns how many were held.
+
+        For a scale-down: the node is not coming back, so its tasks need not wait for the
+        end of its window. Raises NotImplementedError on a store that keeps no holds.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no held tasks")
+
     @abc.abstractmethod
     def submit_command(self, node_id: str, command: Command) -> None:
         """Queue ``command`` for a live node. Raises NodeNotFound."""

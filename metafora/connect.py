@@ -3,6 +3,7 @@ table, :mod:`metafora.backends`, whose names are re-exported here)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_URL",
     "ENV_URL",
+    "NODE_ID_ENV",
     "default_url",
     "implementation",
     "new_node_id",
@@ -45,6 +47,10 @@ class _Backend(Protocol):
 
     def open_client(self, url: StoreURL, options: dict[str, Any]) -> Client:
         ...
+
+
+NODE_ID_ENV = "METAFORA_NODE_ID"
+"""The environment variable naming this node when no node id is given."""
 
 
 def new_node_id() -> str:
@@ -70,12 +76,19 @@ def open_coordinator(
 ) -> Coordinator:
     """Open the coordinator for ``url`` (default: :func:`default_url`) as node ``node_id``.
 
+    Without ``node_id``, ``METAFORA_NODE_ID`` names the node when it is set (a stable id: a
+    StatefulSet pod's name, a systemd instance), else a fresh id is made up
+    (:func:`new_node_id`; ``Coordinator.node_id_generated`` then says so).
     ``options`` override the URL's query options (``namespace``, ``lease_ttl``, ...).
     Nothing touches the store until ``Coordinator.init`` (called by the Consumer).
     """
     parsed = parse_store_url(url or default_url())
+    if node_id is None and os.environ.get(NODE_ID_ENV):
+        node_id = os.environ[NODE_ID_ENV]
     node = validate_node_id(node_id) if node_id is not None else new_node_id()
-    return _backend(parsed).open_coordinator(parsed, node, options)
+    coordinator = _backend(parsed).open_coordinator(parsed, node, options)
+    coordinator.node_id_generated = node_id is None
+    return coordinator
 
 
 def open_client(url: str | None = None, **options: Any) -> Client:

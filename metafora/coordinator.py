@@ -182,6 +182,11 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     """At most this many offered tasks go to one :meth:`claim_many` call from the consumer (a
     store that claims a burst in one statement sets more; etcd's txn limit wants fewer)."""
 
+    node_id_generated: bool = False
+    """Whether this node's id was made up at random (``open_coordinator`` without a node id
+    or ``METAFORA_NODE_ID``): a generated id never comes back, so nothing is held for it
+    (``Consumer(sticky_for=)`` is ignored, see :mod:`metafora.holds`)."""
+
     backend: ClassVar[str] = ""
     """The store this coordinator belongs to: its key in :mod:`metafora.backends`' table
     (``"memory"``, ``"sql"``, ``"etcd"``): the features find their storage beside it there
@@ -331,6 +336,18 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop watching, release what is still claimed, deregister the node. Idempotent."""
+
+    def hold_releases(self, seconds: float) -> bool:
+        """From now on, hold what this node releases for its id for ``seconds`` (0: stop).
+
+        Every later release of this node (``release``, a RELEASE of ``finish_many``, the
+        claims ``close()`` frees) leaves the task pending but claimable only by a node with
+        this id until the store's clock passes the window; other nodes take it after that
+        (see :mod:`metafora.holds`). The consumer calls it when it shuts down gracefully with
+        an explicit node id. Returns False when the store cannot hold (the default): its
+        releases then go to every node at once, as before.
+        """
+        return False
 
     def report_frozen(self, frozen: bool) -> None:
         """Publish whether this node is frozen, for operators' views (best effort)."""

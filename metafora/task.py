@@ -451,6 +451,11 @@ class TaskInfo:
     prefer: Mapping[str, str] = field(default_factory=dict)
     spread: str | None = None
     group: str | None = None
+    held_for: str | None = None
+    """A pending task released by a node that stopped gracefully with a stable id: only that
+    node may claim it until :attr:`held_until` (see :mod:`metafora.holds`); else None."""
+    held_until: datetime | None = None
+    """When the hold for :attr:`held_for` ends (the store's clock), or None."""
 
     def task(self) -> Task:
         """The task itself, carrying its current token."""
@@ -479,4 +484,6 @@ class TaskInfo:
             "prefer": dict(self.prefer),
             "spread": self.spread,
             "group": self.group,
+            "held_for": self.held_for,
+            "held_until": iso(self.held_until),
         }

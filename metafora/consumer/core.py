@@ -54,6 +54,7 @@ from metafora.consumer.options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     DEFAULT_SLOW_CALLBACK,
     DEFAULT_START_TIMEOUT,
+    DEFAULT_STICKY_FOR,
     ConsumerOptions,
 )
 from metafora.consumer.registration import register
@@ -172,6 +173,7 @@ class Consumer:
         placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
         rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
         prune_every: float | timedelta = DEFAULT_PRUNE_EVERY,
+        sticky_for: float | timedelta = DEFAULT_STICKY_FOR,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -189,7 +191,7 @@ class Consumer:
             refuse_retry=_plain(refuse_retry), slow_callback=_plain(slow_callback),
             http_addr=http_addr, labels=labels or {}, weight=weight,
             placement_wait=_plain(placement_wait), rendezvous_wait=_plain(rendezvous_wait),
-            prune_every=_plain(prune_every))
+            prune_every=_plain(prune_every), sticky_for=_plain(sticky_for))
         bind = getattr(handler_func, "bind_coordinator", None)
         if callable(bind):  # a HandlerFunc keeping its state in this store (metafora.streams)
             handler_func = bind(coordinator)
@@ -384,13 +386,19 @@ class Consumer:
         if self._supervisor.fatal is not None:
             raise self._supervisor.fatal
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None, *, leaving: bool = False) -> None:
         """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.
 
-        Safe from any thread, including a signal handler in the thread running ``run()``
-        (then it only starts the shutdown and returns). A handler that ignores ``stop()`` is
-        abandoned after the timeout with an error log; shutdown never hangs.
+        With an explicit node id and ``sticky_for``, the released tasks are held for this
+        node id for that window (a restart under the same id takes them back);
+        ``leaving=True`` says the node is not coming back (a scale-down): its tasks go to
+        the others at once. Safe from any thread, including a signal handler in the thread
+        running ``run()`` (then it only starts the shutdown and returns). A handler that
+        ignores ``stop()`` is abandoned after the timeout with an error log; shutdown never
+        hangs.
         """
+        if leaving:
+            self._shutdown.leaving = True
         if timeout is not None:
             self._timeout_override = seconds(timeout, "timeout", allow_zero=True)
         self._stopping.set()
@@ -539,6 +547,7 @@ class Consumer:
         self._stopping.set()
         self._risk.close()
         self._shutdown.announce_leaving()
+        self._shutdown.hold_releases(self._options.sticky_for)
         self._scheduler.stop()
         self._pruner.stop()
         self._cluster.stop()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from metafora.coordinator import DEFAULT_MAX_CRASHES
 from metafora.durations import seconds
 from metafora.errors import ConfigError, InvalidProps
+from metafora.holds import DEFAULT_STICKY_FOR, check_sticky_for
 from metafora.http import parse_addr
 from metafora.node import check_weight
 from metafora.task import validate_labels
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "DEFAULT_SLOW_CALLBACK",
     "DEFAULT_START_TIMEOUT",
+    "DEFAULT_STICKY_FOR",
     "ConsumerOptions",
 ]
 
@@ -143,6 +145,13 @@ class ConsumerOptions:
     - ``prune_every``: seconds between two tries to take the namespace's prune turn (default
       60): one node per interval deletes the finished tasks the retention policy allows (see
       :mod:`metafora.retention`).
+    - ``sticky_for``: seconds (default 10, at most an hour) a graceful shutdown holds this
+      node's tasks for its id, so the same id registering again within them takes them
+      back and nothing moves (a rolling restart of a StatefulSet or a systemd unit); other
+      nodes take them after the window. Used only with an explicit node id (``node_id=``
+      or ``METAFORA_NODE_ID``): with a generated id it is ignored, as such an id never
+      comes back. ``shutdown(leaving=True)`` and a crash hold nothing (see
+      :mod:`metafora.holds`); 0 turns it off.
     - ``http_addr``: ``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz``
       (see :mod:`metafora.http`); off by default.
     """
@@ -166,6 +175,7 @@ class ConsumerOptions:
     placement_wait: float = DEFAULT_PLACEMENT_WAIT
     rendezvous_wait: float = DEFAULT_RENDEZVOUS_WAIT
     prune_every: float = DEFAULT_PRUNE_EVERY
+    sticky_for: float = DEFAULT_STICKY_FOR
 
     def __post_init__(self) -> None:
         max_tasks, max_crashes = self.max_tasks, self.max_crashes
@@ -191,6 +201,7 @@ class ConsumerOptions:
         if self.http_addr is not None:
             parse_addr(self.http_addr)  # a bad address is a ConfigError now, not at run()
         object.__setattr__(self, "slow_callback", seconds(self.slow_callback, "slow_callback"))
+        object.__setattr__(self, "sticky_for", check_sticky_for(self.sticky_for))
 
     @property
     def crash_limit(self) -> int | None:

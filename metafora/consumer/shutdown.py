@@ -1,6 +1,8 @@
 """The consumer's shutdown, in a fixed order, and never longer than its timeout.
 
-1. announce leaving (the others start balancing before this node's tasks come free);
+1. announce leaving (the others start balancing before this node's tasks come free) and,
+   unless the node leaves for good, hold what it releases from now on for its id (a
+   restart under the same id takes its tasks back: :mod:`metafora.holds`);
 2. stop every handler, sharing one deadline; while some still run, release the claims of
    those that returned in bounded batches (``finish_many``), so orphans move at once;
 3. abandon the handlers still running at the deadline (cancel the async ones);
@@ -51,6 +53,7 @@ class Shutdown:
         self._clock = clock
         self._log = log
         self._leaving_announced = False
+        self.leaving = False  # shutdown(leaving=True): hand tasks off at once, hold nothing
 
     def announce_leaving(self) -> None:
         """Tell the cluster this node is going, before its handlers stop (issue #92)."""
@@ -61,6 +64,21 @@ class Shutdown:
             self._coord.announce_leaving()
         except MetaforaError as exc:
             self._log.warning("could not announce leaving: %s", exc, extra={"action": "shutdown"})
+
+    def hold_releases(self, sticky_for: float) -> None:
+        """Hold this node's releases for its id for ``sticky_for`` seconds, when the id is
+        explicit (a generated one never comes back) and the node is not leaving for good."""
+        if not sticky_for or self.leaving or self._coord.node_id_generated:
+            return
+        try:
+            held = self._coord.hold_releases(sticky_for)
+        except MetaforaError as exc:
+            self._log.warning("could not hold tasks for this node: %s", exc,
+                              extra={"action": "shutdown"})
+            return
+        if held:
+            self._log.info("holding this node's tasks for its id for %.1fs", sticky_for,
+                           extra={"action": "shutdown"})
 
     def stop_handlers(self, timeout: float) -> float:
         """Stop every handler, wait up to ``timeout`` s, abandon the rest; return the deadline.

@@ -145,11 +145,16 @@ class LocalCluster:
         wait_for(lambda: self.client.get_task(task_id).state is wanted, timeout,
                  f"task {task_id} to be {wanted.value}")
 
-    def stop(self, consumer: Consumer, timeout: float | None = None) -> None:
-        """Shut one consumer down and join its thread."""
+    def stop(self, consumer: Consumer, timeout: float | None = None, *, leaving: bool = True) -> None:
+        """Shut one consumer down and join its thread.
+
+        As a scale-down by default (``leaving=True``: its tasks go to the others at once);
+        ``leaving=False`` is a restart's graceful stop: a node with an explicit id holds its
+        tasks for that id for its ``sticky_for`` (see :mod:`metafora.holds`)."""
         for entry in list(self._consumers):
             if entry[0] is consumer:
-                consumer.shutdown(timeout=self._shutdown_timeout if timeout is None else timeout)
+                consumer.shutdown(timeout=self._shutdown_timeout if timeout is None else timeout,
+                                  leaving=leaving)
                 entry[1].join(self._shutdown_timeout + 10)
                 self._consumers.remove(entry)
 

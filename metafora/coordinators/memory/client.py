@@ -149,17 +149,19 @@ class MemoryClient(MemoryRetention, Client):
         s = self._store
         with s.cond:
             self._check_open()
-            s.sweep(s.clock.now())
-            return self._row(task_id).info()
+            now = s.clock.now()
+            s.sweep(now)
+            return self._row(task_id).info(now)
 
     def tasks(self, state: TaskState | str | None = None) -> list[TaskInfo]:
         wanted = None if state is None else TaskState(state)
         s = self._store
         with s.cond:
             self._check_open()
-            s.sweep(s.clock.now())
+            now = s.clock.now()
+            s.sweep(now)
             rows = sorted(s.tasks.values(), key=lambda r: r.task_id)
-            return [r.info() for r in rows if wanted is None or r.state is wanted]
+            return [r.info(now) for r in rows if wanted is None or r.state is wanted]
 
     def nodes(self) -> list[str]:
         with self._store.cond:
@@ -191,6 +193,12 @@ class MemoryClient(MemoryRetention, Client):
         with self._store.cond:
             self._check_open()
             return frozenset(n.node_id for n in self._store.nodes.values() if n.frozen)
+
+    def drain_node(self, node_id: str) -> int:
+        s = self._store
+        with s.cond:
+            self._check_open()
+            return s.drain(validate_task_id(node_id))
 
     def submit_command(self, node_id: str, command: Command) -> None:
         s = self._store

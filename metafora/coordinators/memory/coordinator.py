@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import queue
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from metafora.commands import Command
@@ -31,6 +31,7 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
+from metafora.holds import check_sticky_for
 from metafora.schedule_model import Schedule
 from metafora.task import (
     Task,
@@ -59,6 +60,7 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
         self._offered = 0  # how many offers the watch remembers (see watch)
         self._schedule_wakes: list[Callable[[], None]] = []
         self._listening: list[Callable[[], None]] = []
+        self._hold_for = 0.0  # seconds this node's releases are held for its id (holds.py)
 
     @property
     def name(self) -> str:
@@ -113,12 +115,12 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
                 # Every row after a membership change (a dead owner's claims are claimable);
                 # else only those made ready since the last round, and those launched now.
                 rows: Iterable[Row] = s.tasks.values() if s.members_seq != seen_members else [
-                    *reversed(s.ready_since(seen_version)), *s.launched(now)]
+                    *reversed(s.ready_since(seen_version)), *s.launched(now), *s.unheld(now)]
                 seen_members, seen_version = s.members_seq, s.version
                 batch = [
                     row.task()
                     for row in rows
-                    if s.claimable(row, now) and offered.get(row.task_id) != row.ready
+                    if s.claimable(row, now, self._node_id) and offered.get(row.task_id) != row.ready
                 ]
                 for task in batch:
                     offered[task.id] = s.tasks[task.id].ready
@@ -136,8 +138,9 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
                 if self._closed:
                     return
                 if s.version == version:
-                    nxt = s.next_launch(s.clock.now())
-                    s.cond.wait(POLL_SECONDS if nxt is None else min(POLL_SECONDS, nxt))
+                    now = s.clock.now()
+                    due = [d for d in (s.next_launch(now), s.next_unhold(now)) if d is not None]
+                    s.cond.wait(min([POLL_SECONDS, *due]))
 
     def claim(self, task: Task) -> Task | None:
         s = self._store
@@ -146,7 +149,7 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
             row = s.tasks.get(task.id)
             now = s.clock.now()
             s.sweep(now)
-            if row is None or not s.claimable(row, now):
+            if row is None or not s.claimable(row, now, self._node_id):
                 return None
             if self._ctx is not None and not matches(row.selector, self._ctx.labels):
                 return None  # placement: this node's labels do not match the task's selector
@@ -168,6 +171,7 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
             row.token = s.token_seq
             row.claimed_at = now
             row.attempts += 1
+            row.hold(None, None)
             return row.task()
 
     def claimable(self, tasks: Sequence[Task]) -> list[Task]:
@@ -176,7 +180,7 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
         with s.cond:
             now = s.clock.now()
             return [t for t in tasks if (row := s.tasks.get(t.id)) is not None
-                    and s.claimable(row, now)]
+                    and s.claimable(row, now, self._node_id)]
 
     def _fenced(self, task: Task) -> Row:
         self._check_open()
@@ -196,11 +200,8 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
         s = self._store
         with s.cond:
             row = self._fenced(task)
-            row.state = TaskState.PENDING
-            row.owner = None
-            row.claimed_at = None
             row.crashes = 0
-            s.make_ready(row, s.bump())
+            s.release_row(row, s.bump(), self._hold())
 
     def done(self, task: Task) -> None:
         self._finish(task, TaskState.DONE, None)
@@ -309,11 +310,22 @@ class MemoryCoordinator(MemoryRetention, Coordinator):
                 s.member_listeners.remove(listener)
             self._listening.clear()
             if self._ctx is not None and self._node_id in s.nodes:
-                s.free_claims(self._node_id)
+                s.free_claims(self._node_id, hold=self._hold())
                 del s.nodes[self._node_id]
                 s.members_seq += 1
                 s.members_changed()
             s.bump()
+
+    def hold_releases(self, seconds: float) -> bool:
+        with self._store.cond:
+            self._hold_for = check_sticky_for(seconds, "seconds")
+        return True
+
+    def _hold(self) -> tuple[str, datetime] | None:
+        """(this node, until when) to hold a release for now, or None (the caller holds cond)."""
+        if not self._hold_for:
+            return None
+        return self._node_id, self._store.clock.now() + timedelta(seconds=self._hold_for)
 
     def report_frozen(self, frozen: bool) -> None:
         with self._store.cond:

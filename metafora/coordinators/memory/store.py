@@ -20,6 +20,7 @@ from metafora.coordinator import (
 from metafora.errors import (
     ConfigError,
 )
+from metafora.holds import held_against
 from metafora.leases import read_lease_ttl
 from metafora.limits import GroupUsage, Limit
 from metafora.schedule_model import Schedule
@@ -54,6 +55,8 @@ class Row:
     prefer: dict[str, str] = field(default_factory=dict)
     spread: str | None = None
     group: str | None = None
+    held_for: str | None = None  # released held for this node id until held_until (holds.py)
+    held_until: datetime | None = None
     _times: tuple[datetime | None, datetime | None] | None = field(default=None, repr=False)
 
     @classmethod
@@ -75,7 +78,9 @@ class Row:
             self._times = (task.launch_at, task.expires_at)
         return self._times
 
-    def info(self) -> TaskInfo:
+    def info(self, now: datetime | None = None) -> TaskInfo:
+        held = (self.state is TaskState.PENDING and self.held_until is not None
+                and (now is None or now < self.held_until))
         return TaskInfo(
             id=self.task_id,
             props=dict(self.props),
@@ -92,7 +97,13 @@ class Row:
             prefer=dict(self.prefer),
             spread=self.spread,
             group=self.group,
+            held_for=self.held_for if held else None,
+            held_until=self.held_until if held else None,
         )
+
+    def hold(self, node_id: str | None, until: datetime | None) -> None:
+        """Hold the (pending) row for ``node_id`` until ``until``; None clears the hold."""
+        self.held_for, self.held_until = (node_id, until) if node_id is not None else (None, None)
 
 
 @dataclass
@@ -135,6 +146,8 @@ class MemoryStore:
         # delete takes a row out.
         self.ready_rows: dict[str, int] = {}
         self.members_seq = 0  # bumped when a node joins or leaves: a watch then reads all
+        # Rows released held for a node (holds.py): a watch re-offers them when the hold ends.
+        self.held_rows: dict[str, Row] = {}
 
     def make_ready(self, row: Row, version: int) -> None:
         """``row`` became claimable at ``version`` (a submit, a release, a retry...)."""
@@ -152,6 +165,49 @@ class MemoryStore:
             if row is not None:
                 rows.append(row)
         return rows
+
+    def _held(self) -> list[Row]:
+        """The held rows still pending and held (others are dropped from ``held_rows``)."""
+        rows = []
+        for task_id, row in list(self.held_rows.items()):
+            if (self.tasks.get(task_id) is not row or row.state is not TaskState.PENDING
+                    or row.held_until is None):
+                del self.held_rows[task_id]
+            else:
+                rows.append(row)
+        return rows
+
+    def unheld(self, now: datetime) -> list[Row]:
+        """Held rows whose hold is over (a watch offers them to every node when it is)."""
+        return [r for r in self._held() if r.held_until is not None and r.held_until <= now]
+
+    def next_unhold(self, now: datetime) -> float | None:
+        """Seconds until the soonest hold ends, if any (one timer, not one per task)."""
+        ends = [(r.held_until - now).total_seconds() for r in self._held()
+                if r.held_until is not None and r.held_until > now]
+        return min(ends, default=None)
+
+    def release_row(self, row: Row, version: int, hold: tuple[str, datetime] | None) -> None:
+        """Make a claimed ``row`` pending again at ``version``, held for ``hold`` if given."""
+        row.state = TaskState.PENDING
+        row.owner = None
+        row.claimed_at = None
+        row.hold(*(hold or (None, None)))
+        if hold is not None:
+            self.held_rows[row.task_id] = row
+        self.make_ready(row, version)
+
+    def drain(self, node_id: str) -> int:
+        """Hand the rows held for ``node_id`` to every node now; how many there were."""
+        now = self.clock.now()
+        rows = [r for r in self._held() if r.held_for == node_id
+                and r.held_until is not None and r.held_until > now]
+        if rows:
+            version = self.bump()
+            for row in rows:
+                row.hold(None, None)
+                self.make_ready(row, version)
+        return len(rows)
 
     def launched(self, now: datetime) -> list[Row]:
         """Pending rows whose launch time has come (a watch offers them when it does)."""
@@ -235,10 +291,14 @@ class MemoryStore:
         self.cond.notify_all()
         return self.version
 
-    def claimable(self, row: Row, now: datetime) -> bool:
+    def claimable(self, row: Row, now: datetime, node_id: str | None = None) -> bool:
+        """Whether ``row`` may be claimed now (by ``node_id``: a hold for another node
+        refuses it; None, an operator's count, ignores holds)."""
         if row.state is TaskState.CLAIMED:
             return row.owner not in self.nodes
         if row.state is not TaskState.PENDING:
+            return False
+        if node_id is not None and held_against(row.held_for, row.held_until, node_id, now):
             return False
         launch = row.times()[0]
         return launch is None or launch <= now
@@ -274,20 +334,19 @@ class MemoryStore:
                     soonest = wait if soonest is None else min(soonest, wait)
         return soonest
 
-    def free_claims(self, node_id: str, *, crashed: bool = False) -> list[Task]:
+    def free_claims(self, node_id: str, *, crashed: bool = False,
+                    hold: tuple[str, datetime] | None = None) -> list[Task]:
         """Make every claim of ``node_id`` pending again; return the tasks it held.
 
-        ``crashed``: the node died (its lease was lost), so each claim counts as a crash."""
+        ``crashed``: the node died (its lease was lost), so each claim counts as a crash;
+        ``hold``: (node id, until) to hold them for (a graceful close, see holds.py)."""
         rows = [r for r in self.tasks.values() if r.state is TaskState.CLAIMED and r.owner == node_id]
         freed = [row.task() for row in rows]
         if rows:
             version = self.bump()
             for row in rows:
-                row.state = TaskState.PENDING
-                row.owner = None
-                row.claimed_at = None
                 row.crashes = row.crashes + 1 if crashed else 0
-                self.make_ready(row, version)
+                self.release_row(row, version, hold)
         return freed
 
     def counts(self, *, active: bool = False) -> dict[str, int]:

@@ -107,7 +107,7 @@ class Claims:
 
     def _still_claimable(self, ids: list[str]) -> list[str]:
         self._context()
-        params = {"ids": self._db.dialect.ids_param(ids),
+        params = {"ids": self._db.dialect.ids_param(ids), "node": self._node_id,
                   "labels": self._lease.labels_json() or "{}"}
         with self._db.read() as conn:
             rows = self._db.execute(conn, "claimable_ids", params).fetchall()
@@ -287,10 +287,15 @@ class ClaimOutcomes:
         self._node_id = node_id
         self._lease = lease
         self._check_open = check_open
+        self.hold: dict[str, Any] = {"held": None, "secs": 0.0}  # see Coordinator.hold_releases
+
+    def hold_releases(self, seconds: float) -> None:
+        """Hold this node's releases from now on for its id for ``seconds`` (0: no hold)."""
+        self.hold = {"held": self._node_id if seconds else None, "secs": float(seconds)}
 
     def release(self, task: Task) -> None:
         """Give the claim back (fenced by owner and token; ClaimLost if no longer held)."""
-        self._fenced("release", task, {})
+        self._fenced("release", task, dict(self.hold))
 
     def done(self, task: Task) -> None:
         """Record the task done (fenced by owner and token; ClaimLost if no longer held)."""
@@ -370,7 +375,7 @@ class ClaimOutcomes:
                             completed.update((str(r[0]), int(r[1])) for r in got if r[-1])
                             got = [r[:-1] for r in got if not r[-1]]
                         else:
-                            got = cur.all(name, {"node": self._node_id, "rows": rows})
+                            got = cur.all(name, {"node": self._node_id, "rows": rows, **self.hold})
                         if got and outcome is Outcome.RELEASE:
                             cur.token_used(max(int(r[2]) for r in got))
                         written.update((str(r[0]), int(r[1])) for r in got)

@@ -167,6 +167,8 @@ class SQLClient(SQLRetention, Client):
             selector=_selector(row[10], str(row[0])),
             priority=int(row[11] or 0),
             **_placement(row[12], str(row[0])),
+            held_for=row[13],
+            held_until=conv(row[14]),
         )
 
     def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
@@ -445,6 +447,14 @@ class SQLClient(SQLRetention, Client):
         with db.read() as conn:
             rows = db.execute(conn, "node_counts", {}).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
+
+    def drain_node(self, node_id: str) -> int:
+        db = self._ready()
+        with db.write() as conn:
+            rows = db.execute(conn, "drain_holds", {"node": validate_task_id(node_id)}).fetchall()
+            if rows:
+                db.next_token_used(conn, max(int(r[0]) for r in rows))
+        return len(rows)
 
     def submit_command(self, node_id: str, command: Command) -> None:
         db = self._ready()

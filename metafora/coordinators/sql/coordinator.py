@@ -45,6 +45,7 @@ from metafora.errors import (
     MetaforaError,
     NodeExists,
 )
+from metafora.holds import check_sticky_for
 from metafora.leases import LeaseTiming, report_renewal_failure
 from metafora.schedule_model import Schedule
 from metafora.task import Task, validate_task_id
@@ -123,7 +124,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
             watch.wake.set()
         session = self._lease.stop()
         if registered and session is not None:
-            _deregister(self._db, self._node_id, session)
+            _deregister(self._db, self._node_id, session, self._outcomes.hold)
         if self._listener is not None:
             self._listener.stop()
         self._db.close()
@@ -351,6 +352,10 @@ class SQLCoordinator(SQLRetention, Coordinator):
     def release(self, task: Task) -> None:
         self._outcomes.release(task)
 
+    def hold_releases(self, seconds: float) -> bool:
+        self._outcomes.hold_releases(check_sticky_for(seconds, "seconds"))
+        return True
+
     def done(self, task: Task) -> None:
         self._outcomes.done(task)
 
@@ -457,9 +462,10 @@ class SQLCoordinator(SQLRetention, Coordinator):
         return self._lease.held()
 
 
-def _deregister(db: Database, node_id: str, session: str) -> None:
-    """Free a closing node's claims, drop its commands and its row, in one transaction."""
-    params = {"node": node_id, "session": session}
+def _deregister(db: Database, node_id: str, session: str, hold: dict[str, Any]) -> None:
+    """Free a closing node's claims (held for it as ``hold`` says), drop its commands and
+    its row, in one transaction."""
+    params = {"node": node_id, "session": session, **hold}
     extra = {"node": node_id}
     try:
         with db.transaction() as conn:

@@ -62,9 +62,9 @@ class Dialect(abc.ABC):
         ``now`` (the database clock), ``ts_plus_secs`` (``now`` plus the ``:secs`` parameter),
         ``lease_until`` (``now`` plus the ``:ttl`` parameter), ``next_token`` (the next value
         of the store-wide counter), ``lock`` (row lock suffix of a sub-select), ``notify_task``,
-        ``notify_cmd``, ``notify_task_cmd``, ``notify_owner``, ``notify_members`` (RETURNING items that send a
-        notification), ``notify_batch`` (one notification: tasks from ready value ``:ready``
-        on became pending),
+        ``notify_held``, ``notify_cmd``, ``notify_task_cmd``, ``notify_owner``,
+        ``notify_members`` (RETURNING items that send a notification), ``notify_batch`` (one
+        notification: tasks from ready value ``:ready`` on became pending),
         ``secs_until_launch`` / ``secs_until_lease`` (seconds from now to a time, as a float),
         ``in_ids`` (membership in the ``:ids`` list parameter, see :meth:`ids_param`),
         ``offered_tasks`` / ``offered_pos`` (a FROM ... WHERE finding the task rows of ``:ids``
@@ -141,6 +141,9 @@ class PostgresDialect(Dialect):
                 f" IS NULL AND launch_at IS NULL AND length(props) <= {PLAIN_PROPS_MAX}"
                 " THEN 'p' || id || chr(31) || props ELSE 't' || id END)"
             ),
+            # A task released held for its node (holds.py): named without its props, so the
+            # others' watches look (and set their timer for the hold's end) but offer nothing.
+            "notify_held": f"pg_notify('{chan}', 't' || id)",
             "notify_cmd": f"pg_notify('{chan}', 'c' || node_id)",
             "notify_task_cmd": f"pg_notify('{chan}', 'm' || task_id)",
             "notify_owner": f"CASE WHEN state = 'claimed' THEN pg_notify('{chan}', 'n' || owner) END",
@@ -269,6 +272,7 @@ class SQLiteDialect(Dialect):
             "next_token": "(SELECT value + 1 FROM metafora_counter WHERE name = 'token')",
             "lock": "",
             "notify_task": "NULL",
+            "notify_held": "NULL",
             "notify_cmd": "NULL",
             "notify_task_cmd": "NULL",
             "notify_owner": "NULL",

@@ -562,7 +562,8 @@ def release_untracked(db: Database, node_id: str, task_id: str, token: int) -> N
     extra = {"node": node_id, "task": task_id}
     try:
         with db.hot() as cur:
-            row = cur.one("release", {"id": task_id, "node": node_id, "token": token})
+            row = cur.one("release", {"id": task_id, "node": node_id, "token": token,
+                                      "held": None, "secs": 0.0})
             if row is not None:
                 cur.token_used(int(row[0]))
     except MetaforaError as exc:

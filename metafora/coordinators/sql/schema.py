@@ -13,7 +13,8 @@ Tables (all prefixed ``metafora_``):
   is new since its last look), ``crashes`` (v3: the latest claims in a row that ended with their
   node dead and no outcome), ``selector`` (v4: JSON object, NULL for none), ``priority``
   (v4, default 0) and ``placement`` (v4: the soft ``prefer``/``spread`` as a JSON object, NULL
-  for none). Partial indexes keep pending and claimed rows findable without
+  for none), ``held_for``/``held_until`` (v12: a released task held for a stopped node's id
+  until then, see :mod:`metafora.holds`). Partial indexes keep pending and claimed rows findable without
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
@@ -230,6 +231,16 @@ def _v10_retention(conn: Connection, dialect: Dialect) -> None:
     conn.execute(text(_V10_RETENTION.format(**dialect.ddl_types())))
 
 
+def _v12_task_holds(conn: Connection, dialect: Dialect) -> None:
+    # A gracefully stopped node's released tasks wait for its id until held_until (holds.py);
+    # the watch finds the soonest end of a hold through this index (held rows only).
+    types = dialect.ddl_types()
+    conn.execute(text(f"ALTER TABLE metafora_tasks ADD COLUMN held_for {types['key']}"))
+    conn.execute(text(f"ALTER TABLE metafora_tasks ADD COLUMN held_until {types['ts']}"))
+    conn.execute(text("CREATE INDEX metafora_tasks_held ON metafora_tasks (namespace, held_until)"
+                      " WHERE state = 'pending' AND held_until IS NOT NULL"))
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("tasks, nodes, commands, state and the token counter", _v1_initial),
     ("nodes.frozen: whether a node is frozen, for operators' views", _v2_node_frozen),
@@ -244,6 +255,8 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("retention: how long finished tasks are kept, and the prune turn", _v10_retention),
     ("nodes.pokes: claims changed from outside, checked without counting the claims",
      _v11_node_pokes),
+    ("tasks.held_for, held_until: a stopped node's tasks held for its id (sticky return)",
+     _v12_task_holds),
 ]
 """Migration ``i`` (0-based) takes the schema from version ``i`` to ``i + 1``."""
 

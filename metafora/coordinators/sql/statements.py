@@ -29,12 +29,20 @@ _OWNER_DEAD = (
 # A claim anyone may take over: its owner is dead, unknown or NULL (a row written around
 # metafora); a NULL claimed_at must not make it unclaimable forever.
 _CLAIM_STALE = "(claimed_at IS NULL OR claimed_at < {now}) AND " + _OWNER_DEAD
+# Not held for another node (holds.py): a gracefully stopped node's released tasks wait for
+# its id until held_until, by the database clock; folded into the claim and the watch's
+# scans (:node is the claiming or watching node), never a statement of its own.
+_NOT_HELD = (
+    "(metafora_tasks.held_for IS NULL OR metafora_tasks.held_for = :node"
+    " OR metafora_tasks.held_until <= {now})"
+)
 # Claimable: pending and due, or claimed by a dead owner. A CASE, not an OR of the two: the
 # planner matched each branch to a partial index -- the (namespace, owner, id) one probed
 # without its owner is a scan of every claim entry of the namespace, dead ones included, and
 # with claims churning it grew to hundreds of ms per claim. Now the rows are found by id.
 _CLAIMABLE = (
-    "(CASE state WHEN 'pending' THEN (" + _CLAIMABLE_PENDING + ") WHEN 'claimed' THEN ("
+    "(CASE state WHEN 'pending' THEN (" + _CLAIMABLE_PENDING + " AND " + _NOT_HELD
+    + ") WHEN 'claimed' THEN ("
     + _CLAIM_STALE + ") ELSE FALSE END)"
 )
 _ME_LIVE = (
@@ -45,6 +53,17 @@ _ME_SESSION = (
     "EXISTS (SELECT 1 FROM metafora_nodes me WHERE me.namespace = :ns AND me.node_id = :node"
     " AND me.session = :session)"
 )
+# A claim ends any hold of its row.
+_UNHOLD = "held_for = NULL, held_until = NULL, "
+# A release holds the row for :held (this node, or NULL: no hold) for :secs seconds.
+_HOLD = (
+    "held_for = :held, held_until = CASE WHEN CAST(:held AS TEXT) IS NULL THEN NULL"
+    " ELSE {ts_plus_secs} END, "
+)
+# A held release is offered to nobody (only its own node may take it, and that one rescans
+# when it registers again): the others' watches are only woken to set their timer for the
+# end of the hold, when they offer it.
+_NOTIFY_UNHELD = "CASE WHEN held_for IS NULL THEN {notify_task} ELSE {notify_held} END"
 # A claim taken over from a dead owner counts one more crash of the task in a row.
 _CRASHED = "crashes = CASE WHEN state = 'claimed' THEN crashes + 1 ELSE crashes END"
 _FENCED = "namespace = :ns AND id = :id AND owner = :node AND token = :token AND state = 'claimed'"
@@ -67,7 +86,9 @@ _INFO_COLUMNS = (
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
     " owner, token, claimed_at, error, created_at,"
     " CASE WHEN state = 'pending' AND expires_at <= {now} THEN expires_at ELSE finished_at END"
-    " AS finished_at, attempts, selector, priority, placement"
+    " AS finished_at, attempts, selector, priority, placement,"
+    " CASE WHEN state = 'pending' AND held_until > {now} THEN held_for END AS held_for,"
+    " CASE WHEN state = 'pending' AND held_until > {now} THEN held_until END AS held_until"
 )
 
 INFO_COLUMNS = _INFO_COLUMNS
@@ -88,7 +109,7 @@ _SQL: dict[str, str] = {
     # and this node's own lease is live; the UPDATE takes a fresh token.
     "claim": (
         "UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token},"
-        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _UNHOLD + _CRASHED
         + " WHERE namespace = :ns AND id = (SELECT id FROM metafora_tasks WHERE namespace = :ns"
         " AND id = :id AND grp IS NULL AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
         + "{lock})"
@@ -105,7 +126,7 @@ _SQL: dict[str, str] = {
         " AND metafora_tasks.grp IS NULL AND " + _CLAIMABLE + " AND {selector_ok} AND " + _ME_LIVE
         + " ORDER BY {offered_pos} LIMIT :limit{lock})"
         " UPDATE metafora_tasks SET state = 'claimed', owner = :node, token = {next_token_at},"
-        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+        " claimed_at = {now}, updated_at = {now}, attempts = attempts + 1, " + _UNHOLD + _CRASHED
         + " WHERE namespace = :ns AND id {in_picked}"
         " RETURNING id, token, props, crashes, selector, priority, placement"
     ),
@@ -116,9 +137,9 @@ _SQL: dict[str, str] = {
         + " AND {selector_ok} ORDER BY {offered_pos}"
     ),
     "release": (
-        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " crashes = 0, ready = {next_token}, updated_at = {now} WHERE " + _FENCED
-        + " RETURNING ready, {notify_task}"
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL, " + _HOLD
+        + "crashes = 0, ready = {next_token}, updated_at = {now} WHERE " + _FENCED
+        + " RETURNING ready, " + _NOTIFY_UNHELD
     ),
     "done": (
         "UPDATE metafora_tasks SET state = 'done', owner = NULL, finished_at = {now},"
@@ -149,8 +170,8 @@ _SQL: dict[str, str] = {
     # otherwise re-read the JSON for every claim the node holds).
     "release_many": (
         _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'pending', owner = NULL,"
-        " claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
-        " WHERE " + _FENCED_MANY + " RETURNING id, token, ready, {notify_task}"
+        " claimed_at = NULL, " + _HOLD + "crashes = 0, ready = {next_token}, updated_at = {now}"
+        " WHERE " + _FENCED_MANY + " RETURNING id, token, ready, " + _NOTIFY_UNHELD
     ),
     "done_many": (
         _FINISH_ROWS + "UPDATE metafora_tasks SET state = 'done', owner = NULL,"
@@ -226,10 +247,16 @@ _SQL: dict[str, str] = {
         " AND state = 'claimed'"
     ),
     "close_free": (
-        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL,"
-        " crashes = 0, ready = {next_token}, updated_at = {now}"
+        "UPDATE metafora_tasks SET state = 'pending', owner = NULL, claimed_at = NULL, " + _HOLD
+        + "crashes = 0, ready = {next_token}, updated_at = {now}"
         " WHERE namespace = :ns AND owner = :node AND state = 'claimed' AND " + _ME_SESSION
-        + " RETURNING ready, {notify_task}"
+        + " RETURNING ready, " + _NOTIFY_UNHELD
+    ),
+    # metafora nodes drain: the tasks held for :node go to every node now.
+    "drain_holds": (
+        "UPDATE metafora_tasks SET held_for = NULL, held_until = NULL, ready = {next_token},"
+        " updated_at = {now} WHERE namespace = :ns AND state = 'pending' AND held_for = :node"
+        " AND held_until > {now} RETURNING ready, {notify_task}"
     ),
     "close_commands": (
         "DELETE FROM metafora_commands WHERE namespace = :ns AND node_id = :node AND "
@@ -268,13 +295,23 @@ _SQL: dict[str, str] = {
         " CASE WHEN (SELECT min(expires_at) FROM metafora_tasks WHERE namespace = :ns"
         " AND state = 'pending' AND expires_at IS NOT NULL) <= {now} THEN 1 ELSE 0 END,"
         " (SELECT count(*) FROM metafora_nodes WHERE namespace = :ns AND lease_until <= {now}),"
-        " (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending')"
+        " (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'),"
+        " (SELECT {secs_until_unhold} FROM metafora_tasks WHERE namespace = :ns"
+        " AND state = 'pending' AND held_until > {now})"
+    ),
+    # Tasks whose hold ended in (:since, :until]: offered to every node then (one timer per
+    # watch, from the soonest hold; through the pending held_until index).
+    "scan_unheld": (
+        "SELECT id, props, selector, priority, placement FROM metafora_tasks"
+        " WHERE namespace = :ns AND state = 'pending' AND held_until > :since"
+        " AND held_until <= :until AND " + _CLAIMABLE_PENDING
+        + " ORDER BY held_until, id LIMIT :limit"
     ),
     # Selects of offered tasks end with (selector, priority, placement): see Watch._offer.
     "scan_pending": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND priority = :priority AND id > :after AND id <= :until"
-        " AND " + _CLAIMABLE_PENDING + " ORDER BY id LIMIT :limit"
+        " AND " + _CLAIMABLE_PENDING + " AND " + _NOT_HELD + " ORDER BY id LIMIT :limit"
     ),
     # The priorities of the pending rows, highest first, and how many rows each has: full
     # scans walk them in that order (through the (namespace, priority, id) pending index).
@@ -291,7 +328,7 @@ _SQL: dict[str, str] = {
     "scan_ready": (
         "SELECT id, props, ready, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND state = 'pending'"
-        " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING
+        " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING + " AND " + _NOT_HELD
         + " ORDER BY ready, id LIMIT :limit"
     ),
     # The settle check (PostgreSQL): ids and ready values only; the few rows not seen before
@@ -299,7 +336,7 @@ _SQL: dict[str, str] = {
     "scan_settled": (
         "SELECT id, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
         " AND (ready, id) > (:ready, :after) AND ready <= :until AND " + _CLAIMABLE_PENDING
-        + " ORDER BY ready, id LIMIT :limit"
+        + " AND " + _NOT_HELD + " ORDER BY ready, id LIMIT :limit"
     ),
     "scan_launched": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
@@ -309,12 +346,12 @@ _SQL: dict[str, str] = {
     "scan_ids_hot": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND id {in_ids} AND "
-        + _CLAIMABLE_PENDING
+        + _CLAIMABLE_PENDING + " AND " + _NOT_HELD
     ),
     "scan_ids": (
         "SELECT id, props, selector, priority, placement FROM metafora_tasks"
         " WHERE namespace = :ns AND id IN :ids AND "
-        + _CLAIMABLE_PENDING
+        + _CLAIMABLE_PENDING + " AND " + _NOT_HELD
     ),
     # Claims whose owner's registration is expired (cheap: through the dead nodes).
     "scan_dead_owners": (
@@ -525,7 +562,7 @@ for _name, _blanks in (("done_many", ""), ("fail_many", ""), ("release_many", ",
 
 _CLAIM_SET = (
     "state = 'claimed', owner = :node, token = {next_token_at}, claimed_at = {now},"
-    " updated_at = {now}, attempts = attempts + 1, " + _CRASHED
+    " updated_at = {now}, attempts = attempts + 1, " + _UNHOLD + _CRASHED
 )
 # Claims of tasks with a group, the limits and their log (see limits.py).
 _SQL.update({
@@ -557,6 +594,9 @@ class Statements:
 
     def __init__(self, dialect: Dialect) -> None:
         fragments = dialect.fragments()
+        # Seconds to the soonest end of a hold: the launch time's expression, on held_until.
+        fragments["secs_until_unhold"] = fragments["secs_until_launch"].replace(
+            "launch_at", "held_until")
         self._row = _SUBMIT_ROW.format(**fragments)
         self._many: dict[int, TextClause] = {}
         self._built: dict[str, TextClause] = {}

@@ -13,7 +13,8 @@ falls due (the earliest future ``launch_at``, the earliest live lease expiry) an
   notifies once per batch with its lowest ``ready`` value, and the ``ready`` scan steps back
   to it), tasks that became
   pending since the last look (the ``ready`` counter; exact on SQLite, where writers are
-  serialized), tasks whose ``launch_at`` passed since the last round, and the claims of
+  serialized), tasks whose ``launch_at`` or hold (``held_until``, :mod:`metafora.holds`)
+  passed since the last round, and the claims of
   registrations that expired since. On PostgreSQL, whose sequence hands out ready values in
   one order while transactions commit in another, each stretch of ready values is read once
   more a second after the scan passed it (ids only; see ``Settling``).
@@ -68,6 +69,7 @@ class Watch:
         self._sink = sink
         self._closed = closed
         self._extra = {"node": node_id}
+        self._node_id = node_id  # tasks held for another node are not offered (holds.py)
         self._poll = db.config.poll_interval
         self._rescan = max(_RESCAN, self._poll)
         self._grace = db.config.lease_ttl
@@ -164,7 +166,7 @@ class Watch:
         self._quick_due = None
         with db.read() as conn:
             state = db.execute(conn, "watch_state", {}).one()
-        db_now, secs_launch, secs_lease, n_expired, n_dead, top_ready = state
+        db_now, secs_launch, secs_lease, n_expired, n_dead, top_ready, secs_unhold = state
         max_ready = 0 if top_ready is None else int(top_ready)  # None: nothing pending
         if n_expired:
             with db.write() as conn:
@@ -198,11 +200,12 @@ class Watch:
             self._scan_settled()
             if self._last_now is not None:
                 self._scan_launched(self._last_now, db_now)
+                self._scan_launched(self._last_now, db_now, "scan_unheld")
             if n_dead:
                 self._scan_dead()
         self._last_now = db_now
         timeout = min(self._poll, self._next_full - time.monotonic())
-        for due in (secs_launch, secs_lease):
+        for due in (secs_launch, secs_lease, secs_unhold):
             if due is not None:
                 timeout = min(timeout, float(due) + _MIN_WAIT)
         if self._settling is not None and self._settling.next_due is not None:
@@ -213,6 +216,7 @@ class Watch:
 
     def _query(self, name: str, params: dict[str, Any]) -> Sequence[Any]:
         params.setdefault("limit", BATCH)
+        params.setdefault("node", self._node_id)
         with self._db.read() as conn:
             rows: Sequence[Any] = self._db.execute(conn, name, params).fetchall()
         return rows
@@ -340,7 +344,8 @@ class Watch:
             # The latency path (a notification names the task): compiled once, prepared.
             with self._db.hot() as cur:
                 rows: Sequence[Any] = cur.all("scan_ids_hot",
-                                              {"ids": self._db.dialect.ids_param(ids)})
+                                              {"ids": self._db.dialect.ids_param(ids),
+                                               "node": self._node_id})
         else:
             rows = self._query("scan_ids", {"ids": ids})
         self._offer_rows(rows)
@@ -380,8 +385,10 @@ class Watch:
             ready, after = int(rows[-1][1]), rows[-1][0]
         settling.done(until)
 
-    def _scan_launched(self, since: Any, until: Any) -> None:
-        rows = self._query("scan_launched", {"since": since, "until": until})
+    def _scan_launched(self, since: Any, until: Any, name: str = "scan_launched") -> None:
+        """Offer the tasks whose launch time (``scan_unheld``: whose hold) passed in
+        (``since``, ``until``]."""
+        rows = self._query(name, {"since": since, "until": until})
         self._offer_rows(rows)
         if len(rows) >= BATCH:
             self.rescan()
