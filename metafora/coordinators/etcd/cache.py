@@ -19,6 +19,7 @@ from metafora.coordinators.etcd.layout import (
     TaskRecord,
     crashes_of,
     decode_json,
+    hold_of,
     parse_iso,
     props_of,
 )
@@ -42,6 +43,7 @@ class Known:
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
     stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
     valid: bool = False  # the props made a Task already (no need to check them again)
+    held_for: str | None = None  # released held for this node (metafora.holds)
 
     @property
     def selector(self) -> Mapping[str, str]:
@@ -76,6 +78,7 @@ class Entry:
 
     running_mod: int = 0  # of the running key (0: absent, the last claim had an outcome)
     running_crashes: int | None = None
+    held_for: str | None = None  # the running key holds the task for this node (holds.py)
 
     @property
     def finished(self) -> bool:
@@ -86,12 +89,14 @@ class Entry:
         """What a claim is judged and fenced on."""
         assert self.props is not None
         return Known(self.props, self.props_error, self.props_mod, self.running_mod,
-                      self.running_crashes, self.stored, self.props_valid)
+                      self.running_crashes, self.stored, self.props_valid, self.held_for)
 
     def set_running(self, kv: KeyValue | None) -> None:
         """Take the running key (None: deleted, the last claim had an outcome)."""
         self.running_mod = 0 if kv is None else kv.mod_revision
         self.running_crashes = crashes_of(kv)
+        hold = hold_of(kv)
+        self.held_for = None if hold is None else hold[0]
 
     def set_props(self, kv: KeyValue, task_id: str) -> None:
         """Take a put of the props key (decoded once here, not at every offer)."""

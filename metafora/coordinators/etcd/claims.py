@@ -301,6 +301,8 @@ class Claims:
             modified_at(tk.props, known.props_mod),
             modified_at(tk.running, known.running_mod),
         ]
+        # A task held for this node: modified_at(running) above is the hold's revision, and
+        # the put of the running key below ends the hold (it detaches it from the hold lease).
         puts = [
             Put(tk.owner, self._state.node_bytes, lease),
             Put(tk.claim, record),
@@ -321,6 +323,8 @@ class Claims:
             return False
         if not matches(known.selector, self._state.labels):
             return False  # placement: this node's labels do not match the task's selector
+        if known.held_for is not None and known.held_for != self._state.node_id:
+            return False  # held for its node (holds.py): the claim's running compare fences it
         limit = self._state.ctx.max_crashes if self._state.ctx is not None else None
         verdict = crash_limit_error(known.crashes(), limit)
         if verdict is not None:

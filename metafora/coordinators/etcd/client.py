@@ -433,6 +433,17 @@ class EtcdClient(EtcdRetention, Client):
         self._check_open()
         return frozenset(node for node, m in live_members(self._driver, self._keys).items() if m.frozen)
 
+    def drain_node(self, node_id: str) -> int:
+        self._check_open()
+        kvs, _rev = self._driver.range(Range(self._keys.node_hold(validate_task_id(node_id))))
+        if not kvs or not kvs[0].lease:
+            return 0
+        # Revoking the hold lease deletes every held running key at once (and the hold key):
+        # the watches offer those tasks to every node.
+        held = max(0, self._driver.lease_keys(kvs[0].lease) - 1)
+        self._driver.revoke(kvs[0].lease)
+        return held
+
     def submit_command(self, node_id: str, command: Command) -> None:
         self._check_open()
         alive = self._keys.node_alive(node_id)

@@ -39,9 +39,10 @@ life cycle (``init``/``close``), the cluster-state reads and the delegation.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.commands import Command
@@ -58,11 +59,11 @@ from metafora.coordinators.etcd.claims import CLAIM_TXN_TASKS, Claims
 from metafora.coordinators.etcd.commands import NodeCommands, new_command_name
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
-from metafora.coordinators.etcd.layout import Keys
+from metafora.coordinators.etcd.layout import Keys, hold_record
 from metafora.coordinators.etcd.lease import NodeLease
 from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
-from metafora.coordinators.etcd.ops import Compare, Delete, Op, created_at, value_is
+from metafora.coordinators.etcd.ops import Compare, Delete, Op, Put, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import (
     Registration,
@@ -75,6 +76,7 @@ from metafora.coordinators.etcd.retention import EtcdRetention, prune_batch
 from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
 from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.holds import check_sticky_for
 from metafora.leases import LeaseTiming, renew_every
 from metafora.retention import Cutoffs
 from metafora.schedule_model import Schedule
@@ -121,6 +123,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         self._claims = Claims(self._driver, self._keys, clock, self._state, self._cache,
                               self._lease, self._limits)
         self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state, self._limits)
+        self._hold: tuple[bytes, int] | None = None  # see hold_releases
         self._watch = NamespaceWatch(self._driver, self._keys, config, clock, self._state,
                                      self._cache, expire=self._claims.expire,
                                      commands_queued=self._commands.ring)
@@ -233,7 +236,26 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         return compares
 
     def _running_keys(self, tasks: list[Task]) -> list[Op]:
+        hold = self._hold
+        if hold is not None:  # held for this node until its hold lease expires (holds.py)
+            return [Put(self._keys.task(task.id).running, hold[0], hold[1]) for task in tasks]
         return [Delete(self._keys.task(task.id).running) for task in tasks]
+
+    def hold_releases(self, seconds: float) -> bool:
+        """Grant a hold lease of ``seconds`` (etcd's clock ends the hold: its expiry deletes
+        the held running keys, and the watches offer the tasks then), name it under the
+        node's ``hold`` key for ``drain``, and hold every later release on it."""
+        seconds = check_sticky_for(seconds, "seconds")
+        if not seconds:
+            self._hold = None
+            self._outcomes.hold_releases(None)
+            return True
+        lease, _ttl = self._driver.grant(max(1, math.ceil(seconds)))
+        self._driver.txn([], [Put(self._keys.node_hold(self.node_id), str(lease).encode(), lease)])
+        until = self._clock.now() + timedelta(seconds=seconds)
+        self._hold = (hold_record(self.node_id, until), lease)
+        self._outcomes.hold_releases(self._hold)
+        return True
 
     # -- lease and membership -----------------------------------------------------------
 

@@ -506,6 +506,18 @@ class EtcdDriver:
         ttl, _ = self._call("lease keep-alive", invoke, repeatable=False)
         return int(ttl)
 
+    def lease_keys(self, lease_id: int) -> int:
+        """How many keys are attached to a lease (0 when etcd does not know it)."""
+
+        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
+            rpc = lib.etcdrpc
+            return rpc.LeaseStub(channel).LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True), self._settings.timeout,
+                metadata=md)
+
+        response, _ = self._call("lease time-to-live", invoke, repeatable=True)
+        return len(response.keys) if int(response.TTL) > 0 else 0
+
     def revoke(self, lease_id: int, timeout: float | None = None) -> None:
         """Revoke a lease (its keys are deleted). An unknown lease is not an error."""
         deadline = self._settings.timeout if timeout is None else max(0.05, timeout)

@@ -13,11 +13,15 @@ exactly one path segment::
     tasks/<id>/claim        {"node", "claimed_at"} of the latest claim (no lease):
                             mod_revision = that claim's token, version = number of claims
     tasks/<id>/running      {"crashes": N}: put by a claim, deleted by its outcome (no lease), so
-                            a claim that finds it knows the previous one ended with its node dead
+                            a claim that finds it knows the previous one ended with its node dead;
+                            or {"held_for": node, "until": ISO}: released by a node stopping
+                            gracefully, held for its id (metafora.holds) on its hold lease, which
+                            etcd expires at the end of the window (no crash either way)
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
     nodes/<node>/alive      {"started_at", "host", "pid", "frozen", "leaving"[, "labels"][, "weight"]},
                             attached to the node's lease: the node is live (no weight: 1.0)
+    nodes/<node>/hold       the id (decimal) of the node's hold lease, attached to it (drain)
     nodes/<node>/commands/<ns-time>-<random>   a command (JSON), attached to the node's lease;
                             taken in create-revision order and deleted when taken
     state/<id>              state-machine state of the task (fenced by the claim; written by
@@ -72,6 +76,8 @@ __all__ = [
     "crashes_of",
     "decode_json",
     "encode_json",
+    "hold_of",
+    "hold_record",
     "iso",
     "labels_of",
     "parse_iso",
@@ -181,6 +187,10 @@ class Keys:
     def node_alive(self, node_id: str) -> bytes:
         """The registration key of a node."""
         return self.nodes + escape(node_id).encode() + b"/alive"
+
+    def node_hold(self, node_id: str) -> bytes:
+        """The key naming a node's hold lease (``metafora nodes drain`` revokes it)."""
+        return self.nodes + escape(node_id).encode() + b"/hold"
 
     def node_commands(self, node_id: str) -> bytes:
         """The prefix of a node's command queue."""
@@ -386,9 +396,27 @@ def crashes_of(kv: KeyValue | None) -> int | None:
     return _crashes_kept(kv.value) if len(kv.value) <= _SHAPE_BYTES else _crashes_in(kv.value)
 
 
-def _crashes_in(value: bytes) -> int:
-    count = (decode_json(value) or {}).get("crashes")
+def _crashes_in(value: bytes) -> int | None:
+    data = decode_json(value) or {}
+    if "held_for" in data:
+        return None  # a graceful release held for its node: no crash
+    count = data.get("crashes")
     return count if isinstance(count, int) and count >= 0 else 0
+
+
+def hold_record(node_id: str, until: datetime) -> bytes:
+    """The running key's value of a task released held for ``node_id`` (until: for views;
+    the hold lease's expiry, by etcd's clock, is what ends it)."""
+    return encode_json({"held_for": node_id, "until": iso(until)})
+
+
+def hold_of(kv: KeyValue | None) -> tuple[str, datetime | None] | None:
+    """(node, until) of a running key that holds its task for a node, else None."""
+    if kv is None or b"held_for" not in kv.value:
+        return None
+    data = decode_json(kv.value) or {}
+    node = data.get("held_for")
+    return (node, _time(data.get("until"))) if isinstance(node, str) else None
 
 
 _crashes_kept = functools.lru_cache(maxsize=_SHAPES)(_crashes_in)
@@ -419,6 +447,7 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
             claimed_at = _time(claim.get("claimed_at"))
     else:
         state = TaskState.PENDING
+    hold = hold_of(rec.running) if state is TaskState.PENDING else None
     return TaskInfo(
         id=task_id,
         props=stored.props,
@@ -435,6 +464,8 @@ def task_info(task_id: str, rec: TaskRecord) -> TaskInfo | None:
         prefer=stored.prefer,
         spread=stored.spread,
         group=stored.group,
+        held_for=hold[0] if hold is not None else None,
+        held_until=hold[1] if hold is not None else None,
     )
 
 

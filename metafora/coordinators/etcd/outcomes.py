@@ -120,6 +120,8 @@ class EtcdOutcomeBatcher:
         self._keys = keys
         self._node_bytes = node_id.encode()
         self._clock = clock
+        # (running key's value, hold lease): releases hold their task for this node (holds.py).
+        self.hold: tuple[bytes, int] | None = None
 
     def _item(self, index: int, finish: Finish) -> _Item:
         task = finish.task
@@ -134,7 +136,10 @@ class EtcdOutcomeBatcher:
             value = encode_json(record)
             writes.append(Put(tk.state, value))
             size += len(tk.state) + len(value)
-        writes += [Delete(tk.owner), Delete(tk.running)]  # an outcome: no crash
+        hold = self.hold if finish.outcome is Outcome.RELEASE else None
+        # An outcome: no crash (a held release's running key says so, see holds.py).
+        writes += [Delete(tk.owner),
+                   Delete(tk.running) if hold is None else Put(tk.running, hold[0], hold[1])]
         writes += [Delete(slot) for slot in self._slots_of(task)]  # its group's slot is free
         return _Item(
             index,
@@ -273,6 +278,11 @@ class ClaimOutcomes:
         self._commit: GroupCommit[Finish, MetaforaError | None] = GroupCommit(
             self._batcher.write, COMMIT_BATCH
         )
+
+    def hold_releases(self, hold: tuple[bytes, int] | None) -> None:
+        """Hold the tasks released from now on as ``hold`` says: (the running key's value,
+        the hold lease), or None for no hold."""
+        self._batcher.hold = hold
 
     def release(self, task: Task) -> None:
         """Give the claim back (fenced by owner and token)."""

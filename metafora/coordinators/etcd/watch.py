@@ -199,7 +199,11 @@ class NamespaceWatch:
                 self._unusable[task_id] = entry.props_mod
                 unusable.append((task_id, bad_id))
             return
-        if entry.expires_at is not None and entry.expires_at <= now:
+        if entry.held_for is not None and entry.held_for != self._state.node_id:
+            # Held for a node that stopped gracefully (holds.py): etcd deletes the hold with
+            # its lease at the end of the window, and that event offers the task again.
+            timers.pop(task_id, None)
+        elif entry.expires_at is not None and entry.expires_at <= now:
             expiring.append((task_id, entry.props_mod))
             timers.pop(task_id, None)
         elif entry.launch_at is not None and entry.launch_at > now:
@@ -451,6 +455,8 @@ class NamespaceWatch:
             else:
                 entry.props = None
         elif part == "running":
+            if not put and entry.held_for is not None:
+                seen.dirty.add(name)  # a hold ended (its lease expired or was revoked)
             entry.set_running(event.kv if put else None)
         elif part == "state":
             entry.outcome = Outcome.of(event.kv) if put else None
