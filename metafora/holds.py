@@ -17,6 +17,7 @@ here: the bounds of the window, the rule, and how operators' views show a hold.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from datetime import datetime
 
 from metafora.errors import ConfigError
@@ -27,6 +28,7 @@ __all__ = [
     "STICKY_FOR_MAX",
     "check_sticky_for",
     "held_against",
+    "held_by_node",
     "hold_note",
     "is_held",
 ]
@@ -66,3 +68,13 @@ def hold_note(info: TaskInfo, now: datetime) -> str | None:
     if not is_held(info, now) or info.held_until is None:
         return None
     return f"held for {info.held_for} until {info.held_until.strftime('%H:%M:%S')}"
+
+
+def held_by_node(infos: Iterable[TaskInfo], now: datetime) -> dict[str, tuple[int, datetime]]:
+    """Node -> (how many of ``infos`` are held for it, when its last hold ends), by node id."""
+    held: dict[str, tuple[int, datetime]] = {}
+    for info in infos:
+        if is_held(info, now) and info.held_for is not None and info.held_until is not None:
+            count, until = held.get(info.held_for, (0, info.held_until))
+            held[info.held_for] = (count + 1, max(until, info.held_until))
+    return dict(sorted(held.items()))

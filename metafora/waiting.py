@@ -1,4 +1,5 @@
-"""Why a pending task waits: no live node matches its selector, or its group is at its limit.
+"""Why a pending task waits: held for a stopped node's id, no live node matches its selector,
+or its group is at its limit.
 
 One place for the text that ``metafora tasks``/``show``/``top`` and the dashboard's task
 pages show (``waiting: group tenant:42 at its limit (5/5)``), so they always agree. What is
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from metafora.holds import hold_note
 from metafora.limits import GroupUsage, waiting_reason
 from metafora.task import TaskInfo, TaskState, placement_reason
 
@@ -62,13 +65,20 @@ def group_reasons(infos: Iterable[TaskInfo], usage: Mapping[str, GroupUsage]) ->
 
 
 def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
-    """Task id -> why a pending task cannot be claimed now (no live node matches its
-    selector; else its group is at its limit); the node labels are read only when a pending
-    task has a selector, the limits only when one has a group."""
+    """Task id -> why a pending task cannot be claimed now (held for a node that stopped
+    gracefully: ``held for NODE until T``, see :mod:`metafora.holds`; no live node matches
+    its selector; else its group is at its limit); the node labels are read only when a
+    pending task has a selector, the limits only when one has a group."""
     pending = _pending(infos)
     reasons: dict[str, str] = {}
+    now = datetime.now(UTC)
+    for info in pending:
+        note = hold_note(info, now)
+        if note is not None:
+            reasons[info.id] = note
+    pending = [i for i in pending if i.id not in reasons]
     if any(i.selector for i in pending):
-        reasons = placement_reasons(pending, list(client.node_labels().values()))
+        reasons.update(placement_reasons(pending, list(client.node_labels().values())))
     grouped = [i for i in pending if i.group is not None and i.id not in reasons]
     if grouped:
         reasons.update(group_reasons(grouped, read_usage(client)))

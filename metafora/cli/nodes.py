@@ -19,7 +19,7 @@ from metafora.connect import validate_node_id
 from metafora.errors import InvalidTaskState, NodeNotFound
 from metafora.task import TaskState, label_text
 
-__all__ = ["balance", "freeze", "nodes", "stop", "top", "unfreeze"]
+__all__ = ["balance", "drain", "freeze", "nodes", "stop", "top", "unfreeze"]
 
 
 def _node_dict(info: NodeInfo) -> dict[str, Any]:
@@ -38,12 +38,14 @@ def _age(now: datetime, then: datetime | None) -> str:
     return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
     """List live nodes: tasks held, weight, frozen, labels, host, pid, last heartbeat (where the
-    store keeps them)."""
+    store keeps them). ``metafora nodes drain ID`` hands a stopped node's held tasks off."""
+    if ctx.invoked_subcommand is not None:
+        return
     with store_client(ctx) as client:
         infos = sorted(client.node_infos(), key=lambda n: n.id)
     if as_json:
@@ -73,6 +75,26 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
                       "-" if info.pid is None else str(info.pid),
                       _age(now, info.heartbeat))
     out.print(table)
+
+
+@nodes.command()
+@click.argument("node", metavar="ID")
+@click.pass_context
+def drain(ctx: click.Context, node: str) -> None:
+    """Hand the tasks held for node ID to every node now (a scale-down).
+
+    A node with a stable id (--node-id, METAFORA_NODE_ID) that stops gracefully holds its
+    tasks for that id for its --sticky-for, so a restart takes them back; when it is not
+    coming back, this ends the wait at once. See docs/deploys.md.
+    """
+    validate_node_id(node)
+    with store_client(ctx) as client:
+        count = client.drain_node(node)
+        live = node in client.nodes()
+    click.echo(f"handed {count} task{'s' if count != 1 else ''} held for node {node} to every node")
+    if live:
+        click.echo(f"node {node} is live: a graceful stop holds its tasks again (stop it with "
+                   "leaving, or --sticky-for 0, for a scale-down)", err=True)
 
 
 def _send(ctx: click.Context, node: str | None, everyone: bool, make: Callable[[], Command],

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
+from metafora.holds import held_by_node
 from metafora.limits import GroupUsage
 from metafora.masking import escape_controls, for_terminal
 from metafora.retention import Retention
@@ -129,6 +130,9 @@ def render(store: str, prev: Snapshot | None, cur: Snapshot, *, live: bool = Tru
     hint = " — press q to quit" if live else ""
     header = Text(f"metafora top — {store} — {cur.now:%H:%M:%S} UTC{hint}", style="bold")
     footer = Text(f"claims/s {claims:.1f}   releases/s {releases:.1f}   nodes {len(cur.nodes)}")
+    for node, (count, until) in held_by_node(cur.tasks.values(), cur.now).items():
+        footer.append(f"   held for {escape_controls(node)} {count} until {until:%H:%M:%S}",
+                      style="blue")
     stuck = cur.unplaceable()
     if stuck:
         footer.append(f"   pending with no matching node {stuck}", style="yellow")

@@ -29,6 +29,7 @@ from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli._load import Kind, Target, import_object, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
+from metafora.holds import check_sticky_for
 from metafora.masking import mask_url
 from metafora.node import check_weight
 
@@ -69,8 +70,11 @@ it is instead of the rules.
 
 \b
 SIGTERM or SIGINT stops claiming, stops the handlers, releases their
-tasks at once and exits 0; a second signal exits at once (130 after
-SIGINT, 143 after SIGTERM: the claims then wait for their lease).
+tasks and exits 0 (with --node-id or METAFORA_NODE_ID, held for that id
+for --sticky-for: a restart under it takes them back, see
+docs/deploys.md; metafora nodes drain ID hands them off at once); a
+second signal exits at once (130 after SIGINT, 143 after SIGTERM: the
+claims then wait for their lease).
 
 \b
 Exit codes: 0 stopped by a signal, 1 refused (the node id is live
@@ -172,7 +176,12 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
 @_option("--weight", type=float, default=1.0, show_default=True,
          help="This node's share of the work relative to the others (a positive number).")
 @_option("--max-tasks", type=click.IntRange(min=1), default=None, help="At most this many tasks at once.")
-@_option("--node-id", default=None, metavar="ID", help="This node's id (default: hostname-<random>).")
+@_option("--node-id", default=None, metavar="ID",
+         help="This node's id, stable across restarts (METAFORA_NODE_ID is read too; default: "
+              "hostname-<random>).")
+@_option("--sticky-for", type=Duration(), default="10s", show_default=True,
+         help="With a node id: how long a graceful stop holds this node's tasks for its id "
+              "(0 turns it off; at most 1h).")
 @_option("--http", "http_addr", default=None, metavar="HOST:PORT",
          help="Serve /info, /metrics, /healthz and /readyz on this address.")
 @_option("--shutdown-timeout", type=Duration(), default="30s", show_default=True,
@@ -190,8 +199,8 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
 @click.pass_context
 def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
            weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
-           shutdown_timeout: timedelta, handoff_timeout: timedelta, start_timeout: timedelta,
-           prune_every: timedelta, list_types: bool) -> None:
+           sticky_for: timedelta, shutdown_timeout: timedelta, handoff_timeout: timedelta,
+           start_timeout: timedelta, prune_every: timedelta, list_types: bool) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     if list_types:
         _list_types(target_spec)
@@ -199,6 +208,7 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
     # Everything that can be refused is checked before the store is touched.
     node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
     node_labels = parse_select(labels, "--labels")
+    sticky = check_sticky_for(sticky_for.total_seconds(), "--sticky-for")
     target = load_target(target_spec, Kind(kind) if kind is not None else None)
     chosen = make_balancer(balancer)
     url = settings(ctx).url
@@ -207,7 +217,7 @@ def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str
         consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
                             labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
                             handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight,
-                            prune_every=prune_every)
+                            prune_every=prune_every, sticky_for=sticky)
     except BaseException:
         coordinator.close()  # a bad option: leave nothing open behind
         raise

@@ -29,6 +29,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from metafora.client import Client, NodeInfo
+from metafora.holds import is_held
 from metafora.limits import GroupUsage, waiting_reason
 from metafora.masking import escape_controls
 from metafora.task import TaskInfo, TaskState, matches
@@ -169,6 +170,7 @@ def _group_full(info: TaskInfo, ctx: WaitContext) -> bool:
 
 
 PENDING_REASONS: list[PendingReason] = [
+    PendingReason("held", "held for a stopped node", lambda info, ctx: is_held(info, ctx.now)),
     PendingReason("no-node", "no live node matches", _no_node_matches),
     PendingReason("launch-ahead", "launch time ahead", _launch_ahead),
     PendingReason("group-full", "group at its limit", _group_full),
