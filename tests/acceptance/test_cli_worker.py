@@ -317,7 +317,9 @@ def test_worker_runs_every_kind_of_handler(app: Path, sql_url: str, workers: lis
 
 
 def test_sigterm_mid_task_hands_the_task_off(app: Path, sql_url: str, workers: list[Worker]) -> None:
-    first = Worker(app, sql_url, "workmod:long", "--node-id", "w-first", "--shutdown-timeout", "20")
+    # --sticky-for 0: a scale-down's stop (a restart's holds the task for its id: test_cli_deploys)
+    first = Worker(app, sql_url, "workmod:long", "--node-id", "w-first", "--shutdown-timeout", "20",
+                   "--sticky-for", "0")
     workers.append(first)
     with open_client(sql_url) as client:
         wait_until(lambda: node_live(client, "w-first"), DEADLINE, "w-first registered")
