@@ -9,19 +9,30 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from metafora import Task, TaskState, open_client
-from tests.acceptance.test_cli_worker import (  # noqa: F401  (fixtures)
-    DEADLINE,
-    Worker,
-    _env,
-    app,
-    marks,
-    node_live,
-    workers,
-)
+from tests.acceptance.test_cli_worker import DEADLINE, HANDLERS, Worker, _env, marks, node_live
 from tests.helpers import wait_until
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    """A directory holding the handlers' module ``workmod`` (and their marks)."""
+    (tmp_path / "workmod.py").write_text(HANDLERS.format(marks=str(tmp_path / "marks")))
+    return tmp_path
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """The workers a test started, killed by pid at its end if still running."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.kill()
 
 
 def _cli(app: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
