@@ -170,10 +170,11 @@ def _group_full(info: TaskInfo, ctx: WaitContext) -> bool:
 
 
 PENDING_REASONS: list[PendingReason] = [
-    PendingReason("held", "held for a stopped node", lambda info, ctx: is_held(info, ctx.now)),
     PendingReason("no-node", "no live node matches", _no_node_matches),
     PendingReason("launch-ahead", "launch time ahead", _launch_ahead),
     PendingReason("group-full", "group at its limit", _group_full),
+    # Released by a node that stopped with a stable id, waiting for it (metafora.holds).
+    PendingReason("held", "held for a stopped node", lambda info, ctx: is_held(info, ctx.now)),
     # Extension point: another reason is inserted here (before "claimable", which is what
     # is left); its data goes in WaitContext.extra.
 ]

@@ -115,9 +115,9 @@ def test_pending_reasons_first_that_holds() -> None:
         _info("running", TaskState.CLAIMED),
     ]
     counts = {r.key: n for r, n in pending_reasons(tasks, ctx)}
-    assert counts == {"no-node": 2, "launch-ahead": 1, "group-full": 0, "claimable": 3}
+    assert counts == {"no-node": 2, "launch-ahead": 1, "group-full": 0, "held": 0, "claimable": 3}
     svg = pending_svg(pending_reasons(tasks, ctx))
-    assert svg.count("<rect") == 4 and "launch time ahead" in svg
+    assert svg.count("<rect") == 5 and "launch time ahead" in svg
     # with no live node at all, nothing matches
     assert {r.key: n for r, n in pending_reasons(tasks, WaitContext(NOW, []))}["no-node"] == 6
 
@@ -129,7 +129,7 @@ def test_a_reason_can_be_added_before_claimable() -> None:
     tasks = [_info("a", TaskState.PENDING, props={"group": "g1"}), _info("b", TaskState.PENDING)]
     got = pending_reasons(tasks, ctx, [*charts.PENDING_REASONS, in_group])
     assert [(r.key, n) for r, n in got] == [("no-node", 0), ("launch-ahead", 0), ("group-full", 0),
-                                            ("group-limit", 1), ("claimable", 1)]
+                                            ("held", 0), ("group-limit", 1), ("claimable", 1)]
     assert 'class="bar group-limit"' in pending_svg(got)
 
 
@@ -182,7 +182,8 @@ def test_read_charts_on_a_real_store_caps_each_state(url: str) -> None:
             assert sum(full.throughput.claims) == 3 and sum(full.throughput.done) == 2
             assert [(b.id, b.tasks, b.share) for b in full.nodes] == [(HOSTILE, 1, 1.0)]
             assert {r.key: n for r, n in full.pending} == {"no-node": 0, "launch-ahead": 0,
-                                                           "group-full": 0, "claimable": 2}
+                                                           "group-full": 0, "held": 0,
+                                                           "claimable": 2}
             assert "&lt;script&gt;" in nodes_svg(full.nodes) and "<script" not in nodes_svg(full.nodes)
         finally:
             node.close()

@@ -143,8 +143,8 @@ def test_charts_render_in_a_browser(busy: str, serve: Any, page: Any) -> None:
     expect(page.locator("#chart-throughput rect.bar")).to_have_count(3)
     expect(page.locator("#chart-nodes rect.bar")).to_have_count(1)
     expect(page.locator("#chart-nodes line.share")).to_have_count(1)
-    # bars: no node matches, launch time ahead, group at its limit, claimable
-    expect(page.locator("#chart-pending rect.bar")).to_have_count(4)
+    # bars: no node matches, launch time ahead, group at its limit, held, claimable
+    expect(page.locator("#chart-pending rect.bar")).to_have_count(5)
     expect(page.locator("#chart-nodes text.label")).to_have_text(HOSTILE[: LABEL_CHARS - 1] + "…")
     # the bars are drawn by the stylesheet's fill (no inline style), so they are not black
     fill = page.locator("#chart-throughput rect.bar.done").evaluate("e => getComputedStyle(e).fill")
