@@ -371,7 +371,8 @@ class ClaimOutcomes:
                         if claim is not None and fuse and outcome is Outcome.DONE:
                             got, claim = claim(cur, rows), None
                         elif fuse:  # the same statement says which claims ended done already
-                            got = cur.all(name + "_moot", {"node": self._node_id, "rows": rows})
+                            got = cur.all(name + "_moot",
+                                          {"node": self._node_id, "rows": rows, **self.hold})
                             completed.update((str(r[0]), int(r[1])) for r in got if r[-1])
                             got = [r[:-1] for r in got if not r[-1]]
                         else:
