@@ -67,6 +67,7 @@ CODE: dict[str, set[float]] = {
     "release_backoff": {options.DEFAULT_RELEASE_BACKOFF},
     "release_backoff_max": {options.DEFAULT_RELEASE_BACKOFF_MAX},
     "refuse_retry": {options.DEFAULT_REFUSE_RETRY},
+    "sticky_for": {options.DEFAULT_STICKY_FOR},
     "max_crashes": {float(DEFAULT_MAX_CRASHES or 0)},
     "lease_ttl": {ttl.default for ttl in LEASE_TTL.values()},
     "threshold": {DEFAULT_FAIR_THRESHOLD},
