@@ -33,8 +33,9 @@ __all__ = [
     "is_held",
 ]
 
-DEFAULT_STICKY_FOR = 10.0
-"""Seconds a gracefully stopped node's tasks are held for its id by default."""
+DEFAULT_STICKY_FOR = 0.0
+"""Off by default: a graceful shutdown releases at once (guarantee 4), as it always did; a
+deploy whose nodes come back under their ids (a StatefulSet, systemd units) opts in."""
 
 STICKY_FOR_MAX = 3600.0
 """The longest hold (an hour): a node that does not come back must not strand its work."""

@@ -70,8 +70,8 @@ it is instead of the rules.
 
 \b
 SIGTERM or SIGINT stops claiming, stops the handlers, releases their
-tasks and exits 0 (with --node-id or METAFORA_NODE_ID, held for that id
-for --sticky-for: a restart under it takes them back, see
+tasks and exits 0 (with --node-id or METAFORA_NODE_ID and --sticky-for,
+held for that id for the window: a restart under it takes them back, see
 docs/deploys.md; metafora nodes drain ID hands them off at once); a
 second signal exits at once (130 after SIGINT, 143 after SIGTERM: the
 claims then wait for their lease).
@@ -179,9 +179,10 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
 @_option("--node-id", default=None, metavar="ID",
          help="This node's id, stable across restarts (METAFORA_NODE_ID is read too; default: "
               "hostname-<random>).")
-@_option("--sticky-for", type=Duration(), default="10s", show_default=True,
-         help="With a node id: how long a graceful stop holds this node's tasks for its id "
-              "(0 turns it off; at most 1h).")
+@_option("--sticky-for", type=Duration(), default="0s", show_default=True,
+         help="With a node id: how long a graceful stop holds this node's tasks for its id, "
+              "so a restart under it takes them back (e.g. 10s; 0, the default, releases at "
+              "once; at most 1h).")
 @_option("--http", "http_addr", default=None, metavar="HOST:PORT",
          help="Serve /info, /metrics, /healthz and /readyz on this address.")
 @_option("--shutdown-timeout", type=Duration(), default="30s", show_default=True,

@@ -145,7 +145,7 @@ class ConsumerOptions:
     - ``prune_every``: seconds between two tries to take the namespace's prune turn (default
       60): one node per interval deletes the finished tasks the retention policy allows (see
       :mod:`metafora.retention`).
-    - ``sticky_for``: seconds (default 10, at most an hour) a graceful shutdown holds this
+    - ``sticky_for``: seconds (default 0: off; at most an hour) a graceful shutdown holds this
       node's tasks for its id, so the same id registering again within them takes them
       back and nothing moves (a rolling restart of a StatefulSet or a systemd unit); other
       nodes take them after the window. Used only with an explicit node id (``node_id=``
