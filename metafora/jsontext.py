@@ -49,7 +49,7 @@ def check_depth(
             if max_chars is not None and isinstance(item, str):
                 chars += len(item)
                 if chars > max_chars:
-                    raise error(f"{what}: more than {max_chars} bytes as JSON")
+                    raise error(f"{what}: more than {max_chars} bytes as JSON; the limit is {max_chars}")
             continue
         if depth > limit:
             raise error(f"{what}: nested deeper than {limit} levels")
@@ -58,7 +58,7 @@ def check_depth(
             raise error(f"{what}: more than {_MAX_VALUES} values")
         stack.extend((child, depth + 1) for child in children)
     if max_chars is not None and chars + seen > max_chars:
-        raise error(f"{what}: more than {max_chars} bytes as JSON")
+        raise error(f"{what}: more than {max_chars} bytes as JSON; the limit is {max_chars}")
 
 
 def _reject_constant(name: str) -> Any:
