@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Stores, save, table
-from metafora.leases import ETCD_FENCING, SQL_FENCING, Fencing
+from metafora.coordinators.etcd.config import ETCD_FENCING
+from metafora.coordinators.sql.options import SQL_FENCING
+from metafora.leases import Fencing
 
 FAULTS = ("frozen", "cut")
 TTL = {"sqlite": 3, "postgresql": 3, "etcd": 2}

@@ -315,16 +315,15 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
-        from metafora.backends import DRIVERS, hooks_of, scheme_of
+        from metafora.backends import backend_of
         from metafora.config import parse_store_url
 
         # The store's modules and its driver too (open_coordinator imports them when called),
         # as the peers' workers import theirs: all the imports before go.
         parsed = parse_store_url(url)
-        hooks_of(parsed)
-        driver = DRIVERS.get(scheme_of(parsed)[1] or "")
-        if driver is not None:
-            importlib.import_module(driver)
+        backend_of(parsed)
+        if parsed.scheme.startswith("postgres"):
+            importlib.import_module("psycopg")
     elif system.startswith("pgqueuer"):
         import asyncpg  # noqa: F401
         import pgqueuer  # noqa: F401

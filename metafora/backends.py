@@ -1,77 +1,131 @@
-"""The backend table: which store package implements what.
+"""The stores' registry: a URL scheme names a store through the entry-point group
+``metafora.stores``.
 
-Each store (``memory``, ``sql``, ``etcd``) names the module of its coordinator and client hooks
-and the classes of the features whose storage it owns (the state machine, the gated
-partitions); each URL scheme names its store and the pip extra of its driver. ``connect``
-opens coordinators and clients through it; features find their store's implementation here
-(:func:`implementation`), never by importing a store package themselves. This module imports
-no coordinator, client or feature, so anything may import it.
+Each store (``memory``, ``sql``, ``etcd``, or an outside package's) is one
+:class:`StoreBackend` object, registered under every URL scheme it serves; metafora's own
+stores use the same door (setup.cfg)::
+
+    [options.entry_points]
+    metafora.stores =
+        sqlite = metafora.coordinators.sql.backend:BACKEND
+        postgresql = metafora.coordinators.sql.backend:BACKEND [postgres]
+
+The ``[extra]`` of an entry point names the pip extra that provides the scheme's driver: a
+missing driver is a :class:`~metafora.errors.ConfigError` that names it. ``connect`` opens
+coordinators and clients through :func:`backend_of`; features find their store's
+implementation through :func:`implementation`, never by importing a store package. This
+module imports no coordinator, client or feature at run time, so anything may import it.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import abc
+import functools
 import os
-from types import ModuleType
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from importlib import import_module, metadata
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from metafora.config import StoreURL, parse_store_url
 from metafora.errors import ConfigError
+from metafora.leases import Fencing, LeaseTTL
+from metafora.submitting import IfExists, no_completion, no_transactions
+
+if TYPE_CHECKING:
+    from metafora.aio import AsyncClient
+    from metafora.client import Client
+    from metafora.coordinator import Coordinator
+    from metafora.task import Task
 
 __all__ = [
     "DEFAULT_URL",
-    "DRIVERS",
     "ENV_URL",
-    "SCHEMES",
-    "STORES",
+    "GROUP",
+    "StoreBackend",
+    "backend_of",
+    "backend_of_store",
     "default_url",
-    "hooks_of",
     "implementation",
-    "scheme_of",
+    "schemes",
     "store_of",
     "store_of_url",
+    "stores",
 ]
 
 DEFAULT_URL = "sqlite:///metafora.db"
 ENV_URL = "METAFORA_URL"
+GROUP = "metafora.stores"
+"""The entry-point group that maps a URL scheme to a store's :class:`StoreBackend`."""
 
-# The backend table: each store, and where its implementations live ("module:name"): the
-# module of its coordinator and client hooks (open_coordinator, open_client), and the storage
-# of the features, which the store package owns too (each class is built with .of(owner) or,
-# for an item store, from a URL). A store without an entry for a feature does not keep it.
-STORES: dict[str, dict[str, str]] = {
-    "memory": {
-        "hooks": "metafora.coordinators.memory",
-        "state_store": "metafora.coordinators.memory.states:MemoryStateStore",
-        "task_commands": "metafora.coordinators.memory.states:MemoryTaskCommands",
-    },
-    "sql": {
-        "hooks": "metafora.coordinators.sql",
-        "state_store": "metafora.coordinators.sql.states:SQLStateStore",
-        "task_commands": "metafora.coordinators.sql.states:SQLTaskCommands",
-        "item_store": "metafora.coordinators.sql.gates.store:SQLItemStore",
-    },
-    "etcd": {
-        "hooks": "metafora.coordinators.etcd",
-        "state_store": "metafora.coordinators.etcd.states:EtcdStateStore",
-        "task_commands": "metafora.coordinators.etcd.states:EtcdTaskCommands",
-    },
-}
+T = TypeVar("T")
 
-# scheme -> (store, pip extra that provides its driver)
-SCHEMES: dict[str, tuple[str, str | None]] = {
-    "memory": ("memory", None),
-    "sqlite": ("sql", None),
-    "postgresql": ("sql", "postgres"),
-    "postgres": ("sql", "postgres"),
-    "postgresql+psycopg": ("sql", "postgres"),
-    "etcd": ("etcd", "etcd"),
-    "etcds": ("etcd", "etcd"),
-}
 
-# pip extra -> the driver module a store module imports only when it connects
-DRIVERS: dict[str, str] = {"postgres": "psycopg"}
+class StoreBackend(abc.ABC):
+    """A store as metafora finds it: how to open its coordinator and client, its rules for
+    leases, and where the storage of the features it keeps lives.
+
+    A package registers one instance under each URL scheme it serves, in the entry-point
+    group ``metafora.stores``. The instance's module should import nothing heavy: the
+    driver is imported when a coordinator or client is opened.
+    """
+
+    name: str = ""
+    """The store's name (``"sql"``), the ``backend`` of its coordinators and clients."""
+
+    lease_ttl: LeaseTTL = LeaseTTL(minimum=0.1)
+    """The store's bounds on the ``lease_ttl`` URL option."""
+
+    fencing: Fencing | None = None
+    """The store's self-fencing margin; None for a store without leases that expire."""
+
+    features: Mapping[str, str] = {}
+    """Feature (``"state_store"``, ``"task_commands"``, ``"item_store"``) -> ``"module:name"``
+    of the class that keeps it in this store; a store without an entry does not keep it."""
+
+    def check_driver(self, url: StoreURL) -> None:
+        """Raise ImportError when the driver ``url``'s scheme needs is not installed (checked
+        before anything is opened; the registry adds the pip extra to install). By default
+        every driver comes with the module of the backend object."""
+        return None
+
+    @abc.abstractmethod
+    def open_coordinator(self, url: StoreURL, node_id: str, options: dict[str, Any]) -> Coordinator:
+        """The coordinator of node ``node_id`` on ``url`` (touches nothing until ``init``)."""
+
+    @abc.abstractmethod
+    def open_client(self, url: StoreURL, options: dict[str, Any]) -> Client:
+        """An operator client on ``url`` (connects on first use)."""
+
+    def implementation(self, feature: str) -> Any:
+        """The class that keeps ``feature`` in this store (see :attr:`features`); None when
+        the store keeps none."""
+        target = self.features.get(feature)
+        if target is None:
+            return None
+        module, _, name = target.partition(":")
+        return getattr(import_module(module), name)
+
+    def open_async_client(self, client: Client, threads: int) -> AsyncClient | None:
+        """A native async client over ``client``'s store; None (the default) runs the sync
+        client's calls on a pool of ``threads`` threads."""
+        return None
+
+    async def submit_in_transaction(
+        self, client: Client, conn: Any, tasks: list[Task], mode: IfExists,
+        run: Callable[[Callable[[], Any]], Awaitable[Any]],
+    ) -> int:
+        """Write ``tasks`` in the application's async transaction ``conn`` (the async
+        client's ``conn=``), ``run`` running a sync call off the event loop: the number
+        added or replaced. The default refuses: the store shares no transaction."""
+        raise no_transactions(client.name)
+
+    async def complete_in_transaction(
+        self, client: Client, conn: Any, task: Task,
+        run: Callable[[Callable[[], Any]], Awaitable[Any]],
+    ) -> None:
+        """Mark the claimed ``task`` done in the application's async transaction ``conn``
+        (the async client's ``complete_task``), fenced by its token. The default refuses."""
+        raise no_completion(client.name)
 
 
 def default_url() -> str:
@@ -79,52 +133,87 @@ def default_url() -> str:
     return os.environ.get(ENV_URL) or DEFAULT_URL
 
 
-def scheme_of(url: StoreURL) -> tuple[str, str | None]:
-    entry = SCHEMES.get(url.scheme)
-    if entry is None:
-        known = ", ".join(sorted(SCHEMES))
+@functools.cache
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    """The registered schemes (lower case) and their entry points, read once a process."""
+    return {ep.name.lower(): ep for ep in metadata.entry_points(group=GROUP)}
+
+
+def schemes() -> list[str]:
+    """Every URL scheme a store is registered under, sorted."""
+    return sorted(_entry_points())
+
+
+def _load(ep: metadata.EntryPoint) -> StoreBackend:
+    backend = ep.load()
+    if not isinstance(backend, StoreBackend):
+        raise ConfigError(f"the entry point {ep.name} = {ep.value} of {GROUP} is not a "
+                          f"metafora.backends.StoreBackend (got {type(backend).__name__})")
+    return backend
+
+
+def _unavailable(ep: metadata.EntryPoint, exc: ImportError) -> ConfigError:
+    dist = ep.dist.name if ep.dist is not None else "metafora-cluster"
+    hint = f" (pip install '{dist}[{','.join(ep.extras)}]')" if ep.extras else ""
+    return ConfigError(f"the {ep.name} store is not available: {exc}{hint}")
+
+
+def backend_of(url: StoreURL) -> StoreBackend:
+    """The store ``url``'s scheme names; ConfigError for an unknown scheme, or naming the pip
+    extra to install when the scheme's driver is missing."""
+    ep = _entry_points().get(url.scheme)
+    if ep is None:
+        known = ", ".join(schemes()) or f"none: is metafora installed? (entry points {GROUP})"
         raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
-    return entry
+    try:
+        backend = _load(ep)
+        backend.check_driver(url)
+    except ImportError as exc:
+        raise _unavailable(ep, exc) from exc
+    return backend
+
+
+def stores() -> dict[str, StoreBackend]:
+    """Every registered store that loads here, by name (a store whose driver is missing, or
+    an entry point that names no backend object, is left out: opening its URL says why)."""
+    found: dict[str, StoreBackend] = {}
+    for ep in _entry_points().values():
+        try:
+            backend = _load(ep)
+        except (ImportError, ConfigError):
+            continue
+        found.setdefault(backend.name, backend)
+    return found
+
+
+def backend_of_store(store: str) -> StoreBackend:
+    """The registered store named ``store`` (``"sql"``); ConfigError if none is."""
+    backend = stores().get(store)
+    if backend is None:
+        raise ConfigError(f"no store named {store!r} is registered ({GROUP} has "
+                          f"{', '.join(sorted(stores())) or 'none'})")
+    return backend
 
 
 def store_of(owner: object) -> str:
     """The store a coordinator or client belongs to (its
-    :attr:`~metafora.coordinator.Coordinator.backend`, a key of the backend table); ConfigError
-    for one of no built-in store."""
+    :attr:`~metafora.coordinator.Coordinator.backend`, a registered store's name);
+    ConfigError for one of no registered store."""
     store = getattr(type(owner), "backend", "")  # Coordinator.backend, Client.backend
-    if store not in STORES:
-        raise ConfigError(f"{type(owner).__name__} belongs to no built-in store (metafora.backends "
-                          f"knows {', '.join(STORES)})")
-    return store
+    if not store or store not in stores():
+        raise ConfigError(f"{type(owner).__name__} belongs to no registered store ({GROUP} has "
+                          f"{', '.join(sorted(stores()))})")
+    return str(store)
 
 
 def store_of_url(url: str | None) -> tuple[StoreURL, str]:
-    """The parsed ``url`` (default: :func:`default_url`) and the store it names; ConfigError
-    for an unknown scheme."""
+    """The parsed ``url`` (default: :func:`default_url`) and the name of the store it
+    names; ConfigError for an unknown scheme."""
     parsed = parse_store_url(url or default_url())
-    return parsed, scheme_of(parsed)[0]
+    return parsed, backend_of(parsed).name
 
 
 def implementation(store: str, feature: str) -> Any:
     """The class that implements ``feature`` (``"state_store"``, ``"task_commands"``,
-    ``"item_store"``) in ``store``, from the backend table; None when the store keeps none."""
-    target = STORES[store].get(feature)
-    if target is None:
-        return None
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def hooks_of(url: StoreURL) -> ModuleType:
-    """The hooks module of the store ``url`` names (its ``open_coordinator`` and
-    ``open_client``); ConfigError naming the pip extra when its driver is not installed."""
-    store, extra = scheme_of(url)
-    try:
-        module = importlib.import_module(STORES[store]["hooks"])
-        driver = DRIVERS.get(extra or "")
-        if driver is not None and importlib.util.find_spec(driver) is None:
-            raise ModuleNotFoundError(f"No module named {driver!r}")
-    except ImportError as exc:
-        hint = f" (pip install 'metafora-cluster[{extra}]')" if extra else ""
-        raise ConfigError(f"the {url.scheme} store is not available: {exc}{hint}") from exc
-    return module
+    ``"item_store"``) in the store named ``store``; None when the store keeps none."""
+    return backend_of_store(store).implementation(feature)

@@ -1,24 +1,25 @@
-"""Open a coordinator or a client from a store URL (dispatch on the scheme of the backend
-table, :mod:`metafora.backends`, whose names are re-exported here)."""
+"""Open a coordinator or a client from a store URL: the scheme names the store through the
+entry-point group ``metafora.stores`` (:mod:`metafora.backends`, whose names are re-exported
+here)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 from metafora.backends import (
     DEFAULT_URL,
     ENV_URL,
+    backend_of,
     default_url,
-    hooks_of,
     implementation,
     store_of,
     store_of_url,
 )
 from metafora.client import Client
-from metafora.config import StoreURL, parse_store_url
+from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError, InvalidTaskId
 from metafora.task import validate_task_id
@@ -41,14 +42,6 @@ __all__ = [
     "validate_node_id",
 ]
 
-class _Backend(Protocol):
-    def open_coordinator(self, url: StoreURL, node_id: str, options: dict[str, Any]) -> Coordinator:
-        ...
-
-    def open_client(self, url: StoreURL, options: dict[str, Any]) -> Client:
-        ...
-
-
 NODE_ID_ENV = "METAFORA_NODE_ID"
 """The environment variable naming this node when no node id is given."""
 
@@ -67,10 +60,6 @@ def validate_node_id(node_id: object) -> str:
         raise ConfigError(str(exc).replace("task id", "node id")) from None
 
 
-def _backend(url: StoreURL) -> _Backend:
-    return cast(_Backend, hooks_of(url))
-
-
 def open_coordinator(
     url: str | None = None, node_id: str | None = None, **options: Any
 ) -> Coordinator:
@@ -86,7 +75,7 @@ def open_coordinator(
     if node_id is None and os.environ.get(NODE_ID_ENV):
         node_id = os.environ[NODE_ID_ENV]
     node = validate_node_id(node_id) if node_id is not None else new_node_id()
-    coordinator = _backend(parsed).open_coordinator(parsed, node, options)
+    coordinator = backend_of(parsed).open_coordinator(parsed, node, options)
     coordinator.node_id_generated = node_id is None
     return coordinator
 
@@ -94,7 +83,7 @@ def open_coordinator(
 def open_client(url: str | None = None, **options: Any) -> Client:
     """Open an operator client for ``url`` (default: :func:`default_url`)."""
     parsed = parse_store_url(url or default_url())
-    return _backend(parsed).open_client(parsed, options)
+    return backend_of(parsed).open_client(parsed, options)
 
 
 def open_async_client(url: str | None = None, **options: Any) -> AsyncClient:

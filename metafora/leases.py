@@ -1,7 +1,8 @@
-"""A node's lease: the rules every store shares, and each store's bounds in one table.
+"""A node's lease: the rules every store shares; each store states its own bounds.
 
 **The TTL.** ``lease_ttl`` (a store URL option, seconds) is read by one rule,
-:func:`read_lease_ttl`, within the bounds :data:`LEASE_TTL` states for each store:
+:func:`read_lease_ttl`, within the bounds (a :class:`LeaseTTL`) that each store states on its
+backend object (:attr:`metafora.backends.StoreBackend.lease_ttl`):
 
 ==========  =======  =========  =============  =====================================
 store       default  least      most           why
@@ -22,11 +23,11 @@ good renewal, on its own monotonic clock, and stops its handlers ``margin`` seco
 the handlers get at least ``margin`` seconds to notice ``stop()``.
 
 That is the one rule (:meth:`Fencing.fence_after`); the stores differ only in the margin
-they give handlers, named here once each:
+they give handlers, each stating its own (:attr:`metafora.backends.StoreBackend.fencing`):
 
-- :data:`SQL_FENCING`: a third of the TTL (the node fences at ``2/3 * lease_ttl``).
-- :data:`ETCD_FENCING`: a quarter of the TTL, at least half a second (``lease_ttl`` is a
-  whole number of seconds >= 2 there, so the floor counts at 2 s only).
+- SQL: a third of the TTL (the node fences at ``2/3 * lease_ttl``).
+- etcd: a quarter of the TTL, at least half a second (``lease_ttl`` is a whole number of
+  seconds >= 2 there, so the floor counts at 2 s only).
 
 The memory store has no lease to lose by the clock (``claim_time_left`` is None; a lost
 lease is simulated by ``expire_lease``): it has no fencing rule.
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -49,10 +49,7 @@ from metafora.config import OptionReader
 from metafora.errors import ConfigError
 
 __all__ = [
-    "ETCD_FENCING",
-    "LEASE_TTL",
     "RENEWALS_PER_TTL",
-    "SQL_FENCING",
     "Fencing",
     "LeaseTTL",
     "LeaseTiming",
@@ -82,13 +79,6 @@ class Fencing:
         return lease_ttl - self.margin(lease_ttl)
 
 
-SQL_FENCING = Fencing(share=1 / 3)
-"""The SQL stores' margin: a third of the TTL."""
-
-ETCD_FENCING = Fencing(share=1 / 4, floor=0.5)
-"""etcd's margin: a quarter of the TTL, at least half a second."""
-
-
 RENEWALS_PER_TTL: Final = 3
 """How many times a node renews its lease in one ``lease_ttl``."""
 
@@ -100,7 +90,7 @@ def renew_every(lease_ttl: float) -> float:
 
 @dataclass(frozen=True)
 class LeaseTTL:
-    """A store's bounds on ``lease_ttl`` (a row of :data:`LEASE_TTL`)."""
+    """A store's bounds on ``lease_ttl`` (a row of the table in the module docstring)."""
 
     minimum: float
     maximum: float | None = None
@@ -109,18 +99,9 @@ class LeaseTTL:
     default: float = 30.0
 
 
-LEASE_TTL: Final[Mapping[str, LeaseTTL]] = {
-    "sql": LeaseTTL(minimum=1.0, maximum=86400.0),
-    "etcd": LeaseTTL(minimum=2.0, whole=True),
-    "memory": LeaseTTL(minimum=0.1),
-}
-"""Each store's bounds on ``lease_ttl`` (the table in the module docstring)."""
-
-
-def read_lease_ttl(reader: OptionReader, store: str) -> float:
-    """The ``lease_ttl`` option of a store URL within ``store``'s bounds (:data:`LEASE_TTL`),
-    its default when absent; ConfigError naming the bound it breaks."""
-    bounds = LEASE_TTL[store]
+def read_lease_ttl(reader: OptionReader, bounds: LeaseTTL, store: str) -> float:
+    """The ``lease_ttl`` option of a store URL within the ``bounds`` of the store named
+    ``store``, its default when absent; ConfigError naming the bound it breaks."""
     ttl = reader.number("lease_ttl", bounds.default, minimum=bounds.minimum, maximum=bounds.maximum)
     if bounds.whole and ttl != math.floor(ttl):
         raise ConfigError(f"option 'lease_ttl' must be a whole number of seconds for {store}, got {ttl:g}")

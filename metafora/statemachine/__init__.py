@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from metafora.backends import default_url, hooks_of
+from metafora.backends import backend_of, default_url
 from metafora.config import parse_store_url
 from metafora.errors import InvalidTaskState
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
@@ -128,7 +128,7 @@ def _with_client(target: str | OperatorClient | None,
     if isinstance(target, OperatorClient):
         return target, False
     url = parse_store_url(target or default_url())  # as metafora.open_client does
-    client: OperatorClient = hooks_of(url).open_client(url, options)
+    client: OperatorClient = backend_of(url).open_client(url, options)
     return client, True
 
 

@@ -18,7 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from metafora import Task, TaskState, commands, open_async_client, open_client, simple_handler
-from metafora.aio import AsyncClient, PostgresAsyncClient, ThreadedAsyncClient
+from metafora.aio import AsyncClient, ThreadedAsyncClient
+from metafora.coordinators.sql.aio import PostgresAsyncClient
 from metafora.errors import (
     ConfigError,
     CoordinatorUnavailable,

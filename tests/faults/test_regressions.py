@@ -178,7 +178,7 @@ def test_etcd_fenced_handlers_get_the_margin_before_their_tasks_can_be_claimed(
     """
     from metafora import open_coordinator
     from metafora.coordinators.etcd import EtcdCoordinator
-    from metafora.leases import ETCD_FENCING
+    from metafora.coordinators.etcd.config import ETCD_FENCING
     from metafora.testing import RecordingContext
 
     ttl = 2

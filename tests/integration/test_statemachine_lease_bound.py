@@ -195,7 +195,7 @@ def test_postgresql_gate_item_write_with_the_partition_row_locked(postgres_url: 
 
 def test_a_checkpointing_machine_on_frozen_etcd_stops_within_the_stop_margin(etcd_factory: Any) -> None:
     """The symptom of issue 13: after a lost lease the handler stayed in a state write."""
-    from metafora.leases import ETCD_FENCING
+    from metafora.coordinators.etcd.config import ETCD_FENCING
     from metafora.statemachine import Commands, Message, handler_func
 
     ttl = 4

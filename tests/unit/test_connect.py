@@ -93,20 +93,22 @@ def test_keyword_options_reach_the_store_over_the_urls() -> None:
         drop_store("connect-opts/metafora")
 
 
-def test_the_backend_table_names_each_stores_own_implementations() -> None:
-    """Every entry of the backend table resolves, inside its own store package, to a class of
-    the feature's interface (the table is text: this is its check)."""
+def test_each_stores_backend_object_names_its_own_implementations() -> None:
+    """Every feature a store's backend object names resolves, inside its own store package, to
+    a class of the feature's interface (the names are text: this is their check)."""
     from metafora.gates import ItemStore
     from metafora.statemachine import StateStore, TaskCommands
 
     interfaces = {"state_store": StateStore, "task_commands": TaskCommands, "item_store": ItemStore}
-    for store, entries in backends.STORES.items():
+    assert sorted(backends.stores()) == ["etcd", "memory", "sql"]
+    for store, backend in backends.stores().items():
         for feature, interface in interfaces.items():
             kind = backends.implementation(store, feature)
             if kind is None:
                 continue
             assert issubclass(kind, interface), (store, feature)
-            assert kind.__module__.startswith(entries["hooks"] + "."), (store, feature)
+            package = type(backend).__module__.rpartition(".")[0]
+            assert kind.__module__.startswith(package + "."), (store, feature)
     assert backends.implementation("sql", "item_store") is not None
     assert backends.implementation("etcd", "item_store") is None
 
@@ -118,7 +120,7 @@ def test_a_coordinator_says_which_store_it_belongs_to() -> None:
     try:
         assert backends.store_of(coord) == backends.store_of(client) == "memory"
         assert backends.store_of_url("sqlite:///x.db")[1] == "sql"
-        with pytest.raises(ConfigError, match="belongs to no built-in store"):
+        with pytest.raises(ConfigError, match="belongs to no registered store"):
             backends.store_of(object())
     finally:
         coord.close()

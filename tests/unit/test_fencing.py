@@ -1,12 +1,14 @@
-"""The self-fencing rule (:mod:`metafora.leases`) and the stores' margins."""
+"""The self-fencing rule (:mod:`metafora.leases`) and the stores' margins (each store's own)."""
 
 from __future__ import annotations
 
 import pytest
 
+from metafora.backends import backend_of_store
 from metafora.config import parse_store_url
-from metafora.coordinators.sql.options import parse_config
-from metafora.leases import ETCD_FENCING, SQL_FENCING, Fencing
+from metafora.coordinators.etcd.config import ETCD_FENCING
+from metafora.coordinators.sql.options import SQL_FENCING, parse_config
+from metafora.leases import Fencing
 
 
 def test_the_rule_is_the_ttl_less_the_margin() -> None:
@@ -36,13 +38,15 @@ def test_handlers_get_time_to_stop_before_the_lease_can_expire() -> None:
 def test_every_store_reads_lease_ttl_by_one_rule_with_its_bounds() -> None:
     from metafora.config import OptionReader, parse_store_url
     from metafora.errors import ConfigError
-    from metafora.leases import LEASE_TTL, read_lease_ttl, renew_every
+    from metafora.leases import read_lease_ttl, renew_every
 
     def read(store: str, value: object) -> float:
-        return read_lease_ttl(OptionReader(parse_store_url("memory://x"), {"lease_ttl": value}), store)
+        reader = OptionReader(parse_store_url("memory://x"), {"lease_ttl": value})
+        return read_lease_ttl(reader, backend_of_store(store).lease_ttl, store)
 
     assert renew_every(30) == 10.0
-    assert {s: (b.minimum, b.maximum, b.whole) for s, b in LEASE_TTL.items()} == {
+    bounds = {s: backend_of_store(s).lease_ttl for s in ("sql", "etcd", "memory")}
+    assert {s: (b.minimum, b.maximum, b.whole) for s, b in bounds.items()} == {
         "sql": (1.0, 86400.0, False), "etcd": (2.0, None, True), "memory": (0.1, None, False)}
     assert read("sql", 1.5) == 1.5 and read("etcd", 3) == 3 and read("memory", 0.1) == 0.1
     with pytest.raises(ConfigError, match="must be >= 1"):
@@ -53,3 +57,9 @@ def test_every_store_reads_lease_ttl_by_one_rule_with_its_bounds() -> None:
         read("etcd", 2.5)
     with pytest.raises(ConfigError, match="must be >= 2"):
         read("etcd", 1)
+
+
+def test_each_store_states_its_fencing_on_its_backend_object() -> None:
+    assert backend_of_store("sql").fencing is SQL_FENCING
+    assert backend_of_store("etcd").fencing is ETCD_FENCING
+    assert backend_of_store("memory").fencing is None  # no lease expires by the clock

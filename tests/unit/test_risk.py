@@ -21,8 +21,10 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.consumer.risk import Change, RiskEpisode, RiskRule
+from metafora.coordinators.etcd.config import ETCD_FENCING
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
-from metafora.leases import ETCD_FENCING, SQL_FENCING, LeaseTiming
+from metafora.coordinators.sql.options import SQL_FENCING
+from metafora.leases import LeaseTiming
 from metafora.statemachine import AsyncCommands, Commands, Message, MessageKind, StateCode, handler_func
 from metafora.statemachine.aio import AsyncStatefulTaskHandler
 from metafora.testing import FakeClock, RecordingContext

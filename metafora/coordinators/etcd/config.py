@@ -8,9 +8,15 @@ from typing import Any
 from metafora.config import DEFAULT_NAMESPACE, OptionReader, StoreURL, validate_namespace
 from metafora.coordinators.etcd.driver import ConnectionSettings
 from metafora.errors import ConfigError
-from metafora.leases import read_lease_ttl
+from metafora.leases import Fencing, LeaseTTL, read_lease_ttl
 
-__all__ = ["DEFAULT_PORT", "EtcdConfig"]
+__all__ = ["DEFAULT_PORT", "ETCD_FENCING", "LEASE_TTL", "EtcdConfig"]
+
+LEASE_TTL = LeaseTTL(minimum=2.0, whole=True)
+"""etcd's bounds on ``lease_ttl``: whole seconds, at least 2 (etcd's least TTL is ~1.5 s)."""
+
+ETCD_FENCING = Fencing(share=1 / 4, floor=0.5)
+"""etcd's self-fencing margin: a quarter of the TTL, at least half a second."""
 
 DEFAULT_PORT = 2379
 
@@ -21,7 +27,7 @@ class EtcdConfig:
 
     - ``namespace``: the URL path (``etcd://host/NAMESPACE``) or the ``namespace`` option
       (the path wins), default ``metafora``. Keys live under ``/metafora/<namespace>/``.
-    - ``lease_ttl``: whole seconds, >= 2 (default 30; :data:`metafora.leases.LEASE_TTL`). One lease per node.
+    - ``lease_ttl``: whole seconds, >= 2 (default 30; :data:`LEASE_TTL`). One lease per node.
     - ``poll_interval``: seconds between safety-net re-lists of the watch (default 30; at
       least one second per 100 tasks in the namespace).
     - ``timeout``: seconds for one etcd request (default 5).
@@ -57,7 +63,7 @@ class EtcdConfig:
             namespace = validate_namespace(path)
         elif not namespace:
             namespace = DEFAULT_NAMESPACE
-        ttl = read_lease_ttl(reader, "etcd")
+        ttl = read_lease_ttl(reader, LEASE_TTL, "etcd")
         poll = reader.number("poll_interval", 30.0, minimum=0.05, maximum=3600.0)
         timeout = reader.number("timeout", 5.0, minimum=0.05, maximum=600)
         ca_cert = reader.string("ca_cert")

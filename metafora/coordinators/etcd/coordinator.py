@@ -14,7 +14,7 @@ Threads (named, daemon, stopped by :meth:`EtcdCoordinator.close`):
     old one first, in case etcd still has it) and carries on.
     etcd expires a lease ``lease_ttl`` after it *received* the last renewal, which is later
     than when we sent it, so everyone else can claim only after we have fenced; the margin
-    (:data:`~metafora.leases.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
+    (:data:`~metafora.coordinators.etcd.config.ETCD_FENCING`: ``max(0.5 s, lease_ttl / 4)``) is
     the time handlers get to notice ``stop()``.
 
 ``metafora-etcd-watch[<node>]``

@@ -13,14 +13,14 @@ import threading
 from collections.abc import Callable
 
 from metafora.clock import Clock
-from metafora.coordinators.etcd.config import EtcdConfig
+from metafora.coordinators.etcd.config import ETCD_FENCING, EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, encode_json, iso
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
 from metafora.coordinators.members import context_capacity
 from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
-from metafora.leases import ETCD_FENCING, renew_every, report_renewal_failure
+from metafora.leases import renew_every, report_renewal_failure
 
 __all__ = ["NodeLease"]
 

@@ -21,7 +21,7 @@ from metafora.errors import (
     ConfigError,
 )
 from metafora.holds import held_against
-from metafora.leases import read_lease_ttl
+from metafora.leases import LeaseTTL, read_lease_ttl
 from metafora.limits import GroupUsage, Limit
 from metafora.schedule_model import Schedule
 from metafora.task import (
@@ -32,6 +32,10 @@ from metafora.task import (
 
 log = logging.getLogger(__name__)
 
+
+LEASE_TTL = LeaseTTL(minimum=0.1)
+"""The memory store's bounds on ``lease_ttl``: accepted for parity with the real stores, not
+used (memory nodes hold their claims until ``close()``)."""
 
 POLL_SECONDS = 1.0  # real seconds between re-checks of launch_at / expires_at while idle
 
@@ -384,7 +388,7 @@ def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
     reader = OptionReader(url, options)
     namespace = reader.namespace()
     # Accepted for parity with the real stores; memory nodes hold claims until close().
-    read_lease_ttl(reader, "memory")
+    read_lease_ttl(reader, LEASE_TTL, "memory")
     reader.number("poll_interval", 1.0, minimum=0.01, maximum=3600.0)
     reader.finish()
     if len(url.hosts) != 1 or url.path not in ("", "/"):

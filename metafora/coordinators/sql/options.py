@@ -17,11 +17,17 @@ from typing import Any, Literal
 
 from metafora.config import OptionReader, StoreURL
 from metafora.errors import ConfigError
-from metafora.leases import SQL_FENCING, read_lease_ttl, renew_every
+from metafora.leases import Fencing, LeaseTTL, read_lease_ttl, renew_every
 
-__all__ = ["PG_SCHEMES", "SQLConfig", "parse_config"]
+__all__ = ["LEASE_TTL", "PG_SCHEMES", "SQL_FENCING", "SQLConfig", "parse_config"]
 
 PG_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+
+LEASE_TTL = LeaseTTL(minimum=1.0, maximum=86400.0)
+"""The SQL stores' bounds on ``lease_ttl``: any seconds from 1 to a day."""
+
+SQL_FENCING = Fencing(share=1 / 3)
+"""The SQL stores' self-fencing margin: a third of the TTL."""
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 _MIN_SQLITE = (3, 35, 0)  # RETURNING
 
@@ -69,7 +75,7 @@ class SQLConfig:
     def fence_after(self) -> float:
         """Seconds after the start of the last good renewal at which a node self-fences.
 
-        :data:`~metafora.leases.SQL_FENCING`: ``lease_ttl`` minus a margin of
+        :data:`SQL_FENCING`: ``lease_ttl`` minus a margin of
         ``lease_ttl / 3`` (the store keeps the lease for ``lease_ttl`` from the renewal's
         database time, so handlers get a third of the TTL to stop).
         """
@@ -86,7 +92,7 @@ def parse_config(url: StoreURL, options: dict[str, Any]) -> SQLConfig:
         raise ConfigError(f"the SQL store does not handle the scheme {url.scheme!r} ({url})")
     reader = OptionReader(url, options)
     namespace = reader.namespace()
-    lease_ttl = read_lease_ttl(reader, "sql")
+    lease_ttl = read_lease_ttl(reader, LEASE_TTL, "sql")
     # PostgreSQL pushes every change (NOTIFY); its poll is only the safety net for rows
     # written without one (another program), so it can be rare: 15 s keeps an idle node
     # well under one request per second.
