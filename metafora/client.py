@@ -14,15 +14,17 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from metafora import bulk
+from metafora.backends import implementation, store_of
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
+from metafora.errors import ConfigError
 from metafora.limits import ClientLimits
 from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
-from metafora.task_retry import StateRewrite, check_retry_options
+from metafora.task_retry import StateRewrite, check_retry_options, registered_state_reset
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
@@ -165,11 +167,15 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         if not reset_state:
             self.retry_with_state(task_id, None)
             return
-        # The rules of a reset are the state machine's: loaded here, when a reset is asked
-        # for, so that neither `import metafora` nor a plain retry loads the state machine.
-        from metafora.statemachine.retry import reset_and_retry
-
-        reset_and_retry(self, task_id, keep_cursor)
+        reset = registered_state_reset()
+        if reset is None:
+            # The rules of a reset are the state machine's, registered when it loads: the
+            # store's state storage loads it (neither `import metafora` nor a plain retry does).
+            implementation(store_of(self), "state_store")
+            reset = registered_state_reset()
+        if reset is None:
+            raise ConfigError(f"{self.name} keeps no state-machine state: nothing to reset")
+        reset(self, task_id, keep_cursor)
 
     @abc.abstractmethod
     def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:

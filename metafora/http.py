@@ -36,7 +36,7 @@ from typing import Any
 
 from metafora.cluster_metrics import ClusterSnapshot
 from metafora.errors import ConfigError
-from metafora.hosts import is_loopback
+from metafora.hosts import allowed_hosts, host_allowed, host_name, is_loopback
 from metafora.masking import scrub
 from metafora.metrics import ConsumerStats, HistogramSnapshot
 
@@ -237,8 +237,6 @@ class InfoServer:
         metrics: Callable[[], bytes],
         probes: Probes,
     ) -> None:
-        from metafora.web.security import allowed_hosts
-
         host, port = parse_addr(addr)
         outer = self
         self._hosts = allowed_hosts(host, is_loopback(host))
@@ -286,8 +284,6 @@ class InfoServer:
 
     def _refusal(self, req: BaseHTTPRequestHandler) -> tuple[int, bytes] | None:
         """(status, body) when the request must not be answered, else None."""
-        from metafora.web.security import host_allowed, host_name
-
         raw = req.headers.get("Host")
         if raw is None:
             return 400, b"a Host header is required\n"

@@ -74,7 +74,8 @@ def web(ctx: click.Context, bind: str, token: str | None, token_file: Path | Non
 
     Read-only unless started with a token; listens on loopback unless told otherwise.
     """
-    from metafora.web.security import allowed_hosts, check_token
+    from metafora.hosts import allowed_hosts
+    from metafora.web.security import check_token
     from metafora.web.server import is_loopback, parse_bind
 
     host, port = parse_bind(bind)

@@ -42,8 +42,10 @@ from metafora.statemachine.machine import (
     apply,
     validate_command,
 )
+from metafora.statemachine.retry import reset_and_retry
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
 from metafora.task import TaskInfo, TaskState, validate_task_id
+from metafora.task_retry import register_state_reset
 
 __all__ = [
     "COMMAND_KINDS",
@@ -179,3 +181,8 @@ def get_state(target: str | OperatorClient | None, task_id: str, **options: Any)
     finally:
         if owned:
             client.close()
+
+
+# Client.retry_task(..., reset_state=True) resets a state by these rules (the client knows no
+# recipe of the state machine: the state machine tells it, when it loads).
+register_state_reset(reset_and_retry)

@@ -42,12 +42,12 @@ from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound
+from metafora.hosts import LOOPBACK_NAMES
 from metafora.masking import cut_text, escape_controls, one_line, scrub
 from metafora.task import TaskState, validate_task_id
 from metafora.waiting import pending_reasons
 from metafora.web import charts as chart
 from metafora.web.security import (
-    LOOPBACK_NAMES,
     MAX_BODY,
     MIN_TOKEN_LENGTH,
     REQUEST_TIMEOUT,
