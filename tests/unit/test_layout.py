@@ -1,4 +1,11 @@
-"""The package's layout rules that an import can break.
+"""The package's layout rules that an import can break, and the floors of the house.
+
+- Every module stands on a floor (:mod:`metafora._layout`, drawn in docs/architecture.md):
+  nothing imports up a floor, the consumer and the features import no store and no surface,
+  only the stores (and the testing helpers) import a store module, and imports form no cycle
+  -- read statically, a function's imports too.
+- No module outgrows 600 lines, no class 400, no function 80; today's exceptions are pinned
+  at their size (:data:`OVERSIZED`) and can only shrink.
 
 - ``import metafora`` loads no module of the state machine or the gates (a user of plain tasks
   pays for neither), and importing the state machine does not load the gates, which are built
@@ -87,3 +94,211 @@ def test_the_import_reader_sees_relative_and_nested_imports(tmp_path: Path) -> N
                       "    import metafora.coordinators.etcd.driver\n")
     assert {name for _, name in _imports(module, tmp_path)} >= {
         "metafora.coordinators.sql.store", "metafora.coordinators.etcd.driver"}
+
+
+# --- the floors (metafora/_layout.py, docs/architecture.md) ------------------------------------
+
+MODULE_LINES = 600
+CLASS_LINES = 400
+FUNCTION_LINES = 80
+"""A function's most lines (today's longest but two; the two are pinned below)."""
+
+# Today's exceptions to the size rules, each pinned at its size today so it cannot grow: a
+# split lowers the figure (or removes the row), nothing may raise it.
+OVERSIZED: dict[str, tuple[int, str]] = {
+    "metafora/balancers/fair.py": (730, "FairBalancer's policy and its bookkeeping: to split"),
+    "metafora/balancers/fair.py:FairBalancer": (566, "the policy, its estimates and its bookkeeping"),
+    "metafora/consumer/offers.py": (644, "the offer walk and its routing: to split"),
+    "metafora/consumer/offers.py:OfferRouter": (440, "takes 14 arguments: to split with a context"),
+    "metafora/coordinators/sql/lease.py:Lease": (478, "renewal, fencing and registration in one"),
+    "metafora/coordinators/etcd/watch.py:NamespaceWatch": (440, "the watch stream and its cache"),
+    "metafora/coordinators/sql/gates/store.py:SQLItemStore": (401, "every item verb of the gates"),
+    "metafora/gates/handler.py:handler_func": (86, "builds the gated handler's closures in one"),
+    "metafora/coordinators/etcd/lease.py:run": (83, "the renewal loop with its fencing cases"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[int, str, bool]]:
+    """(line, imported module of the package, only for type checking) of every import in
+    ``path``, at any depth; ``from X import y`` names ``X.y`` where that is a module, else X;
+    an import of a name inside a module names the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            typing_only.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+
+    def owner(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    found: list[tuple[int, str, bool]] = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            module = owner(target) if target.startswith("metafora") else None
+            if module is not None and module != name:
+                found.append((node.lineno, module, id(node) in typing_only))
+    return found
+
+
+def _graph() -> dict[str, list[tuple[int, str, bool]]]:
+    modules = _modules()
+    return {name: _module_imports(name, path, modules) for name, path in modules.items()}
+
+
+def _where(name: str, line: int) -> str:
+    return f"{_modules()[name].relative_to(PACKAGE.parent)}:{line}"
+
+
+def test_every_module_has_a_floor_in_the_one_map() -> None:
+    from metafora._layout import FLOORS, MODULES, floor_of
+
+    assert set(MODULES.values()) <= set(FLOORS)
+    assert {name: floor_of(name) for name in _modules()}  # KeyError for a module on no floor
+
+
+def test_nothing_imports_up_a_floor() -> None:
+    from metafora._layout import FLOORS, floor_of
+
+    up = [f"{_where(name, line)}: {name} ({floor_of(name)}) imports {target} ({floor_of(target)})"
+          for name, imports in _graph().items()
+          for line, target, _typing in imports
+          if FLOORS.index(floor_of(target)) > FLOORS.index(floor_of(name))]
+    assert up == []
+
+
+def test_the_consumer_and_the_features_import_no_store_and_no_surface() -> None:
+    from metafora._layout import floor_of
+
+    reaching = [f"{_where(name, line)}: {name} imports {target}"
+                for name, imports in _graph().items() if floor_of(name) in ("consumer", "features")
+                for line, target, _typing in imports
+                if floor_of(target) in ("stores", "surfaces")]
+    assert reaching == []
+
+
+def test_a_store_imports_no_other_store_and_only_the_stores_import_one() -> None:
+    """Outside the stores, a store module is reached through the registry; the testing
+    helpers (a surface) are the one exception: they start servers and drop memory stores.
+    What the stores share sits beside them (``metafora.coordinators.members``)."""
+    from metafora._layout import floor_of
+
+    def store(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "coordinators" and parts[2] in STORES else None
+
+    crossing = [f"{_where(name, line)}: {name} imports {target}"
+                for name, imports in _graph().items()
+                for line, target, _typing in imports
+                if store(target) is not None and store(name) != store(target)
+                and not (floor_of(name) == "surfaces" and name.startswith("metafora.testing"))]
+    assert crossing == []
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The modules of each import cycle of ``graph`` (Tarjan's strongly connected components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    """Imports that run (those under ``if TYPE_CHECKING:`` do not) form no cycle."""
+    graph = {name: sorted({t for _line, t, typing in imports if not typing})
+             for name, imports in _graph().items()}
+    assert _cycles(graph) == []
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]  # it sees one
+
+
+def _sizes() -> dict[str, tuple[int, int]]:
+    """Lines of every module, and of every class and function in it (``path:Name``; a
+    method is named by its own name), each with the rule's limit."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for path in _modules().values():
+        rel = str(path.relative_to(PACKAGE.parent))
+        text = path.read_text()
+        sizes[rel] = (len(text.splitlines()), MODULE_LINES)
+        for node in ast.walk(ast.parse(text, rel)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                key = f"{rel}:{node.name}"
+                assert node.end_lineno is not None
+                rule = CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES
+                lines = max(sizes.get(key, (0, 0))[0], node.end_lineno - node.lineno + 1)
+                sizes[key] = (lines, rule)
+    return sizes
+
+
+def test_no_module_class_or_function_outgrows_the_rules() -> None:
+    sizes = _sizes()
+    grown = [f"{key}: {lines} lines (at most {OVERSIZED.get(key, (rule,))[0]})"
+             for key, (lines, rule) in sorted(sizes.items())
+             if lines > OVERSIZED.get(key, (rule,))[0]]
+    assert grown == []
+    # an exception that is no longer needed goes (the table only shrinks)
+    assert [key for key in OVERSIZED if key not in sizes or sizes[key][0] <= sizes[key][1]] == []
+
+
+def test_the_floor_reader_sees_function_imports_and_type_checking_blocks(tmp_path: Path) -> None:
+    """The checks above would pass on a reader that saw nothing: it sees these forms."""
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from metafora.client import Client\n"
+                      "def f():\n    from ..consumer import offers\n    import metafora.connect\n")
+    modules = {"metafora.client": module, "metafora.consumer": module, "metafora.consumer.offers": module,
+               "metafora.connect": module, "metafora.gates.x": module}
+    found = {(target, typing)
+             for _line, target, typing in _module_imports("metafora.gates.x", module, modules)}
+    assert found == {("metafora.client", True), ("metafora.consumer.offers", False),
+                     ("metafora.connect", False)}

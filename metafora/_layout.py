@@ -1,0 +1,110 @@
+"""The floors of the package: every module's floor, in one place (docs/architecture.md draws it).
+
+A module may import modules of its own floor and of the floors below it, never above
+(tests/unit/test_layout.py checks every import, a function's too). The floors, from the
+ground up:
+
+1. ``ground``: values and errors, and the rules every part shares (tasks, durations, clocks,
+   URLs and options, masking, metrics, the lease rules, the retention policy).
+2. ``contracts``: the interfaces the rest is written against: the task handler, the balancer,
+   the coordinator, the client and the async client, the stores' registry
+   (:mod:`metafora.backends`), and each feature's storage interface (what a store implements
+   for the state machine, the gates and the streams).
+3. ``stores``: ``metafora.coordinators.<store>``, each owning all its storage, found by URL
+   scheme through the entry-point group ``metafora.stores``; a store imports no other store.
+4. ``consumer``: a node: the Consumer and its parts, the balancers, the duties every node
+   runs (schedules), its own info server (``/info``, ``/metrics``).
+5. ``features``: built on the public client and coordinator: the state machine, the gated
+   partitions, streams, typed messages, waiting reasons.
+6. ``surfaces``: what people and programs open: ``connect`` (``open_coordinator`` /
+   ``open_client`` / ``open_async_client``), the CLI, the dashboard, the demo, the testing
+   helpers and the package's face (``metafora/__init__.py``).
+
+Besides the floors: the consumer and the features import no store (they reach one through
+the registry and the contracts) and no surface.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["FLOORS", "MODULES", "floor_of"]
+
+FLOORS: Final = ("ground", "contracts", "stores", "consumer", "features", "surfaces")
+"""The floors from the ground up."""
+
+MODULES: Final[dict[str, str]] = {
+    # ground: values, errors, shared rules
+    "metafora._layout": "ground",
+    "metafora.errors": "ground",
+    "metafora.clock": "ground",
+    "metafora.durations": "ground",
+    "metafora.heap": "ground",
+    "metafora.hosts": "ground",
+    "metafora.masking": "ground",
+    "metafora.metrics": "ground",
+    "metafora.tracing": "ground",
+    "metafora.jsontext": "ground",
+    "metafora.logs": "ground",
+    "metafora.node": "ground",
+    "metafora.config": "ground",
+    "metafora.groupcommit": "ground",
+    "metafora.submitting": "ground",
+    "metafora.task": "ground",
+    "metafora.task_retry": "ground",
+    "metafora.bulk": "ground",
+    "metafora.commands": "ground",
+    "metafora.limits": "ground",
+    "metafora.schedule_model": "ground",
+    "metafora.retention": "ground",
+    "metafora.leases": "ground",
+    # contracts: the interfaces, and each feature's storage interface
+    "metafora.handler": "contracts",
+    "metafora.balancer": "contracts",
+    "metafora.coordinator": "contracts",
+    "metafora.client": "contracts",
+    "metafora.aio": "contracts",
+    "metafora.backends": "contracts",
+    "metafora.statemachine.machine": "contracts",
+    "metafora.statemachine.mailbox": "contracts",
+    "metafora.statemachine.store": "contracts",
+    "metafora.gates.model": "contracts",
+    "metafora.gates.lease": "contracts",
+    "metafora.gates.store": "contracts",
+    "metafora.streams.jobs": "contracts",
+    # stores
+    "metafora.coordinators": "stores",
+    # the consumer: a node
+    "metafora.consumer": "consumer",
+    "metafora.balancers": "consumer",
+    "metafora.schedule": "consumer",
+    "metafora.cluster_metrics": "consumer",
+    "metafora.http": "consumer",
+    # features, on the public client and coordinator
+    "metafora.statemachine": "features",
+    "metafora.gates": "features",
+    "metafora.streams": "features",
+    "metafora.messages": "features",
+    "metafora.waiting": "features",
+    # surfaces
+    "metafora": "surfaces",
+    "metafora.__main__": "surfaces",
+    "metafora.connect": "surfaces",
+    "metafora.cli": "surfaces",
+    "metafora.web": "surfaces",
+    "metafora.demo": "surfaces",
+    "metafora.testing": "surfaces",
+}
+"""Module or package -> its floor; a module not named is on the floor of its nearest
+package that is (``metafora.consumer.offers`` is on ``metafora.consumer``'s)."""
+
+
+def floor_of(module: str) -> str:
+    """The floor of ``module`` (a dotted name under ``metafora``); KeyError for a module
+    outside the package."""
+    name = module
+    while name not in MODULES:
+        if "." not in name:
+            raise KeyError(f"{module} is not a module of metafora")
+        name = name.rpartition(".")[0]
+    return MODULES[name]
