@@ -64,6 +64,7 @@ MODULES: Final[dict[str, str]] = {
     "metafora.coordinator": "contracts",
     "metafora.client": "contracts",
     "metafora.aio": "contracts",
+    "metafora.registry": "contracts",
     "metafora.backends": "contracts",
     "metafora.statemachine.machine": "contracts",
     "metafora.statemachine.mailbox": "contracts",

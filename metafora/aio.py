@@ -4,7 +4,7 @@ Build it with :func:`metafora.open_async_client` (``async with open_async_client
 client:``). Nothing touches the store until the first call.
 
 - A store may offer a native async client (its backend object's
-  :meth:`~metafora.backends.StoreBackend.open_async_client`): **PostgreSQL** goes through an
+  ``open_async_client``, see :mod:`metafora.backends`): **PostgreSQL** goes through an
   async driver end to end (:mod:`metafora.coordinators.sql.aio`).
 - **SQLite, etcd and memory** run the sync client's calls on a bounded thread pool
   (:class:`ThreadedAsyncClient`, ``threads`` workers, 8 unless given): their drivers have no
@@ -28,29 +28,35 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from metafora import backends, bulk
+from metafora import bulk
 from metafora.client import Client
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError, TaskExists
 from metafora.limits import Limit, Rate
-from metafora.submitting import IfExists, check_if_exists
+from metafora.submitting import IfExists, check_if_exists, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
 
-__all__ = ["DEFAULT_THREADS", "AsyncClient", "ThreadedAsyncClient", "open_async"]
+__all__ = ["DEFAULT_THREADS", "AsyncClient", "SubmitIn", "ThreadedAsyncClient"]
 
 DEFAULT_THREADS = 8
 """Worker threads of an async client on SQLite, etcd or memory (option ``threads``)."""
 
 T = TypeVar("T")
+
+SubmitIn = Callable[
+    [Client, Any, "list[Task]", "IfExists", Callable[[Callable[[], Any]], Awaitable[Any]]], Awaitable[int]]
+"""``submit_in(client, conn, tasks, mode, run)``: a store's write of checked tasks in the
+application's async transaction ``conn`` (``run`` runs a sync call off the event loop): the
+number added or replaced (:meth:`metafora.backends.StoreBackend.submit_in_transaction`)."""
 
 
 class AsyncClient(abc.ABC):
@@ -324,12 +330,15 @@ def _settle(future: asyncio.Future[bool], outcome: bool | Exception) -> None:
 
 class ThreadedAsyncClient(AsyncClient):
     """A sync :class:`~metafora.Client` whose calls run on a bounded thread pool (SQLite, etcd,
-    memory)."""
+    memory); ``submit_in`` writes in an application's transaction (``conn=``), on a store that
+    shares one."""
 
-    def __init__(self, client: Client, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, client: Client, threads: int = DEFAULT_THREADS,
+                 submit_in: SubmitIn | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be a positive integer, got {threads!r}")
         self._client = client
+        self._submit_in_tx = submit_in
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="metafora-aio")
         self._closed = False
 
@@ -356,8 +365,9 @@ class ThreadedAsyncClient(AsyncClient):
         await backend.complete_in_transaction(self._client, conn, task, self._call)
 
     async def _submit_in(self, conn: Any, tasks: list[Task], mode: IfExists) -> int:
-        backend = backends.backend_of_store(backends.store_of(self._client))
-        return int(await backend.submit_in_transaction(self._client, conn, tasks, mode, self._call))
+        if self._submit_in_tx is None:
+            raise no_transactions(self.name)
+        return await self._submit_in_tx(self._client, conn, tasks, mode, self._call)
 
     async def _submit_one(self, task: Task, mode: IfExists) -> bool:
         return await self._call(self._client.submit_task, task, if_exists=mode)
@@ -417,11 +427,3 @@ class ThreadedAsyncClient(AsyncClient):
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._pool.shutdown)
             self._client.close()
-
-
-def open_async(client: Client, threads: int = DEFAULT_THREADS) -> AsyncClient:
-    """The async client over the store of ``client`` (see :func:`metafora.open_async_client`):
-    the store's own (its backend object's ``open_async_client``), else the sync client's calls
-    on a pool of ``threads`` threads."""
-    native = backends.backend_of_store(backends.store_of(client)).open_async_client(client, threads)
-    return native if native is not None else ThreadedAsyncClient(client, threads)

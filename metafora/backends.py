@@ -13,29 +13,27 @@ stores use the same door (setup.cfg)::
 The ``[extra]`` of an entry point names the pip extra that provides the scheme's driver: a
 missing driver is a :class:`~metafora.errors.ConfigError` that names it. ``connect`` opens
 coordinators and clients through :func:`backend_of`; features find their store's
-implementation through :func:`implementation`, never by importing a store package. This
-module imports no coordinator, client or feature at run time, so anything may import it.
+implementation through :func:`implementation`, never by importing a store package. The group
+itself is read by :mod:`metafora.registry` (which the client, below this module, uses too).
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from importlib import import_module, metadata
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
+from metafora.aio import AsyncClient
+from metafora.client import Client
 from metafora.config import StoreURL, parse_store_url
+from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
 from metafora.leases import Fencing, LeaseTTL
+from metafora.registry import GROUP, entry_points, loaded, schemes
 from metafora.submitting import IfExists, no_completion, no_transactions
-
-if TYPE_CHECKING:
-    from metafora.aio import AsyncClient
-    from metafora.client import Client
-    from metafora.coordinator import Coordinator
-    from metafora.task import Task
+from metafora.task import Task
 
 __all__ = [
     "DEFAULT_URL",
@@ -54,10 +52,6 @@ __all__ = [
 
 DEFAULT_URL = "sqlite:///metafora.db"
 ENV_URL = "METAFORA_URL"
-GROUP = "metafora.stores"
-"""The entry-point group that maps a URL scheme to a store's :class:`StoreBackend`."""
-
-T = TypeVar("T")
 
 
 class StoreBackend(abc.ABC):
@@ -133,17 +127,6 @@ def default_url() -> str:
     return os.environ.get(ENV_URL) or DEFAULT_URL
 
 
-@functools.cache
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    """The registered schemes (lower case) and their entry points, read once a process."""
-    return {ep.name.lower(): ep for ep in metadata.entry_points(group=GROUP)}
-
-
-def schemes() -> list[str]:
-    """Every URL scheme a store is registered under, sorted."""
-    return sorted(_entry_points())
-
-
 def _load(ep: metadata.EntryPoint) -> StoreBackend:
     backend = ep.load()
     if not isinstance(backend, StoreBackend):
@@ -161,7 +144,7 @@ def _unavailable(ep: metadata.EntryPoint, exc: ImportError) -> ConfigError:
 def backend_of(url: StoreURL) -> StoreBackend:
     """The store ``url``'s scheme names; ConfigError for an unknown scheme, or naming the pip
     extra to install when the scheme's driver is missing."""
-    ep = _entry_points().get(url.scheme)
+    ep = entry_points().get(url.scheme)
     if ep is None:
         known = ", ".join(schemes()) or f"none: is metafora installed? (entry points {GROUP})"
         raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
@@ -176,14 +159,7 @@ def backend_of(url: StoreURL) -> StoreBackend:
 def stores() -> dict[str, StoreBackend]:
     """Every registered store that loads here, by name (a store whose driver is missing, or
     an entry point that names no backend object, is left out: opening its URL says why)."""
-    found: dict[str, StoreBackend] = {}
-    for ep in _entry_points().values():
-        try:
-            backend = _load(ep)
-        except (ImportError, ConfigError):
-            continue
-        found.setdefault(backend.name, backend)
-    return found
+    return {name: backend for name, backend in loaded().items() if isinstance(backend, StoreBackend)}
 
 
 def backend_of_store(store: str) -> StoreBackend:

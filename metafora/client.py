@@ -14,12 +14,12 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from metafora import bulk
-from metafora.backends import implementation, store_of
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import ConfigError
 from metafora.limits import ClientLimits
+from metafora.registry import feature_class
 from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
@@ -171,7 +171,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         if reset is None:
             # The rules of a reset are the state machine's, registered when it loads: the
             # store's state storage loads it (neither `import metafora` nor a plain retry does).
-            implementation(store_of(self), "state_store")
+            feature_class(self.backend, "state_store")
             reset = registered_state_reset()
         if reset is None:
             raise ConfigError(f"{self.name} keeps no state-machine state: nothing to reset")

@@ -94,7 +94,12 @@ def open_async_client(url: str | None = None, **options: Any) -> AsyncClient:
     client's calls on a bounded pool of ``threads`` worker threads (option, default 8). See
     :mod:`metafora.aio` and docs/submit.md.
     """
-    from metafora.aio import DEFAULT_THREADS, open_async
+    from metafora.aio import DEFAULT_THREADS, ThreadedAsyncClient
 
     threads = options.pop("threads", DEFAULT_THREADS)
-    return open_async(open_client(url, **options), threads)
+    parsed = parse_store_url(url or default_url())
+    backend = backend_of(parsed)
+    client = backend.open_client(parsed, options)
+    # the store's own async client (PostgreSQL's), else the sync client's calls on threads
+    native = backend.open_async_client(client, threads)
+    return native or ThreadedAsyncClient(client, threads, backend.submit_in_transaction)

@@ -1,0 +1,56 @@
+"""The entry-point group ``metafora.stores``, read once a process: URL scheme -> the entry
+point of a store's backend object.
+
+The typed door is :mod:`metafora.backends` (:class:`~metafora.backends.StoreBackend`,
+:func:`~metafora.backends.backend_of`); this module only reads the group, so that the
+contracts below the backend object (the client) may find a store's feature storage too.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from typing import Any
+
+from metafora.errors import ConfigError
+
+__all__ = ["GROUP", "entry_points", "feature_class", "loaded", "schemes"]
+
+GROUP = "metafora.stores"
+"""The entry-point group that maps a URL scheme to a store's backend object."""
+
+
+@functools.cache
+def entry_points() -> dict[str, metadata.EntryPoint]:
+    """The registered schemes (lower case) and their entry points."""
+    return {ep.name.lower(): ep for ep in metadata.entry_points(group=GROUP)}
+
+
+def schemes() -> list[str]:
+    """Every URL scheme a store is registered under, sorted."""
+    return sorted(entry_points())
+
+
+def loaded() -> dict[str, Any]:
+    """Every registered backend object that loads here, by its ``name`` (a store whose driver
+    is missing, or an entry point whose object has no name, is left out)."""
+    found: dict[str, Any] = {}
+    for ep in entry_points().values():
+        try:
+            backend = ep.load()
+        except ImportError:
+            continue
+        name = getattr(backend, "name", None)
+        if isinstance(name, str) and name:
+            found.setdefault(name, backend)
+    return found
+
+
+def feature_class(store: str, feature: str) -> Any:
+    """The class that keeps ``feature`` in the store named ``store`` (its backend object's
+    ``implementation``); None when the store keeps none; ConfigError for no such store."""
+    backend = loaded().get(store)
+    if backend is None:
+        raise ConfigError(f"no store named {store!r} is registered ({GROUP} has "
+                          f"{', '.join(sorted(loaded())) or 'none'})")
+    return backend.implementation(feature)
