@@ -36,6 +36,7 @@ FLOORS: Final = ("ground", "contracts", "stores", "consumer", "features", "surfa
 MODULES: Final[dict[str, str]] = {
     # ground: values, errors, shared rules
     "metafora._layout": "ground",
+    "metafora._moved": "ground",
     "metafora.errors": "ground",
     "metafora.clock": "ground",
     "metafora.durations": "ground",

@@ -27,12 +27,13 @@ imports no store's internals. Modules: :mod:`~metafora.gates.model` (values and 
 :mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease` interface),
 :mod:`~metafora.gates.processor`, :mod:`~metafora.gates.flush` (the results' group commit),
 :mod:`~metafora.gates.run` (one claim's step loop), :mod:`~metafora.gates.handler`
-(:func:`handler_func`). First shipped as ``metafora.statemachine.gates``, a name that still
-works.
+(:func:`handler_func`). First shipped as ``metafora.statemachine.gates``, a name that now
+fails loudly, naming this one.
 """
 
 from __future__ import annotations
 
+from metafora._moved import names_moved
 from metafora.gates.handler import (
     GateHandlerFunc,
     GateOptions,
@@ -109,13 +110,8 @@ __all__ = [
     "retry_partition",
 ]
 
-# Names of the SQL store's item tables, moved to the store package that owns them.
-_MOVED = {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
-          "items_channel": "metafora.coordinators.sql.gates"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise AttributeError(f"metafora.gates.{name} moved to {_MOVED[name]}.{name} (the SQL store "
-                             "owns the item tables)")
-    raise AttributeError(f"module 'metafora.gates' has no attribute {name!r}")
+# Names of the SQL store's item tables, moved to the store package that owns them (the one
+# policy for moved names: metafora._moved).
+__getattr__ = names_moved(__name__, {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
+                                     "items_channel": "metafora.coordinators.sql.gates"},
+                          "the SQL store owns the item tables")

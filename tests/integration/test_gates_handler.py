@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora import Consumer, Task, TaskState, gates, open_coordinator
 from metafora.gates import Item, ItemStatus, ItemStore, NewItem, PermanentError, Response
-from metafora.statemachine import ErrorPolicy, Message, StateCode, gates, get_state, send_task_command
+from metafora.statemachine import ErrorPolicy, Message, StateCode, get_state, send_task_command
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 

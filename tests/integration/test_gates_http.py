@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from metafora import Consumer, Task, TaskState, open_coordinator
+from metafora import Consumer, Task, TaskState, gates, open_coordinator
 from metafora.errors import ConfigError
 from metafora.gates import (
     HTTPProcessor,
@@ -25,7 +25,7 @@ from metafora.gates import (
     PermanentError,
     ProcessingError,
 )
-from metafora.statemachine import ErrorPolicy, gates
+from metafora.statemachine import ErrorPolicy
 from metafora.testing import LocalCluster
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from metafora import Task, open_coordinator
+from metafora import Task, gates, open_coordinator
 from metafora import gates as metafora_gates
 from metafora.coordinators.memory import drop_store
 from metafora.coordinators.sql.gates import items_channel
@@ -25,7 +25,7 @@ from metafora.gates import (
     PermanentError,
     Response,
 )
-from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode, gates
+from metafora.statemachine import ErrorRecord, Message, MessageKind, State, StateCode
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -154,16 +154,12 @@ def test_items_channel_is_a_short_stable_identifier() -> None:
     assert channel.isidentifier() and len(channel) < 63
 
 
-def test_the_old_module_name_gives_the_same_names() -> None:
-    """``metafora.statemachine.gates`` (the first release's name) re-exports metafora.gates."""
-    import metafora.gates
-    import metafora.statemachine.gates as old
-
-    assert old.__all__ == metafora.gates.__all__
-    assert all(getattr(old, name) is getattr(metafora.gates, name) for name in old.__all__)
-    # Found once, a name is the old module's own: a processor naming gates.Response for
-    # every item does not go through the module's lookup hook (an import) each time.
-    assert old.__dict__["Response"] is metafora.gates.Response
+def test_the_old_module_name_fails_loudly_naming_the_new_one() -> None:
+    """``metafora.statemachine.gates`` (the first release's name) follows the one policy for
+    moved names (metafora._moved), as the moved names of metafora.gates do."""
+    with pytest.raises(ImportError, match=r"metafora\.statemachine\.gates moved to metafora\.gates: "
+                                          r"write 'from metafora import gates'"):
+        import metafora.statemachine.gates  # noqa: F401
 
 
 def test_a_moved_name_says_where_it_went() -> None:
