@@ -15,7 +15,6 @@ Everything here runs on the consumer's loop thread, except :meth:`OfferRouter.ba
 from __future__ import annotations
 
 import collections
-import heapq
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +26,16 @@ from metafora.balancer import Balancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.events import Event, Signal
+from metafora.consumer.offer_queues import (
+    DEFER_AFTER,
+    DEFER_LOSS,
+    OVERFETCH,
+    Deferred,
+    GroupWaits,
+    Ignores,
+    Spares,
+    by_priority,
+)
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.outcomes import OutcomeWriter
 from metafora.consumer.placement import Placement
@@ -37,15 +46,10 @@ from metafora.errors import CoordinatorClosed, MetaforaError
 from metafora.metrics import ConsumerStats
 from metafora.task import Task, matches
 
-__all__ = ["Deferred", "Ignores", "OfferRouter", "Placement", "Spares", "by_priority"]
+# Deferred, Ignores, Spares, by_priority and their constants live in offer_queues (named here too).
+__all__ = ["DEFER_AFTER", "DEFER_LOSS", "OVERFETCH", "Deferred", "FusedClaims", "Ignores", "OfferRouter",
+           "Placement", "Spares", "by_priority"]
 
-# With max_tasks, one claim_many gets up to this many offers per free slot (and a limit of the
-# free slots): offers another node took meanwhile are skipped inside the statement instead of
-# costing a round trip each. How many it gets follows the share of offers recently lost to
-# other nodes (see OfferRouter.extra_offers): uncontended, each spare offer is only taken from
-# the waiting ones, judged, and put back.
-OVERFETCH = 4
-LOSS_MEMORY = 0.8  # weight of the past in the moving share of offers lost to other nodes
 WAVE = 100  # offers in one pass of the loop that make a wave (split by rendezvous preference)
 MAX_HOLD = 10  # a held-back offer is tried at most this many rendezvous_waits after it was held
 DEFAULT_CLAIM_BURST = 32  # offers per claim_many when the coordinator names no claim_burst
@@ -53,153 +57,7 @@ FUSED_OUTCOMES = 256  # queued outcomes sent along with one claim (finish_and_cl
 FUSE_LINGER = 0.005  # seconds an outcome waits for a due claim to take it along
 FRESH_CHUNK = 500  # a long offer list is walked this many at a time (see OfferRouter.offer)
 FRESH_LOSS = 0.2  # from this moving share of offers lost to races, each chunk is re-checked
-# From this moving share lost (after a few claims), a chunk of a long fresh list is put off
-# for a moment instead of tried: see OfferRouter.offer.
-DEFER_LOSS = 0.5
-DEFER_AFTER = 3  # claims noted before the share lost is trusted (it starts at 1.0)
 DEFER_FOR = (1.0, 3.0)  # seconds a contested chunk is put off (drawn per chunk)
-
-
-def by_priority(task: Task) -> int:
-    """Sort key: higher ``Task.priority`` first."""
-    return -task.priority
-
-
-class Deferred:
-    """Offers waiting for a free slot: highest priority first, oldest first within one.
-
-    Taking ``n`` costs O(n + priority levels), not a walk of the whole backlog, so a node far
-    over ``max_tasks`` does not re-sort it after every finished task.
-    """
-
-    def __init__(self) -> None:
-        # OrderedDict: taking the oldest is O(1) (a dict's front fills with holes as it is
-        # taken from, and each walk from the front skips them all).
-        self._levels: dict[int, collections.OrderedDict[str, Task]] = {}
-        self._level_of: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._level_of)
-
-    def put(self, task: Task, *, replace: bool = True) -> None:
-        """Defer ``task`` (a newer offer of a deferred id replaces it unless ``replace`` is off)."""
-        level = self._level_of.get(task.id)
-        if level is not None:
-            if not replace:
-                return
-            del self._levels[level][task.id]
-            if not self._levels[level]:
-                del self._levels[level]
-        self._levels.setdefault(task.priority, collections.OrderedDict())[task.id] = task
-        self._level_of[task.id] = task.priority
-
-    def take(self, count: int | None) -> list[Task]:
-        """Remove and return up to ``count`` (None: all) deferred tasks, in order."""
-        taken: list[Task] = []
-        for level in sorted(self._levels, reverse=True):
-            tasks = self._levels[level]
-            want = len(tasks) if count is None else min(len(tasks), count - len(taken))
-            for _ in range(want):
-                task_id, task = tasks.popitem(last=False)
-                taken.append(task)
-                del self._level_of[task_id]
-            if not tasks:
-                del self._levels[level]
-            if count is not None and len(taken) >= count:
-                break
-        return taken
-
-
-class Spares:
-    """How many offers to try for the free slots: one spare, plus as many as the moving share
-    of tried offers recently lost to other nodes says will be lost, up to ``OVERFETCH`` per
-    slot (it starts by assuming contention)."""
-
-    def __init__(self) -> None:
-        self.loss = 1.0
-        self.noted = 0  # claims noted
-
-    def offers_for(self, slots: int) -> int:
-        """Offers to try for ``slots`` free slots."""
-        return min(slots * OVERFETCH, slots + 1 + int(slots * OVERFETCH * self.loss))
-
-    def note(self, tasks: list[Task], claimed: list[Task], limit: int) -> None:
-        """After a claim: of the offers it tried (all of them, or, when it stopped at
-        ``limit``, those up to the last one it won), the share lost."""
-        if not tasks:
-            return
-        if len(claimed) < limit:
-            tried = len(tasks)
-        else:
-            won = {t.id for t in claimed}
-            tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
-        share = (tried - len(claimed)) / tried if tried else 0.0
-        self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
-        self.noted += 1
-
-    def contested(self) -> bool:
-        """Whether most recent claims were lost to other nodes (after a few claims)."""
-        return self.noted >= DEFER_AFTER and self.loss >= DEFER_LOSS
-
-
-class Ignores:
-    """Offers ignored until a deadline (refused by the balancer, released, held back for
-    placement): the earliest deadline and the expired ones without a walk of them all (a
-    node refusing a storm's offers ignores tens of thousands).
-    """
-
-    def __init__(self) -> None:
-        self._due: dict[str, tuple[float, Task]] = {}
-        self._heap: list[tuple[float, str]] = []  # may hold stale entries: checked on pop
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def __contains__(self, task_id: str) -> bool:
-        return task_id in self._due
-
-    def get(self, task_id: str) -> tuple[float, Task] | None:
-        """The deadline and newest offer of an ignored task, or None."""
-        return self._due.get(task_id)
-
-    def items(self) -> list[tuple[str, tuple[float, Task]]]:
-        """Every ignored task: id -> (deadline, newest offer)."""
-        return list(self._due.items())
-
-    def put(self, task: Task, due: float) -> None:
-        """Ignore ``task`` until ``due`` (a newer deadline replaces an older one)."""
-        old = self._due.get(task.id)
-        self._due[task.id] = (due, task)
-        if old is None or old[0] != due:
-            heapq.heappush(self._heap, (due, task.id))
-        if len(self._heap) > 2 * len(self._due) + 1024:  # too many stale entries: rebuild
-            self._heap = [(d, i) for i, (d, _) in self._due.items()]
-            heapq.heapify(self._heap)
-
-    def keep_offer(self, task: Task) -> None:
-        """Keep the newest offer of an ignored task (same deadline)."""
-        self._due[task.id] = (self._due[task.id][0], task)
-
-    def next_due(self) -> float | None:
-        """The earliest deadline, or None when nothing is ignored."""
-        while self._heap:
-            due, task_id = self._heap[0]
-            entry = self._due.get(task_id)
-            if entry is not None and entry[0] == due:
-                return due
-            heapq.heappop(self._heap)  # stale
-        return None
-
-    def pop_due(self, now: float) -> list[Task]:
-        """Remove and return the tasks whose deadline has passed."""
-        out: list[Task] = []
-        while self._heap and self._heap[0][0] <= now:
-            due, task_id = heapq.heappop(self._heap)
-            entry = self._due.get(task_id)
-            if entry is not None and entry[0] == due:
-                del self._due[task_id]
-                out.append(entry[1])
-        return out
 
 
 class OfferRouter:
@@ -242,15 +100,13 @@ class OfferRouter:
         self._rng = rng
         self._log = log
         self.frozen = False  # claims nothing new (set by the freeze commands)
-        # The group commit, whose queued outcomes a claim takes along (set by the consumer).
-        self.outcomes: OutcomeWriter | None = None
-        self._claiming = False  # a claim is in flight
+        self._claims = FusedClaims(coordinator)
         self.approved = 0  # offers the balancer approved in this pass, not claimed yet
         self.spares = Spares()
         self.ignores = Ignores()
         self.deferred = Deferred()
         self._releases: dict[str, int] = {}
-        self._grouped: dict[str, str] = {}  # offers waiting on a limit group: task id -> group
+        self._grouped = GroupWaits()
         hold = options.rendezvous_wait
         self._preference = Preference(coordinator.node_id, hold=hold, max_hold=MAX_HOLD * hold,
                                       wave=WAVE)
@@ -275,8 +131,8 @@ class OfferRouter:
     def freeze(self, frozen: bool) -> None:
         """Claim nothing new (True) or claim again (False)."""
         self.frozen = frozen
-        if frozen and self.outcomes is not None:  # no claim will take queued outcomes along
-            self.outcomes.nudge()
+        if frozen and self._claims.writer is not None:  # no claim will take queued outcomes along
+            self._claims.writer.nudge()
 
     def members(self, members: set[str]) -> None:
         """The live nodes changed: rendezvous preference ranks over these."""
@@ -323,7 +179,7 @@ class OfferRouter:
             due = self.ignores.pop_due(now)
             retry = self.capacity.retry_due(now, len(self._running))
         with self._lock:  # offers that waited on a full group: most were taken meanwhile
-            grouped = sum(self._grouped.pop(t.id, None) is not None for t in due) if self._grouped else 0
+            grouped = self._grouped.forget(due)
         # A storm's refused offers come back by the thousand, most taken by others meanwhile:
         # judging and claiming each again would be the node's main work. Each chunk is
         # narrowed as it is reached (see offer), not the whole list first: walking it takes
@@ -397,8 +253,8 @@ class OfferRouter:
                 self._offer(chunk)
         finally:
             self.approved = 0
-            if self.outcomes is not None:  # outcomes left to a claim that is not coming
-                self.outcomes.nudge()
+            if self._claims.writer is not None:  # outcomes left to a claim that is not coming
+                self._claims.writer.nudge()
 
     def _room(self) -> bool:
         """Whether an offer could be claimed now (a free slot, not frozen). Without one a
@@ -510,7 +366,7 @@ class OfferRouter:
         began = SYSTEM_CLOCK.monotonic()
         try:
             with tracing.claim_span(self._coord.node_id, len(tasks)) as span:
-                claimed = self._claim_with_outcomes(tasks, limit)
+                claimed = self._claims.claim(tasks, limit)
                 span.set_attribute("metafora.claimed", len(claimed))
         except CoordinatorClosed:
             raise
@@ -545,42 +401,16 @@ class OfferRouter:
             # to retry the deferred offers: retry them now (through the loop, not recursively).
             self._post(Signal.ROOM)
 
-    def _claim_with_outcomes(self, tasks: list[Task], limit: int) -> list[Task]:
-        """``claim_many``; where the coordinator can (``finish_and_claim``), the outcomes
-        waiting for the group commit go along in the same request (one round trip)."""
-        fused: Any = getattr(self._coord, "finish_and_claim", None)
-        writer = self.outcomes
-        if fused is None or writer is None:
-            return self._coord.claim_many(tasks, limit)
-        self._claiming = True
-        try:
-            taken = writer.take(FUSED_OUTCOMES)
-            if not taken:
-                return self._coord.claim_many(tasks, limit)
-            try:
-                results, claimed = fused([p.finish for p in taken], tasks, limit)
-            except BaseException:
-                writer.give_back(taken)  # the group commit writes them on its own
-                raise
-            writer.written(taken, list(results))
-            return list(claimed)
-        finally:
-            self._claiming = False
-
     def fuse_outcomes(self, writer: OutcomeWriter) -> None:
-        """Where the coordinator can (``finish_and_claim``), claims take the outcomes queued
-        on ``writer`` along, and the writer leaves them to a due claim for ``FUSE_LINGER``."""
-        if hasattr(self._coord, "finish_and_claim"):
-            self.outcomes = writer
-            writer.linger = FUSE_LINGER
-            writer.claim_soon = self.claim_soon
+        """Claims take the outcomes queued on ``writer`` along (:class:`FusedClaims`)."""
+        self._claims.attach(writer, self.claim_soon)
 
     def claim_soon(self) -> bool:
         """Whether a claim is in flight, or due: offers wait and a slot is free for them. The
         outcome writer then leaves queued outcomes to it for a moment (called from the
         writer's thread and where handlers end: reads only, no lock). Offers waiting while
         every slot is taken are no claim due: an outcome left to one would wait for nothing."""
-        if self._claiming:
+        if self._claims.claiming:
             return True
         if not self.deferred or self._stopping.is_set():
             return False
@@ -589,31 +419,16 @@ class OfferRouter:
     # -- limit groups -----------------------------------------------------------------
 
     def _group_waits(self, tasks: list[Task], claimed: list[Task]) -> None:
-        """Offers of a limit group this claim did not win wait a little and are tried again.
-
-        The store refuses a claim of a group at its limit without a word, and the watch offers
-        the task again only when it changes: so this node keeps it (as an ignored offer, not
-        in the way of other groups' offers) and retries it after ``refuse_retry``, or as soon
-        as a task of the group ends here. Offers someone else took drop out at that retry.
-        """
-        won = {t.id for t in claimed}
-        waiting = [t for t in tasks if t.group is not None and t.id not in won]
-        if not waiting:
-            return
+        """Offers of a limit group this claim did not win wait a little (:class:`GroupWaits`)."""
         with self._lock:
-            for task in waiting:
-                self._grouped[task.id] = task.group or ""
+            waiting = self._grouped.note(tasks, claimed)
         for task in waiting:
             self.ignore(task, self._options.refuse_retry)
 
     def group_freed(self, group: str) -> None:
         """A task of ``group`` ended here: its waiting offers are due now."""
-        now = self._clock.monotonic()
         with self._lock:
-            for task_id, waiting_group in list(self._grouped.items()):
-                entry = self.ignores.get(task_id)
-                if waiting_group == group and entry is not None:
-                    self.ignores.put(entry[1], now)
+            self._grouped.freed(group, self.ignores, self._clock.monotonic())
         self._wake.set()
 
     # -- ignoring ---------------------------------------------------------------------
@@ -642,3 +457,43 @@ class OfferRouter:
     def forget_releases(self, task_id: str) -> None:
         """``task`` ended for good here: its next release backs off from the start (lock held)."""
         self._releases.pop(task_id, None)
+
+
+class FusedClaims:
+    """A node's claims: ``claim_many``, and where the coordinator can (``finish_and_claim``)
+    the outcomes waiting for the group commit go along in the same request (one round trip)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coord = coordinator
+        self.writer: OutcomeWriter | None = None  # the group commit (set by attach)
+        self.claiming = False  # a claim is in flight
+
+    def attach(self, writer: OutcomeWriter, claim_soon: Callable[[], bool]) -> None:
+        """Where the coordinator can (``finish_and_claim``), claims take the outcomes queued
+        on ``writer`` along, and the writer leaves them to a due claim (``claim_soon``) for
+        ``FUSE_LINGER``."""
+        if hasattr(self._coord, "finish_and_claim"):
+            self.writer = writer
+            writer.linger = FUSE_LINGER
+            writer.claim_soon = claim_soon
+
+    def claim(self, tasks: list[Task], limit: int) -> list[Task]:
+        """Claim up to ``limit`` of ``tasks``: the tasks won."""
+        fused: Any = getattr(self._coord, "finish_and_claim", None)
+        writer = self.writer
+        if fused is None or writer is None:
+            return self._coord.claim_many(tasks, limit)
+        self.claiming = True
+        try:
+            taken = writer.take(FUSED_OUTCOMES)
+            if not taken:
+                return self._coord.claim_many(tasks, limit)
+            try:
+                results, claimed = fused([p.finish for p in taken], tasks, limit)
+            except BaseException:
+                writer.give_back(taken)  # the group commit writes them on its own
+                raise
+            writer.written(taken, list(results))
+            return list(claimed)
+        finally:
+            self.claiming = False
