@@ -315,13 +315,17 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
-        from metafora.backends import backend_of
         from metafora.config import parse_store_url
+
+        try:
+            from metafora.backends import backend_of as load_store
+        except ImportError:  # a revision before stores by entry point (ab.py runs this on it)
+            from metafora.backends import hooks_of as load_store  # type: ignore[attr-defined,no-redef]
 
         # The store's modules and its driver too (open_coordinator imports them when called),
         # as the peers' workers import theirs: all the imports before go.
         parsed = parse_store_url(url)
-        backend_of(parsed)
+        load_store(parsed)
         if parsed.scheme.startswith("postgres"):
             importlib.import_module("psycopg")
     elif system.startswith("pgqueuer"):
