@@ -56,7 +56,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
 
     backend: ClassVar[str] = ""
-    """The store this client belongs to: its key in :mod:`metafora.backends`' table (as
+    """The store this client belongs to: the ``name`` of its registered store (as
     :attr:`~metafora.coordinator.Coordinator.backend`)."""
 
     @property

@@ -188,9 +188,10 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     (``Consumer(sticky_for=)`` is ignored, see :mod:`metafora.holds`)."""
 
     backend: ClassVar[str] = ""
-    """The store this coordinator belongs to: its key in :mod:`metafora.backends`' table
-    (``"memory"``, ``"sql"``, ``"etcd"``): the features find their storage beside it there
-    (state machine states, task commands). Empty for a coordinator of no built-in store."""
+    """The store this coordinator belongs to: the ``name`` of its registered
+    :class:`~metafora.backends.StoreBackend` (``"memory"``, ``"sql"``, ``"etcd"``): the
+    features find their storage beside it there (state machine states, task commands). Empty
+    for a coordinator of no registered store."""
 
     @property
     @abc.abstractmethod

@@ -5,8 +5,8 @@
 **fenced** by the partition's claim token, so a zombie owner (paused past its lease, its
 partition claimed elsewhere) cannot commit anything.
 
-``ItemStore(url)`` opens the item store of the store ``url`` names: :mod:`metafora.backends`'
-backend table gives each store its implementation, and each store package owns it (items
+``ItemStore(url)`` opens the item store of the store ``url`` names: each store's backend
+object (:mod:`metafora.backends`) names its implementation, and each store package owns it (items
 live in SQL, SQLite or PostgreSQL: :mod:`metafora.coordinators.sql.gates`, which documents the
 tables, the fencing and what a crash leaves behind).
 """

@@ -10,8 +10,8 @@
 
 :func:`state_store_for` and :func:`commands_for` give the implementation that lives in the
 same store as a coordinator or client (memory, SQL, etcd): each store package owns it
-(``metafora/coordinators/<store>/states.py``), and :mod:`metafora.backends`' table
-says which package a coordinator or client belongs to.
+(``metafora/coordinators/<store>/states.py``), and its backend object
+(:mod:`metafora.backends`) names it.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def parsed_page(rows: Iterable[tuple[str, T]],
 
 def state_store_for(coordinator_or_client: object) -> StateStore:
     """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
-    store package's own, from :mod:`metafora.backends`' table."""
+    store package's own, named by its backend object (:mod:`metafora.backends`)."""
     store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store
