@@ -21,8 +21,9 @@ that still has work (a fenced checkpoint); when no work is left the partition co
 
 The items are kept by a store: ``ItemStore(url)`` opens the implementation of the store
 ``url`` names (items live in SQL: :mod:`metafora.coordinators.sql.gates`), found in
-:mod:`metafora.backends` (the store's backend object names it); this package owns the model and the interfaces and
-imports no store's internals. Modules: :mod:`~metafora.gates.model` (values and errors),
+:mod:`metafora.backends` (the store's backend object names it); this package owns the
+model and the interfaces and imports no store's internals. Modules:
+:mod:`~metafora.gates.model` (values and errors),
 :mod:`~metafora.gates.store` (the :class:`ItemStore` interface),
 :mod:`~metafora.gates.lease` (the fenced :class:`PartitionLease` interface),
 :mod:`~metafora.gates.processor`, :mod:`~metafora.gates.flush` (the results' group commit),
