@@ -66,6 +66,7 @@ MODULES: Final[dict[str, str]] = {
     "metafora.client": "contracts",
     "metafora.aio": "contracts",
     "metafora.registry": "contracts",
+    "metafora.recipes": "contracts",
     "metafora.backends": "contracts",
     "metafora.statemachine.machine": "contracts",
     "metafora.statemachine.mailbox": "contracts",

@@ -17,14 +17,13 @@ from metafora import bulk
 from metafora.balancer import ClusterState
 from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
-from metafora.errors import ConfigError
 from metafora.limits import ClientLimits
-from metafora.registry import feature_class
+from metafora.recipes import verb
 from metafora.retention import RetentionOps
 from metafora.schedule_model import Schedule, new_schedule
 from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState
-from metafora.task_retry import StateRewrite, check_retry_options, registered_state_reset
+from metafora.task_retry import StateRewrite, check_retry_options
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
@@ -167,15 +166,8 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         if not reset_state:
             self.retry_with_state(task_id, None)
             return
-        reset = registered_state_reset()
-        if reset is None:
-            # The rules of a reset are the state machine's, registered when it loads: the
-            # store's state storage loads it (neither `import metafora` nor a plain retry does).
-            feature_class(self.backend, "state_store")
-            reset = registered_state_reset()
-        if reset is None:
-            raise ConfigError(f"{self.name} keeps no state-machine state: nothing to reset")
-        reset(self, task_id, keep_cursor)
+        # The rules of a reset are the state machine's (metafora.recipes).
+        verb("reset_state")(self, task_id, keep_cursor)
 
     @abc.abstractmethod
     def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
@@ -184,29 +176,25 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
         """
 
-    # -- streams (metafora.streams, loaded on first use) --------------------------------
+    # -- streams (metafora.streams, loaded on first use: metafora.recipes) ----------------
 
     def stream(self, task_id: str) -> StreamInfo:
         """The stream ``task_id`` as its owner last wrote it: processed, head, in_flight,
         failing. TaskNotFound; InvalidTaskState when the task is not a stream."""
-        from metafora.streams.ops import stream_info
-
-        return stream_info(self, task_id)
+        info: StreamInfo = verb("stream")(self, task_id)
+        return info
 
     def check_stream(self, task_id: str) -> bool:
         """Wake the stream's owner (it re-reads ``head()`` at once), pushed as a task command.
         False (nothing sent) when the stream is paused or finished. TaskNotFound;
         InvalidTaskState when the task is not a stream."""
-        from metafora.streams.ops import check_stream
-
-        return check_stream(self, task_id)
+        sent: bool = verb("check_stream")(self, task_id)
+        return sent
 
     def retry_stream(self, task_id: str) -> None:
         """Resume a stream paused on a failing job (fresh attempts for it). TaskNotFound;
         InvalidTaskState when it is not failing."""
-        from metafora.streams.ops import retry_stream
-
-        retry_stream(self, task_id)
+        verb("retry_stream")(self, task_id)
 
     @abc.abstractmethod
     def get_task(self, task_id: str) -> TaskInfo:

@@ -2,8 +2,8 @@
 point of a store's backend object.
 
 The typed door is :mod:`metafora.backends` (:class:`~metafora.backends.StoreBackend`,
-:func:`~metafora.backends.backend_of`); this module only reads the group, so that the
-contracts below the backend object (the client) may find a store's feature storage too.
+:func:`~metafora.backends.backend_of`); this module only reads the group, untyped, and
+imports no contract.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import functools
 from importlib import metadata
 from typing import Any
 
-from metafora.errors import ConfigError
-
-__all__ = ["GROUP", "entry_points", "feature_class", "loaded", "schemes"]
+__all__ = ["GROUP", "entry_points", "loaded", "schemes"]
 
 GROUP = "metafora.stores"
 """The entry-point group that maps a URL scheme to a store's backend object."""
@@ -44,13 +42,3 @@ def loaded() -> dict[str, Any]:
         if isinstance(name, str) and name:
             found.setdefault(name, backend)
     return found
-
-
-def feature_class(store: str, feature: str) -> Any:
-    """The class that keeps ``feature`` in the store named ``store`` (its backend object's
-    ``implementation``); None when the store keeps none; ConfigError for no such store."""
-    backend = loaded().get(store)
-    if backend is None:
-        raise ConfigError(f"no store named {store!r} is registered ({GROUP} has "
-                          f"{', '.join(sorted(loaded())) or 'none'})")
-    return backend.implementation(feature)

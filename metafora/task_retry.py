@@ -10,10 +10,10 @@ text or bytes here: a :class:`RetrySnapshot`), calls ``rewrite``, and writes the
 the state ``rewrite`` returned together -- one SQL transaction, one etcd txn, or under the
 memory store's lock -- or nothing at all when ``rewrite`` raises.
 
-``Client.retry_task(..., reset_state=True)`` calls the reset the state machine registers
-when it loads (:func:`register_state_reset`; the client loads the store's state storage,
-which loads the state machine, when none is registered yet): the client knows no recipe of
-the state machine, no coordinator imports it, and ``import metafora`` loads none of it.
+``Client.retry_task(..., reset_state=True)`` calls
+:func:`metafora.statemachine.retry.reset_and_retry`, which the state machine registers as the
+client's verb ``reset_state`` (:mod:`metafora.recipes`), loaded only then: neither the client
+nor a coordinator imports the state machine, and ``import metafora`` loads none of it.
 :class:`RetryClient` is what the state machine's retry needs of a client.
 """
 
@@ -30,12 +30,9 @@ __all__ = [
     "RETRYABLE",
     "RetryClient",
     "RetrySnapshot",
-    "StateReset",
     "StateRewrite",
     "check_retry_options",
     "check_retryable",
-    "register_state_reset",
-    "registered_state_reset",
 ]
 
 RETRYABLE: Final = frozenset({TaskState.FAILED, TaskState.EXPIRED})
@@ -87,21 +84,3 @@ def check_retryable(task_id: str, state: TaskState) -> None:
             f"task {task_id!r} is {state.value}; only failed or expired tasks can be "
             "retried (stateful tasks that ended failed or killed: with reset_state)"
         )
-
-
-StateReset = Callable[[RetryClient, str, bool], None]
-"""``reset(client, task_id, keep_cursor)``: ``client.retry_task(task_id, reset_state=True,
-keep_cursor=...)`` by the state machine's rules."""
-
-_state_reset: list[StateReset] = []
-
-
-def register_state_reset(reset: StateReset) -> None:
-    """Make ``reset`` what ``Client.retry_task(..., reset_state=True)`` calls (the state
-    machine registers its own when it loads; a later registration replaces it)."""
-    _state_reset[:] = [reset]
-
-
-def registered_state_reset() -> StateReset | None:
-    """The registered reset, None before the state machine has loaded."""
-    return _state_reset[0] if _state_reset else None

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from metafora.backends import backend_of, default_url
 from metafora.config import parse_store_url
 from metafora.errors import InvalidTaskState
+from metafora.recipes import register
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (
     ErrorHandler,
@@ -45,7 +46,6 @@ from metafora.statemachine.machine import (
 from metafora.statemachine.retry import reset_and_retry
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
 from metafora.task import TaskInfo, TaskState, validate_task_id
-from metafora.task_retry import register_state_reset
 
 __all__ = [
     "COMMAND_KINDS",
@@ -184,5 +184,5 @@ def get_state(target: str | OperatorClient | None, task_id: str, **options: Any)
 
 
 # Client.retry_task(..., reset_state=True) resets a state by these rules (the client knows no
-# recipe of the state machine: the state machine tells it, when it loads).
-register_state_reset(reset_and_retry)
+# recipe of the state machine: the state machine tells it, when it loads; metafora.recipes).
+register("reset_state", reset_and_retry)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from metafora.recipes import register
 from metafora.streams.handler import JobContext, StreamHandlerFunc, StreamOptions, stream_handler
 from metafora.streams.jobs import Job, Jobs, StreamFailing, StreamInfo, Wake
+from metafora.streams.ops import check_stream, retry_stream, stream_info
 
 if TYPE_CHECKING:
     from metafora.coordinators.sql.joblog import SQLJobLog
@@ -35,10 +37,18 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # SQLJobLog is the SQL store's (SQLAlchemy): imported when first named, so that
-    # `import metafora.streams` stays light for streams over other sources.
+    # SQLJobLog is the SQL store's (SQLAlchemy), found through the stores' registry when first
+    # named: `import metafora.streams` stays light for streams over other sources, and the
+    # feature imports no store.
     if name == "SQLJobLog":
-        from metafora.coordinators.sql.joblog import SQLJobLog
+        from metafora.backends import implementation
 
-        return SQLJobLog
+        return implementation("sql", "job_log")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# The client's stream verbs (the client knows no recipe of the streams: they tell it, when
+# they load; metafora.recipes).
+register("stream", stream_info)
+register("check_stream", check_stream)
+register("retry_stream", retry_stream)

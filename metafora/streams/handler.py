@@ -15,9 +15,9 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from metafora.clock import Clock
@@ -29,8 +29,9 @@ from metafora.statemachine.errors import ErrorHandler, ErrorPolicy
 from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
 from metafora.statemachine.machine import Message
 from metafora.statemachine.store import StateStore, TaskCommands
-from metafora.streams.jobs import Job, Jobs
+from metafora.streams.jobs import Jobs
 from metafora.streams.threads import DEFAULT_THREAD_IDLE, ElasticPool
+from metafora.streams.work import JobContext, Work
 from metafora.task import Task
 
 __all__ = [
@@ -65,23 +66,6 @@ _MAX_PROCESSING = 10_000
 _MAX_SEARCH_AHEAD = 10_000_000
 _MAX_SECONDS = 86_400.0
 
-
-@dataclass(frozen=True)
-class JobContext:
-    """What ``work(job, ctx)`` gets besides its job.
-
-    ``task``: the stream's claimed task (props, fencing ``token``); ``attempt``: 1 for the
-    first run of this job in this claim; ``stopping``: set when the stream is stopping -- a
-    long job may raise to give up (it then re-runs on the next owner; returning means done).
-    """
-
-    task: Task
-    attempt: int
-    stopping: threading.Event = field(compare=False, repr=False)
-
-
-Work = Callable[[Job, JobContext], "Awaitable[object] | object"]
-"""``work(job, ctx)``: returns (anything) when the job is done, raises to have it retried."""
 
 JobsFactory = Callable[[Task], Jobs]
 """``jobs(task) -> Jobs``: builds a stream's source from its task (props)."""
@@ -337,15 +321,3 @@ def stream_handler(
     if coordinator is not None or (state_store is not None and task_commands is not None):
         made._bind(coordinator)
     return made
-
-
-def call_work(work: Work, job: Job, ctx: JobContext) -> Any:
-    """``work(job, ctx)``, refusing an awaitable from a plain function (it would count as done)."""
-    result = work(job, ctx)
-    if inspect.isawaitable(result):
-        close = getattr(result, "close", None)
-        if callable(close):
-            close()
-        raise TypeError(f"work {work!r} returned an awaitable; declare it with 'async def' to "
-                        "run it on the event loop")
-    return result

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from metafora.coordinator import error_text
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.machine import Message, MessageKind
-from metafora.streams.handler import JobContext, call_work
 from metafora.streams.jobs import Job, Jobs, StreamFailing
 from metafora.streams.progress import Progress, Window
 from metafora.streams.threads import Strand
+from metafora.streams.work import JobContext, call_work
 from metafora.task import Task
 
 if TYPE_CHECKING:
