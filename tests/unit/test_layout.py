@@ -55,6 +55,17 @@ def test_the_state_machine_loads_no_gates_module() -> None:
     assert "metafora.gates" in _loaded_after("from metafora import gates")
 
 
+def test_a_feature_verb_of_the_client_loads_its_feature_on_first_use() -> None:
+    """The client imports no feature: its stream verbs and the state reset are the features'
+    registered verbs (metafora.recipes), loaded by the first call."""
+    probe = ("import metafora\nfrom metafora.errors import TaskNotFound\n"
+             "client = metafora.open_client('memory://recipes')\n"
+             "for call in (lambda: client.stream('none'), lambda: client.retry_task('none', True)):\n"
+             "    try:\n        call()\n    except TaskNotFound:\n        pass\n")
+    loaded = _loaded_after(probe)
+    assert {"metafora.streams.ops", "metafora.statemachine.retry"} <= set(loaded)
+
+
 def _imports(path: Path, top: Path = PACKAGE.parent) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in ``path`` (a module under ``top``), at
     any depth (a function's import too); ``from X import name`` also yields ``X.name``, which
