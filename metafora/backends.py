@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from importlib import import_module, metadata
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "DEFAULT_URL",
     "ENV_URL",
     "GROUP",
+    "Migrated",
     "StoreBackend",
     "backend_of",
     "backend_of_store",
@@ -52,6 +54,20 @@ __all__ = [
 
 DEFAULT_URL = "sqlite:///metafora.db"
 ENV_URL = "METAFORA_URL"
+
+
+@dataclass(frozen=True)
+class Migrated:
+    """One schema of a store: its version before and after ``metafora migrate``."""
+
+    schema: str
+    before: int
+    after: int
+
+    @property
+    def changed(self) -> bool:
+        """Whether migrations were applied."""
+        return self.after != self.before
 
 
 class StoreBackend(abc.ABC):
@@ -98,6 +114,13 @@ class StoreBackend(abc.ABC):
             return None
         module, _, name = target.partition(":")
         return getattr(import_module(module), name)
+
+    def migrate(self, url: StoreURL) -> list[Migrated]:
+        """Bring every schema of the store ``url`` names up to date (``metafora migrate``,
+        the release step of a store run with ``migrate=false``); what each was before and is
+        now. The default refuses: the store has no schema."""
+        raise ConfigError(f"{url} has no schema to migrate: only SQL stores (sqlite:///PATH.db, "
+                          "postgresql://...) have one")
 
     def open_async_client(self, client: Client, threads: int) -> AsyncClient | None:
         """A native async client over ``client``'s store; None (the default) runs the sync

@@ -1,9 +1,10 @@
 """The client's verbs that a feature implements (kazoo's recipes use the client, never the
 other way round).
 
-``Client.retry_task(..., reset_state=True)`` (the state machine) and ``Client.stream`` /
-``check_stream`` / ``retry_stream`` (the streams) call what their feature registered with
-:func:`register` when it loaded: the client imports no module of a feature. A verb asked
+``Client.retry_task(..., reset_state=True)`` (the state machine), ``Client.stream`` /
+``check_stream`` / ``retry_stream`` (the streams) and ``ItemStore.reopen_partition`` (the
+gates, whose item store interface stores implement) call what their feature registered with
+:func:`register` when it loaded: the contracts import no module of a feature. A verb asked
 before its feature has loaded loads the feature's package by its name (:data:`PROVIDERS`),
 which registers it: ``import metafora`` and the verbs of plain tasks load no feature.
 """
@@ -23,6 +24,7 @@ PROVIDERS: Final[Mapping[str, str]] = {
     "stream": "metafora.streams",
     "check_stream": "metafora.streams",
     "retry_stream": "metafora.streams",
+    "reopen_partition": "metafora.gates",
 }
 """Each verb and the package of the feature that registers it."""
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import click
 
+from metafora.backends import backend_of
 from metafora.cli._common import settings
 from metafora.cli.tool import check_url
-from metafora.coordinators.sql.migrations import migrate_store
+from metafora.config import parse_store_url
 from metafora.masking import mask_url
 
 __all__ = ["migrate"]
@@ -26,7 +27,8 @@ __all__ = ["migrate"]
 def migrate(ctx: click.Context, store_url: str | None) -> None:
     """Apply the schema migrations of a SQL store (for stores run with migrate=false)."""
     url = store_url or settings(ctx).url
-    for applied in migrate_store(url):
+    parsed = parse_store_url(url)
+    for applied in backend_of(parsed).migrate(parsed):
         state = (f"version {applied.before} -> {applied.after}" if applied.changed
                  else f"at version {applied.after}, up to date")
         click.echo(f"{mask_url(url, brief=True)}: {applied.schema} schema {state}")

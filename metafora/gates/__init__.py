@@ -74,6 +74,7 @@ from metafora.gates.processor import (
     callable_processor,
 )
 from metafora.gates.store import ItemStore
+from metafora.recipes import register
 
 __all__ = [
     "MAX_GATE",
@@ -116,3 +117,7 @@ __all__ = [
 __getattr__ = names_moved(__name__, {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
                                      "items_channel": "metafora.coordinators.sql.gates"},
                           "the SQL store owns the item tables")
+
+# ItemStore.reopen_partition (an interface the stores implement) runs this recipe
+# (metafora.recipes).
+register("reopen_partition", reopen_partition)

@@ -23,6 +23,7 @@ from metafora.backends import implementation, store_of_url
 from metafora.errors import ConfigError, TaskNotFound
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
+from metafora.recipes import verb
 from metafora.statemachine.store import LeaseBound
 from metafora.task import Task
 
@@ -167,13 +168,17 @@ class ItemStore:
         task is not there (an etcd coordinator keeps it), only the partition is reopened and
         a warning says to pass the coordinator's client.
         """
-        from metafora.gates.handler import reopen_partition
+        recipe = verb("reopen_partition")  # the gates' own (metafora.recipes)
+
+        def reopen_partition(target: Client | None, *, new_items: Sequence[NewItem]) -> int:
+            gate: int = recipe(self, partition, target, new_items=new_items)
+            return gate
 
         if client is not None:
-            return reopen_partition(self, partition, client, new_items=items)
+            return reopen_partition(client, new_items=items)
         own = self.tasks_client()
         if own is None:
-            return reopen_partition(self, partition, None, new_items=items)
+            return reopen_partition(None, new_items=items)
         try:
             try:
                 own.get_task(partition)
@@ -181,8 +186,8 @@ class ItemStore:
                 log.warning("partition %s: no task of that id beside the items in %s; reopening "
                             "the partition only (pass the coordinator's client to revive its task)",
                             partition, self.name, extra={"task": partition, "action": "reopen"})
-                return reopen_partition(self, partition, None, new_items=items)
-            return reopen_partition(self, partition, own, new_items=items)
+                return reopen_partition(None, new_items=items)
+            return reopen_partition(own, new_items=items)
         finally:
             own.close()
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from metafora.aio import AsyncClient
-from metafora.backends import StoreBackend
+from metafora.backends import Migrated, StoreBackend
 from metafora.client import Client
 from metafora.config import StoreURL
 from metafora.coordinators.sql import open_client, open_coordinator
@@ -45,6 +45,11 @@ class SQLBackend(StoreBackend):
 
     def open_client(self, url: StoreURL, options: dict[str, Any]) -> SQLClient:
         return open_client(url, options)
+
+    def migrate(self, url: StoreURL) -> list[Migrated]:
+        from metafora.coordinators.sql.migrations import migrate_store
+
+        return migrate_store(url.raw)
 
     def open_async_client(self, client: Client, threads: int) -> AsyncClient | None:
         """PostgreSQL's async client (async driver end to end); None for SQLite."""

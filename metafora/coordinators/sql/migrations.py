@@ -14,8 +14,8 @@ are applied with the item tables.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from metafora.backends import Migrated
 from metafora.config import parse_store_url
 from metafora.coordinators.sql import schema
 from metafora.coordinators.sql.gates import schema as gates_schema
@@ -25,24 +25,10 @@ from metafora.coordinators.sql.states import ensure_command_table
 from metafora.coordinators.sql.store import Database
 from metafora.errors import ConfigError
 
-__all__ = ["Applied", "migrate_store"]
+__all__ = ["migrate_store"]
 
 
-@dataclass(frozen=True)
-class Applied:
-    """One schema of a store: its version before and after ``metafora migrate``."""
-
-    schema: str
-    before: int
-    after: int
-
-    @property
-    def changed(self) -> bool:
-        """Whether migrations were applied."""
-        return self.after != self.before
-
-
-def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
+def migrate_store(url: str, *, items: bool = True) -> list[Migrated]:
     """Bring every schema of the SQL store ``url`` up to date (``items``: the item tables
     too); what each was before and is now. ConfigError for a store that has no schema (etcd,
     memory); the URL's own ``migrate=false``, if any, is what this step is for, so it is
@@ -61,7 +47,7 @@ def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
         db.ensure_schema()  # the coordinator's migrations, under its lock
         ensure_command_table(db)
         with db.read() as conn:
-            done = [Applied("tasks", before, schema.current_version(conn))]
+            done = [Migrated("tasks", before, schema.current_version(conn))]
         if items:
             with db.read() as conn:
                 before = gates_schema.current_version(conn)
@@ -70,7 +56,7 @@ def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
                 with db.transaction() as conn:
                     gates_schema.migrate(conn, db.dialect, db.name)
             with db.read() as conn:
-                done.append(Applied("items", before, gates_schema.current_version(conn)))
+                done.append(Migrated("items", before, gates_schema.current_version(conn)))
             with db.read() as conn:
                 before = joblog_schema.current_version(conn)
             joblog_schema.ensure_version(before, db.name)
@@ -78,7 +64,7 @@ def migrate_store(url: str, *, items: bool = True) -> list[Applied]:
                 with db.transaction() as conn:
                     joblog_schema.migrate(conn, db.dialect, db.name)
             with db.read() as conn:
-                done.append(Applied("job logs", before, joblog_schema.current_version(conn)))
+                done.append(Migrated("job logs", before, joblog_schema.current_version(conn)))
         return done
     finally:
         db.close()

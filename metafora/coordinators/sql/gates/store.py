@@ -453,12 +453,12 @@ class SQLItemStore(ItemStore):
         """A client of the tasks in this database and namespace (where a SQL coordinator on
         the same URL keeps them; the caller closes it), or None when the database holds no
         coordinator tables (the items of an etcd coordinator: none are created here)."""
-        from metafora.connect import open_client
+        from metafora.coordinators.sql import open_client  # this store's own client
 
         with self._db.read() as conn:
             if coordinator_version(conn) == 0:
                 return None
-        return open_client(self._config.url.raw, namespace=self._config.namespace)
+        return open_client(self._config.url, {"namespace": self._config.namespace})
 
     def retry(self, partition: str) -> int:
         """Make the partition's failed items available again (error cleared); returns how
