@@ -1,4 +1,5 @@
-"""``metafora joblogs``: the job logs of a SQL store (see :mod:`metafora.coordinators.sql.joblog`)."""
+"""``metafora joblogs``: the job logs of a SQL store (see :mod:`metafora.coordinators.sql.joblog`,
+found through the stores' registry)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ __all__ = ["joblogs"]
 def joblogs(ctx: click.Context, as_json: bool) -> None:
     """List the job logs (SQLJobLog) of the store's namespace, by name: jobs, head index and when
     each was created and last appended to. The store must be SQL (SQLite or PostgreSQL)."""
-    from metafora.coordinators.sql.joblog import job_logs
+    from metafora.backends import implementation
 
+    job_logs = implementation("sql", "job_logs")  # the SQL store keeps the job logs
     logs = job_logs(settings(ctx).url)
     if as_json:
         print_json([{"name": i.name, "size": i.size, "head": i.head,

@@ -204,19 +204,22 @@ def test_nothing_imports_up_a_floor() -> None:
 
 
 def test_the_consumer_and_the_features_import_no_store_and_no_surface() -> None:
+    """Imports that run; a type-only one (``if TYPE_CHECKING:``, to name a store's class in a
+    signature) loads nothing."""
     from metafora._layout import floor_of
 
     reaching = [f"{_where(name, line)}: {name} imports {target}"
                 for name, imports in _graph().items() if floor_of(name) in ("consumer", "features")
-                for line, target, _typing in imports
-                if floor_of(target) in ("stores", "surfaces")]
+                for line, target, typing in imports
+                if floor_of(target) in ("stores", "surfaces") and not typing]
     assert reaching == []
 
 
 def test_a_store_imports_no_other_store_and_only_the_stores_import_one() -> None:
     """Outside the stores, a store module is reached through the registry; the testing
     helpers (a surface) are the one exception: they start servers and drop memory stores.
-    What the stores share sits beside them (``metafora.coordinators.members``)."""
+    What the stores share sits beside them (``metafora.coordinators.members``). Imports that
+    run: a type-only one names a store's class and loads nothing."""
     from metafora._layout import floor_of
 
     def store(module: str) -> str | None:
@@ -225,8 +228,8 @@ def test_a_store_imports_no_other_store_and_only_the_stores_import_one() -> None
 
     crossing = [f"{_where(name, line)}: {name} imports {target}"
                 for name, imports in _graph().items()
-                for line, target, _typing in imports
-                if store(target) is not None and store(name) != store(target)
+                for line, target, typing in imports
+                if store(target) is not None and store(name) != store(target) and not typing
                 and not (floor_of(name) == "surfaces" and name.startswith("metafora.testing"))]
     assert crossing == []
 

@@ -33,6 +33,8 @@ class SQLBackend(StoreBackend):
         "state_store": "metafora.coordinators.sql.states:SQLStateStore",
         "task_commands": "metafora.coordinators.sql.states:SQLTaskCommands",
         "item_store": "metafora.coordinators.sql.gates.store:SQLItemStore",
+        "job_log": "metafora.coordinators.sql.joblog:SQLJobLog",
+        "job_logs": "metafora.coordinators.sql.joblog:job_logs",
     }
 
     def check_driver(self, url: StoreURL) -> None:
