@@ -32,7 +32,7 @@ from metafora.config import StoreURL, parse_store_url
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
 from metafora.leases import Fencing, LeaseTTL
-from metafora.registry import GROUP, entry_points, loaded, schemes
+from metafora.registry import GROUP, entry_points, find, loaded, schemes
 from metafora.submitting import IfExists, no_completion, no_transactions
 from metafora.task import Task
 
@@ -186,9 +186,10 @@ def stores() -> dict[str, StoreBackend]:
 
 
 def backend_of_store(store: str) -> StoreBackend:
-    """The registered store named ``store`` (``"sql"``); ConfigError if none is."""
-    backend = stores().get(store)
-    if backend is None:
+    """The registered store named ``store`` (``"sql"``); ConfigError if none is. Loads no
+    other store when that one's module is imported already (see :func:`metafora.registry.find`)."""
+    backend = find(store)
+    if not isinstance(backend, StoreBackend):
         raise ConfigError(f"no store named {store!r} is registered ({GROUP} has "
                           f"{', '.join(sorted(stores())) or 'none'})")
     return backend
@@ -199,7 +200,7 @@ def store_of(owner: object) -> str:
     :attr:`~metafora.coordinator.Coordinator.backend`, a registered store's name);
     ConfigError for one of no registered store."""
     store = getattr(type(owner), "backend", "")  # Coordinator.backend, Client.backend
-    if not store or store not in stores():
+    if not store or not isinstance(find(store), StoreBackend):
         raise ConfigError(f"{type(owner).__name__} belongs to no registered store ({GROUP} has "
                           f"{', '.join(sorted(stores()))})")
     return str(store)

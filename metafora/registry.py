@@ -9,10 +9,11 @@ imports no contract.
 from __future__ import annotations
 
 import functools
+import sys
 from importlib import metadata
 from typing import Any
 
-__all__ = ["GROUP", "entry_points", "loaded", "schemes"]
+__all__ = ["GROUP", "entry_points", "find", "loaded", "schemes"]
 
 GROUP = "metafora.stores"
 """The entry-point group that maps a URL scheme to a store's backend object."""
@@ -42,3 +43,18 @@ def loaded() -> dict[str, Any]:
         if isinstance(name, str) and name:
             found.setdefault(name, backend)
     return found
+
+
+def find(name: str) -> Any:
+    """The registered backend object whose ``name`` is ``name``, or None. The entry points
+    whose module is imported already are tried first, so finding the store of an open client
+    loads no other store (nor its driver)."""
+    ordered = sorted(entry_points().values(), key=lambda ep: ep.module not in sys.modules)
+    for ep in ordered:
+        try:
+            backend = ep.load()
+        except ImportError:
+            continue
+        if getattr(backend, "name", None) == name:
+            return backend
+    return None

@@ -66,6 +66,17 @@ def test_a_feature_verb_of_the_client_loads_its_feature_on_first_use() -> None:
     assert {"metafora.streams.ops", "metafora.statemachine.retry"} <= set(loaded)
 
 
+def test_a_store_found_by_name_loads_no_other_store(tmp_path: Path) -> None:
+    """The registry finds the store of an open client among the entry points already
+    imported: a SQLite user's state machine loads no etcd module (nor grpc)."""
+    probe = ("import metafora\nfrom metafora.statemachine.store import state_store_for\n"
+             f"client = metafora.open_client('sqlite:///{tmp_path / 'm.db'}')\n"
+             "state_store_for(client).close()\n")
+    loaded = _loaded_after(probe)
+    assert "metafora.coordinators.sql.states" in loaded
+    assert [m for m in loaded if m.startswith("metafora.coordinators.etcd")] == []
+
+
 def _imports(path: Path, top: Path = PACKAGE.parent) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in ``path`` (a module under ``top``), at
     any depth (a function's import too); ``from X import name`` also yields ``X.name``, which
