@@ -169,7 +169,9 @@ def backend_of(url: StoreURL) -> StoreBackend:
     extra to install when the scheme's driver is missing."""
     ep = entry_points().get(url.scheme)
     if ep is None:
-        known = ", ".join(schemes()) or f"none: is metafora installed? (entry points {GROUP})"
+        known = ", ".join(schemes()) or (
+            f"none: the entry points {GROUP} come with an installed metafora-cluster; in a "
+            "checkout, run pip install -e .")
         raise ConfigError(f"unknown store scheme {url.scheme!r} in {url} (known: {known})")
     try:
         backend = _load(ep)
