@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from metafora import bulk
 from metafora.client import Client
@@ -39,24 +39,35 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError, TaskExists
 from metafora.limits import Limit, Rate
-from metafora.submitting import IfExists, check_if_exists, no_transactions
+from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
 
-__all__ = ["DEFAULT_THREADS", "AsyncClient", "SubmitIn", "ThreadedAsyncClient"]
+__all__ = ["DEFAULT_THREADS", "AsyncClient", "InTransaction", "ThreadedAsyncClient"]
 
 DEFAULT_THREADS = 8
 """Worker threads of an async client on SQLite, etcd or memory (option ``threads``)."""
 
 T = TypeVar("T")
 
-SubmitIn = Callable[
-    [Client, Any, "list[Task]", "IfExists", Callable[[Callable[[], Any]], Awaitable[Any]]], Awaitable[int]]
-"""``submit_in(client, conn, tasks, mode, run)``: a store's write of checked tasks in the
-application's async transaction ``conn`` (``run`` runs a sync call off the event loop): the
-number added or replaced (:meth:`metafora.backends.StoreBackend.submit_in_transaction`)."""
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]
+"""Runs a sync call off the event loop (the threaded client's pool)."""
+
+
+class InTransaction(Protocol):
+    """What a store offers the threaded async client for ``conn=``: writes in the
+    application's async transaction (:class:`metafora.backends.StoreBackend` has both)."""
+
+    async def submit_in_transaction(self, client: Client, conn: Any, tasks: list[Task],
+                                    mode: IfExists, run: Run) -> int:
+        """Write checked ``tasks`` in ``conn``: the number added or replaced."""
+        ...
+
+    async def complete_in_transaction(self, client: Client, conn: Any, task: Task, run: Run) -> None:
+        """Mark the claimed ``task`` done in ``conn``, fenced by its token."""
+        ...
 
 
 class AsyncClient(abc.ABC):
@@ -330,15 +341,15 @@ def _settle(future: asyncio.Future[bool], outcome: bool | Exception) -> None:
 
 class ThreadedAsyncClient(AsyncClient):
     """A sync :class:`~metafora.Client` whose calls run on a bounded thread pool (SQLite, etcd,
-    memory); ``submit_in`` writes in an application's transaction (``conn=``), on a store that
-    shares one."""
+    memory); ``transactions`` writes in an application's transaction (``conn=``), on a store
+    that shares one (none: ``conn=`` is refused)."""
 
     def __init__(self, client: Client, threads: int = DEFAULT_THREADS,
-                 submit_in: SubmitIn | None = None) -> None:
+                 transactions: InTransaction | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be a positive integer, got {threads!r}")
         self._client = client
-        self._submit_in_tx = submit_in
+        self._transactions = transactions
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="metafora-aio")
         self._closed = False
 
@@ -361,13 +372,14 @@ class ThreadedAsyncClient(AsyncClient):
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def _complete_in(self, conn: Any, task: Task) -> None:
-        backend = backends.backend_of_store(backends.store_of(self._client))
-        await backend.complete_in_transaction(self._client, conn, task, self._call)
+        if self._transactions is None:
+            raise no_completion(self.name)
+        await self._transactions.complete_in_transaction(self._client, conn, task, self._call)
 
     async def _submit_in(self, conn: Any, tasks: list[Task], mode: IfExists) -> int:
-        if self._submit_in_tx is None:
+        if self._transactions is None:
             raise no_transactions(self.name)
-        return await self._submit_in_tx(self._client, conn, tasks, mode, self._call)
+        return await self._transactions.submit_in_transaction(self._client, conn, tasks, mode, self._call)
 
     async def _submit_one(self, task: Task, mode: IfExists) -> bool:
         return await self._call(self._client.submit_task, task, if_exists=mode)

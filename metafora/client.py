@@ -115,9 +115,8 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         (``priority``, ``group``, ``selector``, ``prefer``, ``spread``). InvalidProps when the
         message cannot be encoded.
         """
-        from metafora.messages import message_task  # loaded when messages are used
-
-        task, submit = message_task(task_id, message, options)
+        # the messages' own encoding, loaded when messages are used (metafora.recipes)
+        task, submit = verb("message_task")(task_id, message, options)
         return self.submit_task(task, **submit)
 
     def complete_task(self, task: Task, *, conn: Any) -> None:

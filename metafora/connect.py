@@ -102,4 +102,4 @@ def open_async_client(url: str | None = None, **options: Any) -> AsyncClient:
     client = backend.open_client(parsed, options)
     # the store's own async client (PostgreSQL's), else the sync client's calls on threads
     native = backend.open_async_client(client, threads)
-    return native or ThreadedAsyncClient(client, threads, backend.submit_in_transaction)
+    return native or ThreadedAsyncClient(client, threads, backend)

@@ -2,8 +2,9 @@
 other way round).
 
 ``Client.retry_task(..., reset_state=True)`` (the state machine), ``Client.stream`` /
-``check_stream`` / ``retry_stream`` (the streams) and ``ItemStore.reopen_partition`` (the
-gates, whose item store interface stores implement) call what their feature registered with
+``check_stream`` / ``retry_stream`` (the streams), ``Client.submit_message`` (the typed
+messages) and ``ItemStore.reopen_partition`` (the gates, whose item store interface stores
+implement) call what their feature registered with
 :func:`register` when it loaded: the contracts import no module of a feature. A verb asked
 before its feature has loaded loads the feature's package by its name (:data:`PROVIDERS`),
 which registers it: ``import metafora`` and the verbs of plain tasks load no feature.
@@ -25,6 +26,7 @@ PROVIDERS: Final[Mapping[str, str]] = {
     "check_stream": "metafora.streams",
     "retry_stream": "metafora.streams",
     "reopen_partition": "metafora.gates",
+    "message_task": "metafora.messages",
 }
 """Each verb and the package of the feature that registers it."""
 

@@ -28,6 +28,7 @@ from metafora.messages.naming import (
     type_url,
 )
 from metafora.messages.router import MessageFn, Router
+from metafora.recipes import register
 from metafora.task import Task
 
 __all__ = [
@@ -68,3 +69,8 @@ def message_task(task_id: str, msg: object, options: Mapping[str, Any]) -> tuple
                           f"{', '.join(_SUBMIT + _TASK)})")
     task = Task(task_id, encode(msg), **{k: options[k] for k in _TASK if k in options})
     return task, {k: options[k] for k in _SUBMIT if k in options}
+
+
+# Client.submit_message encodes by these rules (the client knows no recipe of the messages:
+# they tell it, when they load; metafora.recipes).
+register("message_task", message_task)
