@@ -19,6 +19,7 @@ import pytest
 
 from metafora import Consumer, Task, open_coordinator, simple_handler
 from metafora.aio import DEFAULT_THREADS
+from metafora.backends import stores
 from metafora.balancers.fair import DEFAULT_FAIR_THRESHOLD
 from metafora.config import parse_store_url
 from metafora.consumer import options
@@ -26,7 +27,6 @@ from metafora.coordinator import DEFAULT_MAX_CRASHES
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.sql.options import parse_config
 from metafora.gates.handler import handler_func
-from metafora.leases import LEASE_TTL
 from metafora.streams.handler import stream_handler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ CODE: dict[str, set[float]] = {
     "refuse_retry": {options.DEFAULT_REFUSE_RETRY},
     "sticky_for": {options.DEFAULT_STICKY_FOR},
     "max_crashes": {float(DEFAULT_MAX_CRASHES or 0)},
-    "lease_ttl": {ttl.default for ttl in LEASE_TTL.values()},
+    "lease_ttl": {store.lease_ttl.default for store in stores().values()},  # each store's own
     "threshold": {DEFAULT_FAIR_THRESHOLD},
     "threads": {float(DEFAULT_THREADS)},
     "max_attempts": {_gate_default("max_attempts")},
