@@ -59,6 +59,7 @@ MODULES: Final[dict[str, str]] = {
     "metafora.schedule_model": "ground",
     "metafora.retention": "ground",
     "metafora.leases": "ground",
+    "metafora.holds": "ground",
     # contracts: the interfaces, and each feature's storage interface
     "metafora.handler": "contracts",
     "metafora.balancer": "contracts",
