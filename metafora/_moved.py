@@ -1,18 +1,42 @@
-"""The one policy for moved names: they fail loudly, naming their new home (then they go).
+"""The one policy for moved names: a name the contract published keeps working; any other
+moved name fails loudly, naming its new home.
 
-A moved module raises :class:`ImportError` when imported (:func:`module_moved`); a moved name
-of a module that stays raises :class:`AttributeError` (which ``from X import name`` turns into
-an ImportError) from the module's ``__getattr__`` (:func:`names_moved`). Nothing forwards
-silently: before a first release there is nothing to keep, and a forward would hide where a
-name lives (and, for a name moved into a store, make a feature reach into that store).
+- A **published** name (one ``DESIGN.md`` gave users, such as ``metafora.statemachine.gates``,
+  the first name of :mod:`metafora.gates`) forwards to its new home (:func:`module_forward`),
+  looked up by module name at first use, so the old module imports nothing up a floor and only
+  code that uses the old name loads the new one.
+- An **internal** name that moved raises: a moved module :class:`ImportError` when imported
+  (:func:`module_moved`); a moved name of a module that stays :class:`AttributeError` (which
+  ``from X import name`` turns into an ImportError) from the module's ``__getattr__``
+  (:func:`names_moved`). Forwarding those would hide where a name lives (and, for a name moved
+  into a store, make a feature reach into that store).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
-__all__ = ["module_moved", "names_moved"]
+__all__ = ["module_forward", "module_moved", "names_moved"]
+
+
+def module_forward(
+    namespace: dict[str, Any], new: str,
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The ``__getattr__`` and ``__dir__`` of a published module whose names moved to ``new``:
+    each name is looked up there (``__all__`` too, so ``import *`` works) at first use and kept
+    in ``namespace`` (the old module's globals), so a name used per item is looked up once."""
+
+    def __getattr__(name: str) -> Any:
+        value = getattr(importlib.import_module(new), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *importlib.import_module(new).__all__})
+
+    return __getattr__, __dir__
 
 
 def module_moved(old: str, new: str, how: str) -> NoReturn:

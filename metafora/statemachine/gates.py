@@ -1,10 +1,12 @@
-"""The old name of :mod:`metafora.gates`: gated partitions first shipped as
-``metafora.statemachine.gates``. The name fails loudly, naming the new one (the one policy for
-moved names: :mod:`metafora._moved`); write ``from metafora import gates``.
+"""The first name of :mod:`metafora.gates`: gated partitions first shipped as
+``metafora.statemachine.gates``. A published name, so it keeps working (the one policy for moved
+names: :mod:`metafora._moved`): every public name of :mod:`metafora.gates` is a name of this
+module too, looked up there at first use. New code writes ``from metafora import gates``.
+Type checkers see the names as ``Any`` here.
 """
 
 from __future__ import annotations
 
-from metafora._moved import module_moved
+from metafora._moved import module_forward
 
-module_moved(__name__, "metafora.gates", "write 'from metafora import gates'")
+__getattr__, __dir__ = module_forward(globals(), "metafora.gates")
