@@ -49,22 +49,15 @@ def migrate_store(url: str, *, items: bool = True) -> list[Migrated]:
         with db.read() as conn:
             done = [Migrated("tasks", before, schema.current_version(conn))]
         if items:
-            with db.read() as conn:
-                before = gates_schema.current_version(conn)
-            gates_schema.check_version(before, db.name)
-            if before < gates_schema.GATES_SCHEMA_VERSION:
-                with db.transaction() as conn:
-                    gates_schema.migrate(conn, db.dialect, db.name)
-            with db.read() as conn:
-                done.append(Migrated("items", before, gates_schema.current_version(conn)))
-            with db.read() as conn:
-                before = joblog_schema.current_version(conn)
-            joblog_schema.ensure_version(before, db.name)
-            if before < joblog_schema.JOBLOG_SCHEMA_VERSION:
-                with db.transaction() as conn:
-                    joblog_schema.migrate(conn, db.dialect, db.name)
-            with db.read() as conn:
-                done.append(Migrated("job logs", before, joblog_schema.current_version(conn)))
+            for label, side in (("items", gates_schema.SCHEMA), ("job logs", joblog_schema.SCHEMA)):
+                with db.read() as conn:
+                    before = side.current_version(conn)
+                side.check_version(before, db.name)
+                if before < side.version:
+                    with db.transaction() as conn:
+                        side.migrate(conn, db.dialect, db.name)
+                with db.read() as conn:
+                    done.append(Migrated(label, before, side.current_version(conn)))
         return done
     finally:
         db.close()

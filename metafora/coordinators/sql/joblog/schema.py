@@ -20,16 +20,12 @@ Tables (every row carries the ``namespace`` of its store URL):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from sqlalchemy import Connection, inspect, text
+from sqlalchemy import Connection, text
 
 from metafora.coordinators.sql.shared import Dialect, is_postgres
-from metafora.errors import StoreError
+from metafora.coordinators.sql.side_schema import Migration, SideSchema
 
-__all__ = ["JOBLOG_SCHEMA_VERSION", "MIGRATIONS", "current_version", "ensure_version", "migrate"]
-
-Migration = Callable[[Connection, Dialect], None]
+__all__ = ["JOBLOG_SCHEMA_VERSION", "MIGRATIONS", "SCHEMA", "current_version", "ensure_version", "migrate"]
 
 _LOCK_KEY = 4242016007  # pg_advisory_xact_lock key of the job logs' schema (the gates' is ...006)
 
@@ -78,41 +74,20 @@ MIGRATIONS: list[tuple[str, Migration]] = [
 JOBLOG_SCHEMA_VERSION = len(MIGRATIONS)
 
 
+SCHEMA = SideSchema("metafora_joblog_schema", _LOCK_KEY, MIGRATIONS, "job log tables")
+"""The job logs' side schema: its version table, lock and migrations."""
+
+
 def current_version(conn: Connection) -> int:
     """The job logs' schema version of the database (0 if their tables were never created)."""
-    if not inspect(conn).has_table("metafora_joblog_schema"):
-        return 0
-    version = conn.execute(text("SELECT max(version) FROM metafora_joblog_schema")).scalar()
-    return int(version or 0)
+    return SCHEMA.current_version(conn)
 
 
 def ensure_version(version: int, where: str) -> None:
     """Refuse a schema newer than this code understands."""
-    if version > JOBLOG_SCHEMA_VERSION:
-        raise StoreError(
-            f"the job log tables of {where} are at schema version {version}, newer than this "
-            f"metafora understands ({JOBLOG_SCHEMA_VERSION}); upgrade metafora"
-        )
+    SCHEMA.check_version(version, where)
 
 
 def migrate(conn: Connection, dialect: Dialect, where: str) -> int:
     """Bring the job log tables up to :data:`JOBLOG_SCHEMA_VERSION` in the caller's transaction."""
-    if is_postgres(dialect):
-        conn.execute(text(f"SELECT pg_advisory_xact_lock({_LOCK_KEY})"))
-    types = _types(dialect)
-    conn.execute(text(
-        "CREATE TABLE IF NOT EXISTS metafora_joblog_schema (version INTEGER PRIMARY KEY,"
-        " description TEXT NOT NULL, applied_at {ts} NOT NULL)".format(**types)
-    ))
-    version = int(conn.execute(
-        text("SELECT coalesce(max(version), 0) FROM metafora_joblog_schema")).scalar_one())
-    ensure_version(version, where)
-    now = dialect.fragments()["now"]
-    for number, (description, migration) in enumerate(MIGRATIONS[version:], start=version + 1):
-        migration(conn, dialect)
-        conn.execute(
-            text(f"INSERT INTO metafora_joblog_schema (version, description, applied_at)"
-                 f" VALUES (:v, :d, {now})"),
-            {"v": number, "d": description},
-        )
-    return JOBLOG_SCHEMA_VERSION
+    return SCHEMA.migrate(conn, dialect, where)
