@@ -260,12 +260,9 @@ def rows_of(result: Any) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in result] if result.returns_rows else []
 
 
-def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
-    """Drive ``steps`` on the application's connection ``conn`` (sync), checked (see
-    :mod:`~metafora.coordinators.sql.appconn`) and in a savepoint; errors translated."""
-    found, target = sync_app_conn(conn, db)
-    expected = db.identity()  # on metafora's own connection (cached per handle)
-    execute: Any
+def _sync_execute(target: Any) -> Any:
+    """``execute(clause, params) -> rows`` on ``target``, a SQLAlchemy ``Connection`` or a
+    psycopg ``Connection``."""
     if isinstance(target, Connection):
         def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             return rows_of(target.execute(clause, params))
@@ -273,7 +270,36 @@ def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
         def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             cursor = target.execute(psycopg_sql(clause), params)
             return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
-    steps = in_savepoint(found, db, expected, steps)
+    return execute
+
+
+def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` on the application's connection ``conn`` (sync), checked (see
+    :mod:`~metafora.coordinators.sql.appconn`) and in a savepoint; errors translated."""
+    found, target = sync_app_conn(conn, db)
+    expected = db.identity()  # on metafora's own connection (cached per handle)
+    return drive(_sync_execute(target), db, in_savepoint(found, db, expected, steps))
+
+
+def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
+    check_conn(conn, db)
+    execute = _sync_execute(conn.connection() if isinstance(conn, Session) else conn)
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(execute(*step))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    except TaskExists:
+        raise
+    except DRIVER_ERRORS as exc:
+        raise translate(exc, db) from exc
+
+
+def drive(execute: Any, db: Database, steps: Steps[R]) -> R:
+    """Drive ``steps`` with ``execute(clause, params) -> rows`` (its result), errors thrown
+    into the steps (which may roll back) and then translated."""
     try:
         step = next(steps)
         while True:
@@ -291,31 +317,6 @@ def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
         raise translate(exc, db) from exc
 
 
-def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
-    """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
-    check_conn(conn, db)
-    execute: Any
-    if isinstance(conn, (Session, Connection)):
-        sa_conn = conn.connection() if isinstance(conn, Session) else conn
-
-        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            return rows_of(sa_conn.execute(clause, params))
-    else:
-        def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            cursor = conn.execute(psycopg_sql(clause), params)
-            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
-    try:
-        step = next(steps)
-        while True:
-            step = steps.send(execute(*step))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    except TaskExists:
-        raise
-    except DRIVER_ERRORS as exc:
-        raise translate(exc, db) from exc
-
-
 async def run_app_steps_async(conn: Any, db: Database, steps: Steps[R]) -> R:
     """Drive ``steps`` on the application's async connection ``conn`` (a SQLAlchemy
     ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection``), checked and in
@@ -324,7 +325,12 @@ async def run_app_steps_async(conn: Any, db: Database, steps: Steps[R]) -> R:
 
     found, target = await async_app_conn(conn, db)
     expected = await asyncio.get_running_loop().run_in_executor(None, db.identity)
-    execute: Any
+    return await drive_async(_async_execute(target), db, in_savepoint(found, db, expected, steps))
+
+
+def _async_execute(target: Any) -> Any:
+    """``await execute(clause, params) -> rows`` on ``target``, a psycopg ``AsyncConnection``
+    or a SQLAlchemy ``AsyncConnection``."""
     if psycopg is not None and isinstance(target, psycopg.AsyncConnection):
         async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             cursor = await target.execute(psycopg_sql(clause), params)
@@ -332,7 +338,7 @@ async def run_app_steps_async(conn: Any, db: Database, steps: Steps[R]) -> R:
     else:
         async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             return rows_of(await target.execute(clause, params))
-    return await drive_async(execute, db, in_savepoint(found, db, expected, steps))
+    return execute
 
 
 def _async_kind(conn: Any) -> str | None:
@@ -361,17 +367,8 @@ async def run_steps_async(conn: Any, db: Database, steps: Steps[int]) -> int:
         )
     if kind != db.config.kind:
         raise ConfigError(f"conn= is a {kind} connection but the store {db.name} is {db.config.kind}")
-    execute: Any
-    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
-        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            cursor = await conn.execute(psycopg_sql(clause), params)
-            return [tuple(r) for r in await cursor.fetchall()] if cursor.description else []
-    else:
-        sa_conn = await conn.connection() if isinstance(conn, AsyncSession) else conn
-
-        async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            return rows_of(await sa_conn.execute(clause, params))
-    return await drive_async(execute, db, steps)
+    target = await conn.connection() if isinstance(conn, AsyncSession) else conn
+    return await drive_async(_async_execute(target), db, steps)
 
 
 async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
