@@ -83,6 +83,24 @@ def _successor(prefix: str) -> str | None:
     return prefix[:-1] + chr(following)
 
 
+def key_range(column: str, prefix: str, after: str | None,
+              where: list[str], params: dict[str, Any]) -> None:
+    """Append to ``where``/``params`` the conditions of a page of ids in ``column``: those
+    starting with ``prefix`` and greater than ``after``."""
+    if prefix:
+        # ids compare byte-wise (code point order): [prefix, successor) is exactly the ids
+        # that start with prefix, an index range.
+        where.append(f"{column} >= :prefix")
+        params["prefix"] = prefix
+        upper = _successor(prefix)
+        if upper is not None:
+            where.append(f"{column} < :upper")
+            params["upper"] = upper
+    if after is not None:
+        where.append(f"{column} > :after")
+        params["after"] = after
+
+
 def _selector(raw: str | None, task_id: str) -> dict[str, str]:
     try:
         return decode_labels(raw, f"stored selector of task {task_id!r}")
@@ -363,18 +381,7 @@ class SQLClient(SQLRetention, Client):
         if owner is not None:
             where.append("owner = :owner")
             params["owner"] = owner
-        if prefix:
-            # ids compare byte-wise (code point order): [prefix, successor) is exactly the ids
-            # that start with prefix, an index range.
-            where.append("id >= :prefix")
-            params["prefix"] = prefix
-            upper = _successor(prefix)
-            if upper is not None:
-                where.append("id < :upper")
-                params["upper"] = upper
-        if after is not None:
-            where.append("id > :after")
-            params["after"] = after
+        key_range("id", prefix, after, where, params)
         with db.read() as conn:
             rows = conn.execute(self._page_clause(tuple(where), props), params).fetchall()
         return [self._info(row) for row in rows]

@@ -267,23 +267,14 @@ class SQLStateStore(StateStore):
              limit: int = 100) -> list[tuple[str, State]] | None:
         """One indexed query on ``metafora_state``'s primary key (``task_id > :after ORDER
         BY task_id LIMIT``): it reads the states it returns (damaged ones left out), no task."""
-        from metafora.coordinators.sql.client import _successor
+        from metafora.coordinators.sql.client import key_range
 
         if limit < 1:
             raise ValueError("limit must be at least 1")
         self._st.ensure()
         where = ["namespace = :ns"]
         params: dict[str, Any] = {"ns": self._db.config.namespace, "limit": limit}
-        if prefix:
-            where.append("task_id >= :prefix")  # [prefix, successor): an index range
-            params["prefix"] = prefix
-            upper = _successor(prefix)
-            if upper is not None:
-                where.append("task_id < :upper")
-                params["upper"] = upper
-        if after is not None:
-            where.append("task_id > :after")
-            params["after"] = after
+        key_range("task_id", prefix, after, where, params)
         sql = (f"SELECT task_id, body FROM metafora_state WHERE {' AND '.join(where)}"
                " ORDER BY task_id LIMIT :limit")
         with self._db.read() as conn:
