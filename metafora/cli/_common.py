@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import click
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from metafora.client import Client
@@ -46,6 +47,7 @@ __all__ = [
     "cell",
     "console",
     "exit_code_for",
+    "field_table",
     "format_time",
     "print_json",
     "scrub",
@@ -190,6 +192,15 @@ def cell(text: str, style: str = "", *, exact: bool = False, **options: Any) -> 
     is ``exact`` -- an id, shown as it is so that it can be typed back.
     """
     return Text(escape_controls(text) if exact else for_terminal(text), style=style, **options)
+
+
+def field_table() -> Table:
+    """An empty two-column table of one object's fields (``show``): bold names, values
+    folded, no header and no box; add a row per field."""
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    return table
 
 
 def print_json(data: Any, out: IO[str] | None = None) -> None:

@@ -7,7 +7,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from metafora.cli._common import cell, console, print_json, store_client
+from metafora.cli._common import cell, console, field_table, print_json, store_client
 from metafora.task import validate_task_id
 
 __all__ = ["stream", "streams"]
@@ -79,9 +79,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         print_json({"id": task_id, "owner": task.owner, "task_state": task.state.value,
                     "state": code, **info_dict(info)})
         return
-    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
+    table = field_table()
     table.add_row("stream", cell(task_id, exact=True))
     table.add_row("owner", cell(task.owner or "-", exact=True))
     table.add_row("state", Text(f"{code} (task {task.state.value})"))

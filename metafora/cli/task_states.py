@@ -8,10 +8,9 @@ state) is refused with exit 1 unless ``--queue`` says the command should wait fo
 from __future__ import annotations
 
 import click
-from rich.table import Table
 from rich.text import Text
 
-from metafora.cli._common import cell, console, print_json, store_client
+from metafora.cli._common import cell, console, field_table, print_json, store_client
 from metafora.cli.tasks import parse_when
 from metafora.errors import InvalidTaskState
 from metafora.task import TaskState, validate_task_id
@@ -99,9 +98,7 @@ def state(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if found is None:
         click.echo(f"task {task_id} has no state yet (no state machine has run it)")
         return
-    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
+    table = field_table()
     table.add_row("task", cell(task_id, exact=True))
     table.add_row("state", Text(found.code.value))
     table.add_row("until", "-" if found.until is None else found.until.isoformat())

@@ -18,6 +18,7 @@ from metafora.cli._common import (
     ExitCode,
     cell,
     console,
+    field_table,
     format_time,
     print_json,
     scrub,
@@ -383,9 +384,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if as_json:
         print_json({**_json_info(info), "reason": reason})
         return
-    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
+    table = field_table()
     rows: list[tuple[str, Text | str]] = [
         ("id", cell(info.id, exact=True)),
         ("state", _state_cell(info.state)),
