@@ -14,7 +14,9 @@ machine's ``run`` (a resume), sent only to a stream that is failing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from metafora.client import Client
 from metafora.errors import InvalidTaskState, TaskNotFound
@@ -28,6 +30,8 @@ __all__ = ["StreamRow", "check_stream", "info_dict", "retry_stream", "stream_inf
            "stream_state"]
 
 _EXCEEDED = "ExceededErrorRate:"
+_T = TypeVar("_T")
+
 _PAGE = 200  # states (or, without StateStore.page, tasks) read per page while looking for streams
 _TROUBLED = frozenset({StateCode.FAULT, StateCode.SLEEPING, StateCode.FAILED})
 
@@ -113,21 +117,32 @@ def stream_rows(client: Client, *, after: str | None = None, limit: int | None =
     (its owner and task state). A store that cannot list its states falls back to reading
     every task's state."""
     store = state_store_for(client)
+    rows = _paged(lambda cursor: store.page(prefix=prefix, after=cursor, limit=_PAGE),
+                  lambda item: _row(client, item[0], item[1]), lambda item: item[0], after, limit)
+    if rows is None:
+        return _rows_by_task(client, store, after, limit, prefix)
+    return rows
+
+
+def _paged(fetch: Callable[[str | None], Sequence[_T] | None], row_of: Callable[[_T], StreamRow | None],
+           key: Callable[[_T], str], after: str | None, limit: int | None) -> list[StreamRow] | None:
+    """The rows of ``fetch(cursor)``'s pages (ordered by ``key``) after ``after``, at most
+    ``limit``; None as soon as a page is None (the store cannot list)."""
     rows: list[StreamRow] = []
     cursor = after
     while limit is None or len(rows) < limit:
-        page = store.page(prefix=prefix, after=cursor, limit=_PAGE)
+        page = fetch(cursor)
         if page is None:
-            return _rows_by_task(client, store, after, limit, prefix)
-        for task_id, state in page:
-            row = _row(client, task_id, state)
+            return None
+        for item in page:
+            row = row_of(item)
             if row is not None:
                 rows.append(row)
                 if limit is not None and len(rows) >= limit:
                     break
         if len(page) < _PAGE:
             break
-        cursor = page[-1][0]
+        cursor = key(page[-1])
     return rows
 
 
@@ -147,21 +162,14 @@ def _row(client: Client, task_id: str, state: State, task: TaskInfo | None = Non
 def _rows_by_task(client: Client, store: StateStore, after: str | None, limit: int | None,
                   prefix: str) -> list[StreamRow]:
     """The fallback: tasks a page at a time, one state read per task."""
-    rows: list[StreamRow] = []
-    cursor = after
-    while limit is None or len(rows) < limit:
-        page = client.task_page(prefix=prefix, after=cursor, limit=_PAGE, props=False)
-        for task in page:
-            state = store.get(task.id)
-            row = None if state is None else _row(client, task.id, state, task)
-            if row is not None:
-                rows.append(row)
-                if limit is not None and len(rows) >= limit:
-                    break
-        if len(page) < _PAGE:
-            break
-        cursor = page[-1].id
-    return rows
+
+    def row_of(task: TaskInfo) -> StreamRow | None:
+        state = store.get(task.id)
+        return None if state is None else _row(client, task.id, state, task)
+
+    rows = _paged(lambda cursor: client.task_page(prefix=prefix, after=cursor, limit=_PAGE, props=False),
+                  row_of, lambda task: task.id, after, limit)
+    return [] if rows is None else rows  # task pages are never None
 
 
 def check_stream(client: Client, task_id: str) -> bool:
