@@ -214,6 +214,7 @@ class WorkerSpec:
     max_tasks: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     count_sql: bool = False  # report ("sql", node, statements so far) every second (SQLite)
+    sticky_for: float = 0.0  # Consumer(sticky_for=): 0, the default, releases at once on SIGTERM
 
 
 class Fleet:

@@ -44,6 +44,8 @@ from metafora.client import Client
 
 BALANCER = os.environ.get("METAFORA_RESTART_BALANCER", "default")
 BALANCE_EVERY = float(os.environ.get("METAFORA_RESTART_BALANCE_EVERY", "5"))
+# Sticky return is opt-in (default 0, what a user gets); a run with it set is a labelled row.
+STICKY_FOR = float(os.environ.get("METAFORA_RESTART_STICKY_FOR", "0"))
 LATE_S = 3.0
 EVEN_WITHIN = 0.10  # a node is even within 10 % of its share, or +-1 task
 CONVERGE_LIMIT = 60.0  # seconds a phase may take before it is reported as not converged
@@ -69,7 +71,8 @@ class Run:
 
     def spec(self, node: str) -> WorkerSpec:
         """The worker every scenario runs: hold handlers, the benchmark's balancer."""
-        return WorkerSpec(self.url, node, mode="hold", balancer=BALANCER, balance_every=BALANCE_EVERY)
+        return WorkerSpec(self.url, node, mode="hold", balancer=BALANCER, balance_every=BALANCE_EVERY,
+                          sticky_for=STICKY_FOR)
 
     def drain(self, wait: float = 0.05) -> None:
         """Record the start events the fleet has sent (the queue lags the store)."""
@@ -198,5 +201,6 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
                   f"steady {steady_s:g} s: moves", "join: moves / share", "leave: moves / held",
                   "rolling: starts/task"), rows)
     save("restart", {"quick": quick, "nodes": nodes, "tasks": tasks, "balancer": BALANCER,
-                     "balance_every": BALANCE_EVERY, "load_average": os.getloadavg(), "results": data})
+                     "balance_every": BALANCE_EVERY, "sticky_for": STICKY_FOR,
+                     "load_average": os.getloadavg(), "results": data})
     return data

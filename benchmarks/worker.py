@@ -106,7 +106,7 @@ def main(spec: Any, events: Any) -> None:
     chosen: dict[str, Any] = {} if spec.balancer == "default" else {"balancer": balancers[spec.balancer]}
     consumer = Consumer(coord, _handler_func(spec, events), **chosen,
                         balance_every=spec.balance_every, max_tasks=spec.max_tasks,
-                        shutdown_timeout=5)
+                        sticky_for=getattr(spec, "sticky_for", 0.0), shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
     signal.signal(signal.SIGINT, lambda *_: consumer.shutdown())
 
