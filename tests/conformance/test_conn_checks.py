@@ -190,3 +190,32 @@ def test_complete_task_refuses_an_autocommit_connection(store: str) -> None:
             assert client.get_task("c-1").state is TaskState.DONE
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("store", KINDS, indirect=True)
+def test_a_stateful_checkpoint_refuses_an_autocommit_connection(store: str) -> None:
+    """The same rule for ``cmds.checkpoint(cursor, conn=)`` (the state store's ``store_in``):
+    an autocommit connection would commit the cursor at once, whatever the application's
+    transaction decides."""
+    from metafora import open_coordinator
+    from metafora.statemachine import State, state_store_for
+    from metafora.testing import RecordingContext, wait_for
+
+    engine = create_engine(sqlalchemy_url(store))
+    try:
+        with open_client(store) as client, open_coordinator(store, node_id="n1") as coord:
+            coord.init(RecordingContext())
+            client.submit_task(Task("s-1"))
+            claimed = wait_for(lambda: coord.claim(Task("s-1")), 10, "the claim")
+            states = state_store_for(coord)
+            with engine.connect() as conn:
+                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+                with pytest.raises(ConfigError, match=r"(?i)autocommit"):
+                    states.store_in(claimed, State(cursor="1"), auto)  # type: ignore[attr-defined]
+            assert states.get("s-1") is None or states.get("s-1").cursor != "1"  # type: ignore[union-attr]
+            with engine.begin() as conn:
+                states.store_in(claimed, State(cursor="2"), conn)  # type: ignore[attr-defined]
+            stored = states.get("s-1")
+            assert stored is not None and stored.cursor == "2"
+    finally:
+        engine.dispose()

@@ -240,8 +240,9 @@ class SQLStateStore(StateStore):
 
     def store_in(self, task: Task, state: State, conn: Any) -> None:
         """As :meth:`store`, on the application's transaction ``conn`` (one fenced upsert;
-        ClaimLost when the claim is not current: roll back)."""
-        from metafora.coordinators.sql.submit import run_steps
+        ClaimLost when the claim is not current: roll back). ``conn`` is checked as every
+        ``conn=`` is (an open transaction on this store's own database, never autocommit)."""
+        from metafora.coordinators.sql.submit import run_app_steps
 
         self._st.ensure()  # the command table, on metafora's own connection
         clause = self._st.sql["store"]
@@ -255,7 +256,7 @@ class SQLStateStore(StateStore):
                                 "nothing was written (roll back)")
             return 1
 
-        run_steps(conn, self._db, steps())
+        run_app_steps(conn, self._db, steps())
 
     def get(self, task_id: str) -> State | None:
         self._st.ensure()
