@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from metafora.backends import default_url
 from metafora.config import parse_store_url
+from metafora.coordinators.sql.appconn import sync_app_conn
 from metafora.coordinators.sql.joblog import wakeups
 from metafora.coordinators.sql.joblog.schema import (
     JOBLOG_SCHEMA_VERSION,
@@ -58,7 +58,7 @@ from metafora.coordinators.sql.shared import (
     parse_config,
     schema_not_ready,
 )
-from metafora.coordinators.sql.submit import check_conn, run_steps
+from metafora.coordinators.sql.submit import run_steps
 from metafora.errors import ConfigError, MetaforaError, StoreError
 from metafora.jsontext import MAX_DEPTH, check_depth, load_value
 from metafora.streams.jobs import Job, Jobs, Wake
@@ -313,14 +313,12 @@ class SQLJobLog(Jobs):
         return indexes
 
     def _append_in(self, conn: Any, batch: list[tuple[str, str]]) -> list[int]:
-        check_conn(conn, self._db)
-        _refuse_autocommit(conn)
+        sync_app_conn(conn, self._db)  # the check of every conn=: its kind, never autocommit
         # SQLite: a missing schema is made in the caller's transaction (it may hold the write
         # lock already); PostgreSQL makes it in a transaction of its own.
         sa_conn = conn.connection() if isinstance(conn, Session) else conn
         self.ensure_schema(sa_conn if self._config.kind == "sqlite" else None)
         head = run_steps(conn, self._db, lock_steps(self._sql, self._ns, self.name))
-        _refuse_autocommit(conn, after_write=True)
         return run_steps(conn, self._db, append_steps(self._sql, self._ns, self.name, head, batch))
 
     # -- reading (Jobs) ---------------------------------------------------------------------
@@ -419,32 +417,3 @@ def job_logs(url: str | None = None, **options: Any) -> list[JobLogInfo]:
         return [_info(db, row) for row in rows]
     finally:
         release()
-
-
-def _driver(conn: Any) -> Any:
-    """The DB-API connection under an application connection."""
-    if isinstance(conn, Session):
-        conn = conn.connection()
-    if isinstance(conn, Connection):
-        return conn.connection.driver_connection
-    return conn
-
-
-def _refuse_autocommit(conn: Any, *, after_write: bool = False) -> None:
-    """ConfigError for a connection in autocommit: the append would not join a transaction.
-
-    psycopg says so before anything runs. sqlite3 is checked after the first statement (the
-    counter row's lock, which changes nothing a reader sees): a connection that has not begun
-    a transaction once it wrote is in autocommit.
-    """
-    raw = _driver(conn)
-    auto = False
-    if psycopg is not None and isinstance(raw, psycopg.Connection):
-        auto = bool(raw.autocommit)
-    elif isinstance(raw, sqlite3.Connection) and after_write:
-        auto = not raw.in_transaction
-    if auto:
-        raise ConfigError(
-            "append(conn=...) needs a connection in an open transaction, not one in autocommit:"
-            " the jobs would be committed apart from your work (append without conn= instead)"
-        )
