@@ -26,7 +26,7 @@ from metafora import bulk
 from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, sync_app_conn
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
-from metafora.errors import ConfigError, MetaforaError, TaskExists
+from metafora.errors import ConfigError, MetaforaError
 from metafora.submitting import IfExists
 from metafora.task import Task
 
@@ -282,19 +282,10 @@ def run_app_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
 
 
 def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
-    """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated."""
+    """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated
+    (:func:`drive`; steps that do not catch a driver error let it through unchanged)."""
     check_conn(conn, db)
-    execute = _sync_execute(conn.connection() if isinstance(conn, Session) else conn)
-    try:
-        step = next(steps)
-        while True:
-            step = steps.send(execute(*step))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    except TaskExists:
-        raise
-    except DRIVER_ERRORS as exc:
-        raise translate(exc, db) from exc
+    return drive(_sync_execute(conn.connection() if isinstance(conn, Session) else conn), db, steps)
 
 
 def drive(execute: Any, db: Database, steps: Steps[R]) -> R:
