@@ -275,7 +275,7 @@ def _storm(data: dict[str, Any]) -> list[str]:
     ]
 
 
-@table("security", command="python -m benchmarks security --stores sqlite")
+@table("security", command="python -m benchmarks security")
 def _security(data: dict[str, Any]) -> list[str]:
     return [
         "Costly requests on a `metafora web` process (SQLite), client-side time over one keep-alive"
@@ -290,7 +290,17 @@ def _security(data: dict[str, Any]) -> list[str]:
         *header("body", "answer", "MiB accepted", "RSS before KiB", "RSS after KiB", "grown MB"),
         *(row(k, v["answer"], v["mib_accepted"], v["rss_before_kib"], v["rss_after_kib"], v["grown_mb"])
           for k, v in data.get("memory", {}).items()),
+        *_security_round_three(data.get("round_three")),
     ]
+
+
+def _security_round_three(cases: dict[str, Any] | None) -> list[str]:
+    """The third round's cases (issue 52), where the results file has them."""
+    if not cases:
+        return []
+    return ["", "The third round's cases (SQLite; each holds when the value is refused or the "
+            "answer is right):", "", *header("case", "holds", "figure"),
+            *(row(k, v["holds"], v["figure"]) for k, v in cases.items())]
 
 
 @table("latency", command="python -m benchmarks latency")
