@@ -39,6 +39,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.commands import Command
 from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError, TaskExists
 from metafora.limits import Limit, Rate
+from metafora.recipes import verb
 from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.task import Task, TaskInfo, TaskState, validate_schedule
 
@@ -103,6 +104,14 @@ class AsyncClient(abc.ABC):
         if conn is not None:
             return await self._submit_in(conn, todo, mode)
         return await self._submit_many(todo, mode)
+
+    async def submit_message(self, task_id: str, message: Any, **options: Any) -> bool:
+        """As :meth:`metafora.Client.submit_message`: ``message`` (a registered dataclass,
+        pydantic model or protobuf message) as the props of task ``task_id``; ``options`` are
+        :meth:`submit_task`'s (``conn``: the application's async transaction, ``if_exists``)
+        and the task's own (``priority``, ``group``, ``selector``, ``prefer``, ``spread``)."""
+        task, submit = verb("message_task")(task_id, message, options)
+        return await self.submit_task(task, **submit)
 
     async def complete_task(self, task: Task, *, conn: Any) -> None:
         """As :meth:`metafora.Client.complete_task`, in the application's async transaction."""

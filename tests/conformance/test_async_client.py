@@ -6,6 +6,7 @@ async transaction (SQLAlchemy ``AsyncConnection`` / ``AsyncSession``, psycopg
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import threading
 import uuid
@@ -29,6 +30,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
+from metafora.messages import encode, message
 from metafora.testing import LocalCluster
 from tests.conformance.test_submit_if_exists import (
     check_error_is_the_default,
@@ -120,6 +122,29 @@ def test_the_other_verbs(store_url: str) -> None:
                 await client.submit_tasks([Task("a"), Task("a")])
         with pytest.raises(Exception, match="closed"):
             await client.tasks()
+
+    asyncio.run(body())
+
+
+@message("conformance.Shipped")
+@dataclasses.dataclass
+class Shipped:
+    order_id: str
+    parcels: int
+
+
+def test_submit_message_encodes_like_the_sync_client(store_url: str) -> None:
+    async def body() -> None:
+        async with open_async_client(store_url) as client:
+            assert await client.submit_message("m1", Shipped("o-1", 2), priority=3) is True
+            assert await client.submit_message("m1", Shipped("o-1", 9), if_exists="ignore") is False
+            info = await client.get_task("m1")
+            assert info.props == encode(Shipped("o-1", 2)) and info.priority == 3
+            with pytest.raises(ConfigError, match="unknown option"):
+                await client.submit_message("m2", Shipped("o-2", 1), prio=1)
+            with pytest.raises(ConfigError, match="not a message type"):
+                await client.submit_message("m3", object())
+            assert [i.id for i in await client.tasks()] == ["m1"]  # nothing half-written
 
     asyncio.run(body())
 
