@@ -26,11 +26,11 @@ row is ever deleted: nothing another transaction wrote can be touched.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy.orm import Session
 
 from metafora.coordinators.sql.schema import identity_query
 from metafora.coordinators.sql.store import Database
@@ -42,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the installation
     psycopg = None  # type: ignore[assignment]
 
-__all__ = ["AppConn", "async_app_conn", "in_savepoint", "sync_app_conn"]
+__all__ = ["AppConn", "async_app_conn", "in_savepoint", "is_session", "sync_app_conn"]
 
 R = TypeVar("R")
 Steps = Generator[tuple[TextClause, dict[str, Any]], list[tuple[Any, ...]], R]
@@ -105,10 +105,18 @@ def _same_kind(kind: str, db: Database) -> None:
         raise ConfigError(f"conn= is a {kind} connection but the store {db.name} is {db.config.kind}")
 
 
+def is_session(conn: Any) -> bool:
+    """A SQLAlchemy ``Session``? Told without importing ``sqlalchemy.orm`` (a tenth of a second
+    at every worker's start, for a node that never uses it): an application that passes a
+    Session has imported it already."""
+    orm = sys.modules.get("sqlalchemy.orm")
+    return orm is not None and isinstance(conn, orm.Session)
+
+
 def sync_app_conn(conn: Any, db: Database) -> tuple[AppConn, Any]:
     """Check a sync application connection; (what was found, the connection to execute on:
     a SQLAlchemy ``Connection`` or the psycopg one). ConfigError."""
-    if isinstance(conn, Session):
+    if is_session(conn):
         conn = conn.connection()
     if isinstance(conn, Connection):
         kind = str(conn.dialect.name)

@@ -20,10 +20,9 @@ from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy.orm import Session
 
 from metafora import bulk
-from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, sync_app_conn
+from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, is_session, sync_app_conn
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
 from metafora.errors import ConfigError, MetaforaError
@@ -222,7 +221,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 def _kind(conn: Any) -> str:
     """The database kind of an application connection ("postgresql", "sqlite")."""
-    if isinstance(conn, Session):
+    if is_session(conn):
         bind = conn.get_bind()
         return str(bind.dialect.name)
     if isinstance(conn, Connection):
@@ -285,7 +284,7 @@ def run_steps(conn: Any, db: Database, steps: Steps[R]) -> R:
     """Drive ``steps`` on the application's connection ``conn`` (sync), errors translated
     (:func:`drive`; steps that do not catch a driver error let it through unchanged)."""
     check_conn(conn, db)
-    return drive(_sync_execute(conn.connection() if isinstance(conn, Session) else conn), db, steps)
+    return drive(_sync_execute(conn.connection() if is_session(conn) else conn), db, steps)
 
 
 def drive(execute: Any, db: Database, steps: Steps[R]) -> R:
