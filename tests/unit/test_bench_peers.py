@@ -87,10 +87,35 @@ def test_markdown_table_and_ratio_rows() -> None:
     text = peers.markdown(summary, labels, 3, 5000, 200)
     lines = text.splitlines()
     assert lines[0].startswith("| system | tasks/s, 5,000 tasks (median of 3; range) |")
-    assert ("| metafora, PostgreSQL | 1,100 (1,000 - 1,200) | 5.00 (4.00 - 6.00) | 15.0 (10.0 - 20.0) |"
-            in lines)
-    assert "| pgqueuer 1.6.0 | 2,200 (2,000 - 2,400) | 3.00 (2.00 - 4.00) | 10.0 (8.00 - 12.0) |" in lines
+    assert ("| metafora, PostgreSQL, defaults | 1,100 (1,000 - 1,200) | 5.00 (4.00 - 6.00) |"
+            " 15.0 (10.0 - 20.0) |" in lines)
+    assert ("| pgqueuer 1.6.0, capped at 10, extra | 2,200 (2,000 - 2,400) | 3.00 (2.00 - 4.00) |"
+            " 10.0 (8.00 - 12.0) |" in lines)
     assert "| metafora-postgresql ÷ pgqueuer | 0.50x | 1.67x | 1.50x |" in lines
+    assert "published ratio" not in text  # the capped row alone is no peer at its best
+
+
+def test_the_published_ratio_is_the_lowest_against_any_pgqueuer_row() -> None:
+    runs = [*_runs(), {"round": 1, "system": "pgqueuer-recommended", "tasks_per_s": 4400.0},
+            {"round": 1, "system": "pgqueuer-default", "tasks_per_s": 3000.0},
+            {"round": 1, "system": "procrastinate", "tasks_per_s": 9000.0},  # not a pgqueuer row
+            {"round": 1, "system": "metafora-sqlite", "tasks_per_s": 2200.0}]
+    assert peers.published(peers.summarize(runs)) == [
+        ("metafora-postgresql", "pgqueuer-recommended", pytest.approx(0.25)),
+        ("metafora-sqlite", "pgqueuer-recommended", pytest.approx(0.5))]
+    labels = peers.labels_for(peers.SYSTEMS, {s: "1.6.0" for s in peers.SYSTEMS if s.startswith("pgq")})
+    assert labels["pgqueuer-recommended"] == "pgqueuer 1.6.0, recommended"
+    assert labels["pgqueuer-default"] == "pgqueuer 1.6.0, defaults (pgq run)"
+    assert labels["metafora-sqlite"] == "metafora, SQLite, defaults"
+    assert len(set(labels.values())) == len(peers.SYSTEMS)  # every row told apart by its label
+
+
+def test_markdown_adds_the_first_start_columns_when_measured() -> None:
+    runs = [{"system": "metafora-postgresql", "tasks_per_s": 1.0, "spawn_to_first_s": 0.5,
+             "go_to_first_s": 0.25}]
+    lines = peers.markdown(peers.summarize(runs), {}, 1, 5000, 200).splitlines()
+    assert lines[0].endswith("| spawn→first start s | imports done→first start s |")
+    assert lines[2].endswith("| 0.50 (0.50 - 0.50) | 0.25 (0.25 - 0.25) |")
 
 
 def test_markdown_adds_the_crash_column_when_measured() -> None:
@@ -107,7 +132,7 @@ def test_markdown_adds_the_crash_column_when_measured() -> None:
 def test_markdown_without_peers_has_no_ratio_table_and_dashes_for_failures() -> None:
     summary = peers.summarize([{"system": "metafora-sqlite", "error": "x"}])
     text = peers.markdown(summary, peers.labels_for(["metafora-sqlite"], {}), 1, 1000, 50)
-    assert "| metafora, SQLite | - | - | - |" in text
+    assert "| metafora, SQLite, defaults | - | - | - |" in text
     assert "ratio" not in text
     assert "crash" not in text
 
@@ -123,7 +148,7 @@ def test_readme_text_from_saved_results() -> None:
     text = peers.readme_text(data)
     assert "3 interleaved rounds" in text
     assert "| metafora-postgresql ÷ pgqueuer | 0.50x |" in text
-    assert "- pgqueuer 1.6.0: QueueManager.run(batch_size=5" in text
+    assert "- pgqueuer 1.6.0, capped at 10, extra: extra row, the one published before issue 51:" in text
 
 
 def test_parse_systems() -> None:
