@@ -56,13 +56,17 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer-default", "pgqueuer-recommended",
-           "procrastinate", "pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb")
+           "procrastinate", "pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb",
+           "metafora-postgresql-100")
 # metafora as a user starts it (the Consumer's default balancer); the -dumb rows are an extra,
 # labelled: DumbBalancer, which claims everything and never releases (issue 33's yardstick).
 BASE_SYSTEMS = ("metafora-postgresql", "metafora-sqlite")
 # pgqueuer's worker capped at metafora's max_tasks (the row published until issue 51): an extra,
 # labelled, since the cap costs pgqueuer throughput (see SETTINGS).
-EXTRA_SYSTEMS = ("pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb")
+EXTRA_SYSTEMS = ("pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb", "metafora-postgresql-100")
+#: metafora rows not at the default max_tasks: an extra, labelled (as many in flight per worker as
+#: pgqueuer's recommended batch picks at once).
+MAX_TASKS = {"metafora-postgresql-100": 100}
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in EXTRA_SYSTEMS)
 PROCESSES = 2
 CONCURRENCY = 10
@@ -88,6 +92,8 @@ SETTINGS = {
                        " (FairBalancer, lease_ttl 30 s, poll_interval 0.25 s)",
     "metafora-postgresql-dumb": "extra row: as metafora-postgresql with balancer=DumbBalancer()",
     "metafora-sqlite-dumb": "extra row: as metafora-sqlite with balancer=DumbBalancer()",
+    "metafora-postgresql-100": "extra row: as metafora-postgresql with max_tasks 100 (as many in flight"
+                               " per worker as pgqueuer's recommended batch_size picks at once)",
     "pgqueuer-default": "as `pgq run` starts a worker: QueueManager.run() at its defaults (batch_size 10,"
                         " no max_concurrent_tasks, dequeue_timeout 30 s) on pgqueuer's own runner (uvloop,"
                         " a dependency of pgqueuer), async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver",
@@ -107,6 +113,7 @@ SETTINGS = {
 QUALIFIERS = {
     "metafora-postgresql": "defaults", "metafora-sqlite": "defaults",
     "metafora-postgresql-dumb": "DumbBalancer, extra", "metafora-sqlite-dumb": "DumbBalancer, extra",
+    "metafora-postgresql-100": "max_tasks 100, extra",
     "pgqueuer-default": "defaults (pgq run)", "pgqueuer-recommended": "recommended",
     "pgqueuer": f"capped at {CONCURRENCY}, extra", "procrastinate": "defaults",
 }
@@ -117,6 +124,7 @@ CRASH_SETTINGS = {
     "metafora-sqlite": f"lease_ttl {CRASH_TTL} s",
     "metafora-postgresql-dumb": f"lease_ttl {CRASH_TTL} s",
     "metafora-sqlite-dumb": f"lease_ttl {CRASH_TTL} s",
+    "metafora-postgresql-100": f"lease_ttl {CRASH_TTL} s",
     "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
                 " the default 30 s made recovery take 30 s)",
     "pgqueuer-default": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (as pgqueuer)",
@@ -251,7 +259,7 @@ def ratio_rows(summary: dict[str, dict[str, Spread]]) -> list[tuple[str, str, fl
     """``(metafora system, peer, throughput ratio, p50 ratio, p99 ratio)`` for every pair
     measured: each metafora system against its own DumbBalancer row and against every peer."""
     rows = []
-    for ours in (s for s in summary if s in BASE_SYSTEMS):
+    for ours in (s for s in summary if s in BASE_SYSTEMS or s in MAX_TASKS):
         for theirs in (s for s in summary
                        if s == f"{ours}-dumb" or not s.startswith("metafora-")):
             a, b = summary[ours], summary[theirs]
@@ -409,9 +417,9 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
         if trace:
             from benchmarks.statements import count_statements
             with count_statements(Path(trace) / f"{node}.json"):
-                _metafora_worker(url, node, report, system.endswith("-dumb"))
+                _metafora_worker(url, node, report, system.endswith("-dumb"), MAX_TASKS.get(system))
         else:
-            _metafora_worker(url, node, report, system.endswith("-dumb"))
+            _metafora_worker(url, node, report, system.endswith("-dumb"), MAX_TASKS.get(system))
     elif system.startswith("pgqueuer"):
         _pgqueuer_loop(system)(_pgqueuer_worker(url, report, system))
     elif system == "procrastinate":
@@ -421,7 +429,8 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report.dump()
 
 
-def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False) -> None:
+def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False,
+                     max_tasks: int | None = None) -> None:
     from metafora import Consumer, Task, open_coordinator, simple_handler
     from metafora.balancers import DumbBalancer
 
@@ -435,7 +444,7 @@ def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False)
     # The Consumer's default balancer, as a user gets it; DumbBalancer only for the -dumb rows.
     chosen: dict[str, Any] = {"balancer": DumbBalancer()} if dumb else {}
     consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop), **chosen,
-                        max_tasks=CONCURRENCY, shutdown_timeout=5)
+                        max_tasks=max_tasks or CONCURRENCY, shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
 
     def announce() -> None:
