@@ -396,12 +396,22 @@ def _ranged(figure: dict[str, float]) -> str:
 @table("peers", command="python -m benchmarks peers --rounds 3 --systems "
                         "metafora-postgresql,metafora-sqlite,pgqueuer")
 def _peers(data: dict[str, Any]) -> list[str]:
-    from benchmarks.peers import Spread, markdown
+    from benchmarks.peers import Spread, labels_for, markdown
 
     summary = {s: {k: Spread(**v) for k, v in f.items()} for s, f in data["summary"].items()}
-    return markdown(summary, data["labels"], data["rounds"], data["tasks"], data["submits"]).splitlines()
+    labels = dict(data["labels"])
+    if "pgqueuer" in labels:  # the row was always the capped one: said so in results saved before
+        labels["pgqueuer"] = labels_for(["pgqueuer"], data.get("versions", {}))["pgqueuer"]
+    return markdown(summary, labels, data["rounds"], data["tasks"], data["submits"]).splitlines()
 
 
+@table("peers_first", command="METAFORA_PEERS_NAME=peers_first METAFORA_PEERS_WORKLOADS=throughput"
+                              " python -m benchmarks peers --rounds 4 --systems metafora-postgresql,"
+                              "metafora-sqlite,pgqueuer-default,pgqueuer-recommended,pgqueuer,metafora-postgresql-100")
+@table("peers_first_20k", command="METAFORA_PEERS_NAME=peers_first_20k METAFORA_PEERS_TASKS=20000"
+                                  " METAFORA_PEERS_WORKLOADS=throughput python -m benchmarks peers --rounds 3"
+                                  " --systems metafora-postgresql,metafora-sqlite,pgqueuer-default,"
+                                  "pgqueuer-recommended,pgqueuer,metafora-postgresql-100")
 @table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
                               " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 8"
                               " --systems metafora-postgresql,metafora-postgresql-dumb,"
