@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -29,11 +29,10 @@ from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli._load import Kind, Target, import_object, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
-from metafora.holds import check_sticky_for
+from metafora.consumer.options import ConsumerOptions, option_docs, option_fields
 from metafora.masking import mask_url
-from metafora.node import check_weight
 
-__all__ = ["BALANCERS", "ENV_PREFIX", "worker"]
+__all__ = ["BALANCERS", "ENV_PREFIX", "consumer_options", "flag_of", "worker"]
 
 ENV_PREFIX = "METAFORA_WORKER_"
 
@@ -163,6 +162,68 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
     click.echo(f"metafora worker {consumer.node_id} stopped", err=True)
 
 
+# How the worker spells an option where its flag is not the option's name.
+_FLAG_NAMES = {"http_addr": "--http"}
+# The operator's wording of a flag's help where it says more than the option's first sentence.
+_FLAG_HELP = {
+    "labels": "A placement label of this node (repeat it; the variable holds them space-separated).",
+    "weight": "This node's share of the work relative to the others (a positive number).",
+    "max_tasks": "At most this many tasks at once.",
+    "sticky_for": "With a node id: how long a graceful stop holds this node's tasks for its id, so a "
+                  "restart under it takes them back (e.g. 10s; 0, the default, releases at once; at "
+                  "most 1h).",
+    "http_addr": "Serve /info, /metrics, /healthz and /readyz on this address.",
+    "shutdown_timeout": "On SIGTERM, how long handlers may take to return before they are abandoned.",
+    "handoff_timeout": "How long a handler asked to give its task up (balance, metafora stop) may take.",
+    "start_timeout": "How long to wait for a store that cannot be reached at start (then exit 3).",
+    "prune_every": "How often this node tries to take the namespace's prune turn (metafora retention).",
+}
+
+
+def flag_of(name: str) -> str:
+    """The worker's flag for the Consumer option ``name`` (``--balance-every``)."""
+    return _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence as plain text (``x`` as x, :func:`a.b` as b)."""
+    text = re.sub(r":\w+:`~?(?:[\w.]*\.)?([^`]+)`", r"\1", " ".join(doc.split())).replace("``", "")
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One flag per Consumer option (:class:`ConsumerOptions`'s fields, in their order), typed by
+    the option's kind, shown with its default; unset flags leave the option at its default."""
+    docs = option_docs()
+    for field in reversed(option_fields()):
+        kind, default = field.metadata["kind"], field.default
+        # The dataclass's default, shown (a flag not given passes it back unchanged).
+        kwargs: dict[str, Any] = {"default": default, "show_default": default is not None,
+                                  "help": _FLAG_HELP.get(field.name) or _first_sentence(docs[field.name])}
+        if kind == "labels":
+            kwargs.update(multiple=True, metavar="KEY=VALUE", default=(), show_default=False)
+        elif kind == "seconds":
+            kwargs.update(type=Duration(), default=f"{default:g}s")
+        elif kind == "count":
+            kwargs.update(type=int)
+        elif kind == "number":
+            kwargs.update(type=float)
+        else:
+            kwargs.update(metavar="HOST:PORT")
+        command = _option(flag_of(field.name), field.name, **kwargs)(command)
+    return command
+
+
+def consumer_options(values: Mapping[str, Any]) -> ConsumerOptions:
+    """The options the flags gave (``None``: not given), each checked once and a refusal
+    naming its flag (a ConfigError: a usage error, exit 2)."""
+    given = {name: value for name, value in values.items() if value not in (None, ())}
+    if "labels" in given:
+        given["labels"] = parse_select(given["labels"], flag_of("labels"))
+    return ConsumerOptions.parse(given, flag_of)
+
+
 @click.command(help=_HELP)
 @click.argument("target_spec", metavar="MODULE:NAME", envvar=ENV_PREFIX + "TARGET")
 @_option("--kind", type=click.Choice([k.value for k in Kind]), default=None,
@@ -171,55 +232,30 @@ def _run(consumer: Consumer, target: Target, url: str) -> None:
          help="How the node claims and gives back work: resource is CPU-based (claims below 80%, "
               "releases above 95%); MODULE:NAME is a Balancer, or a class or factory called with "
               "no arguments.")
-@_option("--labels", "labels", multiple=True, metavar="KEY=VALUE",
-         help="A placement label of this node (repeat it; the variable holds them space-separated).")
-@_option("--weight", type=float, default=1.0, show_default=True,
-         help="This node's share of the work relative to the others (a positive number).")
-@_option("--max-tasks", type=click.IntRange(min=1), default=None, help="At most this many tasks at once.")
 @_option("--node-id", default=None, metavar="ID",
          help="This node's id, stable across restarts (METAFORA_NODE_ID is read too; default: "
               "hostname-<random>).")
-@_option("--sticky-for", type=Duration(), default="0s", show_default=True,
-         help="With a node id: how long a graceful stop holds this node's tasks for its id, "
-              "so a restart under it takes them back (e.g. 10s; 0, the default, releases at "
-              "once; at most 1h).")
-@_option("--http", "http_addr", default=None, metavar="HOST:PORT",
-         help="Serve /info, /metrics, /healthz and /readyz on this address.")
-@_option("--shutdown-timeout", type=Duration(), default="30s", show_default=True,
-         help="On SIGTERM, how long handlers may take to return before they are abandoned.")
-@_option("--handoff-timeout", type=Duration(), default="30s", show_default=True,
-         help="How long a handler asked to give its task up (balance, metafora stop) may take.")
-@_option("--start-timeout", type=Duration(), default="30s", show_default=True,
-         help="How long to wait for a store that cannot be reached at start (then exit 3).")
-@_option("--prune-every", type=Duration(), default="60s", show_default=True,
-         help="How often this node tries to take the namespace's prune turn (metafora retention).")
+@_option_flags
 @click.option("--list-types", is_flag=True, default=False,
               help="MODULE:NAME is a metafora.messages.Router: print the JSON Schema of each "
                    "message type it handles (a JSON object by type name) and exit; the store is "
                    "not touched.")
 @click.pass_context
-def worker(ctx: click.Context, target_spec: str, kind: str | None, balancer: str, labels: tuple[str, ...],
-           weight: float, max_tasks: int | None, node_id: str | None, http_addr: str | None,
-           sticky_for: timedelta, shutdown_timeout: timedelta, handoff_timeout: timedelta,
-           start_timeout: timedelta, prune_every: timedelta, list_types: bool) -> None:
+def worker(ctx: click.Context, /, target_spec: str, kind: str | None, balancer: str, node_id: str | None,
+           list_types: bool, **values: Any) -> None:
     """Run a node with MODULE:NAME until SIGTERM or SIGINT (the help text is ``_HELP``)."""
     if list_types:
         _list_types(target_spec)
         return
     # Everything that can be refused is checked before the store is touched.
-    node_weight = check_weight(weight, "--weight")  # a ConfigError: a usage error (exit 2)
-    node_labels = parse_select(labels, "--labels")
-    sticky = check_sticky_for(sticky_for.total_seconds(), "--sticky-for")
+    options = consumer_options(values)
     target = load_target(target_spec, Kind(kind) if kind is not None else None)
     chosen = make_balancer(balancer)
     url = settings(ctx).url
     coordinator = open_coordinator(url, node_id=node_id)
     try:
-        consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, max_tasks=max_tasks,
-                            labels=node_labels, http_addr=http_addr, shutdown_timeout=shutdown_timeout,
-                            handoff_timeout=handoff_timeout, start_timeout=start_timeout, weight=node_weight,
-                            prune_every=prune_every, sticky_for=sticky)
+        consumer = Consumer(coordinator, target.handler_func(coordinator), chosen, options=options)
     except BaseException:
-        coordinator.close()  # a bad option: leave nothing open behind
+        coordinator.close()  # leave nothing open behind
         raise
     _run(consumer, target, url)

@@ -15,20 +15,14 @@ and ``stop_task`` still act. Every turn, run or skipped, is counted in
 
 from __future__ import annotations
 
-import random
-import threading
 from collections.abc import Callable
 
 from metafora.balancer import Balancer
-from metafora.clock import Clock
+from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import OfferRouter
-from metafora.consumer.options import ConsumerOptions
-from metafora.consumer.running import NodeLog
-from metafora.coordinator import Coordinator
 from metafora.errors import MetaforaError
 from metafora.masking import mask_url
-from metafora.metrics import ConsumerStats
 
 __all__ = ["Rebalancer"]
 
@@ -41,28 +35,22 @@ class Rebalancer:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        ctx: PartsContext,
         balancer: Balancer,
-        options: ConsumerOptions,
         *,
         offers: OfferRouter,
         release: Callable[[str], bool],
-        wake: threading.Event,
-        clock: Clock,
-        rng: random.Random,
-        log: NodeLog,
-        stats: ConsumerStats | None = None,
     ) -> None:
-        self._coord = coordinator
+        self._coord = ctx.coordinator
         self._balancer = balancer
-        self._options = options
+        self._options = ctx.options
         self._offers = offers
         self._release = release
-        self._wake = wake
-        self._clock = clock
-        self._rng = rng
-        self._log = log
-        self._stats = stats if stats is not None else ConsumerStats()
+        self._wake = ctx.wake
+        self._clock = ctx.clock
+        self._rng = ctx.rng
+        self._log = ctx.log
+        self._stats = ctx.stats
         self.next_balance = 0.0  # monotonic time of the next balance
         self._follow_up = False  # a membership balance is followed by one settling balance
         self._members: set[str] | None = None  # active nodes at the last membership event

@@ -19,56 +19,36 @@ view of the store is gone).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import random
 import threading
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from metafora import commands as cmds
-from metafora import tracing
 from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
 from metafora.balancers.fair import FairBalancer
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
+from metafora.consumer.context import PartsContext
 from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
 from metafora.consumer.launch import Launcher
 from metafora.consumer.offers import OfferRouter
-from metafora.consumer.options import (
-    DEFAULT_BALANCE_EVERY,
-    DEFAULT_BALANCE_JITTER,
-    DEFAULT_HANDOFF_TIMEOUT,
-    DEFAULT_PLACEMENT_WAIT,
-    DEFAULT_PRUNE_EVERY,
-    DEFAULT_REBALANCE_WINDOW,
-    DEFAULT_REFUSE_RETRY,
-    DEFAULT_RELEASE_BACKOFF,
-    DEFAULT_RELEASE_BACKOFF_MAX,
-    DEFAULT_RENDEZVOUS_WAIT,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    DEFAULT_SLOW_CALLBACK,
-    DEFAULT_START_TIMEOUT,
-    DEFAULT_STICKY_FOR,
-    ConsumerOptions,
-)
-from metafora.consumer.registration import register
+from metafora.consumer.options import ConsumerOptions, option_fields
+from metafora.consumer.registration import NodeContext, register
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import NodeLog, RunningMap
+from metafora.consumer.running import NodeLog
 from metafora.consumer.shutdown import Shutdown
 from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
-from metafora.coordinator import (
-    DEFAULT_MAX_CRASHES,
-    Coordinator,
-    CoordinatorContext,
-)
+from metafora.coordinator import Coordinator
 from metafora.durations import seconds
 from metafora.errors import (
     ConfigError,
@@ -76,10 +56,9 @@ from metafora.errors import (
 )
 from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
-from metafora.metrics import ConsumerStats, StatsUser
+from metafora.metrics import StatsUser
 from metafora.retention import Pruner
 from metafora.schedule import Scheduler
-from metafora.task import Task
 
 __all__ = ["Consumer"]
 
@@ -89,56 +68,13 @@ log = logging.getLogger("metafora.consumer")
 _DRAIN_MAX = 1000  # events taken per pass of the loop, so deadlines are not starved
 
 
-class _Context(CoordinatorContext):
-    def __init__(self, consumer: Consumer) -> None:
-        self._consumer = consumer
-
-    def lost(self, task: Task) -> None:
-        self._consumer._handoffs.lost(task)
-
-    @property
-    def logger(self) -> logging.Logger:
-        return logging.getLogger("metafora.coordinator").getChild(self._consumer.node_id)
-
-    def renewed(self, seconds: float) -> None:
-        self._consumer.stats.renewal_latency.observe(seconds)
-        tracing.record_renewal(self._consumer.node_id, seconds)
-        self._consumer._risk.renewed()
-
-    def renewal_failed(self, error: BaseException) -> None:
-        """A renewal of the node's lease failed (the optional hook of
-        :mod:`metafora.leases`): its handlers may be warned early."""
-        self._consumer._risk.failed(error)
-
-    @property
-    def max_crashes(self) -> int | None:
-        return self._consumer._options.crash_limit
-
-    @property
-    def labels(self) -> Mapping[str, str]:
-        return self._consumer.labels
-
-    @property
-    def weight(self) -> float:
-        return self._consumer.weight
-
-    @property
-    def capacity(self) -> int | None:
-        return self._consumer._offers.capacity.limit()
-
-
-def _plain(value: float | timedelta) -> float:
-    """A duration option as ConsumerOptions takes it: a timedelta as its seconds (the options
-    check the value, whatever its type)."""
-    return value.total_seconds() if isinstance(value, timedelta) else value
-
-
 class Consumer:
     """Runs tasks from ``coordinator`` with handlers made by ``handler_func``.
 
     ``run()`` blocks until ``shutdown()``. The keyword arguments are the options of
     :class:`~metafora.consumer.options.ConsumerOptions`, which documents each of them (the
-    defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`), and:
+    defaults are the ``DEFAULT_*`` names of :mod:`metafora.consumer.options`; the signature
+    lists them, made from its fields), or ``options=`` one ``ConsumerOptions``, and:
 
     - ``balancer``: what this node claims and gives back; a :class:`~metafora.balancers.FairBalancer`
       by default (each node near its fair share; ``DumbBalancer()`` never gives back);
@@ -154,44 +90,19 @@ class Consumer:
         handler_func: HandlerFunc,
         balancer: Balancer | None = None,
         *,
-        balance_every: float | timedelta = DEFAULT_BALANCE_EVERY,
-        balance_jitter: float = DEFAULT_BALANCE_JITTER,
-        rebalance_window: float | timedelta = DEFAULT_REBALANCE_WINDOW,
-        max_tasks: int | None = None,
-        thread_cap: int | None = None,
-        max_crashes: int | None = DEFAULT_MAX_CRASHES,
-        shutdown_timeout: float | timedelta = DEFAULT_SHUTDOWN_TIMEOUT,
-        start_timeout: float | timedelta = DEFAULT_START_TIMEOUT,
-        handoff_timeout: float | timedelta = DEFAULT_HANDOFF_TIMEOUT,
-        release_backoff: float | timedelta = DEFAULT_RELEASE_BACKOFF,
-        release_backoff_max: float | timedelta = DEFAULT_RELEASE_BACKOFF_MAX,
-        refuse_retry: float | timedelta = DEFAULT_REFUSE_RETRY,
-        slow_callback: float | timedelta = DEFAULT_SLOW_CALLBACK,
-        http_addr: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        weight: float = 1.0,
-        placement_wait: float | timedelta = DEFAULT_PLACEMENT_WAIT,
-        rendezvous_wait: float | timedelta = DEFAULT_RENDEZVOUS_WAIT,
-        prune_every: float | timedelta = DEFAULT_PRUNE_EVERY,
-        sticky_for: float | timedelta = DEFAULT_STICKY_FOR,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        options: ConsumerOptions | None = None,
+        **values: Any,
     ) -> None:
         if not isinstance(coordinator, Coordinator):
             raise ConfigError("coordinator must be a metafora Coordinator (see open_coordinator)")
         if not callable(handler_func):
             raise ConfigError("handler_func must be callable: Task -> Handler")
+        if options is not None and values:
+            raise ConfigError("give the consumer's options as options= or as keyword arguments, not both")
         # ConsumerOptions checks every option (and makes durations seconds).
-        self._options = ConsumerOptions(
-            balance_every=_plain(balance_every), balance_jitter=balance_jitter,
-            rebalance_window=_plain(rebalance_window), max_tasks=max_tasks, thread_cap=thread_cap,
-            max_crashes=max_crashes, shutdown_timeout=_plain(shutdown_timeout),
-            start_timeout=_plain(start_timeout), handoff_timeout=_plain(handoff_timeout),
-            release_backoff=_plain(release_backoff), release_backoff_max=_plain(release_backoff_max),
-            refuse_retry=_plain(refuse_retry), slow_callback=_plain(slow_callback),
-            http_addr=http_addr, labels=labels or {}, weight=weight,
-            placement_wait=_plain(placement_wait), rendezvous_wait=_plain(rendezvous_wait),
-            prune_every=_plain(prune_every), sticky_for=_plain(sticky_for))
+        self._options = options if options is not None else ConsumerOptions.parse(values)
         bind = getattr(handler_func, "bind_coordinator", None)
         if callable(bind):  # a HandlerFunc keeping its state in this store (metafora.streams)
             handler_func = bind(coordinator)
@@ -206,11 +117,15 @@ class Consumer:
         self._build_parts()
 
     def _build_parts(self) -> None:
-        """The consumer's state shared by its parts, and the parts, wired by their constructors."""
+        """The consumer's state shared by its parts (one :class:`PartsContext`), and the parts,
+        each given the context and only the other parts it works with."""
         coord, options, clock = self._coord, self._options, self._clock
-        self._log = NodeLog(log, {"node": coord.node_id})
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        ctx = self._ctx = PartsContext(coord, options, NodeLog(log, {"node": coord.node_id}), self._post,
+                                       clock=clock, rng=self._rng)
+        self._log, self.stats, self._running, self._lock = ctx.log, ctx.stats, ctx.running, ctx.lock
+        self._wake, self._stopping, self._done = ctx.wake, ctx.stopping, ctx.done
         self._http: InfoServer | None = None
-        self.stats = ConsumerStats()
         if isinstance(self._handler_func, StatsUser):  # the gate handler counts its items here
             self._handler_func.attach_stats(self.stats)
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
@@ -219,52 +134,31 @@ class Consumer:
         self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log,
                               on_error=self.stats.loop_error)
         self._cluster = ClusterGauges(coord, clock, logger=self._log, on_error=self.stats.loop_error)
-        self._lock = threading.RLock()
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._done = threading.Event()
-        self._running = RunningMap()  # tallies its tasks' selectors for the balancer
         self._started = False
         self._supervisor = Supervisor(coord.node_id, stopping=self._stopping, wake=self._wake,
                                       log=self._log, clock=clock, on_error=self.stats.loop_error)
         self._timeout_override: float | None = None
         self._runner = self._runner_class(coord.node_id, slow_callback=options.slow_callback,
                                           on_fatal=self._supervisor.fail_fast)
-        self._risk = RiskWatch(coord, running=self._running, lock=self._lock, clock=clock,
-                               log=self._log)
+        self._risk = RiskWatch(ctx)
         capacity = Capacity(max_tasks=options.max_tasks, thread_cap=options.thread_cap,
                             busy_threads=lambda: self._runner.busy_threads,
                             monotonic=clock.monotonic, log=self._log)
-        self._offers = OfferRouter(
-            coord, self._balancer, options, running=self._running, lock=self._lock,
-            capacity=capacity, stopping=self._stopping, wake=self._wake, start=self._start, post=self._post,
-            stats=self.stats, clock=clock, rng=self._rng, log=self._log)
-        self._finisher = Finisher(
-            coord, running=self._running, lock=self._lock, stopping=self._stopping,
-            capacity=capacity, back_off=self._offers.back_off,
-            forget_releases=self._offers.forget_releases, post=self._post, stats=self.stats,
-            clock=clock, log=self._log)
-        self._offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
-        self._handoffs = Handoffs(
-            running=self._running, lock=self._lock, runner=self._runner,
-            handoff_timeout=options.handoff_timeout, back_off=self._offers.back_off,
-            record=self._finisher.record, stats=self.stats, clock=clock, log=self._log)
-        self._balancing = Rebalancer(
-            coord, self._balancer, options, offers=self._offers,
-            release=self._handoffs.request_release, wake=self._wake, clock=clock, rng=self._rng,
-            log=self._log, stats=self.stats)
-        self._launcher = Launcher(
-            coord, self._handler_func, running=self._running, lock=self._lock, runner=self._runner,
-            capacity=capacity, handoffs=self._handoffs, finisher=self._finisher,
-            back_off=self._offers.back_off, stats=self.stats, clock=clock, log=self._log,
-            risk=self._risk)
-        self._status = NodeStatus(coord, running=self._running, lock=self._lock, offers=self._offers,
-                                  supervisor=self._supervisor, stats=self.stats,
-                                  stopping=self._stopping, done=self._done, labels=lambda: self.labels)
-        self._shutdown = Shutdown(coord, running=self._running, lock=self._lock,
-                                  runner=self._runner, finisher=self._finisher, clock=clock,
-                                  log=self._log)
+        self._offers = offers = OfferRouter(ctx, self._balancer, capacity=capacity)
+        self._finisher = Finisher(ctx, capacity=capacity, back_off=offers.back_off,
+                                  forget_releases=offers.forget_releases)
+        offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
+        self._handoffs = Handoffs(ctx, runner=self._runner, back_off=offers.back_off,
+                                  record=self._finisher.record)
+        self._balancing = Rebalancer(ctx, self._balancer, offers=offers,
+                                     release=self._handoffs.request_release)
+        self._launcher = Launcher(ctx, self._handler_func, runner=self._runner, capacity=capacity,
+                                  handoffs=self._handoffs, finisher=self._finisher,
+                                  back_off=offers.back_off, risk=self._risk)
+        offers.starts_with(self._launcher.start)
+        self._status = NodeStatus(ctx, offers=offers, supervisor=self._supervisor)
+        self._shutdown = Shutdown(ctx, runner=self._runner, finisher=self._finisher)
+        self._node = NodeContext(ctx, handoffs=self._handoffs, risk=self._risk, capacity=capacity)
 
     # -- public surface -------------------------------------------------------------
 
@@ -346,9 +240,7 @@ class Consumer:
             self._started = True
             self._status.run_thread = threading.current_thread()
         try:
-            registered = register(
-                self._coord, _Context(self), start_timeout=self._options.start_timeout,
-                stopping=self._stopping, clock=self._clock, rng=self._rng, log=self._log)
+            registered = register(self._node, self._ctx)
         except BaseException:
             self._coord.close()
             self._done.set()
@@ -535,11 +427,6 @@ class Consumer:
         else:  # a newer peer's command: ignore, never crash
             self._log.warning("ignoring unknown command %r", command.name, extra=extra)
 
-    def _start(self, claimed: Task) -> None:
-        # The offer router starts handlers through the launcher, which is built after it
-        # (the launcher backs off through the router).
-        self._launcher.start(claimed)
-
     # -- shutdown -------------------------------------------------------------------
 
     def _shutdown_sequence(self) -> None:
@@ -563,3 +450,22 @@ class Consumer:
             self._http.close()
         self._log.info("consumer %s stopped", self.node_id, extra={"action": "stop"})
         self._done.set()
+
+
+# What the keyword argument of an option of this kind takes (the field keeps it normalised).
+_ANNOTATIONS = {"seconds": "float | timedelta", "labels": "Mapping[str, str] | None"}
+
+
+def _signature() -> inspect.Signature:
+    """``Consumer.__init__``'s signature with every option a keyword argument at its default
+    (made from the options' fields, so help() and editors list them as before)."""
+    init = inspect.signature(Consumer.__init__)
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    made = [inspect.Parameter(f.name, keyword, default=None if f.name == "labels" else f.default,
+                              annotation=_ANNOTATIONS.get(f.metadata["kind"], f.type))
+            for f in option_fields()]
+    params = [p for p in init.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return init.replace(parameters=[*params[:4], *made, *params[4:]])
+
+
+Consumer.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -9,16 +9,15 @@ gathered instead (:meth:`Finisher.take_let_go`) and released in batches by the s
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, MutableMapping
 
 from metafora import tracing
-from metafora.clock import Clock
 from metafora.consumer.capacity import Capacity
-from metafora.consumer.events import Event, Finished, Signal
+from metafora.consumer.context import PartsContext
+from metafora.consumer.events import Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
-from metafora.consumer.running import NodeLog, Running
-from metafora.coordinator import Coordinator, Finish, Outcome, error_text
+from metafora.consumer.running import Running
+from metafora.coordinator import Finish, Outcome, error_text
 from metafora.errors import (
     ClaimCompleted,
     ClaimLost,
@@ -26,7 +25,6 @@ from metafora.errors import (
     InvalidProps,
     MetaforaError,
 )
-from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
 __all__ = ["Finisher"]
@@ -48,29 +46,23 @@ class Finisher:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        ctx: PartsContext,
         *,
-        running: MutableMapping[str, Running],
-        lock: threading.RLock,
-        stopping: threading.Event,
         capacity: Capacity,
         back_off: Callable[[Task], None],
         forget_releases: Callable[[str], None],
-        post: Callable[[Event], None],
-        stats: ConsumerStats,
-        clock: Clock,
-        log: NodeLog,
     ) -> None:
+        coordinator, clock = ctx.coordinator, ctx.clock
         self._coord = coordinator
-        self._running = running
-        self._lock = lock
-        self._stopping = stopping
+        self._running: MutableMapping[str, Running] = ctx.running
+        self._lock = ctx.lock
+        self._stopping = ctx.stopping
         self._capacity = capacity
         self._back_off = back_off
         self._forget_releases = forget_releases
-        self._post = post
-        self._stats = stats
-        self._log = log
+        self._post = ctx.post
+        self._stats = ctx.stats
+        self._log = ctx.log
         self._finishing: set[Running] = set()  # returned, outcome not written yet
         self._let_go: list[Task] = []  # released by handlers during shutdown, not yet written
         # Handlers' outcomes are group-committed by one writer thread.

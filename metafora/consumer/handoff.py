@@ -9,14 +9,12 @@ task) stops and cancels the handler at once: nothing it does from then on can be
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, MutableMapping
 
-from metafora.clock import Clock
+from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import NodeLog, Running
+from metafora.consumer.running import Running
 from metafora.coordinator import Finish, Outcome
-from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
 __all__ = ["Handoffs"]
@@ -33,26 +31,21 @@ class Handoffs:
 
     def __init__(
         self,
+        ctx: PartsContext,
         *,
-        running: MutableMapping[str, Running],
-        lock: threading.RLock,
         runner: HandlerRunner,
-        handoff_timeout: float,
         back_off: Callable[[Task], None],
         record: Callable[[Finish], None],
-        stats: ConsumerStats,
-        clock: Clock,
-        log: NodeLog,
     ) -> None:
-        self._running = running
-        self._lock = lock
+        self._running: MutableMapping[str, Running] = ctx.running
+        self._lock = ctx.lock
         self._runner = runner
-        self._timeout = handoff_timeout
+        self._timeout = ctx.options.handoff_timeout
         self._back_off = back_off
         self._record = record
-        self._stats = stats
-        self._clock = clock
-        self._log = log
+        self._stats = ctx.stats
+        self._clock = ctx.clock
+        self._log = ctx.log
         self._due: dict[str, tuple[float, Running]] = {}  # releases asked, by deadline
         self._lost_early: dict[str, int] = {}  # task id -> token of a claim lost before start
 

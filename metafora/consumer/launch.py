@@ -13,21 +13,19 @@ the node's capacity drops to what it runs (:mod:`metafora.consumer.capacity`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, MutableMapping
 
 from metafora import tracing
-from metafora.clock import Clock
 from metafora.consumer.capacity import Capacity
+from metafora.consumer.context import PartsContext
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import CannotStart, HandlerRunner
-from metafora.consumer.running import NodeLog, Running
-from metafora.coordinator import Coordinator, Finish, Outcome, error_text
+from metafora.consumer.running import Running
+from metafora.coordinator import Finish, Outcome, error_text
 from metafora.errors import MetaforaError
 from metafora.handler import HandlerFunc
-from metafora.metrics import ConsumerStats
 from metafora.task import Task
 
 __all__ = ["Launcher"]
@@ -38,33 +36,28 @@ class Launcher:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        ctx: PartsContext,
         handler_func: HandlerFunc,
         *,
-        running: MutableMapping[str, Running],
-        lock: threading.RLock,
         runner: HandlerRunner,
         capacity: Capacity,
         handoffs: Handoffs,
         finisher: Finisher,
         back_off: Callable[[Task], None],
-        stats: ConsumerStats,
-        clock: Clock,
-        log: NodeLog,
         risk: RiskWatch | None = None,
     ) -> None:
-        self._coord = coordinator
+        self._coord = ctx.coordinator
         self._handler_func = handler_func
-        self._running = running
-        self._lock = lock
+        self._running: MutableMapping[str, Running] = ctx.running
+        self._lock = ctx.lock
         self._runner = runner
         self._capacity = capacity
         self._handoffs = handoffs
         self._finisher = finisher
         self._back_off = back_off
-        self._stats = stats
-        self._clock = clock
-        self._log = log
+        self._stats = ctx.stats
+        self._clock = ctx.clock
+        self._log = ctx.log
         self._risk = risk
 
     def start(self, claimed: Task) -> None:

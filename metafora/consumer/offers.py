@@ -15,17 +15,16 @@ Everything here runs on the consumer's loop thread, except :meth:`OfferRouter.ba
 from __future__ import annotations
 
 import collections
-import random
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from metafora import tracing
 from metafora.balancer import Balancer
-from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.clock import SYSTEM_CLOCK
 from metafora.consumer.capacity import Capacity
-from metafora.consumer.events import Event, Signal
+from metafora.consumer.context import PartsContext
+from metafora.consumer.events import Signal
 from metafora.consumer.offer_queues import (
     DEFER_AFTER,
     DEFER_LOSS,
@@ -36,14 +35,12 @@ from metafora.consumer.offer_queues import (
     Spares,
     by_priority,
 )
-from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.outcomes import OutcomeWriter
 from metafora.consumer.placement import Placement
 from metafora.consumer.preference import Preference
-from metafora.consumer.running import NodeLog, Running
+from metafora.consumer.running import Running
 from metafora.coordinator import Coordinator
 from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.metrics import ConsumerStats
 from metafora.task import Task, matches
 
 # Deferred, Ignores, Spares, by_priority and their constants live in offer_queues (named here too).
@@ -60,45 +57,34 @@ FRESH_LOSS = 0.2  # from this moving share of offers lost to races, each chunk i
 DEFER_FOR = (1.0, 3.0)  # seconds a contested chunk is put off (drawn per chunk)
 
 
+def _not_wired(task: Task) -> None:
+    raise RuntimeError("OfferRouter.starts_with was not called: nothing starts a claimed task")
+
+
 class OfferRouter:
     """Walks offers through the claim pipeline and keeps what waits: deferred, ignored, held.
 
-    ``running`` and ``lock`` are the consumer's; ``start`` starts the handler of a claimed
-    task, ``post`` tells the consumer's loop that a slot is free while offers wait.
+    It reads the consumer's shared state from ``ctx`` (:class:`PartsContext`: the running map
+    and its lock, ``post`` to tell the loop that a slot is free while offers wait);
+    :meth:`starts_with` names what starts the handler of a claimed task.
     """
 
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        balancer: Balancer,
-        options: ConsumerOptions,
-        *,
-        running: Mapping[str, Running],
-        lock: threading.RLock,
-        capacity: Capacity,
-        stopping: threading.Event,
-        wake: threading.Event,
-        start: Callable[[Task], None],
-        post: Callable[[Event], None],
-        stats: ConsumerStats,
-        clock: Clock,
-        rng: random.Random,
-        log: NodeLog,
-    ) -> None:
+    def __init__(self, ctx: PartsContext, balancer: Balancer, *, capacity: Capacity) -> None:
+        coordinator, options, clock = ctx.coordinator, ctx.options, ctx.clock
         self._coord = coordinator
         self._balancer = balancer
         self._options = options
-        self._running = running
-        self._lock = lock
+        self._running: Mapping[str, Running] = ctx.running
+        self._lock = ctx.lock
         self.capacity = capacity
-        self._stopping = stopping
-        self._wake = wake
-        self._start = start
-        self._post = post
-        self._stats = stats
+        self._stopping = ctx.stopping
+        self._wake = ctx.wake
+        self._start: Callable[[Task], None] = _not_wired
+        self._post = ctx.post
+        self._stats = ctx.stats
         self._clock = clock
-        self._rng = rng
-        self._log = log
+        self._rng = ctx.rng
+        self._log = ctx.log
         self.frozen = False  # claims nothing new (set by the freeze commands)
         self._claims = FusedClaims(coordinator)
         self.approved = 0  # offers the balancer approved in this pass, not claimed yet
@@ -113,6 +99,11 @@ class OfferRouter:
         self._placement = Placement(coordinator, options, clock)
         # Offers approved by the balancer are claimed this many per claim_many call.
         self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", DEFAULT_CLAIM_BURST)))
+
+    def starts_with(self, start: Callable[[Task], None]) -> None:
+        """Claimed tasks are started by ``start`` (the launcher, built after this router: it
+        backs off through it)."""
+        self._start = start
 
     # -- waves and deadlines (the loop) ---------------------------------------------
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.clock import Clock
+from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import AsyncRun
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator
@@ -158,14 +158,13 @@ class RiskWatch:
     ``lease_timing()`` (memory) :meth:`run` returns at once and nothing is ever at risk.
     """
 
-    def __init__(self, coordinator: Coordinator, *, running: Mapping[str, Running],
-                 lock: threading.RLock, clock: Clock, log: NodeLog,
-                 share: float = DEFAULT_WARN_SHARE) -> None:
+    def __init__(self, ctx: PartsContext, share: float = DEFAULT_WARN_SHARE) -> None:
+        coordinator = ctx.coordinator
         self._coord = coordinator
-        self._running = running
-        self._consumer_lock = lock
-        self.clock = clock
-        self._log = log
+        self._running: Mapping[str, Running] = ctx.running
+        self._consumer_lock = ctx.lock
+        self.clock = ctx.clock
+        self._log = ctx.log
         timing = getattr(coordinator, "lease_timing", None)
         self._episode = RiskEpisode(RiskRule(timing(), share)) if callable(timing) else None
         self._lock = threading.Lock()

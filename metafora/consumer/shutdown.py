@@ -15,14 +15,14 @@ side threads and closing the HTTP endpoints stay with :class:`~metafora.consumer
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 
-from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.clock import SYSTEM_CLOCK
+from metafora.consumer.context import PartsContext
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.runner import HandlerRunner
-from metafora.consumer.running import NodeLog, Running
-from metafora.coordinator import Coordinator, Finish, Outcome
+from metafora.consumer.running import Running
+from metafora.coordinator import Finish, Outcome
 from metafora.errors import MetaforaError
 
 __all__ = ["Shutdown"]
@@ -34,24 +34,14 @@ LET_GO_BATCH = 100  # releases per batch (close() frees the rest in one request)
 class Shutdown:
     """The steps of a consumer's shutdown (see the module docstring for their order)."""
 
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        *,
-        running: Mapping[str, Running],
-        lock: threading.RLock,
-        runner: HandlerRunner,
-        finisher: Finisher,
-        clock: Clock,
-        log: NodeLog,
-    ) -> None:
-        self._coord = coordinator
-        self._running = running
-        self._lock = lock
+    def __init__(self, ctx: PartsContext, *, runner: HandlerRunner, finisher: Finisher) -> None:
+        self._coord = ctx.coordinator
+        self._running: Mapping[str, Running] = ctx.running
+        self._lock = ctx.lock
         self._runner = runner
         self._finisher = finisher
-        self._clock = clock
-        self._log = log
+        self._clock = ctx.clock
+        self._log = ctx.log
         self._leaving_announced = False
         self.leaving = False  # shutdown(leaving=True): hand tasks off at once, hold nothing
 

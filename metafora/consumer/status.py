@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+from metafora.consumer.context import PartsContext
 from metafora.consumer.offers import OfferRouter
-from metafora.consumer.running import Running, handler_state
+from metafora.consumer.running import handler_state
 from metafora.consumer.supervisor import Supervisor
-from metafora.coordinator import Coordinator
 from metafora.masking import mask_url
-from metafora.metrics import ConsumerStats
 
 __all__ = ["NodeStatus"]
 
@@ -24,13 +22,10 @@ class NodeStatus:
     asked every few seconds by an orchestrator and must answer even when the store does not.
     """
 
-    def __init__(self, coord: Coordinator, *, running: dict[str, Running], lock: threading.RLock,
-                 offers: OfferRouter, supervisor: Supervisor, stats: ConsumerStats,
-                 stopping: threading.Event, done: threading.Event,
-                 labels: Callable[[], Mapping[str, str]]) -> None:
-        self._coord, self._running, self._lock = coord, running, lock
-        self._offers, self._supervisor, self._stats = offers, supervisor, stats
-        self._stopping, self._done, self._labels = stopping, done, labels
+    def __init__(self, ctx: PartsContext, *, offers: OfferRouter, supervisor: Supervisor) -> None:
+        self._coord, self._running, self._lock = ctx.coordinator, ctx.running, ctx.lock
+        self._offers, self._supervisor, self._stats = offers, supervisor, ctx.stats
+        self._stopping, self._done, self._options = ctx.stopping, ctx.done, ctx.options
         self.started_at: datetime | None = None  # set once registered
         self.run_thread: threading.Thread | None = None  # the thread in Consumer.run()
         self.serving = False  # set once every side thread is up and the loop is about to run
@@ -55,7 +50,7 @@ class NodeStatus:
             "node": self._coord.node_id,
             "store": mask_url(self._coord.name, brief=True),
             "frozen": self._offers.frozen,
-            "labels": self._labels(),
+            "labels": dict(self._options.labels),
             "started": self.started_at.isoformat() if self.started_at else None,
             "stopping": self._stopping.is_set(),
             "tasks": rows,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.balancer import Balancer, BalancerContext
 from metafora.consumer.capacity import Capacity
+from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import (
     DEFER_AFTER,
@@ -35,7 +35,6 @@ from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator, CoordinatorContext
 from metafora.coordinators.memory import drop_store
-from metafora.metrics import ConsumerStats
 from metafora.testing import FakeClock
 
 _names = itertools.count()
@@ -84,23 +83,18 @@ class Rig:
         self.coord = open_coordinator(url, node_id="a", clock=clock)
         self.coord.init(_Context(labels))
         self.balancer = Refusing()
-        self.running: dict[str, Running] = {}
-        self.lock = threading.RLock()
         self.started: list[str] = []
         self.posted: list[Event] = []
-        self.stats = ConsumerStats()
         opts = ConsumerOptions(labels=labels, **options)
-        log = NodeLog(logging.getLogger("test"), {"node": "a"})
+        ctx = PartsContext(self.coord, opts, NodeLog(logging.getLogger("test"), {"node": "a"}),
+                           self.posted.append, clock=clock, rng=random.Random(7))
+        self.running, self.lock, self.stats = ctx.running, ctx.lock, ctx.stats
         # Every started task stands for a thread handler.
         capacity = Capacity(max_tasks=opts.max_tasks, thread_cap=opts.thread_cap,
                             busy_threads=lambda: len(self.running), monotonic=clock.monotonic,
-                            log=log)
-        self.router = OfferRouter(
-            self.coord, self.balancer, opts, running=self.running, lock=self.lock,
-            capacity=capacity, stopping=threading.Event(),
-            wake=threading.Event(), start=self._start, post=self.posted.append, stats=self.stats,
-            clock=clock, rng=random.Random(7), log=log,
-        )
+                            log=ctx.log)
+        self.router = OfferRouter(ctx, self.balancer, capacity=capacity)
+        self.router.starts_with(self._start)
 
     def _start(self, task: Task) -> None:
         self.started.append(task.id)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from datetime import timedelta
 
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
 from metafora.consumer import ConsumerOptions
-from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES
+from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES, option_docs
 from metafora.durations import seconds
 from metafora.errors import ConfigError
 
@@ -76,3 +77,44 @@ def test_seconds_takes_numbers_and_timedeltas() -> None:
     assert seconds(0, "x", allow_zero=True) == 0.0
     with pytest.raises(ConfigError, match="x must be a positive number of seconds"):
         seconds(0, "x")
+
+
+# Consumer's keyword options as DESIGN.md and every caller know them: names, order, defaults.
+PUBLIC_OPTIONS = {
+    "balance_every": 60.0, "balance_jitter": 0.1, "rebalance_window": 3.0, "max_tasks": None,
+    "thread_cap": None, "max_crashes": DEFAULT_MAX_CRASHES, "shutdown_timeout": 30.0,
+    "start_timeout": 30.0, "handoff_timeout": 30.0, "release_backoff": 1.0,
+    "release_backoff_max": 60.0, "refuse_retry": 1.0, "slow_callback": 0.25, "http_addr": None,
+    "labels": None, "weight": 1.0, "placement_wait": 2.0, "rendezvous_wait": 0.0,
+    "prune_every": 60.0, "sticky_for": 0.0,
+}
+
+
+def test_the_consumers_signature_is_made_from_the_options_and_keeps_every_keyword() -> None:
+    params = inspect.signature(Consumer).parameters
+    assert list(params)[:3] == ["coordinator", "handler_func", "balancer"]
+    keywords = {name: p.default for name, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == {**PUBLIC_OPTIONS, "clock": None, "rng": None, "options": None}
+    assert [f.name for f in dataclasses.fields(ConsumerOptions)] == list(PUBLIC_OPTIONS)
+
+
+def test_every_option_is_documented_under_its_field() -> None:
+    docs = option_docs()
+    assert set(docs) == set(PUBLIC_OPTIONS) and all(len(doc) > 20 for doc in docs.values())
+
+
+def test_options_are_given_as_keywords_or_as_one_value_and_unknown_ones_are_refused() -> None:
+    coord = open_coordinator("memory://options", node_id="o")
+    handler = simple_handler(lambda task, stop: True)
+    assert Consumer(coord, handler, options=ConsumerOptions(weight=2)).weight == 2.0
+    assert Consumer(coord, handler, labels=None).labels == {}
+    with pytest.raises(ConfigError, match="not both"):
+        Consumer(coord, handler, options=ConsumerOptions(), weight=2)
+    with pytest.raises(TypeError, match="'balance_evry'"):
+        Consumer(coord, handler, balance_evry=1)
+
+
+def test_parse_blames_the_name_it_is_given() -> None:
+    with pytest.raises(ConfigError, match="--weight must be a positive number"):
+        ConsumerOptions.parse({"weight": 0}, lambda name: "--" + name)
+    assert ConsumerOptions.parse({"sticky_for": timedelta(seconds=5)}).sticky_for == 5.0
