@@ -104,9 +104,10 @@ def main(spec: Any, events: Any) -> None:
     coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
     balancers: dict[str, Balancer] = {"dumb": DumbBalancer(), "fair": FairBalancer()}
     chosen: dict[str, Any] = {} if spec.balancer == "default" else {"balancer": balancers[spec.balancer]}
+    if getattr(spec, "sticky_for", 0.0):  # passed only when set: an older revision (ab.py) lacks it
+        chosen["sticky_for"] = spec.sticky_for
     consumer = Consumer(coord, _handler_func(spec, events), **chosen,
-                        balance_every=spec.balance_every, max_tasks=spec.max_tasks,
-                        sticky_for=getattr(spec, "sticky_for", 0.0), shutdown_timeout=5)
+                        balance_every=spec.balance_every, max_tasks=spec.max_tasks, shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
     signal.signal(signal.SIGINT, lambda *_: consumer.shutdown())
 
