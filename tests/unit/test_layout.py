@@ -151,7 +151,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
     "metafora/coordinators/sql/statements.py": (618, "every statement, written once: grew with holds"),
     "metafora/coordinators/etcd/client.py:EtcdClient": (404, "grew with holds and drains"),
     "metafora/coordinators/etcd/driver.py:EtcdDriver": (405, "grew with holds' leases"),
-    "metafora/coordinators/sql/lease.py:Lease": (478, "renewal, fencing and registration in one"),
     "metafora/coordinators/sql/gates/store.py:SQLItemStore": (455, "every item verb of the gates"),
     "metafora/gates/handler.py:handler_func": (86, "builds the gated handler's closures in one"),
     "metafora/coordinators/etcd/lease.py:run": (83, "the renewal loop with its fencing cases"),

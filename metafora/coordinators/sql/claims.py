@@ -108,7 +108,7 @@ class Claims:
     def _still_claimable(self, ids: list[str]) -> list[str]:
         self._context()
         params = {"ids": self._db.dialect.ids_param(ids), "node": self._node_id,
-                  "labels": self._lease.labels_json() or "{}"}
+                  "labels": self._lease.row.labels_json() or "{}"}
         with self._db.read() as conn:
             rows = self._db.execute(conn, "claimable_ids", params).fetchall()
         return [str(r[0]) for r in rows]
@@ -180,7 +180,7 @@ class Claims:
 
     def _params(self, session: str) -> dict[str, Any]:
         return {"node": self._node_id, "session": session,
-                "labels": self._lease.labels_json() or "{}"}
+                "labels": self._lease.row.labels_json() or "{}"}
 
     def _claim_rows(self, cur: HotCursor, ids: list[str], limit: int, params: dict[str, Any],
                     done_rows: str | None, groups: dict[str, str | None] | None,

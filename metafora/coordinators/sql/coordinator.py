@@ -102,7 +102,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
             if self._ctx is not None:
                 raise MetaforaError(f"coordinator {self._node_id!r} is already initialised")
             weight = context_weight(ctx)
-            self._lease.capacity = lambda: context_capacity(ctx)
+            self._lease.row.capacity = lambda: context_capacity(ctx)
             self._db.ensure_schema()
             if not self._lease.register(first=True, labels=ctx.labels, weight=weight):
                 raise NodeExists(f"node {self._node_id!r} is already live on {self.name}")
@@ -393,7 +393,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     def report_frozen(self, frozen: bool) -> None:
         """Publish whether this node is frozen (``metafora nodes`` shows it). Best effort."""
-        self._lease.set_frozen(frozen)
+        self._lease.row.frozen = frozen
         session = self._lease.session()
         if session is None or self._closed.is_set():
             return

@@ -26,21 +26,24 @@ clock (``now() + lease_ttl``) and a claim is valid while its owner's lease is. T
 After a fence (or when the store says the registration is gone) the node re-registers as
 soon as its old registration has expired by the database clock; re-registering frees the
 old claims (pending again, ready to be claimed, by this node too).
+
+The :class:`Lease` keeps the claims and the fencing; the heartbeat's schedule (renew, check,
+publish, look, back off) is :class:`~metafora.coordinators.sql.heartbeat.Heartbeat`, and the
+statements of the node's row (registration included) are
+:class:`~metafora.coordinators.sql.noderow.NodeRow`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import random
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from metafora.coordinators.sql.heartbeat import PUBLISH_DELAY, Heartbeat, call_hook
+from metafora.coordinators.sql.noderow import NodeRow
 from metafora.coordinators.sql.store import Database
 from metafora.errors import MetaforaError
 from metafora.task import Task
@@ -49,9 +52,6 @@ __all__ = ["PUBLISH_DELAY", "Lease", "reconcile", "release_untracked"]
 
 log = logging.getLogger(__name__)
 
-PUBLISH_DELAY = 0.25
-"""Seconds a changed count of claims waits before it is published: a burst of claims and
-outcomes costs one UPDATE of the node's row, and balancers see it a quarter second late."""
 _RECHECK_AFTER = 0.5  # seconds before a check spoiled by claims in flight is done again
 
 
@@ -76,18 +76,9 @@ class Lease:
         self._on_renewed = on_renewed
         self._on_failed = on_failed
         self._on_members = on_members
-        self._frozen: bool | None = None  # published with every registration
-        self._labels: Mapping[str, str] = {}  # likewise (placement labels, from register)
-        self._weight = 1.0  # likewise (the node's weight, from register)
-        self.capacity: Callable[[], int | None] = lambda: None  # published at every renewal
+        self.row = NodeRow(db, node_id)  # the statements; what registrations publish
         cfg = db.config
-        self._renew_every = cfg.renew_interval
         self._fence_after = cfg.fence_after
-        # PostgreSQL pushes a deleted claim (NOTIFY n<node>) and every renewal compares the
-        # summary anyway: checking between renewals is only SQLite's way to notice promptly.
-        self._check_every = (
-            max(cfg.poll_interval, 0.05) if cfg.kind == "sqlite" else cfg.command_recheck
-        )
         self._extra = {"node": node_id}
         self._lock = threading.Lock()
         self._session: str | None = None
@@ -99,65 +90,41 @@ class Lease:
         self._changes = 0  # bumped by every local change to _held or _busy
         self._inconclusive = 0  # summary checks in a row spoiled by concurrent changes
         self._stop = threading.Event()
-        self._wake = threading.Event()  # heartbeat: check now / re-evaluate
         self._watchdog_wake = threading.Event()
-        self._paused = threading.Event()
-        self._check_at: float | None = None  # when to check the claims (None: no need)
-        self._pokes_seen: int | None = None  # None: check at the next look (a new registration)
-        self._published: int | None = None  # the count of claims the node's row says
-        self._publish_due: float | None = None  # monotonic time of the next publish
         self._threads: list[threading.Thread] = []
+        # PostgreSQL pushes a deleted claim (NOTIFY n<node>) and every renewal compares the
+        # summary anyway: checking between renewals is only SQLite's way to notice promptly.
+        check_every = max(cfg.poll_interval, 0.05) if cfg.kind == "sqlite" else cfg.command_recheck
+        self.heartbeat = Heartbeat(self, self.row, store=db.name, stop=self._stop,
+                                   renew_every=cfg.renew_interval, check_every=check_every,
+                                   on_members=on_members, on_failed=on_failed)
 
     # -- registration -------------------------------------------------------------------
 
-    def labels_json(self) -> str | None:
-        """The node's labels as stored (JSON object text; None when it has none)."""
-        return labels_json(self._labels)
-
-    def set_frozen(self, frozen: bool) -> None:
-        """Whether the node is frozen, as every later registration publishes it."""
-        self._frozen = frozen
-
     def register(self, first: bool, labels: Mapping[str, str] | None = None,
                  weight: float | None = None) -> bool:
-        """Take (or take back) this node's registration; False if the id is live elsewhere.
-
-        Frees the claims of any earlier registration of this id; ``first`` (init) also drops
-        commands queued for a dead earlier process. ``labels`` and ``weight`` are kept for later.
-        """
-        self._labels = self._labels if labels is None else labels
-        self._weight = self._weight if weight is None else weight
+        """Take (or take back) this node's registration; False if the id is live elsewhere
+        (see :meth:`NodeRow.register`). ``labels`` and ``weight`` are kept for later."""
+        row = self.row
+        row.labels = row.labels if labels is None else labels
+        row.weight = row.weight if weight is None else weight
         session = uuid.uuid4().hex
         started = time.monotonic()
-        params: dict[str, Any] = {
-            "node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
-            "host": socket.gethostname(), "pid": os.getpid(), "frozen": self._frozen,
-            "labels": self.labels_json(), "weight": self._weight, "capacity": self.capacity(),
-        }
-        with self._db.transaction() as conn:
-            if self._db.execute(conn, "register", params).first() is None:
-                return False
-            freed = self._db.execute(conn, "free_own", {"node": self._node_id}).fetchall()
-            if freed:
-                self._db.next_token_used(conn, max(int(row[0]) for row in freed))
-                log.info("node %s re-registered; %d claims of its earlier registration are "
-                         "pending again", self._node_id, len(freed), extra=self._extra)
-            if first:
-                self._db.execute(conn, "drop_commands", {"node": self._node_id})
+        if not row.register(session, first):
+            return False
         with self._lock:
             self._session = session
             self._live = True
             self._epoch += 1
             self._deadline = started + self._fence_after
             self._held.clear()
-            self._pokes_seen = None
-            self._published = 0  # the registration wrote task_count = 0
+        self.heartbeat.registered()
         self._watchdog_wake.set()
         return True
 
     def start(self) -> None:
         """Start the heartbeat and watchdog threads (after the first :meth:`register`)."""
-        for name, target in (("heartbeat", self._heartbeat_loop), ("watchdog", self._watchdog_loop)):
+        for name, target in (("heartbeat", self.heartbeat.run), ("watchdog", self._watchdog_loop)):
             thread = threading.Thread(
                 target=target, name=f"metafora-sql-{name}-{self._node_id}", daemon=True
             )
@@ -167,9 +134,8 @@ class Lease:
     def stop(self) -> str | None:
         """Stop both threads; mark the lease not live. Returns the session to deregister."""
         self._stop.set()
-        self._wake.set()
+        self.heartbeat.pause(False)  # and wake it
         self._watchdog_wake.set()
-        self._paused.clear()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(5.0, self._db.config.connect_timeout + 1.0))
@@ -201,8 +167,7 @@ class Lease:
                 self._unbusy(task_id)
             self._changes += 1
             if failed:
-                self._check_at = time.monotonic()
-                self._wake.set()
+                self.heartbeat.request_check()
             if not claimed:
                 return False
             if self._live and self._epoch == epoch and time.monotonic() < self._deadline:
@@ -250,8 +215,7 @@ class Lease:
                 del self._held[task.id]
                 self._count_changed()
             if not settled:
-                self._check_at = time.monotonic()
-                self._wake.set()
+                self.heartbeat.request_check()
 
     def _unbusy(self, task_id: str) -> None:
         """One write of ``task_id`` is no longer in flight (caller holds the lock)."""
@@ -263,9 +227,7 @@ class Lease:
 
     def _count_changed(self) -> None:
         """The count of claims changed (caller holds the lock): publish it soon."""
-        if self._publish_due is None:
-            self._publish_due = time.monotonic() + PUBLISH_DELAY
-            self._wake.set()
+        self.heartbeat.count_changed()
 
     def session(self) -> str | None:
         """The current registration's session id (None before the first)."""
@@ -279,20 +241,32 @@ class Lease:
 
     def request_check(self) -> None:
         """Check the held claims against the store soon (a claim may be gone)."""
+        self.heartbeat.request_check()
+
+    def live(self) -> bool:
+        """Whether the registration is live (the heartbeat re-registers when not)."""
         with self._lock:
-            self._check_at = time.monotonic()
-        self._wake.set()
+            return self._live
+
+    def holds_any(self) -> bool:
+        """Whether this node holds a claim."""
+        with self._lock:
+            return bool(self._held)
+
+    def to_publish(self) -> tuple[int, str | None]:
+        """The count of claims to publish and the session to publish it under."""
+        with self._lock:
+            return len(self._held), self._session
 
     # -- test hooks -----------------------------------------------------------------------
 
     def pause(self) -> None:
         """Stop renewing (a stalled node); the watchdog still fences. For fault tests."""
-        self._paused.set()
+        self.heartbeat.pause(True)
 
     def resume(self) -> None:
         """Undo :meth:`pause`."""
-        self._paused.clear()
-        self._wake.set()
+        self.heartbeat.pause(False)
 
     # -- fencing ----------------------------------------------------------------------------
 
@@ -307,11 +281,11 @@ class Lease:
         log.warning("node %s lost its lease (%s): stopping %d task(s)", self._node_id, reason,
                     len(lost), extra=self._extra)
         self._report_lost(lost)
-        self._wake.set()
+        self.heartbeat.wake()
 
     def _report_lost(self, tasks: list[Task]) -> None:
         for task in tasks:
-            self._hook(self._on_lost, task, f"ctx.lost({task.id})")
+            call_hook(self._on_lost, task, f"ctx.lost({task.id})", self._extra)
 
     def _watchdog_loop(self) -> None:
         while not self._stop.is_set():
@@ -323,7 +297,7 @@ class Lease:
                 continue
             self._watchdog_wake.wait(timeout)
 
-    # -- the heartbeat ----------------------------------------------------------------------
+    # -- the renewal and the check (run by the heartbeat) ----------------------------------
 
     def _snapshot(self) -> tuple[int, tuple[int, int], bool]:
         """(change counter, (count, token sum) of the held claims, anything in flight)."""
@@ -331,131 +305,29 @@ class Lease:
             held = (len(self._held), sum(t.token for t in self._held.values()))
             return self._changes, held, bool(self._busy)
 
-    def _heartbeat_loop(self) -> None:
-        next_renew = time.monotonic() + self._renew_every
-        next_check = time.monotonic() + self._check_every
-        retry = 0.0
-        while not self._stop.is_set():
-            if self._paused.is_set():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            self._wake.clear()
-            now = time.monotonic()
-            renewing = True
-            live = False
-            try:
-                with self._lock:
-                    live = self._live
-                    check = self._check_at is not None and now >= self._check_at
-                    publish = self._publish_due is not None and now >= self._publish_due
-                if not live:
-                    if not self.register(first=False):
-                        raise _NotYet("its earlier registration is still live")
-                    next_renew = time.monotonic() + self._renew_every
-                elif now >= next_renew:
-                    next_renew = self._renew() + self._renew_every
-                elif check:
-                    renewing = False
-                    self._check_held()
-                elif publish:
-                    renewing = False
-                    self._publish()
-                elif now >= next_check:
-                    renewing = False
-                    next_check = now + self._check_every
-                    if self._snapshot()[1][0]:  # pokes concern held claims only
-                        self._look()
-                if retry:
-                    log.info("lease of node %s on %s works again", self._node_id, self._db.name,
-                             extra=self._extra)
-                retry = 0.0
-            except (MetaforaError, _NotYet) as exc:
-                # Warn once per outage (then debug), so a long outage does not flood the log.
-                level = logging.DEBUG if retry or isinstance(exc, _NotYet) else logging.WARNING
-                retry = self._backoff(retry)
-                log.log(level, "lease of node %s on %s: %s (retrying in %.2fs)", self._node_id,
-                        self._db.name, exc, retry, extra=self._extra)
-                if renewing and live:
-                    self._hook(self._on_failed, exc, "renewal-failed")
-            except Exception:
-                retry = self._backoff(retry)
-                log.exception("lease loop of node %s failed", self._node_id, extra=self._extra)
-            if retry:
-                again = time.monotonic() + retry * random.uniform(0.8, 1.2)
-                if renewing:
-                    next_renew = again
-                else:
-                    next_check = again
-            with self._lock:
-                due = min(next_renew, next_check, self._publish_due or next_renew)
-                if self._check_at is not None and not retry:
-                    due = min(due, self._check_at)
-            self._wake.wait(max(due - time.monotonic(), 0.0))
-
-    def _backoff(self, retry: float) -> float:
-        return min(max(retry * 2, 0.05), max(self._renew_every / 2, 0.1))
-
-    def _check_held(self) -> None:
+    def check_held(self) -> None:
         """Compare the claims the store has for this node with the local set (O(claims):
         only when something says they may differ, see the module docstring)."""
-        with self._lock:
-            self._check_at = None  # a request made from now on asks again
+        self.heartbeat.check_started()
         before = self._snapshot()
         try:
-            with self._db.read() as conn:
-                row = self._db.execute(conn, "held_summary", {"node": self._node_id}).one()
+            row = self.row.summary()
         except BaseException:
-            with self._lock:
-                self._check_at = time.monotonic()  # still to do once the store answers
+            self.heartbeat.request_check(wake=False)  # still to do once the store answers
             raise
-        self._hook(self._on_members, tuple(row[2:]), "membership")
+        call_hook(self._on_members, tuple(row[2:]), "membership", self._extra)
         if not self._compare(before, (int(row[0]), int(row[1]))):
-            with self._lock:  # changes in flight spoiled it: look again a little later
-                self._check_at = time.monotonic() + _RECHECK_AFTER
+            # changes in flight spoiled it: look again a little later
+            self.heartbeat.request_check(_RECHECK_AFTER, wake=False)
 
-    def _look(self) -> None:
-        """Between renewals: the node's pokes and the membership (one row, no task read)."""
-        with self._db.read() as conn:
-            row = self._db.execute(conn, "node_pokes", {"node": self._node_id}).first()
-        if row is None:
-            return  # the registration is gone: the next renewal finds out and fences
-        self._hook(self._on_members, tuple(row[1:]), "membership")
-        self._poked(int(row[0]))
-
-    def _poked(self, pokes: int) -> None:
-        """The store says the node's pokes are ``pokes``: check the claims if they changed."""
-        with self._lock:
-            if pokes != self._pokes_seen:
-                self._pokes_seen = pokes
-                self._check_at = time.monotonic()
-                self._wake.set()
-
-    def _publish(self) -> None:
-        """Publish the node's count of claims if it changed since it was last published."""
-        with self._lock:
-            self._publish_due = None
-            count, session = len(self._held), self._session
-            if count == self._published or session is None:
-                return
-        with self._db.write() as conn:
-            self._db.execute(conn, "publish_count", {"node": self._node_id, "session": session,
-                                                     "count": count})
-        with self._lock:
-            self._published = count
-
-    def _renew(self) -> float:
+    def renew(self) -> float:
         """One renewal; returns its (monotonic) start time."""
         started = time.monotonic()
         with self._lock:
             session, epoch = self._session, self._epoch
         before = self._snapshot()
-        params = {"node": self._node_id, "session": session, "ttl": self._db.config.lease_ttl,
-                  "count": before[1][0], "capacity": self.capacity()}
-        with self._lock:
-            self._publish_due = None  # the renewal publishes the count
-        with self._db.hot() as cur:
-            row = cur.one("heartbeat", params)
+        self.heartbeat.renewing()  # the renewal publishes the count
+        row = self.row.renew(session, before[1][0])
         if row is None:
             self._fence("the store no longer has this registration live")
             return started
@@ -468,7 +340,7 @@ class Lease:
             self._fence("renewal came back after the fencing deadline")
             return started
         elapsed = time.monotonic() - started
-        if elapsed > self._renew_every:
+        if elapsed > self.heartbeat.renew_every:
             log.warning("lease renewal of node %s took %.2fs", self._node_id, elapsed,
                         extra=self._extra)
         if self._on_renewed is not None:
@@ -476,19 +348,8 @@ class Lease:
                 self._on_renewed(elapsed)
             except Exception:
                 log.exception("the renewal hook raised", extra=self._extra)
-        with self._lock:
-            self._published = before[1][0]
-        self._hook(self._on_members, tuple(row[1:]), "membership")
-        self._poked(int(row[0]))
+        self.heartbeat.renewed(before[1][0], row)
         return started
-
-    def _hook(self, hook: Callable[[Any], None] | None, value: Any, what: str) -> None:
-        """Call an ``on_*`` hook; one that raises is logged, never stops the heartbeat."""
-        if hook is not None:
-            try:
-                hook(value)
-            except Exception:
-                log.exception("the %s hook raised", what, extra=self._extra)
 
     def _compare(self, before: tuple[int, tuple[int, int], bool], store: tuple[int, int]) -> bool:
         """Reconcile if the store's (count, token sum) of our claims differs from ours; False
@@ -517,9 +378,7 @@ class Lease:
             epoch = self._epoch
             before = {tid: t.token for tid, t in self._held.items()}
             busy_before = set(self._busy)
-        with self._db.read() as conn:
-            rows = self._db.execute(conn, "held_list", {"node": self._node_id}).fetchall()
-        store = {str(r[0]): int(r[1]) for r in rows}
+        store = self.row.claims()
         with self._lock:
             if epoch != self._epoch:
                 return
@@ -573,12 +432,3 @@ def release_untracked(db: Database, node_id: str, task_id: str, token: int) -> N
     if row is not None:
         log.warning("released claim on task %s (token %d) that node %s no longer tracked",
                     task_id, token, node_id, extra=extra)
-
-
-class _NotYet(Exception):
-    """Re-registration must wait (the old registration is still live)."""
-
-
-def labels_json(labels: Mapping[str, str]) -> str | None:
-    """Labels as stored (JSON object text; None for none)."""
-    return json.dumps(dict(labels), separators=(",", ":"), sort_keys=True) if labels else None
