@@ -130,8 +130,9 @@ class ConsumerStats:
 
 @runtime_checkable
 class StatsUser(Protocol):
-    """A handler func that counts into the consumer's stats (the gate handler): the
-    consumer calls :meth:`attach_stats` once, before any task runs."""
+    """A handler func that counts into the consumer's stats: the consumer calls
+    :meth:`attach_stats` once, before any task runs (the older hook:
+    :class:`~metafora.handler.BindsToNode` gives the stats too)."""
 
     def attach_stats(self, stats: ConsumerStats) -> None:
         """Count into ``stats`` from now on."""

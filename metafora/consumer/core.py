@@ -54,9 +54,8 @@ from metafora.errors import (
     ConfigError,
     MetaforaError,
 )
-from metafora.handler import HandlerFunc
+from metafora.handler import Gauges, HandlerFunc, NodeBinding, bind_handler_func
 from metafora.http import InfoServer, render_metrics
-from metafora.metrics import StatsUser
 from metafora.retention import Pruner
 from metafora.schedule import Scheduler
 
@@ -103,11 +102,6 @@ class Consumer:
             raise ConfigError("give the consumer's options as options= or as keyword arguments, not both")
         # ConsumerOptions checks every option (and makes durations seconds).
         self._options = options if options is not None else ConsumerOptions.parse(values)
-        bind = getattr(handler_func, "bind_coordinator", None)
-        if callable(bind):  # a HandlerFunc keeping its state in this store (metafora.streams)
-            handler_func = bind(coordinator)
-            if not callable(handler_func):
-                raise ConfigError("handler_func.bind_coordinator must return a HandlerFunc")
         self._coord = coordinator
         self._handler_func = handler_func
         self._balancer = balancer if balancer is not None else FairBalancer()
@@ -126,8 +120,10 @@ class Consumer:
         self._log, self.stats, self._running, self._lock = ctx.log, ctx.stats, ctx.running, ctx.lock
         self._wake, self._stopping, self._done = ctx.wake, ctx.stopping, ctx.done
         self._http: InfoServer | None = None
-        if isinstance(self._handler_func, StatsUser):  # the gate handler counts its items here
-            self._handler_func.attach_stats(self.stats)
+        # A handler func that needs the node (streams, gates, a Router) is bound to it once.
+        self._gauges: list[Gauges] = []
+        self._handler_func = bind_handler_func(self._handler_func,
+                                               NodeBinding(coord, self.stats, self._gauges.append))
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log, on_error=self.stats.loop_error)
         # Any node may take the prune turn of the retention policy (metafora.retention).
@@ -323,17 +319,15 @@ class Consumer:
                        extra={"action": "http"})
 
     def _handler_gauges(self) -> dict[str, tuple[str, float]]:
-        """Node-level gauges the handler func publishes (``gauges()``: name -> (doc, value)),
-        e.g. ``metafora_stream_lag``; none when it has no such method or it fails."""
-        gauges = getattr(self._handler_func, "gauges", None)
-        if not callable(gauges):
-            return {}
-        try:
-            found = gauges()
-        except Exception:  # a metrics scrape must not fail on a handler's bug
-            self._log.exception("the handler's gauges() failed", extra={"action": "metrics"})
-            return {}
-        return dict(found) if isinstance(found, dict) else {}
+        """Node-level gauges the handler func registered (``metafora_stream_lag``); a source
+        that fails is logged and left out."""
+        found: dict[str, tuple[str, float]] = {}
+        for source in self._gauges:
+            try:
+                found.update(source())
+            except Exception:  # a metrics scrape must not fail on a handler's bug
+                self._log.exception("the handler's gauges failed", extra={"action": "metrics"})
+        return found
 
     # -- side threads ---------------------------------------------------------------
 

@@ -63,7 +63,7 @@ from metafora.gates.model import (
 from metafora.gates.processor import Processor, callable_processor
 from metafora.gates.run import GateOptions, PartitionRun, short_error
 from metafora.gates.store import ItemStore
-from metafora.handler import Handler
+from metafora.handler import Handler, NodeBinding
 from metafora.metrics import ConsumerStats, GateStats
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
@@ -178,6 +178,12 @@ class GateHandlerFunc:
         ``metafora_gate_items_total{outcome}``, ``metafora_gate_item_seconds``). Called by
         the consumer; a handler func shared by consumers counts for them all."""
         stats.gates = self.stats
+
+    def bind_node(self, node: NodeBinding) -> GateHandlerFunc:
+        """Run on ``node`` (:class:`~metafora.handler.BindsToNode`): count items into its
+        stats (:meth:`attach_stats`)."""
+        self.attach_stats(node.stats)
+        return self
 
     def __call__(self, task: Task) -> GateTaskHandler:
         lease = self.items.lease(task, self.node_id, claim_fence=self.claim_fence,

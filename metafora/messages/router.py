@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from metafora.errors import ConfigError
-from metafora.handler import AsyncHandler, Handler, simple_handler
+from metafora.handler import AsyncHandler, Handler, NodeBinding, simple_handler
 from metafora.messages.codec import decode, named_type, schema_of
 from metafora.messages.context import MessageContext
 from metafora.messages.errors import UnknownMessageType
@@ -77,6 +77,11 @@ class Router:
         bound = Router(store=coordinator)
         bound._entries, bound._lock = self._entries, self._lock
         return bound
+
+    def bind_node(self, node: NodeBinding) -> Router:
+        """The HandlerFunc a Consumer runs on ``node`` (:class:`~metafora.handler.BindsToNode`):
+        :meth:`bind_coordinator` of the node's coordinator."""
+        return self.bind_coordinator(node.coordinator)
 
     def handles(self, cls: type) -> Callable[[F], F]:
         """Decorator: ``fn(msg, ctx)`` handles the messages of ``cls`` (see :meth:`register`)."""

@@ -23,7 +23,7 @@ from typing import Any
 from metafora.clock import Clock
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
-from metafora.handler import AsyncHandler, Handler, _is_coroutine_fn
+from metafora.handler import AsyncHandler, Handler, NodeBinding, _is_coroutine_fn
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.errors import ErrorHandler, ErrorPolicy
 from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
@@ -189,6 +189,14 @@ class StreamHandlerFunc:
         with self._lock:
             self._copies.add(copy)
         return copy
+
+    def bind_node(self, node: NodeBinding) -> StreamHandlerFunc:
+        """The handler func a Consumer runs on ``node`` (:class:`~metafora.handler.BindsToNode`):
+        :meth:`bind_coordinator` of its coordinator, whose :meth:`gauges` the node's
+        ``/metrics`` shows."""
+        bound = self.bind_coordinator(node.coordinator)
+        node.add_gauges(bound.gauges)
+        return bound
 
     @property
     def state_store(self) -> StateStore:
