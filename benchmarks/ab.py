@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchmarks/ab.py
 
-from benchmarks.common import RESULTS, save, settings, table
+from benchmarks.common import ALLOW_DIRTY, RESULTS, save, settings, table
 
 ROOT = Path(__file__).resolve().parent.parent
 Figures = dict[str, float]
@@ -105,7 +105,9 @@ def _command(name: str, quick: bool, stores: str) -> list[str]:
 
 def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) -> Figures:
     """One run of the benchmark, importing ``metafora`` from ``root`` (checked)."""
-    env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root))
+    # The base tree holds this checkout's benchmark files (uncommitted there): a side's figures
+    # are an intermediate file; the ab results file, saved here, is refused on a dirty head.
+    env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root), **{ALLOW_DIRTY: "1"})
     # Every metafora module the benchmark imports must come from root: an editable install
     # serves a top-level module root lacks (one added after its revision) from its own tree.
     check = (f"import sys, metafora, benchmarks.{name}; "
