@@ -62,6 +62,7 @@ MODULES: Final[dict[str, str]] = {
     "metafora.holds": "ground",
     # contracts: the interfaces, and each feature's storage interface
     "metafora.handler": "contracts",
+    "metafora.binding": "contracts",
     "metafora.balancer": "contracts",
     "metafora.coordinator": "contracts",
     "metafora.client": "contracts",

@@ -7,20 +7,13 @@ import asyncio
 import functools
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol, overload, runtime_checkable
+from typing import overload
 
-from metafora.errors import ConfigError
 from metafora.task import Task
 
-if TYPE_CHECKING:
-    from metafora.coordinator import Coordinator
-    from metafora.metrics import ConsumerStats
-
-__all__ = ["AsyncHandler", "BindsToNode", "Gauges", "Handler", "HandlerFunc", "NodeBinding",
-           "bind_handler_func", "is_async", "simple_handler"]
+__all__ = ["AsyncHandler", "Handler", "HandlerFunc", "is_async", "simple_handler"]
 
 
 class Handler(abc.ABC):
@@ -90,56 +83,6 @@ class AsyncHandler(abc.ABC):
 
 HandlerFunc = Callable[[Task], Handler | AsyncHandler]
 """Builds the Handler (or AsyncHandler) for a claimed task (the task carries its fencing token)."""
-
-Gauges = Callable[[], Mapping[str, tuple[str, float]]]
-"""Node-level gauges, read at each ``/metrics`` scrape: name -> (help text, value)."""
-
-
-@dataclass(frozen=True)
-class NodeBinding:
-    """What a :class:`~metafora.Consumer` gives the HandlerFunc it runs, once, before any task
-    runs (see :class:`BindsToNode`)."""
-
-    coordinator: Coordinator
-    """The consumer's coordinator: a handler func keeping its state in the store uses it."""
-    stats: ConsumerStats
-    """The node's stats (its ``/metrics``): a handler func may count into them."""
-    add_gauges: Callable[[Gauges], None]
-    """Registers node-level gauges (``metafora_stream_lag``), read at each scrape."""
-
-
-@runtime_checkable
-class BindsToNode(Protocol):
-    """A HandlerFunc that needs the node it runs on (the streams', the gates', a message
-    Router): the consumer calls :meth:`bind_node` once and runs the HandlerFunc it returns
-    (itself, or a copy bound to that node)."""
-
-    def bind_node(self, node: NodeBinding) -> HandlerFunc:
-        """The HandlerFunc to run on ``node``."""
-        ...
-
-
-def bind_handler_func(handler_func: HandlerFunc, node: NodeBinding) -> HandlerFunc:
-    """The HandlerFunc a consumer runs: ``handler_func.bind_node(node)`` when it has one;
-    else the older hooks, each when present (``bind_coordinator(coordinator)``,
-    ``attach_stats(stats)``, ``gauges()``), so a handler func written for them still works."""
-    if isinstance(handler_func, BindsToNode):
-        bound = handler_func.bind_node(node)
-        if not callable(bound):
-            raise ConfigError("handler_func.bind_node must return a HandlerFunc")
-        return bound
-    bind = getattr(handler_func, "bind_coordinator", None)
-    if callable(bind):
-        handler_func = bind(node.coordinator)
-        if not callable(handler_func):
-            raise ConfigError("handler_func.bind_coordinator must return a HandlerFunc")
-    attach = getattr(handler_func, "attach_stats", None)
-    if callable(attach):
-        attach(node.stats)
-    gauges = getattr(handler_func, "gauges", None)
-    if callable(gauges):
-        node.add_gauges(gauges)
-    return handler_func
 
 SyncFn = Callable[[Task, threading.Event], bool]
 AsyncFn = Callable[[Task, asyncio.Event], Awaitable[bool]]

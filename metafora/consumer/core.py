@@ -30,6 +30,7 @@ from typing import Any
 from metafora import commands as cmds
 from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
 from metafora.balancers.fair import FairBalancer
+from metafora.binding import Gauges, NodeBinding, bind_handler_func
 from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
 from metafora.consumer.balancing import Rebalancer
@@ -54,7 +55,7 @@ from metafora.errors import (
     ConfigError,
     MetaforaError,
 )
-from metafora.handler import Gauges, HandlerFunc, NodeBinding, bind_handler_func
+from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
 from metafora.retention import Pruner
 from metafora.schedule import Scheduler

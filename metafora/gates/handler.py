@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+from metafora.binding import NodeBinding
 from metafora.client import Client
 from metafora.clock import Clock
 from metafora.coordinator import Coordinator
@@ -63,7 +64,7 @@ from metafora.gates.model import (
 from metafora.gates.processor import Processor, callable_processor
 from metafora.gates.run import GateOptions, PartitionRun, short_error
 from metafora.gates.store import ItemStore
-from metafora.handler import Handler, NodeBinding
+from metafora.handler import Handler
 from metafora.metrics import ConsumerStats, GateStats
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
@@ -180,7 +181,7 @@ class GateHandlerFunc:
         stats.gates = self.stats
 
     def bind_node(self, node: NodeBinding) -> GateHandlerFunc:
-        """Run on ``node`` (:class:`~metafora.handler.BindsToNode`): count items into its
+        """Run on ``node`` (:class:`~metafora.binding.BindsToNode`): count items into its
         stats (:meth:`attach_stats`)."""
         self.attach_stats(node.stats)
         return self

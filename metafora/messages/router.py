@@ -25,8 +25,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from metafora.binding import NodeBinding
 from metafora.errors import ConfigError
-from metafora.handler import AsyncHandler, Handler, NodeBinding, simple_handler
+from metafora.handler import AsyncHandler, Handler, simple_handler
 from metafora.messages.codec import decode, named_type, schema_of
 from metafora.messages.context import MessageContext
 from metafora.messages.errors import UnknownMessageType
@@ -79,7 +80,7 @@ class Router:
         return bound
 
     def bind_node(self, node: NodeBinding) -> Router:
-        """The HandlerFunc a Consumer runs on ``node`` (:class:`~metafora.handler.BindsToNode`):
+        """The HandlerFunc a Consumer runs on ``node`` (:class:`~metafora.binding.BindsToNode`):
         :meth:`bind_coordinator` of the node's coordinator."""
         return self.bind_coordinator(node.coordinator)
 

@@ -20,10 +20,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from metafora.binding import NodeBinding
 from metafora.clock import Clock
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
-from metafora.handler import AsyncHandler, Handler, NodeBinding, _is_coroutine_fn
+from metafora.handler import AsyncHandler, Handler, _is_coroutine_fn
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.errors import ErrorHandler, ErrorPolicy
 from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
@@ -191,7 +192,7 @@ class StreamHandlerFunc:
         return copy
 
     def bind_node(self, node: NodeBinding) -> StreamHandlerFunc:
-        """The handler func a Consumer runs on ``node`` (:class:`~metafora.handler.BindsToNode`):
+        """The handler func a Consumer runs on ``node`` (:class:`~metafora.binding.BindsToNode`):
         :meth:`bind_coordinator` of its coordinator, whose :meth:`gauges` the node's
         ``/metrics`` shows."""
         bound = self.bind_coordinator(node.coordinator)

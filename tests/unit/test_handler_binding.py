@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
+from metafora.binding import BindsToNode, NodeBinding, bind_handler_func
 from metafora.coordinator import Coordinator
 from metafora.errors import ConfigError
 from metafora.gates.handler import GateHandlerFunc
-from metafora.handler import BindsToNode, HandlerFunc, NodeBinding, bind_handler_func
+from metafora.handler import HandlerFunc
 from metafora.messages import Router
 from metafora.metrics import ConsumerStats
 from metafora.streams.handler import StreamHandlerFunc
