@@ -545,6 +545,10 @@ _AB_RUNS = {
                              "storm --base 4877bf8 --rounds 2 --full --stores etcd"),
     "ab_peers_checkpoints": ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput",
                              "peers --base 8c0b369 --rounds 4"),
+    "ab_house_claims": ("METAFORA_CLAIMS_PROCS=2", "claims --base 455fe10 --rounds 2 --stores sqlite"),
+    "ab_house_storm": ("", "storm --base 455fe10 --rounds 4 --stores sqlite"),
+    "ab_house_gates": ("", "gates --base 455fe10 --rounds 2 --stores sqlite"),
+    "ab_house_peers": ("", "peers --base 455fe10 --rounds 2"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
