@@ -549,6 +549,7 @@ _AB_RUNS = {
     "ab_house_storm": ("", "storm --base 455fe10 --rounds 4 --stores sqlite"),
     "ab_house_gates": ("", "gates --base 455fe10 --rounds 2 --stores sqlite"),
     "ab_house_peers": ("", "peers --base 455fe10 --rounds 2"),
+    "ab_house_peers_latency_branch": ("METAFORA_PEERS_WORKLOADS=latency", "peers --base 0edbcfa --rounds 4"),
 }
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
