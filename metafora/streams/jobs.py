@@ -9,7 +9,7 @@ stream's ``start``: every index up to ``head()`` has a job. The stream's progres
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -38,6 +38,17 @@ class Jobs(abc.ABC):
     @abc.abstractmethod
     def at_index(self, index: int) -> Job | None:
         """The job at ``index`` (its ``index`` must equal the argument); None if not there yet."""
+
+    def at_range(self, start: int, stop: int) -> Sequence[Job | None]:
+        """The jobs at ``start .. stop - 1``, one entry per index (None: not there yet).
+
+        Optional: a stream fetches the jobs it starts a run at a time through it, and a
+        source that reads in batches (a SQL range scan) may override it; the default calls
+        :meth:`at_index` for each. Each job is checked as ``at_index``'s is (its ``index`` must
+        be its position's); if it raises, the stream asks ``at_index`` one index at a time,
+        so an error stays with its job.
+        """
+        return [self.at_index(index) for index in range(start, stop)]
 
     def listen(self, wake: Wake) -> bool:
         """Call ``wake`` when new jobs may exist (a push channel of the source).

@@ -153,7 +153,10 @@ class Window:
         self.running.discard(index)
         self.waiting.add(index)
 
-    def progress(self, base: Progress, head: int | None, failing: StreamFailing | None) -> Progress:
-        """``base`` with this window's processed index and in-flight count."""
-        return replace(base, processed=self.processed, head=head, in_flight=len(self.running),
+    def progress(self, base: Progress, head: int | None, failing: StreamFailing | None,
+                 in_flight: int | None = None) -> Progress:
+        """``base`` with this window's processed index and ``in_flight`` (default: the jobs
+        started and not finished)."""
+        return replace(base, processed=self.processed, head=head,
+                       in_flight=len(self.running) if in_flight is None else in_flight,
                        failing=failing)

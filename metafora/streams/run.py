@@ -9,9 +9,12 @@ push). Each turn it takes the finished jobs, reads a command if one may be there
 
 Threads (:mod:`metafora.streams.threads`): the source (``jobs(task)``, ``head()``,
 ``at_index()``, ``close()``) is called through a strand of the handler's shared pool, one call
-at a time, so a source need not be thread-safe; a plain ``work`` runs on that pool too (at most
-``max_processing`` jobs of a stream at once: its window); an ``async def work`` runs on the
-loop. An idle stream holds no thread. The writes
+at a time, so a source need not be thread-safe. Started jobs go, in index order, to the run's
+:class:`~metafora.streams.lanes.Lanes`: at most ``max_processing`` lanes run them one at a
+time each (a plain ``work`` on that pool, an ``async def work`` on the loop) and hand the
+results back in batches -- with short jobs, per-job futures and wake-ups were the bound. A
+few jobs beyond ``max_processing`` may wait in the lanes' queue (started in the window, not
+yet given to ``work``; a stop drops them). An idle stream holds no thread. The writes
 of the progress are the machine's fenced checkpoints (on the machine's worker threads), at
 most one in flight.
 
@@ -29,7 +32,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,9 +40,10 @@ from metafora.coordinator import error_text
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.machine import Message, MessageKind
 from metafora.streams.jobs import Job, Jobs, StreamFailing
+from metafora.streams.lanes import Lanes
 from metafora.streams.progress import Progress, Window
 from metafora.streams.threads import Strand
-from metafora.streams.work import JobContext, call_work
+from metafora.streams.work import JobContext
 from metafora.task import Task
 
 if TYPE_CHECKING:
@@ -52,6 +56,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ENDING = frozenset({MessageKind.RELEASE, MessageKind.PAUSE, MessageKind.KILL, MessageKind.SLEEP})
+QUEUE_AHEAD = 256
+"""Started jobs that may wait in the lanes' queue beyond ``max_processing`` (within the window):
+a lane takes the next one at once, and the run refills the queue once per batch of results."""
 
 
 class _SourceError(Exception):
@@ -74,8 +81,9 @@ class StreamRun:
         self._source: Jobs | None = None
         self._pushes = False  # the source calls wake itself (no fallback poll)
         self._stopping = threading.Event()  # JobContext.stopping
-        self._running: dict[int, asyncio.Future[Any]] = {}
-        self._threads: set[concurrent.futures.Future[Any]] = set()  # running plain jobs
+        self._lanes = Lanes(func.work, func.is_async, self._pool, self._loop, self._kick.set)
+        self._first = JobContext(task, 1, self._stopping)  # every job's first attempt shares it
+        self._cap = self._opts.max_processing + QUEUE_AHEAD  # jobs started and not finished
         self._left = func.left_running(task.id)  # abandoned by an earlier run, still running
         self._results: list[tuple[int, BaseException | None]] = []
         self._failures: dict[int, int] = {}  # failed attempts per index, this run
@@ -152,8 +160,8 @@ class StreamRun:
         """Whether the run ends now: stopping or failing, and nothing runs (or the grace is over)."""
         if self._ending is None and self._failing is None:
             return False
-        return not self._running or (self._ending is not None
-                                     and self._loop.time() >= self._grace_until)
+        return self._lanes.idle or (self._ending is not None
+                                    and self._loop.time() >= self._grace_until)
 
     def _open(self) -> bool:
         """Whether jobs may start (not stopping, not failing)."""
@@ -184,8 +192,9 @@ class StreamRun:
             self._ending = message
             self._grace_until = self._loop.time() + self._opts.stop_grace
             self._stopping.set()
-            log.info("stream %s: %s; %d jobs running", self._task.id, message, len(self._running),
-                     extra={**self._extra, "action": kind.value})
+            self._unqueue()
+            log.info("stream %s: %s; %d jobs running", self._task.id, message,
+                     self._lanes.executing, extra={**self._extra, "action": kind.value})
         else:
             log.warning("stream %s: ignoring %s", self._task.id, message,
                         extra={**self._extra, "action": "ignore"})
@@ -194,7 +203,7 @@ class StreamRun:
         now = self._loop.time()
         dues: list[float] = []
         if self._open():
-            if self._busy() < self._opts.max_processing:  # full: a job's end kicks
+            if len(self._window.running) < self._cap:  # full: a job's end kicks
                 dues.extend(self._due.values())
             if self._head_failures:
                 dues.append(self._head_due)
@@ -274,85 +283,70 @@ class StreamRun:
 
     @staticmethod
     def _fetch(source: Jobs, indexes: list[int], head: int) -> list[Job | BaseException]:
-        """``at_index`` of each index (on the source's thread), checked."""
+        """The jobs of ``indexes`` (on the source's thread), checked: ``at_range`` for each
+        run of consecutive indexes; where it raises, ``at_index`` one at a time."""
         out: list[Job | BaseException] = []
-        for index in indexes:
+        for start, stop in _runs(indexes):
             try:
-                job = source.at_index(index)
-                if job is None:
-                    raise LookupError(f"at_index({index}) returned None, although head() is {head}")
-                if not isinstance(job, Job):
-                    raise TypeError(f"at_index({index}) returned {type(job).__name__}, not a Job")
-                if job.index != index:
-                    raise ValueError(f"at_index({index}) returned the job of index {job.index}")
-                out.append(job)
-            except Exception as exc:
-                out.append(exc)
+                got: Sequence[object] = source.at_range(start, stop)
+                if len(got) != stop - start:
+                    raise ValueError(f"at_range({start}, {stop}) returned {len(got)} entries, "
+                                     f"not {stop - start}")
+            except Exception:
+                got = [_call(source.at_index, index) for index in range(start, stop)]
+            out.extend(_checked(job, index, head) for index, job in zip(range(start, stop), got,
+                                                                         strict=True))
         return out
 
     # -- jobs -------------------------------------------------------------------------------
 
     async def _start_jobs(self) -> None:
-        opts, window = self._opts, self._window
-        slots = opts.max_processing - self._busy()
+        opts, window, lanes = self._opts, self._window, self._lanes
+        # Jobs an earlier run left running hold their slots (max_processing on the node).
+        lanes.limit = opts.max_processing - sum(1 for thread in self._left if not thread.done())
+        # Nothing is started (nor fetched) while no lane may run; else a few may queue.
+        slots = lanes.limit + QUEUE_AHEAD - len(window.running) if lanes.limit > 0 else 0
         if slots <= 0:
+            lanes.push(())  # a slot freed by a left-running job may start a lane
             return
         now = self._loop.time()
-        indexes = sorted(i for i in window.waiting if self._due.get(i, 0.0) <= now)[:slots]
+        retries = sorted(i for i in window.waiting if self._due.get(i, 0.0) <= now)[:slots]
+        indexes = list(retries)
         if self._head is not None:
-            room = window.room(self._head, opts.max_processing, opts.max_search_ahead)
+            room = window.room(self._head, self._cap, opts.max_search_ahead)
             count = min(room, slots - len(indexes))
             indexes.extend(range(window.next, window.next + count))
         if not indexes:
+            lanes.push(())
             return
         for index in indexes:
             window.start(index)
+        for index in retries:
             self._due.pop(index, None)
         assert self._source is not None and self._head is not None
         fetched = await self._in_source(self._fetch, self._source, indexes, self._head)
+        retried: list[tuple[int, Job, JobContext]] = []
+        new: list[tuple[int, Job, JobContext]] = []
         for index, got in zip(indexes, fetched, strict=True):
             if isinstance(got, BaseException):
                 self._results.append((index, got))
                 self._kick.set()
-            else:
-                self._launch(index, got)
+                continue
+            failures = self._failures.get(index)
+            ctx = self._first if failures is None else JobContext(self._task, failures + 1,
+                                                                    self._stopping)
+            (retried if failures is not None else new).append((index, got, ctx))
+        if not self._open():  # stopping or failing since: they never start
+            for index, _, _ in retried + new:
+                window.failed(index)  # (above the watermark: the next run does them)
+            return
+        lanes.push(retried, first=True)  # lower indexes: before the queued ones
+        lanes.push(new)
 
-    def _busy(self) -> int:
-        """Jobs running: this run's, and those an earlier run here abandoned (their threads
-        run on: counting them keeps max_processing on the node across a pause and resume)."""
-        return len(self._running) + sum(1 for thread in self._left if not thread.done())
-
-    def _launch(self, index: int, job: Job) -> None:
-        ctx = JobContext(self._task, self._failures.get(index, 0) + 1, self._stopping)
-        work = self._func.work
-        future: asyncio.Future[Any]
-        if self._func.is_async:
-            future = asyncio.ensure_future(self._async_work(job, ctx))
-        else:
-            thread = self._pool.submit(call_work, work, job, ctx)
-            self._threads.add(thread)
-            thread.add_done_callback(self._threads.discard)
-            future = asyncio.wrap_future(thread, loop=self._loop)
-        self._running[index] = future
-        future.add_done_callback(functools.partial(self._job_done, index))
-
-    async def _async_work(self, job: Job, ctx: JobContext) -> object:
-        result = self._func.work(job, ctx)
-        if not asyncio.iscoroutine(result) and not isinstance(result, asyncio.Future):
-            raise TypeError(f"async work returned {type(result).__name__}, not an awaitable")
-        coro: Coroutine[Any, Any, object] | asyncio.Future[object] = result
-        return await coro
-
-    def _job_done(self, index: int, future: asyncio.Future[Any]) -> None:
-        if self._running.get(index) is not future:
-            return  # abandoned at the end of the run
-        del self._running[index]
-        # Still ours, so not cancelled by the run: the job raised CancelledError itself --
-        # a failure like any other (dropping it would stall the watermark on it for good).
-        error = (asyncio.CancelledError(f"job {index} was cancelled") if future.cancelled()
-                 else future.exception())
-        self._results.append((index, error))
-        self._kick.set()
+    def _unqueue(self) -> None:
+        """Stopping or failing: the queued jobs do not start (they stay above the watermark)."""
+        for index in self._lanes.drop_queued():
+            self._window.failed(index)
 
     def _collect(self) -> None:
         writer = self._writer
@@ -360,6 +354,7 @@ class StreamRun:
             self._writer = None
             writer.result()  # a refused write (ClaimLost) or a store that stayed away ends the run
         results, self._results = self._results, []
+        results.extend(self._lanes.results())
         window, opts = self._window, self._opts
         for index, error in results:
             if error is None:
@@ -377,6 +372,7 @@ class StreamRun:
                               self._task.id, index, failures, text,
                               extra={**self._extra, "action": "failing"})
                     self._failing = StreamFailing(index, text, failures)
+                    self._unqueue()
                 continue
             delay = opts.backoff(failures)
             self._due[index] = self._loop.time() + delay
@@ -388,7 +384,7 @@ class StreamRun:
 
     def _progress(self) -> Progress:
         failing = self._failing if self._ending is None else None  # a move starts it afresh
-        return self._window.progress(self._base, self._head, failing)
+        return self._window.progress(self._base, self._head, failing, self._lanes.executing)
 
     def _dirty(self) -> bool:
         written, now = self._written, self._progress()
@@ -432,24 +428,53 @@ class StreamRun:
         assert self._failing is not None
         return Message.pause()
 
-    def _abandon(self) -> None:
-        running, self._running = self._running, {}
-        for future in running.values():
-            future.cancel()  # an async job stops; a thread's job cannot: it is abandoned
+    def _abandon(self) -> list[concurrent.futures.Future[Any]]:
+        """Queued jobs never start, async ones are cancelled, threads' jobs cannot be: those
+        still running are abandoned (their lanes, returned)."""
+        threads: list[concurrent.futures.Future[Any]] = list(self._lanes.abandon())
+        return threads
 
     def _cleanup(self) -> None:
         self._stopping.set()
-        self._abandon()
+        threads = self._abandon()
         if self._writer is not None:
             self._writer.cancel()
         self._func.report_lag(self._task.id, None)
         source = self._source
         if source is not None:
             self._strand.submit(_close, source, self._task.id)  # after its calls in flight
-        threads = list(self._threads)
-        for thread in threads:
-            thread.cancel()  # a job queued, not started: it never runs
-        self._func.leave_running(self._task.id, [t for t in threads if not t.done()])
+        self._func.leave_running(self._task.id, threads)
+
+
+def _runs(indexes: list[int]) -> list[tuple[int, int]]:
+    """``indexes`` (sorted within runs) as ``(start, stop)`` runs of consecutive ones, in order."""
+    runs: list[tuple[int, int]] = []
+    for index in indexes:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def _call(fn: Callable[[int], object], index: int) -> object:
+    try:
+        return fn(index)
+    except Exception as exc:
+        return exc
+
+
+def _checked(job: object, index: int, head: int) -> Job | BaseException:
+    """What the source gave for ``index``: its job, or the error that fails that job."""
+    if isinstance(job, Exception):
+        return job
+    if job is None:
+        return LookupError(f"at_index({index}) returned None, although head() is {head}")
+    if not isinstance(job, Job):
+        return TypeError(f"at_index({index}) returned {type(job).__name__}, not a Job")
+    if job.index != index:
+        return ValueError(f"at_index({index}) returned the job of index {job.index}")
+    return job
 
 
 def _close(source: Jobs, task_id: str) -> None:

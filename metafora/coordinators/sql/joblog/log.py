@@ -24,7 +24,8 @@ takes one index (its first payload).
 **Reads.** ``head()`` is one primary-key lookup of the counter row; ``at_index(i)`` reads the
 jobs ``i .. i + READ_AHEAD - 1`` in one range scan of the primary key and keeps them (a
 committed job never changes), so a stream walking its window costs one query per
-:data:`READ_AHEAD` jobs.
+:data:`READ_AHEAD` jobs; ``at_range(start, stop)`` (what a stream uses) reads the range in one
+scan (per :data:`MAX_RANGE` jobs) and keeps nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ __all__ = [
     "MAX_APPEND_BYTES",
     "MAX_KEY_LENGTH",
     "MAX_PAYLOAD_BYTES",
+    "MAX_RANGE",
     "READ_AHEAD",
     "JobLogInfo",
     "SQLJobLog",
@@ -94,6 +96,8 @@ for appends)."""
 READ_AHEAD = 128
 """Jobs read by one ``at_index`` that misses (the next ones are kept for the calls after)."""
 _KEPT = 4 * READ_AHEAD  # jobs kept at most per log handle
+MAX_RANGE = 1024
+"""Jobs read by one query of :meth:`SQLJobLog.at_range` (a longer range takes several)."""
 
 try:
     import psycopg
@@ -351,6 +355,27 @@ class SQLJobLog(Jobs):
                     self._kept.clear()  # streams move forward: the old ones are not read again
                 self._kept.update(jobs)
         return jobs.get(index)
+
+    def at_range(self, start: int, stop: int) -> list[Job | None]:
+        """The jobs at ``start .. stop - 1`` (None where not appended yet): one range scan
+        per :data:`MAX_RANGE` jobs, nothing kept."""
+        for value in (start, stop):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"a job index must be an integer, not {type(value).__name__}")
+        out: list[Job | None] = [None] * max(0, stop - start)
+        first = max(0, start)
+        if first >= stop:
+            return out
+        self.ensure_schema()
+        params = {"ns": self._ns, "log": self.name}
+        with self._db.read() as conn:
+            for low in range(first, stop, MAX_RANGE):
+                high = min(stop, low + MAX_RANGE)
+                for i, key, payload in conn.execute(self._sql.read,
+                                                    {**params, "first": low, "end": high}):
+                    index = int(i)
+                    out[index - start] = Job(index, str(key), self._payload(str(key), payload))
+        return out
 
     def _payload(self, key: str, raw: str) -> Any:
         return load_value(raw, f"the stored payload of job {key!r} in log {self.name!r}", StoreError)

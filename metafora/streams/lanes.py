@@ -1,0 +1,278 @@
+"""The lanes of one stream run: the workers that run its started jobs, one job at a time each.
+
+A job used to be one pool call (a plain ``work``) or one asyncio task (an ``async def``), with
+a future and a wake-up of the stream's coroutine per job: with short jobs that bookkeeping,
+not the work, bounded a stream (a few thousand jobs a second). Here the run hands its started
+jobs, in index order, to a queue; at most ``limit`` lanes (``max_processing`` less the jobs an
+earlier run left running) take them one at a time and run them, and hand back the results in
+a list that the run collects in one go, woken once per batch, not once per job. So:
+
+- **max_processing holds**: a lane runs one job at a time, and no more than ``limit`` lanes
+  live. A queued job has not started: the run's window counts it, ``work`` has not seen it.
+- **plain work** runs on lanes of the handler's shared pool: one lane to begin with; if the
+  lanes have not once emptied the queue within :data:`SPAWN_AFTER` (their jobs wait or take
+  long), lanes start for the queued jobs (up to the limit). So instant jobs do not wake a
+  thread each, and slow ones still run ``limit`` at once. A lane ends when the queue is
+  empty (an idle stream holds no thread).
+- **async work** runs on lane tasks on the loop: one lane to begin with; another starts only
+  when a job really waits (its coroutine suspends) while jobs are queued, so jobs that finish
+  without waiting cost no task each, and jobs that wait still run ``limit`` at once. A lane
+  yields to the loop every :data:`YIELD_EVERY` jobs, so a run of instant jobs cannot hold it.
+- **stopping** (:meth:`abandon`): queued jobs never start; an async lane is cancelled (its
+  job with it); a thread lane ends after its job, its future handed to the caller to count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import types
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future
+from typing import Any, Final
+
+from metafora.streams.jobs import Job
+from metafora.streams.threads import ElasticPool
+from metafora.streams.work import JobContext, Work, call_work
+
+__all__ = ["YIELD_EVERY", "Lanes"]
+
+YIELD_EVERY: Final = 64
+"""Jobs an async lane runs back to back before it lets the loop run others."""
+SPAWN_AFTER: Final = 0.001
+"""Seconds queued jobs wait behind busy thread lanes before more lanes start for them."""
+
+Item = tuple[int, Job, JobContext]
+Result = tuple[int, "BaseException | None"]
+
+
+@types.coroutine
+def _resume(coro: Any, yielded: Any) -> Generator[Any, Any, Any]:
+    """Await the rest of ``coro``, which has run up to its first suspension (``yielded``):
+    what ``await coro`` would have done from there (values and cancellations pass through)."""
+    while True:
+        try:
+            sent = yield yielded
+        except BaseException as exc:  # a cancellation (or a throw) goes to the job
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value
+
+
+class Lanes:
+    """The lanes of one run (see the module docstring). Its methods are called on the loop's
+    thread, but for the lanes' own (:meth:`_take`, :meth:`_report`), which are thread-safe."""
+
+    def __init__(self, work: Work, is_async: bool, pool: ElasticPool,
+                 loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+        self._work = work
+        self._async = is_async
+        self._pool = pool
+        self._loop = loop
+        self._wake = wake  # the run's kick, on the loop's thread
+        self._lock = threading.Lock()
+        self._queue: deque[Item] = deque()
+        self._done: list[Result] = []
+        self._signalled = False  # a wake is on its way: lanes need not send another
+        self._lanes = 0  # alive
+        self._executing = 0
+        self._waiting = 0  # async lanes whose job waits (suspended)
+        self._stopped = False
+        self._spawn_due = False
+        self._emptied = False  # the queue was empty once since the watch began (thread lanes)
+        self._threads: set[Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.limit = 1
+        """The most lanes at once (the run sets it: max_processing less the left-running)."""
+
+    @property
+    def executing(self) -> int:
+        """Jobs running now (``work`` called, not returned)."""
+        return self._executing
+
+    @property
+    def idle(self) -> bool:
+        """No lane is alive (nothing runs, nothing is queued)."""
+        return self._lanes == 0 and not self._queue
+
+    def push(self, items: Iterable[Item], *, first: bool = False) -> None:
+        """Queue started jobs (``first``: before those queued, as retries of lower indexes)."""
+        with self._lock:
+            if first:
+                self._queue.extendleft(reversed(list(items)))
+            else:
+                self._queue.extend(items)
+            # One lane to take them if none is free; more when the jobs wait (_spawn).
+            busy = self._waiting if self._async else self._executing
+            spawn = 1 if self._queue and self._lanes <= busy and self._lanes < self.limit else 0
+            self._lanes += spawn
+            watch = not self._async and self._queue and self._lanes < self.limit
+        for _ in range(spawn):
+            self._start_lane()
+        if watch and not self._spawn_due:
+            # A thread cannot tell a job that waits (I/O) from one that computes: if the
+            # lanes have not once emptied the queue within SPAWN_AFTER, they fall behind.
+            self._spawn_due = True
+            self._emptied = False
+            self._loop.call_later(SPAWN_AFTER, self._spawn)
+
+    def drop_queued(self) -> list[int]:
+        """Take back the queued jobs (they never start); their indexes."""
+        with self._lock:
+            dropped, self._queue = [index for index, _, _ in self._queue], deque()
+        return dropped
+
+    def results(self) -> list[Result]:
+        """The results handed back since the last call: ``(index, None | error)``."""
+        self._signalled = False  # first: a result added after the swap wakes the run again
+        done, self._done = self._done, []
+        return done
+
+    def abandon(self) -> list[Future[None]]:
+        """Stop: no queued job starts, async lanes are cancelled; the thread lanes still in a
+        job (their futures: each ends after its job)."""
+        self._stopped = True
+        self.drop_queued()
+        for task in list(self._tasks):
+            task.cancel()
+        threads = list(self._threads)
+        for thread in threads:
+            thread.cancel()  # a lane queued on the pool, not started: it never runs
+        return [thread for thread in threads if not thread.done()]
+
+    # -- the lanes ---------------------------------------------------------------------------
+
+    def _start_lane(self) -> None:
+        try:
+            if self._async:
+                task = self._loop.create_task(self._async_lane())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                thread = self._pool.submit(self._thread_lane)
+                self._threads.add(thread)
+                thread.add_done_callback(self._threads.discard)
+        except BaseException:  # no thread (the process's limit): the lane never was
+            with self._lock:
+                self._lanes -= 1
+            raise
+
+    def _take(self, finished: bool) -> Item | None:
+        """The next job for a lane (``finished``: its previous one is done), or None: the
+        lane ends."""
+        with self._lock:
+            if finished:
+                self._executing -= 1
+            if self._queue and not self._stopped:
+                self._executing += 1
+                item = self._queue.popleft()
+                if not self._queue:
+                    self._emptied = True
+                return item
+            self._emptied = True
+            self._lanes -= 1
+            return None
+
+    def _report(self, index: int, error: BaseException | None) -> None:
+        self._done.append((index, error))
+        if not self._signalled:  # one wake per batch of results (a second is harmless)
+            self._signalled = True
+            self._wake_run()
+
+    def _wake_run(self) -> None:
+        if self._async:
+            self._wake()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                self._loop.call_soon_threadsafe(self._wake)
+
+    def _thread_lane(self) -> None:
+        work = self._work
+        item = self._take(False)
+        while item is not None:
+            index, job, ctx = item
+            error: BaseException | None = None
+            try:
+                call_work(work, job, ctx)
+            except BaseException as exc:  # the job's failure, handed to the run
+                error = exc
+            self._report(index, error)
+            item = self._take(True)
+        self._wake_run()  # a stopping run waits for its lanes to end
+
+    async def _async_lane(self) -> None:
+        item = self._take(False)
+        ran = 0
+        try:
+            while item is not None:
+                index, job, ctx = item
+                error: BaseException | None = None
+                try:
+                    await self._run_async(job, ctx)
+                except asyncio.CancelledError:
+                    if self._stopped:
+                        raise
+                    # The job raised CancelledError itself: a failure like any other
+                    # (dropping it would stall the watermark on it for good).
+                    error = asyncio.CancelledError(f"job {index} was cancelled")
+                except Exception as exc:
+                    error = exc
+                self._report(index, error)
+                ran += 1
+                if ran % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                item = self._take(True)
+        finally:
+            if item is not None:  # cancelled (or a BaseException) mid-job: the lane ends
+                with self._lock:
+                    self._executing -= 1
+                    self._lanes -= 1
+            self._wake()
+
+    async def _run_async(self, job: Job, ctx: JobContext) -> None:
+        """``work(job, ctx)`` awaited: its first step runs here; only if it waits does the
+        lane wait, after asking for another lane (other jobs need not wait behind it)."""
+        result = self._work(job, ctx)
+        if isinstance(result, asyncio.Future):
+            self._want_lane()
+            await self._wait_in(result)
+            return
+        if not asyncio.iscoroutine(result):
+            raise TypeError(f"async work returned {type(result).__name__}, not an awaitable")
+        try:
+            yielded = result.send(None)
+        except StopIteration:
+            return
+        self._want_lane()
+        await self._wait_in(_resume(result, yielded))
+
+    async def _wait_in(self, awaitable: Any) -> None:
+        self._waiting += 1
+        try:
+            await awaitable
+        finally:
+            self._waiting -= 1
+
+    def _want_lane(self) -> None:
+        if not self._spawn_due and self._queue and self._lanes < self.limit:
+            self._spawn_due = True
+            self._loop.call_soon(self._spawn)
+
+    def _spawn(self) -> None:
+        """Start lanes for the queued jobs while the others wait in theirs."""
+        self._spawn_due = False
+        if self._stopped or (not self._async and self._emptied):
+            return
+        with self._lock:
+            spawn = max(0, min(self.limit - self._lanes, len(self._queue)))
+            self._lanes += spawn
+        for _ in range(spawn):
+            self._start_lane()
