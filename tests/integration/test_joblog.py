@@ -69,6 +69,20 @@ def test_indexes_are_dense_and_a_known_key_keeps_its_index(joblog: SQLJobLog, sq
     assert [(i.name, i.size) for i in job_logs(sql_url) if i.name == joblog.name] == [(joblog.name, 4)]
 
 
+def test_at_range_reads_a_range_in_one_go_and_none_past_the_head(joblog: SQLJobLog,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from metafora.coordinators.sql.joblog import log as log_module
+
+    joblog.append([(f"k{i}", {"n": i}) for i in range(5)])
+    assert joblog.at_range(3, 8) == [Job(3, "k3", {"n": 3}), Job(4, "k4", {"n": 4}), None, None, None]
+    assert joblog.at_range(-2, 1) == [None, None, Job(0, "k0", {"n": 0})]
+    assert joblog.at_range(2, 2) == [] and joblog.at_range(4, 1) == []
+    monkeypatch.setattr(log_module, "MAX_RANGE", 2)  # a long range takes several queries
+    assert [job.index for job in joblog.at_range(0, 5) if job is not None] == [0, 1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="must be an integer"):
+        joblog.at_range(0, "5")  # type: ignore[arg-type]
+
+
 def test_a_read_past_the_head_sees_later_appends(joblog: SQLJobLog) -> None:
     joblog.append([(f"k{i}", i) for i in range(3)])
     assert joblog.at_index(2) == Job(2, "k2", 2)  # reads ahead and keeps 0..2
