@@ -245,7 +245,7 @@ class Lanes:
             self._want_lane()
             await self._wait_in(result)
             return
-        if not asyncio.iscoroutine(result):
+        if type(result) is not types.CoroutineType and not asyncio.iscoroutine(result):
             raise TypeError(f"async work returned {type(result).__name__}, not an awaitable")
         try:
             yielded = result.send(None)

@@ -371,14 +371,17 @@ class SQLJobLog(Jobs):
         with self._db.read() as conn:
             for low in range(first, stop, MAX_RANGE):
                 high = min(stop, low + MAX_RANGE)
-                for i, key, payload in conn.execute(self._sql.read,
-                                                    {**params, "first": low, "end": high}):
-                    index = int(i)
-                    out[index - start] = Job(index, str(key), self._payload(str(key), payload))
+                rows = conn.execute(self._sql.read, {**params, "first": low, "end": high}).fetchall()
+                for i, raw_key, payload in rows:
+                    index, key = int(i), str(raw_key)
+                    out[index - start] = Job(index, key, self._payload(key, payload))
         return out
 
     def _payload(self, key: str, raw: str) -> Any:
-        return load_value(raw, f"the stored payload of job {key!r} in log {self.name!r}", StoreError)
+        try:
+            return load_value(raw, "", StoreError)
+        except StoreError:  # decoded again to name the job (the name costs time on each job)
+            return load_value(raw, f"the stored payload of job {key!r} in log {self.name!r}", StoreError)
 
     def index_of(self, key: str) -> int | None:
         """The index of the job with ``key``, or None if the log has none."""
