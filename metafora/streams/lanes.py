@@ -45,6 +45,7 @@ SPAWN_AFTER: Final = 0.001
 """Seconds queued jobs wait behind busy thread lanes before more lanes start for them."""
 
 Item = tuple[int, Job, JobContext]
+_DONE: Final = object()  # an async job that finished in its first step
 Result = tuple[int, "BaseException | None"]
 
 
@@ -216,7 +217,10 @@ class Lanes:
                 index, job, ctx = item
                 error: BaseException | None = None
                 try:
-                    await self._run_async(job, ctx)
+                    rest = self._first_step(job, ctx)
+                    if rest is not _DONE:  # the job waits: so may the lane, and others start
+                        self._want_lane()
+                        await self._wait_in(rest)
                 except asyncio.CancelledError:
                     if self._stopped:
                         raise
@@ -237,22 +241,19 @@ class Lanes:
                     self._lanes -= 1
             self._wake()
 
-    async def _run_async(self, job: Job, ctx: JobContext) -> None:
-        """``work(job, ctx)`` awaited: its first step runs here; only if it waits does the
-        lane wait, after asking for another lane (other jobs need not wait behind it)."""
+    def _first_step(self, job: Job, ctx: JobContext) -> Any:
+        """``work(job, ctx)`` up to its first wait: ``_DONE`` if it finished without one
+        (no task, no await: most short jobs), else what to await for the rest of it."""
         result = self._work(job, ctx)
         if isinstance(result, asyncio.Future):
-            self._want_lane()
-            await self._wait_in(result)
-            return
+            return result
         if type(result) is not types.CoroutineType and not asyncio.iscoroutine(result):
             raise TypeError(f"async work returned {type(result).__name__}, not an awaitable")
         try:
             yielded = result.send(None)
         except StopIteration:
-            return
-        self._want_lane()
-        await self._wait_in(_resume(result, yielded))
+            return _DONE
+        return _resume(result, yielded)
 
     async def _wait_in(self, awaitable: Any) -> None:
         self._waiting += 1

@@ -137,6 +137,13 @@ class Window:
             self.waiting.discard(index)
         self.running.add(index)
 
+    def start_next(self, count: int) -> range:
+        """The next ``count`` new indexes start; them."""
+        started = range(self.next, self.next + count)
+        self.running.update(started)
+        self.next += count
+        return started
+
     def finished(self, index: int) -> bool:
         """``index`` is done; True when the processed index moved."""
         self.running.discard(index)

@@ -311,18 +311,16 @@ class StreamRun:
             return
         now = self._loop.time()
         retries = sorted(i for i in window.waiting if self._due.get(i, 0.0) <= now)[:slots]
+        for index in retries:
+            window.start(index)
+            self._due.pop(index, None)
         indexes = list(retries)
         if self._head is not None:
             room = window.room(self._head, self._cap, opts.max_search_ahead)
-            count = min(room, slots - len(indexes))
-            indexes.extend(range(window.next, window.next + count))
+            indexes.extend(window.start_next(min(room, slots - len(indexes))))
         if not indexes:
             lanes.push(())
             return
-        for index in indexes:
-            window.start(index)
-        for index in retries:
-            self._due.pop(index, None)
         assert self._source is not None and self._head is not None
         fetched = await self._in_source(self._fetch, self._source, indexes, self._head)
         retried: list[tuple[int, Job, JobContext]] = []
@@ -356,12 +354,13 @@ class StreamRun:
         results, self._results = self._results, []
         results.extend(self._lanes.results())
         window, opts = self._window, self._opts
+        finished = False
         for index, error in results:
             if error is None:
-                self._failures.pop(index, None)
+                if self._failures:
+                    self._failures.pop(index, None)
                 window.finished(index)
-                if self._head is None or window.next > self._head:
-                    self._head_wanted = True  # a finished job checks: caught up with the head
+                finished = True
                 continue
             failures = self._failures[index] = self._failures.get(index, 0) + 1
             window.failed(index)
@@ -379,6 +378,8 @@ class StreamRun:
             log.warning("stream %s: job %d failed (attempt %d of %d), again in %.2gs: %s",
                         self._task.id, index, failures, opts.max_attempts, delay, text,
                         extra={**self._extra, "action": "job_error"})
+        if finished and (self._head is None or window.next > self._head):
+            self._head_wanted = True  # a finished job checks: caught up with the head
 
     # -- progress ---------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ Work = Callable[[Job, JobContext], "Awaitable[object] | object"]
 def call_work(work: Work, job: Job, ctx: JobContext) -> Any:
     """``work(job, ctx)``, refusing an awaitable from a plain function (it would count as done)."""
     result = work(job, ctx)
-    if inspect.isawaitable(result):
+    if result is not None and inspect.isawaitable(result):
         close = getattr(result, "close", None)
         if callable(close):
             close()
