@@ -13,7 +13,8 @@ streams spread over worker processes.
   the bare driver (SQLite: ``BEGIN IMMEDIATE`` / ``UPDATE`` / ``COMMIT`` in WAL with
   ``synchronous=NORMAL``, as the store runs; PostgreSQL: an autocommit ``UPDATE``). The
   target is at least 10x the commit rate at 64 in flight: the watermark is written batched,
-  not once per job.
+  not once per job. The process's CPU time (every thread) per job and per commit is reported
+  too: on a loaded machine it moves less than a rate does.
   A fourth run at 64 has ``async def`` no-op work (no thread hop per job).
 - **many streams**: S streams x J jobs (S logs) over 4 worker processes (spawned consumers,
   ``max_processing=4``); timed from the first submit to every stream's processed index at
@@ -63,21 +64,21 @@ def _noop(job: Job, ctx: JobContext) -> None:
 class _Clock:
     """No-op work that notes when the first job started and the last one ended."""
 
-    def __init__(self) -> None:
-        self.first = 0.0
-        self.last = 0.0
+    def __init__(self, last: int) -> None:
+        self.last_index = last
+        self.first = self.last = 0.0
+        self.cpu_first = self.cpu_last = 0.0  # the process's CPU seconds (every thread)
 
     def work(self, job: Job, ctx: JobContext) -> None:
         now = time.monotonic()
         if not self.first:
-            self.first = now
+            self.first, self.cpu_first = now, time.process_time()
         self.last = now
+        if job.index == self.last_index:
+            self.cpu_last = time.process_time()
 
     async def async_work(self, job: Job, ctx: JobContext) -> None:
-        now = time.monotonic()
-        if not self.first:
-            self.first = now
-        self.last = now
+        self.work(job, ctx)
 
 
 def _source(task: Task) -> SQLJobLog:
@@ -97,8 +98,9 @@ def fill(url: str, name: str, count: int) -> None:
 # -- the store's raw commit rate -------------------------------------------------------------
 
 
-def commit_rate(url: str, seconds: float) -> float:
-    """Single-row commits per second through the bare driver, for ``seconds``."""
+def commit_rate(url: str, seconds: float) -> tuple[float, float]:
+    """Single-row commits per second through the bare driver, for ``seconds``; and the
+    process's CPU microseconds per commit."""
     config = parse_config(parse_store_url(url), {})
     if config.kind == "sqlite":
         conn = sqlite3.connect(f"{config.path}.commits", isolation_level=None)
@@ -126,11 +128,11 @@ def commit_rate(url: str, seconds: float) -> float:
         def one() -> None:
             pg.execute(update, prepare=True)
     try:
-        count, began = 0, time.monotonic()
+        count, began, cpu = 0, time.monotonic(), time.process_time()
         while (elapsed := time.monotonic() - began) < seconds:
             one()
             count += 1
-        return count / elapsed
+        return count / elapsed, (time.process_time() - cpu) / count * 1e6
     finally:
         conn.close()
 
@@ -159,7 +161,7 @@ def one_stream(url: str, count: int, in_flight: int, is_async: bool = False) -> 
     name = f"one-{in_flight}{'-async' if is_async else ''}"
     fill(url, name, count)
     coord = open_coordinator(url, node_id=f"bench-{name}")
-    clock = _Clock()
+    clock = _Clock(count - 1)
     handler = stream_handler(_source, clock.async_work if is_async else clock.work,
                              max_processing=in_flight, max_search_ahead=max(100, 4 * in_flight))
     consumer = Consumer(coord, handler)
@@ -176,7 +178,8 @@ def one_stream(url: str, count: int, in_flight: int, is_async: bool = False) -> 
     span = clock.last - clock.first
     return {"jobs": count, "max_processing": in_flight, "work": "async def" if is_async else "def",
             "seconds": run_s, "jobs_seconds": span, "jobs_per_s": count / span,
-            "end_to_end_jobs_per_s": count / run_s}
+            "end_to_end_jobs_per_s": count / run_s,
+            "cpu_us_per_job": (clock.cpu_last - clock.cpu_first) / count * 1e6}
 
 
 # -- many streams over processes --------------------------------------------------------------
@@ -283,25 +286,26 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
     for kind in stores.kinds:
         if kind not in SQL_STORES:
             continue  # the log lives in SQL (beside an etcd coordinator it would be one of these)
-        rate = commit_rate(stores.url(kind), 3.0)
+        rate, commit_cpu = commit_rate(stores.url(kind), 3.0)
         ones = [one_stream(stores.url(kind), count, n) for n in IN_FLIGHT]
         ones.append(one_stream(stores.url(kind), count, IN_FLIGHT[-1], is_async=True))
         for r in ones:
             one_rows.append((kind, r["max_processing"], r["work"], r["jobs"], r["jobs_per_s"], rate,
-                             r["jobs_per_s"] / rate, r["seconds"]))
+                             r["jobs_per_s"] / rate, r["cpu_us_per_job"], commit_cpu, r["seconds"]))
         many = many_streams(stores.url(kind), streams, per_stream)
         even = "no" if many["even_after_done_s"] is None else f"{many['even_after_done_s']:.0f} s after"
         many_rows.append((kind, f"{streams} x {per_stream}", PROCESSES, many["seconds"], many["jobs_per_s"],
                           " ".join(f"{v}" for v in many["per_node_at_done"].values()),
                           " ".join(f"{v}" for v in many["per_node"].values()), even,
                           many["lagging_streams_mid_run"]))
-        data["results"][kind] = {"commit_rate": rate, "one_stream": ones, "many_streams": many}
+        data["results"][kind] = {"commit_rate": rate, "commit_cpu_us": commit_cpu, "one_stream": ones,
+                                 "many_streams": many}
         print(f"`metafora streams` mid-run on {kind} (first lines):")
         print("\n".join(many["metafora_streams_mid_run"].splitlines()[:8]))
     data["load_after"] = os.getloadavg()
     table(f"one stream, no-op work, {count} jobs in a SQLJobLog (load {load[0]:.1f})",
           ("store", "max_processing", "work", "jobs", "jobs/s", "raw commits/s", "x commit rate",
-           "s to stored"),
+           "CPU us/job", "CPU us/commit", "s to stored"),
           one_rows)
     table(f"many streams over {PROCESSES} worker processes, no-op work",
           ("store", "streams x jobs", "processes", "seconds", "jobs/s", "per node at done",

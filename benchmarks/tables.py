@@ -568,14 +568,16 @@ def _streams(data: dict[str, Any]) -> list[str]:
            " (single-row commits through the bare driver) measured in the same run. Target: at least"
            " 10x the commit rate at 64 in flight. Also the seconds from the submit to the stored"
            " processed index at the last job: they add the claim, the source's start-up and the last"
-           f" write (at most every `flush_every`, 0.5 s). 1-minute load {load:.1f} at the start.", ""]
+           " write (at most every `flush_every`, 0.5 s). The CPU time of the process (every thread)"
+           " per job and per commit moves less than a rate on a loaded machine."
+           f" 1-minute load {load:.1f} at the start.", ""]
     out += header("store", "max_processing", "work", "jobs/s", "raw commits/s", "x commit rate",
-                  "s to stored")
+                  "CPU µs per job / per commit", "s to stored")
     for kind, r in results.items():
         for one in r["one_stream"]:
             out.append(row(kind, one["max_processing"], f"`{one['work']}`", one["jobs_per_s"],
                            r["commit_rate"], f"{one['jobs_per_s'] / r['commit_rate']:.2f}x",
-                           one["seconds"]))
+                           f"{one['cpu_us_per_job']:.1f} / {r['commit_cpu_us']:.1f}", one["seconds"]))
     out += ["", "Many streams over 4 worker processes (`max_processing=4`, no-op work), all done: the"
             " streams per node when the jobs were done and once the fair balancer evened them out"
             " (its rounds are 60 s apart), and how many streams `metafora streams` showed lagging"
