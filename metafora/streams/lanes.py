@@ -9,10 +9,10 @@ a list that the run collects in one go, woken once per batch, not once per job. 
 
 - **max_processing holds**: a lane runs one job at a time, and no more than ``limit`` lanes
   live. A queued job has not started: the run's window counts it, ``work`` has not seen it.
-- **plain work** runs on lanes of the handler's shared pool: one lane to begin with; if the
-  lanes have not once emptied the queue within :data:`SPAWN_AFTER` (their jobs wait or take
-  long), lanes start for the queued jobs (up to the limit). So instant jobs do not wake a
-  thread each, and slow ones still run ``limit`` at once. A lane ends when the queue is
+- **plain work** runs on lanes of the handler's shared pool: one lane to begin with; each
+  time the lanes have not once emptied the queue within :data:`SPAWN_AFTER` (their jobs wait
+  or take long), as many lanes again start (up to the limit). So instant jobs do not wake a
+  thread each, and slow ones soon run ``limit`` at once. A lane ends when the queue is
   empty (an idle stream holds no thread).
 - **async work** runs on lane tasks on the loop: one lane to begin with; another starts only
   when a job really waits (its coroutine suspends) while jobs are queued, so jobs that finish
@@ -41,7 +41,7 @@ __all__ = ["YIELD_EVERY", "Lanes"]
 
 YIELD_EVERY: Final = 64
 """Jobs an async lane runs back to back before it lets the loop run others."""
-SPAWN_AFTER: Final = 0.001
+SPAWN_AFTER: Final = 0.002
 """Seconds queued jobs wait behind busy thread lanes before more lanes start for them."""
 
 Item = tuple[int, Job, JobContext]
@@ -115,15 +115,9 @@ class Lanes:
             busy = self._waiting if self._async else self._executing
             spawn = 1 if self._queue and self._lanes <= busy and self._lanes < self.limit else 0
             self._lanes += spawn
-            watch = not self._async and self._queue and self._lanes < self.limit
         for _ in range(spawn):
             self._start_lane()
-        if watch and not self._spawn_due:
-            # A thread cannot tell a job that waits (I/O) from one that computes: if the
-            # lanes have not once emptied the queue within SPAWN_AFTER, they fall behind.
-            self._spawn_due = True
-            self._emptied = False
-            self._loop.call_later(SPAWN_AFTER, self._spawn)
+        self._watch()
 
     def drop_queued(self) -> list[int]:
         """Take back the queued jobs (they never start); their indexes."""
@@ -262,18 +256,33 @@ class Lanes:
         finally:
             self._waiting -= 1
 
+    def _watch(self) -> None:
+        """Thread lanes: a thread cannot tell a job that waits (I/O) from one that computes;
+        if the lanes have not once emptied the queue within SPAWN_AFTER, they fall behind."""
+        if (not self._async and not self._spawn_due and not self._stopped and self._queue
+                and self._lanes < self.limit):
+            self._spawn_due = True
+            self._emptied = False
+            self._loop.call_later(SPAWN_AFTER, self._spawn)
+
     def _want_lane(self) -> None:
         if not self._spawn_due and self._queue and self._lanes < self.limit:
             self._spawn_due = True
             self._loop.call_soon(self._spawn)
 
     def _spawn(self) -> None:
-        """Start lanes for the queued jobs while the others wait in theirs."""
+        """Start lanes for the queued jobs while the others wait in theirs: async, as many
+        as jobs are queued; threads, as many again as there are (a loaded machine can look
+        like waiting jobs), then watch again."""
         self._spawn_due = False
         if self._stopped or (not self._async and self._emptied):
             return
         with self._lock:
-            spawn = max(0, min(self.limit - self._lanes, len(self._queue)))
+            spawn = min(self.limit - self._lanes, len(self._queue))
+            if not self._async:
+                spawn = min(spawn, max(1, self._lanes))
+            spawn = max(0, spawn)
             self._lanes += spawn
         for _ in range(spawn):
             self._start_lane()
+        self._watch()
