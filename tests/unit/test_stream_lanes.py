@@ -66,6 +66,18 @@ def test_a_failing_job_among_short_ones_is_retried_alone_and_the_rest_complete(
     assert not cluster.errors
 
 
+def _four_at_once(cluster: LocalCluster, rec: Recorder, work: Any) -> None:
+    """12 jobs of ``work`` (max_attempts 1: a job that cannot meet its peers fails the
+    stream) ran 4 at once, never more."""
+    _node(cluster, stream_handler(lambda t: ListJobs(list(range(12))), work, max_processing=4,
+                                  max_search_ahead=20, max_attempts=1, flush_every=0.01))
+    cluster.client.submit_task(Task("s1"))
+    info = _processed(cluster, "s1", 11)
+    assert info.failing is None
+    assert max(n for _, n, _ in rec.starts) == 4
+    assert not rec.violations
+
+
 def test_thread_lanes_run_max_processing_waiting_jobs_at_once(cluster: LocalCluster) -> None:
     """Jobs that wait (here: for each other) get max_processing lanes, not one."""
     rec = Recorder(max_processing=4, max_search_ahead=20)
@@ -76,13 +88,7 @@ def test_thread_lanes_run_max_processing_waiting_jobs_at_once(cluster: LocalClus
         meet.wait()  # broken (BrokenBarrierError) unless 4 jobs run side by side
         rec.end(job.index)
 
-    _node(cluster, stream_handler(lambda t: ListJobs(list(range(12))), work, max_processing=4,
-                                  max_search_ahead=20, max_attempts=1, flush_every=0.01))
-    cluster.client.submit_task(Task("s1"))
-    info = _processed(cluster, "s1", 11)
-    assert info.failing is None
-    assert max(n for _, n, _ in rec.starts) == 4
-    assert not rec.violations
+    _four_at_once(cluster, rec, work)
 
 
 def test_async_lanes_run_max_processing_waiting_jobs_at_once(cluster: LocalCluster) -> None:
@@ -100,13 +106,7 @@ def test_async_lanes_run_max_processing_waiting_jobs_at_once(cluster: LocalClust
         await asyncio.wait_for(group.wait(), 10)
         rec.end(job.index)
 
-    _node(cluster, stream_handler(lambda t: ListJobs(list(range(12))), work, max_processing=4,
-                                  max_search_ahead=20, max_attempts=1, flush_every=0.01))
-    cluster.client.submit_task(Task("s1"))
-    info = _processed(cluster, "s1", 11)
-    assert info.failing is None
-    assert max(n for _, n, _ in rec.starts) == 4
-    assert not rec.violations
+    _four_at_once(cluster, rec, work)
 
 
 class Ranged(ListJobs):
