@@ -72,6 +72,17 @@ def _peers(summary: Any) -> Figures:
     return out
 
 
+def _herd(results: Any) -> Figures:
+    out: Figures = {}
+    for r in results:
+        at = f"{r['store']}, {r['nodes']} nodes"
+        for key, label in (("xacts_per_task", "txns/task"), ("cpu_ms_per_task", "CPU ms/task"),
+                           ("races_lost_per_claim", "races lost/claim"), ("p50_ms", "p50 ms"),
+                           ("p99_ms", "p99 ms"), ("tasks_per_s", "tasks/s")):
+            out[f"{at}: {label}"] = float(r[key])
+    return out
+
+
 # name -> (the JSON key its figures sit under, how to read them)
 READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
     "claims": ("results", _claims),
@@ -79,6 +90,7 @@ READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
     "gates": ("results", _gates),
     "latency": ("results", _latency),
     "peers": ("summary", _peers),
+    "herd": ("results", _herd),
 }
 
 
@@ -121,7 +133,10 @@ def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) ->
     subprocess.run(_command(name, quick, stores), cwd=root, env=env, check=True,
                    stdout=subprocess.DEVNULL)
     key, read = READERS[name]
-    return read(json.loads((scratch / f"{name}.json").read_text())[key])
+    saved = scratch / f"{name}.json"
+    if not saved.exists():  # a variant saved under its own name (herd_single)
+        saved = max(scratch.glob(f"{name}_*.json"), key=lambda p: p.stat().st_mtime)
+    return read(json.loads(saved.read_text())[key])
 
 
 def run(name: str, base: str, rounds: int, quick: bool, stores: str,
