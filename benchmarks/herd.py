@@ -146,7 +146,7 @@ def herd(stores: Stores, kind: str, procs: int, n: int, per_submit: float) -> di
 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """2 and 10 nodes (quick: 2,000 tasks, else 10,000) on every store; print and save."""
-    n = int(os.environ.get("METAFORA_HERD_TASKS", 2000 if quick else 10_000))
+    n = int(os.environ.get("METAFORA_HERD_TASKS", "2000" if quick else "10000"))
     sizes = [int(s) for s in os.environ.get("METAFORA_HERD_NODES", "2,10").split(",")]
     results = []
     for kind in stores.kinds:
