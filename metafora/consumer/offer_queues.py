@@ -33,23 +33,28 @@ def by_priority(task: Task) -> int:
 
 
 class Deferred:
-    """Offers waiting for a free slot: highest priority first, oldest first within one.
+    """Offers waiting for a free slot: highest priority first; within one, this node's own
+    offers first (those it ranks first for: :mod:`metafora.consumer.first_offer`), then oldest
+    first.
 
     Taking ``n`` costs O(n + priority levels), not a walk of the whole backlog, so a node far
-    over ``max_tasks`` does not re-sort it after every finished task.
+    over ``max_tasks`` does not re-sort it after every finished task. Own offers first: when
+    every node is full, each drains its own share and the nodes race only for what is left at
+    the tail.
     """
 
     def __init__(self) -> None:
         # OrderedDict: taking the oldest is O(1) (a dict's front fills with holes as it is
-        # taken from, and each walk from the front skips them all).
-        self._levels: dict[int, collections.OrderedDict[str, Task]] = {}
-        self._level_of: dict[str, int] = {}
+        # taken from, and each walk from the front skips them all). Level: (priority, own).
+        self._levels: dict[tuple[int, bool], collections.OrderedDict[str, Task]] = {}
+        self._level_of: dict[str, tuple[int, bool]] = {}
 
     def __len__(self) -> int:
         return len(self._level_of)
 
-    def put(self, task: Task, *, replace: bool = True) -> None:
-        """Defer ``task`` (a newer offer of a deferred id replaces it unless ``replace`` is off)."""
+    def put(self, task: Task, *, replace: bool = True, own: bool = True) -> None:
+        """Defer ``task`` (a newer offer of a deferred id replaces it unless ``replace`` is
+        off); ``own``: this node ranks first for it."""
         level = self._level_of.get(task.id)
         if level is not None:
             if not replace:
@@ -57,8 +62,9 @@ class Deferred:
             del self._levels[level][task.id]
             if not self._levels[level]:
                 del self._levels[level]
-        self._levels.setdefault(task.priority, collections.OrderedDict())[task.id] = task
-        self._level_of[task.id] = task.priority
+        level = (task.priority, own)
+        self._levels.setdefault(level, collections.OrderedDict())[task.id] = task
+        self._level_of[task.id] = level
 
     def take(self, count: int | None) -> list[Task]:
         """Remove and return up to ``count`` (None: all) deferred tasks, in order."""

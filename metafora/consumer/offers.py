@@ -25,6 +25,7 @@ from metafora.clock import SYSTEM_CLOCK
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Signal
+from metafora.consumer.first_offer import FirstOffers
 from metafora.consumer.offer_queues import (
     DEFER_AFTER,
     DEFER_LOSS,
@@ -96,6 +97,7 @@ class OfferRouter:
         hold = options.rendezvous_wait
         self._preference = Preference(coordinator.node_id, hold=hold, max_hold=MAX_HOLD * hold,
                                       wave=WAVE)
+        self._first = FirstOffers(self._preference)  # one node per offer
         self._placement = Placement(coordinator, options, clock)
         # Offers approved by the balancer are claimed this many per claim_many call.
         self._claim_burst = max(1, int(getattr(coordinator, "claim_burst", DEFAULT_CLAIM_BURST)))
@@ -116,8 +118,11 @@ class OfferRouter:
         offers.sort(key=by_priority)
 
     def offer_wave(self, offers: list[Task]) -> None:
-        """A wave: this node tries its own share first and holds the others' share back."""
-        self.offer(*self._preference.split(offers, self._clock.monotonic()))
+        """A wave: this node tries its own share first and holds the others' share back
+        (:mod:`metafora.consumer.first_offer`; a large wave with ``rendezvous_wait`` on:
+        :mod:`metafora.consumer.preference`)."""
+        now = self._clock.monotonic()
+        self.offer(*self._first.split(self._preference.split(offers, now), now))
 
     def freeze(self, frozen: bool) -> None:
         """Claim nothing new (True) or claim again (False)."""
@@ -126,12 +131,17 @@ class OfferRouter:
             self._claims.writer.nudge()
 
     def members(self, members: set[str]) -> None:
-        """The live nodes changed: rendezvous preference ranks over these."""
-        self._preference.members(members)
+        """The live nodes changed: rendezvous preference ranks over these (a node left:
+        what was left to it is tried now)."""
+        if self._preference.members(members):
+            self._first.flush(self._clock.monotonic())
 
     def next_due(self) -> float | None:
         """The earliest time a held-back or ignored offer is due, or None."""
         due = self._preference.next_due()
+        first = self._first.next_due()
+        if first is not None:
+            due = first if due is None else min(due, first)
         with self._lock:
             for other in (self.ignores.next_due(), self.capacity.retry_at):
                 if other is not None:
@@ -145,6 +155,9 @@ class OfferRouter:
         (``claimable``, SQL) saves a claim attempt on each of the others.
         """
         due = self._preference.due(now, 1000)
+        first = self._first.due(now)
+        if first:
+            due = sorted(due + first, key=by_priority)
         if due:
             self.offer(*due, waited=True)
 
@@ -294,7 +307,7 @@ class OfferRouter:
                     continue
                 slots = self.free_slots()
                 if not self._open(slots):
-                    self.deferred.put(task)
+                    self.deferred.put(task, own=self._first.own(task))
                     continue
             if task.spread is not None and spreads is None:
                 with self._lock:
@@ -367,7 +380,9 @@ class OfferRouter:
             for task in tasks:
                 self.ignore(task, self._options.refuse_retry)
             return
-        self._stats.claim_latency.observe(SYSTEM_CLOCK.monotonic() - began)
+        took = SYSTEM_CLOCK.monotonic() - began
+        self._stats.claim_latency.observe(took)
+        self._first.delay.note(took)
         self.spares.note(tasks, claimed, limit)
         if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
             self._group_waits(tasks, claimed)
@@ -380,7 +395,7 @@ class OfferRouter:
             with self._lock:
                 for task in tasks:
                     if task.id not in won:
-                        self.deferred.put(task, replace=False)
+                        self.deferred.put(task, replace=False, own=self._first.own(task))
         for task in claimed:
             self._start(task)
         with self._lock:

@@ -89,13 +89,20 @@ class Preference:
         """Whether anything is held back at all (a hold of 0 turns preference off)."""
         return self._hold > 0
 
-    def members(self, nodes: Iterable[str]) -> None:
-        """The live nodes (this one is always counted). When a node left, everything held
-        back is due at once: some of it was left to that node."""
+    @property
+    def alone(self) -> bool:
+        """Whether this node knows no other live node (it ranks first for every task)."""
+        return not self._others
+
+    def members(self, nodes: Iterable[str]) -> bool:
+        """The live nodes (this one is always counted); whether a node left. When one left,
+        everything held back is due at once: some of it was left to that node."""
         before = {n for _, n in self._others}
         self._others = sorted((_node_key(n), n) for n in set(nodes) if n != self._node_id)
-        if before - {n for _, n in self._others} and self._held:
+        left = bool(before - {n for _, n in self._others})
+        if left and self._held:
             self._flush = True
+        return left
 
     def mine(self, task_id: str) -> bool:
         """Whether this node ranks first for ``task_id`` among the live nodes."""
