@@ -66,10 +66,13 @@ class Deferred:
         self._levels.setdefault(level, collections.OrderedDict())[task.id] = task
         self._level_of[task.id] = level
 
-    def take(self, count: int | None) -> list[Task]:
-        """Remove and return up to ``count`` (None: all) deferred tasks, in order."""
+    def take(self, count: int | None, *, own: bool | None = None) -> list[Task]:
+        """Remove and return up to ``count`` (None: all) deferred tasks, in order (``own``
+        given: only this node's own offers, or only the others')."""
         taken: list[Task] = []
         for level in sorted(self._levels, reverse=True):
+            if own is not None and level[1] != own:
+                continue
             tasks = self._levels[level]
             want = len(tasks) if count is None else min(len(tasks), count - len(taken))
             for _ in range(want):

@@ -216,7 +216,10 @@ class OfferRouter:
         Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
         after every finished task (quadratic). Slots still free after a round (offers refused
         or lost to a race) take another round; the map shrinks every round (offers go back
-        only when a claim filled every free slot, which ends the rounds).
+        only when a claim filled every free slot, which ends the rounds). Other nodes'
+        offers (:mod:`metafora.consumer.first_offer`) come after this node's own, and are
+        narrowed to the still claimable a chunk at a time (one read where the store has one):
+        most were claimed by the node ranked first for them while they waited here.
         """
         while True:
             with self._lock:
@@ -226,7 +229,13 @@ class OfferRouter:
                 if slots is not None and slots <= 0:
                     return
                 waiting = self.deferred.take(None if slots is None else self.spares.offers_for(slots))
+                others = [t for t in waiting if not self._first.own(t)]
+                if others:  # most were taken by their first node: check a chunk in one read
+                    others += self.deferred.take(FRESH_CHUNK - len(others), own=False)
+                    waiting = [t for t in waiting if self._first.own(t)]
             self.offer(*waiting)
+            if others:
+                self.offer(*others, waited=True, check=True)
 
     # -- the pipeline -----------------------------------------------------------------
 

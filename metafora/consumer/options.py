@@ -70,7 +70,7 @@ DEFAULT_PLACEMENT_WAIT = 2.0
 DEFAULT_PRUNE_EVERY = 60.0
 """Seconds between two prune runs of the namespace (one node's; see metafora.retention)."""
 DEFAULT_RENDEZVOUS_WAIT = 0.0
-"""Seconds a node leaves a wave's offer to its preferred node (0: off, every node races)."""
+"""Seconds a node leaves a wave's offer to its preferred node (0: off, one node per offer)."""
 
 _Check = Callable[[Any, str], Any]
 
@@ -206,8 +206,9 @@ class ConsumerOptions:
     hashing ranks first for it among the live nodes; the others leave it to that node and try
     it once this many seconds passed with no new wave (at most ten times as long after they
     held it back), so a task is never left waiting for a node that is gone, full or frozen
-    (see :mod:`metafora.consumer.preference`). Off by default (0: every node races for every
-    offer): it cuts the offers lost to races, but holding shares back can make a large
+    (see :mod:`metafora.consumer.preference`). Off by default (0: a wave goes as any offer,
+    one node first and the others after a short delay, :mod:`metafora.consumer.first_offer`):
+    it cuts the offers lost to races further, but holding shares back can make a large
     backlog slower to drain on a store where a lost race is cheap, so it is for stores where
     a lost race is expensive (see the benchmarks in the documentation)."""
     prune_every: float = _option(DEFAULT_PRUNE_EVERY, _seconds(zero=False), "seconds")

@@ -17,8 +17,8 @@ Priorities still come first: while a task of higher priority is held back, this 
 back its own lower-priority ones too, so it never claims a lower-priority task before a
 higher one it was offered. Small waves (fewer than ``wave`` offers), tasks with placement
 (a selector, ``prefer`` or ``spread``: :mod:`metafora.consumer.offers` has its own hold-back for
-those) and a node alone are not held back: a lone submit is raced for as before, which is
-the lowest latency. Nothing here touches the store.
+those) and a node alone are not held back here: a lone submit goes one node first, the others
+after a short delay (:mod:`metafora.consumer.first_offer`). Nothing here touches the store.
 """
 
 from __future__ import annotations
