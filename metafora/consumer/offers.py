@@ -155,11 +155,11 @@ class OfferRouter:
         (``claimable``, SQL) saves a claim attempt on each of the others.
         """
         due = self._preference.due(now, 1000)
-        first = self._first.due(now)
-        if first:
-            due = sorted(due + first, key=by_priority)
         if due:
             self.offer(*due, waited=True)
+        first = self._first.due(now)
+        if first:  # mostly claimed by their first node: checked (one read) before a claim
+            self.offer(*first, waited=True, check=True)
 
     def _still_open(self, tasks: list[Task], what: str, *, check: bool = False) -> list[Task]:
         """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
