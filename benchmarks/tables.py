@@ -551,9 +551,31 @@ _AB_RUNS = {
     "ab_house_peers": ("", "peers --base 455fe10 --rounds 2"),
     "ab_house_peers_latency_branch": ("METAFORA_PEERS_WORKLOADS=latency", "peers --base 0edbcfa --rounds 4"),
 }
+_AB_RUNS["ab_herd_bulk"] = ("", "herd --base main --rounds 2 --full --stores postgresql")
+_AB_RUNS["ab_herd_single"] = ("METAFORA_HERD_SUBMIT=single METAFORA_HERD_TASKS=2000",
+                              "herd --base main --rounds 2 --full --stores postgresql")
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
                            f" --save-as {_source}")(_ab)
+
+
+def _herd_growth(data: dict[str, Any]) -> list[str]:
+    """The herd's A/B as growth: each side's 10-node figure over its 2-node one (target 1.3x)."""
+    res = data["results"]
+    out = ["What a task costs on 10 nodes over what it costs on 2 (medians of the rounds above;"
+           " the target is at most 1.3x for both):", ""]
+    out += header("figure", "base 2", "base 10", "base 10/2", "head 2", "head 10", "head 10/2")
+    for label in ("txns/task", "CPU ms/task", "races lost/claim"):
+        two, ten = res.get(f"postgresql, 2 nodes: {label}"), res.get(f"postgresql, 10 nodes: {label}")
+        if two is None or ten is None:
+            continue
+        out.append(row(label, two["base"], ten["base"], f"{ten['base'] / two['base']:.2f}x",
+                       two["head"], ten["head"], f"{ten['head'] / two['head']:.2f}x"))
+    return out
+
+
+for _source in ("ab_herd_bulk", "ab_herd_single"):
+    table(f"{_source}_growth", source=_source, command=f"python benchmarks/ab.py ({_source})")(_herd_growth)
 
 
 @table("streams", command="python -m benchmarks streams")
