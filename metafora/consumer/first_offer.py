@@ -78,6 +78,7 @@ class FirstOffers:
         self._ranking = ranking
         self.delay = delay if delay is not None else OfferDelay()
         self._heap: list[tuple[float, int, Task]] = []  # (due, order, task)
+        self._held: set[str] = set()  # ids in the heap (an offer heard again is held once)
         self._order = 0
         self._tried: dict[str, float] = {}  # id -> when it was tried after its hold
         self.held_total = 0  # offers ever held back (a counter for tests and probes)
@@ -102,6 +103,9 @@ class FirstOffers:
             if task.id in self._tried or self.own(task):
                 out.append(task)
                 continue
+            if task.id in self._held:  # heard again (a notification, then a scan): held once
+                continue
+            self._held.add(task.id)
             if due is None:
                 due = now + self.delay.seconds
             self._order += 1
@@ -116,6 +120,7 @@ class FirstOffers:
         out: list[Task] = []
         while self._heap and self._heap[0][0] <= now:
             task = heapq.heappop(self._heap)[2]
+            self._held.discard(task.id)
             self._tried[task.id] = now
             out.append(task)
         out.sort(key=lambda t: -t.priority)

@@ -34,6 +34,7 @@ def test_a_held_offer_is_due_after_the_delay_and_not_held_again() -> None:
     f = first()
     theirs = [Task(f"t{i}") for i in range(50) if preferred_node(f"t{i}", NODES) != "n0"]
     assert f.split(theirs, 10.0) == []
+    assert f.split(theirs, 10.001) == [] and len(f) == len(theirs)  # heard again: held once
     assert f.next_due() == 10.0 + START_DELAY
     assert f.due(10.0 + START_DELAY / 2) == []
     due = f.due(10.0 + START_DELAY)
