@@ -276,6 +276,18 @@ class Fleet:
         os.kill(proc.pid, sig)
         return sent
 
+    def claims_and_races(self) -> tuple[int, int]:
+        """Once stopped: claims won and races lost, summed over the processes' final stats."""
+        claims = races = 0
+        while True:
+            try:
+                event = self.events.get(timeout=0.5)
+            except queue.Empty:
+                return claims, races
+            if event[0] == "stats":
+                claims += event[2].get("claims", 0)
+                races += event[2].get("races_lost", 0)
+
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL) by pid."""
         for proc in self.procs.values():

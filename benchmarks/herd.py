@@ -130,15 +130,7 @@ def herd(stores: Stores, kind: str, procs: int, n: int, per_submit: float) -> di
         })
     finally:
         fleet.stop()
-    claims = races = 0
-    while True:
-        try:
-            event = fleet.events.get(timeout=0.5)
-        except queue.Empty:
-            break
-        if event[0] == "stats":
-            claims += event[2].get("claims", 0)
-            races += event[2].get("races_lost", 0)
+    claims, races = fleet.claims_and_races()
     result["claims"] = claims
     result["races_lost_per_claim"] = races / claims if claims else float("nan")
     return result

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import math
 import os
-import queue
 import threading
 import time
 from typing import Any
@@ -140,15 +139,7 @@ def storm(stores: Stores, kind: str, n: int, procs: int, timeout: float) -> dict
             result["spread_after_2_periods"] = _spread(client.node_task_count())
         finally:
             fleet.stop()
-    claims = races = 0
-    while True:
-        try:
-            event = fleet.events.get(timeout=0.5)
-        except queue.Empty:
-            break
-        if event[0] == "stats":
-            claims += event[2]["claims"]
-            races += event[2]["races_lost"]
+    claims, races = fleet.claims_and_races()
     result["races_lost_per_claim"] = races / claims if claims else float("nan")
     return result
 
