@@ -10,9 +10,12 @@ node, no messages, no store read) and
 - tries it at once when it ranks first (the lowest latency, as when every node raced);
 - otherwise holds it back for a short delay (:class:`OfferDelay`: twice the p99 of this node's
   recent claim latencies, clamped to ``[MIN_DELAY, MAX_DELAY]``) and then tries it like any
-  offer that waited (narrowed to the still claimable where the store tells cheaply): a task is
-  never left waiting longer than the delay because the node ranked first is dead, full, frozen,
-  refusing, or only believed live by a stale view. A node leaving ends every hold at once. A
+  offer that waited (narrowed to the still claimable where the store tells cheaply, one read
+  for all that fell due together): a task is never left waiting longer than 1.5 times the
+  delay (300 ms at most) because the node ranked first is dead, full, frozen, refusing, or only
+  believed live by a stale view. Offers held within one half-delay fall due together (the
+  hold is the delay to 1.5 times it), so a stream of single offers costs each other node one
+  check per half-delay, not one per offer. A node leaving ends every hold at once. A
   task tried after its hold is not held again for a while (it is the others' turn).
 
 Offers with placement (a selector, ``prefer`` or ``spread``: their own hold-back applies) and a
@@ -25,6 +28,7 @@ loop owns it (not thread-safe).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from metafora.consumer.preference import Preference
@@ -33,7 +37,8 @@ from metafora.task import Task
 __all__ = ["MAX_DELAY", "MIN_DELAY", "FirstOffers", "OfferDelay"]
 
 MIN_DELAY = 0.01  # seconds: below it a loaded machine's scheduling would make every hold a race
-MAX_DELAY = 0.25  # seconds: the longest a full, frozen or dead first node can keep a task waiting
+MAX_DELAY = 0.2  # seconds: with its half-delay window, a full, frozen or dead first node keeps a
+# task waiting 300 ms at most
 START_DELAY = 0.05  # until a few claims were timed
 _SAMPLES = 128  # claim latencies kept for the p99
 _MIN_SAMPLES = 8
@@ -106,8 +111,9 @@ class FirstOffers:
             if task.id in self._held:  # heard again (a notification, then a scan): held once
                 continue
             self._held.add(task.id)
-            if due is None:
-                due = now + self.delay.seconds
+            if due is None:  # the end of the half-delay window after the delay: (D, 1.5 D]
+                step = self.delay.seconds / 2
+                due = (math.floor(now / step) + 3) * step
             self._order += 1
             heapq.heappush(self._heap, (due, self._order, task))
             self.held_total += 1

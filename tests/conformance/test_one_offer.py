@@ -4,7 +4,7 @@ A fresh offer is claimed by the node rendezvous hashing ranks first among the li
 others try it only after a short delay, so when that node is full, frozen, or registered but
 dead, another takes it. The other node ("a") runs on a fake clock: its delay never passes on
 its own, so "b claimed it" cannot be a race a won or lost, and the fallback is shown by moving
-a's clock (the delay's bound, 250 ms at most, is a unit test's: tests/unit/test_first_offer.py).
+a's clock (the delay's bound, 300 ms at most, is a unit test's: tests/unit/test_first_offer.py).
 """
 
 from __future__ import annotations
