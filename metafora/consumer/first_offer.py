@@ -86,6 +86,7 @@ class FirstOffers:
         self._held: set[str] = set()  # ids in the heap (an offer heard again is held once)
         self._order = 0
         self._tried: dict[str, float] = {}  # id -> when it was tried after its hold
+        self._adopted: set[str] = set()  # checked still open after their hold: anyone's now
         self.held_total = 0  # offers ever held back (a counter for tests and probes)
 
     def __len__(self) -> int:
@@ -96,7 +97,12 @@ class FirstOffers:
         placement, or a node alone)."""
         if task.selector or task.prefer or task.spread is not None or self._ranking.alone:
             return True
-        return self._ranking.mine(task.id)
+        return task.id in self._adopted or self._ranking.mine(task.id)
+
+    def adopt(self, tasks: Sequence[Task]) -> None:
+        """``tasks`` waited their hold and a check found them still open: this node takes them
+        as its own (deferred among its own, not checked again at each free slot)."""
+        self._adopted.update(t.id for t in tasks)
 
     def split(self, offers: Sequence[Task], now: float) -> list[Task]:
         """The offers to try now, in order; the others' are held back for the delay."""
@@ -119,6 +125,7 @@ class FirstOffers:
             self.held_total += 1
         if len(self._tried) > 4 * len(self._heap) + 1024:
             self._tried = {k: t for k, t in self._tried.items() if now - t < _FORGET}
+            self._adopted.intersection_update(self._tried)
         return out
 
     def due(self, now: float) -> list[Task]:

@@ -234,8 +234,10 @@ class OfferRouter:
                     others += self.deferred.take(FRESH_CHUNK - len(others), own=False)
                     waiting = [t for t in waiting if self._first.own(t)]
             self.offer(*waiting)
-            if others:
-                self.offer(*others, waited=True, check=True)
+            if others:  # checked once; those still open are this node's own from now on
+                others = self._still_open(others, "deferred", check=True)
+                self._first.adopt(others)
+                self.offer(*others)
 
     # -- the pipeline -----------------------------------------------------------------
 

@@ -55,6 +55,14 @@ def test_offers_held_within_one_half_delay_fall_due_together() -> None:
     assert len(times) <= 180 * 0.001 / (START_DELAY / 2) + 2
 
 
+def test_an_offer_checked_open_after_its_hold_is_adopted() -> None:
+    f = first()
+    theirs = [Task(f"t{i}") for i in range(30) if preferred_node(f"t{i}", NODES) != "n0"]
+    assert not any(f.own(t) for t in theirs)
+    f.adopt(theirs[:3])
+    assert [f.own(t) for t in theirs[:4]] == [True, True, True, False]
+
+
 def test_a_node_alone_and_placed_tasks_are_never_held() -> None:
     alone = first("n0", ["n0"])
     tasks = [Task(f"t{i}") for i in range(20)]
