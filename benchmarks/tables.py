@@ -552,6 +552,8 @@ _AB_RUNS = {
     "ab_house_peers_latency_branch": ("METAFORA_PEERS_WORKLOADS=latency", "peers --base 0edbcfa --rounds 4"),
 }
 _AB_RUNS["ab_herd_bulk"] = ("", "herd --base main --rounds 2 --full --stores postgresql")
+_AB_RUNS["ab_herd_bulk_two"] = ("METAFORA_HERD_NODES=2",
+                                "herd --base main --rounds 2 --full --stores postgresql")
 _AB_RUNS["ab_herd_single"] = ("METAFORA_HERD_SUBMIT=single METAFORA_HERD_TASKS=2000",
                               "herd --base main --rounds 2 --full --stores postgresql")
 for _source, (_env, _args) in _AB_RUNS.items():
