@@ -31,6 +31,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
+from metafora.consumer.offer_queues import Deferred
 from metafora.consumer.preference import Preference
 from metafora.task import Task
 
@@ -98,6 +99,16 @@ class FirstOffers:
         if task.selector or task.prefer or task.spread is not None or self._ranking.alone:
             return True
         return task.id in self._adopted or self._ranking.mine(task.id)
+
+    def others(self, taken: list[Task], deferred: Deferred, chunk: int) -> tuple[list[Task], list[Task]]:
+        """``taken`` (from ``deferred``) split into this node's own and the others'; with any of
+        the others', more of them from ``deferred`` up to ``chunk``: most were claimed by their
+        first node while they waited here, and a chunk is checked in one read."""
+        own = [t for t in taken if self.own(t)]
+        if len(own) == len(taken):
+            return own, []
+        others = [t for t in taken if not self.own(t)]
+        return own, others + deferred.take(chunk - len(others), own=False)
 
     def adopt(self, tasks: Sequence[Task]) -> None:
         """``tasks`` waited their hold and a check found them still open: this node takes them

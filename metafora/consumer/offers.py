@@ -118,9 +118,7 @@ class OfferRouter:
         offers.sort(key=by_priority)
 
     def offer_wave(self, offers: list[Task]) -> None:
-        """A wave: this node tries its own share first and holds the others' share back
-        (:mod:`metafora.consumer.first_offer`; a large wave with ``rendezvous_wait`` on:
-        :mod:`metafora.consumer.preference`)."""
+        """A wave: this node tries its own share first, holds the others' back (first_offer)."""
         now = self._clock.monotonic()
         self.offer(*self._first.split(self._preference.split(offers, now), now))
 
@@ -131,35 +129,23 @@ class OfferRouter:
             self._claims.writer.nudge()
 
     def members(self, members: set[str]) -> None:
-        """The live nodes changed: rendezvous preference ranks over these (a node left:
-        what was left to it is tried now)."""
+        """The live nodes changed (one left: what was left to it is tried now)."""
         if self._preference.members(members):
             self._first.flush(self._clock.monotonic())
 
     def next_due(self) -> float | None:
         """The earliest time a held-back or ignored offer is due, or None."""
-        due = self._preference.next_due()
-        first = self._first.next_due()
-        if first is not None:
-            due = first if due is None else min(due, first)
         with self._lock:
-            for other in (self.ignores.next_due(), self.capacity.retry_at):
-                if other is not None:
-                    due = other if due is None else min(due, other)
-        return due
+            times = (self.ignores.next_due(), self.capacity.retry_at)
+        return min((t for t in (self._preference.next_due(), self._first.next_due(), *times)
+                    if t is not None), default=None)
 
     def release_held(self, now: float) -> None:
-        """Offers held back for their preferred node that are due: try those still claimable.
-
-        Most were taken meanwhile: a coordinator that can tell which are left in one read
-        (``claimable``, SQL) saves a claim attempt on each of the others.
-        """
-        due = self._preference.due(now, 1000)
-        if due:
-            self.offer(*due, waited=True)
-        first = self._first.due(now)
-        if first:  # mostly claimed by their first node: checked (one read) before a claim
-            self.offer(*first, waited=True, check=True)
+        """Offers held back for their preferred node that are due: try those still claimable
+        (most were taken meanwhile; ``claimable``, SQL, tells which in one read: first offers')."""
+        for due, check in ((self._preference.due(now, 1000), False), (self._first.due(now), True)):
+            if due:
+                self.offer(*due, waited=True, check=check)
 
     def _still_open(self, tasks: list[Task], what: str, *, check: bool = False) -> list[Task]:
         """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local
@@ -216,10 +202,8 @@ class OfferRouter:
         Not the whole map: with a backlog far beyond ``max_tasks`` that would re-walk it
         after every finished task (quadratic). Slots still free after a round (offers refused
         or lost to a race) take another round; the map shrinks every round (offers go back
-        only when a claim filled every free slot, which ends the rounds). Other nodes'
-        offers (:mod:`metafora.consumer.first_offer`) come after this node's own, and are
-        narrowed to the still claimable a chunk at a time (one read where the store has one):
-        most were claimed by the node ranked first for them while they waited here.
+        only when a claim filled every free slot, which ends the rounds). Other nodes' offers
+        come after this node's own, checked a chunk at a time (:meth:`FirstOffers.others`).
         """
         while True:
             with self._lock:
@@ -228,15 +212,11 @@ class OfferRouter:
                 slots = self.free_slots()
                 if slots is not None and slots <= 0:
                     return
-                waiting = self.deferred.take(None if slots is None else self.spares.offers_for(slots))
-                others = [t for t in waiting if not self._first.own(t)]
-                if others:  # most were taken by their first node: check a chunk in one read
-                    others += self.deferred.take(FRESH_CHUNK - len(others), own=False)
-                    waiting = [t for t in waiting if self._first.own(t)]
+                taken = self.deferred.take(None if slots is None else self.spares.offers_for(slots))
+                waiting, others = self._first.others(taken, self.deferred, FRESH_CHUNK)
             self.offer(*waiting)
             if others:  # checked once; those still open are this node's own from now on
-                others = self._still_open(others, "deferred", check=True)
-                self._first.adopt(others)
+                self._first.adopt(others := self._still_open(others, "deferred", check=True))
                 self.offer(*others)
 
     # -- the pipeline -----------------------------------------------------------------
@@ -272,10 +252,9 @@ class OfferRouter:
                 self._claims.writer.nudge()
 
     def _room(self) -> bool:
-        """Whether an offer could be claimed now (a free slot, not frozen). Without one a
-        chunk is only deferred, and narrowing it first would be a read for nothing: a
-        deferred offer is narrowed when it comes back (start-up: a backlog of 20,000 cost a
-        node 40 reads while its slots were full)."""
+        """Whether an offer could be claimed now (a free slot, not frozen). Without one a chunk
+        is only deferred: narrowing it first would be a read for nothing (a start-up backlog
+        of 20,000 cost a node 40 reads while its slots were full)."""
         with self._lock:
             return self._open(self.free_slots())
 
@@ -391,9 +370,8 @@ class OfferRouter:
             for task in tasks:
                 self.ignore(task, self._options.refuse_retry)
             return
-        took = SYSTEM_CLOCK.monotonic() - began
+        self._first.delay.note(took := SYSTEM_CLOCK.monotonic() - began)
         self._stats.claim_latency.observe(took)
-        self._first.delay.note(took)
         self.spares.note(tasks, claimed, limit)
         if len(claimed) < limit:  # every offer was tried (else the rest are deferred below)
             self._group_waits(tasks, claimed)
