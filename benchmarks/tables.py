@@ -554,6 +554,8 @@ _AB_RUNS = {
 _AB_RUNS["ab_herd_bulk"] = ("", "herd --base main --rounds 2 --full --stores postgresql")
 _AB_RUNS["ab_herd_bulk_two"] = ("METAFORA_HERD_NODES=2",
                                 "herd --base main --rounds 2 --full --stores postgresql")
+_AB_RUNS["ab_herd_bulk_ten"] = ("METAFORA_HERD_NODES=10",
+                                "herd --base main --rounds 2 --full --stores postgresql")
 _AB_RUNS["ab_herd_single"] = ("METAFORA_HERD_SUBMIT=single METAFORA_HERD_TASKS=2000",
                               "herd --base main --rounds 2 --full --stores postgresql")
 for _source, (_env, _args) in _AB_RUNS.items():
