@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import zlib
 
 import pytest
 from hypothesis import settings
@@ -56,9 +57,50 @@ settings.register_profile("soak", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Each test runs once in CI (issue 53). The tests every supported Python runs (PORTABLE_DIRS,
+# memory and SQLite only, no timing, soak or property test) are dealt out among the Pythons:
+# `--python-share K/N@SALT` keeps the portable tests whose share is K (of N) and every other
+# test; the share of a test is crc32(SALT:node id) mod N, so a run's salt (CI's seed) moves each
+# test to another Python from run to run while a run is reproducible from its seed.
+PORTABLE_DIRS = ("tests/unit/", "tests/conformance/")
+NOT_PORTABLE = ("postgresql", "etcd", "timing", "soak", "hypothesis")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--python-share", metavar="K/N@SALT", default=None,
+                     help="run share K (0..N-1) of the portable tests and every other test")
+
+
+def _python_share(spec: str) -> tuple[int, int, str]:
+    share, _, salt = spec.partition("@")
+    k, _, n = share.partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise pytest.UsageError(f"--python-share {spec!r}: expected K/N@SALT with 0 <= K < N")
+    return int(k), int(n), salt
+
+
+def _portable(item: pytest.Item) -> bool:
+    return item.nodeid.startswith(PORTABLE_DIRS) and not any(
+        item.get_closest_marker(name) for name in NOT_PORTABLE)
+
+
+def _deal_shares(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spec = config.getoption("python_share")
+    if spec is None:
+        return
+    k, n, salt = _python_share(spec)
+    kept, others = [], []
+    for item in items:
+        share = zlib.crc32(f"{salt}:{item.nodeid}".encode()) % n
+        (kept if share == k or not _portable(item) else others).append(item)
+    if others:
+        config.hook.pytest_deselected(items=others)
+        items[:] = kept
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test by the store servers its fixtures or its store parameter need, and by
-    its CI stage (isolated, soak)."""
+    its CI stage (isolated, soak); then keep this Python's share (--python-share)."""
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         if path.startswith(ISOLATED_DIRS):
@@ -71,6 +113,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for server, names in _SERVER_FIXTURES.items():
             if fixtures & names or server in params:
                 item.add_marker(getattr(pytest.mark, server))
+    _deal_shares(config, items)
 
 
 # Under CI=true every skip is a failure (the hook is metafora's pytest plugin, enabled below),
