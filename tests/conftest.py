@@ -48,7 +48,7 @@ SOAK_MODULES = (
 )
 
 # Hypothesis: HYPOTHESIS_PROFILE=ci (CI, where the property tests run once, beside the soaks: 200
-# examples, no per-example deadline on a shared 2-core machine), push (the other Pythons' quick
+# examples, no per-example deadline on a shared 2-core machine), push (a quick local
 # pass: 25), default (hypothesis' own). "soak" is the former name of "ci".
 # A test's own @settings(max_examples=...) still wins over the profile.
 settings.register_profile("push", max_examples=25, deadline=None)
