@@ -165,7 +165,9 @@ def test_nodes_and_node_commands_on_sqlite(tmp_path: Path, db: str,
         wait_until(lambda: "w1" in client.nodes() or worker.poll() is not None, timeout=30,
                    message="worker w1 to register")
         assert worker.poll() is None, (tmp_path / "w1.log").read_text()
-        client.submit_task(Task("long", {"seconds": 60}))
+        # An hour: the stop below ends it. 60 s was a wall-clock bound in disguise: at load 40
+        # the eight commands before the stop took longer, and "long" was done, not running.
+        client.submit_task(Task("long", {"seconds": 3600}))
         wait_until(lambda: client.get_task("long").owner == "w1", timeout=30, message="w1 claims long")
 
     nodes = json.loads(metafora("--url", db, "nodes", "--json", cwd=tmp_path).stdout)
