@@ -247,13 +247,17 @@ def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 130
+        code = proc.wait(timeout=30)
         reader.join(10)
         while not lines.empty():
             seen.append(lines.get_nowait() or "")
-        assert "interrupted" in "".join(seen)
         assert proc.stderr is not None
-        assert "Traceback" not in proc.stderr.read()
+        errors = proc.stderr.read()
+        # What the demo said with it: ctrl-c exited 1 in each of three random-order runs of stage 2
+        # (load 25-40) and never alone; the next one says why.
+        assert code == 130, f"exit {code}\n{''.join(seen)}\nstderr:\n{errors}"
+        assert "interrupted" in "".join(seen)
+        assert "Traceback" not in errors
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
