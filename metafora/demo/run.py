@@ -293,9 +293,14 @@ class Demo:
             self._stop.set()
 
         previous = signal.signal(signal.SIGTERM, on_term)
+        # Ctrl-C interrupts the demo even when it was started with SIGINT ignored (a parent
+        # that ignores it passes that on, and Python then raises no KeyboardInterrupt): its
+        # nodes, which set their own handler, would stop while the demo waited on.
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             yield
         finally:
+            signal.signal(signal.SIGINT, previous_int)
             signal.signal(signal.SIGTERM, previous)
 
     def run(self) -> int:

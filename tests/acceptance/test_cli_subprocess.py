@@ -217,11 +217,21 @@ def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
+# exec keeps an ignored signal ignored: the demo starts as a parent that ignores SIGINT left it
+_SIGINT_IGNORED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'metafora', 'demo', '--plain'])")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c-inherited-ignore", "sigterm"])
 def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:
-    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the demo: exit 130, no orphans."""
-    proc = subprocess.Popen([sys.executable, "-m", "metafora", "demo", "--plain"], cwd=tmp_path,
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the demo: exit 130, no orphans.
+
+    ``ctrl-c-inherited-ignore``: the demo starts with SIGINT ignored, as a parent that ignores
+    it passes on (a test runner's worker did, in some orders): Ctrl-C still stops it."""
+    argv = ([sys.executable, "-c", _SIGINT_IGNORED] if how.endswith("ignore")
+            else [sys.executable, "-m", "metafora", "demo", "--plain"])
+    proc = subprocess.Popen(argv, cwd=tmp_path,
                             env=_env(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path)), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -243,7 +253,7 @@ def test_demo_interrupted_stops_its_nodes(tmp_path: Path, how: str) -> None:
             seen.append(line)
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(seen))]
         assert len(pids) == 3
-        if how == "ctrl-c":
+        if how.startswith("ctrl-c"):
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
