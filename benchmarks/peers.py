@@ -3,7 +3,8 @@
 ``python -m benchmarks peers [--quick] [--rounds 3] [--systems metafora-postgresql,pgqueuer,...]``
 (the peers come with the ``bench`` extra: ``pip install -e '.[dev,bench]'``).
 
-Systems: metafora on PostgreSQL and on SQLite at the Consumer's defaults (max_tasks 10),
+Systems: metafora on PostgreSQL and on SQLite at the Consumer's defaults (no max_tasks: an async
+handler is not capped; a labelled extra row caps it at 10),
 pgqueuer at the defaults of its worker command and at its recommended settings (issue 51: the
 peer at its best; the published ratio is the lowest against any pgqueuer row), procrastinate
 (concurrency 10), each in 2 worker processes; every row is labelled with its settings (SETTINGS,
@@ -57,19 +58,21 @@ from typing import Any
 
 SYSTEMS = ("metafora-postgresql", "metafora-sqlite", "pgqueuer-default", "pgqueuer-recommended",
            "procrastinate", "pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb",
-           "metafora-postgresql-100")
+           "metafora-postgresql-100", "metafora-postgresql-10")
 # metafora as a user starts it (the Consumer's default balancer); the -dumb rows are an extra,
 # labelled: DumbBalancer, which claims everything and never releases (issue 33's yardstick).
 BASE_SYSTEMS = ("metafora-postgresql", "metafora-sqlite")
 # pgqueuer's worker capped at metafora's max_tasks (the row published until issue 51): an extra,
 # labelled, since the cap costs pgqueuer throughput (see SETTINGS).
-EXTRA_SYSTEMS = ("pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb", "metafora-postgresql-100")
-#: metafora rows not at the default max_tasks: an extra, labelled (as many in flight per worker as
-#: pgqueuer's recommended batch picks at once).
-MAX_TASKS = {"metafora-postgresql-100": 100}
+EXTRA_SYSTEMS = ("pgqueuer", "metafora-postgresql-dumb", "metafora-sqlite-dumb", "metafora-postgresql-100",
+                 "metafora-postgresql-10")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in EXTRA_SYSTEMS)
 PROCESSES = 2
 CONCURRENCY = 10
+#: metafora rows not at the default max_tasks (None: an async handler is not capped), each an
+#: extra, labelled: 100 (as many in flight per worker as pgqueuer's recommended batch picks at
+#: once) and 10 (the cap the defaults rows passed until issue 51, matched to pgqueuer's old cap).
+MAX_TASKS = {"metafora-postgresql-100": 100, "metafora-postgresql-10": CONCURRENCY}
 PGQ_BATCH = 5
 PGQ_BEST_BATCH = 100
 #: QueueManager.run()'s arguments per pgqueuer row (the crash workload adds its timeouts).
@@ -86,14 +89,16 @@ POLL = 0.01
 
 #: What each system runs with (printed under the table and saved with the results).
 SETTINGS = {
-    "metafora-postgresql": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
-                           " (FairBalancer, lease_ttl 30 s, poll_interval 15 s, pool_size 10); psycopg 3",
-    "metafora-sqlite": f"Consumer, async no-op handler, max_tasks {CONCURRENCY}, defaults otherwise"
-                       " (FairBalancer, lease_ttl 30 s, poll_interval 0.25 s)",
+    "metafora-postgresql": "Consumer at its defaults, async no-op handler (max_tasks None: not capped;"
+                           " FairBalancer, lease_ttl 30 s, poll_interval 15 s, pool_size 10); psycopg 3",
+    "metafora-sqlite": "Consumer at its defaults, async no-op handler (max_tasks None: not capped;"
+                       " FairBalancer, lease_ttl 30 s, poll_interval 0.25 s)",
     "metafora-postgresql-dumb": "extra row: as metafora-postgresql with balancer=DumbBalancer()",
     "metafora-sqlite-dumb": "extra row: as metafora-sqlite with balancer=DumbBalancer()",
     "metafora-postgresql-100": "extra row: as metafora-postgresql with max_tasks 100 (as many in flight"
                                " per worker as pgqueuer's recommended batch_size picks at once)",
+    "metafora-postgresql-10": f"extra row: as metafora-postgresql with max_tasks {CONCURRENCY} (the cap the"
+                              " defaults rows passed until issue 51, matched to pgqueuer's old cap)",
     "pgqueuer-default": "as `pgq run` starts a worker: QueueManager.run() at its defaults (batch_size 10,"
                         " no max_concurrent_tasks, dequeue_timeout 30 s) on pgqueuer's own runner (uvloop,"
                         " a dependency of pgqueuer), async no-op entrypoint, LISTEN/NOTIFY, asyncpg driver",
@@ -114,6 +119,7 @@ QUALIFIERS = {
     "metafora-postgresql": "defaults", "metafora-sqlite": "defaults",
     "metafora-postgresql-dumb": "DumbBalancer, extra", "metafora-sqlite-dumb": "DumbBalancer, extra",
     "metafora-postgresql-100": "max_tasks 100, extra",
+    "metafora-postgresql-10": f"max_tasks {CONCURRENCY}, extra",
     "pgqueuer-default": "defaults (pgq run)", "pgqueuer-recommended": "recommended",
     "pgqueuer": f"capped at {CONCURRENCY}, extra", "procrastinate": "defaults",
 }
@@ -125,6 +131,7 @@ CRASH_SETTINGS = {
     "metafora-postgresql-dumb": f"lease_ttl {CRASH_TTL} s",
     "metafora-sqlite-dumb": f"lease_ttl {CRASH_TTL} s",
     "metafora-postgresql-100": f"lease_ttl {CRASH_TTL} s",
+    "metafora-postgresql-10": f"lease_ttl {CRASH_TTL} s",
     "pgqueuer": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (an idle worker re-polls then;"
                 " the default 30 s made recovery take 30 s)",
     "pgqueuer-default": f"heartbeat_timeout {CRASH_TTL} s, dequeue_timeout 1 s (as pgqueuer)",
@@ -442,9 +449,12 @@ def _metafora_worker(url: str, node: str, report: _Reporter, dumb: bool = False,
         return True
 
     # The Consumer's default balancer, as a user gets it; DumbBalancer only for the -dumb rows.
+    # max_tasks only for the rows that name one: the defaults rows run at the Consumer's default.
     chosen: dict[str, Any] = {"balancer": DumbBalancer()} if dumb else {}
+    if max_tasks is not None:
+        chosen["max_tasks"] = max_tasks
     consumer = Consumer(open_coordinator(url, node_id=node), simple_handler(noop), **chosen,
-                        max_tasks=max_tasks or CONCURRENCY, shutdown_timeout=5)
+                        shutdown_timeout=5)
     signal.signal(signal.SIGTERM, lambda *_: consumer.shutdown())
 
     def announce() -> None:

@@ -407,11 +407,11 @@ def _peers(data: dict[str, Any]) -> list[str]:
 
 @table("peers_first", command="METAFORA_PEERS_NAME=peers_first METAFORA_PEERS_WORKLOADS=throughput"
                               " python -m benchmarks peers --rounds 4 --systems metafora-postgresql,"
-                              "metafora-sqlite,pgqueuer-default,pgqueuer-recommended,pgqueuer,metafora-postgresql-100")
+                              "metafora-sqlite,pgqueuer-default,pgqueuer-recommended,metafora-postgresql-10")
 @table("peers_first_20k", command="METAFORA_PEERS_NAME=peers_first_20k METAFORA_PEERS_TASKS=20000"
                                   " METAFORA_PEERS_WORKLOADS=throughput python -m benchmarks peers --rounds 3"
                                   " --systems metafora-postgresql,metafora-sqlite,pgqueuer-default,"
-                                  "pgqueuer-recommended,pgqueuer,metafora-postgresql-100")
+                                  "pgqueuer-recommended,metafora-postgresql-10")
 @table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
                               " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 8"
                               " --systems metafora-postgresql,metafora-postgresql-dumb,"
