@@ -140,6 +140,15 @@ class RecentRuns:
         """A task ran ``seconds`` (from its start to its handler's return) and ended now."""
         self._runs.append((self._clock.monotonic(), max(0.0, seconds)))
 
+    def latest(self) -> float | None:
+        """When the last kept run ended (monotonic), None before any: a change says a run
+        ended since it was last asked."""
+        runs = self._runs
+        try:
+            return runs[-1][0]
+        except IndexError:
+            return None
+
     def recent(self, within: float) -> tuple[int, float | None]:
         """(how many of the kept runs ended in the last ``within`` seconds, their median
         run time or None when none did)."""

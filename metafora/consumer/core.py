@@ -108,6 +108,7 @@ class Consumer:
         self._balancer = balancer if balancer is not None else FairBalancer()
         self._clock = clock or SYSTEM_CLOCK
         self._runs = RecentRuns(clock=self._clock)  # finished runs' times, for the balancer
+        self._runs_seen: float | None = None  # the latest run end the balancer was told of
         self._rng = rng or random.Random()
         self._build_parts()
 
@@ -143,7 +144,7 @@ class Consumer:
                             monotonic=clock.monotonic, log=self._log)
         self._offers = offers = OfferRouter(ctx, self._balancer, capacity=capacity)
         self._finisher = Finisher(ctx, capacity=capacity, back_off=offers.back_off,
-                                  forget_releases=offers.forget_releases)
+                                  forget_releases=offers.forget_releases, ran=self._runs.add)
         offers.fuse_outcomes(self._finisher.writer)  # claims take queued outcomes along
         self._handoffs = Handoffs(ctx, runner=self._runner, back_off=offers.back_off,
                                   record=self._finisher.record)
@@ -391,14 +392,16 @@ class Consumer:
             elif event is Signal.ROOM or isinstance(event, Finished):
                 room = True  # once per drain, not once per finished task
                 if isinstance(event, Finished):
-                    ended = True
-                    if event.ran is not None:
-                        self._runs.add(event.ran)
+                    ended = True  # its run time is in self._runs already (see Finisher)
                     if event.task.group is not None:
                         self._offers.group_freed(event.task.group)
         if room:
             self._offers.retry_deferred()
-        if ended:
+        latest = self._runs.latest()
+        if ended or latest != self._runs_seen:
+            # A run ended (its Finished event may still be queued behind offers): ask now,
+            # before this batch's offers are judged, whether refused offers may be retried.
+            self._runs_seen = latest
             self._balancing.tasks_ended()
         self._offers.offer_wave(offers)
 

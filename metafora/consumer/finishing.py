@@ -51,6 +51,7 @@ class Finisher:
         capacity: Capacity,
         back_off: Callable[[Task], None],
         forget_releases: Callable[[str], None],
+        ran: Callable[[float], None] | None = None,
     ) -> None:
         coordinator, clock = ctx.coordinator, ctx.clock
         self._coord = coordinator
@@ -60,6 +61,7 @@ class Finisher:
         self._capacity = capacity
         self._back_off = back_off
         self._forget_releases = forget_releases
+        self._ran = ran
         self._post = ctx.post
         self._stats = ctx.stats
         self._log = ctx.log
@@ -97,6 +99,11 @@ class Finisher:
         # says nothing of how long its tasks run, and a move must not look like a short task.
         if entry.stopped is None and not entry.lost and not entry.abandoned:
             entry.ran = (self._clock.now() - entry.started).total_seconds()
+            if self._ran is not None:
+                # Told now, not when the loop drains its Finished event: at a cold start that
+                # event waits behind thousands of refused offers, and so did the verdict
+                # that short tasks need no refusals (up to a second of 5,000 no-op tasks).
+                self._ran(entry.ran)
         with self._lock:
             if self._running.get(entry.task.id) is entry:
                 del self._running[entry.task.id]
