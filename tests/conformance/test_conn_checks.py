@@ -7,6 +7,7 @@ On SQLite and PostgreSQL, through SQLAlchemy and psycopg, sync and async."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -167,29 +168,39 @@ def run(store: str, other_url: str, engine: Any) -> None:
         engine.dispose()
 
 
-@pytest.mark.parametrize("store", KINDS, indirect=True)
-def test_complete_task_refuses_an_autocommit_connection(store: str) -> None:
-    """The same rule for ``complete_task(conn=)``: an autocommit connection would commit the
-    completion at once, whatever the application's transaction decides."""
-    from metafora import TaskState, open_coordinator
+@contextlib.contextmanager
+def _claimed(store: str, task_id: str) -> Iterator[tuple[Any, Any, Task, Any]]:
+    """A client, a coordinator holding ``task_id``'s claim, the claimed task and an engine on
+    the store's database (disposed afterwards)."""
+    from metafora import open_coordinator
     from metafora.testing import RecordingContext, wait_for
 
     engine = create_engine(sqlalchemy_url(store))
     try:
         with open_client(store) as client, open_coordinator(store, node_id="n1") as coord:
             coord.init(RecordingContext())
-            client.submit_task(Task("c-1"))
-            claimed = wait_for(lambda: coord.claim(Task("c-1")), 10, "the claim")
-            with engine.connect() as conn:
-                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
-                with pytest.raises(ConfigError, match=r"(?i)autocommit"):
-                    client.complete_task(claimed, conn=auto)  # type: ignore[attr-defined]
-            assert client.get_task("c-1").state is TaskState.CLAIMED
-            with engine.begin() as conn:
-                client.complete_task(claimed, conn=conn)  # type: ignore[attr-defined]
-            assert client.get_task("c-1").state is TaskState.DONE
+            client.submit_task(Task(task_id))
+            claimed = wait_for(lambda: coord.claim(Task(task_id)), 10, "the claim")
+            yield client, coord, claimed, engine
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("store", KINDS, indirect=True)
+def test_complete_task_refuses_an_autocommit_connection(store: str) -> None:
+    """The same rule for ``complete_task(conn=)``: an autocommit connection would commit the
+    completion at once, whatever the application's transaction decides."""
+    from metafora import TaskState
+
+    with _claimed(store, "c-1") as (client, _, claimed, engine):
+        with engine.connect() as conn:
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(ConfigError, match=r"(?i)autocommit"):
+                client.complete_task(claimed, conn=auto)
+        assert client.get_task("c-1").state is TaskState.CLAIMED
+        with engine.begin() as conn:
+            client.complete_task(claimed, conn=conn)
+        assert client.get_task("c-1").state is TaskState.DONE
 
 
 @pytest.mark.parametrize("store", KINDS, indirect=True)
@@ -197,25 +208,16 @@ def test_a_stateful_checkpoint_refuses_an_autocommit_connection(store: str) -> N
     """The same rule for ``cmds.checkpoint(cursor, conn=)`` (the state store's ``store_in``):
     an autocommit connection would commit the cursor at once, whatever the application's
     transaction decides."""
-    from metafora import open_coordinator
     from metafora.statemachine import State, state_store_for
-    from metafora.testing import RecordingContext, wait_for
 
-    engine = create_engine(sqlalchemy_url(store))
-    try:
-        with open_client(store) as client, open_coordinator(store, node_id="n1") as coord:
-            coord.init(RecordingContext())
-            client.submit_task(Task("s-1"))
-            claimed = wait_for(lambda: coord.claim(Task("s-1")), 10, "the claim")
-            states = state_store_for(coord)
-            with engine.connect() as conn:
-                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
-                with pytest.raises(ConfigError, match=r"(?i)autocommit"):
-                    states.store_in(claimed, State(cursor="1"), auto)  # type: ignore[attr-defined]
-            assert states.get("s-1") is None or states.get("s-1").cursor != "1"  # type: ignore[union-attr]
-            with engine.begin() as conn:
-                states.store_in(claimed, State(cursor="2"), conn)  # type: ignore[attr-defined]
-            stored = states.get("s-1")
-            assert stored is not None and stored.cursor == "2"
-    finally:
-        engine.dispose()
+    with _claimed(store, "s-1") as (_, coord, claimed, engine):
+        states = state_store_for(coord)
+        with engine.connect() as conn:
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(ConfigError, match=r"(?i)autocommit"):
+                states.store_in(claimed, State(cursor="1"), auto)  # type: ignore[attr-defined]
+        assert states.get("s-1") is None or states.get("s-1").cursor != "1"  # type: ignore[union-attr]
+        with engine.begin() as conn:
+            states.store_in(claimed, State(cursor="2"), conn)  # type: ignore[attr-defined]
+        stored = states.get("s-1")
+        assert stored is not None and stored.cursor == "2"
