@@ -181,6 +181,7 @@ def _claimed(store: str, task_id: str) -> Iterator[tuple[Any, Any, Task, Any]]:
             coord.init(RecordingContext())
             client.submit_task(Task(task_id))
             claimed = wait_for(lambda: coord.claim(Task(task_id)), 10, "the claim")
+            assert claimed is not None
             yield client, coord, claimed, engine
     finally:
         engine.dispose()
@@ -215,9 +216,9 @@ def test_a_stateful_checkpoint_refuses_an_autocommit_connection(store: str) -> N
         with engine.connect() as conn:
             auto = conn.execution_options(isolation_level="AUTOCOMMIT")
             with pytest.raises(ConfigError, match=r"(?i)autocommit"):
-                states.store_in(claimed, State(cursor="1"), auto)  # type: ignore[attr-defined]
+                states.store_in(claimed, State(cursor="1"), auto)
         assert states.get("s-1") is None or states.get("s-1").cursor != "1"  # type: ignore[union-attr]
         with engine.begin() as conn:
-            states.store_in(claimed, State(cursor="2"), conn)  # type: ignore[attr-defined]
+            states.store_in(claimed, State(cursor="2"), conn)
         stored = states.get("s-1")
         assert stored is not None and stored.cursor == "2"
