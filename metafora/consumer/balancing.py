@@ -94,7 +94,7 @@ class Rebalancer:
     def listen(self, post: Callable[[Event], None]) -> bool:
         """Read the members and listen to their changes; False when the store cannot tell."""
         try:
-            self._members = set(self._coord.active_task_count())
+            self._members = set(self._coord.published_task_count())
             self._offers.members(self._members)
         except MetaforaError as exc:  # only the first diff is less precise
             self._log.warning("could not read the cluster's nodes: %s", exc,
@@ -127,7 +127,7 @@ class Rebalancer:
         balance within the dampening window, unless one is due sooner already.
         """
         try:
-            now_members = set(self._coord.active_task_count())
+            now_members = set(self._coord.published_task_count())
         except MetaforaError as exc:
             self._log.warning("could not read the cluster's nodes: %s", exc,
                               extra={"action": "members"})

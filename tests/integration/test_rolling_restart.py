@@ -169,9 +169,13 @@ def test_rolling_restart_with_fixed_ids_moves_nothing(fleet: Fleet) -> None:
 @pytest.mark.timing
 def test_rolling_restart_with_new_ids_holds_nothing(fleet: Fleet) -> None:
     """Generated ids (a Deployment): nothing is held for an id that never comes back, so no
-    task waits out a window; tasks move as before (two starts per task at most)."""
+    task waits out a window; tasks move as before: about two starts per task (each stopped
+    task starts on another node, then a share moves to the new one)."""
     ids: dict[str, str | None] = dict.fromkeys(NODES)
     starts, restarts = _restart(fleet, ids, stable=False)
-    assert starts <= 2 * TASKS, (starts, restarts)
+    # Two starts per task, and per restart at most one task more: released tasks race to
+    # their new owners and a node at its share may take one too many, which the follow-up
+    # balance moves back (consumer/balancing.py). Seen: 121 of 120 once in CI.
+    assert starts <= 2 * TASKS + len(NODES), (starts, restarts)
     with open_client(fleet.url) as client:
         assert all(info.held_for is None for info in client.tasks())
