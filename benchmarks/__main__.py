@@ -15,7 +15,7 @@ from benchmarks.common import STORES, Stores
 
 BENCHMARKS = ("claims", "latency", "failover", "rebalance", "scale", "gates", "storm", "submit",
               "capacity", "idle", "placement", "schedules", "restart", "security", "at_risk",
-              "limits", "prune", "idle_cluster", "streams", "herd")
+              "limits", "prune", "idle_cluster", "streams", "herd", "rolling")
 
 
 def main() -> None:
