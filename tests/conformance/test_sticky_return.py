@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
+from metafora.coordinator import Finish, Outcome
 from metafora.holds import hold_note, is_held
 from metafora.testing import LocalCluster, wait_for
 from tests.conformance.test_coordinator import Cluster, _opened
@@ -178,3 +179,44 @@ def test_consumer_leaving_or_generated_id_hands_off_at_once(store_url: str) -> N
         assert [i.held_for for i in c.client.tasks()] == [None, None]
         wait_for(lambda: sum(1 for _, n in runs if n == "y") == 2, 30, "y takes both at once")
         assert not c.errors
+
+
+def test_outcomes_written_after_the_window_ends_are_not_lost(cluster: Cluster) -> None:
+    """Handlers may stop after the hold's window is over (a shutdown longer than sticky_for):
+    the outcomes written then land and a done task stays done (etcd's hold lease is gone by
+    then: a txn naming it was refused whole, with the done outcome batched beside it)."""
+    for name in ("t1", "t2", "t3"):
+        cluster.client.submit_task(Task(name))
+    a = cluster.node("a")
+    b = cluster.node("b")
+    done, later, early = _claim(a, "t1"), _claim(a, "t2"), _claim(a, "t3")
+    a.hold_releases(WINDOW)
+    a.release(early)  # held until the window ends: b's claim of it says the window is over
+    _claim(b, "t3", timeout=WINDOW + 30)
+    results = a.finish_many([Finish(done, Outcome.DONE), Finish(later, Outcome.RELEASE)])
+    assert results == [None, None], results
+    assert cluster.client.get_task("t1").state is TaskState.DONE
+    # Released, for others at the latest after a window (SQL and memory hold each release
+    # for the window from its own release; etcd's hold lease ended with the first window).
+    assert cluster.client.get_task("t2").state is TaskState.PENDING
+    _claim(b, "t2", timeout=WINDOW + 15)
+    a.close()
+
+
+def test_a_drain_during_the_shutdown_loses_no_outcome(cluster: Cluster) -> None:
+    """``nodes drain`` while the node still stops its handlers (etcd revokes the hold lease):
+    the outcomes the node writes after it are recorded, and the drained task is handed off."""
+    for name in ("d1", "d2", "d3"):
+        cluster.client.submit_task(Task(name))
+    a = cluster.node("a")
+    b = cluster.node("b")
+    held, done, released = _claim(a, "d1"), _claim(a, "d2"), _claim(a, "d3")
+    a.hold_releases(LONG)
+    a.release(held)
+    assert cluster.client.drain_node("a") == 1
+    _claim(b, "d1")
+    results = a.finish_many([Finish(done, Outcome.DONE), Finish(released, Outcome.RELEASE)])
+    assert results == [None, None], results
+    assert cluster.client.get_task("d2").state is TaskState.DONE
+    assert cluster.client.get_task("d3").state is TaskState.PENDING
+    a.close()

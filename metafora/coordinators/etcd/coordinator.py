@@ -63,7 +63,7 @@ from metafora.coordinators.etcd.layout import Keys, hold_record
 from metafora.coordinators.etcd.lease import NodeLease
 from metafora.coordinators.etcd.limits import GroupLimits
 from metafora.coordinators.etcd.node import NodeState
-from metafora.coordinators.etcd.ops import Compare, Delete, Op, Put, created_at, value_is
+from metafora.coordinators.etcd.ops import Compare, LeaseNotFound, Put, created_at, value_is
 from metafora.coordinators.etcd.outcomes import ClaimOutcomes
 from metafora.coordinators.etcd.queries import (
     Registration,
@@ -123,7 +123,6 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         self._claims = Claims(self._driver, self._keys, clock, self._state, self._cache,
                               self._lease, self._limits)
         self._outcomes = ClaimOutcomes(self._driver, self._keys, clock, self._state, self._limits)
-        self._hold: tuple[bytes, int] | None = None  # see hold_releases
         self._watch = NamespaceWatch(self._driver, self._keys, config, clock, self._state,
                                      self._cache, expire=self._claims.expire,
                                      commands_queued=self._commands.ring)
@@ -219,14 +218,25 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
         for start in range(0, len(tasks), _CLOSE_BATCH):
             batch = tasks[start:start + _CLOSE_BATCH]
             try:
-                if not self._driver.txn(self._owned(batch), self._running_keys(batch)).succeeded:
-                    for task in batch:
-                        self._driver.txn(self._owned([task]), self._running_keys([task]))
+                try:
+                    self._clear_batch(batch)
+                except LeaseNotFound:
+                    # The hold lease expired or was drained while handlers stopped: the
+                    # hold is over, the keys are deleted (a plain release), not lost.
+                    if not self._outcomes.drop_hold():
+                        raise
+                    self._clear_batch(batch)
             except MetaforaError as exc:
                 log.warning("node %s: could not clear the running keys of its claims on close "
                             "(%s); their next claims count a crash", self.node_id, exc,
                             extra=self._state.extra)
                 return
+
+    def _clear_batch(self, batch: list[Task]) -> None:
+        """One txn for ``batch``; if a claim was lost meanwhile, task by task."""
+        if not self._driver.txn(self._owned(batch), self._outcomes.running_keys(batch)).succeeded:
+            for task in batch:
+                self._driver.txn(self._owned([task]), self._outcomes.running_keys([task]))
 
     def _owned(self, tasks: list[Task]) -> list[Compare]:
         compares: list[Compare] = []
@@ -235,26 +245,18 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
             compares += [value_is(owner, self._state.node_bytes), created_at(owner, task.token)]
         return compares
 
-    def _running_keys(self, tasks: list[Task]) -> list[Op]:
-        hold = self._hold
-        if hold is not None:  # held for this node until its hold lease expires (holds.py)
-            return [Put(self._keys.task(task.id).running, hold[0], hold[1]) for task in tasks]
-        return [Delete(self._keys.task(task.id).running) for task in tasks]
-
     def hold_releases(self, seconds: float) -> bool:
         """Grant a hold lease of ``seconds`` (etcd's clock ends the hold: its expiry deletes
         the held running keys, and the watches offer the tasks then), name it under the
         node's ``hold`` key for ``drain``, and hold every later release on it."""
         seconds = check_sticky_for(seconds, "seconds")
         if not seconds:
-            self._hold = None
             self._outcomes.hold_releases(None)
             return True
         lease, _ttl = self._driver.grant(max(1, math.ceil(seconds)))
         self._driver.txn([], [Put(self._keys.node_hold(self.node_id), str(lease).encode(), lease)])
         until = self._clock.now() + timedelta(seconds=seconds)
-        self._hold = (hold_record(self.node_id, until), lease)
-        self._outcomes.hold_releases(self._hold)
+        self._outcomes.hold_releases((hold_record(self.node_id, until), lease))
         return True
 
     # -- lease and membership -----------------------------------------------------------

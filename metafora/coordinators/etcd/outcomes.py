@@ -34,6 +34,7 @@ from metafora.coordinators.etcd.ops import (
     Compare,
     Delete,
     KeyValue,
+    LeaseNotFound,
     Op,
     Put,
     Range,
@@ -179,12 +180,36 @@ class EtcdOutcomeBatcher:
                     for item in chunk:
                         item.size = TXN_BYTES
                     continue
+                if isinstance(answer, LeaseNotFound) and self._hold_gone(chunk):
+                    # The hold lease expired (the window ended while handlers were still
+                    # stopping) or was revoked (``nodes drain``): the hold is over, so the
+                    # chunk is written again with plain releases, its other outcomes with it.
+                    pending += [self._item(item.index, item.finish) for item in chunk]
+                    continue
                 if isinstance(answer, MetaforaError):
                     for item in chunk:
                         results[item.index] = _copy(answer)
                     continue
                 pending += self._sort(chunk, answer, results)
         return results
+
+    def _hold_gone(self, chunk: list[_Item]) -> bool:
+        """Whether ``chunk`` carried a held release (on the hold lease etcd no longer has);
+        if so, no later release is held (the window is over by etcd's clock)."""
+        if self.hold is None or not any(i.finish.outcome is Outcome.RELEASE for i in chunk):
+            return False
+        log.info("node %s: its hold lease is gone (window over, or drained): releases are "
+                 "no longer held", self._node_bytes.decode(), extra={"node": self._node_bytes.decode()})
+        self.hold = None
+        return True
+
+    def running_keys(self, tasks: Sequence[Task]) -> list[Op]:
+        """Writes that clear the running keys of ``tasks`` as a release does: held for this
+        node while a hold is on (holds.py), else deleted."""
+        hold = self.hold
+        if hold is not None:
+            return [Put(self._keys.task(t.id).running, hold[0], hold[1]) for t in tasks]
+        return [Delete(self._keys.task(t.id).running) for t in tasks]
 
     def _sort(self, chunk: list[_Item], answer: TxnResult,
               results: list[MetaforaError | None]) -> list[_Item]:
@@ -283,6 +308,16 @@ class ClaimOutcomes:
         """Hold the tasks released from now on as ``hold`` says: (the running key's value,
         the hold lease), or None for no hold."""
         self._batcher.hold = hold
+
+    def running_keys(self, tasks: Sequence[Task]) -> list[Op]:
+        """Writes that clear the running keys of ``tasks`` as a release does (held or not)."""
+        return self._batcher.running_keys(tasks)
+
+    def drop_hold(self) -> bool:
+        """The hold lease is gone (etcd said so): hold no release from now on. Whether a hold
+        was on (if not, the lease etcd missed was another one)."""
+        held, self._batcher.hold = self._batcher.hold is not None, None
+        return held
 
     def release(self, task: Task) -> None:
         """Give the claim back (fenced by owner and token)."""
