@@ -432,7 +432,10 @@ class Consumer:
         self._stopping.set()
         self._risk.close()
         self._shutdown.announce_leaving()
-        self._shutdown.hold_releases(self._options.sticky_for)
+        # Sticky return is for a graceful stop: a node ending on a fatal error (an Exception;
+        # not Ctrl-C) holds nothing, or a crash loop would keep its tasks from everyone.
+        crashed = isinstance(self._supervisor.fatal, Exception)
+        self._shutdown.hold_releases(0.0 if crashed else self._options.sticky_for)
         self._scheduler.stop()
         self._pruner.stop()
         self._cluster.stop()
