@@ -449,6 +449,27 @@ def _restart(data: dict[str, Any]) -> list[str]:
     return out
 
 
+@table("rolling", command="python -m benchmarks rolling --stores sqlite,postgresql")
+@table("rolling_base", command="METAFORA_ROLLING_STICKY_FOR=0 METAFORA_ROLLING_NAME=rolling_base"
+                               " python -m benchmarks rolling --stores sqlite,postgresql"
+                               " (benchmarks/rolling.py copied into a checkout of 455fe10)")
+def _rolling(data: dict[str, Any]) -> list[str]:
+    load = ", ".join(f"{x:.1f}" for x in data["load_average"])
+    sticky = (f"same ids with `sticky_for={data['sticky_for']:g}` (opt-in)" if data["sticky_for"]
+              else "same ids without a hold (no `sticky_for`)")
+    out = [f"Each process in turn: SIGTERM, joined, started again; {sticky}; new ids at the"
+           f" defaults. Load average {load} (2 cores).", ""]
+    out += header("store", "size", "ids", "starts/task", "max starts of a task",
+                  "restart s (max)", "max gap - restart s", "gaps > restart + 1 s",
+                  "even after a restart (max s)", "cold start: even s")
+    for r in data["results"]:
+        out.append(row(r["store"], f"{r['nodes']} x {r['tasks']:,}", r["ids"], r["starts_per_task"],
+                       r["max_starts_of_a_task"], max(r["restart_s"]), r["max_gap_over_restart_s"],
+                       f"{r['gaps_over_restart_plus_1s']:,} of {r['gaps']:,}",
+                       max(r["even_after_each_s"]), r["cold_even_s"]))
+    return out
+
+
 @table("idle_cluster", command="python -m benchmarks idle_cluster")
 def _idle_cluster(data: dict[str, Any]) -> list[str]:
     out = [f"{data['results'][0]['nodes']} nodes at the Consumer's defaults holding every task (async"
