@@ -10,7 +10,7 @@ refused). Measured per run, on the monotonic clock:
 - ``warned after``: seconds from the fault to the handler's ``at_risk``;
 - ``lead to stop``: seconds from ``at_risk`` to the handler's ``stop()`` (the node's fence);
 - ``lead to expiry``: that plus the fencing margin, the least time the store still keeps
-  the claim after the stop (:mod:`metafora.leases`), i.e. the warning's lead
+  the claim after the stop (:mod:`metafora.core.leases`), i.e. the warning's lead
   on the claim's loss.
 
 Lease TTLs: 3 s on SQL stores, 2 s on etcd (its smallest); the lead scales with the TTL.
@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.common import Stores, save, table
 from metafora.coordinators.etcd.config import ETCD_FENCING
 from metafora.coordinators.sql.options import SQL_FENCING
-from metafora.leases import Fencing
+from metafora.core.leases import Fencing
 
 FAULTS = ("frozen", "cut")
 TTL = {"sqlite": 3, "postgresql": 3, "etcd": 2}

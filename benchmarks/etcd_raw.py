@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from metafora import Task, open_client, open_coordinator, simple_handler
-from metafora.config import parse_store_url
 from metafora.consumer import Consumer
 from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.etcd import EtcdConfig, EtcdCoordinator
@@ -43,6 +42,7 @@ from metafora.coordinators.etcd.driver import (
     absent,
 )
 from metafora.coordinators.etcd.layout import Keys
+from metafora.core.config import parse_store_url
 from metafora.testing import RecordingContext
 
 SPAWN = multiprocessing.get_context("spawn")

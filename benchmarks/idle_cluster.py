@@ -42,7 +42,7 @@ SIZES = (1_000, 10_000, 100_000)
 def _pg_counters(url: str) -> dict[str, int]:
     import psycopg
 
-    from metafora.config import parse_store_url
+    from metafora.core.config import parse_store_url
 
     db = parse_store_url(url).path.lstrip("/")
     with psycopg.connect(url.split("?", 1)[0], autocommit=True) as conn:

@@ -398,7 +398,7 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
-        from metafora.config import parse_store_url
+        from metafora.core.config import parse_store_url
 
         try:
             from metafora.backends import backend_of as load_store

@@ -37,7 +37,7 @@ from sqlalchemy import text
 
 from benchmarks.common import RESULTS, Stores, commit, save, table
 from metafora import Task, open_client
-from metafora.retention import PRUNE_BATCH, Cutoffs, Retention, RetentionOps
+from metafora.core.retention import PRUNE_BATCH, Cutoffs, Retention, RetentionOps
 
 ROUND_SECONDS = 20.0
 POLICY = Retention(timedelta(days=1), timedelta(days=1), timedelta(days=1))
@@ -144,7 +144,7 @@ def _feed(url: str, stop: threading.Event) -> None:
 
 
 def _prune_for(store: RetentionOps, cutoffs: Cutoffs, seconds: float) -> tuple[int, bool]:
-    """What a consumer's :class:`~metafora.retention.Pruner` does in a turn -- batches of
+    """What a consumer's :class:`~metafora.core.retention.Pruner` does in a turn -- batches of
     PRUNE_BATCH and the store's rest after each -- for at most ``seconds`` (the Pruner's
     turn would run to the end; the rounds stop it between two batches); (pruned, finished)."""
     deadline = time.monotonic() + seconds

@@ -128,7 +128,8 @@ def _grew(items: list[Any], beyond: int) -> bool:
 
 def measure_handoff(url: str, handoffs: int) -> dict[str, float]:
     """Pauses of a stateful task moved ``handoffs`` times between two in-process nodes."""
-    from metafora import Consumer, commands, open_coordinator
+    from metafora import Consumer, open_coordinator
+    from metafora.core import commands
     from metafora.statemachine import Commands, handler_func
     from metafora.statemachine.machine import Message, MessageKind
     from metafora.testing import LocalCluster, wait_for

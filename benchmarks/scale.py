@@ -64,9 +64,9 @@ def claim_rate(kind: str, url: str, n: int, done: int) -> float:
 
 def claim_plan(url: str) -> str:
     """PostgreSQL's plan of the claim statement, one line per node."""
-    from metafora.config import parse_store_url
     from metafora.coordinators.sql.options import parse_config
     from metafora.coordinators.sql.store import Database
+    from metafora.core.config import parse_store_url
 
     db = Database(parse_config(parse_store_url(url), {}))
     try:
@@ -110,7 +110,7 @@ def consumer_rss(url: str, tasks: int) -> float:
 def _pg_xacts(url: str) -> int:
     import psycopg
 
-    from metafora.config import parse_store_url
+    from metafora.core.config import parse_store_url
 
     db = parse_store_url(url).path.lstrip("/")
     with psycopg.connect(url.split("?", 1)[0]) as conn:

@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, percentile, save, table
 from metafora import open_client, open_coordinator
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import Coordinator
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task, parse_time
 from metafora.schedule import Scheduler
-from metafora.schedule_model import Schedule
-from metafora.task import Task, parse_time
 from metafora.testing import RecordingContext
 
 

@@ -17,7 +17,7 @@ grows by less than 10 MB under a 64 MiB body):
   (before the fix: 16-25 s and 6.7 s of CPU per request, a quadratic URL pattern run over the
   page): p50 and max over ``-n`` requests (20, quick: 5) after one warm-up, on one keep-alive
   connection, measured by the client (request sent to last byte read);
-- :func:`metafora.masking.scrub` over 1 MB of letters, of hostile punctuation, of dense URLs
+- :func:`metafora.core.masking.scrub` over 1 MB of letters, of hostile punctuation, of dense URLs
   (a URL with a password every 30 characters) and of URLs with ports every 8, and of the
   adversarial shapes of the unit tests (floods of ``@ : %``, ``a://`` repeated, unicode, URLs
   that each hold something to mask every 6-13 characters, one URL of 1 MB): the best of 5.
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, percentile, save, table
 from metafora import Task, open_client
-from metafora.masking import mask_text
+from metafora.core.masking import mask_text
 from metafora.testing import wait_for
 
 _HOSTILE = "ab:/@?=&;#%.+-1 \t'\"\x1b\u202e"
@@ -275,9 +275,9 @@ def round_three() -> dict[str, Any]:
     from datetime import timedelta
 
     from metafora import open_async_client
-    from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
-    from metafora.logs import configure
-    from metafora.task import validate_task_id
+    from metafora.core.errors import ConfigError, InvalidProps, InvalidTaskId
+    from metafora.core.logs import configure
+    from metafora.core.task import validate_task_id
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -96,9 +96,9 @@ def _measure(url: str, nodes: int, tasks: int, repeat: int) -> float:
     from sqlalchemy import text
 
     from metafora import open_client
-    from metafora.config import parse_store_url
     from metafora.coordinators.sql.options import parse_config
     from metafora.coordinators.sql.store import Database
+    from metafora.core.config import parse_store_url
 
     with open_client(url) as client:
         client.tasks("claimed")  # creates the schema

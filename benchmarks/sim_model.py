@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from metafora.balancer import ClusterState
-from metafora.task import Task
+from metafora.core.task import Task
 from metafora.testing.clock import FakeClock
 
 __all__ = ["FREE", "NodeView", "SimClock", "SimConfig", "SimStore", "task_id", "task_index"]

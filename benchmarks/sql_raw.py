@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, save, table
 from metafora import Task, open_client, open_coordinator
-from metafora.config import parse_store_url
 from metafora.coordinators.sql import SQLCoordinator
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database
+from metafora.core.config import parse_store_url
 from metafora.testing import RecordingContext
 
 SPAWN = multiprocessing.get_context("spawn")

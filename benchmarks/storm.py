@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, Fleet, Stores, WorkerSpec, save, table
 from metafora import Task, open_client
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 
 BALANCE_EVERY = 5.0
 BALANCER = os.environ.get("METAFORA_STORM_BALANCER", "fair")  # or "dumb"

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # python benchm
 
 from benchmarks.common import Stores, save, table
 from metafora import Consumer, Task, open_client, open_coordinator
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.options import parse_config
+from metafora.core.config import parse_store_url
 from metafora.streams import Job, JobContext, SQLJobLog, stream_handler
 from metafora.streams.ops import stream_rows
 

@@ -33,15 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
-from metafora import bulk
 from metafora.client import Client
-from metafora.clock import SYSTEM_CLOCK
-from metafora.commands import Command
-from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError, TaskExists
-from metafora.limits import Limit, Rate
+from metafora.core import bulk
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.commands import Command
+from metafora.core.errors import ConfigError, CoordinatorClosed, MetaforaError, TaskExists
+from metafora.core.limits import Limit, Rate
+from metafora.core.submitting import IfExists, check_if_exists, no_completion, no_transactions
+from metafora.core.task import Task, TaskInfo, TaskState, validate_schedule
 from metafora.recipes import verb
-from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
-from metafora.task import Task, TaskInfo, TaskState, validate_schedule
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo

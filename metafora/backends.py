@@ -11,7 +11,7 @@ stores use the same door (setup.cfg)::
         postgresql = metafora.coordinators.sql.backend:BACKEND [postgres]
 
 The ``[extra]`` of an entry point names the pip extra that provides the scheme's driver: a
-missing driver is a :class:`~metafora.errors.ConfigError` that names it. ``connect`` opens
+missing driver is a :class:`~metafora.core.errors.ConfigError` that names it. ``connect`` opens
 coordinators and clients through :func:`backend_of`; features find their store's
 implementation through :func:`implementation`, never by importing a store package. The group
 itself is read by :mod:`metafora.registry` (which the client, below this module, uses too).
@@ -28,13 +28,13 @@ from typing import Any
 
 from metafora.aio import AsyncClient
 from metafora.client import Client
-from metafora.config import StoreURL, parse_store_url
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
-from metafora.leases import Fencing, LeaseTTL
+from metafora.core.config import StoreURL, parse_store_url
+from metafora.core.errors import ConfigError
+from metafora.core.leases import Fencing, LeaseTTL
+from metafora.core.submitting import IfExists, no_completion, no_transactions
+from metafora.core.task import Task
 from metafora.registry import GROUP, entry_points, find, loaded, schemes
-from metafora.submitting import IfExists, no_completion, no_transactions
-from metafora.task import Task
 
 __all__ = [
     "DEFAULT_URL",

@@ -9,9 +9,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from metafora.clock import SYSTEM_CLOCK, Clock
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler
-from metafora.task import Task
 
 __all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask", "SelectorKey",
            "selector_key"]

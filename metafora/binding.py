@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
+from metafora.core.metrics import ConsumerStats
 from metafora.handler import HandlerFunc
-from metafora.metrics import ConsumerStats
 
 __all__ = ["BindsToNode", "Gauges", "NodeBinding", "bind_handler_func"]
 

@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from metafora import bulk
 from metafora.balancer import ClusterState
-from metafora.clock import SYSTEM_CLOCK
-from metafora.commands import Command
-from metafora.limits import ClientLimits
+from metafora.core import bulk
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.commands import Command
+from metafora.core.limits import ClientLimits
+from metafora.core.retention import RetentionOps
+from metafora.core.schedule_model import Schedule, new_schedule
+from metafora.core.submitting import IfExists, check_if_exists, no_completion, no_transactions
+from metafora.core.task import Task, TaskInfo, TaskState
+from metafora.core.task_retry import StateRewrite, check_retry_options
 from metafora.recipes import verb
-from metafora.retention import RetentionOps
-from metafora.schedule_model import Schedule, new_schedule
-from metafora.submitting import IfExists, check_if_exists, no_completion, no_transactions
-from metafora.task import Task, TaskInfo, TaskState
-from metafora.task_retry import StateRewrite, check_retry_options
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
@@ -52,7 +52,7 @@ class NodeInfo:
 
 class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     """An operator's handle on the store: submit and inspect tasks, command nodes, set
-    cluster-wide limits per task group (the verbs of :class:`~metafora.limits.ClientLimits`)."""
+    cluster-wide limits per task group (the verbs of :class:`~metafora.core.limits.ClientLimits`)."""
 
     backend: ClassVar[str] = ""
     """The store this client belongs to: the ``name`` of its registered store (as
@@ -67,7 +67,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     def submit_task(self, task: Task, *, conn: Any = None, if_exists: IfExists = "error") -> bool:
         """Add a pending task; True if it was added (or replaced), False if left as it was.
 
-        ``if_exists`` (see :mod:`metafora.submitting`): ``"error"`` raises TaskExists if the id
+        ``if_exists`` (see :mod:`metafora.core.submitting`): ``"error"`` raises TaskExists if the id
         is taken (in any state), ``"ignore"`` leaves the existing task, ``"replace"`` gives a
         pending one the new props, priority, times, selector, placement and group (never a
         claimed or finished one). ``conn``: the application's open transaction (a SQLAlchemy
@@ -87,7 +87,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         existing ids are left (or replaced, if pending) and the rest added, decided per task in
         the batch's own statement or txn. An id given twice in ``tasks`` is refused
         before anything is written, and so is a task that could never be claimed
-        (``InvalidProps``, see :func:`~metafora.task.validate_schedule`). One wake-up per
+        (``InvalidProps``, see :func:`~metafora.core.task.validate_schedule`). One wake-up per
         batch, not per task. ``conn``: as :meth:`submit_task` (every task in that transaction).
         """
         mode = check_if_exists(if_exists)
@@ -159,7 +159,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         is ``done`` in the coordinator): its stored state becomes ``runnable`` again, with no
         errors, and the cursor of its last checkpoint only with ``keep_cursor``. Atomic:
         the task and its state change together or not at all. The rules are
-        :func:`metafora.statemachine.retry.plan_retry`'s (see :mod:`metafora.task_retry`).
+        :func:`metafora.statemachine.retry.plan_retry`'s (see :mod:`metafora.core.task_retry`).
         """
         check_retry_options(reset_state, keep_cursor)
         if not reset_state:
@@ -171,7 +171,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
     @abc.abstractmethod
     def retry_with_state(self, task_id: str, rewrite: StateRewrite | None) -> None:
         """Make a finished task pending again in one atomic step with ``rewrite`` of its
-        stored state (see :mod:`metafora.task_retry`); without ``rewrite``, a plain retry
+        stored state (see :mod:`metafora.core.task_retry`); without ``rewrite``, a plain retry
         (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
         """
 
@@ -257,7 +257,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
 
     def drain_node(self, node_id: str) -> int:
         """Hand the tasks held for ``node_id`` (a node that stopped gracefully with a stable
-        id, see :mod:`metafora.holds`) to every node at once; returns how many were held.
+        id, see :mod:`metafora.core.holds`) to every node at once; returns how many were held.
 
         For a scale-down: the node is not coming back, so its tasks need not wait for the
         end of its window. Raises NotImplementedError on a store that keeps no holds.
@@ -275,7 +275,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         Returns how many were deleted.
         """
 
-    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
+    # -- periodic schedules (see metafora.core.schedule_model) ------------------------------------
 
     def add_schedule(
         self,

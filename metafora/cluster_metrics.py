@@ -26,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from metafora.clock import Clock
-from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.core.clock import Clock
+from metafora.core.errors import CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
     from metafora.client import Client
     from metafora.coordinator import Coordinator
-    from metafora.retention import Retention
+    from metafora.core.retention import Retention
 
 __all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "backlog_line", "read_backlog",
            "read_cluster"]

@@ -19,10 +19,10 @@ from metafora.backends import (
     store_of_url,
 )
 from metafora.client import Client
-from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError, InvalidTaskId
-from metafora.task import validate_task_id
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, InvalidTaskId
+from metafora.core.task import validate_task_id
 
 if TYPE_CHECKING:
     from metafora.aio import AsyncClient

@@ -19,12 +19,12 @@ from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from metafora.balancer import ClusterState
-from metafora.commands import Command
-from metafora.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
-from metafora.masking import cut_text, scrub
-from metafora.retention import RetentionOps
-from metafora.schedule_model import Schedule
-from metafora.task import Task
+from metafora.core.commands import Command
+from metafora.core.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
+from metafora.core.masking import cut_text, scrub
+from metafora.core.retention import RetentionOps
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task
 
 __all__ = [
     "DEFAULT_MAX_CRASHES", "MAX_ERROR_BYTES", "Coordinator", "CoordinatorContext", "Finish",
@@ -68,10 +68,10 @@ a table showing it must not cost more for that."""
 
 def error_text(error: BaseException | str) -> str:
     """The text stored for a failed task: ``Type: message`` for exceptions, cut to
-    :data:`MAX_ERROR_BYTES` (:func:`~metafora.masking.cut_text`) and masked.
+    :data:`MAX_ERROR_BYTES` (:func:`~metafora.core.masking.cut_text`) and masked.
 
     Every store writes its failed tasks' errors through this function, so a password in an
-    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.masking.scrub`)
+    exception's message (a driver naming its URL) is never stored (see :func:`~metafora.core.masking.scrub`)
     and no stored error is longer than the limit. The cut comes first, so masking costs
     little; what is left of a URL cut in its middle is masked by the same positional rule.
     """
@@ -174,7 +174,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     """A consumer's view of the shared store: discover, claim and finish tasks.
 
     All methods are thread-safe. Claims are leases held by this node; every write about a
-    claim is fenced by its token and refused with :class:`~metafora.errors.ClaimLost` when
+    claim is fenced by its token and refused with :class:`~metafora.core.errors.ClaimLost` when
     the node no longer holds it.
     """
 
@@ -185,7 +185,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
     node_id_generated: bool = False
     """Whether this node's id was made up at random (``open_coordinator`` without a node id
     or ``METAFORA_NODE_ID``): a generated id never comes back, so nothing is held for it
-    (``Consumer(sticky_for=)`` is ignored, see :mod:`metafora.holds`)."""
+    (``Consumer(sticky_for=)`` is ignored, see :mod:`metafora.core.holds`)."""
 
     backend: ClassVar[str] = ""
     """The store this coordinator belongs to: the ``name`` of its registered
@@ -262,7 +262,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         handlers), ``0.0`` once the claim is lost or not held under ``task.token``; None
         when this store bounds nothing (memory). Fenced writes about the claim (task state,
         gate items) use it as their deadline: a write still waiting for the store then is
-        refused as :class:`~metafora.errors.ClaimLost`, never left blocking past the lease.
+        refused as :class:`~metafora.core.errors.ClaimLost`, never left blocking past the lease.
         """
         return None
 
@@ -290,7 +290,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         (as :meth:`metafora.Client.complete_task`; what a handler's ``ctx.complete(conn=)``
         calls on its node's coordinator). ConfigError on stores that share no transaction
         with the application (the default)."""
-        from metafora.submitting import no_completion
+        from metafora.core.submitting import no_completion
 
         raise no_completion(self.name)
 
@@ -298,8 +298,8 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         """Record many outcomes, each fenced by its own task's token, in few round trips.
 
         Result ``i`` is None when ``finishes[i]`` was written, else the error that refused
-        it (:class:`~metafora.errors.ClaimLost` when the claim is no longer held). Raises
-        :class:`~metafora.errors.CoordinatorUnavailable` (or ``CoordinatorClosed``) when the
+        it (:class:`~metafora.core.errors.ClaimLost` when the claim is no longer held). Raises
+        :class:`~metafora.core.errors.CoordinatorUnavailable` (or ``CoordinatorClosed``) when the
         store could not be reached: the caller retries the batch, and an outcome whose first
         answer was lost is then refused as ``ClaimLost``, as a single write would be. A store
         may group them in one statement or transaction; this default writes them one by one.
@@ -344,7 +344,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         Every later release of this node (``release``, a RELEASE of ``finish_many``, the
         claims ``close()`` frees) leaves the task pending but claimable only by a node with
         this id until the store's clock passes the window; other nodes take it after that
-        (see :mod:`metafora.holds`). The consumer calls it when it shuts down gracefully with
+        (see :mod:`metafora.core.holds`). The consumer calls it when it shuts down gracefully with
         an explicit node id. Returns False when the store cannot hold (the default): its
         releases then go to every node at once, as before.
         """
@@ -380,7 +380,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
         """
         return False
 
-    # -- periodic schedules (see metafora.schedule_model) ------------------------------------
+    # -- periodic schedules (see metafora.core.schedule_model) ------------------------------------
 
     def schedules(self) -> list[Schedule]:
         """Every schedule of the namespace, by name (a store without schedules: none)."""

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import overload
 
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["AsyncHandler", "Handler", "HandlerFunc", "is_async", "simple_handler"]
 

@@ -35,10 +35,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from metafora.cluster_metrics import ClusterSnapshot
-from metafora.errors import ConfigError
-from metafora.hosts import allowed_hosts, host_allowed, host_name, is_loopback
-from metafora.masking import scrub
-from metafora.metrics import ConsumerStats, HistogramSnapshot
+from metafora.core.errors import ConfigError
+from metafora.core.hosts import allowed_hosts, host_allowed, host_name, is_loopback
+from metafora.core.masking import scrub
+from metafora.core.metrics import ConsumerStats, HistogramSnapshot
 
 __all__ = ["HEADERS", "LISTEN_BACKLOG", "MAX_BODY", "MAX_CLIENTS", "REQUEST_TIMEOUT", "InfoServer",
            "is_loopback", "parse_addr", "render_metrics"]

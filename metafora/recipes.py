@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from importlib import import_module
 from typing import Any, Final
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = ["PROVIDERS", "register", "verb"]
 

@@ -1,6 +1,6 @@
 """Masterless periodic tasks: schedules, their ticks, and the loop that materialises them.
 
-A :class:`~metafora.schedule_model.Schedule` says when (``every`` N seconds, or a ``cron``
+A :class:`~metafora.core.schedule_model.Schedule` says when (``every`` N seconds, or a ``cron``
 expression, in UTC) a task is made from its ``props``. Every consumer runs a
 :class:`Scheduler`; any of them may materialise a due tick. The store's one atomic step
 (:meth:`metafora.coordinator.Coordinator.materialise`) advances the schedule's ``cursor``
@@ -8,8 +8,8 @@ with a compare-and-set on its ``version`` and creates the tick's task if absent,
 transaction: two nodes racing make one task, and a tick whose task was since purged is never
 made again. No leader is needed, and no tick is lost while at least one node is up.
 
-The values (:class:`~metafora.schedule_model.Schedule`, tick computation, the missed-tick
-policy) live in :mod:`metafora.schedule_model`, below the coordinator interface that names
+The values (:class:`~metafora.core.schedule_model.Schedule`, tick computation, the missed-tick
+policy) live in :mod:`metafora.core.schedule_model`, below the coordinator interface that names
 them; the stores and this loop import them from there. This module is the loop, which drives
 a coordinator.
 """
@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from metafora.clock import Clock
-from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.schedule_model import (
+from metafora.core.clock import Clock
+from metafora.core.errors import CoordinatorClosed, MetaforaError
+from metafora.core.schedule_model import (
     MAX_CATCH_UP,
     MAX_TICKS_PER_STEP,
     Schedule,

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from metafora.holds import hold_note
-from metafora.limits import GroupUsage, waiting_reason
-from metafora.task import TaskInfo, TaskState, placement_reason
+from metafora.core.holds import hold_note
+from metafora.core.limits import GroupUsage, waiting_reason
+from metafora.core.task import TaskInfo, TaskState, placement_reason
 
 if TYPE_CHECKING:
     from metafora.client import Client
@@ -66,7 +66,7 @@ def group_reasons(infos: Iterable[TaskInfo], usage: Mapping[str, GroupUsage]) ->
 
 def pending_reasons(client: Client, infos: list[TaskInfo]) -> dict[str, str]:
     """Task id -> why a pending task cannot be claimed now (held for a node that stopped
-    gracefully: ``held for NODE until T``, see :mod:`metafora.holds`; no live node matches
+    gracefully: ``held for NODE until T``, see :mod:`metafora.core.holds`; no live node matches
     its selector; else its group is at its limit); the node labels are read only when a
     pending task has a selector, the limits only when one has a group."""
     pending = _pending(infos)

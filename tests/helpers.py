@@ -13,8 +13,8 @@ from typing import TypeVar
 from metafora.connect import open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinators.memory import MemoryCoordinator
+from metafora.core.task import Task
 from metafora.statemachine.machine import StateCode
-from metafora.task import Task
 from metafora.testing import LocalCluster, wait_for
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ import click
 
 from metafora import Task, TaskState, open_client
 from metafora.cli.tool import MetaforaCommand, url_option
-from metafora.task import validate_task_id
+from metafora.core.task import validate_task_id
 
 
 @click.command(cls=MetaforaCommand, context_settings={"ignore_unknown_options": True})

@@ -32,7 +32,7 @@ import click
 
 from metafora import Consumer, Handler, Task, open_coordinator
 from metafora.cli.tool import MetaforaCommand, url_option
-from metafora.logs import LEVELS, configure
+from metafora.core.logs import LEVELS, configure
 
 STDERR_TAIL = 2000  # characters of stderr kept in a failed task's error
 

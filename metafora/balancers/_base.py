@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from metafora.balancer import Balancer, BalancerContext
-from metafora.clock import Clock
+from metafora.core.clock import Clock
 
 __all__ = ["ContextBalancer"]
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from metafora.balancer import BalancerContext, SelectorKey, selector_key
 from metafora.balancers.shares import EPS, Member, Standing
-from metafora.clock import Clock
-from metafora.node import capacity_or_none
-from metafora.task import matches
+from metafora.core.clock import Clock
+from metafora.core.node import capacity_or_none
+from metafora.core.task import matches
 
 __all__ = ["Counts", "Pool", "Snapshot", "work_of"]
 

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 
 from metafora.balancer import BalancerContext
 from metafora.balancers._fair_counts import Snapshot
-from metafora.clock import Clock
+from metafora.core.clock import Clock
 
 __all__ = ["MAX_REFUSALS", "Pace", "Refusals"]
 

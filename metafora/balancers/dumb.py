@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from metafora.balancers._base import ContextBalancer
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["DumbBalancer"]
 

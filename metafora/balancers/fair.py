@@ -22,10 +22,10 @@ from metafora.balancers.shares import (
     release_plan,
     standings,
 )
-from metafora.clock import Clock
-from metafora.durations import seconds
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.clock import Clock
+from metafora.core.durations import seconds
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 
 __all__ = ["DEFAULT_FAIR_THRESHOLD", "DEFAULT_SHORT_RUN", "DEFAULT_WARMUP", "DEFAULT_WARMUP_BACKLOG",
            "MAX_REFUSALS", "FairBalancer"]

@@ -12,10 +12,10 @@ from typing import Any
 import psutil
 
 from metafora.balancers._base import ContextBalancer
-from metafora.clock import Clock
-from metafora.durations import seconds
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.clock import Clock
+from metafora.core.durations import seconds
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 
 __all__ = ["CpuReporter", "MemoryReporter", "ResourceBalancer", "ResourceReporter", "release_count"]
 

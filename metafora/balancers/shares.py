@@ -43,9 +43,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from metafora.errors import ConfigError
-from metafora.node import check_capacity, check_weight, finite_number
-from metafora.task import matches
+from metafora.core.errors import ConfigError
+from metafora.core.node import check_capacity, check_weight, finite_number
+from metafora.core.task import matches
 
 __all__ = [
     "DEFAULT_BAND",

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from metafora.balancers._base import ContextBalancer
-from metafora.clock import Clock
-from metafora.durations import seconds
-from metafora.task import Task
+from metafora.core.clock import Clock
+from metafora.core.durations import seconds
+from metafora.core.task import Task
 
 __all__ = ["SleepBalancer"]
 

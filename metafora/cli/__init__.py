@@ -45,7 +45,7 @@ from metafora.cli._common import (
     Settings,
 )
 from metafora.cli.tool import invoke_translated, url_option
-from metafora.logs import LEVELS, configure
+from metafora.core.logs import LEVELS, configure
 
 __all__ = [
     "EXIT_INTERNAL",

@@ -1,6 +1,6 @@
 """Pieces every CLI command shares: exit codes, error translation, the store handle, output.
 
-Every error metafora raises on purpose (:class:`~metafora.errors.MetaforaError`) is turned
+Every error metafora raises on purpose (:class:`~metafora.core.errors.MetaforaError`) is turned
 into one ``Error: <message>`` line on stderr and a named exit code; nothing a user can do
 wrong prints a traceback. Messages never show the store password.
 """
@@ -23,8 +23,8 @@ from rich.text import Text
 
 from metafora.client import Client
 from metafora.connect import open_client
-from metafora.durations import parse_duration
-from metafora.errors import (
+from metafora.core.durations import parse_duration
+from metafora.core.errors import (
     ConfigError,
     CoordinatorUnavailable,
     InvalidCommand,
@@ -32,7 +32,7 @@ from metafora.errors import (
     InvalidTaskId,
     MetaforaError,
 )
-from metafora.masking import escape_controls, escape_json, for_terminal, scrub
+from metafora.core.masking import escape_controls, escape_json, for_terminal, scrub
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -206,7 +206,7 @@ def field_table() -> Table:
 def print_json(data: Any, out: IO[str] | None = None) -> None:
     """Print ``data`` as indented JSON on stdout (one document, machine-readable): readable
     letters as they are, control, C1, bidi and other invisible characters as JSON escapes
-    (:func:`~metafora.masking.escape_json`), so stored text cannot drive the terminal."""
+    (:func:`~metafora.core.masking.escape_json`), so stored text cannot drive the terminal."""
     click.echo(escape_json(json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False)), file=out)
 
 

@@ -42,9 +42,9 @@ from typing import Any
 
 from metafora.balancer import Balancer
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
-from metafora.task import Task
 
 __all__ = ["Kind", "Target", "TargetError", "import_object", "load_balancer", "load_target"]
 

@@ -23,7 +23,8 @@ from rich.text import Text
 
 from metafora.cli._common import cell, console, format_time, print_json, settings, store_client
 from metafora.cli.tool import check_url
-from metafora.errors import TaskExists, TaskNotFound
+from metafora.core.errors import TaskExists, TaskNotFound
+from metafora.core.task import Task, validate_task_id
 from metafora.gates import (
     MAX_GATE,
     Item,
@@ -34,7 +35,6 @@ from metafora.gates import (
     reopen_partition,
     retry_partition,
 )
-from metafora.task import Task, validate_task_id
 
 __all__ = ["ENV_ITEMS_URL", "gate", "item_store", "items", "items_url_option", "partition"]
 

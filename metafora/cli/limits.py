@@ -8,7 +8,7 @@ import click
 from rich.table import Table
 
 from metafora.cli._common import cell, console, print_json, store_client
-from metafora.limits import GroupUsage
+from metafora.core.limits import GroupUsage
 
 __all__ = ["limit"]
 

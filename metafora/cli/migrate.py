@@ -14,8 +14,8 @@ import click
 from metafora.backends import backend_of
 from metafora.cli._common import settings
 from metafora.cli.tool import check_url
-from metafora.config import parse_store_url
-from metafora.masking import mask_url
+from metafora.core.config import parse_store_url
+from metafora.core.masking import mask_url
 
 __all__ = ["migrate"]
 

@@ -10,14 +10,14 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from metafora import commands
 from metafora.cli._common import cell, console, print_json, store_client
 from metafora.cli.top import frozen_text
 from metafora.client import NodeInfo
-from metafora.commands import Command
 from metafora.connect import validate_node_id
-from metafora.errors import InvalidTaskState, NodeNotFound
-from metafora.task import TaskState, label_text
+from metafora.core import commands
+from metafora.core.commands import Command
+from metafora.core.errors import InvalidTaskState, NodeNotFound
+from metafora.core.task import TaskState, label_text
 
 __all__ = ["balance", "drain", "freeze", "nodes", "stop", "top", "unfreeze"]
 

@@ -1,4 +1,4 @@
-"""Retention commands: ``metafora retention set|show`` (see :mod:`metafora.retention`)."""
+"""Retention commands: ``metafora retention set|show`` (see :mod:`metafora.core.retention`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 import click
 
 from metafora.cli._common import print_json, store_client
-from metafora.retention import UNCHANGED, _Unchanged, parse_keep
+from metafora.core.retention import UNCHANGED, _Unchanged, parse_keep
 
 __all__ = ["retention"]
 

@@ -9,9 +9,9 @@ import click
 from rich.table import Table
 
 from metafora.cli._common import cell, console, format_time, print_json, store_client
-from metafora.errors import InvalidProps
-from metafora.jsontext import load_value
-from metafora.schedule_model import MISSED_POLICIES, Schedule
+from metafora.core.errors import InvalidProps
+from metafora.core.jsontext import load_value
+from metafora.core.schedule_model import MISSED_POLICIES, Schedule
 
 __all__ = ["schedule"]
 

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.cli._common import cell, console, field_table, print_json, store_client
-from metafora.task import validate_task_id
+from metafora.core.task import validate_task_id
 
 __all__ = ["stream", "streams"]
 

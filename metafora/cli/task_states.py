@@ -12,8 +12,8 @@ from rich.text import Text
 
 from metafora.cli._common import cell, console, field_table, print_json, store_client
 from metafora.cli.tasks import parse_when
-from metafora.errors import InvalidTaskState
-from metafora.task import TaskState, validate_task_id
+from metafora.core.errors import InvalidTaskState
+from metafora.core.task import TaskState, validate_task_id
 
 __all__ = ["kill", "pause", "resume", "sleep", "state"]
 

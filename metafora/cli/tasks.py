@@ -26,12 +26,12 @@ from metafora.cli._common import (
 )
 from metafora.cli.items import item_store, items_url_option
 from metafora.coordinator import MAX_ERROR_BYTES
-from metafora.durations import parse_duration
-from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.jsontext import load_value
-from metafora.masking import MAX_MASKED, cut_text, one_line
-from metafora.submitting import IF_EXISTS, IfExists
-from metafora.task import (
+from metafora.core.durations import parse_duration
+from metafora.core.errors import InvalidProps, InvalidTaskId
+from metafora.core.jsontext import load_value
+from metafora.core.masking import MAX_MASKED, cut_text, one_line
+from metafora.core.submitting import IF_EXISTS, IfExists
+from metafora.core.task import (
     MAX_PRIORITY,
     MAX_PROPS_BYTES,
     MAX_PROPS_TEXT,
@@ -147,7 +147,7 @@ def _task_props(pairs: tuple[str, ...], props_json: str | None, launch_at: str |
 
 
 def _text_bound(text: str, what: str) -> None:
-    """Refuse JSON text longer than :data:`~metafora.task.MAX_PROPS_TEXT` before decoding it."""
+    """Refuse JSON text longer than :data:`~metafora.core.task.MAX_PROPS_TEXT` before decoding it."""
     if len(text) > MAX_PROPS_TEXT:
         raise InvalidProps(f"{what}: {len(text)} characters of JSON; props may take at most "
                            f"{MAX_PROPS_BYTES} bytes as JSON (text: {MAX_PROPS_TEXT} characters)")

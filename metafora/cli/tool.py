@@ -24,7 +24,7 @@ import click
 
 from metafora.cli._common import CliError, ExitCode, Settings, exit_code_for, scrub
 from metafora.connect import DEFAULT_URL, ENV_URL
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 
 __all__ = ["MetaforaCommand", "check_url", "cli_error", "invoke_translated", "url_option"]
 

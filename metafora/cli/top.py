@@ -21,11 +21,11 @@ from rich.text import Text
 
 from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
-from metafora.holds import held_by_node
-from metafora.limits import GroupUsage
-from metafora.masking import escape_controls, for_terminal
-from metafora.retention import Retention
-from metafora.task import TaskInfo, TaskState, label_text, placement_reason
+from metafora.core.holds import held_by_node
+from metafora.core.limits import GroupUsage
+from metafora.core.masking import escape_controls, for_terminal
+from metafora.core.retention import Retention
+from metafora.core.task import TaskInfo, TaskState, label_text, placement_reason
 from metafora.waiting import read_usage, waiting_groups
 
 __all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]

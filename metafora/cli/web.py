@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from metafora.cli._common import CliError, ExitCode, settings
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = ["web"]
 
@@ -74,7 +74,7 @@ def web(ctx: click.Context, bind: str, token: str | None, token_file: Path | Non
 
     Read-only unless started with a token; listens on loopback unless told otherwise.
     """
-    from metafora.hosts import allowed_hosts
+    from metafora.core.hosts import allowed_hosts
     from metafora.web.security import check_token
     from metafora.web.server import is_loopback, parse_bind
 

@@ -30,7 +30,7 @@ from metafora.cli._load import Kind, Target, import_object, load_balancer, load_
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
 from metafora.consumer.options import ConsumerOptions, option_docs, option_fields
-from metafora.masking import mask_url
+from metafora.core.masking import mask_url
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "consumer_options", "flag_of", "worker"]
 

@@ -21,8 +21,8 @@ from metafora.balancer import Balancer
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import OfferRouter
-from metafora.errors import MetaforaError
-from metafora.masking import mask_url
+from metafora.core.errors import MetaforaError
+from metafora.core.masking import mask_url
 
 __all__ = ["Rebalancer"]
 

@@ -15,12 +15,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.events import Event
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, RunningMap
 from metafora.coordinator import Coordinator
-from metafora.metrics import ConsumerStats
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.metrics import ConsumerStats
 
 __all__ = ["PartsContext"]
 

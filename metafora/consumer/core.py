@@ -27,11 +27,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from metafora import commands as cmds
 from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
 from metafora.balancers.fair import FairBalancer
 from metafora.binding import Gauges, NodeBinding, bind_handler_func
-from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.cluster_metrics import ClusterGauges
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
@@ -50,14 +48,16 @@ from metafora.consumer.shutdown import Shutdown
 from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
 from metafora.coordinator import Coordinator
-from metafora.durations import seconds
-from metafora.errors import (
+from metafora.core import commands as cmds
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.durations import seconds
+from metafora.core.errors import (
     ConfigError,
     MetaforaError,
 )
+from metafora.core.retention import Pruner
 from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
-from metafora.retention import Pruner
 from metafora.schedule import Scheduler
 
 __all__ = ["Consumer"]
@@ -128,7 +128,7 @@ class Consumer:
                                                NodeBinding(coord, self.stats, self._gauges.append))
         # Any node may materialise due ticks of periodic schedules (metafora.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log, on_error=self.stats.loop_error)
-        # Any node may take the prune turn of the retention policy (metafora.retention).
+        # Any node may take the prune turn of the retention policy (metafora.core.retention).
         self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log,
                               on_error=self.stats.loop_error)
         self._cluster = ClusterGauges(coord, clock, logger=self._log, on_error=self.stats.loop_error)

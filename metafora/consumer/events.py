@@ -11,9 +11,9 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from metafora.commands import Command
 from metafora.coordinator import Outcome
-from metafora.task import Task
+from metafora.core.commands import Command
+from metafora.core.task import Task
 
 __all__ = ["CommandArrived", "Event", "Finished", "Offer", "Signal"]
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 
-from metafora import tracing
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
 from metafora.consumer.running import Running
 from metafora.coordinator import Finish, Outcome, error_text
-from metafora.errors import (
+from metafora.core import tracing
+from metafora.core.errors import (
     ClaimCompleted,
     ClaimLost,
     CoordinatorUnavailable,
     InvalidProps,
     MetaforaError,
 )
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["Finisher"]
 

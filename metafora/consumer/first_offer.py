@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from metafora.consumer.offer_queues import Deferred
 from metafora.consumer.preference import Preference
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["MAX_DELAY", "MIN_DELAY", "FirstOffers", "OfferDelay"]
 

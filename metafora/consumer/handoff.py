@@ -15,7 +15,7 @@ from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import Running
 from metafora.coordinator import Finish, Outcome
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["Handoffs"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 
-from metafora import tracing
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.finishing import Finisher
@@ -24,9 +23,10 @@ from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import Running
 from metafora.coordinator import Finish, Outcome, error_text
-from metafora.errors import MetaforaError
+from metafora.core import tracing
+from metafora.core.errors import MetaforaError
+from metafora.core.task import Task
 from metafora.handler import HandlerFunc
-from metafora.task import Task
 
 __all__ = ["Launcher"]
 

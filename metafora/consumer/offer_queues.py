@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import heapq
 
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["DEFER_AFTER", "DEFER_LOSS", "LOSS_MEMORY", "OVERFETCH", "Deferred", "GroupWaits", "Ignores",
            "Spares", "by_priority"]

@@ -19,9 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from metafora import tracing
 from metafora.balancer import Balancer
-from metafora.clock import SYSTEM_CLOCK
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Signal
@@ -41,8 +39,10 @@ from metafora.consumer.placement import Placement
 from metafora.consumer.preference import Preference
 from metafora.consumer.running import Running
 from metafora.coordinator import Coordinator
-from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.task import Task, matches
+from metafora.core import tracing
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import CoordinatorClosed, MetaforaError
+from metafora.core.task import Task, matches
 
 # Deferred, Ignores, Spares, by_priority and their constants live in offer_queues (named here too).
 __all__ = ["DEFER_AFTER", "DEFER_LOSS", "OVERFETCH", "Deferred", "FusedClaims", "Ignores", "OfferRouter",

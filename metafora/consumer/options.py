@@ -16,12 +16,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from metafora.coordinator import DEFAULT_MAX_CRASHES
-from metafora.durations import seconds
-from metafora.errors import ConfigError, InvalidProps
-from metafora.holds import DEFAULT_STICKY_FOR, check_sticky_for
+from metafora.core.durations import seconds
+from metafora.core.errors import ConfigError, InvalidProps
+from metafora.core.holds import DEFAULT_STICKY_FOR, check_sticky_for
+from metafora.core.node import check_weight
+from metafora.core.task import validate_labels
 from metafora.http import parse_addr
-from metafora.node import check_weight
-from metafora.task import validate_labels
 
 __all__ = [
     "DEFAULT_BALANCE_EVERY",
@@ -68,7 +68,7 @@ DEFAULT_SLOW_CALLBACK = 0.25
 DEFAULT_PLACEMENT_WAIT = 2.0
 """Seconds a node holds back, once, a task whose soft placement it does not fit."""
 DEFAULT_PRUNE_EVERY = 60.0
-"""Seconds between two prune runs of the namespace (one node's; see metafora.retention)."""
+"""Seconds between two prune runs of the namespace (one node's; see metafora.core.retention)."""
 DEFAULT_RENDEZVOUS_WAIT = 0.0
 """Seconds a node leaves a wave's offer to its preferred node (0: off, one node per offer)."""
 
@@ -129,7 +129,7 @@ class ConsumerOptions:
     made from these fields) and ``metafora worker`` as a flag (``--balance-every``,
     ``$METAFORA_WORKER_BALANCE_EVERY``). Every duration is in seconds (a ``timedelta`` is
     taken too and kept as seconds); the ``DEFAULT_*`` constants of this module are the
-    defaults. Invalid values raise :class:`~metafora.errors.ConfigError` at construction.
+    defaults. Invalid values raise :class:`~metafora.core.errors.ConfigError` at construction.
     """
 
     balance_every: float = _option(DEFAULT_BALANCE_EVERY, _seconds(zero=False), "seconds")
@@ -214,14 +214,14 @@ class ConsumerOptions:
     prune_every: float = _option(DEFAULT_PRUNE_EVERY, _seconds(zero=False), "seconds")
     """Seconds between two tries to take the namespace's prune turn (default 60): one node
     per interval deletes the finished tasks the retention policy allows (see
-    :mod:`metafora.retention`)."""
+    :mod:`metafora.core.retention`)."""
     sticky_for: float = _option(DEFAULT_STICKY_FOR, _sticky, "seconds")
     """Seconds (default 0: off; at most an hour) a graceful shutdown holds this node's tasks
     for its id, so the same id registering again within them takes them back and nothing
     moves (a rolling restart of a StatefulSet or a systemd unit); other nodes take them after
     the window. Used only with an explicit node id (``node_id=`` or ``METAFORA_NODE_ID``):
     with a generated id it is ignored, as such an id never comes back.
-    ``shutdown(leaving=True)`` and a crash hold nothing (see :mod:`metafora.holds`); 0 turns
+    ``shutdown(leaving=True)`` and a crash hold nothing (see :mod:`metafora.core.holds`); 0 turns
     it off."""
 
     def __post_init__(self) -> None:

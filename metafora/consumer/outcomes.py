@@ -7,11 +7,11 @@ is being written the next one gathers, so an idle node writes each outcome at on
 one writes hundreds per round trip. Every outcome stays fenced by its own claim's token.
 
 Per outcome, the semantics of a single write are kept: an outcome the store refused (the
-claim is lost: :class:`~metafora.errors.ClaimLost`) is settled with that error; while the
-store is unreachable (:class:`~metafora.errors.CoordinatorUnavailable`) the outcomes are
+claim is lost: :class:`~metafora.core.errors.ClaimLost`) is settled with that error; while the
+store is unreachable (:class:`~metafora.core.errors.CoordinatorUnavailable`) the outcomes are
 retried with a doubling back-off until :meth:`OutcomeWriter.stop`, after which one more try
 is made and what still fails is settled with the error (given up). The queue is a
-:class:`~metafora.groupcommit.Gathering`, the group commit the store writers share.
+:class:`~metafora.core.groupcommit.Gathering`, the group commit the store writers share.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import Coordinator, Finish
-from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError
-from metafora.groupcommit import Gathering
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.errors import CoordinatorUnavailable, MetaforaError, StoreError
+from metafora.core.groupcommit import Gathering
 
 __all__ = ["OutcomeWriter", "Pending"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from metafora.clock import Clock
 from metafora.consumer.options import ConsumerOptions
 from metafora.coordinator import Coordinator
-from metafora.errors import MetaforaError
-from metafora.task import Task, matches
+from metafora.core.clock import Clock
+from metafora.core.errors import MetaforaError
+from metafora.core.task import Task, matches
 
 __all__ = ["Placement"]
 

@@ -28,7 +28,7 @@ import hashlib
 import zlib
 from collections.abc import Iterable, Sequence
 
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["Preference", "preferred_node", "weight"]
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from metafora import tracing
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.handoff import Handoffs
 from metafora.consumer.risk import RiskWatch
 from metafora.coordinator import CoordinatorContext
-from metafora.errors import CoordinatorUnavailable, MetaforaError, NodeExists
-from metafora.masking import mask_url
-from metafora.task import Task
+from metafora.core import tracing
+from metafora.core.errors import CoordinatorUnavailable, MetaforaError, NodeExists
+from metafora.core.masking import mask_url
+from metafora.core.task import Task
 
 __all__ = ["NodeContext", "register"]
 
@@ -48,7 +48,7 @@ class NodeContext(CoordinatorContext):
 
     def renewal_failed(self, error: BaseException) -> None:
         """A renewal of the node's lease failed (the optional hook of
-        :mod:`metafora.leases`): its handlers may be warned early."""
+        :mod:`metafora.core.leases`): its handlers may be warned early."""
         self._risk.failed(error)
 
     @property

@@ -1,7 +1,7 @@
 """Claim at risk: handlers learn until when their claim is guaranteed, and are warned early.
 
 A node holds every claim through ONE lease, renewed every ``renew_every`` seconds; it stops
-its handlers (self-fences, :mod:`metafora.leases`) ``fence_after`` seconds
+its handlers (self-fences, :mod:`metafora.core.leases`) ``fence_after`` seconds
 after the start of its last good renewal. Between the renewal falling due and the fence
 there is the *slack* (``fence_after - renew_every``). :class:`RiskRule` says when a node
 is *at risk*, with ``left`` the seconds to its fence by its own clock:
@@ -37,8 +37,8 @@ from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import AsyncRun
 from metafora.consumer.running import NodeLog, Running
 from metafora.coordinator import Coordinator
-from metafora.leases import LeaseTiming
-from metafora.task import Task
+from metafora.core.leases import LeaseTiming
+from metafora.core.task import Task
 
 __all__ = ["DEFAULT_WARN_SHARE", "Change", "ClaimView", "RiskEpisode", "RiskRule", "RiskWatch"]
 

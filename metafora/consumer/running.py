@@ -19,8 +19,8 @@ from typing import Any
 
 from metafora.balancer import RunningTask, SelectorKey, selector_key
 from metafora.consumer.runner import Run
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler
-from metafora.task import Task
 
 __all__ = ["Flag", "NodeLog", "Running", "RunningMap", "handler_state"]
 

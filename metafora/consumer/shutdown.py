@@ -2,7 +2,7 @@
 
 1. announce leaving (the others start balancing before this node's tasks come free) and,
    unless the node leaves for good, hold what it releases from now on for its id (a
-   restart under the same id takes its tasks back: :mod:`metafora.holds`);
+   restart under the same id takes its tasks back: :mod:`metafora.core.holds`);
 2. stop every handler, sharing one deadline; while some still run, release the claims of
    those that returned in bounded batches (``finish_many``), so orphans move at once;
 3. abandon the handlers still running at the deadline (cancel the async ones);
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from metafora.clock import SYSTEM_CLOCK
 from metafora.consumer.context import PartsContext
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import Running
 from metafora.coordinator import Finish, Outcome
-from metafora.errors import MetaforaError
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import MetaforaError
 
 __all__ = ["Shutdown"]
 

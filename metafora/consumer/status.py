@@ -10,7 +10,7 @@ from metafora.consumer.context import PartsContext
 from metafora.consumer.offers import OfferRouter
 from metafora.consumer.running import handler_state
 from metafora.consumer.supervisor import Supervisor
-from metafora.masking import mask_url
+from metafora.core.masking import mask_url
 
 __all__ = ["NodeStatus"]
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.consumer.events import CommandArrived, Event
 from metafora.consumer.running import NodeLog
 from metafora.coordinator import Coordinator
-from metafora.errors import CoordinatorClosed, MetaforaError
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.errors import CoordinatorClosed, MetaforaError
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Supervisor", "command_feed"]
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from metafora.node import DEFAULT_WEIGHT, capacity_or_none, check_weight, weight_or_none
+from metafora.core.node import DEFAULT_WEIGHT, capacity_or_none, check_weight, weight_or_none
 
 __all__ = [
     "SEEN_CLOCK",
@@ -45,7 +45,7 @@ def context_weight(ctx: object) -> float:
     """The weight a coordinator context asks its node to publish (1.0 when it says none).
 
     ``getattr``: a context written before weights existed need not have the property.
-    Raises :class:`~metafora.errors.ConfigError` for a weight that is not a positive number.
+    Raises :class:`~metafora.core.errors.ConfigError` for a weight that is not a positive number.
     """
     return check_weight(getattr(ctx, "weight", DEFAULT_WEIGHT), "weight")
 

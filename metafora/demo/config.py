@@ -8,9 +8,9 @@ from pathlib import Path
 from urllib.parse import urlencode
 from uuid import uuid4
 
-from metafora.config import parse_store_url
-from metafora.errors import ConfigError, MetaforaError
-from metafora.task import TaskState
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, MetaforaError
+from metafora.core.task import TaskState
 
 FINISHED = (TaskState.DONE, TaskState.FAILED, TaskState.EXPIRED)
 POLL_SECONDS = 0.25  # seconds between looks at the store (the live table refreshes at this pace)

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from metafora.task import TaskState
+from metafora.core.task import TaskState
 from metafora.testing import LedgerRun
 
 

@@ -26,11 +26,11 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.client import Client
-from metafora.config import parse_store_url
 from metafora.connect import ENV_URL, open_client
+from metafora.core.config import parse_store_url
+from metafora.core.task import Task, TaskInfo, TaskState
 from metafora.demo.config import FINISHED, POLL_SECONDS, DemoConfig, DemoError, demo_url, lease_ttl_of
 from metafora.demo.proof import Verdict, verify
-from metafora.task import Task, TaskInfo, TaskState
 from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)

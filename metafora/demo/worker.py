@@ -14,9 +14,9 @@ import click
 
 from metafora.connect import ENV_URL, default_url, open_coordinator
 from metafora.consumer import Consumer
-from metafora.errors import CoordinatorUnavailable, MetaforaError
+from metafora.core.errors import CoordinatorUnavailable, MetaforaError
+from metafora.core.task import Task
 from metafora.handler import simple_handler
-from metafora.task import Task
 from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def _worker_cli() -> None:
 def _worker(url: str | None, node: str, ledger_path: str, max_tasks: int, parent: int | None,
             log_level: str) -> None:
     """Run one demo consumer until SIGTERM/SIGINT (graceful) or the parent goes away."""
-    from metafora.logs import configure
+    from metafora.core.logs import configure
 
     configure(log_level)
     ledger = FileLedger(ledger_path)

@@ -34,7 +34,7 @@ fails loudly, naming this one.
 
 from __future__ import annotations
 
-from metafora._moved import names_moved
+from metafora.core._moved import names_moved
 from metafora.gates.handler import (
     GateHandlerFunc,
     GateOptions,
@@ -113,7 +113,7 @@ __all__ = [
 ]
 
 # Names of the SQL store's item tables, moved to the store package that owns them (the one
-# policy for moved names: metafora._moved).
+# policy for moved names: metafora.core._moved).
 __getattr__ = names_moved(__name__, {"GATES_SCHEMA_VERSION": "metafora.coordinators.sql.gates",
                                      "items_channel": "metafora.coordinators.sql.gates"},
                           "the SQL store owns the item tables")

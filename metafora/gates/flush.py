@@ -14,7 +14,7 @@ A kill -9 therefore re-runs at most the items in work and those finished within 
 ``flush_interval``. Both writes go through the same lock, one at a time. A background write
 that fails (the claim was lost, or the store stayed unreachable) is kept as :attr:`error`
 and raised to the owner by its next :meth:`commit`; no result is written after it. The
-waiting results are a :class:`~metafora.groupcommit.Gathering`, the queue of the group
+waiting results are a :class:`~metafora.core.groupcommit.Gathering`, the queue of the group
 commit the outcome writers share.
 """
 
@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from metafora.clock import SYSTEM_CLOCK
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.groupcommit import Gathering
 from metafora.gates.model import ItemResult
-from metafora.groupcommit import Gathering
 
 __all__ = ["ResultFlusher"]
 

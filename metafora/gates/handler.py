@@ -43,9 +43,9 @@ from typing import Any
 
 from metafora.binding import NodeBinding
 from metafora.client import Client
-from metafora.clock import Clock
 from metafora.coordinator import Coordinator
-from metafora.errors import (
+from metafora.core.clock import Clock
+from metafora.core.errors import (
     ClaimLost,
     ConfigError,
     CoordinatorUnavailable,
@@ -53,6 +53,9 @@ from metafora.errors import (
     MetaforaError,
     TaskNotFound,
 )
+from metafora.core.metrics import ConsumerStats, GateStats
+from metafora.core.task import Task, TaskState
+from metafora.core.task_retry import RetrySnapshot
 from metafora.gates.model import (
     Item,
     ItemsFailed,
@@ -65,7 +68,6 @@ from metafora.gates.processor import Processor, callable_processor
 from metafora.gates.run import GateOptions, PartitionRun, short_error
 from metafora.gates.store import ItemStore
 from metafora.handler import Handler
-from metafora.metrics import ConsumerStats, GateStats
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
@@ -77,8 +79,6 @@ from metafora.statemachine.store import (
     lease_bound_of,
     state_store_for,
 )
-from metafora.task import Task, TaskState
-from metafora.task_retry import RetrySnapshot
 
 __all__ = [
     "GateHandlerFunc",
@@ -276,7 +276,7 @@ def handler_func(
 
     When the items live in another database than ``coordinator``'s tasks (an etcd
     coordinator), the coordinator's pruning of finished tasks also deletes their partitions'
-    items (:meth:`~metafora.retention.RetentionOps.prune_also`).
+    items (:meth:`~metafora.core.retention.RetentionOps.prune_also`).
     """
     if not isinstance(items, ItemStore):
         raise ConfigError(f"items must be a gates.ItemStore, not {type(items).__name__}")

@@ -3,7 +3,7 @@
 A store that keeps items implements it (the SQL one: :mod:`metafora.coordinators.sql.gates`).
 Every write is **fenced** by the claim's token: once a newer claim opened the partition (or,
 with ``claim_fence``, once the coordinator no longer shows this node holding the task),
-it is refused with :class:`~metafora.errors.ClaimLost` and nothing is written.
+it is refused with :class:`~metafora.core.errors.ClaimLost` and nothing is written.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+from metafora.core.task import Task
 from metafora.gates.model import Advance, Item, ItemResult, PartitionStatus
-from metafora.task import Task
 
 __all__ = ["PartitionLease"]
 

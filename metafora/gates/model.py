@@ -1,7 +1,7 @@
 """Values of gated partitions: items, new items, processor responses, partition views, errors.
 
 Pure data (no I/O). Every constructor validates its input and raises a
-:class:`~metafora.errors.MetaforaError` subclass naming the bad value.
+:class:`~metafora.core.errors.MetaforaError` subclass naming the bad value.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from metafora.errors import MetaforaError
-from metafora.task import validate_task_id
+from metafora.core.errors import MetaforaError
+from metafora.core.task import validate_task_id
 
 __all__ = [
     "MAX_GATE",

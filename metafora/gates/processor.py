@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.gates.model import Item, PermanentError, ProcessingError, Response
 
 __all__ = [

@@ -16,9 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import error_text
-from metafora.errors import ConfigError, CoordinatorUnavailable
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import ConfigError, CoordinatorUnavailable
+from metafora.core.metrics import GateOutcome, GateStats
+from metafora.core.task import Task
 from metafora.gates.flush import ResultFlusher
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import (
@@ -33,10 +35,8 @@ from metafora.gates.model import (
 )
 from metafora.gates.processor import BatchProcessor, Processor
 from metafora.gates.store import ItemStore
-from metafora.metrics import GateOutcome, GateStats
 from metafora.statemachine.handler import Commands
 from metafora.statemachine.machine import MAX_ERROR_TEXT, Message
-from metafora.task import Task
 
 __all__ = ["GateOptions", "PartitionRun", "short_error"]
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from metafora.backends import implementation, store_of_url
-from metafora.errors import ConfigError, TaskNotFound
+from metafora.core.errors import ConfigError, TaskNotFound
+from metafora.core.task import Task
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
 from metafora.recipes import verb
 from metafora.statemachine.store import LeaseBound
-from metafora.task import Task
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -210,7 +210,7 @@ class ItemStore:
         """Delete the items and gate records of every partition of ``partitions`` that has
         any, at once; returns how many items. What pruning finished tasks calls when the
         tasks live in another store (an etcd coordinator's; see
-        :meth:`~metafora.retention.RetentionOps.prune_also`)."""
+        :meth:`~metafora.core.retention.RetentionOps.prune_also`)."""
         raise NotImplementedError
 
     def lease(self, task: Task, node_id: str | None = None, *, claim_fence: bool = False,

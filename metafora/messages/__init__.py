@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.messages.codec import decode, encode, named_type, schema_of
 from metafora.messages.context import MessageContext
 from metafora.messages.errors import MalformedMessage, MessageError, UnknownMessageType
@@ -29,7 +30,6 @@ from metafora.messages.naming import (
 )
 from metafora.messages.router import MessageFn, Router
 from metafora.recipes import register
-from metafora.task import Task
 
 __all__ = [
     "TYPE_KEY",

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from metafora.errors import InvalidProps
+from metafora.core.errors import InvalidProps
 from metafora.messages.dataclass_codec import (
     BadField,
     decode_dataclass,

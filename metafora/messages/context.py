@@ -18,8 +18,8 @@ import threading
 from typing import Any
 
 from metafora.coordinator import coordinator_of
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 
 __all__ = ["MessageContext"]
 

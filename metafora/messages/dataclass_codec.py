@@ -22,7 +22,7 @@ import typing
 import uuid
 from typing import Any
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.messages.naming import describe
 
 __all__ = ["BadField", "decode_dataclass", "encode_value", "schema_of_dataclass"]

@@ -1,13 +1,13 @@
 """Why a message task cannot be handled: its type is unknown, or its fields do not decode.
 
-Both are :class:`~metafora.errors.InvalidProps`: the task's data is at fault, not the node.
+Both are :class:`~metafora.core.errors.InvalidProps`: the task's data is at fault, not the node.
 The router raises them from the task's handler, so that task (and only it) is failed with
 the message as its error; ``metafora retry ID`` runs it again once a handler is deployed.
 """
 
 from __future__ import annotations
 
-from metafora.errors import InvalidProps
+from metafora.core.errors import InvalidProps
 
 __all__ = ["MalformedMessage", "MessageError", "UnknownMessageType"]
 

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = [
     "MAX_NAME_LENGTH",

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from metafora.binding import NodeBinding
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler, simple_handler
 from metafora.messages.codec import decode, named_type, schema_of
 from metafora.messages.context import MessageContext
 from metafora.messages.errors import UnknownMessageType
 from metafora.messages.naming import bare_name, kind_of, type_url
-from metafora.task import Task
 
 __all__ = ["MessageFn", "Router"]
 

@@ -17,8 +17,9 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from metafora.backends import backend_of, default_url
-from metafora.config import parse_store_url
-from metafora.errors import InvalidTaskState
+from metafora.core.config import parse_store_url
+from metafora.core.errors import InvalidTaskState
+from metafora.core.task import TaskInfo, TaskState, validate_task_id
 from metafora.recipes import register
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (
@@ -45,7 +46,6 @@ from metafora.statemachine.machine import (
 )
 from metafora.statemachine.retry import reset_and_retry
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
-from metafora.task import TaskInfo, TaskState, validate_task_id
 
 __all__ = [
     "COMMAND_KINDS",

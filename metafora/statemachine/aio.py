@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler
 from metafora.statemachine.handler import MachineView, StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.mailbox import Mailbox
-from metafora.task import Task
 
 __all__ = ["AsyncCommands", "AsyncStatefulHandler", "AsyncStatefulTaskHandler"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from metafora.core.task import Task
 from metafora.statemachine.machine import Message, State
-from metafora.task import Task
 
 if TYPE_CHECKING:
     from metafora.statemachine.handler import StatefulTaskHandler

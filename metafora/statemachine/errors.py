@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from metafora.durations import seconds
-from metafora.errors import ConfigError, MetaforaError
+from metafora.core.durations import seconds
+from metafora.core.errors import ConfigError, MetaforaError
+from metafora.core.task import Task
 from metafora.statemachine.machine import MAX_ERRORS, Message, State
-from metafora.task import Task
 
 __all__ = ["ErrorHandler", "ErrorPolicy", "ExceededErrorRate", "default_error_handler"]
 

@@ -8,15 +8,15 @@ around the same machine. It sits above both, so neither imports the other's choo
 
 from __future__ import annotations
 
-from metafora.clock import Clock
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.core.clock import Clock
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.handler import _is_coroutine_fn
 from metafora.statemachine.aio import AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulHandler, StatefulTaskHandler
 from metafora.statemachine.store import StateStore, TaskCommands, commands_for, state_store_for
-from metafora.task import Task
 
 __all__ = ["StatefulHandlerFunc", "handler_func"]
 

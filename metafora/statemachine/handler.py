@@ -34,9 +34,10 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from metafora.clock import SYSTEM_CLOCK, Clock
 from metafora.coordinator import coordinator_of
-from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.task import Task
 from metafora.handler import Handler
 from metafora.statemachine.cmds import Commands, MachineView, StatefulHandler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
@@ -51,7 +52,6 @@ from metafora.statemachine.machine import (
 )
 from metafora.statemachine.mailbox import Mailbox
 from metafora.statemachine.store import StateStore, TaskCommands
-from metafora.task import Task
 
 __all__ = ["Commands", "MachineView", "StatefulHandler", "StatefulTaskHandler"]
 

@@ -39,9 +39,9 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from metafora.coordinator import error_text
-from metafora.errors import InvalidProps, MetaforaError
-from metafora.jsontext import load_object
-from metafora.task import parse_time
+from metafora.core.errors import InvalidProps, MetaforaError
+from metafora.core.jsontext import load_object
+from metafora.core.task import parse_time
 
 __all__ = [
     "COMMAND_KINDS",

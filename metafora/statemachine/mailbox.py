@@ -36,8 +36,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from metafora.clock import SYSTEM_CLOCK
-from metafora.errors import MetaforaError
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import MetaforaError
 
 __all__ = ["CommandBell", "Mailbox", "PendingIds", "Take"]
 

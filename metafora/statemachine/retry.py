@@ -6,7 +6,7 @@ store's lock) it reads the task's coordinator state and its stored state-machine
 :func:`plan_retry` what to do, and makes the task pending with the state :func:`plan_retry`
 returned. ``Client.retry_task(id, reset_state=True, keep_cursor=...)`` calls
 :func:`reset_and_retry` explicitly, importing this module only then (see
-:mod:`metafora.task_retry`): the coordinators never import the state machine. The rules
+:mod:`metafora.core.task_retry`): the coordinators never import the state machine. The rules
 live here once, so the stores cannot drift apart:
 
 - without ``reset_state`` (the historical behaviour): a *failed* or *expired* task becomes
@@ -24,17 +24,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from metafora.errors import InvalidTaskState
-from metafora.statemachine.machine import InvalidState, State, StateCode
-from metafora.statemachine.store import StateStore, state_store_for
-from metafora.task import TaskState, validate_task_id
-from metafora.task_retry import (
+from metafora.core.errors import InvalidTaskState
+from metafora.core.task import TaskState, validate_task_id
+from metafora.core.task_retry import (
     RETRYABLE,
     RetryClient,
     RetrySnapshot,
     check_retry_options,
     check_retryable,
 )
+from metafora.statemachine.machine import InvalidState, State, StateCode
+from metafora.statemachine.store import StateStore, state_store_for
 
 __all__ = [
     "RERUNNABLE",
@@ -72,8 +72,8 @@ def plan_retry(
 ) -> State | None:
     """Check that the task may be retried; the state to store with it (None: keep it).
 
-    Raises :class:`~metafora.errors.InvalidTaskState` naming why the task cannot be
-    retried, :class:`~metafora.errors.ConfigError` for ``keep_cursor`` without
+    Raises :class:`~metafora.core.errors.InvalidTaskState` naming why the task cannot be
+    retried, :class:`~metafora.core.errors.ConfigError` for ``keep_cursor`` without
     ``reset_state``, and :class:`~metafora.statemachine.InvalidState` when the cursor of a
     damaged stored state was asked to be kept (without ``keep_cursor`` a damaged state is
     simply replaced).

@@ -1,7 +1,7 @@
 """Where stateful tasks keep their :class:`State`, and how commands reach a running task.
 
 - :class:`StateStore`: one state per task id. Every write (and the owner's first read) is
-  **fenced** by the claim token: a store refuses it with :class:`~metafora.errors.ClaimLost`
+  **fenced** by the claim token: a store refuses it with :class:`~metafora.core.errors.ClaimLost`
   when the task is no longer claimed under that token, so a zombie owner cannot commit.
 - :class:`TaskCommands`: a per-task command channel (FIFO, each command delivered once).
   Operators ``send``; the machine running the task ``open``\\s a
@@ -25,9 +25,10 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from metafora.backends import implementation, store_of
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinator import Coordinator
-from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.task import Task, validate_task_id
 from metafora.statemachine.machine import (
     InvalidMessage,
     InvalidState,
@@ -36,7 +37,6 @@ from metafora.statemachine.machine import (
     validate_command,
 )
 from metafora.statemachine.mailbox import CommandBell, Mailbox, PendingIds
-from metafora.task import Task, validate_task_id
 
 __all__ = [
     "LeaseBound",
@@ -65,7 +65,7 @@ class LeaseBound:
 
     A call is given ``timeout`` = the seconds this node still holds the claim (None when
     unbounded, e.g. a store opened from a client). With no time left it is refused as
-    :class:`~metafora.errors.ClaimLost` without I/O; a call that fails (a store timeout, an
+    :class:`~metafora.core.errors.ClaimLost` without I/O; a call that fails (a store timeout, an
     unreachable store) once the time has run out is reported as ClaimLost too, since by
     then the claim may belong to another node -- so a fenced write never blocks past the
     lease (etcd: gRPC deadline; PostgreSQL: statement timeout; SQLite: busy timeout).
@@ -146,7 +146,7 @@ class StateStore(abc.ABC):
         """Write ``state`` for the claim ``task.token`` inside the application's open
         transaction ``conn`` (fenced as :meth:`store`: ClaimLost, nothing written). SQL
         stores only; this default (etcd, memory) raises ConfigError."""
-        from metafora.submitting import no_completion
+        from metafora.core.submitting import no_completion
 
         raise no_completion(type(self).__name__, "checkpoint(cursor, conn=...)")
 

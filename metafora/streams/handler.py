@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from metafora.binding import NodeBinding
-from metafora.clock import Clock
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.core.clock import Clock
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler, _is_coroutine_fn
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.errors import ErrorHandler, ErrorPolicy
@@ -33,7 +34,6 @@ from metafora.statemachine.store import StateStore, TaskCommands
 from metafora.streams.jobs import Jobs
 from metafora.streams.threads import DEFAULT_THREAD_IDLE, ElasticPool
 from metafora.streams.work import JobContext, Work
-from metafora.task import Task
 
 __all__ = [
     "DEFAULT_FLUSH_EVERY",
@@ -311,7 +311,7 @@ def stream_handler(
     ``coordinator``: whose store keeps the progress and carries the commands (a Consumer
     binds its own if not given; or pass ``state_store`` and ``task_commands``).
     ``error_handler``: what a stream that cannot start does (default: 3 tries, then failed).
-    Bad options raise :class:`~metafora.errors.ConfigError` here.
+    Bad options raise :class:`~metafora.core.errors.ConfigError` here.
     """
     if not callable(jobs):
         raise ConfigError("jobs must be callable: (task) -> Jobs")

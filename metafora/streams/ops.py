@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from metafora.client import Client
-from metafora.errors import InvalidTaskState, TaskNotFound
+from metafora.core.errors import InvalidTaskState, TaskNotFound
+from metafora.core.task import TaskInfo, validate_task_id
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.store import StateStore, commands_for, state_store_for
 from metafora.streams.jobs import StreamFailing, StreamInfo
 from metafora.streams.progress import InvalidProgress, Progress
-from metafora.task import TaskInfo, validate_task_id
 
 __all__ = ["StreamRow", "check_stream", "info_dict", "retry_stream", "stream_info", "stream_rows",
            "stream_state"]

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 from metafora.statemachine.machine import MAX_CURSOR_LENGTH, cut_error_text
 from metafora.streams.jobs import StreamFailing, StreamInfo
 

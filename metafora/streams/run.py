@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from metafora.coordinator import error_text
+from metafora.core.task import Task
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.machine import Message, MessageKind
 from metafora.streams.jobs import Job, Jobs, StreamFailing
@@ -44,7 +45,6 @@ from metafora.streams.lanes import Lanes
 from metafora.streams.progress import Progress, Window
 from metafora.streams.threads import Strand
 from metafora.streams.work import JobContext
-from metafora.task import Task
 
 if TYPE_CHECKING:
     from metafora.streams.handler import StreamHandlerFunc

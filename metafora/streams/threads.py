@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from metafora.clock import SYSTEM_CLOCK
+from metafora.core.clock import SYSTEM_CLOCK
 
 __all__ = ["DEFAULT_THREAD_IDLE", "ElasticPool", "Strand"]
 

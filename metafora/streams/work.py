@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from metafora.core.task import Task
 from metafora.streams.jobs import Job
-from metafora.task import Task
 
 __all__ = ["JobContext", "Work", "call_work"]
 

@@ -1,6 +1,6 @@
 """A fake clock for tests: time moves only when the test says so.
 
-Code under test takes a :class:`~metafora.clock.Clock`; a test passes :class:`FakeClock` and
+Code under test takes a :class:`~metafora.core.clock.Clock`; a test passes :class:`FakeClock` and
 calls :meth:`FakeClock.advance`. Waits end when fake time reaches their deadline (each waiter
 re-checks every few real milliseconds), never by sleeping for the time they wait.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from datetime import UTC, datetime, timedelta
 
-from metafora.clock import Clock
+from metafora.core.clock import Clock
 
 __all__ = ["FakeClock"]
 

@@ -19,9 +19,9 @@ from metafora.client import Client
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinator import DEFAULT_MAX_CRASHES, CoordinatorContext
-from metafora.errors import CoordinatorUnavailable
+from metafora.core.errors import CoordinatorUnavailable
+from metafora.core.task import Task, TaskState, validate_labels
 from metafora.handler import HandlerFunc
-from metafora.task import Task, TaskState, validate_labels
 
 __all__ = ["LocalCluster", "RecordingContext", "wait_for"]
 
@@ -61,7 +61,7 @@ class RecordingContext(CoordinatorContext):
 def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
     """Poll ``predicate`` (every 10 ms of real time) until truthy; AssertionError after ``timeout``.
 
-    A predicate that raises :class:`~metafora.errors.CoordinatorUnavailable` (a store briefly
+    A predicate that raises :class:`~metafora.core.errors.CoordinatorUnavailable` (a store briefly
     out of reach, as on a loaded CI machine) counts as not yet true; the timeout's message
     names the last such error.
     """
@@ -150,7 +150,7 @@ class LocalCluster:
 
         As a scale-down by default (``leaving=True``: its tasks go to the others at once);
         ``leaving=False`` is a restart's graceful stop: a node with an explicit id holds its
-        tasks for that id for its ``sticky_for`` (see :mod:`metafora.holds`)."""
+        tasks for that id for its ``sticky_for`` (see :mod:`metafora.core.holds`)."""
         for entry in list(self._consumers):
             if entry[0] is consumer:
                 consumer.shutdown(timeout=self._shutdown_timeout if timeout is None else timeout,

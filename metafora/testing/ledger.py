@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["FileLedger", "LedgerRun"]
 

@@ -35,16 +35,16 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from metafora import commands
 from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import backlog_line, read_backlog
-from metafora.config import parse_store_url
 from metafora.connect import open_client
 from metafora.coordinator import MAX_ERROR_BYTES
-from metafora.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound
-from metafora.hosts import LOOPBACK_NAMES
-from metafora.masking import cut_text, escape_controls, one_line, scrub
-from metafora.task import TaskState, validate_task_id
+from metafora.core import commands
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound
+from metafora.core.hosts import LOOPBACK_NAMES
+from metafora.core.masking import cut_text, escape_controls, one_line, scrub
+from metafora.core.task import TaskState, validate_task_id
 from metafora.waiting import pending_reasons
 from metafora.web import charts as chart
 from metafora.web.security import (

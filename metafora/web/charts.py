@@ -29,10 +29,10 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from metafora.client import Client, NodeInfo
-from metafora.holds import is_held
-from metafora.limits import GroupUsage, waiting_reason
-from metafora.masking import escape_controls
-from metafora.task import TaskInfo, TaskState, matches
+from metafora.core.holds import is_held
+from metafora.core.limits import GroupUsage, waiting_reason
+from metafora.core.masking import escape_controls
+from metafora.core.task import TaskInfo, TaskState, matches
 from metafora.waiting import read_usage
 
 __all__ = [
@@ -173,7 +173,7 @@ PENDING_REASONS: list[PendingReason] = [
     PendingReason("no-node", "no live node matches", _no_node_matches),
     PendingReason("launch-ahead", "launch time ahead", _launch_ahead),
     PendingReason("group-full", "group at its limit", _group_full),
-    # Released by a node that stopped with a stable id, waiting for it (metafora.holds).
+    # Released by a node that stopped with a stable id, waiting for it (metafora.core.holds).
     PendingReason("held", "held for a stopped node", lambda info, ctx: is_held(info, ctx.now)),
     # Extension point: another reason is inserted here (before "claimable", which is what
     # is left); its data goes in WaitContext.extra.

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from metafora.errors import (
+from metafora.core.errors import (
     ClaimLost,
     ConfigError,
     CoordinatorClosed,
@@ -38,7 +38,7 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.hosts import allowed_hosts, host_allowed, host_name
+from metafora.core.hosts import allowed_hosts, host_allowed, host_name
 
 __all__ = [
     "HEADERS",
@@ -227,7 +227,7 @@ class LoginThrottle:
 
 
 # --- the Host check and the headers ---------------------------------------------------------
-# (the Host rules themselves, shared with the info server, are in metafora.hosts)
+# (the Host rules themselves, shared with the info server, are in metafora.core.hosts)
 
 
 Scope = MutableMapping[str, Any]

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Self
 
-from metafora.errors import ConfigError
-from metafora.hosts import is_loopback
-from metafora.masking import mask_url
+from metafora.core.errors import ConfigError
+from metafora.core.hosts import is_loopback
+from metafora.core.masking import mask_url
 from metafora.web.security import LISTEN_BACKLOG
 
 __all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "IDLE_TIMEOUT", "WebServer", "display_url", "is_loopback",

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.logs import LEVELS
+from metafora.core.logs import LEVELS
 from metafora.testing import RecordingContext
 from tests.acceptance.test_cli_newcomer import _read_until
 from tests.acceptance.test_cli_subprocess import metafora
@@ -129,7 +129,7 @@ def test_a_password_in_a_handler_error_is_never_shown(sqlite_url: str, tmp_path:
 CONSUMER = """
 import sys, threading
 from metafora import Task, simple_handler
-from metafora.logs import configure
+from metafora.core.logs import configure
 from metafora.testing import LocalCluster
 
 configure("info", json_lines=sys.argv[2] == "json")

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, inspect, text
 
 import metafora
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator, simple_handler
-from metafora.errors import ConfigError, SchemaNotReady
+from metafora.core.errors import ConfigError, SchemaNotReady
 from metafora.gates import ItemStore, NewItem
 from metafora.streams import SQLJobLog
 from metafora.testing import wait_for

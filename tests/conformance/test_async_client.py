@@ -18,10 +18,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from metafora import Task, TaskState, commands, open_async_client, open_client, simple_handler
+from metafora import Task, TaskState, open_async_client, open_client, simple_handler
 from metafora.aio import AsyncClient, ThreadedAsyncClient
 from metafora.coordinators.sql.aio import PostgresAsyncClient
-from metafora.errors import (
+from metafora.core import commands
+from metafora.core.errors import (
     ConfigError,
     CoordinatorUnavailable,
     InvalidTaskState,

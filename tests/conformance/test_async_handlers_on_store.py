@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from metafora import Consumer, HandlerFunc, Task, TaskState, commands, simple_handler
+from metafora import Consumer, HandlerFunc, Task, TaskState, simple_handler
+from metafora.core import commands
 from metafora.testing import LocalCluster, wait_for
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Task, TaskState, open_client, simple_handler
-from metafora.errors import ConfigError, InvalidProps, TaskExists
+from metafora.core.errors import ConfigError, InvalidProps, TaskExists
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from metafora import Task, open_async_client, open_client, open_coordinator, simple_handler
 from metafora.coordinator import Finish, Outcome, coordinator_of
-from metafora.errors import ClaimCompleted, ClaimLost, ConfigError
+from metafora.core.errors import ClaimCompleted, ClaimLost, ConfigError
 from metafora.statemachine import Message, State, get_state
 from metafora.statemachine.store import state_store_for
 from metafora.testing import LocalCluster, RecordingContext, wait_for

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from metafora import Task, open_async_client, open_client
-from metafora.errors import ConfigError, TaskExists
+from metafora.core.errors import ConfigError, TaskExists
 from metafora.testing.servers import postgres_database
 from tests.conformance.test_submit_in_transaction import conninfo, sqlalchemy_url
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from metafora import Task, TaskState, commands, simple_handler
+from metafora import Task, TaskState, simple_handler
+from metafora.core import commands
 from metafora.testing import LocalCluster, wait_for
 
 

@@ -10,10 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from metafora import Task, TaskState, commands, open_client, open_coordinator
+from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.client import Client
 from metafora.coordinator import Coordinator
-from metafora.errors import (
+from metafora.core import commands
+from metafora.core.errors import (
     ClaimLost,
     InvalidProps,
     InvalidTaskId,

@@ -10,7 +10,7 @@ import pytest
 from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.client import Client
 from metafora.coordinator import Coordinator, Finish, Outcome
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from metafora.testing import RecordingContext
 
 

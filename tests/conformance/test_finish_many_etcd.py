@@ -20,7 +20,7 @@ from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.etcd import EtcdCoordinator
 from metafora.coordinators.etcd.driver import EtcdDriver, TxnRequest, TxnResult
 from metafora.coordinators.etcd.outcomes import ITEMS_PER_TXN
-from metafora.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
+from metafora.core.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
 from metafora.testing import RecordingContext
 from tests.helpers import wait_until
 

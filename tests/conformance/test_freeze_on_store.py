@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from metafora import Consumer, Task, commands, simple_handler
+from metafora import Consumer, Task, simple_handler
 from metafora.balancers.fair import FairBalancer
+from metafora.core import commands
 from metafora.testing import LocalCluster, wait_for
 
 TASKS = 20

@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from metafora import Task, TaskState, simple_handler
-from metafora.config import DEFAULT_NAMESPACE
-from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.task import MAX_PROPS_BYTES, MAX_PROPS_DEPTH, MAX_TASK_ID_LENGTH
+from metafora.core.config import DEFAULT_NAMESPACE
+from metafora.core.errors import InvalidProps, InvalidTaskId
+from metafora.core.task import MAX_PROPS_BYTES, MAX_PROPS_DEPTH, MAX_TASK_ID_LENGTH
 from metafora.testing import LocalCluster
 
 HOSTILE_IDS = [
@@ -115,10 +115,10 @@ def _sql_damage(url: str, damaged: dict[str, str]) -> None:
 
 
 def _etcd_damage(url: str, damaged: dict[str, str]) -> None:
-    from metafora.config import parse_store_url
     from metafora.coordinators.etcd.config import EtcdConfig
     from metafora.coordinators.etcd.driver import EtcdDriver, Put
     from metafora.coordinators.etcd.layout import Keys
+    from metafora.core.config import parse_store_url
 
     config = EtcdConfig.from_url(parse_store_url(url), {})
     keys = Keys(config.namespace)
@@ -194,11 +194,11 @@ def test_damaged_stored_props_fail_one_task_and_nothing_else(
 
 
 def test_an_over_limit_etcd_request_is_a_usage_error_not_an_outage(etcd_url: str) -> None:
-    from metafora.config import parse_store_url
     from metafora.coordinators.etcd.config import EtcdConfig
     from metafora.coordinators.etcd.driver import EtcdDriver, Put
     from metafora.coordinators.etcd.layout import Keys
-    from metafora.errors import CoordinatorUnavailable, RequestTooLarge
+    from metafora.core.config import parse_store_url
+    from metafora.core.errors import CoordinatorUnavailable, RequestTooLarge
 
     config = EtcdConfig.from_url(parse_store_url(etcd_url), {})
     driver = EtcdDriver(config.connection)

@@ -11,8 +11,8 @@ import pytest
 
 from metafora import Task, TaskState, simple_handler
 from metafora.coordinator import Coordinator
-from metafora.errors import ClaimLost, ConfigError, InvalidProps, LimitNotFound
-from metafora.limits import Limit, Rate
+from metafora.core.errors import ClaimLost, ConfigError, InvalidProps, LimitNotFound
+from metafora.core.limits import Limit, Rate
 from metafora.testing import LocalCluster, wait_for
 from metafora.waiting import pending_reasons
 from tests.conformance.test_coordinator import Cluster, _opened

@@ -17,10 +17,10 @@ from sqlalchemy import text
 
 from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.client import Client
-from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator
 from metafora.coordinators import members
-from metafora.errors import ConfigError
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError
 from metafora.testing import FakeClock, LocalCluster, RecordingContext, wait_for
 
 

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from metafora import Task, commands, open_coordinator, simple_handler
+from metafora import Task, open_coordinator, simple_handler
 from metafora.consumer.preference import preferred_node
+from metafora.core import commands
 from metafora.testing import FakeClock, LocalCluster, RecordingContext, wait_for
 
 NODES = ["a", "b"]

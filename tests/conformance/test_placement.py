@@ -12,7 +12,7 @@ import pytest
 from metafora import Task, open_client, open_coordinator
 from metafora.client import Client
 from metafora.coordinator import Coordinator
-from metafora.task import placement_reason
+from metafora.core.task import placement_reason
 from metafora.testing import RecordingContext
 from tests.helpers import wait_until
 

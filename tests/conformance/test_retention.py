@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState
-from metafora.clock import SYSTEM_CLOCK
 from metafora.cluster_metrics import read_cluster
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
-from metafora.retention import DEFAULT_RETENTION, Pruner, Retention
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import ConfigError
+from metafora.core.retention import DEFAULT_RETENTION, Pruner, Retention
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.store import commands_for, state_store_for
 from tests.conformance.test_coordinator import Cluster, _opened

@@ -1,4 +1,4 @@
-"""Sticky return (metafora.holds), on every store: a graceful stop with a stable node id holds
+"""Sticky return (metafora.core.holds), on every store: a graceful stop with a stable node id holds
 its tasks for that id; the same id takes them back, others only after the window; a drain,
 ``leaving=True`` and a crash hold nothing."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
 from metafora.coordinator import Finish, Outcome
-from metafora.holds import hold_note, is_held
+from metafora.core.holds import hold_note, is_held
 from metafora.testing import LocalCluster, wait_for
 from tests.conformance.test_coordinator import Cluster, _opened
 from tests.conformance.test_limits import _kill

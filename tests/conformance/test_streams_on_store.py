@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 from metafora import Task, TaskState
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from metafora.statemachine import state_store_for
 from metafora.statemachine.machine import State
 from metafora.streams import Job, JobContext, StreamInfo, stream_handler

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import pytest
 
 from metafora import Task, TaskInfo, TaskState, open_client, open_coordinator, simple_handler
-from metafora.errors import ConfigError, TaskExists
+from metafora.core.errors import ConfigError, TaskExists
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from metafora import Task, open_client, simple_handler
 from metafora.coordinators.sql.dialect import channel_name
-from metafora.errors import ConfigError, TaskExists, TaskNotFound
+from metafora.core.errors import ConfigError, TaskExists, TaskNotFound
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 

@@ -35,9 +35,9 @@ from typing import Any
 
 from metafora import Task, open_client
 from metafora.client import Client
-from metafora.commands import stop_task
-from metafora.errors import MetaforaError, TaskExists
-from metafora.task import TaskState
+from metafora.core.commands import stop_task
+from metafora.core.errors import MetaforaError, TaskExists
+from metafora.core.task import TaskState
 from tests.faults.ledger import FaultLog, Ledger, Report, Run, analyze, runs_of, stalls
 from tests.faults.stores import INVALID_IDS, MALFORMED_PROPS, Store
 from tests.faults.waiting import hold, poll

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 from tests.faults.waiting import hold, poll
 
 __all__ = ["INVALID_IDS", "MALFORMED_PROPS", "EtcdStore", "PostgresStore", "Store"]
@@ -168,10 +168,10 @@ class EtcdStore:
         return begin, end
 
     def _driver(self, namespace: str) -> tuple[Any, Any]:
-        from metafora.config import parse_store_url
         from metafora.coordinators.etcd.config import EtcdConfig
         from metafora.coordinators.etcd.driver import EtcdDriver
         from metafora.coordinators.etcd.layout import Keys
+        from metafora.core.config import parse_store_url
 
         config = EtcdConfig.from_url(parse_store_url(self.cluster.url(namespace)), {})
         driver = EtcdDriver(config.connection)

@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.integration]
 
 def _etcd_put(url: str, key_tail: str, value: bytes) -> None:
     """Put ``/metafora/<namespace>/<key_tail>`` straight into etcd."""
-    from metafora.config import parse_store_url
     from metafora.coordinators.etcd.config import EtcdConfig
     from metafora.coordinators.etcd.driver import EtcdDriver, Put
     from metafora.coordinators.etcd.layout import Keys
+    from metafora.core.config import parse_store_url
 
     config = EtcdConfig.from_url(parse_store_url(url), {})
     driver = EtcdDriver(config.connection)

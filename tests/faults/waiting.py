@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 
 __all__ = ["hold", "poll"]
 

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metafora import Consumer, Task, open_coordinator
 from metafora.balancers import DumbBalancer
-from metafora.errors import ClaimLost, MetaforaError
+from metafora.core.errors import ClaimLost, MetaforaError
 from metafora.handler import Handler
 from metafora.statemachine.machine import State
 from metafora.statemachine.store import StateStore, state_store_for

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client
-from metafora.retention import Retention
-from metafora.schedule_model import Schedule
+from metafora.core.retention import Retention
+from metafora.core.schedule_model import Schedule
 from metafora.testing import wait_for
 
 DEADLINE = 60.0

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from metafora import Task, TaskState, commands, open_client, open_coordinator
-from metafora.config import parse_store_url
+from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.etcd import EtcdClient, EtcdConfig, EtcdCoordinator
 from metafora.coordinators.etcd.driver import (
@@ -30,14 +29,16 @@ from metafora.coordinators.etcd.driver import (
 )
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.states import EtcdStateStore
-from metafora.errors import (
+from metafora.core import commands
+from metafora.core.config import parse_store_url
+from metafora.core.errors import (
     ClaimLost,
     ConfigError,
     CoordinatorUnavailable,
     NodeExists,
     TaskNotFound,
 )
-from metafora.retention import Cutoffs
+from metafora.core.retention import Cutoffs
 from metafora.statemachine import State, StateCode
 from metafora.testing import RecordingContext
 from tests.fixtures.etcd import EtcdServer, free_ports, make_tls_files

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, gates, open_coordinator
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.gates import (
     HTTPProcessor,
     Item,

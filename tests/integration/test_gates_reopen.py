@@ -15,7 +15,7 @@ from sqlalchemy import inspect
 
 from metafora import Consumer, Task, TaskState, open_coordinator
 from metafora.cli import EXIT_OK, EXIT_REFUSED, cli
-from metafora.errors import InvalidTaskState
+from metafora.core.errors import InvalidTaskState
 from metafora.gates import (
     Item,
     ItemResult,

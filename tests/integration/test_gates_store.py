@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, text
 
 from metafora import Task, gates, open_client, open_coordinator
 from metafora.coordinator import Coordinator
-from metafora.errors import ClaimLost, ConfigError, StoreError
+from metafora.core.errors import ClaimLost, ConfigError, StoreError
 from metafora.gates import (
     GateMoveRefused,
     Item,

@@ -31,13 +31,13 @@ from sqlalchemy import text
 
 from metafora import Task, TaskState, open_client, open_coordinator, simple_handler
 from metafora.cluster_metrics import read_cluster
-from metafora.config import parse_store_url
 from metafora.coordinator import Coordinator, Finish, Outcome
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.ops import Range
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database, HotCursor
+from metafora.core.config import parse_store_url
 from metafora.testing import LocalCluster, RecordingContext, wait_for
 from tests.helpers import stop_processes
 

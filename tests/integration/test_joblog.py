@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from metafora.coordinators.sql.joblog import MAX_APPEND, MAX_KEY_LENGTH, MAX_PAYLOAD_BYTES, job_logs
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.streams import Job, SQLJobLog
 from metafora.testing import wait_for
 from tests.conformance.test_submit_in_transaction import conninfo, sqlalchemy_url

@@ -1,7 +1,7 @@
 """Issue 52, finding 10, on PostgreSQL: concurrent replaces of the same ids in different
 orders deadlocked (6 of 17 calls) and the deadlock read ``CoordinatorUnavailable`` (CLI exit
 3, "unreachable"). Rows are now written in id order, so they wait for each other instead;
-a deadlock that still happens is a :class:`~metafora.errors.WriteConflict` (exit 1)."""
+a deadlock that still happens is a :class:`~metafora.core.errors.WriteConflict` (exit 1)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from metafora import Task, open_client
 from metafora.cli._common import ExitCode, exit_code_for
 from metafora.coordinators.sql.store import translate_error
-from metafora.errors import WriteConflict
+from metafora.core.errors import WriteConflict
 from tests.conformance.test_submit_in_transaction import conninfo
 
 ROUNDS = 8

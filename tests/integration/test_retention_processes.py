@@ -22,7 +22,7 @@ from metafora.testing import RecordingContext
 _CHILD = textwrap.dedent("""
     import sys
     from metafora import open_client
-    from metafora.retention import Cutoffs, purge_policy
+    from metafora.core.retention import Cutoffs, purge_policy
 
     with open_client(sys.argv[1]) as client:
         policy = purge_policy(None)  # every finished task, as purge takes them

@@ -14,8 +14,8 @@ from multiprocessing.process import BaseProcess
 import pytest
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
-from metafora.schedule_model import tick_id
-from metafora.task import parse_time
+from metafora.core.schedule_model import tick_id
+from metafora.core.task import parse_time
 from metafora.testing import wait_for
 from tests.helpers import stop_processes
 

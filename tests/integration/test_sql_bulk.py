@@ -15,8 +15,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from metafora import Task, open_client
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.dialect import channel_name
+from metafora.core.config import parse_store_url
 from tests.integration.test_sql_coordinator import Nodes, next_offer
 
 N = 1200  # three batches of at most 500

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from metafora import Task, TaskState, commands, open_client, open_coordinator
+from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.client import Client
-from metafora.config import parse_store_url
 from metafora.coordinators.sql import SQLClient, SQLCoordinator
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database
-from metafora.errors import ClaimLost, NodeExists
+from metafora.core import commands
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ClaimLost, NodeExists
 from metafora.testing import RecordingContext, wait_for
 
 

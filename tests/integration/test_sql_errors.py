@@ -11,7 +11,7 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinators.sql import SQLCoordinator
-from metafora.errors import ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.errors import ConfigError, CoordinatorUnavailable, StoreError
 from metafora.testing import RecordingContext
 
 SECRET = "s3cr3t-Pa55"
@@ -110,7 +110,7 @@ def test_a_newer_schema_is_refused(sqlite_url: str) -> None:
 
 
 def test_methods_after_close(sql_url: str) -> None:
-    from metafora.errors import CoordinatorClosed
+    from metafora.core.errors import CoordinatorClosed
 
     coord = open_coordinator(sql_url, node_id="n")
     coord.init(RecordingContext())

@@ -13,7 +13,7 @@ from multiprocessing.synchronize import Event as MPEvent
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.errors import CoordinatorUnavailable, NodeExists
+from metafora.core.errors import CoordinatorUnavailable, NodeExists
 from metafora.testing import RecordingContext, wait_for
 from tests.fixtures.postgres import TempCluster
 

@@ -11,7 +11,7 @@ import pytest
 
 from metafora import Task, TaskState
 from metafora.coordinator import Finish, Outcome
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from tests.integration.test_sql_coordinator import Nodes
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from sqlalchemy import text
 
 from metafora import TaskState, simple_handler
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database
+from metafora.core.config import parse_store_url
 from metafora.testing import LocalCluster, wait_for
 from tests.helpers import RanIds
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.errors import ClaimLost, MetaforaError
+from metafora.core.errors import ClaimLost, MetaforaError
 from metafora.testing import RecordingContext, wait_for
 from tests.fixtures.partition import PartitionProxy
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Connection, text
 
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database
-from metafora.errors import CoordinatorUnavailable, StoreError
+from metafora.core.config import parse_store_url
+from metafora.core.errors import CoordinatorUnavailable, StoreError
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.errors import CoordinatorUnavailable
+from metafora.core.errors import CoordinatorUnavailable
 from metafora.testing import RecordingContext
 
 pytestmark = [pytest.mark.slow]

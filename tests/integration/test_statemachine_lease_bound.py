@@ -27,7 +27,7 @@ from sqlalchemy import text
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinator import Coordinator
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from metafora.statemachine import State, state_store_for
 from metafora.testing import RecordingContext
 from tests.helpers import sigstop, wait_until

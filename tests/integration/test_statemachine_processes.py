@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from metafora.statemachine import (
     AsyncCommands,
     Commands,

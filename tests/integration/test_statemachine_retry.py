@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator
-from metafora.errors import ConfigError, InvalidTaskState, TaskNotFound
+from metafora.core.errors import ConfigError, InvalidTaskState, TaskNotFound
 from metafora.statemachine import (
     Commands,
     ErrorRecord,

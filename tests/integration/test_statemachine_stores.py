@@ -16,7 +16,7 @@ from metafora import Consumer, Task, TaskState, open_client, open_coordinator
 from metafora.client import Client
 from metafora.coordinator import Coordinator
 from metafora.coordinators.memory import drop_store
-from metafora.errors import ClaimLost, TaskNotFound
+from metafora.core.errors import ClaimLost, TaskNotFound
 from metafora.statemachine import (
     Commands,
     Message,

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from metafora import AsyncHandler, Consumer, Handler, Task, TaskState, commands, simple_handler
+from metafora import AsyncHandler, Consumer, Handler, Task, TaskState, simple_handler
+from metafora.core import commands
 from tests.helpers import Harness, wait_until
 
 
@@ -310,7 +311,7 @@ def test_a_dead_event_loop_stops_the_consumer(harness: Harness) -> None:
 
 
 def test_slow_callback_must_be_a_positive_number(harness: Harness) -> None:
-    from metafora.errors import ConfigError
+    from metafora.core.errors import ConfigError
 
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ConfigError, match="slow_callback"):

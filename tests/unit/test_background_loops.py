@@ -19,12 +19,12 @@ from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog
 from metafora.consumer.supervisor import BACKOFF_FIRST, Supervisor
 from metafora.coordinators.memory import drop_store
-from metafora.durations import MAX_DURATION, parse_duration, seconds, whole_seconds
-from metafora.errors import ConfigError
+from metafora.core.durations import MAX_DURATION, parse_duration, seconds, whole_seconds
+from metafora.core.errors import ConfigError
+from metafora.core.metrics import ConsumerStats
+from metafora.core.retention import Cutoffs, Pruner, Retention, parse_keep
+from metafora.core.schedule_model import new_schedule
 from metafora.http import render_metrics
-from metafora.metrics import ConsumerStats
-from metafora.retention import Cutoffs, Pruner, Retention, parse_keep
-from metafora.schedule_model import new_schedule
 from metafora.testing import FakeClock, wait_for
 
 

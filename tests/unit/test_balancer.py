@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 import pytest
 
 from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask, selector_key
-from metafora.clock import SYSTEM_CLOCK
-from metafora.task import Task
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.task import Task
 from metafora.testing import FakeClock
 
 STARTED = datetime(2030, 1, 1, tzinfo=UTC)

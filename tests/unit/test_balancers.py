@@ -27,8 +27,8 @@ from metafora.balancers import (
     ResourceReporter,
     SleepBalancer,
 )
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.testing import FakeClock
 
 B = TypeVar("B", bound=Balancer)

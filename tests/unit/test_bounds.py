@@ -15,11 +15,10 @@ import urllib.request
 import pytest
 
 from metafora.coordinator import MAX_ERROR_BYTES, error_text
-from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.http import InfoServer
-from metafora.jsontext import load_value
-from metafora.logs import JsonFormatter, PlainFormatter
-from metafora.masking import (
+from metafora.core.errors import InvalidProps, InvalidTaskId
+from metafora.core.jsontext import load_value
+from metafora.core.logs import JsonFormatter, PlainFormatter
+from metafora.core.masking import (
     MAX_MASKED,
     cut_text,
     escape_controls,
@@ -28,7 +27,8 @@ from metafora.masking import (
     one_line,
     scrub,
 )
-from metafora.task import validate_task_id
+from metafora.core.task import validate_task_id
+from metafora.http import InfoServer
 
 MIB = 1024 * 1024
 

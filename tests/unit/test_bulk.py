@@ -1,4 +1,4 @@
-"""metafora.bulk: the checks, batching and refusal every store's submit_tasks shares."""
+"""metafora.core.bulk: the checks, batching and refusal every store's submit_tasks shares."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from metafora.bulk import batches, checked, exists_error
-from metafora.errors import ConfigError, InvalidProps, TaskExists
-from metafora.task import Task
+from metafora.core.bulk import batches, checked, exists_error
+from metafora.core.errors import ConfigError, InvalidProps, TaskExists
+from metafora.core.task import Task
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 

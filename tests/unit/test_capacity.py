@@ -30,7 +30,7 @@ from metafora.consumer.capacity import (
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import NodeLog
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.handler import HandlerFunc, simple_handler
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until

@@ -28,8 +28,8 @@ from metafora.cli import (
 )
 from metafora.client import Client
 from metafora.coordinators.memory import drop_store
-from metafora.durations import parse_duration
-from metafora.errors import CoordinatorUnavailable
+from metafora.core.durations import parse_duration
+from metafora.core.errors import CoordinatorUnavailable
 from metafora.testing import RecordingContext
 from tests.helpers import wait_until
 

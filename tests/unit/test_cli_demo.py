@@ -14,10 +14,10 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from rich.console import Console
 
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task, TaskInfo, TaskState
 from metafora.demo import Demo, DemoConfig, demo_url, run_demo, runs_by_task, verify
 from metafora.demo.worker import _work
-from metafora.errors import ConfigError
-from metafora.task import Task, TaskInfo, TaskState
 from metafora.testing import FileLedger, LedgerRun
 
 DONE = TaskState.DONE

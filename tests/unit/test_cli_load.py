@@ -13,7 +13,7 @@ from metafora import Handler, Task
 from metafora.balancers import FairBalancer
 from metafora.cli._load import Kind, TargetError, classify, load_balancer
 from metafora.cli.worker import make_balancer
-from metafora.node import check_weight
+from metafora.core.node import check_weight
 from metafora.statemachine import AsyncCommands, Commands, Message
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from metafora.cli import main
 from metafora.cli.worker import consumer_options, flag_of, worker
 from metafora.consumer import ConsumerOptions
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 
 def test_every_option_of_the_consumer_is_a_flag_of_the_worker() -> None:

@@ -1,4 +1,4 @@
-"""metafora.clock: the real clock behind the Clock interface (the fake one: test_testing.py)."""
+"""metafora.core.clock: the real clock behind the Clock interface (the fake one: test_testing.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from metafora.clock import SYSTEM_CLOCK, Clock, SystemClock
+from metafora.core.clock import SYSTEM_CLOCK, Clock, SystemClock
 
 
 def test_the_system_clock_gives_aware_utc_time_and_a_monotonic_clock() -> None:

@@ -1,4 +1,4 @@
-"""metafora.commands: building node commands and checking what comes off the wire.
+"""metafora.core.commands: building node commands and checking what comes off the wire.
 
 The wire format's round trip and the malformed inputs: test_values.py.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from metafora import commands
-from metafora.commands import BALANCE, FREEZE, STOP_TASK, UNFREEZE, Command
-from metafora.errors import InvalidCommand
+from metafora.core import commands
+from metafora.core.commands import BALANCE, FREEZE, STOP_TASK, UNFREEZE, Command
+from metafora.core.errors import InvalidCommand
 
 
 def test_each_constructor_builds_its_command() -> None:

@@ -1,4 +1,4 @@
-"""metafora.config: store URLs and the typed reading of their options.
+"""metafora.core.config: store URLs and the typed reading of their options.
 
 How URLs parse and redact in general, and a bad option met by open_client: test_values.py;
 masking itself: test_masking.py.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from metafora.config import DEFAULT_NAMESPACE, OptionReader, parse_store_url, validate_namespace
-from metafora.errors import ConfigError
+from metafora.core.config import DEFAULT_NAMESPACE, OptionReader, parse_store_url, validate_namespace
+from metafora.core.errors import ConfigError
 
 
 def reader(url: str = "memory://m", **overrides: object) -> OptionReader:

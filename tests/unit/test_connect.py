@@ -23,8 +23,8 @@ from metafora.connect import (
     validate_node_id,
 )
 from metafora.coordinators.memory import drop_store
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 
 
 def test_the_default_url_is_the_environments_else_embedded_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from metafora import (
 from metafora.balancer import SelectorKey, selector_key
 from metafora.consumer.running import Running, RunningMap
 from metafora.coordinators.memory import MemoryCoordinator
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.testing import FakeClock
 from tests.helpers import Harness, wait_until
 
@@ -446,7 +446,7 @@ def test_a_dead_watch_stops_the_consumer(harness: Harness) -> None:
 
 def test_duplicate_node_id_is_refused(harness: Harness) -> None:
     harness.start(Consumer(harness.coordinator("same"), ledger_handler(Ledger(), "same")))
-    from metafora.errors import NodeExists
+    from metafora.core.errors import NodeExists
 
     with pytest.raises(NodeExists):
         Consumer(harness.coordinator("same"), ledger_handler(Ledger(), "same")).run()

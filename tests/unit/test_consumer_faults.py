@@ -11,11 +11,12 @@ from datetime import datetime
 
 import pytest
 
-from metafora import Balancer, BalancerContext, Consumer, Task, TaskState, commands
-from metafora.commands import Command
+from metafora import Balancer, BalancerContext, Consumer, Task, TaskState
 from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.memory import MemoryCoordinator
-from metafora.errors import CoordinatorUnavailable, StoreError
+from metafora.core import commands
+from metafora.core.commands import Command
+from metafora.core.errors import CoordinatorUnavailable, StoreError
 from tests.helpers import Harness, wait_until
 from tests.unit.test_consumer import Ledger, ledger_handler
 

@@ -11,8 +11,8 @@ import pytest
 from metafora import Consumer, open_coordinator, simple_handler
 from metafora.consumer import ConsumerOptions
 from metafora.consumer.options import DEFAULT_BALANCE_EVERY, DEFAULT_MAX_CRASHES, option_docs
-from metafora.durations import seconds
-from metafora.errors import ConfigError
+from metafora.core.durations import seconds
+from metafora.core.errors import ConfigError
 
 
 def test_defaults_are_the_named_constants() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from metafora.consumer.offers import Deferred as _Deferred
-from metafora.task import Task
+from metafora.core.task import Task
 
 
 def test_take_goes_by_priority_then_age() -> None:

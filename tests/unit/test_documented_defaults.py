@@ -21,11 +21,11 @@ from metafora import Consumer, Task, open_coordinator, simple_handler
 from metafora.aio import DEFAULT_THREADS
 from metafora.backends import stores
 from metafora.balancers.fair import DEFAULT_FAIR_THRESHOLD
-from metafora.config import parse_store_url
 from metafora.consumer import options
 from metafora.coordinator import DEFAULT_MAX_CRASHES
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.sql.options import parse_config
+from metafora.core.config import parse_store_url
 from metafora.gates.handler import handler_func
 from metafora.streams.handler import stream_handler
 

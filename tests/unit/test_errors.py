@@ -1,11 +1,11 @@
-"""metafora.errors: one root, and the standard classes callers may also catch them as."""
+"""metafora.core.errors: one root, and the standard classes callers may also catch them as."""
 
 from __future__ import annotations
 
 import pytest
 
-from metafora import errors
-from metafora.errors import MetaforaError, TaskExists
+from metafora.core import errors
+from metafora.core.errors import MetaforaError, TaskExists
 
 
 def test_every_error_is_a_metafora_error() -> None:

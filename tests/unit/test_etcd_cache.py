@@ -10,8 +10,8 @@ from metafora.coordinators.etcd.cache import Entry, Outcome, Subscriber, TaskCac
 from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, task_record
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import Registration
-from metafora.retention import Cutoffs
-from metafora.task import Task
+from metafora.core.retention import Cutoffs
+from metafora.core.task import Task
 
 KEYS = Keys("ns")
 DONE = Outcome(9, b'{"state":"done"}')  # a finished task's outcome

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from metafora.config import parse_store_url
 from metafora.coordinators.etcd.config import DEFAULT_PORT, EtcdConfig
-from metafora.errors import ConfigError
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError
 
 
 def config(url: str, **options: Any) -> EtcdConfig:

@@ -23,7 +23,7 @@ from metafora.coordinators.etcd.layout import (
     unescape,
 )
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.task import Task, TaskState
+from metafora.core.task import Task, TaskState
 
 
 def kv(key: bytes, value: bytes, create: int = 1, mod: int = 1, version: int = 1) -> KeyValue:

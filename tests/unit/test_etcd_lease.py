@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from metafora.clock import SYSTEM_CLOCK
-from metafora.config import parse_store_url
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.lease import NodeLease
 from metafora.coordinators.etcd.node import NodeState
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.config import parse_store_url
 from tests.helpers import wait_until
 
 

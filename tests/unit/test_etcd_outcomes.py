@@ -13,8 +13,8 @@ import pytest
 from metafora.coordinator import Finish, Outcome
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.outcomes import applied_before
-from metafora.groupcommit import GroupCommit
-from metafora.task import Task
+from metafora.core.groupcommit import GroupCommit
+from metafora.core.task import Task
 
 TASK = Task("t", token=7)
 

@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 from metafora import Consumer, Task, simple_handler
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinators.memory import MemoryClient, MemoryCoordinator, MemoryStore
+from metafora.core.clock import SYSTEM_CLOCK
 from metafora.testing import wait_for
 
 

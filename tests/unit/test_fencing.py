@@ -1,14 +1,14 @@
-"""The self-fencing rule (:mod:`metafora.leases`) and the stores' margins (each store's own)."""
+"""The self-fencing rule (:mod:`metafora.core.leases`) and the stores' margins (each store's own)."""
 
 from __future__ import annotations
 
 import pytest
 
 from metafora.backends import backend_of_store
-from metafora.config import parse_store_url
 from metafora.coordinators.etcd.config import ETCD_FENCING
 from metafora.coordinators.sql.options import SQL_FENCING, parse_config
-from metafora.leases import Fencing
+from metafora.core.config import parse_store_url
+from metafora.core.leases import Fencing
 
 
 def test_the_rule_is_the_ttl_less_the_margin() -> None:
@@ -36,9 +36,9 @@ def test_handlers_get_time_to_stop_before_the_lease_can_expire() -> None:
 
 
 def test_every_store_reads_lease_ttl_by_one_rule_with_its_bounds() -> None:
-    from metafora.config import OptionReader, parse_store_url
-    from metafora.errors import ConfigError
-    from metafora.leases import read_lease_ttl, renew_every
+    from metafora.core.config import OptionReader, parse_store_url
+    from metafora.core.errors import ConfigError
+    from metafora.core.leases import read_lease_ttl, renew_every
 
     def read(store: str, value: object) -> float:
         reader = OptionReader(parse_store_url("memory://x"), {"lease_ttl": value})

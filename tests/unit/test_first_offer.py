@@ -7,7 +7,7 @@ import collections
 from metafora.consumer.first_offer import MAX_DELAY, MIN_DELAY, START_DELAY, FirstOffers, OfferDelay
 from metafora.consumer.offer_queues import Deferred
 from metafora.consumer.preference import Preference, preferred_node
-from metafora.task import Task
+from metafora.core.task import Task
 
 NODES = [f"n{i}" for i in range(10)]
 

@@ -13,7 +13,7 @@ from metafora import Task, gates, open_coordinator
 from metafora import gates as metafora_gates
 from metafora.coordinators.memory import drop_store
 from metafora.coordinators.sql.gates import items_channel
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.gates import (
     GateError,
     Item,
@@ -156,7 +156,7 @@ def test_items_channel_is_a_short_stable_identifier() -> None:
 
 def test_the_published_old_module_name_keeps_working() -> None:
     """``metafora.statemachine.gates`` (the contract's first name of metafora.gates) follows the
-    one policy for moved names (metafora._moved): a published name forwards."""
+    one policy for moved names (metafora.core._moved): a published name forwards."""
     from metafora.statemachine import gates as old
 
     assert old.Response is metafora_gates.Response

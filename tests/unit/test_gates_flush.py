@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
 from metafora.gates import ItemResult, ItemStatus
 from metafora.gates.flush import ResultFlusher
 from tests.helpers import wait_until

@@ -1,8 +1,8 @@
-"""The queue the group-commit writers share (metafora.groupcommit.Gathering)."""
+"""The queue the group-commit writers share (metafora.core.groupcommit.Gathering)."""
 
 from __future__ import annotations
 
-from metafora.groupcommit import Gathering
+from metafora.core.groupcommit import Gathering
 
 
 def test_the_first_item_to_wait_is_told_and_timed() -> None:

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
+from metafora.core.task import Task
 from metafora.handler import AsyncHandler, Handler, is_async, simple_handler
-from metafora.task import Task
 
 TASK = Task("t1", {"n": 2})
 

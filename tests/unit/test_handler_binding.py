@@ -11,11 +11,11 @@ import pytest
 from metafora import Consumer, open_coordinator, simple_handler
 from metafora.binding import BindsToNode, NodeBinding, bind_handler_func
 from metafora.coordinator import Coordinator
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
+from metafora.core.metrics import ConsumerStats
 from metafora.gates.handler import GateHandlerFunc
 from metafora.handler import HandlerFunc
 from metafora.messages import Router
-from metafora.metrics import ConsumerStats
 from metafora.streams.handler import StreamHandlerFunc
 
 _plain = simple_handler(lambda task, stop: True)

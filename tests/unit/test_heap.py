@@ -1,4 +1,4 @@
-"""metafora.heap: the collector paused around bulk work, nested and across threads."""
+"""metafora.core.heap: the collector paused around bulk work, nested and across threads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from metafora.heap import BULK, gc_paused
+from metafora.core.heap import BULK, gc_paused
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The store-independent rules of sticky return (metafora.holds) and the consumer's option."""
+"""The store-independent rules of sticky return (metafora.core.holds) and the consumer's option."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
-from metafora.errors import ConfigError
-from metafora.holds import check_sticky_for, held_against, held_by_node, hold_note, is_held
-from metafora.task import TaskInfo, TaskState
+from metafora.core.errors import ConfigError
+from metafora.core.holds import check_sticky_for, held_against, held_by_node, hold_note, is_held
+from metafora.core.task import TaskInfo, TaskState
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.testing import LocalCluster, wait_for
 
 
@@ -182,7 +182,7 @@ def test_a_side_loop_that_cannot_start_stops_the_consumer_with_a_named_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of threads at start: run() raises an error naming the loop, shutdown still completes,
     and the node was never reported ready (ready means every side loop is up)."""
-    from metafora.errors import MetaforaError
+    from metafora.core.errors import MetaforaError
 
     consumer = Consumer(open_coordinator("memory://probes-no-thread"),
                         simple_handler(lambda t, s: True))

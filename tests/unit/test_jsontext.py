@@ -1,11 +1,11 @@
-"""metafora.jsontext: bounded JSON decoding of stored or user text into typed errors."""
+"""metafora.core.jsontext: bounded JSON decoding of stored or user text into typed errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from metafora.errors import InvalidProps
-from metafora.jsontext import MAX_DEPTH, check_depth, load_object
+from metafora.core.errors import InvalidProps
+from metafora.core.jsontext import MAX_DEPTH, check_depth, load_object
 
 
 def nested(levels: int) -> str:

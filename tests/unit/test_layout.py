@@ -1,6 +1,6 @@
 """The package's layout rules that an import can break, and the floors of the house.
 
-- Every module stands on a floor (:mod:`metafora._layout`, drawn in docs/architecture.md):
+- Every module stands on a floor (:mod:`metafora.core._layout`, drawn in docs/architecture.md):
   nothing imports up a floor, the consumer and the features import no store and no surface,
   only the stores (and the testing helpers) import a store module, and imports form no cycle
   -- read statically, a function's imports too.
@@ -58,7 +58,7 @@ def test_the_state_machine_loads_no_gates_module() -> None:
 def test_a_feature_verb_of_the_client_loads_its_feature_on_first_use() -> None:
     """The client imports no feature: its stream verbs and the state reset are the features'
     registered verbs (metafora.recipes), loaded by the first call."""
-    probe = ("import metafora\nfrom metafora.errors import TaskNotFound\n"
+    probe = ("import metafora\nfrom metafora.core.errors import TaskNotFound\n"
              "client = metafora.open_client('memory://recipes')\n"
              "for call in (lambda: client.stream('none'), lambda: client.retry_task('none', True)):\n"
              "    try:\n        call()\n    except TaskNotFound:\n        pass\n")
@@ -136,7 +136,7 @@ def test_the_import_reader_sees_relative_and_nested_imports(tmp_path: Path) -> N
         "metafora.coordinators.sql.store", "metafora.coordinators.etcd.driver"}
 
 
-# --- the floors (metafora/_layout.py, docs/architecture.md) ------------------------------------
+# --- the floors (metafora/core/_layout.py, docs/architecture.md) ------------------------------------
 
 MODULE_LINES = 600
 CLASS_LINES = 400
@@ -217,7 +217,7 @@ def _where(name: str, line: int) -> str:
 
 
 def test_every_module_has_a_floor_in_the_one_map() -> None:
-    from metafora._layout import FLOORS, MODULES, floor_of
+    from metafora.core._layout import FLOORS, MODULES, floor_of
 
     assert set(MODULES.values()) <= set(FLOORS)
     assert {name: floor_of(name) for name in _modules()}  # KeyError for a module on no floor
@@ -226,7 +226,7 @@ def test_every_module_has_a_floor_in_the_one_map() -> None:
 
 
 def test_nothing_imports_up_a_floor() -> None:
-    from metafora._layout import FLOORS, floor_of
+    from metafora.core._layout import FLOORS, floor_of
 
     up = [f"{_where(name, line)}: {name} ({floor_of(name)}) imports {target} ({floor_of(target)})"
           for name, imports in _graph().items()
@@ -238,7 +238,7 @@ def test_nothing_imports_up_a_floor() -> None:
 def test_the_consumer_and_the_features_import_no_store_and_no_surface() -> None:
     """Imports that run; a type-only one (``if TYPE_CHECKING:``, to name a store's class in a
     signature) loads nothing."""
-    from metafora._layout import floor_of
+    from metafora.core._layout import floor_of
 
     reaching = [f"{_where(name, line)}: {name} imports {target}"
                 for name, imports in _graph().items() if floor_of(name) in ("consumer", "features")
@@ -252,7 +252,7 @@ def test_a_store_imports_no_other_store_and_only_the_stores_import_one() -> None
     helpers (a surface) are the one exception: they start servers and drop memory stores.
     What the stores share sits beside them (``metafora.coordinators.members``). Imports that
     run: a type-only one names a store's class and loads nothing."""
-    from metafora._layout import floor_of
+    from metafora.core._layout import floor_of
 
     def store(module: str) -> str | None:
         parts = module.split(".")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from metafora import Task
-from metafora.errors import ConfigError, InvalidProps
-from metafora.limits import GroupUsage, Limit, Rate, parse_rate, validate_limit, waiting_reason
-from metafora.task import TaskInfo, TaskState
+from metafora.core.errors import ConfigError, InvalidProps
+from metafora.core.limits import GroupUsage, Limit, Rate, parse_rate, validate_limit, waiting_reason
+from metafora.core.task import TaskInfo, TaskState
 from metafora.waiting import group_reasons, waiting_groups
 
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from metafora.logs import configure
+from metafora.core.logs import configure
 
 
 @pytest.fixture(autouse=True)

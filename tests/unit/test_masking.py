@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 
 from metafora import open_client
 from metafora.cli import cli
-from metafora.config import parse_store_url
 from metafora.coordinators.etcd.config import EtcdConfig
-from metafora.errors import ConfigError, InvalidTaskId, MetaforaError
-from metafora.logs import LEVELS
-from metafora.masking import (
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, InvalidTaskId, MetaforaError
+from metafora.core.logs import LEVELS
+from metafora.core.masking import (
     BIDI_CONTROLS,
     escape_controls,
     for_terminal,
@@ -36,7 +36,7 @@ from metafora.masking import (
     scrub,
     url_secrets,
 )
-from metafora.task import validate_task_id
+from metafora.core.task import validate_task_id
 
 # -- the function ------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pb2, timestamp_pb2, wrappers_pb2
 
 import metafora
 from metafora import Task
-from metafora.errors import ConfigError, InvalidProps
+from metafora.core.errors import ConfigError, InvalidProps
 from metafora.messages import (
     TYPE_KEY,
     MalformedMessage,

@@ -1,4 +1,4 @@
-"""metafora.metrics: the consumer's counters and latency histograms."""
+"""metafora.core.metrics: the consumer's counters and latency histograms."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from metafora.metrics import DEFAULT_BUCKETS, ConsumerStats, Histogram
+from metafora.core.metrics import DEFAULT_BUCKETS, ConsumerStats, Histogram
 
 
 def test_a_new_histogram_has_every_bucket_empty() -> None:

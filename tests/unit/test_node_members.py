@@ -10,8 +10,8 @@ import pytest
 
 from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
-from metafora.errors import ConfigError
-from metafora.task import Task
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
 from metafora.testing import FakeClock, RecordingContext
 
 

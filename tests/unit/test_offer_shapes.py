@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from metafora.coordinators.sql.shapes import OfferShapes
-from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.task import Task
+from metafora.core.errors import InvalidProps, InvalidTaskId
+from metafora.core.task import Task
 
 ROWS = [
     ("{}", None, 0, None),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from metafora import Consumer, Task, open_coordinator, simple_handler
-from metafora.errors import ConfigError, InvalidProps
-from metafora.task import (
+from metafora.core.errors import ConfigError, InvalidProps
+from metafora.core.task import (
     TaskInfo,
     TaskState,
     label_text,

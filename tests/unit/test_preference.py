@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections
 
-from metafora import Consumer, TaskState, commands, simple_handler
+from metafora import Consumer, TaskState, simple_handler
 from metafora.consumer.preference import Preference, preferred_node, weight
-from metafora.task import Task
+from metafora.core import commands
+from metafora.core.task import Task
 from tests.helpers import Harness, RanIds, wait_until
 
 NODES = [f"n{i}" for i in range(5)]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import metafora
 from metafora import open_client
 from metafora.cli import DISTRIBUTION, cli
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Cut-offs of a retention policy (:class:`metafora.retention.Cutoffs`): pure logic."""
+"""Cut-offs of a retention policy (:class:`metafora.core.retention.Cutoffs`): pure logic."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from metafora.retention import Cutoffs, prunable
-from metafora.task import TaskInfo, TaskState
+from metafora.core.retention import Cutoffs, prunable
+from metafora.core.task import TaskInfo, TaskState
 
 T0 = datetime(2026, 1, 10, tzinfo=UTC)
 CUTS = [None, T0 - timedelta(days=1), T0 - timedelta(days=3)]

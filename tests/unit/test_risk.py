@@ -24,7 +24,7 @@ from metafora.consumer.risk import Change, RiskEpisode, RiskRule
 from metafora.coordinators.etcd.config import ETCD_FENCING
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
 from metafora.coordinators.sql.options import SQL_FENCING
-from metafora.leases import LeaseTiming
+from metafora.core.leases import LeaseTiming
 from metafora.statemachine import AsyncCommands, Commands, Message, MessageKind, StateCode, handler_func
 from metafora.statemachine.aio import AsyncStatefulTaskHandler
 from metafora.testing import FakeClock, RecordingContext

@@ -10,10 +10,9 @@ import pytest
 
 from metafora import open_client, open_coordinator
 from metafora.coordinators.memory import drop_store
-from metafora.durations import format_duration, whole_seconds
-from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
-from metafora.schedule import Scheduler
-from metafora.schedule_model import (
+from metafora.core.durations import format_duration, whole_seconds
+from metafora.core.errors import ConfigError, InvalidProps, InvalidTaskId
+from metafora.core.schedule_model import (
     LATE_AFTER,
     MAX_CATCH_UP,
     Schedule,
@@ -21,6 +20,7 @@ from metafora.schedule_model import (
     new_schedule,
     tick_id,
 )
+from metafora.schedule import Scheduler
 from metafora.testing import FakeClock, wait_for
 
 T0 = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -37,9 +37,9 @@ from metafora.balancers.shares import (
     shares,
     standings,
 )
-from metafora.errors import ConfigError
-from metafora.node import check_weight
-from metafora.task import Task
+from metafora.core.errors import ConfigError
+from metafora.core.node import check_weight
+from metafora.core.task import Task
 from metafora.testing import FakeClock
 
 ME = "me"

@@ -5,7 +5,7 @@ lease itself runs against real stores in tests/integration/test_sql_coordinator.
 from __future__ import annotations
 
 from metafora.coordinators.sql.lease import reconcile
-from metafora.task import Task
+from metafora.core.task import Task
 
 
 def held(*claims: tuple[str, int]) -> dict[str, Task]:

@@ -10,7 +10,7 @@ import pytest
 
 from metafora import Task, TaskState
 from metafora.coordinators.memory.states import MemoryTaskCommands
-from metafora.errors import InvalidTaskState, TaskNotFound
+from metafora.core.errors import InvalidTaskState, TaskNotFound
 from metafora.statemachine import (
     Commands,
     ErrorPolicy,

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Task
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.statemachine import (
     ErrorPolicy,
     ErrorRecord,

@@ -19,7 +19,7 @@ from metafora import Task, TaskState, open_client, open_coordinator
 from metafora.client import Client
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
 from metafora.coordinators.memory.states import MemoryStateStore, MemoryTaskCommands
-from metafora.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.statemachine import (
     Commands,
     ErrorPolicy,

@@ -8,7 +8,7 @@ import pytest
 
 from metafora import Task, open_client, open_coordinator
 from metafora.coordinators.memory import drop_store
-from metafora.errors import ClaimLost, CoordinatorUnavailable, StoreError
+from metafora.core.errors import ClaimLost, CoordinatorUnavailable, StoreError
 from metafora.statemachine.store import LeaseBound, lease_bound_of
 
 TASK = Task("t1", token=7)

@@ -25,8 +25,8 @@ OUTSIDE = textwrap.dedent('''
     """A store outside metafora: its client and coordinator are the memory store's, under a
     scheme of its own."""
     from metafora.backends import StoreBackend
-    from metafora.config import parse_store_url
-    from metafora.leases import LeaseTTL
+    from metafora.core.config import parse_store_url
+    from metafora.core.leases import LeaseTTL
 
 
     class ToyBackend(StoreBackend):
@@ -68,7 +68,7 @@ PROBE = textwrap.dedent('''
     import json
     from metafora import Task, open_client, open_coordinator
     from metafora.backends import schemes, store_of, stores
-    from metafora.errors import ConfigError
+    from metafora.core.errors import ConfigError
 
     out = {"schemes": schemes(), "stores": sorted(stores())}
     with open_client("toy://one") as client:

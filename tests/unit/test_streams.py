@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator
-from metafora.errors import ClaimLost, ConfigError, InvalidTaskState
+from metafora.core.errors import ClaimLost, ConfigError, InvalidTaskState
+from metafora.core.task import Task as TaskValue
 from metafora.statemachine import StateCode, StateStore, get_state, state_store_for
 from metafora.statemachine.machine import State
 from metafora.streams import Job, JobContext, Jobs, StreamInfo, stream_handler
-from metafora.task import Task as TaskValue
 from metafora.testing import LocalCluster, wait_for
 from tests.stream_kit import ListJobs, Recorder
 

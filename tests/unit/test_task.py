@@ -1,4 +1,4 @@
-"""metafora.task: times, props read back from a store, and a task's own JSON forms.
+"""metafora.core.task: times, props read back from a store, and a task's own JSON forms.
 
 Task ids, props checks and TaskInfo.to_dict: test_values.py; labels, selectors and soft
 placement: test_placement.py.
@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from metafora.errors import InvalidProps
-from metafora.task import (
+from metafora.core.errors import InvalidProps
+from metafora.core.task import (
     MAX_PRIORITY,
     MAX_PROPS_BYTES,
     MIN_PRIORITY,

@@ -8,10 +8,11 @@ from datetime import UTC, datetime
 import pytest
 from rich.console import Console
 
-from metafora import Task, commands, simple_handler
+from metafora import Task, simple_handler
 from metafora.cli.top import Snapshot, rates, render, run_top, take_snapshot
-from metafora.limits import GroupUsage, Limit, Rate
-from metafora.task import TaskInfo, TaskState
+from metafora.core import commands
+from metafora.core.limits import GroupUsage, Limit, Rate
+from metafora.core.task import TaskInfo, TaskState
 from metafora.testing import LocalCluster, wait_for
 
 

@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from metafora import Task, TaskState, simple_handler, tracing
+from metafora import Task, TaskState, simple_handler
+from metafora.core import tracing
 from metafora.testing import LocalCluster, wait_for
 
 

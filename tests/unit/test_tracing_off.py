@@ -16,7 +16,7 @@ CHILD = r'''
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from metafora import tracing
+from metafora.core import tracing
 
 assert tracing._tracing_off(), "a provider is set in a fresh interpreter"
 parent = SpanContext(trace_id=0x1234, span_id=0x99, is_remote=False,

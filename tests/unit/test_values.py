@@ -7,11 +7,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from metafora import Task, TaskInfo, TaskState, commands, open_client, open_coordinator
-from metafora.commands import Command
-from metafora.config import parse_store_url
+from metafora import Task, TaskInfo, TaskState, open_client, open_coordinator
 from metafora.connect import new_node_id
-from metafora.errors import ConfigError, InvalidCommand, InvalidProps, InvalidTaskId
+from metafora.core import commands
+from metafora.core.commands import Command
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, InvalidCommand, InvalidProps, InvalidTaskId
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "a\x00b", "tab\there", "x" * 257, 42, None])
@@ -32,7 +33,7 @@ def test_ids_with_surrounding_whitespace_are_refused_like_blank_ones(padded: str
 def test_schedule_that_could_never_run_is_refused() -> None:
     from datetime import timedelta
 
-    from metafora.task import validate_schedule
+    from metafora.core.task import validate_schedule
 
     now = datetime(2030, 1, 1, tzinfo=UTC)
     at = (now + timedelta(hours=1)).isoformat()

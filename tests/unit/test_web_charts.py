@@ -15,8 +15,8 @@ from metafora import Task, open_client, open_coordinator
 from metafora.client import NodeInfo
 from metafora.coordinator import CoordinatorContext
 from metafora.coordinators.memory import drop_store
-from metafora.limits import GroupUsage, Limit
-from metafora.task import TaskInfo, TaskState
+from metafora.core.limits import GroupUsage, Limit
+from metafora.core.task import TaskInfo, TaskState
 from metafora.web import charts
 from metafora.web.charts import (
     NodeBar,

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from metafora import Task, open_client
 from metafora.cli import cli
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 from metafora.web.app import create_app
 from metafora.web.server import WebServer, display_url, is_loopback, parse_bind
 from tests.web.conftest import http_call, insert_tasks

@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 import pytest
 
 from metafora import Task, open_client
-from metafora.errors import (
+from metafora.core.errors import (
     ConfigError,
     CoordinatorUnavailable,
     InvalidTaskId,

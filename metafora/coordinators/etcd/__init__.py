@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from metafora.config import StoreURL
 from metafora.coordinators.etcd.client import EtcdClient
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.coordinator import EtcdCoordinator
+from metafora.core.config import StoreURL
 
 __all__ = ["EtcdClient", "EtcdConfig", "EtcdCoordinator", "open_client", "open_coordinator"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from metafora.backends import StoreBackend
-from metafora.config import StoreURL
 from metafora.coordinators.etcd import open_client, open_coordinator
 from metafora.coordinators.etcd.client import EtcdClient
 from metafora.coordinators.etcd.config import ETCD_FENCING, LEASE_TTL
 from metafora.coordinators.etcd.coordinator import EtcdCoordinator
+from metafora.core.config import StoreURL
 
 __all__ = ["BACKEND", "EtcdBackend"]
 

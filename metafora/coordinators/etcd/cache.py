@@ -25,9 +25,9 @@ from metafora.coordinators.etcd.layout import (
 )
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.queries import Registration, launch_and_expiry
-from metafora.errors import InvalidProps
-from metafora.retention import Cutoffs
-from metafora.task import Task
+from metafora.core.errors import InvalidProps
+from metafora.core.retention import Cutoffs
+from metafora.core.task import Task
 
 __all__ = ["Entry", "Known", "Outcome", "Subscriber", "TaskCache", "offer_for"]
 
@@ -43,7 +43,7 @@ class Known:
     crashes_before: int | None  # None: the previous claim had an outcome (or there was none)
     stored: StoredProps | None = None  # placement (selector, priority, prefer, spread)
     valid: bool = False  # the props made a Task already (no need to check them again)
-    held_for: str | None = None  # released held for this node (metafora.holds)
+    held_for: str | None = None  # released held for this node (metafora.core.holds)
 
     @property
     def selector(self) -> Mapping[str, str]:

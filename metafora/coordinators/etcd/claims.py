@@ -11,7 +11,6 @@ import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
-from metafora.clock import Clock
 from metafora.coordinator import crash_limit_error
 from metafora.coordinators.etcd.cache import Entry, Known, TaskCache
 from metafora.coordinators.etcd.driver import EtcdDriver
@@ -31,8 +30,9 @@ from metafora.coordinators.etcd.ops import (
     modified_at,
 )
 from metafora.coordinators.etcd.queries import expire_task, fail_unclaimed, launch_and_expiry
-from metafora.errors import InvalidProps, MetaforaError
-from metafora.task import Task, matches
+from metafora.core.clock import Clock
+from metafora.core.errors import InvalidProps, MetaforaError
+from metafora.core.task import Task, matches
 
 __all__ = ["CLAIM_TXN_TASKS", "Claims"]
 

@@ -16,8 +16,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from metafora.client import Client, NodeInfo
-from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.commands import Command
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig
@@ -58,19 +56,21 @@ from metafora.coordinators.etcd.queries import (
 )
 from metafora.coordinators.etcd.retention import EtcdRetention
 from metafora.coordinators.members import stored_weight
-from metafora.errors import (
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.commands import Command
+from metafora.core.errors import (
     CoordinatorClosed,
     NodeNotFound,
     StoreError,
     TaskExists,
     TaskNotFound,
 )
-from metafora.limits import GroupUsage, Limit
-from metafora.retention import purge_policy
-from metafora.schedule_model import Schedule
-from metafora.submitting import IfExists, check_if_exists, no_transactions
-from metafora.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
-from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
+from metafora.core.limits import GroupUsage, Limit
+from metafora.core.retention import purge_policy
+from metafora.core.schedule_model import Schedule
+from metafora.core.submitting import IfExists, check_if_exists, no_transactions
+from metafora.core.task import Task, TaskInfo, TaskState, validate_schedule, validate_task_id
+from metafora.core.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 __all__ = ["EtcdClient"]
 

@@ -6,14 +6,14 @@ import logging
 import threading
 import uuid
 
-from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.commands import Command
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import Delete, Put, Range, created_at
-from metafora.errors import CoordinatorClosed, InvalidCommand, MetaforaError, NodeNotFound
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.commands import Command
+from metafora.core.errors import CoordinatorClosed, InvalidCommand, MetaforaError, NodeNotFound
 
 __all__ = ["NodeCommands", "new_command_name"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from metafora.config import DEFAULT_NAMESPACE, OptionReader, StoreURL, validate_namespace
 from metafora.coordinators.etcd.driver import ConnectionSettings
-from metafora.errors import ConfigError
-from metafora.leases import Fencing, LeaseTTL, read_lease_ttl
+from metafora.core.config import DEFAULT_NAMESPACE, OptionReader, StoreURL, validate_namespace
+from metafora.core.errors import ConfigError
+from metafora.core.leases import Fencing, LeaseTTL, read_lease_ttl
 
 __all__ = ["DEFAULT_PORT", "ETCD_FENCING", "LEASE_TTL", "EtcdConfig"]
 

@@ -44,8 +44,6 @@ import queue
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
-from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
@@ -75,12 +73,14 @@ from metafora.coordinators.etcd.queries import (
 from metafora.coordinators.etcd.retention import EtcdRetention, prune_batch
 from metafora.coordinators.etcd.watch import NamespaceWatch
 from metafora.coordinators.members import SeenWithCounts, context_capacity, context_weight
-from metafora.errors import CoordinatorClosed, MetaforaError
-from metafora.holds import check_sticky_for
-from metafora.leases import LeaseTiming, renew_every
-from metafora.retention import Cutoffs
-from metafora.schedule_model import Schedule
-from metafora.task import Task, validate_task_id
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.commands import Command
+from metafora.core.errors import CoordinatorClosed, MetaforaError
+from metafora.core.holds import check_sticky_for
+from metafora.core.leases import LeaseTiming, renew_every
+from metafora.core.retention import Cutoffs
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task, validate_task_id
 
 __all__ = ["EtcdCoordinator", "new_command_name"]
 
@@ -341,7 +341,7 @@ class EtcdCoordinator(EtcdRetention, Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.leases`)."""
+        :mod:`metafora.core.leases`)."""
         return LeaseTiming(renew_every=renew_every(self._cfg.lease_ttl), fence_after=self._lease.fence_after)
 
     def held(self) -> list[Task]:

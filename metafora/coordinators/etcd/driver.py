@@ -66,7 +66,7 @@ from metafora.coordinators.etcd.ops import (
     value_is,
 )
 from metafora.coordinators.etcd.stream import WatchHandle
-from metafora.errors import (
+from metafora.core.errors import (
     ConfigError,
     CoordinatorUnavailable,
     MetaforaError,

@@ -11,7 +11,7 @@ from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.node import NodeState
 from metafora.coordinators.etcd.ops import WatchEvent
 from metafora.coordinators.etcd.queries import member_of
-from metafora.task import Task
+from metafora.core.task import Task
 
 __all__ = ["Folder", "Seen"]
 

@@ -15,7 +15,7 @@ exactly one path segment::
     tasks/<id>/running      {"crashes": N}: put by a claim, deleted by its outcome (no lease), so
                             a claim that finds it knows the previous one ended with its node dead;
                             or {"held_for": node, "until": ISO}: released by a node stopping
-                            gracefully, held for its id (metafora.holds) on its hold lease, which
+                            gracefully, held for its id (metafora.core.holds) on its hold lease, which
                             etcd expires at the end of the window (no crash either way)
     owners/<id>             value = owner node id, attached to the owner's lease;
                             create_revision = the fencing token of the claim
@@ -53,9 +53,9 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from metafora.coordinators.etcd.ops import KeyValue
-from metafora.errors import InvalidProps, StoreError
-from metafora.jsontext import load_object
-from metafora.task import (
+from metafora.core.errors import InvalidProps, StoreError
+from metafora.core.jsontext import load_object
+from metafora.core.task import (
     MAX_PROPS_BYTES,
     MAX_PROPS_DEPTH,
     Task,

@@ -1,7 +1,7 @@
 """A node's lease: registration, renewal, self-fencing and re-registration.
 
 See :mod:`metafora.coordinators.etcd.coordinator` for the lease thread's contract, and
-:mod:`metafora.leases` for when the node fences.
+:mod:`metafora.core.leases` for when the node fences.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import socket
 import threading
 from collections.abc import Callable
 
-from metafora.clock import Clock
 from metafora.coordinators.etcd.config import ETCD_FENCING, EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, encode_json, iso
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import Put, Range, absent, created_at
 from metafora.coordinators.members import context_capacity
-from metafora.errors import CoordinatorClosed, MetaforaError, NodeExists
-from metafora.leases import renew_every, report_renewal_failure
+from metafora.core.clock import Clock
+from metafora.core.errors import CoordinatorClosed, MetaforaError, NodeExists
+from metafora.core.leases import renew_every, report_renewal_failure
 
 __all__ = ["NodeLease"]
 

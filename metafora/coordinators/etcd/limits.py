@@ -24,7 +24,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from metafora.clock import Clock
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, escape, unescape
 from metafora.coordinators.etcd.ops import (
@@ -38,9 +37,10 @@ from metafora.coordinators.etcd.ops import (
     modified_at,
     value_is,
 )
-from metafora.errors import LimitNotFound, MetaforaError
-from metafora.limits import GroupUsage, Limit, Rate
-from metafora.task import Task
+from metafora.core.clock import Clock
+from metafora.core.errors import LimitNotFound, MetaforaError
+from metafora.core.limits import GroupUsage, Limit, Rate
+from metafora.core.task import Task
 
 __all__ = ["EXTRA_TRIES", "VIEW_FRESH", "GroupLimits", "GroupView", "delete_limit", "group_usage",
            "put_limit"]

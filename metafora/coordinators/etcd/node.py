@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from metafora.coordinator import CoordinatorContext
-from metafora.errors import CoordinatorClosed
-from metafora.task import Task
+from metafora.core.errors import CoordinatorClosed
+from metafora.core.task import Task
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Held", "NodeState"]
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from metafora.errors import StoreError
+from metafora.core.errors import StoreError
 
 __all__ = [
     "Compare",

@@ -12,7 +12,7 @@ failure branch tells which claims still hold (their owner key is as fenced), so 
 written again without the stale ones; a stale one whose txn was retried after a lost answer
 is judged by what the lost attempt left (:func:`applied_before`), as a single write is.
 
-:class:`~metafora.groupcommit.GroupCommit` lets threads that each record one outcome (the
+:class:`~metafora.core.groupcommit.GroupCommit` lets threads that each record one outcome (the
 consumer's handler threads calling ``done``) share those txns: the first caller writes at
 once; callers that arrive while a write is in flight are written together by the next one.
 :class:`ClaimOutcomes` is the coordinator's part that does both.
@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from metafora.clock import Clock
 from metafora.coordinator import Finish, Outcome, error_text
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
@@ -43,7 +42,8 @@ from metafora.coordinators.etcd.ops import (
     created_at,
     value_is,
 )
-from metafora.errors import (
+from metafora.core.clock import Clock
+from metafora.core.errors import (
     ClaimLost,
     CoordinatorClosed,
     CoordinatorUnavailable,
@@ -51,8 +51,8 @@ from metafora.errors import (
     RequestTooLarge,
     StoreError,
 )
-from metafora.groupcommit import GroupCommit
-from metafora.task import Task
+from metafora.core.groupcommit import GroupCommit
+from metafora.core.task import Task
 
 __all__ = [
     "COMMIT_BATCH",
@@ -154,7 +154,7 @@ class EtcdOutcomeBatcher:
     def write(self, finishes: Sequence[Finish]) -> list[MetaforaError | None]:
         """Record ``finishes``; result ``i`` is None when ``finishes[i]`` was written, else why
         not (``ClaimLost``; ``CoordinatorUnavailable`` when etcd could not be reached). Never
-        raises a :class:`~metafora.errors.MetaforaError`."""
+        raises a :class:`~metafora.core.errors.MetaforaError`."""
         results: list[MetaforaError | None] = [None] * len(finishes)
         pending: list[_Item] = []
         seen: set[tuple[str, int]] = set()
@@ -292,7 +292,7 @@ def _copy(error: MetaforaError) -> MetaforaError:
 class ClaimOutcomes:
     """done, release and fail of this node's claims: each written by an
     :class:`EtcdOutcomeBatcher`, concurrent single ones group-committed
-    (:class:`~metafora.groupcommit.GroupCommit`),
+    (:class:`~metafora.core.groupcommit.GroupCommit`),
     and the claims held (in the shared :class:`~.node.NodeState`) kept in step."""
 
     def __init__(self, driver: EtcdDriver, keys: Keys, clock: Clock, state: NodeState,

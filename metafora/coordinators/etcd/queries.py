@@ -18,7 +18,7 @@ from metafora.coordinators.etcd.layout import (
 )
 from metafora.coordinators.etcd.ops import KeyValue, Put, Range, absent, modified_at, prefix_end
 from metafora.coordinators.members import stored_capacity, stored_weight
-from metafora.task import parse_time
+from metafora.core.task import parse_time
 
 __all__ = [
     "Registration",

@@ -1,9 +1,9 @@
-"""Retention on etcd (see :mod:`metafora.retention`), shared by the etcd client and coordinator.
+"""Retention on etcd (see :mod:`metafora.core.retention`), shared by the etcd client and coordinator.
 
 Keys (under the namespace's root):
 
 - ``retention``: the policy, ``{"done": secs|null, "failed": ..., "killed": ...}`` (absent:
-  :data:`~metafora.retention.DEFAULT_RETENTION`);
+  :data:`~metafora.core.retention.DEFAULT_RETENTION`);
 - ``retention-turn``: the ISO time before which no node takes the prune turn. A node takes
   the turn with a txn comparing the key's ``mod_revision`` (or its absence) to what it read:
   of nodes racing, one txn succeeds -- the compare-and-set a schedule's tick takes.
@@ -18,7 +18,7 @@ revision and the absence of an owner: its prefix, its state-machine state and it
 queue go together or not at all, so a node dying mid-batch leaves whole tasks.
 
 Gate items live in a SQL database of their own with an etcd coordinator: what
-:meth:`~metafora.retention.RetentionOps.prune_also` registered (the gate handler registers its
+:meth:`~metafora.core.retention.RetentionOps.prune_also` registered (the gate handler registers its
 item store's ``delete_partitions``) deletes them. When anything is registered, each task's txn
 also puts ``pruned/<id>``; once the batch's registered functions returned, those keys are
 deleted. A node dying in between leaves the keys, and the next batch of any node with
@@ -33,7 +33,6 @@ import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from metafora.clock import Clock
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import (
     Keys,
@@ -57,8 +56,9 @@ from metafora.coordinators.etcd.ops import (
     modified_at,
 )
 from metafora.coordinators.etcd.queries import live_members, read_all_tasks
-from metafora.errors import MetaforaError
-from metafora.retention import (
+from metafora.core.clock import Clock
+from metafora.core.errors import MetaforaError
+from metafora.core.retention import (
     DEFAULT_RETENTION,
     Cutoffs,
     PruneAlso,

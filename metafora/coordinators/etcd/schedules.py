@@ -25,9 +25,9 @@ from metafora.coordinators.etcd.driver import (
     modified_at,
 )
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso, parse_iso, unescape
-from metafora.errors import ScheduleExists, ScheduleNotFound, StoreError
-from metafora.schedule_model import Schedule
-from metafora.task import Task
+from metafora.core.errors import ScheduleExists, ScheduleNotFound, StoreError
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task
 
 __all__ = ["delete", "insert", "list_schedules", "materialise", "set_paused"]
 

@@ -39,8 +39,9 @@ from metafora.coordinators.etcd.driver import (
     prefix_end,
 )
 from metafora.coordinators.etcd.layout import Keys, escape, unescape
-from metafora.errors import ClaimLost, ConfigError
-from metafora.jsontext import load_object
+from metafora.core.errors import ClaimLost, ConfigError
+from metafora.core.jsontext import load_object
+from metafora.core.task import Task
 from metafora.statemachine.machine import InvalidState, State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import (
@@ -52,7 +53,6 @@ from metafora.statemachine.store import (
     parsed_page,
     poll_take,
 )
-from metafora.task import Task
 
 __all__ = [
     "EtcdStateStore",

@@ -12,7 +12,7 @@ import grpc
 
 from metafora.coordinators.etcd.messages import events_from
 from metafora.coordinators.etcd.ops import WatchBatch, WatchCallback, WatchFailure
-from metafora.errors import StoreError
+from metafora.core.errors import StoreError
 
 __all__ = ["WatchHandle"]
 

@@ -10,7 +10,6 @@ import queue
 from collections.abc import Callable
 from datetime import datetime
 
-from metafora.clock import Clock
 from metafora.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
 from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
 from metafora.coordinators.etcd.config import EtcdConfig
@@ -20,10 +19,11 @@ from metafora.coordinators.etcd.layout import Keys
 from metafora.coordinators.etcd.node import BACKOFF_MAX, BACKOFF_START, NodeState
 from metafora.coordinators.etcd.ops import WatchBatch, WatchCompacted, WatchFailure
 from metafora.coordinators.etcd.queries import Registration, read_snapshot
-from metafora.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
-from metafora.heap import gc_paused
-from metafora.retention import Cutoffs
-from metafora.task import Task, validate_task_id
+from metafora.core.clock import Clock
+from metafora.core.errors import CoordinatorUnavailable, InvalidTaskId, MetaforaError
+from metafora.core.heap import gc_paused
+from metafora.core.retention import Cutoffs
+from metafora.core.task import Task, validate_task_id
 
 __all__ = ["NamespaceWatch"]
 

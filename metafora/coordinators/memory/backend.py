@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from metafora.backends import StoreBackend
-from metafora.config import StoreURL
 from metafora.coordinators.memory.client import MemoryClient, open_client
 from metafora.coordinators.memory.coordinator import MemoryCoordinator, open_coordinator
 from metafora.coordinators.memory.store import LEASE_TTL
+from metafora.core.config import StoreURL
 
 __all__ = ["BACKEND", "MemoryBackend"]
 

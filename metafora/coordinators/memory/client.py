@@ -8,11 +8,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from metafora.client import Client, NodeInfo
-from metafora.commands import Command
-from metafora.config import StoreURL
 from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
-from metafora.errors import (
+from metafora.core.commands import Command
+from metafora.core.config import StoreURL
+from metafora.core.errors import (
     CoordinatorClosed,
     LimitNotFound,
     NodeNotFound,
@@ -21,18 +21,18 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.limits import GroupUsage, Limit
-from metafora.retention import purge_policy
-from metafora.schedule_model import Schedule
-from metafora.submitting import IfExists, check_if_exists, no_transactions
-from metafora.task import (
+from metafora.core.limits import GroupUsage, Limit
+from metafora.core.retention import purge_policy
+from metafora.core.schedule_model import Schedule
+from metafora.core.submitting import IfExists, check_if_exists, no_transactions
+from metafora.core.task import (
     Task,
     TaskInfo,
     TaskState,
     validate_schedule,
     validate_task_id,
 )
-from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
+from metafora.core.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 
 def _replace(row: Row, task: Task) -> None:

@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.commands import Command
-from metafora.config import StoreURL
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
@@ -23,7 +21,9 @@ from metafora.coordinator import (
 from metafora.coordinators.members import context_capacity, context_weight
 from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import POLL_SECONDS, MemoryStore, NodeRecord, Row, store_for
-from metafora.errors import (
+from metafora.core.commands import Command
+from metafora.core.config import StoreURL
+from metafora.core.errors import (
     ClaimLost,
     CoordinatorClosed,
     InvalidCommand,
@@ -31,9 +31,9 @@ from metafora.errors import (
     NodeExists,
     NodeNotFound,
 )
-from metafora.holds import check_sticky_for
-from metafora.schedule_model import Schedule
-from metafora.task import (
+from metafora.core.holds import check_sticky_for
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import (
     Task,
     TaskState,
     matches,

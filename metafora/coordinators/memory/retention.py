@@ -1,4 +1,4 @@
-"""Retention on the in-process memory store (see :mod:`metafora.retention`): the policy and
+"""Retention on the in-process memory store (see :mod:`metafora.core.retention`): the policy and
 the turn live beside the :class:`MemoryStore` (held under its lock); a batch deletes under
 the lock, so no reader sees a task half gone."""
 
@@ -10,8 +10,8 @@ from datetime import datetime, timedelta
 
 from metafora.coordinators.members import context_capacity
 from metafora.coordinators.memory.store import MemoryStore
-from metafora.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
-from metafora.task import TaskState
+from metafora.core.retention import DEFAULT_RETENTION, Cutoffs, Retention, RetentionOps, prunable
+from metafora.core.task import TaskState
 
 __all__ = ["MemoryRetention"]
 

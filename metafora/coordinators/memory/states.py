@@ -15,13 +15,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from metafora.clock import SYSTEM_CLOCK
 from metafora.coordinators.memory.store import MemoryStore
-from metafora.errors import ClaimLost, ConfigError
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import ClaimLost, ConfigError
+from metafora.core.task import Task, TaskState
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import StateStore, TaskCommands, parsed_page
-from metafora.task import Task, TaskState
 
 __all__ = ["MemoryStateStore", "MemoryTaskCommands"]
 

@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.clock import SYSTEM_CLOCK, Clock
-from metafora.config import OptionReader, StoreURL
 from metafora.coordinator import (
     CoordinatorContext,
 )
-from metafora.errors import (
+from metafora.core.clock import SYSTEM_CLOCK, Clock
+from metafora.core.config import OptionReader, StoreURL
+from metafora.core.errors import (
     ConfigError,
 )
-from metafora.holds import held_against
-from metafora.leases import LeaseTTL, read_lease_ttl
-from metafora.limits import GroupUsage, Limit
-from metafora.schedule_model import Schedule
-from metafora.task import (
+from metafora.core.holds import held_against
+from metafora.core.leases import LeaseTTL, read_lease_ttl
+from metafora.core.limits import GroupUsage, Limit
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import (
     Task,
     TaskInfo,
     TaskState,
@@ -384,7 +384,7 @@ def drop_store(name: str) -> None:
 def store_for(url: StoreURL, options: dict[str, Any]) -> MemoryStore:
     clock = options.pop("clock", None)
     if clock is not None and not isinstance(clock, Clock):
-        raise ConfigError("option 'clock' must be a metafora.clock.Clock")
+        raise ConfigError("option 'clock' must be a metafora.core.clock.Clock")
     reader = OptionReader(url, options)
     namespace = reader.namespace()
     # Accepted for parity with the real stores; memory nodes hold claims until close().

@@ -13,7 +13,7 @@ connections. Modules:
 - :mod:`~metafora.coordinators.sql.statements`: every statement, written once;
 - :mod:`~metafora.coordinators.sql.store`: the engine, error translation at the boundary;
 - :mod:`~metafora.coordinators.sql.lease`: node leases, renewal, self-fencing
-  (:mod:`metafora.leases` says when);
+  (:mod:`metafora.core.leases` says when);
 - :mod:`~metafora.coordinators.sql.claims`: claims and their fenced outcomes;
 - :mod:`~metafora.coordinators.sql.watch`: offering claimable tasks;
 - :mod:`~metafora.coordinators.sql.listen`: wake-ups (LISTEN/NOTIFY, SQLite data_version);
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from metafora.config import StoreURL
 from metafora.coordinators.sql.client import SQLClient
 from metafora.coordinators.sql.coordinator import SQLCoordinator
 from metafora.coordinators.sql.options import SQLConfig, parse_config
 from metafora.coordinators.sql.schema import SCHEMA_VERSION
 from metafora.coordinators.sql.store import Database
+from metafora.core.config import StoreURL
 
 __all__ = ["SCHEMA_VERSION", "SQLClient", "SQLConfig", "SQLCoordinator", "open_client", "open_coordinator"]
 

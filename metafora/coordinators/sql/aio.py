@@ -19,17 +19,17 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from metafora import bulk
 from metafora.aio import AsyncClient
 from metafora.client import Client
-from metafora.commands import Command
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
 from metafora.coordinators.sql.complete import complete_steps
 from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params
-from metafora.errors import (
+from metafora.core import bulk
+from metafora.core.commands import Command
+from metafora.core.errors import (
     ConfigError,
     CoordinatorClosed,
     InvalidTaskState,
@@ -38,10 +38,10 @@ from metafora.errors import (
     TaskExists,
     TaskNotFound,
 )
-from metafora.limits import Limit, Rate, validate_limit
-from metafora.submitting import IfExists
-from metafora.task import Task, TaskInfo, TaskState, validate_group, validate_task_id
-from metafora.task_retry import check_retry_options, check_retryable
+from metafora.core.limits import Limit, Rate, validate_limit
+from metafora.core.submitting import IfExists
+from metafora.core.task import Task, TaskInfo, TaskState, validate_group, validate_task_id
+from metafora.core.task_retry import check_retry_options, check_retryable
 
 __all__ = ["PostgresAsyncClient", "complete_in_transaction", "submit_in_transaction"]
 

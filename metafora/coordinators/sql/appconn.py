@@ -34,7 +34,7 @@ from sqlalchemy import Connection, TextClause, text
 
 from metafora.coordinators.sql.schema import identity_query
 from metafora.coordinators.sql.store import Database
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 try:
     import psycopg

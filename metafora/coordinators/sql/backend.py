@@ -11,14 +11,14 @@ from typing import Any
 from metafora.aio import AsyncClient
 from metafora.backends import Migrated, StoreBackend
 from metafora.client import Client
-from metafora.config import StoreURL
 from metafora.coordinators.sql import open_client, open_coordinator
 from metafora.coordinators.sql.client import SQLClient
 from metafora.coordinators.sql.coordinator import SQLCoordinator
 from metafora.coordinators.sql.options import LEASE_TTL, PG_SCHEMES, SQL_FENCING
-from metafora.errors import ConfigError
-from metafora.submitting import IfExists, no_completion, no_transactions
-from metafora.task import Task
+from metafora.core.config import StoreURL
+from metafora.core.errors import ConfigError
+from metafora.core.submitting import IfExists, no_completion, no_transactions
+from metafora.core.task import Task
 
 __all__ = ["BACKEND", "SQLBackend"]
 

@@ -24,8 +24,8 @@ from metafora.coordinators.sql.lease import Lease, release_untracked
 from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database, HotCursor
-from metafora.errors import ClaimCompleted, ClaimLost, MetaforaError
-from metafora.task import Task
+from metafora.core.errors import ClaimCompleted, ClaimLost, MetaforaError
+from metafora.core.task import Task
 
 __all__ = ["ClaimOutcomes", "Claims", "FusedClaim"]
 

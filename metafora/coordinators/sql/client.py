@@ -11,8 +11,6 @@ from typing import Any
 from sqlalchemy import TextClause, bindparam, text
 
 from metafora.client import Client, NodeInfo
-from metafora.clock import SYSTEM_CLOCK
-from metafora.commands import Command
 from metafora.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import complete as _complete
@@ -22,7 +20,9 @@ from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.statements import INFO_COLUMNS as _INFO_COLUMNS
 from metafora.coordinators.sql.store import Database, task_params
-from metafora.errors import (
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.commands import Command
+from metafora.core.errors import (
     CoordinatorClosed,
     InvalidProps,
     InvalidTaskState,
@@ -33,11 +33,11 @@ from metafora.errors import (
     TaskNotFound,
     WriteConflict,
 )
-from metafora.limits import GroupUsage, Limit, Rate
-from metafora.retention import purge_policy
-from metafora.schedule_model import Schedule
-from metafora.submitting import IfExists, check_if_exists
-from metafora.task import (
+from metafora.core.limits import GroupUsage, Limit, Rate
+from metafora.core.retention import purge_policy
+from metafora.core.schedule_model import Schedule
+from metafora.core.submitting import IfExists, check_if_exists
+from metafora.core.task import (
     Task,
     TaskInfo,
     TaskState,
@@ -47,7 +47,7 @@ from metafora.task import (
     validate_schedule,
     validate_task_id,
 )
-from metafora.task_retry import RetrySnapshot, StateRewrite, check_retryable
+from metafora.core.task_retry import RetrySnapshot, StateRewrite, check_retryable
 
 __all__ = ["SQLClient"]
 

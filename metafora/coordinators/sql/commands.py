@@ -7,9 +7,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from metafora.commands import Command
 from metafora.coordinators.sql.store import Database
-from metafora.errors import InvalidCommand
+from metafora.core.commands import Command
+from metafora.core.errors import InvalidCommand
 
 __all__ = ["NodeCommands"]
 

@@ -4,7 +4,7 @@
 SQLAlchemy ``Connection``/``Session`` or a psycopg ``Connection``, checked as ``submit(conn=)``
 checks it): the business rows and the task's end commit together, or neither does. The write
 is the store's ``complete_tx`` statement, fenced by the claim's token and its owner's live
-lease; no row back means the claim is not current: :class:`~metafora.errors.ClaimLost`, with
+lease; no row back means the claim is not current: :class:`~metafora.core.errors.ClaimLost`, with
 nothing written (the application then rolls back).
 
 The owner learns of it without a round trip per task: its own outcome for that token is
@@ -20,8 +20,8 @@ from typing import Any
 
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.submit import Steps, run_app_steps
-from metafora.errors import ClaimLost, ConfigError
-from metafora.task import Task
+from metafora.core.errors import ClaimLost, ConfigError
+from metafora.core.task import Task
 
 __all__ = ["complete_in", "complete_steps"]
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from metafora.commands import Command
 from metafora.coordinator import (
     Coordinator,
     CoordinatorContext,
@@ -40,15 +39,16 @@ from metafora.coordinators.sql.nodes import NodeReads
 from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
-from metafora.errors import (
+from metafora.core.commands import Command
+from metafora.core.errors import (
     CoordinatorClosed,
     MetaforaError,
     NodeExists,
 )
-from metafora.holds import check_sticky_for
-from metafora.leases import LeaseTiming, report_renewal_failure
-from metafora.schedule_model import Schedule
-from metafora.task import Task, validate_task_id
+from metafora.core.holds import check_sticky_for
+from metafora.core.leases import LeaseTiming, report_renewal_failure
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task, validate_task_id
 
 __all__ = ["SQLCoordinator"]
 
@@ -345,7 +345,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     def lease_timing(self) -> LeaseTiming:
         """When this node renews and fences (the optional seam of
-        :mod:`metafora.leases`)."""
+        :mod:`metafora.core.leases`)."""
         cfg = self._db.config
         return LeaseTiming(renew_every=cfg.renew_interval, fence_after=cfg.fence_after)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from metafora.coordinators.sql.noderow import NodeRow
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 
 __all__ = ["PUBLISH_DELAY", "Heartbeat", "call_hook"]
 

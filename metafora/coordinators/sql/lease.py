@@ -45,8 +45,8 @@ from typing import Any
 from metafora.coordinators.sql.heartbeat import PUBLISH_DELAY, Heartbeat, call_hook
 from metafora.coordinators.sql.noderow import NodeRow
 from metafora.coordinators.sql.store import Database
-from metafora.errors import MetaforaError
-from metafora.task import Task
+from metafora.core.errors import MetaforaError
+from metafora.core.task import Task
 
 __all__ = ["PUBLISH_DELAY", "Lease", "reconcile", "release_untracked"]
 

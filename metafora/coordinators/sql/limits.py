@@ -22,13 +22,13 @@ Atomicity:
   look higher than it is, which refuses a claim that would have fitted, never the reverse.
   Claim times are logged by a data-modifying CTE of the claim statement itself.
 
-A group with no limit row gets a room of :data:`~metafora.limits.NO_ROOM_CAP`; tasks with no
+A group with no limit row gets a room of :data:`~metafora.core.limits.NO_ROOM_CAP`; tasks with no
 group pay nothing but the ``grp IS NULL`` test.
 """
 
 from __future__ import annotations
 
-from metafora.limits import NO_ROOM_CAP
+from metafora.core.limits import NO_ROOM_CAP
 
 __all__ = ["PG_ROOM_FUNCTION", "SQL", "pg_fragments", "sqlite_fragments"]
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 from metafora.backends import Migrated
-from metafora.config import parse_store_url
 from metafora.coordinators.sql import schema
 from metafora.coordinators.sql.gates import schema as gates_schema
 from metafora.coordinators.sql.joblog import schema as joblog_schema
 from metafora.coordinators.sql.options import PG_SCHEMES, parse_config
 from metafora.coordinators.sql.states import ensure_command_table
 from metafora.coordinators.sql.store import Database
-from metafora.errors import ConfigError
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError
 
 __all__ = ["migrate_store"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from metafora.coordinators.members import SeenWithCounts, stored_capacity, stored_weight
 from metafora.coordinators.sql.store import Database
-from metafora.errors import MetaforaError
-from metafora.task import decode_labels
+from metafora.core.errors import MetaforaError
+from metafora.core.task import decode_labels
 
 __all__ = ["CLAIMABLE_CAP_MIN", "NodeReads", "claimable_cap"]
 

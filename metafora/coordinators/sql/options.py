@@ -4,7 +4,7 @@
 (``postgres://`` and ``postgresql+psycopg://`` are accepted too). Query options (or keyword
 arguments, which win): ``namespace``, ``lease_ttl``, ``poll_interval``, ``pool_size``,
 ``migrate`` (default true: create and upgrade the tables on first use; false: never touch the
-schema, a missing or older one is :class:`~metafora.errors.SchemaNotReady` naming
+schema, a missing or older one is :class:`~metafora.core.errors.SchemaNotReady` naming
 ``metafora migrate``), and ``connect_timeout`` / ``sslmode`` (PostgreSQL) or ``busy_timeout``
 (SQLite).
 """
@@ -15,9 +15,9 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from metafora.config import OptionReader, StoreURL
-from metafora.errors import ConfigError
-from metafora.leases import Fencing, LeaseTTL, read_lease_ttl, renew_every
+from metafora.core.config import OptionReader, StoreURL
+from metafora.core.errors import ConfigError
+from metafora.core.leases import Fencing, LeaseTTL, read_lease_ttl, renew_every
 
 __all__ = ["LEASE_TTL", "PG_SCHEMES", "SQL_FENCING", "SQLConfig", "parse_config"]
 
@@ -58,7 +58,7 @@ class SQLConfig:
 
     @property
     def renew_interval(self) -> float:
-        """Seconds between lease renewals (:func:`~metafora.leases.renew_every`)."""
+        """Seconds between lease renewals (:func:`~metafora.core.leases.renew_every`)."""
         return renew_every(self.lease_ttl)
 
     @property

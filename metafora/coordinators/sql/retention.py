@@ -1,8 +1,8 @@
 """Retention in SQL (table ``metafora_retention``, schema v10), shared by the SQL client and
-coordinator: the policy, the prune turn and one prune batch (see :mod:`metafora.retention`).
+coordinator: the policy, the prune turn and one prune batch (see :mod:`metafora.core.retention`).
 
 - The policy is one row per namespace (``done_secs``, ``failed_secs``, ``killed_secs``; NULL
-  for never). No row: :data:`~metafora.retention.DEFAULT_RETENTION`.
+  for never). No row: :data:`~metafora.core.retention.DEFAULT_RETENTION`.
 - The turn is one statement: an upsert of the row whose ``DO UPDATE`` moves ``next_prune``
   to now + interval only ``WHERE next_prune <= now`` (database clock), ``RETURNING`` the
   policy. Of nodes racing, one gets a row back -- the compare-and-set a schedule's tick takes.
@@ -11,7 +11,7 @@ coordinator: the policy, the prune turn and one prune batch (see :mod:`metafora.
   -- a retry, a delete -- are skipped, never waited for; claims lock only pending and claimed
   rows, which are never candidates), then the same ids' state, task commands and gate items
   and partitions. A node that dies mid-batch rolls the whole batch back. What
-  :meth:`~metafora.retention.RetentionOps.prune_also` registered (items in another database)
+  :meth:`~metafora.core.retention.RetentionOps.prune_also` registered (items in another database)
   is called with the batch's ids after the commit.
 """
 
@@ -26,7 +26,7 @@ from sqlalchemy import Connection, bindparam, inspect, text
 
 from metafora.coordinators.members import stored_capacity
 from metafora.coordinators.sql.store import Database
-from metafora.retention import (
+from metafora.core.retention import (
     DEFAULT_RETENTION,
     FAILED_MARKS,
     KILLED_MARKS,
@@ -153,7 +153,7 @@ def prune_batch(db: Database, cutoffs: Cutoffs, limit: int,
                 also: Sequence[PruneAlso] = ()) -> int:
     """Delete up to ``limit`` finished tasks past ``cutoffs`` and what is keyed by them, in
     one transaction, then call each of ``also`` with their ids (what lives in another
-    database: :meth:`~metafora.retention.RetentionOps.prune_also`); how many tasks."""
+    database: :meth:`~metafora.core.retention.RetentionOps.prune_also`); how many tasks."""
     oldest = cutoffs.oldest()
     if oldest is None:
         return 0

@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from metafora.coordinators.sql.store import Database, task_params
-from metafora.errors import InvalidProps, ScheduleExists, ScheduleNotFound
-from metafora.schedule_model import Schedule
-from metafora.task import Task, decode_props
+from metafora.core.errors import InvalidProps, ScheduleExists, ScheduleNotFound
+from metafora.core.schedule_model import Schedule
+from metafora.core.task import Task, decode_props
 
 __all__ = ["delete", "insert", "list_schedules", "materialise", "set_paused"]
 

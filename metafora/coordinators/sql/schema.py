@@ -14,7 +14,7 @@ Tables (all prefixed ``metafora_``):
   node dead and no outcome), ``selector`` (v4: JSON object, NULL for none), ``priority``
   (v4, default 0) and ``placement`` (v4: the soft ``prefer``/``spread`` as a JSON object, NULL
   for none), ``held_for``/``held_until`` (v12: a released task held for a stopped node's id
-  until then, see :mod:`metafora.holds`). Partial indexes keep pending and claimed rows findable without
+  until then, see :mod:`metafora.core.holds`). Partial indexes keep pending and claimed rows findable without
   reading the done rows that pile up.
 - ``nodes``: one row per registration: ``lease_until`` (database time), ``session`` (this
   registration's random id), started/renewed times, host, pid, task count, ``frozen`` (v2),
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from sqlalchemy import Connection, TextClause, inspect, text
 
 from metafora.coordinators.sql.dialect import Dialect
-from metafora.errors import SchemaNotReady, StoreError
+from metafora.core.errors import SchemaNotReady, StoreError
 
 __all__ = ["ID_ROW", "MIGRATIONS", "SCHEMA_VERSION", "current_version", "identity_query", "migrate",
            "needs_migration", "require_current", "schema_not_ready", "store_identity"]

@@ -2,7 +2,7 @@
 
 A backlog is mostly submitted alike: every row holds the same props, selector, priority and
 placement texts. :class:`OfferShapes` validates such texts the first time and builds every
-later row of the same shape as a copy (:func:`metafora.task.task_like`), for the watch's offers
+later row of the same shape as a copy (:func:`metafora.core.task.task_like`), for the watch's offers
 and for the rows a claim returns.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from metafora.task import Task, decode_labels, decode_props, decode_soft, task_like
+from metafora.core.task import Task, decode_labels, decode_props, decode_soft, task_like
 
 __all__ = ["OfferShapes"]
 

@@ -18,7 +18,7 @@ from metafora.coordinators.sql.listen import ChangeFeed, Listener
 from metafora.coordinators.sql.options import PG_SCHEMES, SQLConfig, parse_config
 from metafora.coordinators.sql.schema import schema_not_ready
 from metafora.coordinators.sql.store import Database, translate_error
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = [
     "SQL_SCHEMES",

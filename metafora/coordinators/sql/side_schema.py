@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, inspect, text
 
 from metafora.coordinators.sql.shared import Dialect, is_postgres
-from metafora.errors import StoreError
+from metafora.core.errors import StoreError
 
 __all__ = ["Migration", "SideSchema"]
 

@@ -33,7 +33,8 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, text
 
 from metafora.coordinators.sql.shared import Database, claim_held, database_of, schema_not_ready
-from metafora.errors import ClaimLost, StoreError
+from metafora.core.errors import ClaimLost, StoreError
+from metafora.core.task import Task
 from metafora.statemachine.machine import State
 from metafora.statemachine.mailbox import CommandBell
 from metafora.statemachine.store import (
@@ -45,7 +46,6 @@ from metafora.statemachine.store import (
     parsed_page,
     poll_take,
 )
-from metafora.task import Task
 
 __all__ = ["SQLStateStore", "SQLTaskCommands", "ensure_command_table"]
 

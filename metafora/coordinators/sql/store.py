@@ -38,9 +38,9 @@ from metafora.coordinators.sql.dialect import BEGIN_OPTION, Dialect, make_dialec
 from metafora.coordinators.sql.options import SQLConfig
 from metafora.coordinators.sql.schema import migrate, needs_migration, require_current, store_identity
 from metafora.coordinators.sql.statements import Statements
-from metafora.errors import CoordinatorUnavailable, MetaforaError, StoreError, WriteConflict
-from metafora.masking import scrub
-from metafora.task import Task
+from metafora.core.errors import CoordinatorUnavailable, MetaforaError, StoreError, WriteConflict
+from metafora.core.masking import scrub
+from metafora.core.task import Task
 
 __all__ = ["DRIVER_ERRORS", "Database", "task_params", "translate_error"]
 

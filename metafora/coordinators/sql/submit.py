@@ -21,13 +21,13 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, text
 
-from metafora import bulk
 from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, is_session, sync_app_conn
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
-from metafora.errors import ConfigError, MetaforaError
-from metafora.submitting import IfExists
-from metafora.task import Task
+from metafora.core import bulk
+from metafora.core.errors import ConfigError, MetaforaError
+from metafora.core.submitting import IfExists
+from metafora.core.task import Task
 
 __all__ = [
     "Steps",

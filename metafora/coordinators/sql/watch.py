@@ -13,7 +13,7 @@ falls due (the earliest future ``launch_at``, the earliest live lease expiry) an
   notifies once per batch with its lowest ``ready`` value, and the ``ready`` scan steps back
   to it), tasks that became
   pending since the last look (the ``ready`` counter; exact on SQLite, where writers are
-  serialized), tasks whose ``launch_at`` or hold (``held_until``, :mod:`metafora.holds`)
+  serialized), tasks whose ``launch_at`` or hold (``held_until``, :mod:`metafora.core.holds`)
   passed since the last round, and the claims of
   registrations that expired since. On PostgreSQL, whose sequence hands out ready values in
   one order while transactions commit in another, each stretch of ready values is read once
@@ -37,9 +37,9 @@ from typing import Any
 from metafora.coordinators.sql.shapes import OfferShapes
 from metafora.coordinators.sql.statements import BATCH
 from metafora.coordinators.sql.store import Database
-from metafora.errors import MetaforaError
-from metafora.heap import gc_paused
-from metafora.task import Task
+from metafora.core.errors import MetaforaError
+from metafora.core.heap import gc_paused
+from metafora.core.task import Task
 
 __all__ = ["Settling", "Watch"]
 
@@ -226,7 +226,7 @@ class Watch:
         priority first unless the page holds one priority (a scan's).
 
         The page's tasks are built with the cyclic collector paused (bulk work: the consumer
-        keeps most of them a while; see :mod:`metafora.heap`), then failed or offered: the
+        keeps most of them a while; see :mod:`metafora.core.heap`), then failed or offered: the
         failure's write and the sink (which may block) run with the collector on.
         """
         if by_priority:

@@ -424,10 +424,10 @@ def _etcd_container(stack: contextlib.ExitStack, tried: list[str]) -> str | None
 
 def drop_etcd_namespace(url: str) -> None:
     """Delete every key of the namespace of the etcd store ``url`` (after a test)."""
-    from metafora.config import parse_store_url
     from metafora.coordinators.etcd.config import EtcdConfig
     from metafora.coordinators.etcd.driver import Delete, EtcdDriver
     from metafora.coordinators.etcd.layout import Keys
+    from metafora.core.config import parse_store_url
 
     config = EtcdConfig.from_url(parse_store_url(url), {})
     driver = EtcdDriver(config.connection)

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, TextClause
 
-from metafora.errors import ClaimLost
+from metafora.core.errors import ClaimLost
+from metafora.core.task import Task
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Advance, Item, ItemResult, ItemStatus, PartitionStatus
 from metafora.statemachine.store import LeaseBound
-from metafora.task import Task
 
 __all__ = ["LeaseStore", "SQLPartitionLease"]
 
@@ -55,7 +55,7 @@ class SQLPartitionLease(PartitionLease):
     """A claim's fenced access to its partition's items in SQL (built by
     :meth:`~metafora.coordinators.sql.gates.store.SQLItemStore.lease`).
 
-    Every write is refused with :class:`~metafora.errors.ClaimLost` once the claim is gone:
+    Every write is refused with :class:`~metafora.core.errors.ClaimLost` once the claim is gone:
     a newer claim opened the partition, or (same-database mode) the coordinator no longer
     shows this node holding the task under this token with a live lease.
     """

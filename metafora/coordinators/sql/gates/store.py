@@ -54,7 +54,6 @@ from sqlalchemy import Connection, TextClause, text
 
 from metafora.backends import default_url
 from metafora.client import Client
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.gates.lease import SQLPartitionLease
 from metafora.coordinators.sql.gates.schema import (
     GATES_SCHEMA_VERSION,
@@ -68,7 +67,9 @@ from metafora.coordinators.sql.options import SQLConfig, parse_config
 from metafora.coordinators.sql.schema import current_version as coordinator_version
 from metafora.coordinators.sql.shared import database_of, is_postgres, listen, schema_not_ready
 from metafora.coordinators.sql.store import Database
-from metafora.errors import ConfigError, MetaforaError
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, MetaforaError
+from metafora.core.task import Task, validate_task_id
 from metafora.gates.model import (
     GateError,
     GateMoveRefused,
@@ -84,7 +85,6 @@ from metafora.gates.model import (
 )
 from metafora.gates.store import ItemStore
 from metafora.statemachine.store import LeaseBound
-from metafora.task import Task, validate_task_id
 
 __all__ = ["SQLItemStore"]
 

@@ -42,7 +42,6 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from metafora.backends import default_url
-from metafora.config import parse_store_url
 from metafora.coordinators.sql.appconn import sync_app_conn
 from metafora.coordinators.sql.joblog import wakeups
 from metafora.coordinators.sql.joblog.schema import (
@@ -60,8 +59,9 @@ from metafora.coordinators.sql.shared import (
     schema_not_ready,
 )
 from metafora.coordinators.sql.submit import run_steps
-from metafora.errors import ConfigError, MetaforaError, StoreError
-from metafora.jsontext import MAX_DEPTH, check_depth, load_value
+from metafora.core.config import parse_store_url
+from metafora.core.errors import ConfigError, MetaforaError, StoreError
+from metafora.core.jsontext import MAX_DEPTH, check_depth, load_value
 from metafora.streams.jobs import Job, Jobs, Wake
 
 __all__ = [

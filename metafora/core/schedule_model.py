@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from metafora.durations import format_duration, whole_seconds
-from metafora.errors import ConfigError, InvalidProps, InvalidTaskId
-from metafora.task import MAX_TASK_ID_LENGTH, Task, validate_task_id
+from metafora.core.durations import format_duration, whole_seconds
+from metafora.core.errors import ConfigError, InvalidProps, InvalidTaskId
+from metafora.core.task import MAX_TASK_ID_LENGTH, Task, validate_task_id
 
 __all__ = [
     "LATE_AFTER",

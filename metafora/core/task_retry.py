@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from metafora.errors import ConfigError, InvalidTaskState
-from metafora.task import TaskInfo, TaskState
+from metafora.core.errors import ConfigError, InvalidTaskState
+from metafora.core.task import TaskInfo, TaskState
 
 __all__ = [
     "RETRYABLE",

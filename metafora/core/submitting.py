@@ -3,7 +3,7 @@
 ``if_exists`` (``Client.submit_task`` / ``submit_tasks``, the async client, ``metafora submit
 --if-exists``):
 
-- ``"error"`` (the default): an existing id raises :class:`~metafora.errors.TaskExists`;
+- ``"error"`` (the default): an existing id raises :class:`~metafora.core.errors.TaskExists`;
 - ``"ignore"``: an existing task is left as it is (the call says it added nothing);
 - ``"replace"``: an existing *pending* task (not past its ``expires_at``) takes the new
   props, priority, launch and expiry times, selector and placement; its limit group stays the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = ["IF_EXISTS", "IfExists", "check_if_exists", "no_completion", "no_transactions"]
 

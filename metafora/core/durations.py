@@ -4,7 +4,7 @@
   as seconds (the CLI's ``--older-than``, ``+DURATION`` times, schedule periods, retention);
 - :func:`seconds`: a number of seconds or a :class:`~datetime.timedelta` given to the API (an
   option of a consumer, a balancer, an error policy) as finite seconds, with a
-  :class:`~metafora.errors.ConfigError` naming the option;
+  :class:`~metafora.core.errors.ConfigError` naming the option;
 - :func:`whole_seconds`: a period of whole seconds, at least 1 s (schedules, retention);
 - :func:`format_duration`: the shortest ``30s``/``5m``/``1h``/``1d`` text for whole seconds.
 """
@@ -16,7 +16,7 @@ import re
 from datetime import timedelta
 from typing import Final
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = ["MAX_DURATION", "UNITS", "format_duration", "parse_duration", "seconds", "whole_seconds"]
 

@@ -11,7 +11,7 @@ module logged it.
 
 Escaping happens there too: every record is one line. The plain format writes the message
 and the traceback with control, format and bidi characters -- the newline included -- as
-escapes (:func:`~metafora.masking.escape_line`), as the JSON format does by being JSON; a
+escapes (:func:`~metafora.core.masking.escape_line`), as the JSON format does by being JSON; a
 handler's error cannot clear the terminal, write a link or forge a line of its own.
 """
 
@@ -23,7 +23,7 @@ import sys
 from datetime import UTC, datetime
 from typing import TextIO
 
-from metafora.masking import cut_text, escape_line, scrub
+from metafora.core.masking import cut_text, escape_line, scrub
 
 __all__ = ["EXTRA_FIELDS", "MAX_LOG_TEXT", "JsonFormatter", "MaskingFilter", "PlainFormatter",
            "configure"]
@@ -84,7 +84,7 @@ class PlainFormatter(logging.Formatter):
         """The record as one escaped, masked line."""
         parts = [f"{k}={getattr(record, k)}" for k in ("node", "task") if getattr(record, k, None)]
         record.ctx = escape_line(f" [{' '.join(parts)}]") if parts else ""
-        # Escaped first, then masked (as metafora.masking.for_terminal): an escape joins what a
+        # Escaped first, then masked (as metafora.core.masking.for_terminal): an escape joins what a
         # control character split, so a secret cut by one is masked whole.
         record.message = scrub(_cut(escape_line(_cut(record.getMessage()))))
         record.asctime = self.formatTime(record, self.datefmt)

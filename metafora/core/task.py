@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from metafora.errors import InvalidProps, InvalidTaskId
-from metafora.jsontext import MAX_DEPTH, check_depth, load_object
-from metafora.masking import BIDI_CONTROLS, invisible_char
+from metafora.core.errors import InvalidProps, InvalidTaskId
+from metafora.core.jsontext import MAX_DEPTH, check_depth, load_object
+from metafora.core.masking import BIDI_CONTROLS, invisible_char
 
 __all__ = [
     "LOOKALIKE_BLANKS",
@@ -453,7 +453,7 @@ class TaskInfo:
     group: str | None = None
     held_for: str | None = None
     """A pending task released by a node that stopped gracefully with a stable id: only that
-    node may claim it until :attr:`held_until` (see :mod:`metafora.holds`); else None."""
+    node may claim it until :attr:`held_until` (see :mod:`metafora.core.holds`); else None."""
     held_until: datetime | None = None
     """When the hold for :attr:`held_for` ends (the store's clock), or None."""
 

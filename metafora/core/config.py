@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from metafora.errors import ConfigError
-from metafora.masking import (
+from metafora.core.errors import ConfigError
+from metafora.core.masking import (
     MASK,
     is_secret_option,
     mask_hosts,
@@ -39,7 +39,7 @@ class StoreURL:
     query: Mapping[str, str] = field(repr=False)  # may hold a credential-like option
 
     def redacted(self) -> str:
-        """The URL as typed, masked by :func:`~metafora.masking.mask_url`."""
+        """The URL as typed, masked by :func:`~metafora.core.masking.mask_url`."""
         return mask_url(self.raw)
 
     def brief(self) -> str:
@@ -53,7 +53,7 @@ class StoreURL:
 def parse_store_url(url: str) -> StoreURL:
     """Parse ``scheme://[user[:pass]@]host[:port][,host[:port]...]/path?opts``.
 
-    The URL is cut as :func:`~metafora.masking.split_url` cuts it (the credentials end at
+    The URL is cut as :func:`~metafora.core.masking.split_url` cuts it (the credentials end at
     the last ``@``), so what is parsed and what is masked can never disagree; errors name
     the wrong part and show the URL masked.
     """

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from metafora.errors import MetaforaError
+from metafora.core.errors import MetaforaError
 
 __all__ = ["MAX_DEPTH", "check_depth", "load_object", "load_value"]
 

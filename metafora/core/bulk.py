@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
-from metafora.errors import ConfigError, InvalidProps, TaskExists
-from metafora.task import Task, validate_schedule
+from metafora.core.errors import ConfigError, InvalidProps, TaskExists
+from metafora.core.task import Task, validate_schedule
 
 __all__ = ["batches", "checked", "exists_error"]
 

@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from metafora.clock import SYSTEM_CLOCK
-from metafora.errors import StoreError
+from metafora.core.clock import SYSTEM_CLOCK
+from metafora.core.errors import StoreError
 
 __all__ = ["Gathering", "GroupCommit"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.groupcommit")  # its name before the move (users' log config names it)
 
 T = TypeVar("T")
 R = TypeVar("R")

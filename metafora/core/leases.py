@@ -45,8 +45,8 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from metafora.config import OptionReader
-from metafora.errors import ConfigError
+from metafora.core.config import OptionReader
+from metafora.core.errors import ConfigError
 
 __all__ = [
     "RENEWALS_PER_TTL",
@@ -58,7 +58,7 @@ __all__ = [
     "report_renewal_failure",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.leases")  # its name before the move (users' log config names it)
 
 
 @dataclass(frozen=True)

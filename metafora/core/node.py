@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from metafora.errors import ConfigError
+from metafora.core.errors import ConfigError
 
 __all__ = [
     "DEFAULT_WEIGHT",

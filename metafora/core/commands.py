@@ -1,7 +1,7 @@
 """Node commands (freeze, unfreeze, balance, stop_task) and their JSON wire format.
 
 Wire format: ``{"command": NAME, "parameters": {...}}``. Unknown or malformed commands
-are rejected with :class:`~metafora.errors.InvalidCommand` by ``from_json``; a consumer
+are rejected with :class:`~metafora.core.errors.InvalidCommand` by ``from_json``; a consumer
 that meets one logs a warning and carries on.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from metafora.errors import InvalidCommand, InvalidTaskId
-from metafora.jsontext import load_object
-from metafora.task import validate_task_id
+from metafora.core.errors import InvalidCommand, InvalidTaskId
+from metafora.core.jsontext import load_object
+from metafora.core.task import validate_task_id
 
 __all__ = [
     "BALANCE",

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
-from metafora.clock import Clock
-from metafora.durations import MAX_DURATION, format_duration, whole_seconds
-from metafora.errors import ConfigError, CoordinatorClosed, MetaforaError
+from metafora.core.clock import Clock
+from metafora.core.durations import MAX_DURATION, format_duration, whole_seconds
+from metafora.core.errors import ConfigError, CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
-    from metafora.task import TaskInfo
+    from metafora.core.task import TaskInfo
 
 __all__ = [
     "DEFAULT_RETENTION",

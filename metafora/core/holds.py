@@ -20,8 +20,8 @@ import math
 from collections.abc import Iterable
 from datetime import datetime
 
-from metafora.errors import ConfigError
-from metafora.task import TaskInfo, TaskState
+from metafora.core.errors import ConfigError
+from metafora.core.task import TaskInfo, TaskState
 
 __all__ = [
     "DEFAULT_STICKY_FOR",

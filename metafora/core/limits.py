@@ -13,9 +13,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from metafora.durations import format_duration
-from metafora.errors import ConfigError
-from metafora.task import validate_group
+from metafora.core.durations import format_duration
+from metafora.core.errors import ConfigError
+from metafora.core.task import validate_group
 
 __all__ = [
     "MAX_LIMIT",

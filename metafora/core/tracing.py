@@ -30,7 +30,7 @@ __all__ = ["TRACE_PROP", "claim_span", "enabled", "outcome_span", "record_renewa
            "start_outcome_span",
            "with_trace_context"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.tracing")  # its name before the move (users' log config names it)
 
 TRACE_PROP = "_trace"
 """The task prop that carries the submitter's trace context (W3C ``traceparent``/``tracestate``)."""
