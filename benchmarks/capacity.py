@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, save, table
 from metafora import Consumer, HandlerFunc, Task, TaskState, open_client, open_coordinator, simple_handler
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.statemachine import AsyncCommands, Message, handler_func
 
 SPAWN = multiprocessing.get_context("spawn")

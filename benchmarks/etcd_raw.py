@@ -33,7 +33,7 @@ from typing import Any
 
 from metafora import Task, open_client, open_coordinator, simple_handler
 from metafora.consumer import Consumer
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.coordinators.etcd import EtcdConfig, EtcdCoordinator
 from metafora.coordinators.etcd.driver import (
     EtcdDriver,

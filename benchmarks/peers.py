@@ -401,9 +401,9 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
         from metafora.core.config import parse_store_url
 
         try:
-            from metafora.backends import backend_of as load_store
+            from metafora.contracts.backends import backend_of as load_store
         except ImportError:  # a revision before stores by entry point (ab.py runs this on it)
-            from metafora.backends import hooks_of as load_store  # type: ignore[attr-defined,no-redef]
+            from metafora.contracts.backends import hooks_of as load_store  # type: ignore[attr-defined,no-redef]
 
         # The store's modules and its driver too (open_coordinator imports them when called),
         # as the peers' workers import theirs: all the imports before go.

@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
 from metafora import Task, open_client
-from metafora.client import Client
+from metafora.contracts.client import Client
 
 BALANCER = os.environ.get("METAFORA_RESTART_BALANCER", "default")
 BALANCE_EVERY = float(os.environ.get("METAFORA_RESTART_BALANCE_EVERY", "5"))

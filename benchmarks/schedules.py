@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, percentile, save, table
 from metafora import open_client, open_coordinator
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.schedule_model import Schedule
 from metafora.core.task import Task, parse_time

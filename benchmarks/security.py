@@ -92,14 +92,14 @@ def _get(conn: http.client.HTTPConnection, path: str) -> tuple[float, int, int]:
 
 def _seed(url: str, pending: int) -> None:
     """Ten failed tasks whose handlers raised 1 MiB errors (stored as every store stores them
-    now: :func:`~metafora.coordinator.error_text`), ten of each shape stored whole (as before
+    now: :func:`~metafora.contracts.coordinator.error_text`), ten of each shape stored whole (as before
     issue 34), ``pending`` pending tasks and ten pending tasks past their expiry."""
     from sqlalchemy import text
 
     hostile = ("a://h/?%=1 " * 95_400)[:MIB]
     plain = "E" * MIB
     stamp = "2026-11-23 10:00:00.000"
-    from metafora.coordinator import error_text
+    from metafora.contracts.coordinator import error_text
 
     rows = ([{"id": f"slow-err-{i}", "state": "failed", "error": error_text(ValueError(hostile)), "exp": None}
              for i in range(10)]

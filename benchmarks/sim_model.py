@@ -1,7 +1,7 @@
 """A deterministic one-process model of a metafora cluster: a simulated store, simulated nodes.
 
 Used by :mod:`benchmarks.simulate` to run the REAL balancer code (any
-:class:`~metafora.balancer.Balancer`, by default :class:`~metafora.balancers.FairBalancer`)
+:class:`~metafora.contracts.balancer.Balancer`, by default :class:`~metafora.balancers.FairBalancer`)
 at sizes no machine runs as processes (1,000 nodes, 1,000,000 tasks), on a fake clock
 (:class:`metafora.testing.FakeClock`) advanced in ticks.
 
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from metafora.balancer import ClusterState
+from metafora.contracts.balancer import ClusterState
 from metafora.core.task import Task
 from metafora.testing.clock import FakeClock
 

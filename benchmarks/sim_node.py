@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from benchmarks.sim_model import FREE, NodeView, SimClock, SimConfig, SimStore, task_index
-from metafora.balancer import Balancer, BalancerContext, RunningTask
+from metafora.contracts.balancer import Balancer, BalancerContext, RunningTask
 
 __all__ = ["BalancerFactory", "Cluster", "SimNode"]
 

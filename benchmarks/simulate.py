@@ -52,8 +52,8 @@ from benchmarks.restart import EVEN_WITHIN, LATE_S, is_even
 from benchmarks.sim_load import extrapolate, measure_count_reads
 from benchmarks.sim_model import SimConfig
 from benchmarks.sim_node import Cluster
-from metafora.balancer import Balancer
 from metafora.balancers import FairBalancer
+from metafora.contracts.balancer import Balancer
 
 __all__ = ["Cluster", "cold_and_after", "late_starter", "markdown", "run_simulate"]
 

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from metafora import Consumer, Handler, Task, open_coordinator, simple_handler
-from metafora.balancer import Balancer
 from metafora.balancers import DumbBalancer, FairBalancer
+from metafora.contracts.balancer import Balancer
 
 
 class _Handler(Handler):

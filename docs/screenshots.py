@@ -21,8 +21,8 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from metafora import Task, TaskState, open_coordinator, simple_handler
-from metafora.client import Client
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.core import commands
 from metafora.gates import ItemStore, NewItem
 from metafora.statemachine import State, StateCode, state_store_for

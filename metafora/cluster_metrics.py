@@ -2,10 +2,10 @@
 
 A consumer serving ``/metrics`` runs a :class:`ClusterGauges` side loop that reads, every
 ``every`` seconds (default 5) and never per scrape, through the same store reads the
-balancer uses (:class:`~metafora.balancer.ClusterState`, O(nodes)):
+balancer uses (:class:`~metafora.contracts.balancer.ClusterState`, O(nodes)):
 
 - ``metafora_cluster_pending_tasks``: tasks claimable now (pending and due, or held by a
-  dead node) -- :meth:`~metafora.balancer.ClusterState.claimable_count`, read with the
+  dead node) -- :meth:`~metafora.contracts.balancer.ClusterState.claimable_count`, read with the
   active counts; a store that does not say falls back to an indexed count of pending rows;
 - ``metafora_cluster_held_tasks``: tasks held by live nodes that are not leaving (the counts
   they published, ``active_task_count``; on a client, which has no published view, the count
@@ -30,8 +30,8 @@ from metafora.core.clock import Clock
 from metafora.core.errors import CoordinatorClosed, MetaforaError
 
 if TYPE_CHECKING:
-    from metafora.client import Client
-    from metafora.coordinator import Coordinator
+    from metafora.contracts.client import Client
+    from metafora.contracts.coordinator import Coordinator
     from metafora.core.retention import Retention
 
 __all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "backlog_line", "read_backlog",

@@ -1,5 +1,5 @@
 """Open a coordinator or a client from a store URL: the scheme names the store through the
-entry-point group ``metafora.stores`` (:mod:`metafora.backends`, whose names are re-exported
+entry-point group ``metafora.stores`` (:mod:`metafora.contracts.backends`, whose names are re-exported
 here)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from metafora.backends import (
+from metafora.contracts.backends import (
     DEFAULT_URL,
     ENV_URL,
     backend_of,
@@ -18,14 +18,14 @@ from metafora.backends import (
     store_of,
     store_of_url,
 )
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.config import parse_store_url
 from metafora.core.errors import ConfigError, InvalidTaskId
 from metafora.core.task import validate_task_id
 
 if TYPE_CHECKING:
-    from metafora.aio import AsyncClient
+    from metafora.contracts.aio import AsyncClient
 
 __all__ = [
     "DEFAULT_URL",
@@ -92,9 +92,9 @@ def open_async_client(url: str | None = None, **options: Any) -> AsyncClient:
 
     PostgreSQL runs on an async driver end to end; SQLite, etcd and memory run the sync
     client's calls on a bounded pool of ``threads`` worker threads (option, default 8). See
-    :mod:`metafora.aio` and docs/submit.md.
+    :mod:`metafora.contracts.aio` and docs/submit.md.
     """
-    from metafora.aio import DEFAULT_THREADS, ThreadedAsyncClient
+    from metafora.contracts.aio import DEFAULT_THREADS, ThreadedAsyncClient
 
     threads = options.pop("threads", DEFAULT_THREADS)
     parsed = parse_store_url(url or default_url())

@@ -3,7 +3,7 @@
 A :class:`~metafora.core.schedule_model.Schedule` says when (``every`` N seconds, or a ``cron``
 expression, in UTC) a task is made from its ``props``. Every consumer runs a
 :class:`Scheduler`; any of them may materialise a due tick. The store's one atomic step
-(:meth:`metafora.coordinator.Coordinator.materialise`) advances the schedule's ``cursor``
+(:meth:`metafora.contracts.coordinator.Coordinator.materialise`) advances the schedule's ``cursor``
 with a compare-and-set on its ``version`` and creates the tick's task if absent, in one
 transaction: two nodes racing make one task, and a tick whose task was since purged is never
 made again. No leader is needed, and no tick is lost while at least one node is up.
@@ -32,7 +32,7 @@ from metafora.core.schedule_model import (
 )
 
 if TYPE_CHECKING:
-    from metafora.coordinator import Coordinator
+    from metafora.contracts.coordinator import Coordinator
 
 __all__ = ["Scheduler"]
 

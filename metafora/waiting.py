@@ -20,7 +20,7 @@ from metafora.core.limits import GroupUsage, waiting_reason
 from metafora.core.task import TaskInfo, TaskState, placement_reason
 
 if TYPE_CHECKING:
-    from metafora.client import Client
+    from metafora.contracts.client import Client
 
 __all__ = ["group_reasons", "pending_reasons", "placement_reasons", "read_usage", "waiting_groups"]
 
@@ -33,7 +33,7 @@ def _pending(infos: Iterable[TaskInfo]) -> list[TaskInfo]:
 
 
 def read_usage(client: Client) -> dict[str, GroupUsage]:
-    """Every limited group's usage (:meth:`~metafora.client.Client.group_usage`); empty
+    """Every limited group's usage (:meth:`~metafora.contracts.client.Client.group_usage`); empty
     for a store that keeps no limits."""
     try:
         return client.group_usage()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from metafora.balancer import Balancer, BalancerContext
+from metafora.contracts.balancer import Balancer, BalancerContext
 from metafora.core.clock import Clock
 
 __all__ = ["ContextBalancer"]

@@ -9,8 +9,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from metafora.balancer import BalancerContext, SelectorKey, selector_key
 from metafora.balancers.shares import EPS, Member, Standing
+from metafora.contracts.balancer import BalancerContext, SelectorKey, selector_key
 from metafora.core.clock import Clock
 from metafora.core.node import capacity_or_none
 from metafora.core.task import matches

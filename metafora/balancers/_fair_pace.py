@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext
 from metafora.balancers._fair_counts import Snapshot
+from metafora.contracts.balancer import BalancerContext
 from metafora.core.clock import Clock
 
 __all__ = ["MAX_REFUSALS", "Pace", "Refusals"]

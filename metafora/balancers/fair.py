@@ -8,7 +8,6 @@ import threading
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
-from metafora.balancer import BalancerContext, RunningTask, SelectorKey, selector_key
 from metafora.balancers._base import ContextBalancer
 from metafora.balancers._fair_counts import Counts, Pool, Snapshot, work_of
 from metafora.balancers._fair_pace import MAX_REFUSALS, Pace, Refusals
@@ -22,6 +21,7 @@ from metafora.balancers.shares import (
     release_plan,
     standings,
 )
+from metafora.contracts.balancer import BalancerContext, RunningTask, SelectorKey, selector_key
 from metafora.core.clock import Clock
 from metafora.core.durations import seconds
 from metafora.core.errors import ConfigError

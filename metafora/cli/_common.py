@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from metafora.client import Client
 from metafora.connect import open_client
+from metafora.contracts.client import Client
 from metafora.core.durations import parse_duration
 from metafora.core.errors import (
     ConfigError,

@@ -4,7 +4,7 @@ What NAME may be, and how each kind is recognised (the first rule that applies w
 skips the guessing):
 
 ``handler``
-    A class that subclasses :class:`~metafora.Handler` or :class:`~metafora.handler.AsyncHandler`;
+    A class that subclasses :class:`~metafora.Handler` or :class:`~metafora.contracts.handler.AsyncHandler`;
     it is built per task as ``NAME(task)``.
 ``step``
     A function ``(task, cmds) -> Message`` (sync or ``async def``) run through the state
@@ -40,11 +40,11 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from metafora.balancer import Balancer
-from metafora.coordinator import Coordinator
+from metafora.contracts.balancer import Balancer
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
 
 __all__ = ["Kind", "Target", "TargetError", "import_object", "load_balancer", "load_target"]
 

@@ -17,7 +17,7 @@ __all__ = ["joblogs"]
 def joblogs(ctx: click.Context, as_json: bool) -> None:
     """List the job logs (SQLJobLog) of the store's namespace, by name: jobs, head index and when
     each was created and last appended to. The store must be SQL (SQLite or PostgreSQL)."""
-    from metafora.backends import implementation
+    from metafora.contracts.backends import implementation
 
     job_logs = implementation("sql", "job_logs")  # the SQL store keeps the job logs
     logs = job_logs(settings(ctx).url)

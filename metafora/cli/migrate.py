@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import click
 
-from metafora.backends import backend_of
 from metafora.cli._common import settings
 from metafora.cli.tool import check_url
+from metafora.contracts.backends import backend_of
 from metafora.core.config import parse_store_url
 from metafora.core.masking import mask_url
 

@@ -12,8 +12,8 @@ from rich.text import Text
 
 from metafora.cli._common import cell, console, print_json, store_client
 from metafora.cli.top import frozen_text
-from metafora.client import NodeInfo
 from metafora.connect import validate_node_id
+from metafora.contracts.client import NodeInfo
 from metafora.core import commands
 from metafora.core.commands import Command
 from metafora.core.errors import InvalidTaskState, NodeNotFound

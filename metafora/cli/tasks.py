@@ -25,7 +25,7 @@ from metafora.cli._common import (
     store_client,
 )
 from metafora.cli.items import item_store, items_url_option
-from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.core.durations import parse_duration
 from metafora.core.errors import InvalidProps, InvalidTaskId
 from metafora.core.jsontext import load_value

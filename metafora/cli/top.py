@@ -19,8 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
+from metafora.contracts.client import Client, NodeInfo
 from metafora.core.holds import held_by_node
 from metafora.core.limits import GroupUsage
 from metafora.core.masking import escape_controls, for_terminal

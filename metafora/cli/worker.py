@@ -23,13 +23,13 @@ from typing import Any
 import click
 
 from metafora import Consumer
-from metafora.balancer import Balancer
 from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, ResourceBalancer, SleepBalancer
 from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli._load import Kind, Target, import_object, load_balancer, load_target
 from metafora.cli.tasks import parse_select
 from metafora.connect import open_coordinator
 from metafora.consumer.options import ConsumerOptions, option_docs, option_fields
+from metafora.contracts.balancer import Balancer
 from metafora.core.masking import mask_url
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "consumer_options", "flag_of", "worker"]

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from metafora.balancer import Balancer
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Signal
 from metafora.consumer.offers import OfferRouter
+from metafora.contracts.balancer import Balancer
 from metafora.core.errors import MetaforaError
 from metafora.core.masking import mask_url
 

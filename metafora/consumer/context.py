@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from metafora.consumer.events import Event
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, RunningMap
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.metrics import ConsumerStats
 

@@ -27,9 +27,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from metafora.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
 from metafora.balancers.fair import FairBalancer
-from metafora.binding import Gauges, NodeBinding, bind_handler_func
 from metafora.cluster_metrics import ClusterGauges
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
@@ -47,7 +45,10 @@ from metafora.consumer.running import NodeLog
 from metafora.consumer.shutdown import Shutdown
 from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
-from metafora.coordinator import Coordinator
+from metafora.contracts.balancer import Balancer, BalancerContext, RecentRuns, RunningTask, SelectorKey
+from metafora.contracts.binding import Gauges, NodeBinding, bind_handler_func
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import HandlerFunc
 from metafora.core import commands as cmds
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.durations import seconds
@@ -56,7 +57,6 @@ from metafora.core.errors import (
     MetaforaError,
 )
 from metafora.core.retention import Pruner
-from metafora.handler import HandlerFunc
 from metafora.http import InfoServer, render_metrics
 from metafora.schedule import Scheduler
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from metafora.coordinator import Outcome
+from metafora.contracts.coordinator import Outcome
 from metafora.core.commands import Command
 from metafora.core.task import Task
 

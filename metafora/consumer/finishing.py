@@ -16,7 +16,7 @@ from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Finished, Signal
 from metafora.consumer.outcomes import OutcomeWriter, Pending
 from metafora.consumer.running import Running
-from metafora.coordinator import Finish, Outcome, error_text
+from metafora.contracts.coordinator import Finish, Outcome, error_text
 from metafora.core import tracing
 from metafora.core.errors import (
     ClaimCompleted,

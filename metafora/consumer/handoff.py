@@ -14,7 +14,7 @@ from collections.abc import Callable, MutableMapping
 from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import Running
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.core.task import Task
 
 __all__ = ["Handoffs"]

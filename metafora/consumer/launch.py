@@ -22,11 +22,11 @@ from metafora.consumer.handoff import Handoffs
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import Running
-from metafora.coordinator import Finish, Outcome, error_text
+from metafora.contracts.coordinator import Finish, Outcome, error_text
+from metafora.contracts.handler import HandlerFunc
 from metafora.core import tracing
 from metafora.core.errors import MetaforaError
 from metafora.core.task import Task
-from metafora.handler import HandlerFunc
 
 __all__ = ["Launcher"]
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from metafora.balancer import Balancer
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Signal
@@ -38,7 +37,8 @@ from metafora.consumer.outcomes import OutcomeWriter
 from metafora.consumer.placement import Placement
 from metafora.consumer.preference import Preference
 from metafora.consumer.running import Running
-from metafora.coordinator import Coordinator
+from metafora.contracts.balancer import Balancer
+from metafora.contracts.coordinator import Coordinator
 from metafora.core import tracing
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import CoordinatorClosed, MetaforaError

@@ -15,7 +15,7 @@ from dataclasses import Field, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from metafora.coordinator import DEFAULT_MAX_CRASHES
+from metafora.contracts.coordinator import DEFAULT_MAX_CRASHES
 from metafora.core.durations import seconds
 from metafora.core.errors import ConfigError, InvalidProps
 from metafora.core.holds import DEFAULT_STICKY_FOR, check_sticky_for

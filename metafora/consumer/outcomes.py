@@ -2,7 +2,7 @@
 
 A handler's end only queues its outcome here (no I/O on the handler's thread or the event
 loop); one writer thread takes whatever has queued -- up to ``max_batch`` -- and records it
-with :meth:`~metafora.coordinator.Coordinator.finish_many`. There is no timer: while one batch
+with :meth:`~metafora.contracts.coordinator.Coordinator.finish_many`. There is no timer: while one batch
 is being written the next one gathers, so an idle node writes each outcome at once and a busy
 one writes hundreds per round trip. Every outcome stays fenced by its own claim's token.
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from metafora.coordinator import Coordinator, Finish
+from metafora.contracts.coordinator import Coordinator, Finish
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.errors import CoordinatorUnavailable, MetaforaError, StoreError
 from metafora.core.groupcommit import Gathering

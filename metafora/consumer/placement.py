@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from metafora.consumer.options import ConsumerOptions
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import Clock
 from metafora.core.errors import MetaforaError
 from metafora.core.task import Task, matches

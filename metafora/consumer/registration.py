@@ -15,7 +15,7 @@ from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.handoff import Handoffs
 from metafora.consumer.risk import RiskWatch
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.core import tracing
 from metafora.core.errors import CoordinatorUnavailable, MetaforaError, NodeExists
 from metafora.core.masking import mask_url
@@ -26,7 +26,7 @@ __all__ = ["NodeContext", "register"]
 
 class NodeContext(CoordinatorContext):
     """What the store is told of this node and tells it back (the coordinator's
-    :class:`~metafora.coordinator.CoordinatorContext`), answered by the consumer's parts."""
+    :class:`~metafora.contracts.coordinator.CoordinatorContext`), answered by the consumer's parts."""
 
     def __init__(self, ctx: PartsContext, *, handoffs: Handoffs, risk: RiskWatch, capacity: Capacity) -> None:
         self._ctx, self._handoffs, self._risk, self._capacity = ctx, handoffs, risk, capacity

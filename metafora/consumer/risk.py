@@ -36,7 +36,7 @@ from typing import Any
 from metafora.consumer.context import PartsContext
 from metafora.consumer.runner import AsyncRun
 from metafora.consumer.running import NodeLog, Running
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.leases import LeaseTiming
 from metafora.core.task import Task
 

@@ -1,8 +1,8 @@
 """The handler runner: sync handlers on reusable threads, async ones on one event loop.
 
 A :class:`HandlerRunner` belongs to one Consumer. It starts each handler where it belongs
-(a thread of its own for :class:`~metafora.handler.Handler`, a task on the node's event loop
-for :class:`~metafora.handler.AsyncHandler`), delivers ``stop()`` and, for async handlers,
+(a thread of its own for :class:`~metafora.contracts.handler.Handler`, a task on the node's event loop
+for :class:`~metafora.contracts.handler.AsyncHandler`), delivers ``stop()`` and, for async handlers,
 cancellation, and hands each handler's result to a ``finish`` callback where the handler
 ended. ``finish`` only books the outcome; the store write it returns (which blocks) runs on
 the handler's own thread, or for async handlers on a small pool of writer threads, **never
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar, cast
 
-from metafora.handler import AsyncHandler, Handler, is_async
+from metafora.contracts.handler import AsyncHandler, Handler, is_async
 
 __all__ = ["Around", "AsyncRun", "CannotStart", "Finish", "HandlerRunner", "Run", "SyncRun", "Write"]
 

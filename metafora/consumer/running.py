@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from metafora.balancer import RunningTask, SelectorKey, selector_key
 from metafora.consumer.runner import Run
+from metafora.contracts.balancer import RunningTask, SelectorKey, selector_key
+from metafora.contracts.handler import AsyncHandler, Handler
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler
 
 __all__ = ["Flag", "NodeLog", "Running", "RunningMap", "handler_state"]
 

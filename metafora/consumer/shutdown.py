@@ -21,7 +21,7 @@ from metafora.consumer.context import PartsContext
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import Running
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import MetaforaError
 

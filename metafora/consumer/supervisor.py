@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from metafora.consumer.events import CommandArrived, Event
 from metafora.consumer.running import NodeLog
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.errors import CoordinatorClosed, MetaforaError
 

@@ -3,7 +3,7 @@ frozen flags.
 
 A node publishes its weight (``Consumer(weight=...)``), its capacity (the most tasks it can
 run now; see ``context_capacity``) and whether it is frozen with its registration.
-:class:`~metafora.balancer.ClusterState` answers them through ``node_weights()``,
+:class:`~metafora.contracts.balancer.ClusterState` answers them through ``node_weights()``,
 ``node_capacities()`` and ``frozen_nodes()``, which a balancer asks right after
 ``active_task_count()``: a store answers them all from the SAME read by keeping what the
 count read saw in a :class:`SeenWithCounts`, so a balancer pays no extra round trip.

@@ -8,7 +8,7 @@ ground up:
    URLs and options, masking, metrics, the lease rules, the retention policy).
 2. ``contracts``: the interfaces the rest is written against: the task handler, the balancer,
    the coordinator, the client and the async client, the stores' registry
-   (:mod:`metafora.backends`), and each feature's storage interface (what a store implements
+   (:mod:`metafora.contracts.backends`), and each feature's storage interface (what a store implements
    for the state machine, the gates and the streams).
 3. ``stores``: ``metafora.coordinators.<store>``, each owning all its storage, found by URL
    scheme through the entry-point group ``metafora.stores``; a store imports no other store.
@@ -62,15 +62,16 @@ MODULES: Final[dict[str, str]] = {
     "metafora.core.leases": "ground",
     "metafora.core.holds": "ground",
     # contracts: the interfaces, and each feature's storage interface
-    "metafora.handler": "contracts",
-    "metafora.binding": "contracts",
-    "metafora.balancer": "contracts",
-    "metafora.coordinator": "contracts",
-    "metafora.client": "contracts",
-    "metafora.aio": "contracts",
-    "metafora.registry": "contracts",
-    "metafora.recipes": "contracts",
-    "metafora.backends": "contracts",
+    "metafora.contracts": "contracts",
+    "metafora.contracts.handler": "contracts",
+    "metafora.contracts.binding": "contracts",
+    "metafora.contracts.balancer": "contracts",
+    "metafora.contracts.coordinator": "contracts",
+    "metafora.contracts.client": "contracts",
+    "metafora.contracts.aio": "contracts",
+    "metafora.contracts.registry": "contracts",
+    "metafora.contracts.recipes": "contracts",
+    "metafora.contracts.backends": "contracts",
     "metafora.statemachine.machine": "contracts",
     "metafora.statemachine.mailbox": "contracts",
     "metafora.statemachine.store": "contracts",

@@ -6,7 +6,7 @@ each released task is stored pending with ``held_for`` (the node id) and ``held_
 (the store's clock plus the window). Until then only a node registering with that id claims
 it (it takes its tasks back and nothing moves); other nodes take it once the window ends.
 A crash is unchanged (the claims move after the lease), and ``Consumer.shutdown(leaving=True)``
-or ``metafora nodes drain ID`` (:meth:`~metafora.client.Client.drain_node`) hand the tasks
+or ``metafora nodes drain ID`` (:meth:`~metafora.contracts.client.Client.drain_node`) hand the tasks
 off at once (a scale-down).
 
 Each store keeps the hold in its own rows or keys and judges it by its own clock inside its

@@ -2,7 +2,7 @@
 
 **The TTL.** ``lease_ttl`` (a store URL option, seconds) is read by one rule,
 :func:`read_lease_ttl`, within the bounds (a :class:`LeaseTTL`) that each store states on its
-backend object (:attr:`metafora.backends.StoreBackend.lease_ttl`):
+backend object (:attr:`metafora.contracts.backends.StoreBackend.lease_ttl`):
 
 ==========  =======  =========  =============  =====================================
 store       default  least      most           why
@@ -23,7 +23,7 @@ good renewal, on its own monotonic clock, and stops its handlers ``margin`` seco
 the handlers get at least ``margin`` seconds to notice ``stop()``.
 
 That is the one rule (:meth:`Fencing.fence_after`); the stores differ only in the margin
-they give handlers, each stating its own (:attr:`metafora.backends.StoreBackend.fencing`):
+they give handlers, each stating its own (:attr:`metafora.contracts.backends.StoreBackend.fencing`):
 
 - SQL: a third of the TTL (the node fences at ``2/3 * lease_ttl``).
 - etcd: a quarter of the TTL, at least half a second (``lease_ttl`` is a whole number of

@@ -143,7 +143,7 @@ def waiting_reason(group: str | None, usage: Mapping[str, GroupUsage]) -> str | 
 
 
 class ClientLimits:
-    """The limit verbs of :class:`~metafora.client.Client` (one of its bases); a store
+    """The limit verbs of :class:`~metafora.contracts.client.Client` (one of its bases); a store
     overrides :meth:`group_usage`, :meth:`_limit_put` and :meth:`_limit_delete`."""
 
     def set_limit(self, group: str, max: int | None = None,

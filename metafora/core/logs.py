@@ -31,7 +31,7 @@ __all__ = ["EXTRA_FIELDS", "MAX_LOG_TEXT", "JsonFormatter", "MaskingFilter", "Pl
 MAX_LOG_TEXT = 4096
 """The most of a record's message, and of its traceback, one log line carries (UTF-8 bytes,
 then ``… cut, N bytes``): a handler's 1 MiB error made an 82 KB line. The store keeps the
-error (cut at :data:`~metafora.coordinator.MAX_ERROR_BYTES`); the log says what happened."""
+error (cut at :data:`~metafora.contracts.coordinator.MAX_ERROR_BYTES`); the log says what happened."""
 
 
 def _cut(text: str) -> str:

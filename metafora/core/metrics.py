@@ -132,7 +132,7 @@ class ConsumerStats:
 class StatsUser(Protocol):
     """A handler func that counts into the consumer's stats: the consumer calls
     :meth:`attach_stats` once, before any task runs (the older hook:
-    :class:`~metafora.binding.BindsToNode` gives the stats too)."""
+    :class:`~metafora.contracts.binding.BindsToNode` gives the stats too)."""
 
     def attach_stats(self, stats: ConsumerStats) -> None:
         """Count into ``stats`` from now on."""

@@ -12,7 +12,7 @@ memory store's lock -- or nothing at all when ``rewrite`` raises.
 
 ``Client.retry_task(..., reset_state=True)`` calls
 :func:`metafora.statemachine.retry.reset_and_retry`, which the state machine registers as the
-client's verb ``reset_state`` (:mod:`metafora.recipes`), loaded only then: neither the client
+client's verb ``reset_state`` (:mod:`metafora.contracts.recipes`), loaded only then: neither the client
 nor a coordinator imports the state machine, and ``import metafora`` loads none of it.
 :class:`RetryClient` is what the state machine's retry needs of a client.
 """
@@ -60,7 +60,7 @@ store (None: keep the stored state; a task without one keeps none)."""
 
 
 class RetryClient(Protocol):
-    """What a retry needs of a :class:`~metafora.client.Client` (every store's client has it)."""
+    """What a retry needs of a :class:`~metafora.contracts.client.Client` (every store's client has it)."""
 
     def get_task(self, task_id: str) -> TaskInfo:
         """One task's info. Raises TaskNotFound."""

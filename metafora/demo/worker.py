@@ -14,9 +14,9 @@ import click
 
 from metafora.connect import ENV_URL, default_url, open_coordinator
 from metafora.consumer import Consumer
+from metafora.contracts.handler import simple_handler
 from metafora.core.errors import CoordinatorUnavailable, MetaforaError
 from metafora.core.task import Task
-from metafora.handler import simple_handler
 from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)

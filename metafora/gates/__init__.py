@@ -21,7 +21,7 @@ that still has work (a fenced checkpoint); when no work is left the partition co
 
 The items are kept by a store: ``ItemStore(url)`` opens the implementation of the store
 ``url`` names (items live in SQL: :mod:`metafora.coordinators.sql.gates`), found in
-:mod:`metafora.backends` (the store's backend object names it); this package owns the
+:mod:`metafora.contracts.backends` (the store's backend object names it); this package owns the
 model and the interfaces and imports no store's internals. Modules:
 :mod:`~metafora.gates.model` (values and errors),
 :mod:`~metafora.gates.store` (the :class:`ItemStore` interface),
@@ -34,6 +34,7 @@ fails loudly, naming this one.
 
 from __future__ import annotations
 
+from metafora.contracts.recipes import register
 from metafora.core._moved import names_moved
 from metafora.gates.handler import (
     GateHandlerFunc,
@@ -74,7 +75,6 @@ from metafora.gates.processor import (
     callable_processor,
 )
 from metafora.gates.store import ItemStore
-from metafora.recipes import register
 
 __all__ = [
     "MAX_GATE",
@@ -119,5 +119,5 @@ __getattr__ = names_moved(__name__, {"GATES_SCHEMA_VERSION": "metafora.coordinat
                           "the SQL store owns the item tables")
 
 # ItemStore.reopen_partition (an interface the stores implement) runs this recipe
-# (metafora.recipes).
+# (metafora.contracts.recipes).
 register("reopen_partition", reopen_partition)

@@ -1,6 +1,6 @@
 """The gate handler: a stateful handler that works a partition's items gate by gate.
 
-:func:`handler_func` returns a :data:`~metafora.handler.HandlerFunc` for a
+:func:`handler_func` returns a :data:`~metafora.contracts.handler.HandlerFunc` for a
 :class:`~metafora.Consumer`. For each claim of a partition (a task) it builds a
 :class:`GateTaskHandler`, which runs the state machine
 (:class:`~metafora.statemachine.StatefulTaskHandler`) around one step function (a
@@ -41,9 +41,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from metafora.binding import NodeBinding
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.binding import NodeBinding
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import Handler
 from metafora.core.clock import Clock
 from metafora.core.errors import (
     ClaimLost,
@@ -67,7 +68,6 @@ from metafora.gates.model import (
 from metafora.gates.processor import Processor, callable_processor
 from metafora.gates.run import GateOptions, PartitionRun, short_error
 from metafora.gates.store import ItemStore
-from metafora.handler import Handler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
@@ -155,7 +155,7 @@ class GateTaskHandler(Handler):
 
 
 class GateHandlerFunc:
-    """The :data:`~metafora.handler.HandlerFunc` made by :func:`handler_func`."""
+    """The :data:`~metafora.contracts.handler.HandlerFunc` made by :func:`handler_func`."""
 
     def __init__(self, processor: Processor, items: ItemStore, states: StateStore,
                  commands: TaskCommands, node_id: str | None, claim_fence: bool,
@@ -181,7 +181,7 @@ class GateHandlerFunc:
         stats.gates = self.stats
 
     def bind_node(self, node: NodeBinding) -> GateHandlerFunc:
-        """Run on ``node`` (:class:`~metafora.binding.BindsToNode`): count items into its
+        """Run on ``node`` (:class:`~metafora.contracts.binding.BindsToNode`): count items into its
         stats (:meth:`attach_stats`)."""
         self.attach_stats(node.stats)
         return self

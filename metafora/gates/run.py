@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from metafora.coordinator import error_text
+from metafora.contracts.coordinator import error_text
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import ConfigError, CoordinatorUnavailable
 from metafora.core.metrics import GateOutcome, GateStats

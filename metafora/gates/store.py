@@ -6,7 +6,7 @@
 partition claimed elsewhere) cannot commit anything.
 
 ``ItemStore(url)`` opens the item store of the store ``url`` names: each store's backend
-object (:mod:`metafora.backends`) names its implementation, and each store package owns it (items
+object (:mod:`metafora.contracts.backends`) names its implementation, and each store package owns it (items
 live in SQL, SQLite or PostgreSQL: :mod:`metafora.coordinators.sql.gates`, which documents the
 tables, the fencing and what a crash leaves behind).
 """
@@ -19,18 +19,18 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from metafora.backends import implementation, store_of_url
+from metafora.contracts.backends import implementation, store_of_url
+from metafora.contracts.recipes import verb
 from metafora.core.errors import ConfigError, TaskNotFound
 from metafora.core.task import Task
 from metafora.gates.lease import PartitionLease
 from metafora.gates.model import Item, ItemStatus, NewItem, PartitionInfo
-from metafora.recipes import verb
 from metafora.statemachine.store import LeaseBound
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
-    from metafora.client import Client
+    from metafora.contracts.client import Client
 
 __all__ = ["ItemStore"]
 
@@ -168,7 +168,7 @@ class ItemStore:
         task is not there (an etcd coordinator keeps it), only the partition is reopened and
         a warning says to pass the coordinator's client.
         """
-        recipe = verb("reopen_partition")  # the gates' own (metafora.recipes)
+        recipe = verb("reopen_partition")  # the gates' own (metafora.contracts.recipes)
 
         def reopen_partition(target: Client | None, *, new_items: Sequence[NewItem]) -> int:
             gate: int = recipe(self, partition, target, new_items=new_items)

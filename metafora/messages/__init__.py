@@ -3,7 +3,7 @@
 The props of a message task follow protobuf's JSON mapping of ``Any``, so a producer in any
 language writes the same JSON; ``@message("shop.OrderPlaced")`` names a dataclass or a
 pydantic model, a protobuf message is named by its ``DESCRIPTOR.full_name``. A
-:class:`Router` is a :data:`~metafora.handler.HandlerFunc` with one handler per type;
+:class:`Router` is a :data:`~metafora.contracts.handler.HandlerFunc` with one handler per type;
 ``Client.submit_message(id, msg)`` submits one. pydantic and protobuf are optional and
 imported only when a class of theirs is used. See docs/messages.md.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from metafora.contracts.recipes import register
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
 from metafora.messages.codec import decode, encode, named_type, schema_of
@@ -29,7 +30,6 @@ from metafora.messages.naming import (
     type_url,
 )
 from metafora.messages.router import MessageFn, Router
-from metafora.recipes import register
 
 __all__ = [
     "TYPE_KEY",
@@ -72,5 +72,5 @@ def message_task(task_id: str, msg: object, options: Mapping[str, Any]) -> tuple
 
 
 # Client.submit_message encodes by these rules (the client knows no recipe of the messages:
-# they tell it, when they load; metafora.recipes).
+# they tell it, when they load; metafora.contracts.recipes).
 register("message_task", message_task)

@@ -17,7 +17,7 @@ import asyncio
 import threading
 from typing import Any
 
-from metafora.coordinator import coordinator_of
+from metafora.contracts.coordinator import coordinator_of
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
 

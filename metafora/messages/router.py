@@ -1,4 +1,4 @@
-"""``Router``: one handler per message type, as a :data:`~metafora.handler.HandlerFunc`.
+"""``Router``: one handler per message type, as a :data:`~metafora.contracts.handler.HandlerFunc`.
 
 bq's consumers register a handler per protobuf message type; here ``@router.handles(Type)``
 does, for dataclasses and pydantic models (named with ``@message``) and protobuf message
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from metafora.binding import NodeBinding
+from metafora.contracts.binding import NodeBinding
+from metafora.contracts.handler import AsyncHandler, Handler, simple_handler
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler, simple_handler
 from metafora.messages.codec import decode, named_type, schema_of
 from metafora.messages.context import MessageContext
 from metafora.messages.errors import UnknownMessageType
@@ -80,7 +80,7 @@ class Router:
         return bound
 
     def bind_node(self, node: NodeBinding) -> Router:
-        """The HandlerFunc a Consumer runs on ``node`` (:class:`~metafora.binding.BindsToNode`):
+        """The HandlerFunc a Consumer runs on ``node`` (:class:`~metafora.contracts.binding.BindsToNode`):
         :meth:`bind_coordinator` of the node's coordinator."""
         return self.bind_coordinator(node.coordinator)
 

@@ -1,7 +1,7 @@
 """Stateful handlers: a state machine around a user's function, in the manner of Metafora.
 
 The user writes a :data:`StatefulHandler` ``(task, commands) -> Message``;
-:func:`handler_func` turns it into a :data:`~metafora.handler.HandlerFunc` for a Consumer.
+:func:`handler_func` turns it into a :data:`~metafora.contracts.handler.HandlerFunc` for a Consumer.
 The machine persists the task's :class:`State` (fenced by the claim token) in the
 coordinator's store and reacts to :class:`Message`\\s from the handler, from operators (task
 commands), from sleep timers and from the error handler. The transition table is
@@ -16,11 +16,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from metafora.backends import backend_of, default_url
+from metafora.contracts.backends import backend_of, default_url
+from metafora.contracts.recipes import register
 from metafora.core.config import parse_store_url
 from metafora.core.errors import InvalidTaskState
 from metafora.core.task import TaskInfo, TaskState, validate_task_id
-from metafora.recipes import register
 from metafora.statemachine.aio import AsyncCommands, AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import (
     ErrorHandler,
@@ -112,7 +112,7 @@ def command_message(verb: str, until: datetime | str | None = None) -> Message:
 
 @runtime_checkable
 class OperatorClient(Protocol):
-    """What the operator functions need of a :class:`~metafora.client.Client` (every store's
+    """What the operator functions need of a :class:`~metafora.contracts.client.Client` (every store's
     client has it). The state machine owns this interface and imports no client: the client
     builds on the state machine (``Client.retry_task(reset_state=True)``)."""
 
@@ -184,5 +184,5 @@ def get_state(target: str | OperatorClient | None, task_id: str, **options: Any)
 
 
 # Client.retry_task(..., reset_state=True) resets a state by these rules (the client knows no
-# recipe of the state machine: the state machine tells it, when it loads; metafora.recipes).
+# recipe of the state machine: the state machine tells it, when it loads; metafora.contracts.recipes).
 register("reset_state", reset_and_retry)

@@ -1,7 +1,7 @@
 """Async stateful handlers: ``async def step(task, cmds) -> Message`` with ``await cmds.get()``.
 
 The same state machine as :mod:`metafora.statemachine.handler` (same transitions, fencing,
-retries and outcomes), run as an :class:`~metafora.handler.AsyncHandler` on the consumer's
+retries and outcomes), run as an :class:`~metafora.contracts.handler.AsyncHandler` on the consumer's
 event loop: a task waiting for a command (paused, sleeping, or in ``await cmds.get()``)
 holds no thread, so one node can keep thousands of them. Waiting is pushed: the claim's
 :class:`~metafora.statemachine.mailbox.Mailbox` wakes the coroutine through its listener
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+from metafora.contracts.handler import AsyncHandler
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler
 from metafora.statemachine.handler import MachineView, StatefulTaskHandler
 from metafora.statemachine.machine import Message, State, StateCode
 from metafora.statemachine.mailbox import Mailbox

@@ -1,4 +1,4 @@
-"""``handler_func``: the :data:`~metafora.handler.HandlerFunc` running a stateful handler.
+"""``handler_func``: the :data:`~metafora.contracts.handler.HandlerFunc` running a stateful handler.
 
 It picks the runner: a plain ``fn(task, cmds)`` runs in the thread of a
 :class:`~metafora.statemachine.handler.StatefulTaskHandler`; an ``async def`` runs on the
@@ -8,11 +8,11 @@ around the same machine. It sits above both, so neither imports the other's choo
 
 from __future__ import annotations
 
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import _is_coroutine_fn
 from metafora.core.clock import Clock
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
-from metafora.handler import _is_coroutine_fn
 from metafora.statemachine.aio import AsyncStatefulHandler, AsyncStatefulTaskHandler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.handler import StatefulHandler, StatefulTaskHandler
@@ -22,7 +22,7 @@ __all__ = ["StatefulHandlerFunc", "handler_func"]
 
 
 class StatefulHandlerFunc:
-    """The :data:`~metafora.handler.HandlerFunc` made by :func:`handler_func`.
+    """The :data:`~metafora.contracts.handler.HandlerFunc` made by :func:`handler_func`.
 
     Calling it with a claimed task builds that task's :class:`StatefulTaskHandler`;
     ``state_store`` and ``task_commands`` are the stores it uses.

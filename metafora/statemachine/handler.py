@@ -1,7 +1,8 @@
-"""The state machine as a :class:`~metafora.handler.Handler`: runs a user's stateful handler.
+"""The state machine as a :class:`~metafora.contracts.handler.Handler`: runs a user's stateful handler.
 
 ``handler_func(stateful, coordinator)`` (:mod:`metafora.statemachine.factory`) returns a
-:data:`~metafora.handler.HandlerFunc`. Each claimed task gets a :class:`StatefulTaskHandler` whose ``run()``:
+:data:`~metafora.contracts.handler.HandlerFunc`. Each claimed task gets a
+:class:`StatefulTaskHandler` whose ``run()``:
 
 1. loads the task's :class:`State` (fenced by the claim token);
 2. loops: *runnable* -> a pending command, else the user's function (a pending ``run``,
@@ -34,11 +35,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from metafora.coordinator import coordinator_of
+from metafora.contracts.coordinator import coordinator_of
+from metafora.contracts.handler import Handler
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.core.task import Task
-from metafora.handler import Handler
 from metafora.statemachine.cmds import Commands, MachineView, StatefulHandler
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.machine import (

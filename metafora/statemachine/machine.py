@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
-from metafora.coordinator import error_text
+from metafora.contracts.coordinator import error_text
 from metafora.core.errors import InvalidProps, MetaforaError
 from metafora.core.jsontext import load_object
 from metafora.core.task import parse_time

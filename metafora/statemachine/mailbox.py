@@ -196,7 +196,7 @@ class CommandBell:
 
     ``take`` is the store's fenced take; ``pending_ids`` its safety-net look. The
     coordinator calls :meth:`ring` and :meth:`recheck` (it is a
-    :class:`~metafora.coordinator.TaskCommandListener`).
+    :class:`~metafora.contracts.coordinator.TaskCommandListener`).
     """
 
     def __init__(self, name: str, take: Take, pending_ids: PendingIds,

@@ -11,7 +11,7 @@
 :func:`state_store_for` and :func:`commands_for` give the implementation that lives in the
 same store as a coordinator or client (memory, SQL, etcd): each store package owns it
 (``metafora/coordinators/<store>/states.py``), and its backend object
-(:mod:`metafora.backends`) names it.
+(:mod:`metafora.contracts.backends`) names it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from metafora.backends import implementation, store_of
-from metafora.coordinator import Coordinator
+from metafora.contracts.backends import implementation, store_of
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
 from metafora.core.task import Task, validate_task_id
@@ -57,7 +57,7 @@ T = TypeVar("T")
 
 TimeLeft = Callable[[Task], "float | None"]
 """``task -> seconds``: how long this node still holds the claim (see
-:meth:`~metafora.coordinator.Coordinator.claim_time_left`); None: unbounded."""
+:meth:`~metafora.contracts.coordinator.Coordinator.claim_time_left`); None: unbounded."""
 
 
 class LeaseBound:
@@ -273,7 +273,7 @@ def parsed_page(rows: Iterable[tuple[str, T]],
 
 def state_store_for(coordinator_or_client: object) -> StateStore:
     """The state store in the same store as a coordinator or client (memory, SQL, etcd): the
-    store package's own, named by its backend object (:mod:`metafora.backends`)."""
+    store package's own, named by its backend object (:mod:`metafora.contracts.backends`)."""
     store = _implementation(coordinator_or_client, "state_store").of(coordinator_or_client)
     assert isinstance(store, StateStore)
     return store

@@ -5,7 +5,7 @@ bounded window of them runs at once, and the stream's **processed index** (every
 from ``start`` up to it is done) is stored fenced by the claim token, so a restart or a
 move resumes without a gap and a zombie owner can never move it back.
 
-:func:`stream_handler` makes the :data:`~metafora.handler.HandlerFunc`; the client's
+:func:`stream_handler` makes the :data:`~metafora.contracts.handler.HandlerFunc`; the client's
 ``stream``, ``streams``, ``check_stream`` and ``retry_stream`` (and ``metafora streams``,
 ``metafora stream show|check|retry``) see and steer streams. See docs/streams.md.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from metafora.recipes import register
+from metafora.contracts.recipes import register
 from metafora.streams.handler import JobContext, StreamHandlerFunc, StreamOptions, stream_handler
 from metafora.streams.jobs import Job, Jobs, StreamFailing, StreamInfo, Wake
 from metafora.streams.ops import check_stream, retry_stream, stream_info
@@ -41,14 +41,14 @@ def __getattr__(name: str) -> Any:
     # named: `import metafora.streams` stays light for streams over other sources, and the
     # feature imports no store.
     if name == "SQLJobLog":
-        from metafora.backends import implementation
+        from metafora.contracts.backends import implementation
 
         return implementation("sql", "job_log")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # The client's stream verbs (the client knows no recipe of the streams: they tell it, when
-# they load; metafora.recipes).
+# they load; metafora.contracts.recipes).
 register("stream", stream_info)
 register("check_stream", check_stream)
 register("retry_stream", retry_stream)

@@ -1,4 +1,4 @@
-"""``stream_handler``: the :data:`~metafora.handler.HandlerFunc` running streams of indexed jobs.
+"""``stream_handler``: the :data:`~metafora.contracts.handler.HandlerFunc` running streams of indexed jobs.
 
 Each claimed task is one stream, run by the state machine (:mod:`metafora.statemachine`) as an
 async stateful handler on the consumer's event loop (:mod:`metafora.streams.run`): its progress
@@ -20,12 +20,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from metafora.binding import NodeBinding
-from metafora.coordinator import Coordinator
+from metafora.contracts.binding import NodeBinding
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import AsyncHandler, Handler, _is_coroutine_fn
 from metafora.core.clock import Clock
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler, _is_coroutine_fn
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.errors import ErrorHandler, ErrorPolicy
 from metafora.statemachine.factory import StatefulHandlerFunc, handler_func
@@ -132,7 +132,7 @@ class StreamOptions:
 
 
 class StreamHandlerFunc:
-    """The :data:`~metafora.handler.HandlerFunc` made by :func:`stream_handler`.
+    """The :data:`~metafora.contracts.handler.HandlerFunc` made by :func:`stream_handler`.
 
     It needs a coordinator's stores: given as ``coordinator=`` (or ``state_store`` and
     ``task_commands``), or else each :class:`~metafora.Consumer` it is given to runs a copy
@@ -192,7 +192,7 @@ class StreamHandlerFunc:
         return copy
 
     def bind_node(self, node: NodeBinding) -> StreamHandlerFunc:
-        """The handler func a Consumer runs on ``node`` (:class:`~metafora.binding.BindsToNode`):
+        """The handler func a Consumer runs on ``node`` (:class:`~metafora.contracts.binding.BindsToNode`):
         :meth:`bind_coordinator` of its coordinator, whose :meth:`gauges` the node's
         ``/metrics`` shows."""
         bound = self.bind_coordinator(node.coordinator)

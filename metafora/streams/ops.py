@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.core.errors import InvalidTaskState, TaskNotFound
 from metafora.core.task import TaskInfo, validate_task_id
 from metafora.statemachine.machine import Message, State, StateCode

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from metafora.coordinator import error_text
+from metafora.contracts.coordinator import error_text
 from metafora.core.task import Task
 from metafora.statemachine.aio import AsyncCommands
 from metafora.statemachine.machine import Message, MessageKind

@@ -14,14 +14,14 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from metafora.balancer import Balancer
-from metafora.client import Client
 from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
-from metafora.coordinator import DEFAULT_MAX_CRASHES, CoordinatorContext
+from metafora.contracts.balancer import Balancer
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import DEFAULT_MAX_CRASHES, CoordinatorContext
+from metafora.contracts.handler import HandlerFunc
 from metafora.core.errors import CoordinatorUnavailable
 from metafora.core.task import Task, TaskState, validate_labels
-from metafora.handler import HandlerFunc
 
 __all__ = ["LocalCluster", "RecordingContext", "wait_for"]
 

@@ -6,7 +6,7 @@ Installed with metafora, it gives every test suite these fixtures:
   kind chosen with ``--metafora-stores memory,sqlite,postgresql,etcd`` (or
   ``$METAFORA_TEST_STORES``; default ``memory``), or per the kinds of a
   ``@pytest.mark.metafora_stores(...)`` marker.
-- ``metafora_client``: an operator :class:`~metafora.client.Client` on that store.
+- ``metafora_client``: an operator :class:`~metafora.contracts.client.Client` on that store.
 - ``metafora_cluster``: a :class:`~metafora.testing.LocalCluster` on that store (consumers in
   threads), shut down after the test.
 - ``metafora_store_url``: ``make(kind) -> url`` for tests that pick the kind themselves.
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # the fixtures import them when they run
-    from metafora.client import Client
+    from metafora.contracts.client import Client
     from metafora.testing import LocalCluster
 
 __all__ = [

@@ -35,10 +35,10 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from metafora.client import Client, NodeInfo
 from metafora.cluster_metrics import backlog_line, read_backlog
 from metafora.connect import open_client
-from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.contracts.client import Client, NodeInfo
+from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.core import commands
 from metafora.core.config import parse_store_url
 from metafora.core.errors import ConfigError, InvalidTaskState, MetaforaError, TaskNotFound

@@ -28,7 +28,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from metafora.client import Client, NodeInfo
+from metafora.contracts.client import Client, NodeInfo
 from metafora.core.holds import is_held
 from metafora.core.limits import GroupUsage, waiting_reason
 from metafora.core.masking import escape_controls

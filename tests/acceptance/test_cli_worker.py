@@ -22,7 +22,7 @@ import pytest
 
 import metafora
 from metafora import Task, TaskState, open_client
-from metafora.client import Client
+from metafora.contracts.client import Client
 from tests.helpers import SUBPROCESS_DEADLINE, wait_until
 
 REPO = Path(metafora.__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client
-from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.http import REQUEST_TIMEOUT
 from tests.helpers import wait_until
 

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from metafora import Task, TaskState, open_async_client, open_client, simple_handler
-from metafora.aio import AsyncClient, ThreadedAsyncClient
+from metafora.contracts.aio import AsyncClient, ThreadedAsyncClient
 from metafora.coordinators.sql.aio import PostgresAsyncClient
 from metafora.core import commands
 from metafora.core.errors import (

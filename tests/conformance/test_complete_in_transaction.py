@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from metafora import Task, open_async_client, open_client, open_coordinator, simple_handler
-from metafora.coordinator import Finish, Outcome, coordinator_of
+from metafora.contracts.coordinator import Finish, Outcome, coordinator_of
 from metafora.core.errors import ClaimCompleted, ClaimLost, ConfigError
 from metafora.statemachine import Message, State, get_state
 from metafora.statemachine.store import state_store_for

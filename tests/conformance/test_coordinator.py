@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.core import commands
 from metafora.core.errors import (
     ClaimLost,

@@ -8,8 +8,8 @@ from contextlib import ExitStack
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.client import Client
-from metafora.coordinator import Coordinator, Finish, Outcome
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator, Finish, Outcome
 from metafora.core.errors import ClaimLost
 from metafora.testing import RecordingContext
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.coordinators.etcd import EtcdCoordinator
 from metafora.coordinators.etcd.driver import EtcdDriver, TxnRequest, TxnResult
 from metafora.coordinators.etcd.outcomes import ITEMS_PER_TXN

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from metafora import Task, TaskState, simple_handler
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.errors import ClaimLost, ConfigError, InvalidProps, LimitNotFound
 from metafora.core.limits import Limit, Rate
 from metafora.testing import LocalCluster, wait_for

@@ -13,8 +13,8 @@ import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator, simple_handler
 from metafora.balancers.fair import FairBalancer
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.testing import LocalCluster, RecordingContext, wait_for
 
 

@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, open_client, open_coordinator, simple_handler
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.coordinators import members
 from metafora.core.config import parse_store_url
 from metafora.core.errors import ConfigError

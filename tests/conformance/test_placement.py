@@ -10,8 +10,8 @@ from contextlib import ExitStack
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.task import placement_reason
 from metafora.testing import RecordingContext
 from tests.helpers import wait_until

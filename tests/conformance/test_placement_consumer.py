@@ -141,8 +141,8 @@ def test_prefer_goes_to_the_preferred_node_and_falls_back_when_none_is_live(stor
 
 
 def test_fair_balancer_balances_among_the_nodes_that_can_run_the_tasks(store_url: str) -> None:
-    from metafora.balancer import BalancerContext
     from metafora.balancers import FairBalancer
+    from metafora.contracts.balancer import BalancerContext
     from metafora.core import commands
 
     runs = Runs()

@@ -11,7 +11,7 @@ import pytest
 
 from metafora import Task, TaskState
 from metafora.cluster_metrics import read_cluster
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import ConfigError
 from metafora.core.retention import DEFAULT_RETENTION, Pruner, Retention

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.core.holds import hold_note, is_held
 from metafora.testing import LocalCluster, wait_for
 from tests.conformance.test_coordinator import Cluster, _opened

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 
 
 class _Ctx(CoordinatorContext):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from metafora import Task, open_client
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.core.commands import stop_task
 from metafora.core.errors import MetaforaError, TaskExists
 from metafora.core.task import TaskState

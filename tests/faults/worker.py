@@ -37,8 +37,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metafora import Consumer, Task, open_coordinator
 from metafora.balancers import DumbBalancer
+from metafora.contracts.handler import Handler
 from metafora.core.errors import ClaimLost, MetaforaError
-from metafora.handler import Handler
 from metafora.statemachine.machine import State
 from metafora.statemachine.store import StateStore, state_store_for
 from tests.faults.ledger import Ledger

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 
 from metafora import Consumer, Task, open_client, open_coordinator
-from metafora.handler import AsyncHandler, Handler
+from metafora.contracts.handler import AsyncHandler, Handler
 from tests.helpers import sigstop, wait_until
 
 Fault = Callable[[], AbstractContextManager[None]]

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
-from metafora.handler import Handler
+from metafora.contracts.handler import Handler
 from metafora.statemachine import Commands, Message, MessageKind, handler_func
 from tests.helpers import wait_until
 from tests.integration.risk_harness import (

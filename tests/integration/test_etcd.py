@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.coordinators.etcd import EtcdClient, EtcdConfig, EtcdCoordinator
 from metafora.coordinators.etcd.driver import (
     EtcdDriver,

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.testing import wait_for
 from tests.helpers import stop_processes
 

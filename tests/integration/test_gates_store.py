@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from metafora import Task, gates, open_client, open_coordinator
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.errors import ClaimLost, ConfigError, StoreError
 from metafora.gates import (
     GateMoveRefused,

@@ -21,7 +21,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from metafora import Consumer, Task, TaskState, open_coordinator
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core import commands
 from metafora.statemachine import Commands, Message, StateCode, get_state, handler_func, send_task_command
 from metafora.testing import LocalCluster

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.statemachine.machine import State, StateCode
 from metafora.statemachine.store import state_store_for
 from metafora.testing import RecordingContext

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.coordinators.sql import SQLClient, SQLCoordinator
 from metafora.coordinators.sql.options import parse_config
 from metafora.coordinators.sql.store import Database

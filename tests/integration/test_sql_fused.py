@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.core.errors import ClaimLost
 from tests.integration.test_sql_coordinator import Nodes
 

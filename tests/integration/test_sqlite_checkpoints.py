@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.coordinators.sql.checkpoint import BACKSTOP, EVERY, JOURNAL_LIMIT, Checkpointer
 from metafora.testing import RecordingContext, wait_for
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from metafora import Task
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.statemachine import (
     AsyncCommands,
     Commands,

@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
 from metafora.core.errors import ClaimLost
 from metafora.statemachine import State, state_store_for
 from metafora.testing import RecordingContext

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
 from metafora.coordinators.memory import drop_store
 from metafora.core.errors import ClaimLost, TaskNotFound
 from metafora.statemachine import (

@@ -1,4 +1,4 @@
-"""metafora.balancer: the Balancer interface's defaults and the context a balancer gets."""
+"""metafora.contracts.balancer: the Balancer interface's defaults and the context a balancer gets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask, selector_key
+from metafora.contracts.balancer import Balancer, BalancerContext, ClusterState, RunningTask, selector_key
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.task import Task
 from metafora.testing import FakeClock

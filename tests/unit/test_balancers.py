@@ -17,7 +17,6 @@ from typing import TypeVar
 import pytest
 
 import metafora.balancers as balancers_pkg
-from metafora.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.balancers import (
     CpuReporter,
     DumbBalancer,
@@ -27,6 +26,7 @@ from metafora.balancers import (
     ResourceReporter,
     SleepBalancer,
 )
+from metafora.contracts.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task
 from metafora.testing import FakeClock

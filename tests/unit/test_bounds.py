@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from metafora.coordinator import MAX_ERROR_BYTES, error_text
+from metafora.contracts.coordinator import MAX_ERROR_BYTES, error_text
 from metafora.core.errors import InvalidProps, InvalidTaskId
 from metafora.core.jsontext import load_value
 from metafora.core.logs import JsonFormatter, PlainFormatter

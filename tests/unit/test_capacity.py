@@ -30,8 +30,8 @@ from metafora.consumer.capacity import (
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import NodeLog
+from metafora.contracts.handler import HandlerFunc, simple_handler
 from metafora.core.errors import ConfigError
-from metafora.handler import HandlerFunc, simple_handler
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 

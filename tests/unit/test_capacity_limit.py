@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from metafora import Task, TaskState
-from metafora.handler import simple_handler
+from metafora.contracts.handler import simple_handler
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 
@@ -31,7 +31,7 @@ import json, os, resource, signal, sys, threading
 signal.alarm(60)  # a deadline on the whole child, without a thread
 from metafora import Consumer, Task, TaskState
 from metafora.connect import open_client, open_coordinator
-from metafora.handler import simple_handler
+from metafora.contracts.handler import simple_handler
 from metafora.testing import wait_for
 
 STACK = 64 << 20

@@ -16,7 +16,7 @@ import pytest
 
 from metafora import Consumer, Task, simple_handler
 from metafora.connect import open_client, open_coordinator
-from metafora.coordinator import Finish
+from metafora.contracts.coordinator import Finish
 from metafora.core.errors import MetaforaError
 from tests.helpers import wait_until
 

@@ -26,7 +26,7 @@ from metafora.cli import (
     _common,
     cli,
 )
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.coordinators.memory import drop_store
 from metafora.core.durations import parse_duration
 from metafora.core.errors import CoordinatorUnavailable

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from metafora import Task
 from metafora.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, cli
-from metafora.client import Client
+from metafora.contracts.client import Client
 from tests.unit.test_cli import client, on, run, url
 
 __all__ = ["client", "url"]  # fixtures used here

@@ -119,5 +119,5 @@ def test_balancers_and_weight() -> None:
     assert isinstance(make_balancer("FAIR"), FairBalancer)
     assert isinstance(load_balancer("metafora.balancers:FairBalancer"), FairBalancer)
     with pytest.raises(TargetError, match="not a Balancer"):
-        load_balancer("metafora.handler:Handler")
+        load_balancer("metafora.contracts.handler:Handler")
     assert check_weight(1.0) == 1.0 and check_weight(2.5) == 2.5

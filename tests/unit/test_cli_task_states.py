@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 
 from metafora import Consumer, Task, open_client, open_coordinator
 from metafora.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, cli
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.coordinators.memory import drop_store
 from metafora.statemachine import Commands, Message, StateCode, commands_for, handler_func
 from tests.helpers import wait_until

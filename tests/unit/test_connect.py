@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from metafora import backends
 from metafora.connect import (
     DEFAULT_URL,
     ENV_URL,
@@ -22,6 +21,7 @@ from metafora.connect import (
     open_coordinator,
     validate_node_id,
 )
+from metafora.contracts import backends
 from metafora.coordinators.memory import drop_store
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task

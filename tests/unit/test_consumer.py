@@ -18,8 +18,8 @@ from metafora import (
     commands,
     simple_handler,
 )
-from metafora.balancer import SelectorKey, selector_key
 from metafora.consumer.running import Running, RunningMap
+from metafora.contracts.balancer import SelectorKey, selector_key
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.core.errors import ConfigError
 from metafora.testing import FakeClock

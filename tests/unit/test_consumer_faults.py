@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 
 from metafora import Balancer, BalancerContext, Consumer, Task, TaskState
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.core import commands
 from metafora.core.commands import Command

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from metafora import Task, open_client, open_coordinator, simple_handler
-from metafora.balancer import Balancer, BalancerContext
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Signal
@@ -33,7 +32,8 @@ from metafora.consumer.offers import (
 )
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, Running
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.contracts.balancer import Balancer, BalancerContext
+from metafora.contracts.coordinator import Coordinator, CoordinatorContext
 from metafora.coordinators.memory import drop_store
 from metafora.testing import FakeClock
 

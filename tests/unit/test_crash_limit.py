@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_client, open_coordinator, simple_handler
-from metafora.coordinator import crash_limit_error
+from metafora.contracts.coordinator import crash_limit_error
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
 from metafora.core.errors import ConfigError
 from metafora.testing import RecordingContext

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from metafora import Consumer, Task, open_coordinator, simple_handler
-from metafora.aio import DEFAULT_THREADS
-from metafora.backends import stores
 from metafora.balancers.fair import DEFAULT_FAIR_THRESHOLD
 from metafora.consumer import options
-from metafora.coordinator import DEFAULT_MAX_CRASHES
+from metafora.contracts.aio import DEFAULT_THREADS
+from metafora.contracts.backends import stores
+from metafora.contracts.coordinator import DEFAULT_MAX_CRASHES
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.sql.options import parse_config
 from metafora.core.config import parse_store_url

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.coordinators.etcd.ops import KeyValue
 from metafora.coordinators.etcd.outcomes import applied_before
 from metafora.core.groupcommit import GroupCommit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from metafora.backends import backend_of_store
+from metafora.contracts.backends import backend_of_store
 from metafora.coordinators.etcd.config import ETCD_FENCING
 from metafora.coordinators.sql.options import SQL_FENCING, parse_config
 from metafora.core.config import parse_store_url

@@ -11,13 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from metafora import Task, open_coordinator, simple_handler
-from metafora.balancer import RecentRuns
 from metafora.consumer.capacity import Capacity
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import Event, Finished
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog, Running
+from metafora.contracts.balancer import RecentRuns
 from metafora.coordinators.memory import drop_store
 from metafora.testing import FakeClock
 

@@ -1,4 +1,4 @@
-"""metafora.handler: the handler interfaces and simple_handler, driven without a consumer.
+"""metafora.contracts.handler: the handler interfaces and simple_handler, driven without a consumer.
 
 Handlers inside a running consumer: test_consumer.py and test_async_handlers.py.
 """
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
+from metafora.contracts.handler import AsyncHandler, Handler, is_async, simple_handler
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler, is_async, simple_handler
 
 TASK = Task("t1", {"n": 2})
 

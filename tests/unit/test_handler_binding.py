@@ -1,5 +1,5 @@
 """A HandlerFunc that needs its node implements one hook, ``bind_node(NodeBinding)``
-(metafora.handler): the coordinator, the node's stats and its gauges in one value. The older
+(metafora.contracts.handler): the coordinator, the node's stats and its gauges in one value. The older
 hooks (bind_coordinator, attach_stats, gauges) still work for handler funcs written for them."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from metafora import Consumer, open_coordinator, simple_handler
-from metafora.binding import BindsToNode, NodeBinding, bind_handler_func
-from metafora.coordinator import Coordinator
+from metafora.contracts.binding import BindsToNode, NodeBinding, bind_handler_func
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import HandlerFunc
 from metafora.core.errors import ConfigError
 from metafora.core.metrics import ConsumerStats
 from metafora.gates.handler import GateHandlerFunc
-from metafora.handler import HandlerFunc
 from metafora.messages import Router
 from metafora.streams.handler import StreamHandlerFunc
 

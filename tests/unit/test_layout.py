@@ -12,7 +12,7 @@
   on it.
 - The features (``statemachine``, ``gates``) and the consumer's and balancers' packages never
   import a store package's internals (``metafora.coordinators.<store>``): they reach a store
-  through the backend table (:mod:`metafora.backends`) and the interfaces they own.
+  through the backend table (:mod:`metafora.contracts.backends`) and the interfaces they own.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_the_state_machine_loads_no_gates_module() -> None:
 
 def test_a_feature_verb_of_the_client_loads_its_feature_on_first_use() -> None:
     """The client imports no feature: its stream verbs and the state reset are the features'
-    registered verbs (metafora.recipes), loaded by the first call."""
+    registered verbs (metafora.contracts.recipes), loaded by the first call."""
     probe = ("import metafora\nfrom metafora.core.errors import TaskNotFound\n"
              "client = metafora.open_client('memory://recipes')\n"
              "for call in (lambda: client.stream('none'), lambda: client.retry_task('none', True)):\n"
@@ -338,11 +338,11 @@ def test_the_floor_reader_sees_function_imports_and_type_checking_blocks(tmp_pat
     """The checks above would pass on a reader that saw nothing: it sees these forms."""
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from metafora.client import Client\n"
+                      "    from metafora.contracts.client import Client\n"
                       "def f():\n    from ..consumer import offers\n    import metafora.connect\n")
-    modules = {"metafora.client": module, "metafora.consumer": module, "metafora.consumer.offers": module,
-               "metafora.connect": module, "metafora.gates.x": module}
+    modules = {"metafora.contracts.client": module, "metafora.consumer": module,
+               "metafora.consumer.offers": module, "metafora.connect": module, "metafora.gates.x": module}
     found = {(target, typing)
              for _line, target, typing in _module_imports("metafora.gates.x", module, modules)}
-    assert found == {("metafora.client", True), ("metafora.consumer.offers", False),
+    assert found == {("metafora.contracts.client", True), ("metafora.consumer.offers", False),
                      ("metafora.connect", False)}

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.contracts.coordinator import Coordinator, CoordinatorContext
 from metafora.coordinators.memory import store as memory_store
 from metafora.coordinators.memory.store import drop_store
 from metafora.testing import FakeClock

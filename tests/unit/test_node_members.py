@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.coordinators.members import SeenWithCounts, context_weight, stored_weight
 from metafora.core.errors import ConfigError
 from metafora.core.task import Task

@@ -8,7 +8,7 @@ from typing import Any
 
 from metafora import Consumer, Task, TaskState, simple_handler
 from metafora.consumer.outcomes import OutcomeWriter, Pending
-from metafora.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Finish, Outcome
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.core.errors import ClaimLost, CoordinatorUnavailable, MetaforaError
 from tests.helpers import Harness, RanIds, wait_until

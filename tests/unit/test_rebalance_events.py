@@ -8,7 +8,7 @@ import threading
 from datetime import datetime
 
 from metafora import Task, simple_handler
-from metafora.balancer import Balancer, BalancerContext
+from metafora.contracts.balancer import Balancer, BalancerContext
 from metafora.testing import FakeClock, LocalCluster, wait_for
 
 

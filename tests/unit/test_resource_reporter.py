@@ -10,10 +10,10 @@ from datetime import datetime, timedelta
 import pytest
 
 from metafora import Task
-from metafora.balancer import BalancerContext, ClusterState, RunningTask
 from metafora.balancers import CpuReporter, MemoryReporter, ResourceBalancer, ResourceReporter
 from metafora.balancers.resource import release_count
-from metafora.handler import Handler
+from metafora.contracts.balancer import BalancerContext, ClusterState, RunningTask
+from metafora.contracts.handler import Handler
 from metafora.testing import FakeClock, LocalCluster, wait_for
 
 T0 = datetime(2030, 1, 1, 12, 0, 0).astimezone()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from metafora.consumer.runner import AsyncRun, HandlerRunner, SyncRun, Write
-from metafora.handler import AsyncHandler, Handler
+from metafora.contracts.handler import AsyncHandler, Handler
 
 
 @dataclass

@@ -14,14 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metafora.balancer import (
-    BalancerContext,
-    ClusterState,
-    RecentRuns,
-    RunningTask,
-    SelectorKey,
-    selector_key,
-)
 from metafora.balancers import FairBalancer
 from metafora.balancers.shares import (
     Member,
@@ -36,6 +28,14 @@ from metafora.balancers.shares import (
     release_plan,
     shares,
     standings,
+)
+from metafora.contracts.balancer import (
+    BalancerContext,
+    ClusterState,
+    RecentRuns,
+    RunningTask,
+    SelectorKey,
+    selector_key,
 )
 from metafora.core.errors import ConfigError
 from metafora.core.node import check_weight

@@ -12,8 +12,8 @@ import random
 from benchmarks import simulate
 from benchmarks.sim_model import FREE, SimConfig, task_index
 from benchmarks.sim_node import Cluster
-from metafora.balancer import Balancer
 from metafora.balancers import DumbBalancer, FairBalancer
+from metafora.contracts.balancer import Balancer
 
 TASKS = 500
 

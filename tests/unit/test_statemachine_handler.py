@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client, open_coordinator
-from metafora.client import Client
+from metafora.contracts.client import Client
 from metafora.coordinators.memory import MemoryCoordinator, drop_store
 from metafora.coordinators.memory.states import MemoryStateStore, MemoryTaskCommands
 from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError

@@ -17,14 +17,14 @@ from importlib import metadata
 from pathlib import Path
 
 import metafora
-from metafora import backends
+from metafora.contracts import backends
 
 ROOT = Path(metafora.__file__).resolve().parent.parent
 
 OUTSIDE = textwrap.dedent('''
     """A store outside metafora: its client and coordinator are the memory store's, under a
     scheme of its own."""
-    from metafora.backends import StoreBackend
+    from metafora.contracts.backends import StoreBackend
     from metafora.core.config import parse_store_url
     from metafora.core.leases import LeaseTTL
 
@@ -48,7 +48,7 @@ OUTSIDE = textwrap.dedent('''
 
 
     def backend_of_memory():
-        from metafora.backends import backend_of_store
+        from metafora.contracts.backends import backend_of_store
         return backend_of_store("memory")
 
 
@@ -67,7 +67,7 @@ ENTRY_POINTS = textwrap.dedent('''
 PROBE = textwrap.dedent('''
     import json
     from metafora import Task, open_client, open_coordinator
-    from metafora.backends import schemes, store_of, stores
+    from metafora.contracts.backends import schemes, store_of, stores
     from metafora.core.errors import ConfigError
 
     out = {"schemes": schemes(), "stores": sorted(stores())}
@@ -113,7 +113,7 @@ def test_an_outside_store_registers_through_the_entry_point(tmp_path: Path) -> N
     assert "the toyx store is not available: No module named 'toydriver'" in out["toyx://one"]
     assert "pip install 'outside-store[fast]'" in out["toyx://one"]
     assert "pip install 'outside-store[broken]'" in out["toybroken://one"]
-    assert "is not a metafora.backends.StoreBackend" in out["toywrong://one"]
+    assert "is not a metafora.contracts.backends.StoreBackend" in out["toywrong://one"]
 
 
 def test_the_package_registers_its_own_stores_by_entry_point() -> None:

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("starlette", reason="the dashboard needs the extra metafora-cluster[web]")
 
 from metafora import Task, open_client, open_coordinator
-from metafora.client import NodeInfo
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.client import NodeInfo
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.coordinators.memory import drop_store
 from metafora.core.limits import GroupUsage, Limit
 from metafora.core.task import TaskInfo, TaskState

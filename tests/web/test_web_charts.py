@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.contracts.coordinator import Coordinator, CoordinatorContext
 from metafora.web.charts import CHART_READ, LABEL_CHARS
 from tests.web.conftest import http_call, insert_tasks
 

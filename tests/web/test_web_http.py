@@ -215,7 +215,7 @@ def test_fast_with_100000_tasks(tmp_path: Path) -> None:
 
 def test_task_detail_with_state_machine_and_gates(sqlite_url: str) -> None:
     from metafora import open_coordinator
-    from metafora.coordinator import CoordinatorContext
+    from metafora.contracts.coordinator import CoordinatorContext
     from metafora.gates import ItemStore, NewItem
     from metafora.statemachine import State, StateCode, state_store_for
 

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import event, text
 
 from metafora import Task, open_client
-from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.web.security import MAX_BODY, MAX_REQUESTS, Sessions
 from metafora.web.server import WebServer
 from tests.web.test_web_security import TOKEN, Web, _env

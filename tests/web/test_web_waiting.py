@@ -12,7 +12,7 @@ import pytest
 from markupsafe import escape
 
 from metafora import Task, open_client, open_coordinator
-from metafora.coordinator import Coordinator, CoordinatorContext
+from metafora.contracts.coordinator import Coordinator, CoordinatorContext
 from metafora.waiting import pending_reasons
 from tests.web.conftest import http_call
 

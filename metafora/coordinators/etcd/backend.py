@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metafora.backends import StoreBackend
+from metafora.contracts.backends import StoreBackend
 from metafora.coordinators.etcd import open_client, open_coordinator
 from metafora.coordinators.etcd.client import EtcdClient
 from metafora.coordinators.etcd.config import ETCD_FENCING, LEASE_TTL

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
-from metafora.coordinator import crash_limit_error
+from metafora.contracts.coordinator import crash_limit_error
 from metafora.coordinators.etcd.cache import Entry, Known, TaskCache
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, TaskRecord, encode_json, gather, iso, props_of

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.client import Client, NodeInfo
+from metafora.contracts.client import Client, NodeInfo
 from metafora.coordinators.etcd import limits as _limits
 from metafora.coordinators.etcd import schedules as _schedules
 from metafora.coordinators.etcd.config import EtcdConfig

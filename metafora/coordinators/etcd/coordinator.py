@@ -44,7 +44,7 @@ import queue
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
-from metafora.coordinator import (
+from metafora.contracts.coordinator import (
     Coordinator,
     CoordinatorContext,
     Finish,

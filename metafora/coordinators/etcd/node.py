@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from metafora.coordinator import CoordinatorContext
+from metafora.contracts.coordinator import CoordinatorContext
 from metafora.core.errors import CoordinatorClosed
 from metafora.core.task import Task
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from metafora.coordinator import Finish, Outcome, error_text
+from metafora.contracts.coordinator import Finish, Outcome, error_text
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys, decode_json, encode_json, iso
 from metafora.coordinators.etcd.limits import GroupLimits

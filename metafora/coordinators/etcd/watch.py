@@ -10,7 +10,7 @@ import queue
 from collections.abc import Callable
 from datetime import datetime
 
-from metafora.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
+from metafora.contracts.coordinator import TaskCommandListener, TaskSink, as_sink, rotated
 from metafora.coordinators.etcd.cache import Entry, Subscriber, TaskCache, offer_for
 from metafora.coordinators.etcd.config import EtcdConfig
 from metafora.coordinators.etcd.driver import EtcdDriver, WatchHandle

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metafora.backends import StoreBackend
+from metafora.contracts.backends import StoreBackend
 from metafora.coordinators.memory.client import MemoryClient, open_client
 from metafora.coordinators.memory.coordinator import MemoryCoordinator, open_coordinator
 from metafora.coordinators.memory.store import LEASE_TTL

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.client import Client, NodeInfo
+from metafora.contracts.client import Client, NodeInfo
 from metafora.coordinators.memory.retention import MemoryRetention
 from metafora.coordinators.memory.store import MemoryStore, Row, store_for
 from metafora.core.commands import Command

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.coordinator import (
+from metafora.contracts.coordinator import (
     Coordinator,
     CoordinatorContext,
     Finish,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from metafora.coordinator import (
+from metafora.contracts.coordinator import (
     CoordinatorContext,
 )
 from metafora.core.clock import SYSTEM_CLOCK, Clock

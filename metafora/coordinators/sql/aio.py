@@ -1,5 +1,5 @@
 """The async client on PostgreSQL, and the SQL stores' writes in an application's async
-transaction (what the SQL store's backend object offers :mod:`metafora.aio`).
+transaction (what the SQL store's backend object offers :mod:`metafora.contracts.aio`).
 
 PostgreSQL goes through an async driver end to end: SQLAlchemy's async engine on psycopg's
 ``AsyncConnection``, no thread per call. It runs the statements the sync client runs (built
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from metafora.aio import AsyncClient
-from metafora.client import Client
+from metafora.contracts.aio import AsyncClient
+from metafora.contracts.client import Client
 from metafora.coordinators.sql import submit as _submit
 from metafora.coordinators.sql.client import _STORED_AS, SQLClient
 from metafora.coordinators.sql.complete import complete_steps

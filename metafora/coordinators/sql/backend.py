@@ -8,9 +8,9 @@ import importlib.util
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from metafora.aio import AsyncClient
-from metafora.backends import Migrated, StoreBackend
-from metafora.client import Client
+from metafora.contracts.aio import AsyncClient
+from metafora.contracts.backends import Migrated, StoreBackend
+from metafora.contracts.client import Client
 from metafora.coordinators.sql import open_client, open_coordinator
 from metafora.coordinators.sql.client import SQLClient
 from metafora.coordinators.sql.coordinator import SQLCoordinator

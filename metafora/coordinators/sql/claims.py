@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from metafora.coordinator import (
+from metafora.contracts.coordinator import (
     CoordinatorContext,
     Finish,
     Outcome,

@@ -10,8 +10,8 @@ from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 
-from metafora.client import Client, NodeInfo
-from metafora.coordinator import MAX_ERROR_BYTES
+from metafora.contracts.client import Client, NodeInfo
+from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.coordinators.members import stored_weight
 from metafora.coordinators.sql import complete as _complete
 from metafora.coordinators.sql import schedules as _schedules
@@ -363,7 +363,7 @@ class SQLClient(SQLRetention, Client):
 
         Every filter is in SQL, the expiry too (a pending row past ``expires_at`` is expired):
         the query never reads a row it does not return. ``props=False`` reads no props and
-        the first :data:`~metafora.coordinator.MAX_ERROR_BYTES` characters of each error.
+        the first :data:`~metafora.contracts.coordinator.MAX_ERROR_BYTES` characters of each error.
         """
         if limit < 1:
             raise ValueError("limit must be at least 1")

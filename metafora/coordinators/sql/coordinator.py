@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from metafora.coordinator import (
+from metafora.contracts.coordinator import (
     Coordinator,
     CoordinatorContext,
     Finish,

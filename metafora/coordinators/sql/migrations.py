@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from metafora.backends import Migrated
+from metafora.contracts.backends import Migrated
 from metafora.coordinators.sql import schema
 from metafora.coordinators.sql.gates import schema as gates_schema
 from metafora.coordinators.sql.joblog import schema as joblog_schema

@@ -1,7 +1,7 @@
 """Periodic schedules in SQL (table ``metafora_schedules``, schema v5), shared by the SQL
 coordinator (list, materialise) and client (add, delete, pause, resume).
 
-The atomic step of :meth:`~metafora.coordinator.Coordinator.materialise` is one transaction:
+The atomic step of :meth:`~metafora.contracts.coordinator.Coordinator.materialise` is one transaction:
 a conditional ``UPDATE ... WHERE version = :version`` of the schedule row (the
 compare-and-set) and an ``INSERT ... ON CONFLICT DO NOTHING`` of the ticks' tasks. A node
 that lost the race updates no row and writes nothing.

@@ -10,7 +10,7 @@ the decision are one statement, so concurrent submitters of one id never both ad
 :func:`submit_steps` is the work of a submit as a sequence of statements (a generator that
 yields ``(clause, params)`` and is sent each statement's rows back): the sync path
 (:func:`run_steps`, on a SQLAlchemy ``Connection``/``Session`` or a psycopg ``Connection``)
-and the async client (:mod:`metafora.aio`) drive the same steps, so no SQL is written twice.
+and the async client (:mod:`metafora.contracts.aio`) drive the same steps, so no SQL is written twice.
 """
 
 from __future__ import annotations

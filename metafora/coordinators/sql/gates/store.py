@@ -52,8 +52,8 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 
-from metafora.backends import default_url
-from metafora.client import Client
+from metafora.contracts.backends import default_url
+from metafora.contracts.client import Client
 from metafora.coordinators.sql.gates.lease import SQLPartitionLease
 from metafora.coordinators.sql.gates.schema import (
     GATES_SCHEMA_VERSION,

@@ -41,7 +41,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from metafora.backends import default_url
+from metafora.contracts.backends import default_url
 from metafora.coordinators.sql.appconn import sync_app_conn
 from metafora.coordinators.sql.joblog import wakeups
 from metafora.coordinators.sql.joblog.schema import (

@@ -1,6 +1,6 @@
 """The Client interface: an operator's handle on a store (submit, inspect, retry, command).
 
-Every store (memory, SQL, etcd) implements it beside its :class:`~metafora.coordinator.Coordinator`,
+Every store (memory, SQL, etcd) implements it beside its :class:`~metafora.contracts.coordinator.Coordinator`,
 and one conformance suite (``tests/conformance``) holds them to the same semantics.
 """
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from metafora.balancer import ClusterState
+from metafora.contracts.balancer import ClusterState
+from metafora.contracts.recipes import verb
 from metafora.core import bulk
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.commands import Command
@@ -23,14 +24,13 @@ from metafora.core.schedule_model import Schedule, new_schedule
 from metafora.core.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.core.task import Task, TaskInfo, TaskState
 from metafora.core.task_retry import StateRewrite, check_retry_options
-from metafora.recipes import verb
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
 
 __all__ = ["Client", "NodeInfo"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.client")  # its name before the move (users' log config names it)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
 
     backend: ClassVar[str] = ""
     """The store this client belongs to: the ``name`` of its registered store (as
-    :attr:`~metafora.coordinator.Coordinator.backend`)."""
+    :attr:`~metafora.contracts.coordinator.Coordinator.backend`)."""
 
     @property
     @abc.abstractmethod
@@ -115,7 +115,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         (``priority``, ``group``, ``selector``, ``prefer``, ``spread``). InvalidProps when the
         message cannot be encoded.
         """
-        # the messages' own encoding, loaded when messages are used (metafora.recipes)
+        # the messages' own encoding, loaded when messages are used (metafora.contracts.recipes)
         task, submit = verb("message_task")(task_id, message, options)
         return self.submit_task(task, **submit)
 
@@ -165,7 +165,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         if not reset_state:
             self.retry_with_state(task_id, None)
             return
-        # The rules of a reset are the state machine's (metafora.recipes).
+        # The rules of a reset are the state machine's (metafora.contracts.recipes).
         verb("reset_state")(self, task_id, keep_cursor)
 
     @abc.abstractmethod
@@ -175,7 +175,7 @@ class Client(ClusterState, ClientLimits, RetentionOps, abc.ABC):
         (failed or expired tasks only; the state is not read). TaskNotFound, InvalidTaskState.
         """
 
-    # -- streams (metafora.streams, loaded on first use: metafora.recipes) ----------------
+    # -- streams (metafora.streams, loaded on first use: metafora.contracts.recipes) ----------------
 
     def stream(self, task_id: str) -> StreamInfo:
         """The stream ``task_id`` as its owner last wrote it: processed, head, in_flight,

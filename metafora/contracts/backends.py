@@ -14,7 +14,7 @@ The ``[extra]`` of an entry point names the pip extra that provides the scheme's
 missing driver is a :class:`~metafora.core.errors.ConfigError` that names it. ``connect`` opens
 coordinators and clients through :func:`backend_of`; features find their store's
 implementation through :func:`implementation`, never by importing a store package. The group
-itself is read by :mod:`metafora.registry` (which the client, below this module, uses too).
+itself is read by :mod:`metafora.contracts.registry` (which the client, below this module, uses too).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from importlib import import_module, metadata
 from typing import Any
 
-from metafora.aio import AsyncClient
-from metafora.client import Client
-from metafora.coordinator import Coordinator
+from metafora.contracts.aio import AsyncClient
+from metafora.contracts.client import Client
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.registry import GROUP, entry_points, find, loaded, schemes
 from metafora.core.config import StoreURL, parse_store_url
 from metafora.core.errors import ConfigError
 from metafora.core.leases import Fencing, LeaseTTL
 from metafora.core.submitting import IfExists, no_completion, no_transactions
 from metafora.core.task import Task
-from metafora.registry import GROUP, entry_points, find, loaded, schemes
 
 __all__ = [
     "DEFAULT_URL",
@@ -154,7 +154,7 @@ def _load(ep: metadata.EntryPoint) -> StoreBackend:
     backend = ep.load()
     if not isinstance(backend, StoreBackend):
         raise ConfigError(f"the entry point {ep.name} = {ep.value} of {GROUP} is not a "
-                          f"metafora.backends.StoreBackend (got {type(backend).__name__})")
+                          f"metafora.contracts.backends.StoreBackend (got {type(backend).__name__})")
     return backend
 
 
@@ -189,7 +189,7 @@ def stores() -> dict[str, StoreBackend]:
 
 def backend_of_store(store: str) -> StoreBackend:
     """The registered store named ``store`` (``"sql"``); ConfigError if none is. Loads no
-    other store when that one's module is imported already (see :func:`metafora.registry.find`)."""
+    other store when that one's module is imported already (see :func:`metafora.contracts.registry.find`)."""
     backend = find(store)
     if not isinstance(backend, StoreBackend):
         raise ConfigError(f"no store named {store!r} is registered ({GROUP} has "
@@ -199,7 +199,7 @@ def backend_of_store(store: str) -> StoreBackend:
 
 def store_of(owner: object) -> str:
     """The store a coordinator or client belongs to (its
-    :attr:`~metafora.coordinator.Coordinator.backend`, a registered store's name);
+    :attr:`~metafora.contracts.coordinator.Coordinator.backend`, a registered store's name);
     ConfigError for one of no registered store."""
     store = getattr(type(owner), "backend", "")  # Coordinator.backend, Client.backend
     if not store or not isinstance(find(store), StoreBackend):

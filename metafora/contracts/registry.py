@@ -1,8 +1,8 @@
 """The entry-point group ``metafora.stores``, read once a process: URL scheme -> the entry
 point of a store's backend object.
 
-The typed door is :mod:`metafora.backends` (:class:`~metafora.backends.StoreBackend`,
-:func:`~metafora.backends.backend_of`); this module only reads the group, untyped, and
+The typed door is :mod:`metafora.contracts.backends` (:class:`~metafora.contracts.backends.StoreBackend`,
+:func:`~metafora.contracts.backends.backend_of`); this module only reads the group, untyped, and
 imports no contract.
 """
 

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from metafora.coordinator import Coordinator
+from metafora.contracts.coordinator import Coordinator
+from metafora.contracts.handler import HandlerFunc
 from metafora.core.errors import ConfigError
 from metafora.core.metrics import ConsumerStats
-from metafora.handler import HandlerFunc
 
 __all__ = ["BindsToNode", "Gauges", "NodeBinding", "bind_handler_func"]
 

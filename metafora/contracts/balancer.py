@@ -9,9 +9,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from metafora.contracts.handler import AsyncHandler, Handler
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.task import Task
-from metafora.handler import AsyncHandler, Handler
 
 __all__ = ["Balancer", "BalancerContext", "ClusterState", "RecentRuns", "RunningTask", "SelectorKey",
            "selector_key"]
@@ -28,7 +28,7 @@ def selector_key(selector: Mapping[str, str]) -> SelectorKey:
 @dataclass(frozen=True)
 class RunningTask:
     """A task running on this node: when it started, if asked to stop, when, and the
-    :class:`~metafora.handler.Handler` running it (Metafora's ``RunningTask.Handler()``;
+    :class:`~metafora.contracts.handler.Handler` running it (Metafora's ``RunningTask.Handler()``;
     None where no handler is known, as in a balancer's unit test)."""
 
     task: Task

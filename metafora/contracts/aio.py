@@ -4,7 +4,7 @@ Build it with :func:`metafora.open_async_client` (``async with open_async_client
 client:``). Nothing touches the store until the first call.
 
 - A store may offer a native async client (its backend object's
-  ``open_async_client``, see :mod:`metafora.backends`): **PostgreSQL** goes through an
+  ``open_async_client``, see :mod:`metafora.contracts.backends`): **PostgreSQL** goes through an
   async driver end to end (:mod:`metafora.coordinators.sql.aio`).
 - **SQLite, etcd and memory** run the sync client's calls on a bounded thread pool
   (:class:`ThreadedAsyncClient`, ``threads`` workers, 8 unless given): their drivers have no
@@ -18,7 +18,7 @@ one write is in flight the calls that arrive queue, and the next write carries t
 ``conn=`` (SQLite and PostgreSQL stores): the application's async transaction -- a SQLAlchemy
 ``AsyncConnection`` or ``AsyncSession``, or a psycopg ``AsyncConnection`` -- in which the
 tasks are written, existing only if it commits (docs/submit.md); the store's backend object
-writes them (:meth:`~metafora.backends.StoreBackend.submit_in_transaction`).
+writes them (:meth:`~metafora.contracts.backends.StoreBackend.submit_in_transaction`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
-from metafora.client import Client
+from metafora.contracts.client import Client
+from metafora.contracts.recipes import verb
 from metafora.core import bulk
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.commands import Command
@@ -41,7 +42,6 @@ from metafora.core.errors import ConfigError, CoordinatorClosed, MetaforaError, 
 from metafora.core.limits import Limit, Rate
 from metafora.core.submitting import IfExists, check_if_exists, no_completion, no_transactions
 from metafora.core.task import Task, TaskInfo, TaskState, validate_schedule
-from metafora.recipes import verb
 
 if TYPE_CHECKING:
     from metafora.streams.jobs import StreamInfo
@@ -59,7 +59,7 @@ Run = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 class InTransaction(Protocol):
     """What a store offers the threaded async client for ``conn=``: writes in the
-    application's async transaction (:class:`metafora.backends.StoreBackend` has both)."""
+    application's async transaction (:class:`metafora.contracts.backends.StoreBackend` has both)."""
 
     async def submit_in_transaction(self, client: Client, conn: Any, tasks: list[Task],
                                     mode: IfExists, run: Run) -> int:
@@ -225,7 +225,7 @@ class AsyncClient(abc.ABC):
         await self.close()
 
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.aio")  # its name before the move (users' log config names it)
 
 _Waiting = tuple[Task, IfExists, "asyncio.Future[bool]"]
 

@@ -2,7 +2,7 @@
 
 Every store (memory, SQL, etcd) implements it, and one conformance suite
 (``tests/conformance``) holds them to the same semantics. The operator's side,
-:class:`~metafora.client.Client`, has a module of its own (:mod:`metafora.client`).
+:class:`~metafora.contracts.client.Client`, has a module of its own (:mod:`metafora.contracts.client`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
-from metafora.balancer import ClusterState
+from metafora.contracts.balancer import ClusterState
 from metafora.core.commands import Command
 from metafora.core.errors import CoordinatorClosed, CoordinatorUnavailable, MetaforaError
 from metafora.core.masking import cut_text, scrub
@@ -32,7 +32,7 @@ __all__ = [
     "error_text", "rotated",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.coordinator")  # its name before the move (users' log config names it)
 
 T = TypeVar("T")
 
@@ -189,7 +189,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
 
     backend: ClassVar[str] = ""
     """The store this coordinator belongs to: the ``name`` of its registered
-    :class:`~metafora.backends.StoreBackend` (``"memory"``, ``"sql"``, ``"etcd"``): the
+    :class:`~metafora.contracts.backends.StoreBackend` (``"memory"``, ``"sql"``, ``"etcd"``): the
     features find their storage beside it there (state machine states, task commands). Empty
     for a coordinator of no registered store."""
 
@@ -356,7 +356,7 @@ class Coordinator(ClusterState, RetentionOps, abc.ABC):
 
     def announce_leaving(self) -> None:
         """Publish that this node is shutting down: it claims nothing more and balancers of
-        other nodes stop counting it (:meth:`~metafora.balancer.ClusterState.active_task_count`).
+        other nodes stop counting it (:meth:`~metafora.contracts.balancer.ClusterState.active_task_count`).
 
         Best effort (errors are logged, not raised); the node stays registered, holding its
         claims, until :meth:`close`. Other nodes hear it as a membership change.
