@@ -3,7 +3,7 @@
     python -m benchmarks schedules --stores sqlite,postgresql,etcd [--quick]
 
 For each store, three nodes (coordinators registered with ``init``, each running a
-:class:`~metafora.schedule.Scheduler` on the real clock, in this process) share one schedule
+:class:`~metafora.consumer.schedule.Scheduler` on the real clock, in this process) share one schedule
 ``every 1s``. Measured over ``-n`` ticks (60, quick: 20):
 
 - lateness: task ``created_at`` (the store's clock, same machine) minus the tick time, p50/p95/max;
@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Stores, percentile, save, table
 from metafora import open_client, open_coordinator
+from metafora.consumer.schedule import Scheduler
 from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.schedule_model import Schedule
 from metafora.core.task import Task, parse_time
-from metafora.schedule import Scheduler
 from metafora.testing import RecordingContext
 
 

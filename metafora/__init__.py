@@ -18,7 +18,6 @@ if _sys.argv[:1] == ["-m"] and _sys.path and "os" in _sys.modules and (
         _sys.path[0] in ("", _sys.modules["os"].getcwd())):
     del _sys.path[0]
 
-from metafora.connect import default_url, open_async_client, open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.contracts.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.contracts.client import Client
@@ -29,6 +28,7 @@ from metafora.core.commands import Command
 from metafora.core.errors import MetaforaError
 from metafora.core.schedule_model import Schedule
 from metafora.core.task import Task, TaskInfo, TaskState
+from metafora.surfaces.connect import default_url, open_async_client, open_client, open_coordinator
 
 __all__ = [
     "AsyncHandler",

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
-from metafora.connect import open_coordinator
 from metafora.consumer import Consumer
 from metafora.coordinators.memory import MemoryCoordinator
 from metafora.core.task import Task
 from metafora.statemachine.machine import StateCode
+from metafora.surfaces.connect import open_coordinator
 from metafora.testing import LocalCluster, wait_for
 
 T = TypeVar("T")

@@ -29,8 +29,8 @@ import uuid
 from typing import Any
 
 from metafora import Consumer, Task, open_client, open_coordinator
-from metafora.connect import default_url
 from metafora.streams import Job, JobContext, SQLJobLog, stream_handler
+from metafora.surfaces.connect import default_url
 
 MAX_CHUNKS = 8
 VERIFY_SECONDS = 0.03  # the "work" of verifying one chunk

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from metafora import Consumer, Task, TaskState, gates, open_client, open_coordinator
-from metafora.connect import default_url
+from metafora.surfaces.connect import default_url
 
 SKILLS = ["python", "go", "sql", "postgres", "etcd", "kubernetes", "rust", "distributed-systems",
           "kafka", "terraform", "react", "statistics"]

@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from metafora.connect import open_client
 from metafora.contracts.client import Client
 from metafora.core.durations import parse_duration
 from metafora.core.errors import (
@@ -33,6 +32,7 @@ from metafora.core.errors import (
     MetaforaError,
 )
 from metafora.core.masking import escape_controls, escape_json, for_terminal, scrub
+from metafora.surfaces.connect import open_client
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -155,7 +155,7 @@ def settings(ctx: click.Context) -> Settings:
     """The root command's settings (``metafora --url ... COMMAND``)."""
     obj = ctx.find_object(Settings)
     if obj is None:  # a sub-command invoked on its own (tests, embedding)
-        from metafora.connect import default_url
+        from metafora.surfaces.connect import default_url
 
         obj = Settings(default_url(), False, "warning")
         ctx.obj = obj

@@ -19,10 +19,10 @@ from metafora import Consumer
 from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli.items import items_url_option
 from metafora.cli.worker import _option, _Signals
-from metafora.connect import open_coordinator
 from metafora.core.masking import mask_url
 from metafora.gates import HTTPBatchProcessor, HTTPProcessor, ItemStore, handler_func
 from metafora.gates.processor import Processor
+from metafora.surfaces.connect import open_coordinator
 
 __all__ = ["gates", "processor_from_flags"]
 

@@ -12,12 +12,12 @@ from rich.text import Text
 
 from metafora.cli._common import cell, console, print_json, store_client
 from metafora.cli.top import frozen_text
-from metafora.connect import validate_node_id
 from metafora.contracts.client import NodeInfo
 from metafora.core import commands
 from metafora.core.commands import Command
 from metafora.core.errors import InvalidTaskState, NodeNotFound
 from metafora.core.task import TaskState, label_text
+from metafora.surfaces.connect import validate_node_id
 
 __all__ = ["balance", "drain", "freeze", "nodes", "stop", "top", "unfreeze"]
 

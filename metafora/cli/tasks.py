@@ -45,7 +45,7 @@ from metafora.core.task import (
     validate_schedule,
     validate_task_id,
 )
-from metafora.waiting import pending_reasons
+from metafora.features.waiting import pending_reasons
 
 __all__ = [
     "delete",

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import click
 
 from metafora.cli._common import CliError, ExitCode, Settings, exit_code_for, scrub
-from metafora.connect import DEFAULT_URL, ENV_URL
 from metafora.core.errors import MetaforaError
+from metafora.surfaces.connect import DEFAULT_URL, ENV_URL
 
 __all__ = ["MetaforaCommand", "check_url", "cli_error", "invoke_translated", "url_option"]
 

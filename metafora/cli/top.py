@@ -19,14 +19,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metafora.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
+from metafora.consumer.cluster_metrics import ClusterSnapshot, backlog_line, read_backlog
 from metafora.contracts.client import Client, NodeInfo
 from metafora.core.holds import held_by_node
 from metafora.core.limits import GroupUsage
 from metafora.core.masking import escape_controls, for_terminal
 from metafora.core.retention import Retention
 from metafora.core.task import TaskInfo, TaskState, label_text, placement_reason
-from metafora.waiting import read_usage, waiting_groups
+from metafora.features.waiting import read_usage, waiting_groups
 
 __all__ = ["Snapshot", "frozen_text", "render", "run_top", "take_snapshot"]
 

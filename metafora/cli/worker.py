@@ -27,10 +27,10 @@ from metafora.balancers import CpuReporter, DumbBalancer, FairBalancer, Resource
 from metafora.cli._common import CliError, Duration, ExitCode, scrub, settings
 from metafora.cli._load import Kind, Target, import_object, load_balancer, load_target
 from metafora.cli.tasks import parse_select
-from metafora.connect import open_coordinator
 from metafora.consumer.options import ConsumerOptions, option_docs, option_fields
 from metafora.contracts.balancer import Balancer
 from metafora.core.masking import mask_url
+from metafora.surfaces.connect import open_coordinator
 
 __all__ = ["BALANCERS", "ENV_PREFIX", "consumer_options", "flag_of", "worker"]
 

@@ -28,13 +28,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from metafora.balancers.fair import FairBalancer
-from metafora.cluster_metrics import ClusterGauges
 from metafora.consumer.balancing import Rebalancer
 from metafora.consumer.capacity import Capacity
+from metafora.consumer.cluster_metrics import ClusterGauges
 from metafora.consumer.context import PartsContext
 from metafora.consumer.events import CommandArrived, Event, Finished, Offer, Signal
 from metafora.consumer.finishing import Finisher
 from metafora.consumer.handoff import Handoffs
+from metafora.consumer.http import InfoServer, render_metrics
 from metafora.consumer.launch import Launcher
 from metafora.consumer.offers import OfferRouter
 from metafora.consumer.options import ConsumerOptions, option_fields
@@ -42,6 +43,7 @@ from metafora.consumer.registration import NodeContext, register
 from metafora.consumer.risk import RiskWatch
 from metafora.consumer.runner import HandlerRunner
 from metafora.consumer.running import NodeLog
+from metafora.consumer.schedule import Scheduler
 from metafora.consumer.shutdown import Shutdown
 from metafora.consumer.status import NodeStatus
 from metafora.consumer.supervisor import Supervisor, command_feed
@@ -57,8 +59,6 @@ from metafora.core.errors import (
     MetaforaError,
 )
 from metafora.core.retention import Pruner
-from metafora.http import InfoServer, render_metrics
-from metafora.schedule import Scheduler
 
 __all__ = ["Consumer"]
 
@@ -126,7 +126,7 @@ class Consumer:
         self._gauges: list[Gauges] = []
         self._handler_func = bind_handler_func(self._handler_func,
                                                NodeBinding(coord, self.stats, self._gauges.append))
-        # Any node may materialise due ticks of periodic schedules (metafora.schedule).
+        # Any node may materialise due ticks of periodic schedules (metafora.consumer.schedule).
         self._scheduler = Scheduler(coord, clock, logger=self._log, on_error=self.stats.loop_error)
         # Any node may take the prune turn of the retention policy (metafora.core.retention).
         self._pruner = Pruner(coord, clock, interval=options.prune_every, logger=self._log,

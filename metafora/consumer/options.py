@@ -15,13 +15,13 @@ from dataclasses import Field, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from metafora.consumer.http import parse_addr
 from metafora.contracts.coordinator import DEFAULT_MAX_CRASHES
 from metafora.core.durations import seconds
 from metafora.core.errors import ConfigError, InvalidProps
 from metafora.core.holds import DEFAULT_STICKY_FOR, check_sticky_for
 from metafora.core.node import check_weight
 from metafora.core.task import validate_labels
-from metafora.http import parse_addr
 
 __all__ = [
     "DEFAULT_BALANCE_EVERY",
@@ -184,7 +184,7 @@ class ConsumerOptions:
     this many seconds."""
     http_addr: str | None = _option(None, _addr, "text")
     """``"127.0.0.1:PORT"`` serves ``/info``, ``/metrics`` and ``/healthz`` (see
-    :mod:`metafora.http`); off by default."""
+    :mod:`metafora.consumer.http`); off by default."""
     labels: Mapping[str, str] = field(default_factory=dict, metadata={"check": _labels, "kind": "labels"})
     """This node's placement labels (``{"zone": "eu", "gpu": "1"}``), published with its
     registration: it claims only tasks whose selector they match (see docs/placement.md).

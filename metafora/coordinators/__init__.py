@@ -1,1 +1,1 @@
-"""Coordinator implementations, chosen by URL scheme (see :mod:`metafora.connect`)."""
+"""Coordinator implementations, chosen by URL scheme (see :mod:`metafora.surfaces.connect`)."""

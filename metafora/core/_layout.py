@@ -84,19 +84,16 @@ MODULES: Final[dict[str, str]] = {
     # the consumer: a node
     "metafora.consumer": "consumer",
     "metafora.balancers": "consumer",
-    "metafora.schedule": "consumer",
-    "metafora.cluster_metrics": "consumer",
-    "metafora.http": "consumer",
     # features, on the public client and coordinator
     "metafora.statemachine": "features",
     "metafora.gates": "features",
     "metafora.streams": "features",
     "metafora.messages": "features",
-    "metafora.waiting": "features",
+    "metafora.features": "features",
     # surfaces
     "metafora": "surfaces",
     "metafora.__main__": "surfaces",
-    "metafora.connect": "surfaces",
+    "metafora.surfaces": "surfaces",
     "metafora.cli": "surfaces",
     "metafora.web": "surfaces",
     "metafora.demo": "surfaces",

@@ -1,6 +1,6 @@
 """Counters and histograms a consumer keeps about itself (no third-party dependency).
 
-:mod:`metafora.http` renders them in Prometheus text format through prometheus_client.
+:mod:`metafora.consumer.http` renders them in Prometheus text format through prometheus_client.
 """
 
 from __future__ import annotations

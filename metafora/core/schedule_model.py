@@ -2,10 +2,10 @@
 
 A :class:`Schedule` says when (``every`` N seconds, or a ``cron`` expression, in UTC) a task
 is made from its ``props``. This module holds the values and the rules every store and the
-:class:`~metafora.schedule.Scheduler` share: validation, tick computation and the missed-tick
+:class:`~metafora.consumer.schedule.Scheduler` share: validation, tick computation and the missed-tick
 policy. It imports nothing of the coordinator, so the coordinator interface
 (:meth:`~metafora.contracts.coordinator.Coordinator.materialise`, ``Client.add_schedule``) can name
-these values while the loop in :mod:`metafora.schedule` drives a coordinator.
+these values while the loop in :mod:`metafora.consumer.schedule` drives a coordinator.
 
 Tick times:
 

@@ -25,12 +25,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metafora.connect import ENV_URL, open_client
 from metafora.contracts.client import Client
 from metafora.core.config import parse_store_url
 from metafora.core.task import Task, TaskInfo, TaskState
 from metafora.demo.config import FINISHED, POLL_SECONDS, DemoConfig, DemoError, demo_url, lease_ttl_of
 from metafora.demo.proof import Verdict, verify
+from metafora.surfaces.connect import ENV_URL, open_client
 from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)

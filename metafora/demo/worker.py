@@ -12,11 +12,11 @@ from types import FrameType
 
 import click
 
-from metafora.connect import ENV_URL, default_url, open_coordinator
 from metafora.consumer import Consumer
 from metafora.contracts.handler import simple_handler
 from metafora.core.errors import CoordinatorUnavailable, MetaforaError
 from metafora.core.task import Task
+from metafora.surfaces.connect import ENV_URL, default_url, open_coordinator
 from metafora.testing import FileLedger
 
 log = logging.getLogger(__name__)

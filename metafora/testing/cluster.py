@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from metafora.connect import open_client, open_coordinator
 from metafora.consumer import Consumer
 from metafora.contracts.balancer import Balancer
 from metafora.contracts.client import Client
@@ -22,6 +21,7 @@ from metafora.contracts.coordinator import DEFAULT_MAX_CRASHES, CoordinatorConte
 from metafora.contracts.handler import HandlerFunc
 from metafora.core.errors import CoordinatorUnavailable
 from metafora.core.task import Task, TaskState, validate_labels
+from metafora.surfaces.connect import open_client, open_coordinator
 
 __all__ = ["LocalCluster", "RecordingContext", "wait_for"]
 

@@ -286,7 +286,7 @@ def metafora_url(request: pytest.FixtureRequest, metafora_store_url: Callable[[s
 @pytest.fixture
 def metafora_client(metafora_url: str) -> Iterator[Client]:
     """An operator client on ``metafora_url``, closed after the test."""
-    from metafora.connect import open_client
+    from metafora.surfaces.connect import open_client
 
     with open_client(metafora_url) as client:
         yield client

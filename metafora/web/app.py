@@ -35,8 +35,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from metafora.cluster_metrics import backlog_line, read_backlog
-from metafora.connect import open_client
+from metafora.consumer.cluster_metrics import backlog_line, read_backlog
 from metafora.contracts.client import Client, NodeInfo
 from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.core import commands
@@ -45,7 +44,8 @@ from metafora.core.errors import ConfigError, InvalidTaskState, MetaforaError, T
 from metafora.core.hosts import LOOPBACK_NAMES
 from metafora.core.masking import cut_text, escape_controls, one_line, scrub
 from metafora.core.task import TaskState, validate_task_id
-from metafora.waiting import pending_reasons
+from metafora.features.waiting import pending_reasons
+from metafora.surfaces.connect import open_client
 from metafora.web import charts as chart
 from metafora.web.security import (
     MAX_BODY,

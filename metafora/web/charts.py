@@ -33,7 +33,7 @@ from metafora.core.holds import is_held
 from metafora.core.limits import GroupUsage, waiting_reason
 from metafora.core.masking import escape_controls
 from metafora.core.task import TaskInfo, TaskState, matches
-from metafora.waiting import read_usage
+from metafora.features.waiting import read_usage
 
 __all__ = [
     "CHART_READ",

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState, open_client
+from metafora.consumer.http import REQUEST_TIMEOUT
 from metafora.contracts.coordinator import MAX_ERROR_BYTES
-from metafora.http import REQUEST_TIMEOUT
 from tests.helpers import wait_until
 
 DEADLINE = 60.0

@@ -13,8 +13,8 @@ from metafora import Task, TaskState, simple_handler
 from metafora.contracts.coordinator import Coordinator
 from metafora.core.errors import ClaimLost, ConfigError, InvalidProps, LimitNotFound
 from metafora.core.limits import Limit, Rate
+from metafora.features.waiting import pending_reasons
 from metafora.testing import LocalCluster, wait_for
-from metafora.waiting import pending_reasons
 from tests.conformance.test_coordinator import Cluster, _opened
 from tests.helpers import wait_until
 

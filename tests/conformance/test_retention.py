@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from metafora import Task, TaskState
-from metafora.cluster_metrics import read_cluster
+from metafora.consumer.cluster_metrics import read_cluster
 from metafora.contracts.coordinator import Coordinator
 from metafora.core.clock import SYSTEM_CLOCK
 from metafora.core.errors import ConfigError

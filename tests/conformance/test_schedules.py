@@ -10,10 +10,10 @@ from typing import cast
 import pytest
 
 from metafora import Coordinator, Task, open_client, open_coordinator
+from metafora.consumer.schedule import Scheduler
 from metafora.core.errors import ConfigError, InvalidProps, InvalidTaskId, ScheduleExists, ScheduleNotFound
 from metafora.core.schedule_model import Schedule, due, tick_id
 from metafora.core.task import TaskState
-from metafora.schedule import Scheduler
 from metafora.testing import FakeClock, RecordingContext, wait_for
 
 

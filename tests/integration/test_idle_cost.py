@@ -30,7 +30,7 @@ import pytest
 from sqlalchemy import text
 
 from metafora import Task, TaskState, open_client, open_coordinator, simple_handler
-from metafora.cluster_metrics import read_cluster
+from metafora.consumer.cluster_metrics import read_cluster
 from metafora.contracts.coordinator import Coordinator, Finish, Outcome
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import Keys

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from metafora import Consumer, Task, open_client, open_coordinator, simple_handler
 from metafora.cli import cli
+from metafora.consumer.http import render_metrics
 from metafora.consumer.options import ConsumerOptions
 from metafora.consumer.running import NodeLog
 from metafora.consumer.supervisor import BACKOFF_FIRST, Supervisor
@@ -24,7 +25,6 @@ from metafora.core.errors import ConfigError
 from metafora.core.metrics import ConsumerStats
 from metafora.core.retention import Cutoffs, Pruner, Retention, parse_keep
 from metafora.core.schedule_model import new_schedule
-from metafora.http import render_metrics
 from metafora.testing import FakeClock, wait_for
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from metafora.consumer.http import InfoServer
 from metafora.contracts.coordinator import MAX_ERROR_BYTES, error_text
 from metafora.core.errors import InvalidProps, InvalidTaskId
 from metafora.core.jsontext import load_value
@@ -28,7 +29,6 @@ from metafora.core.masking import (
     scrub,
 )
 from metafora.core.task import validate_task_id
-from metafora.http import InfoServer
 
 MIB = 1024 * 1024
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from metafora import Consumer, Task, TaskState
-from metafora.connect import open_coordinator
 from metafora.consumer.capacity import (
     CAPACITY_RETRY,
     THREAD_CAP_CEILING,
@@ -32,6 +31,7 @@ from metafora.consumer.runner import CannotStart, HandlerRunner
 from metafora.consumer.running import NodeLog
 from metafora.contracts.handler import HandlerFunc, simple_handler
 from metafora.core.errors import ConfigError
+from metafora.surfaces.connect import open_coordinator
 from metafora.testing import LocalCluster
 from tests.helpers import wait_until
 

@@ -30,7 +30,7 @@ import json, os, resource, signal, sys, threading
 
 signal.alarm(60)  # a deadline on the whole child, without a thread
 from metafora import Consumer, Task, TaskState
-from metafora.connect import open_client, open_coordinator
+from metafora.surfaces.connect import open_client, open_coordinator
 from metafora.contracts.handler import simple_handler
 from metafora.testing import wait_for
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from metafora import Consumer, Task, simple_handler
-from metafora.connect import open_client, open_coordinator
 from metafora.contracts.coordinator import Finish
 from metafora.core.errors import MetaforaError
+from metafora.surfaces.connect import open_client, open_coordinator
 from tests.helpers import wait_until
 
 

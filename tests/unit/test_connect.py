@@ -1,4 +1,4 @@
-"""metafora.connect: choosing a store by URL scheme, the default URL and node ids.
+"""metafora.surfaces.connect: choosing a store by URL scheme, the default URL and node ids.
 
 An unknown scheme or option met by open_client: test_values.py; a missing driver's install
 hint: test_release.py.
@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from metafora.connect import (
+from metafora.contracts import backends
+from metafora.coordinators.memory import drop_store
+from metafora.core.errors import ConfigError
+from metafora.core.task import Task
+from metafora.surfaces.connect import (
     DEFAULT_URL,
     ENV_URL,
     default_url,
@@ -21,10 +25,6 @@ from metafora.connect import (
     open_coordinator,
     validate_node_id,
 )
-from metafora.contracts import backends
-from metafora.coordinators.memory import drop_store
-from metafora.core.errors import ConfigError
-from metafora.core.task import Task
 
 
 def test_the_default_url_is_the_environments_else_embedded_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -339,10 +339,11 @@ def test_the_floor_reader_sees_function_imports_and_type_checking_blocks(tmp_pat
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    from metafora.contracts.client import Client\n"
-                      "def f():\n    from ..consumer import offers\n    import metafora.connect\n")
+                      "def f():\n    from ..consumer import offers\n    import metafora.surfaces.connect\n")
     modules = {"metafora.contracts.client": module, "metafora.consumer": module,
-               "metafora.consumer.offers": module, "metafora.connect": module, "metafora.gates.x": module}
+               "metafora.consumer.offers": module, "metafora.surfaces.connect": module,
+               "metafora.gates.x": module}
     found = {(target, typing)
              for _line, target, typing in _module_imports("metafora.gates.x", module, modules)}
     assert found == {("metafora.contracts.client", True), ("metafora.consumer.offers", False),
-                     ("metafora.connect", False)}
+                     ("metafora.surfaces.connect", False)}

@@ -8,7 +8,7 @@ from metafora import Task
 from metafora.core.errors import ConfigError, InvalidProps
 from metafora.core.limits import GroupUsage, Limit, Rate, parse_rate, validate_limit, waiting_reason
 from metafora.core.task import TaskInfo, TaskState
-from metafora.waiting import group_reasons, waiting_groups
+from metafora.features.waiting import group_reasons, waiting_groups
 
 
 @pytest.mark.parametrize(("text", "rate"), [

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 
 from metafora import Task, open_client
 from metafora.cli import cli
-from metafora.connect import validate_node_id
 from metafora.coordinators.memory import drop_store
 from metafora.core.errors import ConfigError, InvalidTaskId
 from metafora.core.masking import escape_json
 from metafora.core.task import LOOKALIKE_BLANKS, validate_task_id
+from metafora.surfaces.connect import validate_node_id
 
 HOSTILE = "x\u009b[2J\u0085y\u202eabc\u2028\u2029\u2066z\u200e\u0090"
 UNSAFE = ["\u009b", "\u0085", "\u202e", "\u2028", "\u2029", "\u2066", "\u200e", "\u0090"]

@@ -1,4 +1,4 @@
-"""Tick computation, the missed-tick policy and validation of metafora.schedule (no store),
+"""Tick computation, the missed-tick policy and validation of metafora.consumer.schedule (no store),
 and the Scheduler loop on the memory store driven by a fake clock."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import open_client, open_coordinator
+from metafora.consumer.schedule import Scheduler
 from metafora.coordinators.memory import drop_store
 from metafora.core.durations import format_duration, whole_seconds
 from metafora.core.errors import ConfigError, InvalidProps, InvalidTaskId
@@ -20,7 +21,6 @@ from metafora.core.schedule_model import (
     new_schedule,
     tick_id,
 )
-from metafora.schedule import Scheduler
 from metafora.testing import FakeClock, wait_for
 
 T0 = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -8,11 +8,11 @@ from datetime import UTC, datetime
 import pytest
 
 from metafora import Task, TaskInfo, TaskState, open_client, open_coordinator
-from metafora.connect import new_node_id
 from metafora.core import commands
 from metafora.core.commands import Command
 from metafora.core.config import parse_store_url
 from metafora.core.errors import ConfigError, InvalidCommand, InvalidProps, InvalidTaskId
+from metafora.surfaces.connect import new_node_id
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "a\x00b", "tab\there", "x" * 257, 42, None])

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from metafora import Task
+from metafora.consumer.http import HEADERS, _BoundedServer
 from metafora.core.errors import InvalidProps
 from metafora.core.logs import MAX_LOG_TEXT, configure
-from metafora.http import HEADERS, _BoundedServer
 from metafora.web.security import HEADERS as WEB_HEADERS
 from metafora.web.security import MAX_REQUESTS
 from tests.web import test_web_limits as _limits

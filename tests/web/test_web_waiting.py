@@ -13,7 +13,7 @@ from markupsafe import escape
 
 from metafora import Task, open_client, open_coordinator
 from metafora.contracts.coordinator import Coordinator, CoordinatorContext
-from metafora.waiting import pending_reasons
+from metafora.features.waiting import pending_reasons
 from tests.web.conftest import http_call
 
 HOSTILE = '<img src=x onerror=alert(1)>&"tenant'

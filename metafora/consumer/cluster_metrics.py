@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["CLUSTER_READ_EVERY", "ClusterGauges", "ClusterSnapshot", "backlog_line", "read_backlog",
            "read_cluster"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.cluster_metrics")  # its name before the move (users' log config names it)
 
 CLUSTER_READ_EVERY = 5.0
 """Seconds between two reads of the cluster's view (whatever the scrape rate)."""

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Scheduler"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.schedule")  # its name before the move (users' log config names it)
 
 
 class Scheduler:

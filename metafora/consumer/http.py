@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from metafora.cluster_metrics import ClusterSnapshot
+from metafora.consumer.cluster_metrics import ClusterSnapshot
 from metafora.core.errors import ConfigError
 from metafora.core.hosts import allowed_hosts, host_allowed, host_name, is_loopback
 from metafora.core.masking import scrub
@@ -43,7 +43,7 @@ from metafora.core.metrics import ConsumerStats, HistogramSnapshot
 __all__ = ["HEADERS", "LISTEN_BACKLOG", "MAX_BODY", "MAX_CLIENTS", "REQUEST_TIMEOUT", "InfoServer",
            "is_loopback", "parse_addr", "render_metrics"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metafora.http")  # its name before the move (users' log config names it)
 
 HEADERS = (
     ("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'"),
@@ -85,7 +85,7 @@ def render_metrics(node: str, stats: ConsumerStats, running: int, *, pruned: int
                    cluster: ClusterSnapshot | None = None,
                    gauges: Mapping[str, tuple[str, float]] | None = None) -> bytes:
     """The consumer's metrics in Prometheus text format (``pruned``: finished tasks this node
-    pruned; ``cluster``: the last read of :mod:`metafora.cluster_metrics`, if any; ``gauges``:
+    pruned; ``cluster``: the last read of :mod:`metafora.consumer.cluster_metrics`, if any; ``gauges``:
     name -> (doc, value) of node-level gauges its handler publishes, labelled ``node`` only)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
