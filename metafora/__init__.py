@@ -24,11 +24,16 @@ from metafora.contracts.client import Client
 from metafora.contracts.coordinator import Coordinator, CoordinatorContext
 from metafora.contracts.handler import AsyncHandler, Handler, HandlerFunc, simple_handler
 from metafora.core import commands, errors
+from metafora.core._moved import install_finder as _install_finder
 from metafora.core.commands import Command
 from metafora.core.errors import MetaforaError
 from metafora.core.schedule_model import Schedule
 from metafora.core.task import Task, TaskInfo, TaskState
 from metafora.surfaces.connect import default_url, open_async_client, open_client, open_coordinator
+
+# The modules that moved into their floor's folder keep their old names (``metafora.task`` is
+# ``metafora.core.task``): served by one finder from one table, no file left at the old path.
+_install_finder()
 
 __all__ = [
     "AsyncHandler",
