@@ -1,77 +1,70 @@
-"""The floors of the package: every module's floor, in one place (docs/architecture.md draws it).
+"""The floors of the package: each floor is a folder, and a module's folder says its floor
+(docs/architecture.md draws it).
 
 A module may import modules of its own floor and of the floors below it, never above
 (tests/unit/test_layout.py checks every import, a function's too). The floors, from the
-ground up:
+ground up, and their folders under ``metafora/``:
 
-1. ``ground``: values and errors, and the rules every part shares (tasks, durations, clocks,
-   URLs and options, masking, metrics, the lease rules, the retention policy).
-2. ``contracts``: the interfaces the rest is written against: the task handler, the balancer,
-   the coordinator, the client and the async client, the stores' registry
-   (:mod:`metafora.contracts.backends`), and each feature's storage interface (what a store implements
-   for the state machine, the gates and the streams).
-3. ``stores``: ``metafora.coordinators.<store>``, each owning all its storage, found by URL
-   scheme through the entry-point group ``metafora.stores``; a store imports no other store.
-4. ``consumer``: a node: the Consumer and its parts, the balancers, the duties every node
-   runs (schedules), its own info server (``/info``, ``/metrics``).
-5. ``features``: built on the public client and coordinator: the state machine, the gated
-   partitions, streams, typed messages, waiting reasons.
-6. ``surfaces``: what people and programs open: ``connect`` (``open_coordinator`` /
-   ``open_client`` / ``open_async_client``), the CLI, the dashboard, the demo, the testing
-   helpers and the package's face (``metafora/__init__.py``).
+1. ``ground`` (``core/``): values and errors, and the rules every part shares (tasks,
+   durations, clocks, URLs and options, masking, metrics, the lease rules, the retention
+   policy).
+2. ``contracts`` (``contracts/``): the interfaces the rest is written against: the task
+   handler, the balancer, the coordinator, the client and the async client, the stores'
+   registry and backend table (:mod:`metafora.contracts.backends`). Each feature's storage
+   interface (what a store implements for the state machine, the gates and the streams)
+   stands in its feature's published package: those modules are the rows of :data:`MODULES`.
+3. ``stores`` (``coordinators/``): ``metafora.coordinators.<store>``, each owning all its
+   storage, found by URL scheme through the entry-point group ``metafora.stores``; a store
+   imports no other store.
+4. ``consumer`` (``consumer/``, ``balancers/``): a node: the Consumer and its parts, the
+   balancers, the duties every node runs (schedules), its own info server (``/info``,
+   ``/metrics``).
+5. ``features`` (``features/`` and the published ``statemachine/``, ``gates/``,
+   ``streams/``, ``messages/``): built on the public client and coordinator.
+6. ``surfaces`` (``surfaces/`` and ``cli/``, ``web/``, ``demo/``, ``testing/``): what people
+   and programs open: ``connect`` (``open_coordinator`` / ``open_client`` /
+   ``open_async_client``), the CLI, the dashboard, the demo, the testing helpers and the
+   package's face (``metafora/__init__.py``, ``__main__.py``).
 
 Besides the floors: the consumer and the features import no store (they reach one through
-the registry and the contracts) and no surface.
+the registry and the contracts) and no surface. Nothing else stands at the top level: a new
+module goes into the folder of its floor (the old top-level names of the modules that moved
+keep working: :mod:`metafora.core._moved`).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["FLOORS", "MODULES", "floor_of"]
+__all__ = ["FLOORS", "FOLDERS", "MODULES", "floor_of"]
 
 FLOORS: Final = ("ground", "contracts", "stores", "consumer", "features", "surfaces")
 """The floors from the ground up."""
 
+FOLDERS: Final[dict[str, str]] = {
+    "core": "ground",
+    "contracts": "contracts",
+    "coordinators": "stores",
+    "consumer": "consumer",
+    "balancers": "consumer",
+    "features": "features",
+    "statemachine": "features",
+    "gates": "features",
+    "streams": "features",
+    "messages": "features",
+    "surfaces": "surfaces",
+    "cli": "surfaces",
+    "web": "surfaces",
+    "demo": "surfaces",
+    "testing": "surfaces",
+}
+"""Each folder (package) at the package's top level -> the floor of every module in it."""
+
 MODULES: Final[dict[str, str]] = {
-    # ground: values, errors, shared rules
-    "metafora.core": "ground",
-    "metafora.core._layout": "ground",
-    "metafora.core._moved": "ground",
-    "metafora.core.errors": "ground",
-    "metafora.core.clock": "ground",
-    "metafora.core.durations": "ground",
-    "metafora.core.heap": "ground",
-    "metafora.core.hosts": "ground",
-    "metafora.core.masking": "ground",
-    "metafora.core.metrics": "ground",
-    "metafora.core.tracing": "ground",
-    "metafora.core.jsontext": "ground",
-    "metafora.core.logs": "ground",
-    "metafora.core.node": "ground",
-    "metafora.core.config": "ground",
-    "metafora.core.groupcommit": "ground",
-    "metafora.core.submitting": "ground",
-    "metafora.core.task": "ground",
-    "metafora.core.task_retry": "ground",
-    "metafora.core.bulk": "ground",
-    "metafora.core.commands": "ground",
-    "metafora.core.limits": "ground",
-    "metafora.core.schedule_model": "ground",
-    "metafora.core.retention": "ground",
-    "metafora.core.leases": "ground",
-    "metafora.core.holds": "ground",
-    # contracts: the interfaces, and each feature's storage interface
-    "metafora.contracts": "contracts",
-    "metafora.contracts.handler": "contracts",
-    "metafora.contracts.binding": "contracts",
-    "metafora.contracts.balancer": "contracts",
-    "metafora.contracts.coordinator": "contracts",
-    "metafora.contracts.client": "contracts",
-    "metafora.contracts.aio": "contracts",
-    "metafora.contracts.registry": "contracts",
-    "metafora.contracts.recipes": "contracts",
-    "metafora.contracts.backends": "contracts",
+    # the package's face, beside the folders
+    "metafora": "surfaces",
+    "metafora.__main__": "surfaces",
+    # each feature's storage interface, in its feature's published package
     "metafora.statemachine.machine": "contracts",
     "metafora.statemachine.mailbox": "contracts",
     "metafora.statemachine.store": "contracts",
@@ -79,36 +72,22 @@ MODULES: Final[dict[str, str]] = {
     "metafora.gates.lease": "contracts",
     "metafora.gates.store": "contracts",
     "metafora.streams.jobs": "contracts",
-    # stores
-    "metafora.coordinators": "stores",
-    # the consumer: a node
-    "metafora.consumer": "consumer",
-    "metafora.balancers": "consumer",
-    # features, on the public client and coordinator
-    "metafora.statemachine": "features",
-    "metafora.gates": "features",
-    "metafora.streams": "features",
-    "metafora.messages": "features",
-    "metafora.features": "features",
-    # surfaces
-    "metafora": "surfaces",
-    "metafora.__main__": "surfaces",
-    "metafora.surfaces": "surfaces",
-    "metafora.cli": "surfaces",
-    "metafora.web": "surfaces",
-    "metafora.demo": "surfaces",
-    "metafora.testing": "surfaces",
 }
-"""Module or package -> its floor; a module not named is on the floor of its nearest
-package that is (``metafora.consumer.offers`` is on ``metafora.consumer``'s)."""
+"""What a folder cannot say: module -> its floor, where that is not its folder's."""
 
 
 def floor_of(module: str) -> str:
-    """The floor of ``module`` (a dotted name under ``metafora``); KeyError for a module
-    outside the package."""
+    """The floor of ``module`` (a dotted name under ``metafora``): its own row of
+    :data:`MODULES`, else its nearest package's row, else its top-level folder's floor;
+    KeyError for a module outside the package or standing at its top level outside a
+    folder."""
     name = module
-    while name not in MODULES:
-        if "." not in name:
-            raise KeyError(f"{module} is not a module of metafora")
+    while True:
+        if name in MODULES:
+            return MODULES[name]
+        top, _, folder = name.partition(".")
+        if top == "metafora" and folder in FOLDERS:
+            return FOLDERS[folder]
+        if name.count(".") <= 1:
+            raise KeyError(f"{module} is not a module of metafora's folders")
         name = name.rpartition(".")[0]
-    return MODULES[name]

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import metafora
 
 PACKAGE = Path(metafora.__file__).resolve().parent
@@ -216,13 +218,29 @@ def _where(name: str, line: int) -> str:
     return f"{_modules()[name].relative_to(PACKAGE.parent)}:{line}"
 
 
-def test_every_module_has_a_floor_in_the_one_map() -> None:
-    from metafora.core._layout import FLOORS, MODULES, floor_of
+def test_every_module_has_a_floor_read_from_its_folder() -> None:
+    from metafora.core._layout import FLOORS, FOLDERS, MODULES, floor_of
 
-    assert set(MODULES.values()) <= set(FLOORS)
+    assert set(MODULES.values()) <= set(FLOORS) and set(FOLDERS.values()) == set(FLOORS)
     assert {name: floor_of(name) for name in _modules()}  # KeyError for a module on no floor
-    # a new top-level module or package is placed on purpose, not on the package's floor
-    assert [name for name in _modules() if name.count(".") == 1 and name not in MODULES] == []
+    assert floor_of("metafora.core.task") == "ground" and floor_of("metafora.balancers.fair") == "consumer"
+    # MODULES keeps only what a folder cannot say
+    folders_say = {name: FOLDERS[name.split(".")[1]] for name in MODULES
+                   if name.count(".") >= 1 and name.split(".")[1] in FOLDERS}
+    assert [name for name, floor in folders_say.items() if MODULES[name] == floor] == []
+    assert sorted(set(MODULES) - set(_modules())) == []  # no row for a module that is gone
+
+
+def test_nothing_but_the_floor_folders_stands_at_the_top_level() -> None:
+    """A new module goes into the folder of its floor: a module added at the package's top
+    level fails here (and has no floor: floor_of raises KeyError for it)."""
+    from metafora.core._layout import FOLDERS, floor_of
+
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert [name for name in top if name not in {"__init__.py", "__main__.py", "py.typed", *FOLDERS}] == []
+    assert [name for name in FOLDERS if not (PACKAGE / name / "__init__.py").is_file()] == []
+    with pytest.raises(KeyError):
+        floor_of("metafora.newcomer")
 
 
 def test_nothing_imports_up_a_floor() -> None:
