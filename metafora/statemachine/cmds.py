@@ -3,29 +3,83 @@
 :class:`Commands` reads commands (``poll``, ``get``), saves checkpoints (fenced, or in the
 application's transaction with ``conn=``), hands off and completes; :class:`MachineView` is
 what it shares with the async :class:`~metafora.statemachine.aio.AsyncCommands`. Both act
-through the running :class:`~metafora.statemachine.handler.StatefulTaskHandler`.
+through the running machine, known here by what they use of it (:class:`RunningMachine`, which
+:class:`~metafora.statemachine.handler.StatefulTaskHandler` is): this module imports no handler,
+so the handler, which hands out ``Commands``, and its commands form no import circle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from metafora.core.task import Task
 from metafora.statemachine.machine import Message, State
 
 if TYPE_CHECKING:
-    from metafora.statemachine.handler import StatefulTaskHandler
+    from metafora.core.clock import Clock
+    from metafora.statemachine.mailbox import Mailbox
 
-__all__ = ["Commands", "MachineView", "StatefulHandler"]
+__all__ = ["Commands", "MachineView", "RunningMachine", "StatefulHandler"]
+
+
+class RunningMachine(Protocol):
+    """What the commands use of a running machine
+    (:class:`~metafora.statemachine.handler.StatefulTaskHandler`)."""
+
+    @property
+    def task(self) -> Task:
+        """The claimed task (with its fencing token)."""
+
+    @property
+    def clock(self) -> Clock:
+        """The clock the machine waits by."""
+
+    @property
+    def poll_interval(self) -> float:
+        """The longest wait of one ``get()`` round."""
+
+    @property
+    def risk_until(self) -> datetime | None:
+        """Until when the claim is guaranteed while it is at risk, else None."""
+
+    @property
+    def state(self) -> State | None:
+        """The task's current state (None until the machine has loaded it)."""
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the machine was asked to stop or lost its claim."""
+
+    @property
+    def mailbox(self) -> Mailbox | None:
+        """The claim's command mailbox while the machine runs."""
+
+    def risk_notice(self) -> Message | None:
+        """``Message.checkpoint()`` once per at-risk episode, else None."""
+
+    def handed(self) -> Message | None:
+        """The message of a hand-off that arrived, else None."""
+
+    def receive(self, timeout: float | None) -> Message | None:
+        """The next command, waiting up to ``timeout`` seconds."""
+
+    def checkpoint(self, cursor: str | None, *, handoff: bool = False) -> None:
+        """Save ``cursor``, fenced by the claim token."""
+
+    def checkpoint_in(self, cursor: str | None, conn: Any) -> None:
+        """Save ``cursor`` in the application's transaction ``conn``."""
+
+    def complete_in(self, conn: Any) -> None:
+        """Complete the task in the application's transaction ``conn``."""
 
 
 class MachineView:
     """The task, state and cursor of a running machine, as its handler sees them (the
     base of :class:`Commands` and of :class:`~metafora.statemachine.aio.AsyncCommands`)."""
 
-    def __init__(self, machine: StatefulTaskHandler) -> None:
+    def __init__(self, machine: RunningMachine) -> None:
         self._machine = machine
 
     @property

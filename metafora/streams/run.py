@@ -34,7 +34,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from metafora.contracts.coordinator import error_text
 from metafora.core.task import Task
@@ -44,10 +44,10 @@ from metafora.streams.jobs import Job, Jobs, StreamFailing
 from metafora.streams.lanes import Lanes
 from metafora.streams.progress import Progress, Window
 from metafora.streams.threads import Strand
-from metafora.streams.work import JobContext
+from metafora.streams.work import JobContext, Work
 
 if TYPE_CHECKING:
-    from metafora.streams.handler import StreamHandlerFunc
+    from metafora.streams.threads import ElasticPool
 
 __all__ = ["StreamRun"]
 
@@ -61,6 +61,46 @@ QUEUE_AHEAD = 256
 a lane takes the next one at once, and the run refills the queue once per batch of results."""
 
 
+class _Options(Protocol):
+    """What a run reads of its handler's options
+    (:class:`~metafora.streams.handler.StreamOptions`)."""
+
+    @property
+    def max_processing(self) -> int: ...
+    @property
+    def max_search_ahead(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def poll_every(self) -> float: ...
+    @property
+    def flush_every(self) -> float: ...
+    @property
+    def stop_grace(self) -> float: ...
+    def backoff(self, failures: int) -> float: ...
+
+
+class _Handler(Protocol):
+    """What a run uses of its handler (:class:`~metafora.streams.handler.StreamHandlerFunc`,
+    which builds the run): named here by its use, so this module imports no handler and the
+    two form no import circle."""
+
+    @property
+    def options(self) -> _Options: ...
+    @property
+    def jobs(self) -> Callable[[Task], Jobs]: ...
+    @property
+    def work(self) -> Work: ...
+    @property
+    def is_async(self) -> bool: ...
+    def pool(self) -> ElasticPool: ...
+    def left_running(self, task_id: str) -> list[concurrent.futures.Future[Any]]: ...
+    def leave_running(self, task_id: str, threads: list[concurrent.futures.Future[Any]]) -> None: ...
+    def report_lag(self, task_id: str, lag: int | None) -> None: ...
+
+
 class _SourceError(Exception):
     """The source broke its contract (a job of another index, a head that went back)."""
 
@@ -68,7 +108,7 @@ class _SourceError(Exception):
 class StreamRun:
     """The state of one run of one stream (see the module docstring)."""
 
-    def __init__(self, func: StreamHandlerFunc, task: Task, cmds: AsyncCommands) -> None:
+    def __init__(self, func: _Handler, task: Task, cmds: AsyncCommands) -> None:
         self._func = func
         self._opts = func.options
         self._task = task
