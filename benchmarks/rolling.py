@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.common import Fleet, Stores, WorkerSpec, save, table
 from benchmarks.restart import is_even
 from metafora import Task, open_client
-from metafora.client import Client
+from metafora.contracts.client import Client
 
 STICKY_FOR = float(os.environ.get("METAFORA_ROLLING_STICKY_FOR", "60"))
 LIMIT = 180.0  # seconds a phase may take before it is reported as not converged
