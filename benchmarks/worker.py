@@ -115,7 +115,7 @@ def main(spec: Any, events: Any) -> None:
         deadline = time.monotonic() + 60
         while consumer.info()["started"] is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        events.put(("ready", spec.node, os.getpid()))
+        events.put(("ready", spec.node, os.getpid(), time.time()))
 
     threading.Thread(target=announce, daemon=True).start()
     if os.environ.get("METAFORA_BENCH_PROBE"):
