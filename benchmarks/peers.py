@@ -187,7 +187,8 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return ordered[rank]
 
 
-FIGURES = ("tasks_per_s", "p50_ms", "p99_ms", "recovery_s", "spawn_to_first_s", "go_to_first_s")
+FIGURES = ("tasks_per_s", "p50_ms", "p99_ms", "recovery_s", "spawn_to_first_s", "go_to_first_s",
+           "cpu_ms_per_task")
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Spread]]:
@@ -239,7 +240,8 @@ def markdown(summary: dict[str, dict[str, Spread]], labels: dict[str, str], roun
     extra = [(key, head) for key, head in (
         ("recovery_s", f" crash recovery s ({CRASH_TTL} s detection) |"),
         ("spawn_to_first_s", " spawn→first start s |"),
-        ("go_to_first_s", " imports done→first start s |")) if _measured(summary, key)]
+        ("go_to_first_s", " imports done→first start s |"),
+        ("cpu_ms_per_task", " workers' CPU ms per task |")) if _measured(summary, key)]
     out = [
         f"| system | tasks/s, {tasks:,} tasks (median of {rounds}; range) |"
         f" submit→start p50 ms, idle ({submits} submits) | p99 ms |" + "".join(h for _, h in extra),
@@ -767,9 +769,24 @@ class _Workers:
 # --------------------------------------------------------------------------- workloads
 
 
+def _cpu_s(pids: Sequence[int | None]) -> float:
+    """The CPU time (user + system, s) the processes ``pids`` used so far (``/proc``; NaN
+    where it cannot be read)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> dict[str, Any]:
     """Submit ``tasks`` no-op tasks, start the workers; tasks/s from the first start to the
-    moment the store has nothing unfinished."""
+    moment the store has nothing unfinished; the workers' CPU per task from go to that
+    moment (the imports left out: a figure the machine's load does not inflate as it does
+    the wall-clock ones)."""
     side = _system(system, url)
     side.setup()
     try:
@@ -778,6 +795,9 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
         with _Workers(system, url, "throughput") as workers:
             workers.start_together()
             went = time.time()
+            pids = [p.pid for p in workers.procs]
+            cpu_went = _cpu_s(pids)
+            cpu_done = float("nan")
             first: list[float] = []
             end = time.time() + deadline_s
             last = float("nan")
@@ -785,6 +805,7 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
                 polled = time.time()
                 if side.unfinished() == 0:
                     last = polled
+                    cpu_done = _cpu_s(pids)
                     break
                 with contextlib.suppress(queue.Empty):
                     while True:  # drain the few first-start events without blocking
@@ -806,7 +827,8 @@ def throughput(system: str, url: str, tasks: int, deadline_s: float = 900) -> di
         seconds = last - min(first)
         # the first second: spawn (imports included) and go (imports done) to the first start
         return {"system": system, "tasks": tasks, "seconds": seconds, "tasks_per_s": tasks / seconds,
-                "spawn_to_first_s": min(first) - spawned, "go_to_first_s": min(first) - went}
+                "spawn_to_first_s": min(first) - spawned, "go_to_first_s": min(first) - went,
+                "cpu_ms_per_task": (cpu_done - cpu_went) * 1000 / tasks}
     finally:
         side.close()
 
