@@ -62,7 +62,7 @@ class SQLCoordinator(SQLRetention, Coordinator):
 
     backend = "sql"
 
-    claim_burst = 256  # claim_many takes them 100 per statement, in the order offered
+    claim_burst = 256  # claim_many takes them in one statement (SQLite: 100 per statement), in order
 
     def __init__(self, db: Database, node_id: str) -> None:
         self._db = db
