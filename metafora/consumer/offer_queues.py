@@ -89,7 +89,7 @@ class Deferred:
 class Spares:
     """How many offers to try for the free slots: one spare, plus as many as the moving share
     of tried offers recently lost to other nodes says will be lost, up to ``OVERFETCH`` per
-    slot (it starts by assuming contention)."""
+    slot (it assumes contention until the first claim tells)."""
 
     def __init__(self) -> None:
         self.loss = 1.0
@@ -109,8 +109,12 @@ class Spares:
         else:
             won = {t.id for t in claimed}
             tried = 1 + max(i for i, t in enumerate(tasks) if t.id in won)
-        share = (tried - len(claimed)) / tried if tried else 0.0
-        self.loss = LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * max(0.0, share)
+        share = max(0.0, (tried - len(claimed)) / tried if tried else 0.0)
+        # The first claim replaces the assumption: decayed from 1.0, an uncontended node's
+        # share stayed above FRESH_LOSS for its first seven claims, each paying a read of its
+        # offers first (most of a 5,000-task cold start's claims, since one node per offer
+        # leaves each node its own share of a backlog).
+        self.loss = share if not self.noted else LOSS_MEMORY * self.loss + (1 - LOSS_MEMORY) * share
         self.noted += 1
 
     def contested(self) -> bool:

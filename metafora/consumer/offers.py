@@ -243,7 +243,10 @@ class OfferRouter:
                 if not (waited or check) and len(tasks) >= FRESH_CHUNK and self.spares.contested():
                     self._put_off(chunk)
                     continue
-                if (waited or check or self.spares.loss >= FRESH_LOSS) and self._room():
+                # Fresh offers before the first claim are not read: one node per offer
+                # leaves this node its own share, and a read would delay its first claim.
+                losing = self.spares.noted > 0 and self.spares.loss >= FRESH_LOSS
+                if (waited or check or losing) and self._room():
                     chunk = self._still_open(list(chunk), "waiting", check=check)
                 self._offer(chunk)
         finally:
