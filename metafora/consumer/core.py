@@ -58,6 +58,7 @@ from metafora.core.errors import (
     ConfigError,
     MetaforaError,
 )
+from metafora.core.heap import gc_paced
 from metafora.core.retention import Pruner
 
 __all__ = ["Consumer"]
@@ -250,6 +251,13 @@ class Consumer:
         self._status.started_at = self._clock.now()
         self._log.info("consumer %s started on %s", self.node_id, self._coord.name,
                        extra={"action": "start"})
+        with gc_paced():  # its tasks in flight would cost a full heap walk per ~1,300 tasks
+            self._serve()
+        if self._supervisor.fatal is not None:
+            raise self._supervisor.fatal
+
+    def _serve(self) -> None:
+        """The node's side threads and its loop, then the shutdown sequence."""
         try:
             self._start_http()
             self._balancer.init(BalancerContext(self.node_id, self._coord, self.tasks, self._clock,
@@ -273,8 +281,6 @@ class Consumer:
             raise
         finally:
             self._shutdown_sequence()
-        if self._supervisor.fatal is not None:
-            raise self._supervisor.fatal
 
     def shutdown(self, timeout: float | None = None, *, leaving: bool = False) -> None:
         """Stop claiming, stop every handler, wait up to ``timeout`` s, release, deregister.

@@ -11,6 +11,15 @@ was on), nested and from any thread: plain reference counting still frees everyt
 not a cycle, and what the bulk work built is collected in one pass afterwards. It is meant
 for work of a second or so, never for a steady state: a cycle made meanwhile (by any thread
 of the process) waits until the pause ends.
+
+:func:`gc_paced` is for the steady state of a running consumer: every task in flight stays
+alive from its claim to its outcome's write (its claim, entry, handler, run and outcome: tens
+of objects), long enough to reach the old generation, so at a few thousand short tasks a second
+the old generation grows by a quarter every ~1,300 tasks and CPython walks the whole heap each
+time: on 20,000 no-op tasks on PostgreSQL (one node) 15 full passes, half of the node's CPU
+(0.146 ms a task; 0.077 with one full pass). While a consumer runs, a full pass waits for 100
+passes of the middle generation instead of 10 (``STEADY``); the young generations are
+collected as before, so a cycle still goes young unless it lived long.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["BULK", "gc_paused"]
+__all__ = ["BULK", "DEFAULT", "STEADY", "gc_paced", "gc_paused"]
 
 BULK = 500
 """From this many items, bulk work (a listing, a wave of offers) pauses the collector."""
@@ -36,6 +45,23 @@ class _Pause:
 
 
 _PAUSE = _Pause()
+
+DEFAULT = (700, 10, 10)
+"""CPython's own thresholds: a process that set others keeps them (:func:`gc_paced`)."""
+STEADY = (700, 10, 100)
+"""The thresholds while a consumer runs: a full pass after 100 of the middle generation."""
+
+
+class _Pace:
+    """How many consumers run (nested, from any thread) and whether the first one paced."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.paced = False
+
+
+_PACE = _Pace()
 
 
 @contextmanager
@@ -59,3 +85,23 @@ def gc_paused(items: int | None = None) -> Iterator[None]:
             if _PAUSE.depth == 0 and _PAUSE.was_enabled:
                 gc.enable()
 
+
+
+@contextmanager
+def gc_paced() -> Iterator[None]:
+    """Run the block with the collector at ``STEADY`` (a consumer's run), when the process
+    has CPython's default thresholds; nested and from any thread, the defaults come back with
+    the last block, unless someone set other thresholds meanwhile."""
+    with _PACE.lock:
+        if _PACE.users == 0:
+            _PACE.paced = gc.get_threshold() == DEFAULT
+            if _PACE.paced:
+                gc.set_threshold(*STEADY)
+        _PACE.users += 1
+    try:
+        yield
+    finally:
+        with _PACE.lock:
+            _PACE.users -= 1
+            if _PACE.users == 0 and _PACE.paced and gc.get_threshold() == STEADY:
+                gc.set_threshold(*DEFAULT)
