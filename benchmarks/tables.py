@@ -412,6 +412,13 @@ def _peers(data: dict[str, Any]) -> list[str]:
                                   " METAFORA_PEERS_WORKLOADS=throughput python -m benchmarks peers --rounds 3"
                                   " --systems metafora-postgresql,metafora-sqlite,pgqueuer-default,"
                                   "pgqueuer-recommended,metafora-postgresql-10")
+@table("peers_first2", command="METAFORA_PEERS_NAME=peers_first2 METAFORA_PEERS_WORKLOADS=throughput"
+                               " python -m benchmarks peers --rounds 3 --systems metafora-postgresql,"
+                               "metafora-sqlite,pgqueuer-default,pgqueuer-recommended")
+@table("peers_first2_20k", command="METAFORA_PEERS_NAME=peers_first2_20k METAFORA_PEERS_TASKS=20000"
+                                   " METAFORA_PEERS_WORKLOADS=throughput python -m benchmarks peers"
+                                   " --rounds 3 --systems metafora-postgresql,metafora-sqlite,"
+                                   "pgqueuer-default,pgqueuer-recommended")
 @table("peers_short", command="METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput"
                               " METAFORA_PEERS_NAME=peers_short python -m benchmarks peers --rounds 8"
                               " --systems metafora-postgresql,metafora-postgresql-dumb,"
@@ -590,6 +597,10 @@ _AB_RUNS["ab_herd_bulk_ten"] = ("METAFORA_HERD_NODES=10",
                                 "herd --base main --rounds 2 --full --stores postgresql")
 _AB_RUNS["ab_herd_single"] = ("METAFORA_HERD_SUBMIT=single METAFORA_HERD_TASKS=2000",
                               "herd --base main --rounds 2 --full --stores postgresql")
+_AB_RUNS["ab_peers_first"] = ("METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOADS=throughput",
+                              "peers --base 2f4c031 --rounds 4 --full")
+_AB_RUNS["ab_peers_first_20k"] = ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput",
+                                  "peers --base 2f4c031 --rounds 4 --full")
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
                            f" --save-as {_source}")(_ab)
