@@ -18,6 +18,8 @@ __all__ = ["BATCH", "INFO_COLUMNS", "Statements"]
 BATCH = 500
 """Rows per watch query: offers go out in bounded, ordered batches."""
 
+_ENDED = ("CASE WHEN EXISTS (SELECT 1 FROM metafora_tasks WHERE namespace = :ns AND state ="
+          " 'pending' AND COL > :since AND COL <= {now}) THEN 1 ELSE 0 END")  # watch_state's
 _CLAIMABLE_PENDING = (
     "state = 'pending' AND (launch_at IS NULL OR launch_at <= {now})"
     " AND (expires_at IS NULL OR expires_at > {now})"
@@ -94,8 +96,7 @@ _INFO_COLUMNS = (
 INFO_COLUMNS = _INFO_COLUMNS
 """The columns of a task listing (with ``{now}`` to fill in), for queries built elsewhere."""
 
-# A retried task: pending again, its error, owner and crash count cleared (the condition on
-# its current state follows).
+# A retried task: pending, its error, owner and crash count cleared (its state's test follows).
 _RETRY = (
     "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
     " owner = NULL, claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
@@ -283,9 +284,9 @@ _SQL: dict[str, str] = {
     # -- the watch --------------------------------------------------------------------------
     # The database clock, when the next launch_at and the next lease expiry fall due, whether a
     # pending task is past expires_at, how many registrations are dead, and the highest ready
-    # value of a pending row (NULL: none pending). Each task subquery is a min/max, read from
-    # one end of a pending index: a round reads no task row when nothing is pending, whatever
-    # the table holds and whatever the planner believes of it.
+    # value of a pending row (NULL: none pending), whether a launch time, then a hold, ended in
+    # (:since, now] (the launched / unheld scans run only then). Each task subquery reads one end
+    # or a range of a pending index: a round reads no task row when nothing is pending.
     "watch_state": (
         "SELECT {now},"
         " (SELECT {secs_until_launch} FROM metafora_tasks WHERE namespace = :ns"
@@ -297,7 +298,8 @@ _SQL: dict[str, str] = {
         " (SELECT count(*) FROM metafora_nodes WHERE namespace = :ns AND lease_until <= {now}),"
         " (SELECT max(ready) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'),"
         " (SELECT {secs_until_unhold} FROM metafora_tasks WHERE namespace = :ns"
-        " AND state = 'pending' AND held_until > {now})"
+        " AND state = 'pending' AND held_until > {now}), " + _ENDED.replace("COL", "launch_at")
+        + ", " + _ENDED.replace("COL", "held_until")
     ),
     # Tasks whose hold ended in (:since, :until]: offered to every node then (one timer per
     # watch, from the soonest hold; through the pending held_until index).
@@ -331,8 +333,7 @@ _SQL: dict[str, str] = {
         " AND (ready, id) > (:ready, :after) AND " + _CLAIMABLE_PENDING + " AND " + _NOT_HELD
         + " ORDER BY ready, id LIMIT :limit"
     ),
-    # The settle check (PostgreSQL): ids and ready values only; the few rows not seen before
-    # are read in full by id.
+    # The settle check (PostgreSQL): ids and ready values only (rows not seen: read by id).
     "scan_settled": (
         "SELECT id, ready FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
         " AND (ready, id) > (:ready, :after) AND ready <= :until AND " + _CLAIMABLE_PENDING
@@ -509,7 +510,6 @@ _SQL: dict[str, str] = {
         " AND state IN ('done', 'failed', 'expired') AND finished_at <= {ts_plus_secs}"
     ),
 }
-
 
 
 def _claim_done(claim_many: str) -> str:
