@@ -24,7 +24,12 @@ __all__ = ["PUBLISH_DELAY", "Heartbeat", "call_hook"]
 
 log = logging.getLogger("metafora.coordinators.sql.lease")
 
-PUBLISH_DELAY = 0.25
+# A changed count waits this long before it is published (renewals publish it too): short
+# tasks change a node's count all the time, and each publish is a write per node, so the
+# cluster's cost per second grew with its nodes (at 0.25 s, 10 busy nodes wrote ~20/s). The
+# counts serve balances and the cluster's view, where a second late costs nothing (a balance
+# reads the exact counts before it moves anything: docs/rebalancing.md).
+PUBLISH_DELAY = 1.0
 """Seconds a changed count of claims waits before it is published: a burst of claims and
 outcomes costs one UPDATE of the node's row, and balancers see it a quarter second late."""
 
