@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+from collections.abc import Container, Sequence
 
 from metafora.core.task import Task
 
@@ -65,6 +66,28 @@ class Deferred:
         level = (task.priority, own)
         self._levels.setdefault(level, collections.OrderedDict())[task.id] = task
         self._level_of[task.id] = level
+
+    def behind_own(self, due: Sequence[Task], running: Container[str]) -> bool:
+        """Defer ``due`` (offers that waited their hold for the node ranked first for them) as
+        other nodes' behind this node's own waiting offers, if any wait (then True; False:
+        none wait, try ``due`` now).
+
+        With a backlog every node is full: the node ranked first for an offer is busy with
+        the offers before it, not dead, so the offer is still open when its hold ends. Tried
+        then, at each free slot, every node took other nodes' shares ahead of its own (a read
+        to check them, a claim, and the first node's claims lost to the races that followed:
+        the work of a claim grew with the nodes again). A node whose own offers wait gives
+        its free slots to those first, and reaches these after them at the same priority
+        (checked a chunk at a time); one with none waiting (idle, or its share done) still
+        tries due offers at once, so a dead, frozen or full first node's tasks are taken as
+        soon as some node has nothing of its own to do.
+        """
+        if not any(own for _, own in self._levels):
+            return False
+        for task in due:
+            if task.id not in running:
+                self.put(task, replace=False, own=False)
+        return True
 
     def take(self, count: int | None, *, own: bool | None = None) -> list[Task]:
         """Remove and return up to ``count`` (None: all) deferred tasks, in order (``own``

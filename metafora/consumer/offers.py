@@ -142,10 +142,15 @@ class OfferRouter:
 
     def release_held(self, now: float) -> None:
         """Offers held back for their preferred node that are due: try those still claimable
-        (most were taken meanwhile; ``claimable``, SQL, tells which in one read: first offers')."""
-        for due, check in ((self._preference.due(now, 1000), False), (self._first.due(now), True)):
-            if due:
-                self.offer(*due, waited=True, check=check)
+        (most were taken meanwhile; ``claimable``, SQL, tells which in one read: first offers'),
+        unless this node's own offers wait for a slot (:meth:`Deferred.behind_own`)."""
+        for held, check in ((self._preference.due(now, 1000), False), (self._first.due(now), True)):
+            with self._lock:
+                behind = bool(held) and self.deferred.behind_own(held, self._running)
+            if behind:
+                self.retry_deferred()  # a slot may be free: this node's own offers first
+            elif held:
+                self.offer(*held, waited=True, check=check)
 
     def _still_open(self, tasks: list[Task], what: str, *, check: bool = False) -> list[Task]:
         """Those of ``tasks`` still claimable, as far as the store tells cheaply: its local

@@ -115,3 +115,19 @@ def test_a_full_node_takes_its_own_deferred_offers_first() -> None:
     taken = [t.id for t in deferred.take(7)]
     assert taken == ["urgent", "own0", "own1", "own2", "own3", "own4", "other0"]
     assert len(deferred) == 4
+
+
+def test_due_offers_wait_behind_the_nodes_own_waiting_offers() -> None:
+    deferred = Deferred()
+    due = [Task("other0"), Task("other1"), Task("running")]
+    # Nothing of its own waits (idle, or its share done): the due offers are tried at once.
+    assert not deferred.behind_own(due, {"running"})
+    assert len(deferred) == 0
+    deferred.put(Task("own0"), own=True)
+    deferred.put(Task("own1"), own=True)
+    assert deferred.behind_own(due, {"running"})  # a running one is not deferred again
+    assert [t.id for t in deferred.take(None)] == ["own0", "own1", "other0", "other1"]
+    # Priority still comes first: a due offer of higher priority goes before its own.
+    deferred.put(Task("own2"), own=True)
+    assert deferred.behind_own([Task("urgent", priority=3)], set())
+    assert [t.id for t in deferred.take(None)] == ["urgent", "own2"]
