@@ -87,7 +87,8 @@ def commit() -> str:
 
 SETTING_PREFIXES = ("METAFORA_CLAIMS_", "METAFORA_PEERS_", "METAFORA_GATES_", "METAFORA_STORM_",
                     "METAFORA_IDLE_", "METAFORA_BENCH_ETCD_MEMBERS", "METAFORA_BENCH_PROBE",
-                    "METAFORA_STREAMS_", "METAFORA_HERD_", "METAFORA_ROLLING_")
+                    "METAFORA_STREAMS_", "METAFORA_HERD_", "METAFORA_ROLLING_",
+                    "METAFORA_BENCH_COUNT")
 
 
 def settings() -> dict[str, str]:

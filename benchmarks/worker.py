@@ -99,6 +99,10 @@ def main(spec: Any, events: Any) -> None:
     """Run a consumer described by ``spec`` (a benchmarks.common.WorkerSpec) until SIGTERM."""
     logging.basicConfig(level=os.environ.get("METAFORA_BENCH_LOG", "WARNING"),
                         format=f"%(asctime)s {spec.node} %(levelname)s %(message)s")
+    if os.environ.get("METAFORA_BENCH_COUNT"):  # a diagnostic: benchmarks/statement_counts.py
+        from benchmarks.statement_counts import ENV, install
+
+        install(spec.node, os.environ[ENV])
     if getattr(spec, "count_sql", False):
         _report_sql_statements(spec.node, events)
     coord = open_coordinator(spec.url, node_id=spec.node, **spec.options)
