@@ -94,22 +94,41 @@ def _counting(opened: Any, kind: str, txns: collections.Counter[str],
     return counted
 
 
-def main(directories: list[str]) -> None:
-    """Print the sums of each directory's files, most frequent statements first."""
-    for directory in directories:
-        stmts: collections.Counter[str] = collections.Counter()
-        rows: collections.Counter[str] = collections.Counter()
-        txns: collections.Counter[str] = collections.Counter()
-        files = sorted(Path(directory).glob("*.json"))
-        for f in files:
-            data = json.loads(f.read_text())
-            stmts.update(data["stmts"])
-            rows.update(data["rows"])
-            txns.update(data["txns"])
-        print(f"{directory}: {len(files)} processes; connections {dict(txns)}, "
+def summed(directory: str) -> dict[str, Any]:
+    """The sums of one run's files: processes, statements, rows and connections by kind."""
+    stmts: collections.Counter[str] = collections.Counter()
+    rows: collections.Counter[str] = collections.Counter()
+    txns: collections.Counter[str] = collections.Counter()
+    files = sorted(Path(directory).glob("*.json"))
+    for f in files:
+        data = json.loads(f.read_text())
+        stmts.update(data["stmts"])
+        rows.update(data["rows"])
+        txns.update(data["txns"])
+    return {"processes": len(files), "stmts": dict(stmts), "rows": dict(rows), "txns": dict(txns)}
+
+
+def main(args: list[str]) -> None:
+    """Print the sums of each directory's files, most frequent statements first; with
+    ``--save NAME`` first, also save them as ``benchmarks/results/NAME.json`` (by processes)."""
+    name = None
+    if args[:1] == ["--save"]:
+        name, args = args[1], args[2:]
+    runs = {}
+    for directory in args:
+        run = summed(directory)
+        runs[str(run["processes"])] = run
+        txns = run["txns"]
+        print(f"{directory}: {run['processes']} processes; connections {txns}, "
               f"{sum(txns.values())} in all")
-        for name, count in stmts.most_common():
-            print(f"  {name:32s} {count:8d}" + (f"  rows {rows[name]}" if name in rows else ""))
+        for stmt, count in sorted(run["stmts"].items(), key=lambda kv: -kv[1]):
+            rows = run["rows"].get(stmt)
+            print(f"  {stmt:32s} {count:8d}" + (f"  rows {rows}" if rows is not None else ""))
+    if name is not None:
+        from benchmarks.common import save
+
+        save(name, {"tasks": int(os.environ.get("METAFORA_HERD_TASKS", "10000")), "runs": runs,
+                    "load_at_save": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":
