@@ -670,6 +670,28 @@ def _streams(data: dict[str, Any]) -> list[str]:
     return out
 
 
+@table("herd_statements", command="METAFORA_BENCH_COUNT=DIR python -m benchmarks herd (2, then 10"
+       " nodes); python -m benchmarks.statement_counts --save herd_statements DIR2 DIR10")
+def _herd_statements(data: dict[str, Any]) -> list[str]:
+    """What the herd's nodes asked PostgreSQL, by kind and statement, at 2 and at 10 nodes."""
+    two, ten = data["runs"]["2"], data["runs"]["10"]
+    out = [f"One run of each size, {data['tasks']:,} tasks (load {data['load_at_save']:.1f} on 2"
+           " cores as it was saved); connections by kind (a read is one transaction), then the"
+           " statements (`hot:` the claim / finish round trips; rows: what the watch's scans and"
+           " the claims returned):", ""]
+    out += header("what", "2 nodes", "10 nodes", "10 / 2", "rows at 2", "rows at 10")
+    for kind in ("read", "hot", "write", "transaction"):
+        a, b = two["txns"].get(kind, 0), ten["txns"].get(kind, 0)
+        out.append(row(f"connections: {kind}", a, b, f"{b / a:.2f}x" if a else "-", "", ""))
+    names = sorted(set(two["stmts"]) | set(ten["stmts"]),
+                   key=lambda n: (-(two["stmts"].get(n, 0) + ten["stmts"].get(n, 0)), n))
+    for name in names[:16]:
+        a, b = two["stmts"].get(name, 0), ten["stmts"].get(name, 0)
+        out.append(row(f"`{name}`", a, b, f"{b / a:.2f}x" if a else "-",
+                       two["rows"].get(name, ""), ten["rows"].get(name, "")))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check (default) or ``--write`` the generated blocks; ``--list`` the tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
@@ -694,24 +716,3 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-
-@table("herd_statements", command="METAFORA_BENCH_COUNT=DIR python -m benchmarks herd (2, then 10"
-       " nodes); python -m benchmarks.statement_counts --save herd_statements DIR2 DIR10")
-def _herd_statements(data: dict[str, Any]) -> list[str]:
-    """What the herd's nodes asked PostgreSQL, by kind and statement, at 2 and at 10 nodes."""
-    two, ten = data["runs"]["2"], data["runs"]["10"]
-    out = [f"One run of each size, {data['tasks']:,} tasks (load {data['load_at_save']:.1f} on 2"
-           " cores as it was saved); connections by kind (a read is one transaction), then the"
-           " statements (`hot:` the claim / finish round trips; rows: what the watch's scans and"
-           " the claims returned):", ""]
-    out += header("what", "2 nodes", "10 nodes", "10 / 2", "rows at 2", "rows at 10")
-    for kind in ("read", "hot", "write", "transaction"):
-        a, b = two["txns"].get(kind, 0), ten["txns"].get(kind, 0)
-        out.append(row(f"connections: {kind}", a, b, f"{b / a:.2f}x" if a else "-", "", ""))
-    names = sorted(set(two["stmts"]) | set(ten["stmts"]),
-                   key=lambda n: -(two["stmts"].get(n, 0) + ten["stmts"].get(n, 0)))
-    for name in names[:16]:
-        a, b = two["stmts"].get(name, 0), ten["stmts"].get(name, 0)
-        out.append(row(f"`{name}`", a, b, f"{b / a:.2f}x" if a else "-",
-                       two["rows"].get(name, ""), ten["rows"].get(name, "")))
-    return out
