@@ -155,7 +155,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
     "metafora/coordinators/etcd/driver.py:EtcdDriver": (405, "grew with holds' leases"),
     "metafora/coordinators/sql/gates/store.py:SQLItemStore": (455, "every item verb of the gates"),
     "metafora/gates/handler.py:handler_func": (86, "builds the gated handler's closures in one"),
-    "metafora/coordinators/etcd/lease.py:run": (83, "the renewal loop with its fencing cases"),
 }
 
 

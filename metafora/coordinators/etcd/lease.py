@@ -55,6 +55,7 @@ class NodeLease:
         self._started_at = clock.now()
         self._frozen = False
         self._leaving = False
+        self._failing = False  # the last renewal failed (the lease thread's own)
         self.capacity: int | None = None  # as published (see _publish_capacity)
 
     def register(self) -> None:
@@ -143,7 +144,6 @@ class NodeLease:
         interval = renew_every(self._cfg.lease_ttl)
         next_beat = self._clock.monotonic() + interval
         backoff = BACKOFF_START
-        failing = False
         while not self._state.stop.is_set():
             try:
                 with self._state.lease_lock:  # not the node's lock: see the class docstring
@@ -186,42 +186,50 @@ class NodeLease:
                 if paused:  # fault injection: pretend the renewal never got through
                     next_beat = now + interval
                     continue
-                started = self._clock.monotonic()
-                try:
-                    ttl = self._driver.keepalive(lease, timeout=fence_at - started)
-                except MetaforaError as exc:
-                    level = logging.DEBUG if failing else logging.WARNING
-                    log.log(level, "node %s: lease renewal failed: %s", self._state.node_id, exc,
-                            extra=self._state.extra)
-                    failing = True
-                    next_beat = self._clock.monotonic() + min(interval, 0.25)
-                    ctx = self._state.ctx  # set once by init, before this thread starts
-                    if ctx is not None:
-                        report_renewal_failure(ctx, exc)
-                    continue
-                if ttl <= 0:
-                    self.fence("etcd no longer knows the lease")
-                    continue
-                took = self._clock.monotonic() - started
-                with self._state.lease_lock:
-                    if self._state.lease_id == lease:
-                        self._state.renewed_at = started
-                ctx = self._state.ctx
-                if ctx is not None:
-                    ctx.renewed(took)
-                    self._publish_capacity(ctx)
-                if failing:
-                    log.info("node %s: lease renewal recovered", self._state.node_id, extra=self._state.extra)
-                    failing = False
-                if took > interval:
-                    log.warning("node %s: lease renewal took %.2fs (interval %.2fs)",
-                                self._state.node_id, took, interval, extra=self._state.extra)
-                next_beat = started + interval
+                beat = self._renew(lease, fence_at, interval)
+                if beat is not None:
+                    next_beat = beat
             except Exception:  # never let the heartbeat die: a dead heartbeat is a zombie
                 log.exception("node %s: unexpected error in the lease loop", self._state.node_id,
                               extra=self._state.extra)
                 self._state.stop.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
+
+
+    def _renew(self, lease: int, fence_at: float, interval: float) -> float | None:
+        """One renewal of ``lease`` (due now): the time of the next one, or None when the
+        node fenced (the loop re-registers, which sets it anew)."""
+        started = self._clock.monotonic()
+        try:
+            ttl = self._driver.keepalive(lease, timeout=fence_at - started)
+        except MetaforaError as exc:
+            level = logging.DEBUG if self._failing else logging.WARNING
+            log.log(level, "node %s: lease renewal failed: %s", self._state.node_id, exc,
+                    extra=self._state.extra)
+            self._failing = True
+            next_beat = self._clock.monotonic() + min(interval, 0.25)
+            ctx = self._state.ctx  # set once by init, before this thread starts
+            if ctx is not None:
+                report_renewal_failure(ctx, exc)
+            return next_beat
+        if ttl <= 0:
+            self.fence("etcd no longer knows the lease")
+            return None
+        took = self._clock.monotonic() - started
+        with self._state.lease_lock:
+            if self._state.lease_id == lease:
+                self._state.renewed_at = started
+        ctx = self._state.ctx
+        if ctx is not None:
+            ctx.renewed(took)
+            self._publish_capacity(ctx)
+        if self._failing:
+            log.info("node %s: lease renewal recovered", self._state.node_id, extra=self._state.extra)
+            self._failing = False
+        if took > interval:
+            log.warning("node %s: lease renewal took %.2fs (interval %.2fs)",
+                        self._state.node_id, took, interval, extra=self._state.extra)
+        return started + interval
 
     def _reregister(self) -> bool:
         """After a fence: revoke the old lease, register again. True on success."""
