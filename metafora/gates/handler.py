@@ -227,6 +227,26 @@ def gate_error_handler(items: ItemStore, base: ErrorHandler = default_error_hand
     return handle
 
 
+def _as_processor(processor: Processor | Callable[[Item], Response]) -> Processor:
+    """``processor`` as a :class:`Processor` (a function ``item -> Response`` wrapped)."""
+    if isinstance(processor, Processor):
+        return processor
+    if not callable(processor):
+        raise ConfigError("processor must be a gates.Processor or a function item -> Response")
+    return callable_processor(processor)
+
+
+def _fenced_by_claims(coordinator: Coordinator | None, items: ItemStore) -> bool:
+    """Whether item writes are fenced by ``coordinator``'s claims directly (the items beside
+    its tasks); else the coordinator's pruning is told to delete the items too."""
+    claim_fence = coordinator is not None and items.beside(coordinator)
+    if coordinator is not None and not claim_fence:
+        # The items live in another database than the tasks (an etcd coordinator's): the
+        # coordinator's pruning deletes a pruned partition's items through the item store.
+        coordinator.prune_also(items.delete_partitions)
+    return claim_fence
+
+
 def handler_func(
     processor: Processor | Callable[[Item], Response],
     coordinator: Coordinator | None,
@@ -280,10 +300,7 @@ def handler_func(
     """
     if not isinstance(items, ItemStore):
         raise ConfigError(f"items must be a gates.ItemStore, not {type(items).__name__}")
-    if not isinstance(processor, Processor):
-        if not callable(processor):
-            raise ConfigError("processor must be a gates.Processor or a function item -> Response")
-        processor = callable_processor(processor)
+    processor = _as_processor(processor)
     if concurrency is None:
         concurrency = int(getattr(processor, "concurrency", 1) or 1)
     options = GateOptions.validated(
@@ -297,11 +314,7 @@ def handler_func(
         raise ConfigError(f"poll_interval must be in (0, 60] seconds, got {poll_interval!r}")
     if (state_store is None or task_commands is None) and coordinator is None:
         raise ConfigError("pass a coordinator, or both state_store and task_commands")
-    claim_fence = coordinator is not None and items.beside(coordinator)
-    if coordinator is not None and not claim_fence:
-        # The items live in another database than the tasks (an etcd coordinator's): the
-        # coordinator's pruning deletes a pruned partition's items through the item store.
-        coordinator.prune_also(items.delete_partitions)
+    claim_fence = _fenced_by_claims(coordinator, items)
     return GateHandlerFunc(
         processor, items,
         state_store if state_store is not None else state_store_for(coordinator),

@@ -154,7 +154,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
     "metafora/coordinators/etcd/client.py:EtcdClient": (404, "grew with holds and drains"),
     "metafora/coordinators/etcd/driver.py:EtcdDriver": (405, "grew with holds' leases"),
     "metafora/coordinators/sql/gates/store.py:SQLItemStore": (455, "every item verb of the gates"),
-    "metafora/gates/handler.py:handler_func": (86, "builds the gated handler's closures in one"),
 }
 
 
