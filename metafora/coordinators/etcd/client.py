@@ -39,8 +39,6 @@ from metafora.coordinators.etcd.layout import (
     decode_json,
     escape,
     iso,
-    labels_of,
-    parse_iso,
     task_info,
     task_record,
 )
@@ -49,13 +47,13 @@ from metafora.coordinators.etcd.queries import (
     launch_and_expiry,
     live_members,
     live_nodes,
+    node_infos,
     node_task_count,
     read_all_tasks,
     read_task,
     read_task_page,
 )
 from metafora.coordinators.etcd.retention import EtcdRetention
-from metafora.coordinators.members import stored_weight
 from metafora.core.clock import SYSTEM_CLOCK, Clock
 from metafora.core.commands import Command
 from metafora.core.errors import (
@@ -395,35 +393,7 @@ class EtcdClient(EtcdRetention, Client):
         """Live nodes with their task counts, host, pid, start time, frozen flag, labels and
         weight."""
         self._check_open()
-        result = self._driver.txn(
-            [],
-            [Range(self._keys.nodes, prefix=True), Range(self._keys.owners, prefix=True)],
-            repeatable=True,
-        )
-        counts: dict[str, int] = {}
-        for kv in result.ranges[1]:
-            owner = kv.value.decode(errors="replace")
-            counts[owner] = counts.get(owner, 0) + 1
-        infos = []
-        for kv in result.ranges[0]:
-            parsed = self._keys.parse(kv.key)
-            if parsed is None or parsed[0] != "alive":
-                continue
-            data = decode_json(kv.value) or {}
-            host, pid, frozen = data.get("host"), data.get("pid"), data.get("frozen")
-            infos.append(
-                NodeInfo(
-                    parsed[1],
-                    counts.get(parsed[1], 0),
-                    host=host if isinstance(host, str) else None,
-                    pid=pid if isinstance(pid, int) else None,
-                    started=parse_iso(data.get("started_at")),
-                    frozen=frozen if isinstance(frozen, bool) else None,
-                    labels=labels_of(data, parsed[1]),
-                    weight=stored_weight(data.get("weight"), parsed[1]),
-                )
-            )
-        return sorted(infos, key=lambda n: n.id)
+        return node_infos(self._driver, self._keys)
 
     def node_weights(self) -> dict[str, float]:
         self._check_open()

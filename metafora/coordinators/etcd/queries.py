@@ -6,6 +6,7 @@ from collections import Counter
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from metafora.contracts.client import NodeInfo
 from metafora.coordinators.etcd.driver import EtcdDriver
 from metafora.coordinators.etcd.layout import (
     Keys,
@@ -15,6 +16,7 @@ from metafora.coordinators.etcd.layout import (
     gather,
     iso,
     labels_of,
+    parse_iso,
 )
 from metafora.coordinators.etcd.ops import KeyValue, Put, Range, absent, modified_at, prefix_end
 from metafora.coordinators.members import stored_capacity, stored_weight
@@ -30,6 +32,7 @@ __all__ = [
     "member_of",
     "members",
     "newest",
+    "node_infos",
     "node_labels",
     "node_task_count",
     "read_all_tasks",
@@ -122,6 +125,40 @@ def node_task_count(driver: EtcdDriver, keys: Keys) -> dict[str, int]:
     nodes = _alive(keys, [kv.key for kv in result.ranges[0]])
     held = Counter(kv.value.decode(errors="replace") for kv in result.ranges[1])
     return {node: held.get(node, 0) for node in sorted(nodes)}
+
+
+def node_infos(driver: EtcdDriver, keys: Keys) -> list[NodeInfo]:
+    """Live nodes with their task counts, host, pid, start time, frozen flag, labels and
+    weight (read in one revision), sorted by id."""
+    result = driver.txn(
+        [],
+        [Range(keys.nodes, prefix=True), Range(keys.owners, prefix=True)],
+        repeatable=True,
+    )
+    counts: dict[str, int] = {}
+    for kv in result.ranges[1]:
+        owner = kv.value.decode(errors="replace")
+        counts[owner] = counts.get(owner, 0) + 1
+    infos = []
+    for kv in result.ranges[0]:
+        parsed = keys.parse(kv.key)
+        if parsed is None or parsed[0] != "alive":
+            continue
+        data = decode_json(kv.value) or {}
+        host, pid, frozen = data.get("host"), data.get("pid"), data.get("frozen")
+        infos.append(
+            NodeInfo(
+                parsed[1],
+                counts.get(parsed[1], 0),
+                host=host if isinstance(host, str) else None,
+                pid=pid if isinstance(pid, int) else None,
+                started=parse_iso(data.get("started_at")),
+                frozen=frozen if isinstance(frozen, bool) else None,
+                labels=labels_of(data, parsed[1]),
+                weight=stored_weight(data.get("weight"), parsed[1]),
+            )
+        )
+    return sorted(infos, key=lambda n: n.id)
 
 
 def active_task_count(driver: EtcdDriver, keys: Keys
