@@ -151,7 +151,6 @@ OVERSIZED: dict[str, tuple[int, str]] = {
     "metafora/coordinators/sql/coordinator.py:SQLCoordinator": (406, "grew with this round's verbs"),
     "metafora/statemachine/handler.py:StatefulTaskHandler": (451, "the loop and the completion in one"),
     "metafora/coordinators/sql/statements.py": (618, "every statement, written once: grew with holds"),
-    "metafora/coordinators/etcd/driver.py:EtcdDriver": (405, "grew with holds' leases"),
     "metafora/coordinators/sql/gates/store.py:SQLItemStore": (455, "every item verb of the gates"),
 }
 

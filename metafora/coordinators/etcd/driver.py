@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from metafora.coordinators.etcd.lease_calls import Invoke, LeaseCalls
 from metafora.coordinators.etcd.messages import (
     kv_from,
     range_request,
@@ -182,6 +183,7 @@ class EtcdDriver:
         self._current = 0
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._closed = False
+        self._leases = LeaseCalls(self._call, settings.timeout)
 
     @property
     def endpoints(self) -> str:
@@ -301,7 +303,7 @@ class EtcdDriver:
     def _call(
         self,
         what: str,
-        invoke: Callable[[Any, ModuleType, tuple[tuple[str, str], ...] | None], Any],
+        invoke: Invoke,
         *,
         repeatable: bool,
     ) -> tuple[Any, bool]:
@@ -474,64 +476,23 @@ class EtcdDriver:
                 results.append(exc)
         return results
 
-    # -- leases -----------------------------------------------------------------------
+    # -- leases (the RPCs are :class:`~.lease_calls.LeaseCalls`') ---------------------
 
     def grant(self, ttl: int) -> tuple[int, int]:
         """A new lease; returns (lease id, granted TTL in seconds)."""
-
-        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
-            rpc = lib.etcdrpc
-            return rpc.LeaseStub(channel).LeaseGrant(
-                rpc.LeaseGrantRequest(TTL=ttl), self._settings.timeout, metadata=md
-            )
-
-        response, _ = self._call("lease grant", invoke, repeatable=True)
-        if getattr(response, "error", ""):
-            raise StoreError(f"etcd refused a lease: {response.error}")
-        return int(response.ID), int(response.TTL)
+        return self._leases.grant(ttl)
 
     def keepalive(self, lease_id: int, timeout: float) -> int:
         """Renew a lease once; returns its TTL, or 0 when etcd no longer knows it."""
-        deadline = max(0.05, min(timeout, self._settings.timeout))
-
-        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
-            rpc = lib.etcdrpc
-            stream = rpc.LeaseStub(channel).LeaseKeepAlive(
-                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), deadline, metadata=md
-            )
-            for response in stream:
-                return int(response.TTL)
-            return 0
-
-        ttl, _ = self._call("lease keep-alive", invoke, repeatable=False)
-        return int(ttl)
+        return self._leases.keepalive(lease_id, timeout)
 
     def lease_keys(self, lease_id: int) -> int:
         """How many keys are attached to a lease (0 when etcd does not know it)."""
-
-        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
-            rpc = lib.etcdrpc
-            return rpc.LeaseStub(channel).LeaseTimeToLive(
-                rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True), self._settings.timeout,
-                metadata=md)
-
-        response, _ = self._call("lease time-to-live", invoke, repeatable=True)
-        return len(response.keys) if int(response.TTL) > 0 else 0
+        return self._leases.lease_keys(lease_id)
 
     def revoke(self, lease_id: int, timeout: float | None = None) -> None:
         """Revoke a lease (its keys are deleted). An unknown lease is not an error."""
-        deadline = self._settings.timeout if timeout is None else max(0.05, timeout)
-
-        def invoke(channel: Any, lib: ModuleType, md: Any) -> Any:
-            rpc = lib.etcdrpc
-            return rpc.LeaseStub(channel).LeaseRevoke(
-                rpc.LeaseRevokeRequest(ID=lease_id), deadline, metadata=md
-            )
-
-        try:
-            self._call("lease revoke", invoke, repeatable=True)
-        except LeaseNotFound:
-            pass
+        self._leases.revoke(lease_id, timeout)
 
     # -- watch ------------------------------------------------------------------------
 
