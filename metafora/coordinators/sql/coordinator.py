@@ -35,7 +35,7 @@ from metafora.coordinators.sql.commands import NodeCommands
 from metafora.coordinators.sql.complete import complete_in
 from metafora.coordinators.sql.lease import Lease
 from metafora.coordinators.sql.listen import ChangeFeed
-from metafora.coordinators.sql.nodes import NodeReads
+from metafora.coordinators.sql.nodes import NodeReads, NodeViews
 from metafora.coordinators.sql.retention import SQLRetention
 from metafora.coordinators.sql.store import Database
 from metafora.coordinators.sql.watch import Watch
@@ -54,7 +54,7 @@ __all__ = ["SQLCoordinator"]
 
 log = logging.getLogger(__name__)
 
-class SQLCoordinator(SQLRetention, Coordinator):
+class SQLCoordinator(NodeViews, SQLRetention, Coordinator):
     """A node's coordinator on a SQL store. Build it with :func:`metafora.open_coordinator`.
 
     Nothing touches the store until :meth:`init`. Thread-safe.
@@ -404,48 +404,6 @@ class SQLCoordinator(SQLRetention, Coordinator):
         except MetaforaError as exc:
             log.debug("could not publish the frozen state of node %s: %s", self._node_id, exc,
                       extra=self._extra)
-
-    # -- cluster state (one read of the nodes answers the asks that follow: NodeReads) -------
-
-    def node_task_count(self) -> dict[str, int]:
-        self._check_open()
-        return self._nodes.counts("node_counts")
-
-    def active_task_count(self) -> dict[str, int]:
-        self._check_open()
-        return self._nodes.counts("active_counts")
-
-    publishes_counts = True  # metafora_nodes.task_count, written with each renewal
-
-    def published_task_count(self) -> dict[str, int]:
-        """The counts the active nodes published with their renewals (one row per node, a
-        moment late; the cluster's view on ``/metrics``), with the claimable count."""
-        self._check_open()
-        return self._nodes.counts("published_counts")
-
-    def claimable_count(self) -> int | None:
-        """Tasks claimable at the last :meth:`active_task_count` (read with the counts, within
-        a second; None otherwise)."""
-        return self._nodes.claimable()
-
-    def node_weights(self) -> dict[str, float]:
-        """Live node -> its weight (from the last count read within a second, else read)."""
-        self._check_open()
-        return self._nodes.weights()
-
-    def frozen_nodes(self) -> frozenset[str]:
-        """Live nodes that reported themselves frozen (read as :meth:`node_weights` is)."""
-        self._check_open()
-        return self._nodes.frozen()
-
-    def node_capacities(self) -> dict[str, int]:
-        """Live nodes that published a capacity -> it (read as :meth:`node_weights` is)."""
-        self._check_open()
-        return self._nodes.capacities()
-
-    def node_labels(self) -> dict[str, dict[str, str]]:
-        self._check_open()
-        return self._nodes.labels()
 
     # -- test hooks -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from metafora.coordinators.sql.store import Database
 from metafora.core.errors import MetaforaError
 from metafora.core.task import decode_labels
 
-__all__ = ["CLAIMABLE_CAP_MIN", "NodeReads", "claimable_cap"]
+__all__ = ["CLAIMABLE_CAP_MIN", "NodeReads", "NodeViews", "claimable_cap"]
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +114,56 @@ class NodeReads:
                 log.warning("%s", exc, extra={"node": str(node_id)})
                 labels[str(node_id)] = {}
         return labels
+
+
+class NodeViews:
+    """A coordinator's answers about the live nodes, from its :class:`NodeReads` (mixed
+    into :class:`~metafora.coordinators.sql.coordinator.SQLCoordinator`, before the
+    contract's defaults)."""
+
+    _nodes: NodeReads
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    # -- cluster state (one read of the nodes answers the asks that follow: NodeReads) -------
+
+    def node_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return self._nodes.counts("node_counts")
+
+    def active_task_count(self) -> dict[str, int]:
+        self._check_open()
+        return self._nodes.counts("active_counts")
+
+    publishes_counts = True  # metafora_nodes.task_count, written with each renewal
+
+    def published_task_count(self) -> dict[str, int]:
+        """The counts the active nodes published with their renewals (one row per node, a
+        moment late; the cluster's view on ``/metrics``), with the claimable count."""
+        self._check_open()
+        return self._nodes.counts("published_counts")
+
+    def claimable_count(self) -> int | None:
+        """Tasks claimable at the last :meth:`active_task_count` (read with the counts, within
+        a second; None otherwise)."""
+        return self._nodes.claimable()
+
+    def node_weights(self) -> dict[str, float]:
+        """Live node -> its weight (from the last count read within a second, else read)."""
+        self._check_open()
+        return self._nodes.weights()
+
+    def frozen_nodes(self) -> frozenset[str]:
+        """Live nodes that reported themselves frozen (read as :meth:`node_weights` is)."""
+        self._check_open()
+        return self._nodes.frozen()
+
+    def node_capacities(self) -> dict[str, int]:
+        """Live nodes that published a capacity -> it (read as :meth:`node_weights` is)."""
+        self._check_open()
+        return self._nodes.capacities()
+
+    def node_labels(self) -> dict[str, dict[str, str]]:
+        self._check_open()
+        return self._nodes.labels()
