@@ -1,5 +1,9 @@
 """Every SQL statement of the store, written once for both dialects and built once per store.
 
+The node's statements (claims, outcomes, the lease, commands, the watch) and the nodes' reads
+are here; the operator client's (submit, retry, delete, task reads and counts, purge) are in
+:mod:`~metafora.coordinators.sql.client_statements`. :class:`Statements` is the one lookup of both.
+
 ``{now}``, ``{next_token}``, ``{lock}``, ``{notify_*}`` ... are filled in by the
 :class:`~metafora.coordinators.sql.dialect.Dialect`; ``:name`` are bind parameters (``:ns``,
 the namespace, is in every statement). The texts are compiled once and cached by SQLAlchemy,
@@ -10,6 +14,12 @@ from __future__ import annotations
 
 from sqlalchemy import TextClause, bindparam, text
 
+from metafora.coordinators.sql.client_statements import (
+    CLIENT_SQL,
+    INFO_COLUMNS,
+    SUBMIT_MANY,
+    SUBMIT_ROW,
+)
 from metafora.coordinators.sql.dialect import Dialect
 from metafora.coordinators.sql.limits import SQL as LIMIT_SQL
 
@@ -83,26 +93,6 @@ _MEMBERS = (
     " (SELECT max(m.started_at) FROM metafora_nodes m WHERE m.namespace = :ns"
     " AND m.lease_until > {now})"
 )
-_INFO_COLUMNS = (
-    "id, props,"
-    " CASE WHEN state = 'pending' AND expires_at <= {now} THEN 'expired' ELSE state END AS state,"
-    " owner, token, claimed_at, error, created_at,"
-    " CASE WHEN state = 'pending' AND expires_at <= {now} THEN expires_at ELSE finished_at END"
-    " AS finished_at, attempts, selector, priority, placement,"
-    " CASE WHEN state = 'pending' AND held_until > {now} THEN held_for END AS held_for,"
-    " CASE WHEN state = 'pending' AND held_until > {now} THEN held_until END AS held_until"
-)
-
-INFO_COLUMNS = _INFO_COLUMNS
-"""The columns of a task listing (with ``{now}`` to fill in), for queries built elsewhere."""
-
-# A retried task: pending, its error, owner and crash count cleared (its state's test follows).
-_RETRY = (
-    "UPDATE metafora_tasks SET state = 'pending', error = NULL, finished_at = NULL,"
-    " owner = NULL, claimed_at = NULL, crashes = 0, ready = {next_token}, updated_at = {now}"
-    " WHERE namespace = :ns AND id = :id AND "
-)
-
 _SQL: dict[str, str] = {
     # -- claims (the hot path) ------------------------------------------------------------
     # One statement: the sub-select finds and locks the offered row if it is claimable
@@ -398,59 +388,7 @@ _SQL: dict[str, str] = {
         "DELETE FROM metafora_commands WHERE namespace = :ns AND NOT EXISTS (SELECT 1"
         " FROM metafora_nodes n WHERE n.namespace = :ns AND n.node_id = metafora_commands.node_id)"
     ),
-    # -- the client -------------------------------------------------------------------------
-    "submit": (
-        "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-        " expires_at, attempts, created_at, updated_at, selector, priority, placement, grp)"
-        " VALUES (:ns, :id, :props, 'pending', 0, {next_token}, :launch_at, :expires_at, 0,"
-        " {now}, {now}, :selector, :priority, :placement, :grp)"
-        " ON CONFLICT (namespace, id) DO NOTHING"
-        " RETURNING ready, {notify_task}"
-    ),
-    # One wake-up for a bulk submit (see submit_many), not one per task.
-    "notify_batch": "SELECT {notify_batch}",
-    "delete": (
-        "DELETE FROM metafora_tasks WHERE namespace = :ns AND id = :id"
-        " RETURNING state, owner, {notify_owner}"
-    ),
-    "delete_state": "DELETE FROM metafora_state WHERE namespace = :ns AND task_id = :id",
-    "retry": (
-        _RETRY + "(state IN ('failed', 'expired')"
-        " OR (state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
-    ),
-    # retry_with_state(rewrite), in one transaction: read the task's state (a pending
-    # task past expires_at counts as expired), its token and its state-machine state, then
-    # move it from exactly the state read (a concurrent change makes the UPDATE match nothing).
-    "retry_read": (
-        "SELECT CASE WHEN t.state = 'pending' AND t.expires_at <= {now} THEN 'expired'"
-        " ELSE t.state END, s.body, t.token FROM metafora_tasks t LEFT JOIN metafora_state s"
-        " ON s.namespace = t.namespace AND s.task_id = t.id WHERE t.namespace = :ns AND t.id = :id"
-    ),
-    "retry_from": (
-        _RETRY + "(state = :was OR (:was = 'expired'"
-        " AND state = 'pending' AND expires_at <= {now})) RETURNING ready, {notify_task}"
-    ),
-    "state_reset": (
-        "UPDATE metafora_state SET body = :body, updated_at = {now}"
-        " WHERE namespace = :ns AND task_id = :id"
-    ),
-    "get": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns AND id = :id",
-    "list": "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns ORDER BY id",
-    # Task counts, each on its own partial index (one GROUP BY over the table reads every row).
-    "count_pending": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'",
-    "count_pending_expired": (
-        "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'pending'"
-        " AND expires_at IS NOT NULL AND expires_at <= {now}"
-    ),
-    "count_claimed": "SELECT count(*) FROM metafora_tasks WHERE namespace = :ns AND state = 'claimed'",
-    "count_finished": (
-        "SELECT state, count(*) FROM metafora_tasks WHERE namespace = :ns"
-        " AND state IN ('done', 'failed', 'expired') GROUP BY state"
-    ),
-    "list_states": (
-        "SELECT " + _INFO_COLUMNS + " FROM metafora_tasks WHERE namespace = :ns"
-        " AND state IN :states ORDER BY id"
-    ),
+    # -- the nodes, for the client and the coordinator's balancers (nodes.NodeReads) ---------
     "nodes": (
         "SELECT node_id FROM metafora_nodes WHERE namespace = :ns AND lease_until > {now}"
         " ORDER BY node_id"
@@ -499,15 +437,6 @@ _SQL: dict[str, str] = {
         " AND state = 'pending') IS NULL THEN 0 ELSE (SELECT count(*) FROM (SELECT 1"
         " FROM metafora_tasks WHERE namespace = :ns AND " + _CLAIMABLE_PENDING
         + " LIMIT :cap) c) END"
-    ),
-    "purge_state": (
-        "DELETE FROM metafora_state WHERE namespace = :ns AND task_id IN (SELECT id"
-        " FROM metafora_tasks WHERE namespace = :ns AND state IN ('done', 'failed', 'expired')"
-        " AND finished_at <= {ts_plus_secs})"
-    ),
-    "purge": (
-        "DELETE FROM metafora_tasks WHERE namespace = :ns"
-        " AND state IN ('done', 'failed', 'expired') AND finished_at <= {ts_plus_secs}"
     ),
 }
 
@@ -571,22 +500,9 @@ _SQL.update({
     for name, sql in LIMIT_SQL.items()
 })
 
-_EXPANDING = {"scan_ids": "ids", "list_states": "states"}
+_SQL.update(CLIENT_SQL)  # the client's statements (client_statements.py): one lookup
 
-# Bulk submit: one multi-row INSERT per batch; row N binds id_N, props_N, launch_at_N,
-# expires_at_N, selector_N, priority_N and placement_N (ROWNUM in the template). On SQLite
-# the rows of a batch share one ready value.
-_SUBMIT_MANY = (
-    "INSERT INTO metafora_tasks (namespace, id, props, state, token, ready, launch_at,"
-    " expires_at, attempts, created_at, updated_at, selector, priority, placement, grp)"
-    " VALUES {rows}"
-    " ON CONFLICT (namespace, id) DO NOTHING RETURNING id, ready"
-)
-_SUBMIT_ROW = (
-    "(:ns, :id_ROWNUM, :props_ROWNUM, 'pending', 0, {next_token}, :launch_at_ROWNUM,"
-    " :expires_at_ROWNUM, 0, {now}, {now}, :selector_ROWNUM, :priority_ROWNUM,"
-    " :placement_ROWNUM, :grp_ROWNUM)"
-)
+_EXPANDING = {"scan_ids": "ids", "list_states": "states"}
 
 
 class Statements:
@@ -597,7 +513,7 @@ class Statements:
         # Seconds to the soonest end of a hold: the launch time's expression, on held_until.
         fragments["secs_until_unhold"] = fragments["secs_until_launch"].replace(
             "launch_at", "held_until")
-        self._row = _SUBMIT_ROW.format(**fragments)
+        self._row = SUBMIT_ROW.format(**fragments)
         self._many: dict[int, TextClause] = {}
         self._built: dict[str, TextClause] = {}
         for name, sql in _SQL.items():
@@ -614,5 +530,5 @@ class Statements:
         clause = self._many.get(rows)
         if clause is None:
             values = ", ".join(self._row.replace("ROWNUM", str(n)) for n in range(rows))
-            clause = self._many[rows] = text(_SUBMIT_MANY.format(rows=values))
+            clause = self._many[rows] = text(SUBMIT_MANY.format(rows=values))
         return clause
