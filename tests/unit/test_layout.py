@@ -149,7 +149,6 @@ FUNCTION_LINES = 80
 # split lowers the figure (or removes the row), nothing may raise it.
 OVERSIZED: dict[str, tuple[int, str]] = {
     "metafora/statemachine/handler.py:StatefulTaskHandler": (451, "the loop and the completion in one"),
-    "metafora/coordinators/sql/gates/store.py:SQLItemStore": (455, "every item verb of the gates"),
 }
 
 

@@ -50,18 +50,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, TextClause
 
 from metafora.contracts.backends import default_url
 from metafora.contracts.client import Client
 from metafora.coordinators.sql.gates.lease import SQLPartitionLease
+from metafora.coordinators.sql.gates.reads import ItemReads
 from metafora.coordinators.sql.gates.schema import (
     GATES_SCHEMA_VERSION,
     check_version,
     current_version,
     migrate,
 )
-from metafora.coordinators.sql.gates.statements import ITEM_COLUMNS, ITEMS, owner_statements, user_statements
+from metafora.coordinators.sql.gates.statements import ITEMS, owner_statements, user_statements
 from metafora.coordinators.sql.gates.wakeups import hub_for, items_channel
 from metafora.coordinators.sql.options import SQLConfig, parse_config
 from metafora.coordinators.sql.schema import current_version as coordinator_version
@@ -73,13 +74,10 @@ from metafora.core.task import Task, validate_task_id
 from metafora.gates.model import (
     GateError,
     GateMoveRefused,
-    Item,
     ItemBelowGate,
-    ItemNotFound,
     ItemStatus,
     NewItem,
     PartitionClosed,
-    PartitionInfo,
     PartitionStatus,
     check_gate,
 )
@@ -93,7 +91,7 @@ log = logging.getLogger(__name__)
 _IN_CHUNK = 500
 """Partitions per statement of :meth:`SQLItemStore.delete_partitions` (bound parameters)."""
 
-class SQLItemStore(ItemStore):
+class SQLItemStore(ItemReads, ItemStore):
     """Items of gated partitions in a SQL database (SQLite or PostgreSQL): what
     ``ItemStore(url)`` opens for a SQL URL (see :class:`~metafora.gates.ItemStore`)."""
 
@@ -215,22 +213,6 @@ class SQLItemStore(ItemStore):
                 built = self._owner_sql[claim_fence] = owner_statements(self._now, claim_fence)
             return built
 
-    def _item(self, partition: str, row: Any) -> Item:
-        conv = self._db.dialect.from_db_time
-        return Item(
-            partition=partition,
-            id=int(row[0]),
-            gate=int(row[1]),
-            status=ItemStatus(row[2]),
-            data=bytes(row[3]) if row[3] is not None else b"",
-            attempts=int(row[4]),
-            error=row[5],
-            permanent=bool(row[6]),
-            token=int(row[7]),
-            created_at=conv(row[8]),
-            updated_at=conv(row[9]),
-        )
-
     # -- wake-ups ---------------------------------------------------------------------------
 
     def _notify(self, conn: Connection, partition: str) -> None:
@@ -316,71 +298,6 @@ class SQLItemStore(ItemStore):
         return [{"namespace": self._config.namespace, "partition_id": partition, "gate": item.gate,
                  "status": ItemStatus.AVAILABLE.value, "data": item.data, "attempts": 0,
                  "permanent": 0, "token": 0} for item in batch]
-
-    # -- reading ----------------------------------------------------------------------------
-
-    def list(self, partition: str, *, gate: int | None = None,
-             status: ItemStatus | str | None = None, limit: int | None = None,
-             after: int | None = None) -> list[Item]:
-        """The partition's items (at ``gate``, in ``status``), ordered by id; ``after`` an id
-        to page from, ``limit`` the most to return."""
-        validate_task_id(partition)
-        conditions = ["namespace = :ns", "partition_id = :p"]
-        params: dict[str, Any] = {"p": partition, "ns": self._config.namespace}
-        if gate is not None:
-            conditions.append("gate = :gate")
-            params["gate"] = check_gate(gate)
-        if status is not None:
-            conditions.append("status = :status")
-            params["status"] = ItemStatus(status).value
-        if after is not None:
-            conditions.append("id > :after")
-            params["after"] = int(after)
-        sql = f"SELECT {ITEM_COLUMNS} FROM metafora_items WHERE {' AND '.join(conditions)} ORDER BY id"
-        if limit is not None:
-            if limit < 0:
-                raise ConfigError(f"limit must be >= 0, got {limit}")
-            sql += " LIMIT :limit"
-            params["limit"] = int(limit)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            rows = conn.execute(text(sql), params).fetchall()
-        return [self._item(partition, row) for row in rows]
-
-    def get(self, partition: str, item_id: int) -> Item:
-        """One item. Raises ItemNotFound."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            row = self._run(conn, "item", {"p": partition, "id": int(item_id)}).first()
-        if row is None:
-            raise ItemNotFound(f"no item {item_id} in partition {partition!r} of {self.name}")
-        return self._item(partition, row)
-
-    def info(self, partition: str) -> PartitionInfo:
-        """The partition's gate, status, owner token and item counts (by gate and status)."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            row = self._run(conn, "partition", {"p": partition}).first()
-            counts_rows = self._run(conn, "counts", {"p": partition}).fetchall()
-        counts: dict[int, dict[ItemStatus, int]] = {}
-        for gate, status, count in counts_rows:
-            counts.setdefault(int(gate), {})[ItemStatus(status)] = int(count)
-        if row is None:
-            return PartitionInfo(partition, counts=counts, exists=bool(counts))
-        return PartitionInfo(
-            partition, gate=int(row[0]), status=PartitionStatus(row[1]), token=int(row[2]),
-            counts=counts, exists=True, updated_at=self._db.dialect.from_db_time(row[3]),
-        )
-
-    def failures(self, partition: str) -> tuple[int, int]:
-        """How many items of the partition are failed, and how many of those permanently."""
-        validate_task_id(partition)
-        self.ensure_schema()
-        with self._db.read() as conn:
-            failed, permanent = self._run(conn, "failures", {"p": partition}).one()
-        return int(failed), int(permanent)
 
     # -- operators --------------------------------------------------------------------------
 
@@ -533,10 +450,6 @@ class SQLItemStore(ItemStore):
         """A connection in a transaction (context manager; errors translated), waiting at
         most ``timeout`` seconds for locks when given."""
         return self._db.bounded(timeout)
-
-    def item_from_row(self, partition: str, row: Any) -> Item:
-        """An :class:`Item` from a row of the item columns."""
-        return self._item(partition, row)
 
     def close(self) -> None:
         """Stop listening and close pooled connections. Idempotent."""
