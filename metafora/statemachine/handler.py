@@ -33,14 +33,14 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from metafora.contracts.coordinator import coordinator_of
 from metafora.contracts.handler import Handler
 from metafora.core.clock import SYSTEM_CLOCK, Clock
-from metafora.core.errors import ClaimLost, ConfigError, CoordinatorUnavailable, StoreError
+from metafora.core.errors import ClaimLost, CoordinatorUnavailable, StoreError
 from metafora.core.task import Task
 from metafora.statemachine.cmds import Commands, MachineView, StatefulHandler
+from metafora.statemachine.completion import Completion, GiveUp
 from metafora.statemachine.errors import ErrorHandler, default_error_handler
 from metafora.statemachine.machine import (
     IGNORE,
@@ -63,11 +63,7 @@ T = TypeVar("T")
 _RETRY_MAX = 5.0  # seconds: the longest pause between store retries
 
 
-class _GiveUp(Exception):
-    """Store retries exhausted or the handler was stopped while retrying."""
-
-
-class StatefulTaskHandler(Handler):
+class StatefulTaskHandler(Completion, Handler):
     """Runs one claimed task through the state machine. Built by :func:`handler_func`."""
 
     def __init__(
@@ -381,90 +377,6 @@ class StatefulTaskHandler(Handler):
             self._stop.wait(self.poll_interval if timeout is None else min(timeout, self.poll_interval))
         return None
 
-    def checkpoint_in(self, cursor: str | None, conn: Any) -> None:
-        """Persist the current state with ``cursor`` in the application's transaction
-        ``conn`` (see :meth:`Commands.checkpoint`); the state is read back before the
-        machine's next own write (the transaction may roll back)."""
-        new = self._with_cursor(cursor)
-        self._states.store_in(self.task, new, conn)
-        self._state, self._unsure = new, True
-
-    def complete_in(self, conn: Any) -> None:
-        """The completed state and the task's end in the application's transaction ``conn``
-        (see :meth:`Commands.complete`)."""
-        if self._lost:
-            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
-        self._settle()
-        state = self._state
-        assert state is not None
-        new = apply(state, Message.complete(), self.clock.now())
-        if new is None:
-            raise ClaimLost(f"task {self.task.id!r} cannot complete in state {state.code.value}")
-        coordinator = coordinator_of(self.task)
-        if coordinator is None:
-            raise ConfigError(f"task {self.task.id!r} came from no consumer: cmds.complete(conn=) "
-                              "completes a task its node claimed")
-        # The state first: its write is fenced by the task still being claimed.
-        self._states.store_in(self.task, new, conn)
-        coordinator.complete_task(self.task, conn=conn)
-        self._unsure = self._completed = True
-
-    def _with_cursor(self, cursor: str | None) -> State:
-        if self._lost:
-            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
-        self._settle()
-        state = self._state
-        assert state is not None
-        new = apply(state, Message.checkpoint(cursor))
-        if new is None:  # only while runnable; kept general for the table's sake
-            raise ClaimLost(f"task {self.task.id!r} cannot checkpoint in state {state.code.value}")
-        return new
-
-    def _settle(self) -> None:
-        """After a write in the application's transaction: the state as the store has it
-        (committed or rolled back). ClaimLost when the claim is gone (a committed
-        completion ends it)."""
-        if not self._unsure:
-            return
-        try:
-            self._state = self._retry("load state", lambda: self._states.load(self.task))
-        except _GiveUp as exc:
-            raise CoordinatorUnavailable(
-                f"could not read the state of task {self.task.id!r} back: {exc.__cause__}"
-            ) from exc.__cause__
-        self._unsure = self._completed = False
-
-    def checkpoint(self, cursor: str | None, *, handoff: bool = False) -> None:
-        """Persist the current state with ``cursor`` (see :meth:`Commands.checkpoint`).
-
-        ``handoff``: the final checkpoint of a release, retried even though ``stop()`` was
-        called (the consumer's ``handoff_timeout`` bounds it)."""
-        if self._lost:
-            raise ClaimLost(f"task {self.task.id!r} was lost (token {self.task.token})")
-        try:
-            self._settle()
-        except ClaimLost as exc:
-            self._lose(exc)
-            raise
-        state = self._state
-        assert state is not None
-        new = apply(state, Message.checkpoint(cursor))
-        if new is None:  # only while runnable; kept general for the table's sake
-            raise ClaimLost(f"task {self.task.id!r} cannot checkpoint in state {state.code.value}")
-        try:
-            self._retry("checkpoint", lambda: self._states.store(self.task, new),
-                        cancel=threading.Event() if handoff else None)
-        except ClaimLost as exc:
-            self._lose(exc)
-            raise
-        except _GiveUp as exc:
-            error = CoordinatorUnavailable(
-                f"could not checkpoint task {self.task.id!r}: {exc.__cause__ or 'stopped'}"
-            )
-            self._checkpoint_error = error
-            raise error from exc.__cause__
-        self._state = new
-
     def _load(self) -> tuple[State, bool] | None:
         """(the task's state, whether one was stored); None when the run must end."""
         try:
@@ -472,7 +384,7 @@ class StatefulTaskHandler(Handler):
             return (State(), False) if state is None else (state, True)
         except ClaimLost as exc:
             self._lose(exc)
-        except _GiveUp as exc:
+        except GiveUp as exc:
             log.error("task %s: cannot load its state; releasing it: %s", self.task.id,
                       exc.__cause__, extra={**self._extra, "action": "release"})
         return None
@@ -483,7 +395,7 @@ class StatefulTaskHandler(Handler):
             return True
         except ClaimLost as exc:
             self._lose(exc)
-        except _GiveUp as exc:
+        except GiveUp as exc:
             log.error("task %s: cannot store state %s; releasing it: %s", self.task.id,
                       state.code.value, exc.__cause__, extra={**self._extra, "action": "release"})
         return False
@@ -499,12 +411,12 @@ class StatefulTaskHandler(Handler):
                 return call()
             except (CoordinatorUnavailable, StoreError) as exc:
                 if attempt >= self._attempts:
-                    raise _GiveUp(what) from exc
+                    raise GiveUp(what) from exc
                 log.warning("task %s: %s failed (attempt %d of %d), retrying: %s", self.task.id,
                             what, attempt, self._attempts, exc,
                             extra={**self._extra, "action": "retry"})
                 if self.clock.wait(cancel, delay):
-                    raise _GiveUp(what) from exc
+                    raise GiveUp(what) from exc
                 delay = min(delay * 2, _RETRY_MAX)
         raise AssertionError("unreachable")
 
