@@ -18,7 +18,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from metafora.coordinators.sql.joblog import MAX_APPEND, MAX_KEY_LENGTH, MAX_PAYLOAD_BYTES, job_logs
-from metafora.core.errors import ConfigError
+from metafora.core.errors import ConfigError, StoreError
+from metafora.core.jsontext import load_value
 from metafora.streams import Job, SQLJobLog
 from metafora.testing import wait_for
 from tests.conformance.test_submit_in_transaction import conninfo, sqlalchemy_url
@@ -81,6 +82,43 @@ def test_at_range_reads_a_range_in_one_go_and_none_past_the_head(joblog: SQLJobL
     assert [job.index for job in joblog.at_range(0, 5) if job is not None] == [0, 1, 2, 3, 4]
     with pytest.raises(ConfigError, match="must be an integer"):
         joblog.at_range(0, "5")  # type: ignore[arg-type]
+
+
+_STORED = [
+    ' {"a": 1} ',  # padded: the bounded decode takes it
+    "[" * 100 + "]" * 100,  # deeper than MAX_DEPTH
+    '{"a": 1} x',  # extra data
+    "NaN",  # json.loads takes it, so does the bounded decode
+    '{"s": "' + "x" * 300 + '"}',  # long and shallow
+    "[" * 60 + "]" * 60,  # deep, within the limit
+    "[" * 30 + '"' + "{" * 100 + '"' + "]" * 30,  # many brackets, in a string
+    "{",  # not JSON
+    '"caf\u00e9"',
+]
+
+
+def test_stored_payloads_decode_as_the_bounded_decode_does(joblog: SQLJobLog, sql_url: str) -> None:
+    """Rows written by another program: what the reads' fast decode takes, load_value takes
+    alike; what it refuses, the reads refuse naming the job."""
+    joblog.append([(f"k{i}", i) for i in range(len(_STORED))])
+    engine = create_engine(sqlalchemy_url(sql_url))
+    try:
+        with engine.begin() as conn:
+            for index, raw in enumerate(_STORED):
+                conn.execute(text("UPDATE metafora_joblog_jobs SET payload = :p WHERE log_name = :log"
+                                  " AND idx = :i"), {"p": raw, "log": joblog.name, "i": index})
+    finally:
+        engine.dispose()
+    for index, raw in enumerate(_STORED):
+        try:
+            expected: Any = load_value(raw, "", StoreError)
+        except StoreError:
+            with pytest.raises(StoreError, match=f"payload of job 'k{index}'"):
+                joblog.at_range(index, index + 1)
+            continue
+        got = joblog.at_range(index, index + 1)[0]
+        assert got is not None and (got.index, got.id) == (index, f"k{index}")
+        assert repr(got.payload) == repr(expected)  # (NaN is not equal to itself)
 
 
 def test_a_read_past_the_head_sees_later_appends(joblog: SQLJobLog) -> None:

@@ -41,7 +41,9 @@ class JobLogStatements:
     insert: TextClause
     set_head: TextClause
     head: TextClause
-    read: TextClause
+    read: str
+    """For the bare driver connection (no SQLAlchemy Row per job), positional parameters:
+    namespace, log, first index, end index (excluded)."""
     index_of: TextClause
     info: TextClause
     logs: TextClause
@@ -65,6 +67,7 @@ class JobLogStatements:
                 " json_extract(j.value, '$[1]') FROM json_each(:rows) AS j"
             )
             notify = ""
+        mark = "%s" if postgres else "?"  # psycopg's and sqlite3's positional placeholders
         return cls(
             postgres=postgres,
             # Creates the log's counter row or locks it (PostgreSQL: the row lock; SQLite: the
@@ -81,9 +84,9 @@ class JobLogStatements:
                 f"UPDATE metafora_joblogs SET head = :head, updated_at = {now} WHERE {_LOG}" + notify
             ),
             head=text(f"SELECT head FROM metafora_joblogs WHERE {_LOG}"),
-            read=text(
-                f"SELECT idx, job_key, payload FROM metafora_joblog_jobs WHERE {_JOBS}"
-                " AND idx >= :first AND idx < :end ORDER BY idx"
+            read=(
+                f"SELECT idx, job_key, payload FROM metafora_joblog_jobs WHERE namespace = {mark}"
+                f" AND log_name = {mark} AND idx >= {mark} AND idx < {mark} ORDER BY idx"
             ),
             index_of=text(f"SELECT idx FROM metafora_joblog_jobs WHERE {_JOBS} AND job_key = :key"),
             info=text(f"SELECT name, head, created_at, updated_at FROM metafora_joblogs WHERE {_LOG}"),
