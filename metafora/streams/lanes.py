@@ -35,7 +35,7 @@ from typing import Any, Final
 
 from metafora.streams.jobs import Job
 from metafora.streams.threads import ElasticPool
-from metafora.streams.work import JobContext, Work, call_work
+from metafora.streams.work import JobContext, Work, refuse_awaitable
 
 __all__ = ["YIELD_EVERY", "Lanes"]
 
@@ -44,9 +44,8 @@ YIELD_EVERY: Final = 64
 SPAWN_AFTER: Final = 0.002
 """Seconds queued jobs wait behind busy thread lanes before more lanes start for them."""
 
-Item = tuple[int, Job, JobContext]
 _DONE: Final = object()  # an async job that finished in its first step
-Result = tuple[int, "BaseException | None"]
+Failure = tuple[int, BaseException]
 
 
 @types.coroutine
@@ -70,18 +69,24 @@ def _resume(coro: Any, yielded: Any) -> Generator[Any, Any, Any]:
 
 class Lanes:
     """The lanes of one run (see the module docstring). Its methods are called on the loop's
-    thread, but for the lanes' own (:meth:`_take`, :meth:`_report`), which are thread-safe."""
+    thread, but for the lanes' own (:meth:`_next`), which is thread-safe."""
 
     def __init__(self, work: Work, is_async: bool, pool: ElasticPool,
-                 loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+                 loop: asyncio.AbstractEventLoop, wake: Callable[[], None],
+                 first: JobContext) -> None:
         self._work = work
         self._async = is_async
         self._pool = pool
         self._loop = loop
         self._wake = wake  # the run's kick, on the loop's thread
+        self._first = first  # the context of every job's first attempt (shared)
         self._lock = threading.Lock()
-        self._queue: deque[Item] = deque()
-        self._done: list[Result] = []
+        self._queue: deque[Job] = deque()
+        self._contexts: dict[int, JobContext] = {}  # queued retries' contexts (not first)
+        # Results, taken by the run in one go: done indexes as plain ints (no tuple, nothing
+        # for the garbage collector to track, per job), failures with their errors.
+        self._done: list[int] = []
+        self._failed: list[Failure] = []
         self._signalled = False  # a wake is on its way: lanes need not send another
         self._lanes = 0  # alive
         self._executing = 0
@@ -104,13 +109,17 @@ class Lanes:
         """No lane is alive (nothing runs, nothing is queued)."""
         return self._lanes == 0 and not self._queue
 
-    def push(self, items: Iterable[Item], *, first: bool = False) -> None:
-        """Queue started jobs (``first``: before those queued, as retries of lower indexes)."""
+    def push(self, jobs: Iterable[Job], *, first: bool = False,
+             contexts: dict[int, JobContext] | None = None) -> None:
+        """Queue started jobs (``first``: before those queued, as retries of lower indexes);
+        ``contexts``: the context of those that are not at their first attempt, by index."""
         with self._lock:
+            if contexts:
+                self._contexts.update(contexts)
             if first:
-                self._queue.extendleft(reversed(list(items)))
+                self._queue.extendleft(reversed(list(jobs)))
             else:
-                self._queue.extend(items)
+                self._queue.extend(jobs)
             # One lane to take them if none is free; more when the jobs wait (_spawn).
             busy = self._waiting if self._async else self._executing
             spawn = 1 if self._queue and self._lanes <= busy and self._lanes < self.limit else 0
@@ -122,14 +131,18 @@ class Lanes:
     def drop_queued(self) -> list[int]:
         """Take back the queued jobs (they never start); their indexes."""
         with self._lock:
-            dropped, self._queue = [index for index, _, _ in self._queue], deque()
+            dropped, self._queue = [job.index for job in self._queue], deque()
+            self._contexts.clear()
         return dropped
 
-    def results(self) -> list[Result]:
-        """The results handed back since the last call: ``(index, None | error)``."""
-        self._signalled = False  # first: a result added after the swap wakes the run again
-        done, self._done = self._done, []
-        return done
+    def results(self) -> tuple[list[int], list[Failure]]:
+        """The results handed back since the last call: the indexes done, and the failures
+        ``(index, error)``."""
+        with self._lock:
+            self._signalled = False  # a result added after this wakes the run again
+            done, self._done = self._done, []
+            failed, self._failed = self._failed, []
+        return done, failed
 
     def abandon(self) -> list[Future[None]]:
         """Stop: no queued job starts, async lanes are cancelled; the thread lanes still in a
@@ -160,27 +173,35 @@ class Lanes:
                 self._lanes -= 1
             raise
 
-    def _take(self, finished: bool) -> Item | None:
-        """The next job for a lane (``finished``: its previous one is done), or None: the
-        lane ends."""
+    def _next(self, index: int, error: BaseException | None) -> Job | None:
+        """Hand back the result of job ``index`` (-1: none, the lane begins) and take the
+        next job, in one hold of the lock; None: the lane ends."""
+        wake = False
         with self._lock:
-            if finished:
+            if index >= 0:
                 self._executing -= 1
-            if self._queue and not self._stopped:
+                if error is None:
+                    self._done.append(index)
+                else:
+                    self._failed.append((index, error))
+                wake, self._signalled = not self._signalled, True
+            queue = self._queue
+            if queue and not self._stopped:
                 self._executing += 1
-                item = self._queue.popleft()
-                if not self._queue:
+                job: Job | None = queue.popleft()
+                if not queue:
                     self._emptied = True
-                return item
-            self._emptied = True
-            self._lanes -= 1
-            return None
-
-    def _report(self, index: int, error: BaseException | None) -> None:
-        self._done.append((index, error))
-        if not self._signalled:  # one wake per batch of results (a second is harmless)
-            self._signalled = True
+            else:
+                job = None
+                self._emptied = True
+                self._lanes -= 1
+        if wake:  # one wake per batch of results (a second is harmless)
             self._wake_run()
+        return job
+
+    def _context(self, job: Job) -> JobContext:
+        contexts = self._contexts  # (a retry's is put before the job is queued)
+        return contexts.pop(job.index, self._first) if contexts else self._first
 
     def _wake_run(self) -> None:
         if self._async:
@@ -190,28 +211,27 @@ class Lanes:
                 self._loop.call_soon_threadsafe(self._wake)
 
     def _thread_lane(self) -> None:
-        work = self._work
-        item = self._take(False)
-        while item is not None:
-            index, job, ctx = item
+        work, first = self._work, self._first
+        job = self._next(-1, None)
+        while job is not None:
             error: BaseException | None = None
             try:
-                call_work(work, job, ctx)
+                result = work(job, first if not self._contexts else self._context(job))
+                if result is not None:
+                    refuse_awaitable(work, result)
             except BaseException as exc:  # the job's failure, handed to the run
                 error = exc
-            self._report(index, error)
-            item = self._take(True)
+            job = self._next(job.index, error)
         self._wake_run()  # a stopping run waits for its lanes to end
 
     async def _async_lane(self) -> None:
-        item = self._take(False)
+        job = self._next(-1, None)
         ran = 0
         try:
-            while item is not None:
-                index, job, ctx = item
+            while job is not None:
                 error: BaseException | None = None
                 try:
-                    rest = self._first_step(job, ctx)
+                    rest = self._first_step(job, self._context(job))
                     if rest is not _DONE:  # the job waits: so may the lane, and others start
                         self._want_lane()
                         await self._wait_in(rest)
@@ -220,16 +240,15 @@ class Lanes:
                         raise
                     # The job raised CancelledError itself: a failure like any other
                     # (dropping it would stall the watermark on it for good).
-                    error = asyncio.CancelledError(f"job {index} was cancelled")
+                    error = asyncio.CancelledError(f"job {job.index} was cancelled")
                 except Exception as exc:
                     error = exc
-                self._report(index, error)
+                job = self._next(job.index, error)
                 ran += 1
                 if ran % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-                item = self._take(True)
+                    await asyncio.sleep(0)  # (cancelled here, the job taken never started)
         finally:
-            if item is not None:  # cancelled (or a BaseException) mid-job: the lane ends
+            if job is not None:  # cancelled (or a BaseException) mid-job: the lane ends
                 with self._lock:
                     self._executing -= 1
                     self._lanes -= 1

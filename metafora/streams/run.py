@@ -31,10 +31,11 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from metafora.contracts.coordinator import error_text
 from metafora.core.task import Task
@@ -121,11 +122,12 @@ class StreamRun:
         self._source: Jobs | None = None
         self._pushes = False  # the source calls wake itself (no fallback poll)
         self._stopping = threading.Event()  # JobContext.stopping
-        self._lanes = Lanes(func.work, func.is_async, self._pool, self._loop, self._kick.set)
         self._first = JobContext(task, 1, self._stopping)  # every job's first attempt shares it
+        self._lanes = Lanes(func.work, func.is_async, self._pool, self._loop, self._kick.set,
+                            self._first)
         self._cap = self._opts.max_processing + QUEUE_AHEAD  # jobs started and not finished
         self._left = func.left_running(task.id)  # abandoned by an earlier run, still running
-        self._results: list[tuple[int, BaseException | None]] = []
+        self._results: list[tuple[int, BaseException]] = []  # failed in the fetch
         self._failures: dict[int, int] = {}  # failed attempts per index, this run
         self._due: dict[int, float] = {}  # loop time of a waiting job's next attempt
         self._head: int | None = None
@@ -322,11 +324,14 @@ class StreamRun:
         self._head_wanted = False
 
     @staticmethod
-    def _fetch(source: Jobs, indexes: list[int], head: int) -> list[Job | BaseException]:
-        """The jobs of ``indexes`` (on the source's thread), checked: ``at_range`` for each
-        run of consecutive indexes; where it raises, ``at_index`` one at a time."""
-        out: list[Job | BaseException] = []
-        for start, stop in _runs(indexes):
+    def _fetch(source: Jobs, runs: list[tuple[int, int]],
+               head: int) -> tuple[list[Job], list[tuple[int, BaseException]]]:
+        """The jobs of ``runs`` (``(start, stop)``, on the source's thread), checked: the good
+        ones in order, and the error that fails each other index. ``at_range`` per run; where
+        it raises, ``at_index`` one index at a time."""
+        jobs: list[Job] = []
+        errors: list[tuple[int, BaseException]] = []
+        for start, stop in runs:
             try:
                 got: Sequence[object] = source.at_range(start, stop)
                 if len(got) != stop - start:
@@ -334,9 +339,16 @@ class StreamRun:
                                      f"not {stop - start}")
             except Exception:
                 got = [_call(source.at_index, index) for index in range(start, stop)]
-            out.extend(_checked(job, index, head) for index, job in zip(range(start, stop), got,
-                                                                         strict=True))
-        return out
+            if _intact(got, start):
+                jobs.extend(cast("Sequence[Job]", got))
+                continue
+            for index, job in zip(range(start, stop), got, strict=True):
+                checked = _checked(job, index, head)
+                if isinstance(checked, Job):
+                    jobs.append(checked)
+                else:
+                    errors.append((index, checked))
+        return jobs, errors
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -354,32 +366,33 @@ class StreamRun:
         for index in retries:
             window.start(index)
             self._due.pop(index, None)
-        indexes = list(retries)
+        new = range(0)
         if self._head is not None:
             room = window.room(self._head, self._cap, opts.max_search_ahead)
-            indexes.extend(window.start_next(min(room, slots - len(indexes))))
-        if not indexes:
+            new = window.start_next(min(room, slots - len(retries)))
+        if not retries and not new:
             lanes.push(())
             return
         assert self._source is not None and self._head is not None
-        fetched = await self._in_source(self._fetch, self._source, indexes, self._head)
-        retried: list[tuple[int, Job, JobContext]] = []
-        new: list[tuple[int, Job, JobContext]] = []
-        for index, got in zip(indexes, fetched, strict=True):
-            if isinstance(got, BaseException):
-                self._results.append((index, got))
-                self._kick.set()
-                continue
-            failures = self._failures.get(index)
-            ctx = self._first if failures is None else JobContext(self._task, failures + 1,
-                                                                    self._stopping)
-            (retried if failures is not None else new).append((index, got, ctx))
+        runs = _runs(retries) + ([(new.start, new.stop)] if new else [])
+        jobs, errors = await self._in_source(self._fetch, self._source, runs, self._head)
+        if errors:
+            self._results.extend(errors)  # they fail as the job would have
+            self._kick.set()
         if not self._open():  # stopping or failing since: they never start
-            for index, _, _ in retried + new:
-                window.failed(index)  # (above the watermark: the next run does them)
+            for job in jobs:
+                window.failed(job.index)  # (above the watermark: the next run does them)
             return
-        lanes.push(retried, first=True)  # lower indexes: before the queued ones
-        lanes.push(new)
+        # Retries come first (lower indexes, below every new one): before the queued jobs.
+        count, first_new = 0, new.start if new else window.next
+        while count < len(jobs) and jobs[count].index < first_new:
+            count += 1
+        if count:
+            contexts = {job.index: JobContext(self._task, self._failures.get(job.index, 0) + 1,
+                                              self._stopping) for job in jobs[:count]}
+            lanes.push(jobs[:count], first=True, contexts=contexts)
+            jobs = jobs[count:]
+        lanes.push(jobs)
 
     def _unqueue(self) -> None:
         """Stopping or failing: the queued jobs do not start (they stay above the watermark)."""
@@ -391,17 +404,16 @@ class StreamRun:
         if writer is not None and writer.done():
             self._writer = None
             writer.result()  # a refused write (ClaimLost) or a store that stayed away ends the run
-        results, self._results = self._results, []
-        results.extend(self._lanes.results())
+        failed, self._results = self._results, []
+        done, more = self._lanes.results()
+        failed.extend(more)
         window, opts = self._window, self._opts
-        finished = False
-        for index, error in results:
-            if error is None:
-                if self._failures:
+        if done:
+            if self._failures:
+                for index in done:
                     self._failures.pop(index, None)
-                window.finished(index)
-                finished = True
-                continue
+            window.finished_many(done)
+        for index, error in failed:
             failures = self._failures[index] = self._failures.get(index, 0) + 1
             window.failed(index)
             text = error_text(error)
@@ -418,7 +430,7 @@ class StreamRun:
             log.warning("stream %s: job %d failed (attempt %d of %d), again in %.2gs: %s",
                         self._task.id, index, failures, opts.max_attempts, delay, text,
                         extra={**self._extra, "action": "job_error"})
-        if finished and (self._head is None or window.next > self._head):
+        if done and (self._head is None or window.next > self._head):
             self._head_wanted = True  # a finished job checks: caught up with the head
 
     # -- progress ---------------------------------------------------------------------------
@@ -496,6 +508,16 @@ def _runs(indexes: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((index, index + 1))
     return runs
+
+
+def _intact(got: Sequence[object], start: int) -> bool:
+    """Whether ``got`` is exactly the jobs of ``start, start + 1, ...`` (the usual answer of a
+    source, checked without a call per job; anything else is checked job by job)."""
+    return (set(map(type, got)) <= {Job}
+            and list(map(_INDEX, cast("Sequence[Job]", got))) == list(range(start, start + len(got))))
+
+
+_INDEX = operator.attrgetter("index")
 
 
 def _call(fn: Callable[[int], object], index: int) -> object:

@@ -7,12 +7,11 @@ import inspect
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from metafora.core.task import Task
 from metafora.streams.jobs import Job
 
-__all__ = ["JobContext", "Work", "call_work"]
+__all__ = ["JobContext", "Work", "refuse_awaitable"]
 
 
 @dataclass(frozen=True)
@@ -33,13 +32,12 @@ Work = Callable[[Job, JobContext], "Awaitable[object] | object"]
 """``work(job, ctx)``: returns (anything) when the job is done, raises to have it retried."""
 
 
-def call_work(work: Work, job: Job, ctx: JobContext) -> Any:
-    """``work(job, ctx)``, refusing an awaitable from a plain function (it would count as done)."""
-    result = work(job, ctx)
-    if result is not None and inspect.isawaitable(result):
+def refuse_awaitable(work: Work, result: object) -> None:
+    """Raise TypeError if ``result`` of a plain ``work`` is an awaitable (it would count as
+    done without running); closed first, so it warns of nothing."""
+    if inspect.isawaitable(result):
         close = getattr(result, "close", None)
         if callable(close):
             close()
         raise TypeError(f"work {work!r} returned an awaitable; declare it with 'async def' to "
                         "run it on the event loop")
-    return result
