@@ -225,13 +225,22 @@ class Lanes:
         self._wake_run()  # a stopping run waits for its lanes to end
 
     async def _async_lane(self) -> None:
+        work, first = self._work, self._first
         job = self._next(-1, None)
         ran = 0
         try:
             while job is not None:
                 error: BaseException | None = None
                 try:
-                    rest = self._first_step(job, self._context(job))
+                    result = work(job, first if not self._contexts else self._context(job))
+                    rest: Any
+                    if type(result) is types.CoroutineType:  # its first step, inline
+                        try:
+                            rest = _resume(result, result.send(None))
+                        except StopIteration:
+                            rest = _DONE
+                    else:
+                        rest = self._first_step(result)
                     if rest is not _DONE:  # the job waits: so may the lane, and others start
                         self._want_lane()
                         await self._wait_in(rest)
@@ -254,10 +263,11 @@ class Lanes:
                     self._lanes -= 1
             self._wake()
 
-    def _first_step(self, job: Job, ctx: JobContext) -> Any:
-        """``work(job, ctx)`` up to its first wait: ``_DONE`` if it finished without one
-        (no task, no await: most short jobs), else what to await for the rest of it."""
-        result = self._work(job, ctx)
+    @staticmethod
+    def _first_step(result: Any) -> Any:
+        """What ``work(job, ctx)`` returned (not a coroutine: those the lane steps itself)
+        run up to its first wait: ``_DONE`` if it finished without one (no task, no await:
+        most short jobs), else what to await for the rest of it."""
         if isinstance(result, asyncio.Future):
             return result
         if type(result) is not types.CoroutineType and not asyncio.iscoroutine(result):

@@ -31,11 +31,10 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from metafora.contracts.coordinator import error_text
 from metafora.core.task import Task
@@ -44,6 +43,7 @@ from metafora.statemachine.machine import Message, MessageKind
 from metafora.streams.jobs import Job, Jobs, StreamFailing
 from metafora.streams.lanes import Lanes
 from metafora.streams.progress import Progress, Window
+from metafora.streams.reads import ReadAhead, fetch, runs, split
 from metafora.streams.threads import Strand
 from metafora.streams.work import JobContext, Work
 
@@ -144,6 +144,7 @@ class StreamRun:
         self._force_write = False
         self._base = Progress.fresh(self._opts.start)
         self._window = Window(self._base.processed)
+        self._reader = self._read_ahead()
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -165,6 +166,7 @@ class StreamRun:
             self._written = stored
         self._base = stored
         self._window = Window(stored.processed)
+        self._reader = self._read_ahead()
         undo = self._cmds.on_wake(self._wake_threadsafe)
         for thread in self._left:  # each frees a slot when it ends
             thread.add_done_callback(lambda _: self._wake_threadsafe())
@@ -267,6 +269,11 @@ class StreamRun:
 
     # -- the source -------------------------------------------------------------------------
 
+    def _read_ahead(self) -> ReadAhead:
+        """A reader of the jobs from the window's next index on, at most a window ahead."""
+        size = min(self._opts.max_search_ahead, self._cap)
+        return ReadAhead(self._strand, self._loop, self._kick.set, size, self._window.next)
+
     async def _build_source(self) -> object:
         """``jobs(task)`` on the source's thread; cancelled meanwhile (a lost claim), the
         source it returns later is closed there (nothing else would: the run is gone)."""
@@ -323,33 +330,6 @@ class StreamRun:
         self._failing = StreamFailing(index, error, attempts)
         self._head_wanted = False
 
-    @staticmethod
-    def _fetch(source: Jobs, runs: list[tuple[int, int]],
-               head: int) -> tuple[list[Job], list[tuple[int, BaseException]]]:
-        """The jobs of ``runs`` (``(start, stop)``, on the source's thread), checked: the good
-        ones in order, and the error that fails each other index. ``at_range`` per run; where
-        it raises, ``at_index`` one index at a time."""
-        jobs: list[Job] = []
-        errors: list[tuple[int, BaseException]] = []
-        for start, stop in runs:
-            try:
-                got: Sequence[object] = source.at_range(start, stop)
-                if len(got) != stop - start:
-                    raise ValueError(f"at_range({start}, {stop}) returned {len(got)} entries, "
-                                     f"not {stop - start}")
-            except Exception:
-                got = [_call(source.at_index, index) for index in range(start, stop)]
-            if _intact(got, start):
-                jobs.extend(cast("Sequence[Job]", got))
-                continue
-            for index, job in zip(range(start, stop), got, strict=True):
-                checked = _checked(job, index, head)
-                if isinstance(checked, Job):
-                    jobs.append(checked)
-                else:
-                    errors.append((index, checked))
-        return jobs, errors
-
     # -- jobs -------------------------------------------------------------------------------
 
     async def _start_jobs(self) -> None:
@@ -363,36 +343,46 @@ class StreamRun:
             return
         now = self._loop.time()
         retries = sorted(i for i in window.waiting if self._due.get(i, 0.0) <= now)[:slots]
+        head, source = self._head, self._source
+        if head is None or source is None:
+            lanes.push(())
+            return
+        # New indexes: those read ahead, as many as the window lets start.
+        count = min(window.room(head, self._cap, opts.max_search_ahead), slots - len(retries))
+        jobs, errors = self._reader.take(count)
+        if jobs or errors:
+            window.start_next(len(jobs) + len(errors))
+            self._failed_fetch(errors)
+        self._reader.refill(source, head)
+        lanes.push(jobs)
+        if retries:
+            await self._start_retries(retries, source, head)
+
+    async def _start_retries(self, retries: list[int], source: Jobs, head: int) -> None:
+        """Start the waiting jobs due again (read afresh), before the queued ones."""
+        window = self._window
         for index in retries:
             window.start(index)
             self._due.pop(index, None)
-        new = range(0)
-        if self._head is not None:
-            room = window.room(self._head, self._cap, opts.max_search_ahead)
-            new = window.start_next(min(room, slots - len(retries)))
-        if not retries and not new:
-            lanes.push(())
-            return
-        assert self._source is not None and self._head is not None
-        runs = _runs(retries) + ([(new.start, new.stop)] if new else [])
-        jobs, errors = await self._in_source(self._fetch, self._source, runs, self._head)
-        if errors:
-            self._results.extend(errors)  # they fail as the job would have
-            self._kick.set()
+        jobs: list[Job] = []
+        for start, stop in runs(retries):
+            items, errors = await self._in_source(fetch, source, start, stop, head)
+            good, failed = split(items, start, errors)
+            jobs.extend(good)
+            self._failed_fetch(failed)
         if not self._open():  # stopping or failing since: they never start
             for job in jobs:
                 window.failed(job.index)  # (above the watermark: the next run does them)
             return
-        # Retries come first (lower indexes, below every new one): before the queued jobs.
-        count, first_new = 0, new.start if new else window.next
-        while count < len(jobs) and jobs[count].index < first_new:
-            count += 1
-        if count:
-            contexts = {job.index: JobContext(self._task, self._failures.get(job.index, 0) + 1,
-                                              self._stopping) for job in jobs[:count]}
-            lanes.push(jobs[:count], first=True, contexts=contexts)
-            jobs = jobs[count:]
-        lanes.push(jobs)
+        contexts = {job.index: JobContext(self._task, self._failures.get(job.index, 0) + 1,
+                                          self._stopping) for job in jobs}
+        self._lanes.push(jobs, first=True, contexts=contexts)  # lower indexes: first
+
+    def _failed_fetch(self, errors: list[tuple[int, BaseException]]) -> None:
+        """Started jobs the source could not give: they fail as the job would have."""
+        if errors:
+            self._results.extend(errors)
+            self._kick.set()
 
     def _unqueue(self) -> None:
         """Stopping or failing: the queued jobs do not start (they stay above the watermark)."""
@@ -497,47 +487,6 @@ class StreamRun:
         if source is not None:
             self._strand.submit(_close, source, self._task.id)  # after its calls in flight
         self._func.leave_running(self._task.id, threads)
-
-
-def _runs(indexes: list[int]) -> list[tuple[int, int]]:
-    """``indexes`` (sorted within runs) as ``(start, stop)`` runs of consecutive ones, in order."""
-    runs: list[tuple[int, int]] = []
-    for index in indexes:
-        if runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        else:
-            runs.append((index, index + 1))
-    return runs
-
-
-def _intact(got: Sequence[object], start: int) -> bool:
-    """Whether ``got`` is exactly the jobs of ``start, start + 1, ...`` (the usual answer of a
-    source, checked without a call per job; anything else is checked job by job)."""
-    return (set(map(type, got)) <= {Job}
-            and list(map(_INDEX, cast("Sequence[Job]", got))) == list(range(start, start + len(got))))
-
-
-_INDEX = operator.attrgetter("index")
-
-
-def _call(fn: Callable[[int], object], index: int) -> object:
-    try:
-        return fn(index)
-    except Exception as exc:
-        return exc
-
-
-def _checked(job: object, index: int, head: int) -> Job | BaseException:
-    """What the source gave for ``index``: its job, or the error that fails that job."""
-    if isinstance(job, Exception):
-        return job
-    if job is None:
-        return LookupError(f"at_index({index}) returned None, although head() is {head}")
-    if not isinstance(job, Job):
-        return TypeError(f"at_index({index}) returned {type(job).__name__}, not a Job")
-    if job.index != index:
-        return ValueError(f"at_index({index}) returned the job of index {job.index}")
-    return job
 
 
 def _close(source: Jobs, task_id: str) -> None:
