@@ -174,8 +174,8 @@ class Lanes:
             raise
 
     def _next(self, index: int, error: BaseException | None) -> Job | None:
-        """Hand back the result of job ``index`` (-1: none, the lane begins) and take the
-        next job, in one hold of the lock; None: the lane ends."""
+        """A thread lane's: hand back the result of job ``index`` (-1: none, the lane begins)
+        and take the next job, in one hold of the lock; None: the lane ends."""
         wake = False
         with self._lock:
             if index >= 0:
@@ -225,11 +225,20 @@ class Lanes:
         self._wake_run()  # a stopping run waits for its lanes to end
 
     async def _async_lane(self) -> None:
+        # Async lanes run on the loop's thread, as does everything else that touches the
+        # lanes' state in async mode (push, results, drop_queued, abandon; no thread lane):
+        # between two awaits nothing else runs, so a job that ends in its first step costs
+        # no lock and no call of the lanes' own.
         work, first = self._work, self._first
-        job = self._next(-1, None)
+        job: Job | None = None
         ran = 0
         try:
-            while job is not None:
+            while True:
+                queue = self._queue  # (drop_queued replaces it: read after every await)
+                if not queue or self._stopped:
+                    break
+                job = queue.popleft()
+                self._executing += 1
                 error: BaseException | None = None
                 try:
                     result = work(job, first if not self._contexts else self._context(job))
@@ -252,15 +261,22 @@ class Lanes:
                     error = asyncio.CancelledError(f"job {job.index} was cancelled")
                 except Exception as exc:
                     error = exc
-                job = self._next(job.index, error)
+                self._executing -= 1
+                if error is None:
+                    self._done.append(job.index)
+                else:
+                    self._failed.append((job.index, error))
+                job = None
+                if not self._signalled:  # one kick per batch of results
+                    self._signalled = True
+                    self._wake()
                 ran += 1
                 if ran % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # (cancelled here, the job taken never started)
+                    await asyncio.sleep(0)
         finally:
-            if job is not None:  # cancelled (or a BaseException) mid-job: the lane ends
-                with self._lock:
-                    self._executing -= 1
-                    self._lanes -= 1
+            if job is not None:  # cancelled (or a BaseException) mid-job: its lane ends
+                self._executing -= 1
+            self._lanes -= 1
             self._wake()
 
     @staticmethod
