@@ -9,12 +9,15 @@ rounds, and the ratio head / base. Use an even number of rounds for a balanced o
 
     python benchmarks/ab.py claims --base REV [--rounds 3] [--stores sqlite,postgresql] [--full]
     python benchmarks/ab.py gates|latency|storm|peers --base REV ...
+    METAFORA_STREAMS_MANY=0 python benchmarks/ab.py streams --base REV --stores sqlite --full
     python benchmarks/ab.py claims --base REV --save-as ab_moves_claims   # keep older results
 
 Figures compared: claims, consumer tasks/s (the default balancer, and DumbBalancer: the
 same consumer whatever the balancer's changes); storm, seconds until every task is held; gates,
 items/s; latency, submit-to-start p50 and p99 (ms); peers, metafora's short tasks/s and
-submit-to-start p50 (ms). Writes ``benchmarks/results/ab_NAME.json``.
+submit-to-start p50 (ms); streams, one stream's jobs/s, its ratio to the raw commit rate and
+its CPU us per job (``METAFORA_STREAMS_MANY=0`` leaves the many-streams run out).
+Writes ``benchmarks/results/ab_NAME.json``.
 """
 
 from __future__ import annotations
@@ -83,6 +86,19 @@ def _herd(results: Any) -> Figures:
     return out
 
 
+def _streams(results: Any) -> Figures:
+    out: Figures = {}
+    for store, r in results.items():
+        out[f"{store}: raw commits/s"] = float(r["commit_rate"])
+        out[f"{store}: CPU us/commit"] = float(r["commit_cpu_us"])
+        for one in r["one_stream"]:
+            at = f"{store}, max_processing {one['max_processing']}, {one['work']}"
+            out[f"{at}: jobs/s"] = float(one["jobs_per_s"])
+            out[f"{at}: x commit rate"] = float(one["jobs_per_s"]) / float(r["commit_rate"])
+            out[f"{at}: CPU us/job"] = float(one["cpu_us_per_job"])
+    return out
+
+
 # name -> (the JSON key its figures sit under, how to read them)
 READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
     "claims": ("results", _claims),
@@ -91,6 +107,7 @@ READERS: dict[str, tuple[str, Callable[[Any], Figures]]] = {
     "latency": ("results", _latency),
     "peers": ("summary", _peers),
     "herd": ("results", _herd),
+    "streams": ("results", _streams),
 }
 
 

@@ -25,6 +25,9 @@ streams spread over worker processes.
 
     python -m benchmarks streams [--quick] [--stores sqlite,postgresql]
     python benchmarks/streams.py [--quick] [--stores sqlite,postgresql]
+
+``METAFORA_STREAMS_JOBS``, ``METAFORA_STREAMS_MANY`` and ``METAFORA_STREAMS_PER`` change the
+sizes (``METAFORA_STREAMS_MANY=0``: no many-streams run, as ``benchmarks/ab.py streams`` uses).
 """
 
 from __future__ import annotations
@@ -293,7 +296,8 @@ def many_streams(url: str, streams: int, jobs: int, processes: int = PROCESSES) 
 def run(stores: Stores, quick: bool) -> dict[str, Any]:
     """Measure every SQL store in ``stores``; print and save the tables."""
     count = int(os.environ.get("METAFORA_STREAMS_JOBS") or (10_000 if quick else 100_000))
-    streams = int(os.environ.get("METAFORA_STREAMS_MANY") or (20 if quick else 100))
+    many_env = os.environ.get("METAFORA_STREAMS_MANY")
+    streams = int(many_env) if many_env else (20 if quick else 100)
     per_stream = int(os.environ.get("METAFORA_STREAMS_PER") or (200 if quick else 1_000))
     load = os.getloadavg()
     data: dict[str, Any] = {"quick": quick, "load_before": load, "results": {}}
@@ -307,14 +311,16 @@ def run(stores: Stores, quick: bool) -> dict[str, Any]:
         for r in ones:
             one_rows.append((kind, r["max_processing"], r["work"], r["jobs"], r["jobs_per_s"], rate,
                              r["jobs_per_s"] / rate, r["cpu_us_per_job"], commit_cpu, r["seconds"]))
+        data["results"][kind] = {"commit_rate": rate, "commit_cpu_us": commit_cpu, "one_stream": ones}
+        if not streams:  # METAFORA_STREAMS_MANY=0: one stream only (benchmarks/ab.py streams)
+            continue
         many = many_streams(stores.url(kind), streams, per_stream)
         even = "no" if many["even_after_done_s"] is None else f"{many['even_after_done_s']:.0f} s after"
         many_rows.append((kind, f"{streams} x {per_stream}", PROCESSES, many["seconds"], many["jobs_per_s"],
                           " ".join(f"{v}" for v in many["per_node_at_done"].values()),
                           " ".join(f"{v}" for v in many["per_node"].values()), even,
                           many["lagging_streams_mid_run"]))
-        data["results"][kind] = {"commit_rate": rate, "commit_cpu_us": commit_cpu, "one_stream": ones,
-                                 "many_streams": many}
+        data["results"][kind]["many_streams"] = many
         print(f"`metafora streams` mid-run on {kind} (first lines):")
         print("\n".join(many["metafora_streams_mid_run"].splitlines()[:8]))
     data["load_after"] = os.getloadavg()
