@@ -591,6 +591,8 @@ _AB_RUNS = {
     "ab_house_peers_latency_branch": ("METAFORA_PEERS_WORKLOADS=latency", "peers --base 0edbcfa --rounds 4"),
 }
 _AB_RUNS["ab_herd_bulk"] = ("", "herd --base main --rounds 4 --full --stores postgresql")
+_AB_RUNS["ab_streams_issue49"] = ("METAFORA_STREAMS_MANY=0",
+                                  "streams --base e628112 --rounds 4 --full --stores sqlite")
 _AB_RUNS["ab_herd_bulk_two"] = ("METAFORA_HERD_NODES=2",
                                 "herd --base main --rounds 2 --full --stores postgresql")
 _AB_RUNS["ab_herd_bulk_ten"] = ("METAFORA_HERD_NODES=10",
