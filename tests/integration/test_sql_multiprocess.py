@@ -25,7 +25,11 @@ from metafora import Consumer, Task, open_client, open_coordinator, simple_handl
 from metafora.testing import wait_for
 from tests.helpers import SUBPROCESS_DEADLINE, stop_processes
 
-LEASE_TTL = 2.0
+# Long enough that the survivors keep their leases on a saturated machine: with 2 s leases
+# (a renewal missed after a 1.3 s stall) every node's lease lapsed at load 50 in CI, a handler
+# that had just finished saw its done() fenced off and the task ran again on the same node: the
+# fenced at-least-once the store promises, but not the one kill this test is about.
+LEASE_TTL = 6.0
 WORKERS = 3
 TASKS = 200
 
