@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metafora.cli._common import cell, console, format_time, print_json, settings, store_client
-from metafora.cli.tool import check_url
+from metafora.cli.tool import ENV_ITEMS_URL, items_url_option
 from metafora.core.errors import TaskExists, TaskNotFound
 from metafora.core.task import Task, validate_task_id
 from metafora.gates import (
@@ -38,20 +38,12 @@ from metafora.gates import (
 
 __all__ = ["ENV_ITEMS_URL", "gate", "item_store", "items", "items_url_option", "partition"]
 
-ENV_ITEMS_URL = "METAFORA_ITEMS_URL"
-
 _STATUS_STYLE = {
     ItemStatus.AVAILABLE: "yellow",
     ItemStatus.COMPLETE: "green",
     ItemStatus.FAILED: "bold red",
 }
 _PREVIEW = 48  # characters of data shown in the table
-
-items_url_option = click.option(  # the commands that reach the items (also `purge`)
-    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True, callback=check_url,
-    help="The SQL store holding the items, when it is not --url (e.g. with an etcd coordinator).",
-)
-
 
 @contextmanager
 def item_store(ctx: click.Context, items_url: str | None) -> Iterator[ItemStore]:

@@ -24,7 +24,7 @@ from metafora.cli._common import (
     scrub,
     store_client,
 )
-from metafora.cli.items import item_store, items_url_option
+from metafora.cli.tool import items_url_option
 from metafora.contracts.coordinator import MAX_ERROR_BYTES
 from metafora.core.durations import parse_duration
 from metafora.core.errors import InvalidProps, InvalidTaskId
@@ -420,6 +420,8 @@ def purge(ctx: click.Context, older_than: timedelta, items_url: str | None) -> N
     in a database of their own, as with an etcd coordinator)."""
     with store_client(ctx) as client, ExitStack() as stack:
         if items_url:
+            from metafora.cli.items import item_store  # the gates load only when items are asked for
+
             items = stack.enter_context(item_store(ctx, items_url))
             client.prune_also(items.delete_partitions)
         count = client.purge(older_than)

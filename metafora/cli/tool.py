@@ -26,7 +26,8 @@ from metafora.cli._common import CliError, ExitCode, Settings, exit_code_for, sc
 from metafora.core.errors import MetaforaError
 from metafora.surfaces.connect import DEFAULT_URL, ENV_URL
 
-__all__ = ["MetaforaCommand", "check_url", "cli_error", "invoke_translated", "url_option"]
+__all__ = ["ENV_ITEMS_URL", "MetaforaCommand", "check_url", "cli_error", "invoke_translated",
+           "items_url_option", "url_option"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +109,13 @@ def url_option(fn: _F) -> _F:
     option = click.option("--url", metavar="URL", default=DEFAULT_URL, show_default=True, envvar=ENV_URL,
                           show_envvar=True, callback=check_url, help=_URL_HELP)
     return option(fn)
+
+
+ENV_ITEMS_URL = "METAFORA_ITEMS_URL"
+
+items_url_option = click.option(  # the commands that reach the items (also `purge`)
+    "--items-url", metavar="URL", envvar=ENV_ITEMS_URL, show_envvar=True, callback=check_url,
+    help="The SQL store holding the items, when it is not --url (e.g. with an etcd coordinator).",
+)
+"""``--items-url URL``: here, not in :mod:`metafora.cli.items`, so that ``purge`` carries it
+without importing the gates (they load with the first command that reaches an item)."""
