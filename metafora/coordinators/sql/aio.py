@@ -26,7 +26,7 @@ from metafora.coordinators.sql.client import _STORED_AS, SQLClient
 from metafora.coordinators.sql.complete import complete_steps
 from metafora.coordinators.sql.schema import migrate, needs_migration, require_current
 from metafora.coordinators.sql.statements import BATCH
-from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params
+from metafora.coordinators.sql.store import Database, driver_errors, task_params
 from metafora.core import bulk
 from metafora.core.commands import Command
 from metafora.core.errors import (
@@ -117,7 +117,7 @@ class PostgresAsyncClient(AsyncClient):
             else:
                 async with auto.connect() as conn:
                     yield conn
-        except DRIVER_ERRORS as exc:
+        except driver_errors() as exc:
             raise _submit.translate(exc, self._db) from exc
 
     async def _ready(self) -> None:
@@ -137,7 +137,7 @@ class PostgresAsyncClient(AsyncClient):
                 if needed:
                     async with engine.begin() as conn:
                         await conn.run_sync(lambda c: migrate(c, dialect, name))
-            except DRIVER_ERRORS as exc:
+            except driver_errors() as exc:
                 raise _submit.translate(exc, self._db) from exc
             self._schema_ready = True
 

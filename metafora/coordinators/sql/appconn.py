@@ -36,12 +36,6 @@ from metafora.coordinators.sql.schema import identity_query
 from metafora.coordinators.sql.store import Database
 from metafora.core.errors import ConfigError
 
-try:
-    import psycopg
-    from psycopg.pq import TransactionStatus
-except ImportError:  # pragma: no cover - depends on the installation
-    psycopg = None  # type: ignore[assignment]
-
 __all__ = ["AppConn", "async_app_conn", "in_savepoint", "is_session", "sync_app_conn"]
 
 R = TypeVar("R")
@@ -65,6 +59,12 @@ class AppConn:
         self.begin = begin
 
 
+def _psycopg() -> Any:
+    """psycopg when it is loaded, else None: a psycopg connection cannot exist before, and
+    importing it here would cost every start on SQLite a tenth of a second of CPU."""
+    return sys.modules.get("psycopg")
+
+
 def _refuse_autocommit(what: str) -> ConfigError:
     return ConfigError(
         f"conn= is {what}: each statement would commit on its own, so other clients would see "
@@ -76,8 +76,9 @@ def _check_raw(raw: Any, options: dict[str, Any]) -> bool:
     """Refuse an autocommit DBAPI connection ``raw``; whether a ``BEGIN`` is needed first."""
     if str(options.get("isolation_level", "")).upper() == "AUTOCOMMIT":
         raise _refuse_autocommit("a SQLAlchemy connection with isolation_level='AUTOCOMMIT'")
+    psycopg = _psycopg()
     if psycopg is not None and isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection)):
-        if raw.autocommit and raw.info.transaction_status != TransactionStatus.INTRANS:
+        if raw.autocommit and raw.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
             raise _refuse_autocommit("a psycopg connection in autocommit outside a BEGIN")
         return False  # psycopg begins before the first statement itself
     in_tx = getattr(raw, "in_transaction", None)
@@ -123,6 +124,7 @@ def sync_app_conn(conn: Any, db: Database) -> tuple[AppConn, Any]:
         _same_kind(kind, db)
         raw = conn.connection.dbapi_connection
         return AppConn(kind, _check_raw(raw, conn.get_execution_options())), conn
+    psycopg = _psycopg()
     if psycopg is not None and isinstance(conn, psycopg.Connection):
         _same_kind("postgresql", db)
         return AppConn("postgresql", _check_raw(conn, {})), conn
@@ -141,6 +143,7 @@ async def async_app_conn(conn: Any, db: Database) -> tuple[AppConn, Any]:
         raw = (await conn.get_raw_connection()).driver_connection
         options = conn.sync_connection.get_execution_options() if conn.sync_connection else {}
         return AppConn(kind, _check_raw(raw, dict(options))), conn
+    psycopg = _psycopg()
     if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
         _same_kind("postgresql", db)
         return AppConn("postgresql", _check_raw(conn, {})), conn

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import sqlite3
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -42,36 +43,37 @@ from metafora.core.errors import CoordinatorUnavailable, MetaforaError, StoreErr
 from metafora.core.masking import scrub
 from metafora.core.task import Task
 
-__all__ = ["DRIVER_ERRORS", "Database", "task_params", "translate_error"]
+__all__ = ["DRIVER_ERRORS", "Database", "driver_errors", "task_params", "translate_error"]
 
 log = logging.getLogger(__name__)
 
-try:  # psycopg is an optional extra (only PostgreSQL needs it)
-    import psycopg
-
-    _PSYCOPG_UNAVAILABLE: tuple[type[BaseException], ...] = (
-        psycopg.OperationalError,
-        psycopg.InterfaceError,
-    )
-    _PSYCOPG_ERROR: tuple[type[BaseException], ...] = (psycopg.Error,)
-except ImportError:  # pragma: no cover - depends on the installation
-    _PSYCOPG_UNAVAILABLE = ()
-    _PSYCOPG_ERROR = ()
-
-DRIVER_ERRORS: tuple[type[BaseException], ...] = (
-    sa_exc.SQLAlchemyError,
-    sqlite3.Error,
-    *_PSYCOPG_ERROR,
-)
-"""The drivers' errors that :func:`translate_error` turns into metafora's."""
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, sqlite3.Error)
+"""The drivers' errors that :func:`translate_error` turns into metafora's, but psycopg's:
+:func:`driver_errors` adds them."""
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     sqlite3.OperationalError,
     sa_exc.OperationalError,
     sa_exc.InterfaceError,
     sa_exc.DisconnectionError,
     sa_exc.TimeoutError,
-    *_PSYCOPG_UNAVAILABLE,
 )
+
+
+# psycopg (an optional extra) is not imported here: it costs a tenth of a second of CPU to every
+# start on SQLite (a worker, each ``metafora`` command). None of its errors can be raised before
+# something imported it (a PostgreSQL engine does), so the clauses that catch driver errors ask
+# for them when one is raised (``except driver_errors()``), and find psycopg's then.
+def driver_errors() -> tuple[type[BaseException], ...]:
+    """:data:`DRIVER_ERRORS`, and psycopg's errors once psycopg is loaded."""
+    psycopg = sys.modules.get("psycopg")
+    return DRIVER_ERRORS if psycopg is None else (*DRIVER_ERRORS, psycopg.Error)
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
+    """The errors that mean the store cannot be reached (psycopg's once it is loaded)."""
+    psycopg = sys.modules.get("psycopg")
+    return _UNAVAILABLE if psycopg is None else (
+        *_UNAVAILABLE, psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def _reason(exc: BaseException, url: str) -> str:
@@ -97,7 +99,7 @@ def translate_error(exc: BaseException, config: SQLConfig) -> MetaforaError:
     if _sqlstate(exc) in _CONFLICTS:  # before the class test: psycopg's are OperationalErrors
         return WriteConflict(f"concurrent writes to {config.name} conflicted (rolled back, "
                              f"nothing applied; try again): {reason}")
-    if isinstance(exc, _UNAVAILABLE) or (
+    if isinstance(exc, _unavailable()) or (
         isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
     ):
         return CoordinatorUnavailable(f"cannot reach the store {config.name}: {reason}")
@@ -150,7 +152,7 @@ def _rollback(conn: Connection) -> None:
     """End a transaction begun by hand after an error; a connection that cannot is dropped."""
     try:
         conn.exec_driver_sql("ROLLBACK")
-    except DRIVER_ERRORS:
+    except driver_errors():
         conn.invalidate()
 
 
@@ -256,7 +258,7 @@ class Database:
             yield
         except MetaforaError:
             raise
-        except DRIVER_ERRORS as exc:
+        except driver_errors() as exc:
             raise translate_error(exc, self.config) from exc
 
     @contextmanager
@@ -364,7 +366,7 @@ class Database:
                         self._committed()
                 finally:
                     cursor.close()
-            except _UNAVAILABLE as exc:
+            except _unavailable() as exc:
                 if getattr(fairy.driver_connection, "broken", False):
                     fairy.invalidate(exc)
                     self._write_engine.dispose()

@@ -15,6 +15,7 @@ and the async client (:mod:`metafora.contracts.aio`) drive the same steps, so no
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from sqlalchemy import Connection, TextClause, text
 
 from metafora.coordinators.sql.appconn import async_app_conn, in_savepoint, is_session, sync_app_conn
 from metafora.coordinators.sql.statements import BATCH
-from metafora.coordinators.sql.store import DRIVER_ERRORS, Database, task_params, translate_error
+from metafora.coordinators.sql.store import Database, driver_errors, task_params, translate_error
 from metafora.core import bulk
 from metafora.core.errors import ConfigError, MetaforaError
 from metafora.core.submitting import IfExists
@@ -213,12 +214,6 @@ def translate(exc: BaseException, db: Database) -> MetaforaError:
     return translate_error(exc, db.config)
 
 
-try:
-    import psycopg
-except ImportError:  # pragma: no cover - depends on the installation
-    psycopg = None  # type: ignore[assignment]
-
-
 def _kind(conn: Any) -> str:
     """The database kind of an application connection ("postgresql", "sqlite")."""
     if is_session(conn):
@@ -226,6 +221,7 @@ def _kind(conn: Any) -> str:
         return str(bind.dialect.name)
     if isinstance(conn, Connection):
         return str(conn.dialect.name)
+    psycopg = sys.modules.get("psycopg")  # not imported: no psycopg connection exists before it is
     if psycopg is not None and isinstance(conn, psycopg.Connection):
         return "postgresql"
     raise ConfigError(
@@ -295,7 +291,7 @@ def drive(execute: Any, db: Database, steps: Steps[R]) -> R:
         while True:
             try:
                 rows = execute(*step)
-            except DRIVER_ERRORS as exc:  # the steps roll back to their savepoint, then re-raise
+            except driver_errors() as exc:  # the steps roll back to their savepoint, then re-raise
                 step = steps.throw(exc)
             else:
                 step = steps.send(rows)
@@ -303,7 +299,7 @@ def drive(execute: Any, db: Database, steps: Steps[R]) -> R:
         return done.value  # type: ignore[no-any-return]
     except MetaforaError:
         raise
-    except DRIVER_ERRORS as exc:
+    except driver_errors() as exc:
         raise translate(exc, db) from exc
 
 
@@ -321,6 +317,7 @@ async def run_app_steps_async(conn: Any, db: Database, steps: Steps[R]) -> R:
 def _async_execute(target: Any) -> Any:
     """``await execute(clause, params) -> rows`` on ``target``, a psycopg ``AsyncConnection``
     or a SQLAlchemy ``AsyncConnection``."""
+    psycopg = sys.modules.get("psycopg")
     if psycopg is not None and isinstance(target, psycopg.AsyncConnection):
         async def execute(clause: TextClause, params: dict[str, Any]) -> list[tuple[Any, ...]]:
             cursor = await target.execute(psycopg_sql(clause), params)
@@ -339,6 +336,7 @@ def _async_kind(conn: Any) -> str | None:
         return str(conn.sync_session.get_bind().dialect.name)
     if isinstance(conn, AsyncConnection):
         return str(conn.dialect.name)
+    psycopg = sys.modules.get("psycopg")
     if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
         return "postgresql"
     return None
@@ -369,7 +367,7 @@ async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
         while True:
             try:
                 rows = await execute(*step)
-            except DRIVER_ERRORS as exc:
+            except driver_errors() as exc:
                 step = steps.throw(exc)
             else:
                 step = steps.send(rows)
@@ -377,5 +375,5 @@ async def drive_async(execute: Any, db: Database, steps: Steps[R]) -> R:
         return done.value  # type: ignore[no-any-return]
     except MetaforaError:
         raise
-    except DRIVER_ERRORS as exc:
+    except driver_errors() as exc:
         raise translate(exc, db) from exc
