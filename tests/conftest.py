@@ -31,8 +31,8 @@ _SERVER_FIXTURES = {
 # namespaces) under pytest-xdist -n 2; the rest of integration/acceptance under -n 3 (they
 # wait more than they compute; each has its own temp dir, database per xdist worker, namespace
 # and free ports); `timing` tests (marked in their files: they measure wall-clock time) one at
-# a time; the `soak` modules below (long multi-process fleets and the fault campaign) last, two
-# at a time in a stage of their own.
+# a time, first, with nothing else of the run beside them; the `soak` modules below (long
+# multi-process fleets and the fault campaign) two at a time, in a job beside stages 1 and 2.
 ISOLATED_DIRS = ("tests/unit/", "tests/conformance/", "tests/web/")
 SOAK_MODULES = (
     "tests/faults/test_campaign.py",  # every fault scenario on PostgreSQL and a 3-member etcd
