@@ -109,7 +109,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.soak)
         fixtures = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)
-        params = {str(v) for v in callspec.params.values()} if callspec is not None else set()
+        # A parameter may be a tuple, ("postgresql", "psycopg"): each of its parts counts (such a
+        # test ran among the portable ones, on the other Pythons, without its marker).
+        values = callspec.params.values() if callspec is not None else ()
+        params = {str(part) for v in values for part in (v if isinstance(v, tuple) else (v,))}
         for server, names in _SERVER_FIXTURES.items():
             if fixtures & names or server in params:
                 item.add_marker(getattr(pytest.mark, server))
