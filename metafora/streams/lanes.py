@@ -320,7 +320,13 @@ class Lanes:
         as jobs are queued; threads, as many again as there are (a loaded machine can look
         like waiting jobs), then watch again."""
         self._spawn_due = False
-        if self._stopped or (not self._async and self._emptied):
+        if self._stopped:
+            return
+        if not self._async and self._emptied:
+            # The lanes kept up this time; jobs queued since then get a watch of their own
+            # (a push during the timer armed none: without this, a queue refilled within
+            # the window would wait for the next push with most lanes never started).
+            self._watch()
             return
         with self._lock:
             spawn = min(self.limit - self._lanes, len(self._queue))

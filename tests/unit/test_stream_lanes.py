@@ -161,3 +161,46 @@ def test_a_job_of_another_index_from_at_range_fails_that_job(cluster: LocalClust
     assert info.processed == 4
     assert info.failing is not None and info.failing.index == 5
     assert "at_index(5) returned the job of index 6" in info.failing.error
+
+
+def test_thread_lanes_grow_for_jobs_queued_while_the_watch_timer_was_armed() -> None:
+    """The queue emptied once, then refilled before the spawn timer fired: the lanes still
+    grow to max_processing (a push during the timer armed no watch of its own, and the timer
+    that saw the empty queue stopped watching: 2 of 8 ran until a job ended)."""
+    from metafora.streams.lanes import Lanes
+    from metafora.streams.threads import ElasticPool
+
+    go = threading.Event()
+    release = threading.Event()
+    second_started = threading.Event()
+
+    def work(job: Job, ctx: JobContext) -> None:
+        if job.index == 0:
+            go.wait(60)  # job 1 stays queued until push() armed the spawn timer
+        if job.index == 1:
+            second_started.set()
+        if job.index > 0:
+            release.wait(60)
+
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        ctx = JobContext(Task("s"), 1, threading.Event())
+        lanes = Lanes(work, False, ElasticPool("lanes-test"), loop, lambda: None, ctx)
+        lanes.limit = 8
+        try:
+            lanes.push([Job(0, "0"), Job(1, "1")])  # arms the spawn timer
+            go.set()
+            # The loop is held here (the timer cannot fire): the one lane ends job 0, takes
+            # job 1 and so empties the queue.
+            assert second_started.wait(30)
+            lanes.push([Job(i, str(i)) for i in range(2, 12)])
+            deadline = loop.time() + 30
+            while lanes.executing < 8 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            return lanes.executing
+        finally:
+            go.set()
+            release.set()
+            lanes.abandon()
+
+    assert asyncio.run(scenario()) == 8
