@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 
 from metafora.consumer.offer_queues import Deferred
@@ -87,6 +88,7 @@ class FirstOffers:
         self._held: set[str] = set()  # ids in the heap (an offer heard again is held once)
         self._order = 0
         self._tried: dict[str, float] = {}  # id -> when it was tried after its hold
+        self._tried_order: deque[tuple[float, str]] = deque()  # (when, id), oldest first
         self._adopted: set[str] = set()  # checked still open after their hold: anyone's now
         self.held_total = 0  # offers ever held back (a counter for tests and probes)
 
@@ -119,6 +121,7 @@ class FirstOffers:
         """The offers to try now, in order; the others' are held back for the delay."""
         if self._ranking.alone or not offers:
             return list(offers)
+        self._forget(now)
         out: list[Task] = []
         due = None
         for task in offers:
@@ -134,10 +137,18 @@ class FirstOffers:
             self._order += 1
             heapq.heappush(self._heap, (due, self._order, task))
             self.held_total += 1
-        if len(self._tried) > 4 * len(self._heap) + 1024:
-            self._tried = {k: t for k, t in self._tried.items() if now - t < _FORGET}
-            self._adopted.intersection_update(self._tried)
         return out
+
+    def _forget(self, now: float) -> None:
+        """Forget the tasks tried (and adopted) more than _FORGET ago, oldest first: a task
+        offered again later (released, rebalanced) is its first node's again, and the record
+        stays bounded by the tries of the last _FORGET seconds (no rebuild per offer)."""
+        order = self._tried_order
+        while order and now - order[0][0] >= _FORGET:
+            when, task_id = order.popleft()
+            if self._tried.get(task_id) == when:  # not tried again since
+                del self._tried[task_id]
+                self._adopted.discard(task_id)
 
     def due(self, now: float) -> list[Task]:
         """The held offers whose delay passed (highest priority first)."""
@@ -146,6 +157,7 @@ class FirstOffers:
             task = heapq.heappop(self._heap)[2]
             self._held.discard(task.id)
             self._tried[task.id] = now
+            self._tried_order.append((now, task.id))
             out.append(task)
         out.sort(key=lambda t: -t.priority)
         return out

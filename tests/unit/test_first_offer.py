@@ -131,3 +131,22 @@ def test_due_offers_wait_behind_the_nodes_own_waiting_offers() -> None:
     deferred.put(Task("own2"), own=True)
     assert deferred.behind_own([Task("urgent", priority=3)], set())
     assert [t.id for t in deferred.take(None)] == ["urgent", "own2"]
+
+
+def test_a_task_tried_after_its_hold_is_held_again_once_forgotten() -> None:
+    """A task tried after its hold is tried at once when heard again soon (it waited its
+    turn), but not for ever: offered again a minute later (released, rebalanced) it is its
+    first node's again, and the record of tries does not grow without bound."""
+    from metafora.consumer.first_offer import _FORGET
+
+    f = first()
+    theirs = [Task(f"t{i}") for i in range(50) if preferred_node(f"t{i}", NODES) != "n0"]
+    assert f.split(theirs, 10.0) == []
+    assert len(f.due(20.0)) == len(theirs)
+    assert f.split(theirs, 21.0) == theirs  # soon after: tried at once
+    f.adopt(theirs[:3])
+    assert all(f.own(t) for t in theirs[:3])
+    later = 20.0 + _FORGET + 1.0
+    assert f.split(theirs, later) == []  # forgotten: held for their first node again
+    assert not any(f.own(t) for t in theirs[:3])
+    assert len(f._tried) == 0 and len(f._tried_order) == 0
