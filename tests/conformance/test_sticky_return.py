@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from metafora import Consumer, Task, TaskState, open_coordinator, simple_handler
-from metafora.contracts.coordinator import Finish, Outcome
+from metafora.contracts.coordinator import Coordinator, Finish, Outcome
 from metafora.core.holds import hold_note, is_held
 from metafora.testing import LocalCluster, wait_for
 from tests.conformance.test_coordinator import Cluster, _opened
@@ -181,15 +181,21 @@ def test_consumer_leaving_or_generated_id_hands_off_at_once(store_url: str) -> N
         assert not c.errors
 
 
+def _three_claimed(cluster: Cluster,
+                   names: tuple[str, str, str]) -> tuple[Coordinator, Coordinator, list[Task]]:
+    """Nodes a and b, and ``names`` submitted and claimed by a (in that order)."""
+    for name in names:
+        cluster.client.submit_task(Task(name))
+    a = cluster.node("a")
+    b = cluster.node("b")
+    return a, b, [_claim(a, name) for name in names]
+
+
 def test_outcomes_written_after_the_window_ends_are_not_lost(cluster: Cluster) -> None:
     """Handlers may stop after the hold's window is over (a shutdown longer than sticky_for):
     the outcomes written then land and a done task stays done (etcd's hold lease is gone by
     then: a txn naming it was refused whole, with the done outcome batched beside it)."""
-    for name in ("t1", "t2", "t3"):
-        cluster.client.submit_task(Task(name))
-    a = cluster.node("a")
-    b = cluster.node("b")
-    done, later, early = _claim(a, "t1"), _claim(a, "t2"), _claim(a, "t3")
+    a, b, (done, later, early) = _three_claimed(cluster, ("t1", "t2", "t3"))
     a.hold_releases(WINDOW)
     a.release(early)  # held until the window ends: b's claim of it says the window is over
     _claim(b, "t3", timeout=WINDOW + 30)
@@ -206,11 +212,7 @@ def test_outcomes_written_after_the_window_ends_are_not_lost(cluster: Cluster) -
 def test_a_drain_during_the_shutdown_loses_no_outcome(cluster: Cluster) -> None:
     """``nodes drain`` while the node still stops its handlers (etcd revokes the hold lease):
     the outcomes the node writes after it are recorded, and the drained task is handed off."""
-    for name in ("d1", "d2", "d3"):
-        cluster.client.submit_task(Task(name))
-    a = cluster.node("a")
-    b = cluster.node("b")
-    held, done, released = _claim(a, "d1"), _claim(a, "d2"), _claim(a, "d3")
+    a, b, (held, done, released) = _three_claimed(cluster, ("d1", "d2", "d3"))
     a.hold_releases(LONG)
     a.release(held)
     assert cluster.client.drain_node("a") == 1
