@@ -35,33 +35,24 @@ BULK = 500
 """From this many items, bulk work (a listing, a wave of offers) pauses the collector."""
 
 
-class _Pause:
-    """Who holds the pause (nested, from any thread) and whether the collector was on."""
+class _Holders:
+    """How many blocks hold a process-wide collector setting (nested, from any thread), and
+    what the first one found (to put back with the last)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.depth = 0
-        self.was_enabled = False
+        self.count = 0
+        self.found = False
 
 
-_PAUSE = _Pause()
+_PAUSE = _Holders()  # found: the collector was on
 
 DEFAULT = (700, 10, 10)
 """CPython's own thresholds: a process that set others keeps them (:func:`gc_paced`)."""
 STEADY = (700, 10, 100)
 """The thresholds while a consumer runs: a full pass after 100 of the middle generation."""
 
-
-class _Pace:
-    """How many consumers run (nested, from any thread) and whether the first one paced."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.paced = False
-
-
-_PACE = _Pace()
+_PACE = _Holders()  # found: the default thresholds (so they were paced)
 
 
 @contextmanager
@@ -73,18 +64,17 @@ def gc_paused(items: int | None = None) -> Iterator[None]:
         yield
         return
     with _PAUSE.lock:
-        if _PAUSE.depth == 0:
-            _PAUSE.was_enabled = gc.isenabled()
+        if _PAUSE.count == 0:
+            _PAUSE.found = gc.isenabled()
             gc.disable()
-        _PAUSE.depth += 1
+        _PAUSE.count += 1
     try:
         yield
     finally:
         with _PAUSE.lock:
-            _PAUSE.depth -= 1
-            if _PAUSE.depth == 0 and _PAUSE.was_enabled:
+            _PAUSE.count -= 1
+            if _PAUSE.count == 0 and _PAUSE.found:
                 gc.enable()
-
 
 
 @contextmanager
@@ -93,15 +83,15 @@ def gc_paced() -> Iterator[None]:
     has CPython's default thresholds; nested and from any thread, the defaults come back with
     the last block, unless someone set other thresholds meanwhile."""
     with _PACE.lock:
-        if _PACE.users == 0:
-            _PACE.paced = gc.get_threshold() == DEFAULT
-            if _PACE.paced:
+        if _PACE.count == 0:
+            _PACE.found = gc.get_threshold() == DEFAULT
+            if _PACE.found:
                 gc.set_threshold(*STEADY)
-        _PACE.users += 1
+        _PACE.count += 1
     try:
         yield
     finally:
         with _PACE.lock:
-            _PACE.users -= 1
-            if _PACE.users == 0 and _PACE.paced and gc.get_threshold() == STEADY:
+            _PACE.count -= 1
+            if _PACE.count == 0 and _PACE.found and gc.get_threshold() == STEADY:
                 gc.set_threshold(*DEFAULT)
