@@ -31,7 +31,7 @@ log = logging.getLogger("metafora.coordinators.sql.lease")
 # reads the exact counts before it moves anything: docs/rebalancing.md).
 PUBLISH_DELAY = 1.0
 """Seconds a changed count of claims waits before it is published: a burst of claims and
-outcomes costs one UPDATE of the node's row, and balancers see it a quarter second late."""
+outcomes costs one UPDATE of the node's row, and balancers see it up to a second late."""
 
 
 class LeaseSide(Protocol):

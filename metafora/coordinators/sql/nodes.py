@@ -1,8 +1,8 @@
 """What a SQL coordinator tells balancers of the live nodes: counts, weights, frozen flags,
 capacities, labels and the claimable count.
 
-The balancers' counts are what each node published with its heartbeat (and within a quarter
-of a second of a change, see :class:`~metafora.coordinators.sql.lease.Lease`): one row per
+The balancers' counts are what each node published with its heartbeat (and within a second
+of a change, see :class:`~metafora.coordinators.sql.lease.Lease`): one row per
 node, so their cost follows the number of nodes, never the tasks held. Exact counts from the
 claims (``node_counts``) are read on demand only (operators' views).
 
