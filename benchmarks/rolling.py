@@ -24,6 +24,7 @@ process's restart (the largest, and how many exceed 1 s), seconds until even aft
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import signal
@@ -99,13 +100,17 @@ def _gaps(cl: Cluster, since: float, restarts: dict[str, tuple[float, float]]) -
     """Each task stopped during the restart: its gap (stop to next start) less the restart
     time of the process that stopped it (SIGTERM to its successor's start)."""
     over = []
-    starts = sorted((at, task) for _, task, at in cl.starts if at >= since)
+    starts: dict[str, list[float]] = {}  # task -> its start times since ``since``, in order
+    for _, task, at in sorted(cl.starts, key=lambda s: s[2]):
+        if at >= since:
+            starts.setdefault(task, []).append(at)
     for node, task, stopped in cl.ends:
         if stopped < since or node not in restarts:
             continue
-        nxt = next((at for at, t in starts if t == task and at >= stopped), None)
-        if nxt is not None:
-            over.append((nxt - stopped) - restarts[node][1])
+        times = starts.get(task, [])
+        i = bisect.bisect_left(times, stopped)
+        if i < len(times):
+            over.append((times[i] - stopped) - restarts[node][1])
     return over
 
 
