@@ -47,3 +47,17 @@ def test_a_cli_verb_loads_its_own_module_only(tmp_path: Path) -> None:
     heavy = ("metafora.gates", "metafora.statemachine", "metafora.cli.worker", "metafora.cli.web",
              "metafora.cli.demo_cmd", "metafora.cli.items", "metafora.web", "psycopg")
     assert sorted(m for m in loaded if m.startswith(heavy)) == []
+
+
+def test_every_verb_of_the_lazy_table_resolves_to_its_command() -> None:
+    """COMMANDS is kept by hand: each name must be a click command of that name in the module
+    it names (a typo would fail only when a user typed the verb)."""
+    import click
+
+    from metafora.cli import COMMANDS, cli
+
+    ctx = click.Context(cli)
+    for name in COMMANDS:
+        command = cli.get_command(ctx, name)
+        assert isinstance(command, click.Command) and command.name == name, name
+    assert cli.list_commands(ctx)[:len(COMMANDS)] == list(COMMANDS)
