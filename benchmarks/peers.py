@@ -400,19 +400,19 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
-        from metafora.core.config import parse_store_url
 
         try:
             from metafora.contracts.backends import backend_of as load_store
-        except ImportError:  # a revision before stores by entry point (ab.py runs this on it)
-            from metafora.contracts.backends import hooks_of as load_store  # type: ignore[attr-defined,no-redef]
-
-        # The store's modules and its driver too (open_coordinator imports them when called),
-        # as the peers' workers import theirs: all the imports before go.
-        parsed = parse_store_url(url)
-        load_store(parsed)
-        if parsed.scheme.startswith("postgres"):
-            importlib.import_module("psycopg")
+            from metafora.core.config import parse_store_url
+        except ImportError:  # a revision before the floors' folders (ab.py runs this code on it)
+            load_store = None  # type: ignore[assignment]
+        if load_store is not None:
+            # The store's modules and its driver too (open_coordinator imports them when
+            # called), as the peers' workers import theirs: all the imports before go.
+            parsed = parse_store_url(url)
+            load_store(parsed)
+            if parsed.scheme.startswith("postgres"):
+                importlib.import_module("psycopg")
     elif system.startswith("pgqueuer"):
         import asyncpg  # noqa: F401
         import pgqueuer  # noqa: F401

@@ -20,8 +20,7 @@ import time
 from typing import Any
 
 from benchmarks.common import RESULTS, Fleet, Stores, WorkerSpec, save, table
-from metafora import Task, open_client
-from metafora.core.errors import MetaforaError
+from metafora import MetaforaError, Task, open_client
 
 BALANCE_EVERY = 5.0
 BALANCER = os.environ.get("METAFORA_STORM_BALANCER", "fair")  # or "dumb"
