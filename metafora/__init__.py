@@ -8,6 +8,7 @@ See the README and ``docs/`` for the guarantees.
 from __future__ import annotations  # already loaded by the interpreter: nothing can shadow it
 
 import sys as _sys  # built in: nothing on sys.path can shadow it
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # ``python -m metafora`` puts the working directory first on sys.path, and imports this
 # package before its ``__main__`` runs: a json.py, click.py or typing.py planted there would
@@ -18,7 +19,6 @@ if _sys.argv[:1] == ["-m"] and _sys.path and "os" in _sys.modules and (
         _sys.path[0] in ("", _sys.modules["os"].getcwd())):
     del _sys.path[0]
 
-from metafora.consumer import Consumer
 from metafora.contracts.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.contracts.client import Client
 from metafora.contracts.coordinator import Coordinator, CoordinatorContext
@@ -34,6 +34,21 @@ from metafora.surfaces.connect import default_url, open_async_client, open_clien
 # The modules that moved into their floor's folder keep their old names (``metafora.task`` is
 # ``metafora.core.task``): served by one finder from one table, no file left at the old path.
 _install_finder()
+
+if _TYPE_CHECKING:
+    from metafora.consumer import Consumer
+
+
+def __getattr__(name: str) -> object:
+    """``metafora.Consumer`` is imported at first use: the consumer's modules (asyncio, the
+    HTTP server, the balancers) cost a third of a second of CPU, which every command of the
+    CLI that only reads or writes the store (``tasks``, ``submit``) paid at start-up."""
+    if name == "Consumer":
+        from metafora.consumer import Consumer
+
+        globals()["Consumer"] = Consumer
+        return Consumer
+    raise AttributeError(f"module 'metafora' has no attribute {name!r}")
 
 __all__ = [
     "AsyncHandler",

@@ -48,8 +48,17 @@ def _loaded_after(code: str) -> list[str]:
 
 def test_import_metafora_loads_no_state_machine_or_gates_module() -> None:
     loaded = _loaded_after("import metafora")
-    assert "metafora.consumer" in loaded  # the probe sees what the import loaded
+    assert "metafora.contracts.client" in loaded  # the probe sees what the import loaded
     assert [m for m in loaded if m.startswith(("metafora.statemachine", "metafora.gates"))] == []
+
+
+def test_import_metafora_loads_the_consumer_at_first_use() -> None:
+    """A command of the CLI that only talks to the store does not pay for the consumer's
+    modules (asyncio, the HTTP server, the balancers) at start-up."""
+    assert [m for m in _loaded_after("import metafora") if m.startswith("metafora.consumer")] == []
+    loaded = _loaded_after("import metafora\nassert metafora.Consumer.__name__ == 'Consumer'\n"
+                           "from metafora import Consumer")
+    assert "metafora.consumer.core" in loaded
 
 
 def test_the_state_machine_loads_no_gates_module() -> None:
