@@ -47,6 +47,17 @@ class Pool:
             self._needs[key] = need
         return need
 
+    def owed(self, work: int, whole: float, claimable: int) -> bool:
+        """Whether the peers below their exact share (rounded down) miss at least what is
+        ``claimable``: a task above this node's share is theirs."""
+        key = (-work, whole)  # beside under_need's entries (work is never negative)
+        need = self._needs.get(key)
+        if need is None:
+            need = sum(max(0, math.floor(work * weight / whole + EPS) - held)
+                       for held, weight in self.others)
+            self._needs[key] = need
+        return need > 0 and claimable <= need
+
 
 @dataclass
 class Snapshot:

@@ -413,20 +413,21 @@ class FairBalancer(ContextBalancer):
         if work is None:  # Metafora's rule: threshold times the share of what is held
             return held > self._threshold * (pool.held + held) * weight / whole + EPS, False
         mine = Standing(ctx.node_id, held, work * weight / whole)
-        slack, room = self._slack, False
+        slack, room, claimable = self._slack, False, work - pool.held - held
         if pool.lightest is not None:
             other_held, other_weight = pool.lightest
             lightest = Standing("", other_held, work * other_weight / whole)
             room = lightest.held < lightest.share
             if self._both_sides and lightest.under(self._threshold, self._band):
                 # Leave the task to the under-loaded peers, unless more is claimable than they
-                # miss: then taking it takes nothing from them (at a cold start every node but
-                # the slowest stopped at the band's edge and waited for it).
-                claimable = work - pool.held - held
+                # miss (at a cold start every node but the slowest waited at the band's edge).
                 if not mine.under(self._threshold, self._band) and claimable <= pool.under_need(
                         work, whole, self._threshold, self._band):
                     return True, True
                 slack = 0
+            # Slack is for a misjudged share, not a race's spread (issue 49: 26/26/25/23, even to the band)
+            if slack and room and held >= mine.share and pool.owed(work, whole, claimable):
+                return True, True
         return held >= mine.share + slack, room
 
     def __repr__(self) -> str:

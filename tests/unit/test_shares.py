@@ -416,10 +416,23 @@ def test_fair_gives_no_slack_while_a_peer_is_under_loaded() -> None:
     # work 7 + 7 + 0 held, 7 pending: share 7; b holds 0 of 7 (under-loaded), so this node,
     # at its share, leaves the task to b rather than take its slack
     assert fair(Cluster({"a": 7, "b": 0}), tasks, claimable=7).can_claim(Task("x"))[0] is False
-    # b holds 6 of 7: even; this node may go one above its share
-    assert fair(Cluster({"a": 7, "b": 6}), tasks, claimable=1).can_claim(Task("x")) == (True, None)
+    # b holds 6 of 7: even, yet below its share; while no more is claimable than b misses,
+    # this node leaves it the task rather than take its slack (a race's spread of two or
+    # three the band would call even); with more claimable than b misses, it claims
+    assert fair(Cluster({"a": 7, "b": 6}), tasks, claimable=1).can_claim(Task("x"))[0] is False
+    assert fair(Cluster({"a": 7, "b": 6}), tasks, claimable=2).can_claim(Task("x")) == (True, None)
     assert fair(Cluster({"a": 7, "b": 6}), tasks + held_tasks(1, prefix="u"),
                 claimable=1).can_claim(Task("x"))[0] is False
+
+
+def test_fair_leaves_the_task_above_its_share_to_a_peer_below_it_after_a_race() -> None:
+    # issue 49: 100 streams on 4 nodes, claimed at once, ended 26/25/23/26 (the slack of
+    # the three fastest), within the band: the balancer then moved nothing
+    race = Cluster({"a": 25, "b": 25, "c": 23})
+    assert fair(race, held_tasks(25), claimable=2).can_claim(Task("x"))[0] is False
+    # c at its share too: nobody below it to wait for, the slack is taken (101 tasks)
+    assert fair(Cluster({"a": 25, "b": 25, "c": 25}), held_tasks(25),
+                claimable=1).can_claim(Task("x")) == (True, None)
 
 
 def test_fair_can_claim_counts_weights_for_the_share() -> None:
