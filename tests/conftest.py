@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
+import time
 import zlib
 
 import pytest
@@ -133,3 +135,27 @@ ALLOWED_SKIPS = [
 def pytest_configure(config: pytest.Config) -> None:
     """Fail every skip under CI=true, but for ALLOWED_SKIPS."""
     fail_skips_in_ci(config, ALLOWED_SKIPS)
+
+
+_CPU_LOG = os.environ.get("METAFORA_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """With ``METAFORA_TEST_CPU_LOG=FILE``: append each test's CPU seconds (this process and
+    the children it waited for) and wall seconds to FILE, to find what a CI stage spends its
+    cores on (the durations JUnit records are wall time, mostly waiting)."""
+    if not _CPU_LOG:
+        return (yield)
+    began, wall = _cpu_now(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        cpu = _cpu_now() - began
+        with open(_CPU_LOG, "a", encoding="utf-8") as out:
+            out.write(f"{cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n")
+
+
+def _cpu_now() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
