@@ -603,6 +603,11 @@ _AB_RUNS["ab_peers_first"] = ("METAFORA_PEERS_TASKS=5000 METAFORA_PEERS_WORKLOAD
                               "peers --base 2f4c031 --rounds 4 --full")
 _AB_RUNS["ab_peers_first_20k"] = ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WORKLOADS=throughput",
                                   "peers --base 2f4c031 --rounds 4 --full")
+# Issue 48's closing A/B: the house (floors as folders, the moved names' finder) and the rest of
+# round 5 against main before its house changes, on a quiet machine.
+for _name in ("claims", "storm", "gates", "peers"):
+    _AB_RUNS[f"ab_house_final_{_name}"] = ("", f"{_name} --base 455fe10 --rounds 2")
+_AB_RUNS["ab_house_quiet_claims"] = ("", "claims --base 358ea26 --rounds 4")
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
                            f" --save-as {_source}")(_ab)
