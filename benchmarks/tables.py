@@ -608,6 +608,7 @@ _AB_RUNS["ab_peers_first_20k"] = ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WOR
 for _name in ("claims", "storm", "gates", "peers"):
     _AB_RUNS[f"ab_house_final_{_name}"] = ("", f"{_name} --base 455fe10 --rounds 2")
 _AB_RUNS["ab_house_quiet_claims"] = ("", "claims --base 358ea26 --rounds 4")
+_AB_RUNS["ab_house_final_gates6"] = ("", "gates --base 455fe10 --rounds 6")
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
                            f" --save-as {_source}")(_ab)
