@@ -132,11 +132,26 @@ def _command(name: str, quick: bool, stores: str) -> list[str]:
     return [*cmd, "--stores", stores]
 
 
+# Run at start-up (site imports sitecustomize after the .pth files): the editable install's
+# finder serves any metafora module the root lacks from this checkout, so a base revision would
+# import a module added since (a worker process of peers once loaded metafora.contracts from the
+# head into a base without it). Without the finder such an import fails, as it did on that day.
+_NO_EDITABLE = (
+    "import sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path\n"
+    "                    if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+)
+
+
 def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) -> Figures:
-    """One run of the benchmark, importing ``metafora`` from ``root`` (checked)."""
+    """One run of the benchmark, importing ``metafora`` from ``root`` only (checked)."""
     # The base tree holds this checkout's benchmark files (uncommitted there): a side's figures
     # are an intermediate file; the ab results file, saved here, is refused on a dirty head.
-    env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch), PYTHONPATH=str(root), **{ALLOW_DIRTY: "1"})
+    site = scratch / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_NO_EDITABLE)
+    env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch),
+               PYTHONPATH=os.pathsep.join((str(site), str(root))), **{ALLOW_DIRTY: "1"})
     # Every metafora module the benchmark imports must come from root: an editable install
     # serves a top-level module root lacks (one added after its revision) from its own tree.
     check = (f"import sys, metafora, benchmarks.{name}; "
