@@ -132,24 +132,58 @@ def _command(name: str, quick: bool, stores: str) -> list[str]:
     return [*cmd, "--stores", stores]
 
 
-# Run at start-up (site imports sitecustomize after the .pth files): the editable install's
-# finder serves any metafora module the root lacks from this checkout, so a base revision would
-# import a module added since (a worker process of peers once loaded metafora.contracts from the
-# head into a base without it). Without the finder such an import fails, as it did on that day.
-_NO_EDITABLE = (
-    "import sys\n"
-    "sys.meta_path[:] = [f for f in sys.meta_path\n"
-    "                    if not getattr(f, '__module__', '').startswith('__editable__')]\n"
-)
+# Run at start-up (site imports sitecustomize after the .pth files) on each side:
+# - the editable install's finder goes: it serves any metafora module the root lacks from this
+#   checkout, so a base revision imported a module added since (a worker process of peers once
+#   loaded metafora.contracts from the head into a base without it);
+# - a revision from before the floors' folders gets the new names of the modules that moved
+#   (this checkout's table, metafora.core._moved.MOVED_MODULES, read backwards), each served as
+#   the module of its old name, after the root's own files: the benchmark code of this checkout
+#   imports the new names, as the head's finder serves the old ones.
+_SITE = """\
+import importlib, importlib.abc, importlib.machinery, sys, types
+
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if not getattr(f, "__module__", "").startswith("__editable__")]
+_OLD = {new!r}
+_FOLDERS = {{n.rsplit(".", 1)[0] for n in _OLD}}
+
+
+class _NewNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname in _OLD or fullname in _FOLDERS:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname in _FOLDERS)
+        return None
+
+    def create_module(self, spec):
+        if spec.name in _FOLDERS:
+            return types.ModuleType(spec.name)
+        return importlib.import_module(_OLD[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_NewNames())
+"""
+
+
+def _site(scratch: Path) -> Path:
+    """A directory with the sitecustomize above (for PYTHONPATH's head)."""
+    from metafora.core._moved import MOVED_MODULES
+
+    site = scratch / "site"
+    site.mkdir(exist_ok=True)
+    new = {now: was for was, now in MOVED_MODULES.items()}
+    (site / "sitecustomize.py").write_text(_SITE.format(new=new))
+    return site
 
 
 def _run_side(name: str, root: Path, scratch: Path, quick: bool, stores: str) -> Figures:
     """One run of the benchmark, importing ``metafora`` from ``root`` only (checked)."""
     # The base tree holds this checkout's benchmark files (uncommitted there): a side's figures
     # are an intermediate file; the ab results file, saved here, is refused on a dirty head.
-    site = scratch / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(_NO_EDITABLE)
+    site = _site(scratch)
     env = dict(os.environ, METAFORA_BENCH_RESULTS=str(scratch),
                PYTHONPATH=os.pathsep.join((str(site), str(root))), **{ALLOW_DIRTY: "1"})
     # Every metafora module the benchmark imports must come from root: an editable install

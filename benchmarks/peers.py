@@ -400,12 +400,15 @@ def worker_main(system: str, url: str, node: str, events: Any, mode: str, go: An
     report = _Reporter(node, events, mode)
     if system.startswith("metafora"):
         import metafora  # noqa: F401
+        from metafora.core.config import parse_store_url
 
         try:
             from metafora.contracts.backends import backend_of as load_store
-            from metafora.core.config import parse_store_url
-        except ImportError:  # a revision before the floors' folders (ab.py runs this code on it)
-            load_store = None  # type: ignore[assignment]
+        except ImportError:  # older revisions (ab.py runs this code on them)
+            try:
+                from metafora.contracts.backends import hooks_of as load_store  # type: ignore[attr-defined,no-redef]
+            except ImportError:  # before the stores' hooks: they load when opened
+                load_store = None  # type: ignore[assignment]
         if load_store is not None:
             # The store's modules and its driver too (open_coordinator imports them when
             # called), as the peers' workers import theirs: all the imports before go.
