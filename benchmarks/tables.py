@@ -609,6 +609,8 @@ for _name in ("claims", "storm", "gates", "peers"):
     _AB_RUNS[f"ab_house_final_{_name}"] = ("", f"{_name} --base 455fe10 --rounds 2")
 _AB_RUNS["ab_house_quiet_claims"] = ("", "claims --base 358ea26 --rounds 4")
 _AB_RUNS["ab_house_final_gates6"] = ("", "gates --base 455fe10 --rounds 6")
+_AB_RUNS["ab_house_final_claims_pg4"] = ("METAFORA_CLAIMS_PROCS=4",
+                                         "claims --base 455fe10 --rounds 4 --stores postgresql")
 for _source, (_env, _args) in _AB_RUNS.items():
     table(_source, command=f"{_env + ' ' if _env else ''}python benchmarks/ab.py {_args}"
                            f" --save-as {_source}")(_ab)
