@@ -605,8 +605,8 @@ _AB_RUNS["ab_peers_first_20k"] = ("METAFORA_PEERS_TASKS=20000 METAFORA_PEERS_WOR
                                   "peers --base 2f4c031 --rounds 4 --full")
 # Issue 48's closing A/B: the house (floors as folders, the moved names' finder) and the rest of
 # round 5 against main before its house changes, on a quiet machine.
-for _name in ("claims", "storm", "gates", "peers"):
-    _AB_RUNS[f"ab_house_final_{_name}"] = ("", f"{_name} --base 455fe10 --rounds 2")
+for _bench in ("claims", "storm", "gates", "peers"):
+    _AB_RUNS[f"ab_house_final_{_bench}"] = ("", f"{_bench} --base 455fe10 --rounds 2")
 _AB_RUNS["ab_house_quiet_claims"] = ("", "claims --base 358ea26 --rounds 4")
 _AB_RUNS["ab_house_final_gates6"] = ("", "gates --base 455fe10 --rounds 6")
 _AB_RUNS["ab_house_final_claims_pg4"] = ("METAFORA_CLAIMS_PROCS=4",

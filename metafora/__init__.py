@@ -8,7 +8,6 @@ See the README and ``docs/`` for the guarantees.
 from __future__ import annotations  # already loaded by the interpreter: nothing can shadow it
 
 import sys as _sys  # built in: nothing on sys.path can shadow it
-from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # ``python -m metafora`` puts the working directory first on sys.path, and imports this
 # package before its ``__main__`` runs: a json.py, click.py or typing.py planted there would
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _sys.argv[:1] == ["-m"] and _sys.path and "os" in _sys.modules and (
         _sys.path[0] in ("", _sys.modules["os"].getcwd())):
     del _sys.path[0]
+
+from typing import TYPE_CHECKING as _TYPE_CHECKING  # after the entry above is gone
 
 from metafora.contracts.balancer import Balancer, BalancerContext, ClusterState, RunningTask
 from metafora.contracts.client import Client
