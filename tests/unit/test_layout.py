@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 import metafora
+from tests.helpers import parse_source
 
 PACKAGE = Path(metafora.__file__).resolve().parent
 FEATURES = ("statemachine", "gates", "consumer", "balancers")
@@ -112,7 +113,7 @@ def _imports(path: Path, top: Path = PACKAGE.parent) -> list[tuple[int, str]]:
     may be a module."""
     package = ".".join(path.relative_to(top).with_suffix("").parts[:-1])
     found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_source(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -180,7 +181,7 @@ def _module_imports(name: str, path: Path, modules: dict[str, Path]) -> list[tup
     ``path``, at any depth; ``from X import y`` names ``X.y`` where that is a module, else X;
     an import of a name inside a module names the module."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_source(path.read_text(), str(path))
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -332,7 +333,7 @@ def _sizes() -> dict[str, tuple[int, int]]:
         rel = str(path.relative_to(PACKAGE.parent))
         text = path.read_text()
         sizes[rel] = (len(text.splitlines()), MODULE_LINES)
-        for node in ast.walk(ast.parse(text, rel)):
+        for node in ast.walk(parse_source(text, rel)):
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 key = f"{rel}:{node.name}"
                 assert node.end_lineno is not None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import SOAK_MODULES
+from tests.helpers import parse_source
 
 TESTS = Path(__file__).resolve().parents[1]
 CLOCK_FUNCTIONS = frozenset({"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns",
@@ -188,7 +189,7 @@ class _Function:
 
 def wall_clock_bounds(source: str, path: str = "<source>") -> list[Bound]:
     """The wall-clock bounds of a test module's ``source`` outside the ``timing`` marker."""
-    tree = ast.parse(source)
+    tree = parse_source(source, "<source>")
     if _module_is_timing(tree):
         return []
     clock_names = _clock_names(tree)
