@@ -122,8 +122,11 @@ class Claims:
                     continue  # one claim txn may not write a key twice
                 seen.add(task.id)
                 entry = self._cache.entries.get(task.id)
-                if entry is not None and (entry.owner is not None or entry.finished):
+                if entry is not None and (entry.owner is not None or entry.finished) and not (
+                        entry.owner == self._state.node_id and task.id not in self._state.held):
                     continue  # seen taken: no round trip for a stale offer
+                # (Owned by this node in a cache that has not seen its own release yet: tried;
+                # a refused txn reads the task back and judges it again.)
                 if entry is None or entry.props is None:
                     single.append(task)
                 else:
