@@ -793,14 +793,17 @@ def test_a_claim_right_after_this_nodes_own_release_is_tried_on_a_stale_cache(no
     a = nodes.node("a")
     nodes.watch(a, lambda task: None)
     nodes.client.submit_task(Task("r"))
-    entries = a._claims._cache.entries
-    wait_until(lambda: "r" in entries and entries["r"].props is not None, 30, "r in the cache")
+
+    def entry() -> Any:  # the cache's dict is replaced at each re-list: look it up each time
+        return a._claims._cache.entries.get("r")
+
+    wait_until(lambda: entry() is not None and entry().props is not None, 30, "r in the cache")
     claimed = a.claim(Task("r"))
     assert claimed is not None
-    wait_until(lambda: entries["r"].owner == "a", 30, "the claim seen")
-    before = (entries["r"].owner, entries["r"].running_mod)
+    wait_until(lambda: entry().owner == "a", 30, "the claim seen")
+    before = (entry().owner, entry().running_mod)
     a.release(claimed)
-    wait_until(lambda: entries["r"].owner is None, 30, "the release seen")
-    entries["r"].owner, entries["r"].running_mod = before  # as if the watch lagged
+    wait_until(lambda: entry().owner is None, 30, "the release seen")
+    entry().owner, entry().running_mod = before  # as if the watch lagged
     again = a.claim_many([Task("r")], 1)
     assert [t.id for t in again] == ["r"] and again[0].token > claimed.token
