@@ -118,7 +118,11 @@ def test_a_killed_nodes_slots_return_with_its_lease(cluster: Cluster) -> None:
     got: list[Task] = []
     wait_until(lambda: bool(got.extend(live.claim_many(tasks, 4)) or len(got) >= 2),
                timeout=30, message="the dead node's slots came back")
-    assert len(got) == 2 and _running(cluster, "g") == 2
+    # A claim the live node lost meanwhile (its own lease lapsing on a loaded machine) gave its
+    # slot back with it, so it may have made more claims than the limit, never held more (CI
+    # once saw three claims made here; the running count is the limit's own check).
+    lost = [t.id for t in cluster.contexts["live"].lost_tasks]
+    assert len(got) - len(lost) == 2 and _running(cluster, "g") == 2, (got, lost)
 
 
 def test_deleting_or_raising_a_limit_lets_waiting_tasks_in(cluster: Cluster) -> None:
