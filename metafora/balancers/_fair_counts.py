@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from metafora.balancers.shares import EPS, Member, Standing
@@ -31,32 +31,32 @@ class Pool:
     weight: float  # their total weight
     lightest: tuple[int, float] | None  # (held, weight) of the one holding least per weight
     others: tuple[tuple[int, float], ...] = ()  # (held, weight) of each
-    _needs: dict[tuple[int, float], int] = field(default_factory=dict, compare=False)
+    _needs: dict[tuple[int, float, bool], int] = field(default_factory=dict, compare=False)
 
     def under_need(self, work: int, whole: float, threshold: float, band: float) -> int:
         """What the under-loaded peers miss to reach their share rounded down, with ``work``
         shared over ``whole`` weight (computed once per snapshot and amount of work)."""
-        key = (work, whole)
+        return self._need(work, whole, lambda peer: peer.under(threshold, band))
+
+    def owed(self, work: int, whole: float, claimable: int) -> bool:
+        """Whether the peers below their exact share (rounded down) miss at least what is
+        ``claimable``: a task above this node's share is theirs."""
+        need = self._need(work, whole, None)
+        return need > 0 and claimable <= need
+
+    def _need(self, work: int, whole: float, counted: Callable[[Standing], bool] | None) -> int:
+        """What the peers ``counted`` (None: all) miss to reach their share rounded down,
+        cached per amount of work (a balancer's threshold and band never change)."""
+        key = (work, whole, counted is None)
         need = self._needs.get(key)
         if need is None:
             need = 0
             for held, weight in self.others:
                 peer = Standing("", held, work * weight / whole)
-                if peer.under(threshold, band):
+                if counted is None or counted(peer):
                     need += max(0, math.floor(peer.exact + EPS) - held)
             self._needs[key] = need
         return need
-
-    def owed(self, work: int, whole: float, claimable: int) -> bool:
-        """Whether the peers below their exact share (rounded down) miss at least what is
-        ``claimable``: a task above this node's share is theirs."""
-        key = (-work, whole)  # beside under_need's entries (work is never negative)
-        need = self._needs.get(key)
-        if need is None:
-            need = sum(max(0, math.floor(work * weight / whole + EPS) - held)
-                       for held, weight in self.others)
-            self._needs[key] = need
-        return need > 0 and claimable <= need
 
 
 @dataclass
